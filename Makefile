@@ -1,0 +1,32 @@
+# The README's commands. Each target does its own set-up (a virtual environment in
+# .venv, installed from pyproject.toml) and is safe to run again.
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kvgate-installed
+PYTEST_ARGS ?=
+
+.PHONY: setup gate test test-slow bench-pool clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+gate: setup
+	$(BIN)/kvgate gate
+
+test: setup
+	$(BIN)/python -m pytest suites $(PYTEST_ARGS)
+
+test-slow: setup
+	$(BIN)/python -m pytest suites --slow $(PYTEST_ARGS)
+
+bench-pool: setup
+	$(BIN)/kvgate bench pool
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis reports/runs

@@ -1,0 +1,97 @@
+"""kvgate's pytest plugin (registered through the `pytest11` entry point).
+
+Options:
+  --kv-seed N|last   root seed of the run; `last` reuses the previous run's seed
+                     (kept in pytest's cache). Default: drawn from the OS and printed.
+  --slow             also run tests marked `slow` (deeper Hypothesis runs, longer workloads)
+Markers: slow, live, gpu (declared in pyproject.toml).
+Fixtures:
+  kv_seed            the root seed (int)
+  test_seed          a per-test seed derived from the root seed and the test's node id,
+                     so one test replays alone with the same randomness.
+The report header prints the replay key: seed and commit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import subprocess
+
+import pytest
+
+SEED_KEY = pytest.StashKey[int]()
+CACHE_KEY = "kvgate/last-seed"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("kvgate")
+    group.addoption("--kv-seed", default=None, help="root seed: an integer, or 'last' for the previous run's")
+    group.addoption("--slow", action="store_true", default=False, help="also run tests marked slow")
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    raw = config.getoption("--kv-seed")
+    worker_seed = getattr(config, "workerinput", {}).get("kv_seed")
+    if worker_seed is not None:
+        seed = int(worker_seed)
+    elif raw == "last":
+        seed = config.cache.get(CACHE_KEY, None) if config.cache else None
+        if seed is None:
+            raise pytest.UsageError("--kv-seed=last: no previous seed in the cache")
+    elif raw is not None:
+        try:
+            seed = int(raw)
+        except ValueError as exc:
+            raise pytest.UsageError(f"--kv-seed takes an integer or 'last', got {raw!r}") from exc
+    else:
+        seed = secrets.randbits(32)
+    config.stash[SEED_KEY] = seed
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_XdistHooks(), "kvgate-xdist")
+    if config.cache is not None and worker_seed is None:
+        config.cache.set(CACHE_KEY, seed)
+
+
+class _XdistHooks:
+    """Registered only where pytest-xdist is loaded: hands the root seed to workers."""
+
+    @staticmethod
+    def pytest_configure_node(node) -> None:  # noqa: ANN001
+        node.workerinput["kv_seed"] = node.config.stash[SEED_KEY]
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"kvgate replay key: --kv-seed={config.stash[SEED_KEY]} commit={_commit()}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+def derive_seed(root: int, name: str) -> int:
+    digest = hashlib.blake2b(f"{root}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+@pytest.fixture(scope="session")
+def kv_seed(request: pytest.FixtureRequest) -> int:
+    return request.config.stash[SEED_KEY]
+
+
+@pytest.fixture
+def test_seed(request: pytest.FixtureRequest, kv_seed: int) -> int:
+    return derive_seed(kv_seed, request.node.nodeid)

@@ -1,0 +1,130 @@
+"""Starting pool daemons for tests, benches and the gate.
+
+  unique_name(prefix)            a segment / run-dir name no other process or xdist worker uses.
+  PoolProcess.start(...)         `kvgate pool serve` as a child process; waits for its address.
+  pool.stop()                    SIGTERM and wait; asserts the daemon removed its segment.
+  pool.kill()                    SIGKILL (a crash: the segment and pid file stay behind).
+  pool.client(...)               a PoolClient over the Unix socket (or TCP).
+  thread_pool(...)               the same daemon in a background thread (fast, for unit-level
+                                 suites that still want real sockets and shared memory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvpool.arena import Arena
+from kvpool.client import PoolClient
+from kvpool.server import PoolConfig, PoolDaemon, read_address
+
+_counter = itertools.count()
+DEFAULT_TENANT = "default"
+
+
+def unique_name(prefix: str = "kvg") -> str:
+    return f"{prefix}-{os.getpid()}-{next(_counter)}-{secrets.token_hex(3)}"
+
+
+@dataclasses.dataclass
+class PoolProcess:
+    name: str
+    run_dir: Path
+    token: str
+    proc: subprocess.Popen
+    address: dict
+    log_path: Path
+    args: list[str]
+
+    @classmethod
+    def start(cls, *, page_size: int = 64 * 1024, num_pages: int = 256, name: str | None = None,
+              run_dir: Path | None = None, log_path: Path | None = None, token: str | None = None,
+              extra_args: tuple[str, ...] = (), timeout: float = 20.0) -> PoolProcess:
+        name = name or unique_name()
+        run_dir = run_dir or Path(tempfile.mkdtemp(prefix=f"{name}-"))
+        token = token or secrets.token_hex(8)
+        log_path = log_path or run_dir / "pool.log"
+        args = [sys.executable, "-m", "harness.cli", "pool", "serve", "--name", name, "--run-dir", str(run_dir),
+                "--page-size", str(page_size), "--pages", str(num_pages),
+                "--tenant", f"{DEFAULT_TENANT}={token}", *extra_args]
+        return cls._spawn(name, run_dir, token, log_path, args, timeout)
+
+    @classmethod
+    def _spawn(cls, name: str, run_dir: Path, token: str, log_path: Path, args: list[str],
+               timeout: float) -> PoolProcess:
+        (run_dir / "address.json").unlink(missing_ok=True)
+        log = open(log_path, "ab")  # noqa: SIM115 - owned by the child
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                cwd=Path(__file__).resolve().parent.parent)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"pool daemon exited with {proc.returncode}; log:\n{log_path.read_text()[-4000:]}")
+            try:
+                address = read_address(run_dir, timeout=0.2)
+                if address.get("pid") == proc.pid:
+                    break
+            except TimeoutError:
+                pass
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise TimeoutError(f"pool daemon did not start within {timeout}s; log:\n{log_path.read_text()[-4000:]}")
+        return cls(name, run_dir, token, proc, address, log_path, args)
+
+    def restart(self, timeout: float = 20.0) -> PoolProcess:
+        """Start a new daemon with the same arguments (after stop() or kill())."""
+        if self.proc.poll() is None:
+            raise RuntimeError("restart() needs the old daemon stopped or killed first")
+        new = self._spawn(self.name, self.run_dir, self.token, self.log_path, self.args, timeout)
+        self.proc, self.address = new.proc, new.address
+        return self
+
+    @property
+    def unix(self) -> str:
+        return f"unix:{self.address['unix']}"
+
+    @property
+    def tcp(self) -> str:
+        return f"tcp:{self.address['tcp']}"
+
+    def client(self, *, tcp: bool = False, zero_copy: bool = True, name: str = "", timeout_s: float = 5.0) -> PoolClient:
+        return PoolClient(self.tcp if tcp else self.unix, DEFAULT_TENANT, self.token, name=name,
+                          zero_copy=zero_copy, timeout_s=timeout_s)
+
+    def stop(self, timeout: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def cleanup(self) -> None:
+        """Whatever happened, leave no process or segment behind."""
+        self.kill()
+        Arena.unlink(self.name)
+
+
+def thread_pool(*, page_size: int = 4096, num_pages: int = 64, token: str = "tok", **kwargs) -> PoolDaemon:
+    name = kwargs.pop("name", None) or unique_name("kvgt")
+    run_dir = kwargs.pop("run_dir", None) or Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    config = PoolConfig(name=name, page_size=page_size, num_pages=num_pages, run_dir=run_dir,
+                        tenants={DEFAULT_TENANT: token}, **kwargs)
+    return PoolDaemon(config).start_thread()

@@ -1,0 +1,549 @@
+"""The pool's bookkeeping: which page holds which block, and who may touch it.
+
+Pure state: no sockets, no bytes, time passed in. The daemon owns one Catalog and
+calls it from a single thread.
+
+  lookup(tenant, ns, hashes)            longest run of committed blocks from the start and,
+                                        if it stops early, the one MissCause of the first
+                                        missing block. Side-effect free.
+  acquire(client, tenant, ns, hashes)   lookup + a lease on the run's pages (pinned: never
+                                        evicted, freed or reused until released), subject to
+                                        the per-client and global load limits (THROTTLED).
+  release(lease_id)                     unpin; re-checks every page's generation.
+  reserve(client, tenant, ns, hashes, lengths, boundary)
+                                        phase one of publish: admission, then a RESERVED page
+                                        per admitted block (evicting LRU victims if needed).
+  commit(res_id, digests)               phase two: pages become visible (a None digest means
+                                        the daemon's verify failed: that page is freed).
+  abort(res_id) / drop_client(client)   an abandoned or crashed publish returns its pages.
+  reap(now)                             expire reservations and leases past their deadline.
+  evict(...) / set_capacity(pages)      forced eviction and capacity squeeze; leased pages
+                                        are never evicted.
+
+Every freed page has its generation bumped, so a reader that held it across a reuse
+can tell. Evicted keys leave a ghost so a later miss is EVICTED, not NEVER_PUBLISHED.
+Tenants are separate indexes: a lookup never sees another tenant's blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvpool.errors import InvalidRequest, LeaseLost, MissCause
+from kvpool.keys import Namespace
+
+from kvpool.digest import DIGEST_BYTES
+
+
+class PageState(enum.IntEnum):
+    FREE = 0
+    RESERVED = 1
+    COMMITTED = 2
+
+
+class SlotStatus(enum.StrEnum):
+    RESERVED = "reserved"  # a page is yours to write, then commit
+    EXISTS = "exists"  # already committed under this namespace: nothing to write
+    PENDING = "pending"  # another publish of the same block is in flight
+    NOT_ADMITTED = "not_admitted"  # the admission policy declined it
+    NO_CAPACITY = "no_capacity"  # every page is leased or reserved
+
+
+class EvictOutcome(enum.StrEnum):
+    EVICTED = "evicted"
+    LEASED = "leased"  # refused: a loader holds it
+    NOT_FOUND = "not_found"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AdmissionPolicy:
+    """What is worth publishing. Unique tails are not.
+
+    min_blocks: a publish of fewer admitted blocks than this is declined whole.
+    second_hit: a block is admitted only the second time it is offered.
+    seen_capacity: how many first offers second-hit admission remembers.
+    """
+
+    min_blocks: int = 1
+    second_hit: bool = False
+    seen_capacity: int = 65536
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadLimits:
+    """Concurrent leases allowed; 0 means unlimited. Past a limit the loader recomputes."""
+
+    per_client: int = 0
+    total: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CatalogConfig:
+    num_pages: int
+    page_size: int
+    admission: AdmissionPolicy = AdmissionPolicy()
+    limits: LoadLimits = LoadLimits()
+    ghost_capacity: int | None = None  # default: num_pages
+    reservation_ttl_s: float = 30.0
+    lease_ttl_s: float = 60.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PageRef:
+    page: int
+    generation: int
+    length: int
+    digest: bytes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Miss:
+    index: int  # the block at which the run stopped
+    cause: MissCause
+    fields: tuple[str, ...] = ()  # for INCOMPATIBLE: the namespace fields that differ
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LookupResult:
+    hits: tuple[PageRef, ...]
+    miss: Miss | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AcquireResult:
+    lease_id: int  # 0 when nothing was leased
+    hits: tuple[PageRef, ...]
+    miss: Miss | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Slot:
+    status: SlotStatus
+    page: int = -1
+    generation: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReserveResult:
+    reservation_id: int  # 0 when no page was reserved
+    slots: tuple[Slot, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CommitResult:
+    committed: int
+    rejected: tuple[int, ...]  # slot indexes whose verify failed (freed)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReleaseResult:
+    stale: tuple[int, ...]  # pages whose generation moved while leased (must be empty)
+
+
+@dataclasses.dataclass(slots=True)
+class _Reservation:
+    client: int
+    tenant: int
+    ns: int
+    keys: list[bytes]
+    pages: list[int]  # -1 where the slot holds no page
+    deadline: float
+
+
+@dataclasses.dataclass(slots=True)
+class _Lease:
+    client: int
+    pages: list[int]
+    generations: list[int]
+    deadline: float
+
+
+class Catalog:
+    def __init__(self, config: CatalogConfig, generations: np.ndarray | None = None):
+        n = config.num_pages
+        if n <= 0:
+            raise ValueError(f"num_pages must be positive, got {n}")
+        self.config = config
+        # Generation per page; the daemon passes the arena's array so clients see it.
+        self.gen = generations if generations is not None else np.zeros(n, dtype=np.uint64)
+        if self.gen.shape != (n,):
+            raise ValueError(f"generations has shape {self.gen.shape}, expected ({n},)")
+        self.state = np.zeros(n, dtype=np.uint8)
+        self.length = np.zeros(n, dtype=np.uint32)
+        self.digest = np.zeros((n, DIGEST_BYTES), dtype=np.uint8)
+        self.ns_of = np.full(n, -1, dtype=np.int32)
+        self.tenant_of = np.full(n, -1, dtype=np.int32)
+        self.tick = np.zeros(n, dtype=np.uint64)
+        self.leases_on = np.zeros(n, dtype=np.uint32)
+        self.key_of: list[bytes | None] = [None] * n
+        self._free: list[int] = list(range(n - 1, -1, -1))  # pop() gives page 0 first
+        self._clock = itertools.count(1)
+        self.capacity = n  # pages that may be reserved or committed (set_capacity)
+        # tenant id -> {block hash -> page, or a tuple of pages under several namespaces}
+        self._index: list[dict[bytes, int | tuple[int, ...]]] = []
+        self._tenants: dict[str, int] = {}
+        self._namespaces: list[Namespace] = []
+        self._ns_ids: dict[Namespace, int] = {}
+        self._pending: dict[tuple[int, int, bytes], int] = {}
+        self._ghosts: OrderedDict[tuple[int, int, bytes], None] = OrderedDict()
+        self._ghost_capacity = n if config.ghost_capacity is None else config.ghost_capacity
+        self._seen: OrderedDict[tuple[int, int, bytes], None] = OrderedDict()
+        self._reservations: dict[int, _Reservation] = {}
+        self._leases: dict[int, _Lease] = {}
+        self._leases_by_client: dict[int, int] = {}
+        self._ids = itertools.count(1)
+        self.counters: dict[str, int] = {
+            "hits": 0, "hit_blocks": 0, "evictions": 0, "commits": 0, "aborted_pages": 0,
+            "rejected_pages": 0, "expired_reservations": 0, "expired_leases": 0,
+        }
+        self.miss_counters: dict[MissCause, int] = {c: 0 for c in MissCause}
+
+    # -- interning ---------------------------------------------------------------------
+    def _tenant_id(self, tenant: str, create: bool) -> int:
+        tid = self._tenants.get(tenant)
+        if tid is None and create:
+            tid = len(self._index)
+            self._tenants[tenant] = tid
+            self._index.append({})
+        return -1 if tid is None else tid
+
+    def _ns_id(self, ns: Namespace) -> int:
+        nid = self._ns_ids.get(ns)
+        if nid is None:
+            nid = len(self._namespaces)
+            self._namespaces.append(ns)
+            self._ns_ids[ns] = nid
+        return nid
+
+    def namespace(self, ns_id: int) -> Namespace:
+        return self._namespaces[ns_id]
+
+    # -- reading -----------------------------------------------------------------------
+    def _ref(self, page: int) -> PageRef:
+        return PageRef(page, int(self.gen[page]), int(self.length[page]), self.digest[page].tobytes())
+
+    def _pages_for(self, tid: int, key: bytes) -> tuple[int, ...]:
+        if tid < 0:
+            return ()
+        entry = self._index[tid].get(key)
+        if entry is None:
+            return ()
+        return entry if isinstance(entry, tuple) else (entry,)
+
+    def _find(self, tid: int, nid: int, ns: Namespace, key: bytes, index: int) -> int | Miss:
+        pages = self._pages_for(tid, key)
+        for p in pages:
+            if self.ns_of[p] == nid:
+                return p
+        if (tid, nid, key) in self._ghosts:
+            return Miss(index, MissCause.EVICTED)
+        if pages:
+            other = self._namespaces[int(self.ns_of[pages[0]])]
+            return Miss(index, MissCause.INCOMPATIBLE, ns.differing_fields(other))
+        return Miss(index, MissCause.NEVER_PUBLISHED)
+
+    def lookup(self, tenant: str, ns: Namespace, hashes: Sequence[bytes]) -> LookupResult:
+        tid = self._tenant_id(tenant, create=False)
+        nid = self._ns_ids.get(ns, -2)
+        hits: list[PageRef] = []
+        for i, key in enumerate(hashes):
+            found = self._find(tid, nid, ns, key, i)
+            if isinstance(found, Miss):
+                return LookupResult(tuple(hits), found)
+            hits.append(self._ref(found))
+        return LookupResult(tuple(hits), None)
+
+    def acquire(self, client: int, tenant: str, ns: Namespace, hashes: Sequence[bytes],
+                now: float) -> AcquireResult:
+        found = self.lookup(tenant, ns, hashes)
+        if not found.hits:
+            if found.miss is not None:
+                self.miss_counters[found.miss.cause] += 1
+            return AcquireResult(0, (), found.miss)
+        limits = self.config.limits
+        if (limits.per_client and self._leases_by_client.get(client, 0) >= limits.per_client) or (
+            limits.total and len(self._leases) >= limits.total
+        ):
+            self.miss_counters[MissCause.THROTTLED] += 1
+            return AcquireResult(0, (), Miss(0, MissCause.THROTTLED))
+        pages = [r.page for r in found.hits]
+        for p in pages:
+            self.leases_on[p] += 1
+            self.tick[p] = next(self._clock)
+        lease_id = next(self._ids)
+        self._leases[lease_id] = _Lease(client, pages, [r.generation for r in found.hits],
+                                        now + self.config.lease_ttl_s)
+        self._leases_by_client[client] = self._leases_by_client.get(client, 0) + 1
+        self.counters["hits"] += 1
+        self.counters["hit_blocks"] += len(pages)
+        if found.miss is not None:
+            self.miss_counters[found.miss.cause] += 1
+        return AcquireResult(lease_id, found.hits, found.miss)
+
+    def release(self, lease_id: int) -> ReleaseResult:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            raise LeaseLost(f"lease {lease_id} is not held (released, expired, or never granted)")
+        self._unpin(lease)
+        stale = tuple(p for p, g in zip(lease.pages, lease.generations) if int(self.gen[p]) != g)
+        return ReleaseResult(stale)
+
+    def _unpin(self, lease: _Lease) -> None:
+        for p in lease.pages:
+            self.leases_on[p] -= 1
+        left = self._leases_by_client[lease.client] - 1
+        if left:
+            self._leases_by_client[lease.client] = left
+        else:
+            del self._leases_by_client[lease.client]
+
+    # -- publishing --------------------------------------------------------------------
+    def reserve(self, client: int, tenant: str, ns: Namespace, hashes: Sequence[bytes],
+                lengths: Sequence[int], now: float, boundary: int | None = None) -> ReserveResult:
+        if len(lengths) != len(hashes):
+            raise InvalidRequest(f"{len(hashes)} hashes but {len(lengths)} lengths")
+        for n in lengths:
+            if not 0 < n <= self.config.page_size:
+                raise InvalidRequest(f"block of {n} bytes does not fit a page of {self.config.page_size}")
+        if ns.tenant != tenant:
+            raise InvalidRequest(f"namespace tenant {ns.tenant!r} is not the session's tenant {tenant!r}")
+        tid = self._tenant_id(tenant, create=True)
+        nid = self._ns_id(ns)
+        admission = self.config.admission
+        limit = len(hashes) if boundary is None else max(0, min(boundary, len(hashes)))
+        slots: list[Slot] = []
+        res_keys: list[bytes] = []
+        res_pages: list[int] = []
+        declined_whole = limit < admission.min_blocks
+        for i, key in enumerate(hashes):
+            status = self._classify_offer(tid, nid, key, admitted=(i < limit and not declined_whole))
+            if status is not None:
+                slots.append(Slot(status))
+                continue
+            page = self._allocate()
+            if page < 0:
+                slots.append(Slot(SlotStatus.NO_CAPACITY))
+                continue
+            self.state[page] = PageState.RESERVED
+            self.length[page] = lengths[i]
+            self.ns_of[page] = nid
+            self.tenant_of[page] = tid
+            self.key_of[page] = key
+            self._pending[(tid, nid, key)] = page
+            res_keys.append(key)
+            res_pages.append(page)
+            slots.append(Slot(SlotStatus.RESERVED, page, int(self.gen[page])))
+        if not res_pages:
+            return ReserveResult(0, tuple(slots))
+        rid = next(self._ids)
+        self._reservations[rid] = _Reservation(client, tid, nid, res_keys, res_pages,
+                                               now + self.config.reservation_ttl_s)
+        return ReserveResult(rid, tuple(slots))
+
+    def _classify_offer(self, tid: int, nid: int, key: bytes, admitted: bool) -> SlotStatus | None:
+        for p in self._pages_for(tid, key):
+            if self.ns_of[p] == nid:
+                self.tick[p] = next(self._clock)
+                return SlotStatus.EXISTS
+        if (tid, nid, key) in self._pending:
+            return SlotStatus.PENDING
+        if not admitted:
+            return SlotStatus.NOT_ADMITTED
+        admission = self.config.admission
+        if admission.second_hit:
+            seen_key = (tid, nid, key)
+            if seen_key not in self._seen:
+                self._seen[seen_key] = None
+                if len(self._seen) > admission.seen_capacity:
+                    self._seen.popitem(last=False)
+                return SlotStatus.NOT_ADMITTED
+            del self._seen[seen_key]
+        return None
+
+    def _allocate(self) -> int:
+        if self.used_pages() >= self.capacity:
+            if not self._evict_lru(1):
+                return -1
+        if not self._free:
+            return -1
+        return self._free.pop()
+
+    def used_pages(self) -> int:
+        return self.config.num_pages - len(self._free)
+
+    def commit(self, reservation_id: int, digests: Sequence[bytes | None]) -> CommitResult:
+        res = self._reservations.pop(reservation_id, None)
+        if res is None:
+            raise InvalidRequest(f"reservation {reservation_id} is not open (committed, aborted or expired)")
+        if len(digests) != len(res.pages):
+            self._reservations[reservation_id] = res
+            raise InvalidRequest(f"{len(digests)} digests for {len(res.pages)} reserved pages")
+        committed = 0
+        rejected: list[int] = []
+        index = self._index[res.tenant]
+        for i, (key, page, digest) in enumerate(zip(res.keys, res.pages, digests)):
+            del self._pending[(res.tenant, res.ns, key)]
+            if digest is None or len(digest) != DIGEST_BYTES:
+                rejected.append(i)
+                self._free_page(page)
+                self.counters["rejected_pages"] += 1
+                continue
+            self.digest[page] = np.frombuffer(digest, dtype=np.uint8)
+            self.state[page] = PageState.COMMITTED
+            self.tick[page] = next(self._clock)
+            entry = index.get(key)
+            if entry is None:
+                index[key] = page
+            else:
+                index[key] = (entry if isinstance(entry, tuple) else (entry,)) + (page,)
+            self._ghosts.pop((res.tenant, res.ns, key), None)
+            committed += 1
+        self.counters["commits"] += committed
+        return CommitResult(committed, tuple(rejected))
+
+    def abort(self, reservation_id: int) -> int:
+        res = self._reservations.pop(reservation_id, None)
+        if res is None:
+            raise InvalidRequest(f"reservation {reservation_id} is not open (committed, aborted or expired)")
+        return self._abort(res)
+
+    def _abort(self, res: _Reservation) -> int:
+        for key, page in zip(res.keys, res.pages):
+            del self._pending[(res.tenant, res.ns, key)]
+            self._free_page(page)
+        self.counters["aborted_pages"] += len(res.pages)
+        return len(res.pages)
+
+    def reservation_pages(self, reservation_id: int) -> list[int]:
+        res = self._reservations.get(reservation_id)
+        if res is None:
+            raise InvalidRequest(f"reservation {reservation_id} is not open (committed, aborted or expired)")
+        return list(res.pages)
+
+    # -- freeing and eviction ----------------------------------------------------------
+    def _free_page(self, page: int) -> None:
+        self.state[page] = PageState.FREE
+        self.length[page] = 0
+        self.ns_of[page] = -1
+        self.tenant_of[page] = -1
+        self.key_of[page] = None
+        self.digest[page] = 0
+        self.gen[page] += np.uint64(1)
+        self._free.append(page)
+
+    def _unindex(self, page: int) -> None:
+        tid = int(self.tenant_of[page])
+        key = self.key_of[page]
+        assert key is not None
+        index = self._index[tid]
+        entry = index[key]
+        if isinstance(entry, tuple):
+            rest = tuple(p for p in entry if p != page)
+            index[key] = rest[0] if len(rest) == 1 else rest
+        else:
+            del index[key]
+        ghost = (tid, int(self.ns_of[page]), key)
+        self._ghosts[ghost] = None
+        self._ghosts.move_to_end(ghost)
+        while len(self._ghosts) > self._ghost_capacity:
+            self._ghosts.popitem(last=False)
+
+    def _evict_page(self, page: int) -> None:
+        self._unindex(page)
+        self._free_page(page)
+        self.counters["evictions"] += 1
+
+    def _evictable(self) -> np.ndarray:
+        return (self.state == PageState.COMMITTED) & (self.leases_on == 0)
+
+    def _evict_lru(self, n: int) -> int:
+        """Evict the `n` least recently used unleased committed pages; returns how many."""
+        mask = self._evictable()
+        candidates = np.flatnonzero(mask)
+        if candidates.size == 0:
+            return 0
+        n = min(n, candidates.size)
+        ticks = self.tick[candidates]
+        if n < candidates.size:
+            part = np.argpartition(ticks, n - 1)[:n]
+        else:
+            part = np.arange(candidates.size)
+        victims = candidates[part[np.argsort(ticks[part], kind="stable")]]
+        for p in victims:
+            self._evict_page(int(p))
+        return n
+
+    def evict(self, tenant: str, ns: Namespace, hashes: Sequence[bytes]) -> list[EvictOutcome]:
+        tid = self._tenant_id(tenant, create=False)
+        nid = self._ns_ids.get(ns, -2)
+        out: list[EvictOutcome] = []
+        for key in hashes:
+            page = next((p for p in self._pages_for(tid, key) if self.ns_of[p] == nid), None)
+            if page is None:
+                out.append(EvictOutcome.NOT_FOUND)
+            elif self.leases_on[page]:
+                out.append(EvictOutcome.LEASED)
+            else:
+                self._evict_page(page)
+                out.append(EvictOutcome.EVICTED)
+        return out
+
+    def set_capacity(self, pages: int) -> int:
+        """Squeeze (or restore) the usable pages; evicts LRU down to it. Returns evictions."""
+        if not 0 <= pages <= self.config.num_pages:
+            raise InvalidRequest(f"capacity {pages} outside 0..{self.config.num_pages}")
+        self.capacity = pages
+        over = self.used_pages() - pages
+        return self._evict_lru(over) if over > 0 else 0
+
+    # -- clients and time --------------------------------------------------------------
+    def drop_client(self, client: int) -> tuple[int, int]:
+        """A client went away: abort its publishes, release its leases."""
+        res_ids = [r for r, res in self._reservations.items() if res.client == client]
+        for rid in res_ids:
+            self._abort(self._reservations.pop(rid))
+        lease_ids = [lid for lid, lease in self._leases.items() if lease.client == client]
+        for lid in lease_ids:
+            self._unpin(self._leases.pop(lid))
+        return len(res_ids), len(lease_ids)
+
+    def reap(self, now: float) -> tuple[int, int]:
+        """Expire reservations and leases whose deadline has passed."""
+        res_ids = [r for r, res in self._reservations.items() if res.deadline <= now]
+        for rid in res_ids:
+            self._abort(self._reservations.pop(rid))
+        lease_ids = [lid for lid, lease in self._leases.items() if lease.deadline <= now]
+        for lid in lease_ids:
+            self._unpin(self._leases.pop(lid))
+        self.counters["expired_reservations"] += len(res_ids)
+        self.counters["expired_leases"] += len(lease_ids)
+        return len(res_ids), len(lease_ids)
+
+    # -- accounting --------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        committed = int(np.count_nonzero(self.state == PageState.COMMITTED))
+        reserved = int(np.count_nonzero(self.state == PageState.RESERVED))
+        leased_pages = int(np.count_nonzero(self.leases_on))
+        return {
+            "num_pages": self.config.num_pages,
+            "page_size": self.config.page_size,
+            "capacity_pages": self.capacity,
+            "free_pages": len(self._free),
+            "committed_pages": committed,
+            "reserved_pages": reserved,
+            "leased_pages": leased_pages,
+            "leased_bytes": int(self.length[self.leases_on > 0].sum()),
+            "effective_capacity_pages": max(0, self.capacity - reserved - leased_pages),
+            "open_reservations": len(self._reservations),
+            "open_leases": len(self._leases),
+            "ghosts": len(self._ghosts),
+            "entries": sum(len(ix) for ix in self._index),
+            **self.counters,
+            **{f"miss_{c.value}": n for c, n in self.miss_counters.items()},
+        }

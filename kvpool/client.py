@@ -1,0 +1,407 @@
+"""The client library: everything that talks to a pool daemon goes through here.
+
+  PoolBackend        the interface (a Protocol) the connector, benches and tests use; fault
+                     injectors and audit wrap a PoolBackend and are PoolBackends themselves.
+  PoolClient         the real one: a blocking socket client (Unix or TCP) with typed errors.
+                     On the daemon's host it maps the arena and copies page bytes directly
+                     (zero-copy: no page byte crosses the socket); elsewhere page bytes
+                     travel in WritePages / ReadPages frames.
+  publish(...)       reserve -> write -> commit, with digests; returns what became visible.
+  load(...)          acquire (lease) -> copy each page into the caller's buffer -> digest
+                     the installed bytes -> release (generation re-check). Returns how many
+                     leading blocks were installed and, if fewer than asked, exactly one
+                     MissCause (including the loader-side ones: corrupt, transport_error,
+                     timeout).
+
+Addresses: "unix:/path/to/pool.sock" or "tcp:HOST:PORT".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from kvpool import protocol as P
+from kvpool.arena import Arena
+from kvpool.catalog import (
+    AcquireResult,
+    CommitResult,
+    EvictOutcome,
+    LookupResult,
+    Miss,
+    ReleaseResult,
+    ReserveResult,
+    SlotStatus,
+)
+from kvpool.digest import page_digest
+from kvpool.errors import (
+    ArenaError,
+    CorruptPage,
+    InvalidRequest,
+    LeaseLost,
+    MalformedFrame,
+    MissCause,
+    PoolError,
+    PoolTimeout,
+    TransportError,
+    error_from_code,
+)
+from kvpool.keys import Namespace
+from kvpool.metrics import ClientMetrics
+
+# A sink installs block i from `src` into the caller's memory and returns a view of the
+# installed bytes (which load() digests: the check covers what the engine will read).
+Sink = Callable[[int, np.ndarray], "np.ndarray | memoryview | bytes"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PublishResult:
+    offered: int
+    committed: int
+    exists: int
+    pending: int
+    not_admitted: int
+    no_capacity: int
+    rejected: int  # the daemon's verify found other bytes than the digest claimed
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadResult:
+    requested: int
+    loaded: int  # leading blocks installed and verified
+    miss: Miss | None  # why the run stopped before `requested` (None if it did not)
+    seconds: float
+
+
+class PoolBackend(Protocol):
+    """What a pool offers its users. Wrappers (faults, audit) implement it too."""
+
+    page_size: int
+
+    def lookup(self, ns: Namespace, hashes: Sequence[bytes]) -> LookupResult: ...
+    def acquire(self, ns: Namespace, hashes: Sequence[bytes]) -> AcquireResult: ...
+    def release(self, lease_id: int) -> ReleaseResult: ...
+    def read_page(self, lease: AcquireResult, index: int) -> np.ndarray | bytes: ...
+    def reserve(self, ns: Namespace, hashes: Sequence[bytes], lengths: Sequence[int],
+                boundary: int | None = None) -> ReserveResult: ...
+    def write_page(self, reservation: ReserveResult, slot: int, data: np.ndarray | bytes) -> None: ...
+    def commit(self, reservation_id: int, digests: Sequence[bytes]) -> CommitResult: ...
+    def abort(self, reservation_id: int) -> int: ...
+    def evict(self, ns: Namespace, hashes: Sequence[bytes]) -> list[EvictOutcome]: ...
+    def stats(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
+
+
+def parse_address(address: str) -> tuple[int, object]:
+    kind, _, rest = address.partition(":")
+    if kind == "unix" and rest:
+        return socket.AF_UNIX, rest
+    if kind == "tcp":
+        host, _, port = rest.rpartition(":")
+        if host and port.isdigit():
+            return socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET, (host.strip("[]"), int(port))
+    raise InvalidRequest(f"pool address {address!r} is not 'unix:PATH' or 'tcp:HOST:PORT'")
+
+
+def address_from_run_dir(run_dir: Path | str, prefer: str = "unix") -> str:
+    from kvpool.server import read_address
+
+    info = read_address(Path(run_dir))
+    if prefer == "unix" and info.get("unix"):
+        return f"unix:{info['unix']}"
+    if info.get("tcp"):
+        return f"tcp:{info['tcp']}"
+    return f"unix:{info['unix']}"
+
+
+class PoolClient:
+    """A connection to one pool daemon. Thread-safe (one request in flight at a time)."""
+
+    def __init__(self, address: str, tenant: str, token: str, *, name: str = "",
+                 timeout_s: float = 5.0, zero_copy: bool = True, metrics: ClientMetrics | None = None):
+        self.address = address
+        self.tenant = tenant
+        self._token = token
+        self.name = name
+        self.timeout_s = timeout_s
+        self.zero_copy = zero_copy
+        self.metrics = metrics or ClientMetrics()
+        self._family, self._sockaddr = parse_address(address)
+        self._sock: socket.socket | None = None
+        self._ids = itertools.count(1)
+        self._lock = threading.RLock()
+        self.arena: Arena | None = None
+        self.hello: P.HelloOk | None = None
+        self.page_size = 0
+        self.connect()
+
+    # -- connection ----------------------------------------------------------------------
+    def connect(self) -> P.HelloOk:
+        with self._lock:
+            self._drop_socket()
+            try:
+                sock = socket.socket(self._family, socket.SOCK_STREAM)
+                sock.settimeout(self.timeout_s)
+                sock.connect(self._sockaddr)
+            except TimeoutError as exc:
+                raise PoolTimeout(f"connect to {self.address} timed out after {self.timeout_s}s") from exc
+            except OSError as exc:
+                raise TransportError(f"cannot connect to pool at {self.address}: {exc}") from exc
+            if self._family != socket.AF_UNIX:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock = sock
+            hello = self._call(P.Hello(self.tenant, self._token, self.name))
+            assert isinstance(hello, P.HelloOk)
+            self.hello = hello
+            self.page_size = hello.page_size
+            self._attach(hello)
+            return hello
+
+    def _attach(self, hello: P.HelloOk) -> None:
+        if self.arena is not None and (self.arena.instance != hello.arena_instance or self.arena.closed):
+            self._close_arena()
+        if not self.zero_copy or self.arena is not None:
+            return
+        try:
+            arena = Arena.attach(hello.arena)
+        except ArenaError:
+            return  # another host: page bytes go over the socket
+        if arena.instance == hello.arena_instance:
+            self.arena = arena
+        else:
+            arena.close()  # a segment of the same name that is not this daemon's
+
+    def _close_arena(self) -> None:
+        if self.arena is not None:
+            try:
+                self.arena.close()
+            except ArenaError:
+                pass  # a caller still holds a page view; the mapping goes when it drops it
+            self.arena = None
+
+    def _drop_socket(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            finally:
+                self._sock = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop_socket()
+            self._close_arena()
+
+    def __enter__(self) -> PoolClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- one request ---------------------------------------------------------------------
+    def _recv_exact(self, n: int) -> bytes:
+        assert self._sock is not None
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = self._sock.recv_into(view[got:], n - got)
+            if k == 0:
+                raise TransportError(f"pool at {self.address} closed the connection")
+            got += k
+        return bytes(buf)
+
+    def _call(self, op: P.Request) -> P.Reply:
+        with self._lock:
+            if self._sock is None:
+                self.connect()
+            request_id = next(self._ids)
+            try:
+                self._sock.sendall(P.encode_request(request_id, op))
+                (n,) = P.LENGTH.unpack(self._recv_exact(P.LENGTH.size))
+                payload = self._recv_exact(n)
+            except TimeoutError as exc:
+                self._drop_socket()
+                raise PoolTimeout(f"{type(op).__name__} to {self.address} timed out after {self.timeout_s}s") from exc
+            except TransportError:
+                self._drop_socket()
+                raise
+            except OSError as exc:
+                self._drop_socket()
+                raise TransportError(f"{type(op).__name__} to {self.address} failed: {exc}") from exc
+            try:
+                reply_id, reply = P.decode_reply(payload)
+            except PoolError:
+                self._drop_socket()
+                raise
+            if isinstance(reply, P.Error):
+                raise error_from_code(reply.code, reply.message)
+            if reply_id != request_id:
+                self._drop_socket()
+                raise MalformedFrame(f"reply id {reply_id} does not answer request {request_id}")
+            return reply
+
+    def _expect(self, op: P.Request, kind: type) -> object:
+        reply = self._call(op)
+        if not isinstance(reply, kind):
+            raise MalformedFrame(f"{type(op).__name__} answered with {type(reply).__name__}")
+        return reply
+
+    # -- the protocol, one method per op ---------------------------------------------------
+    def ping(self) -> None:
+        self._expect(P.Ping(), P.Pong)
+
+    def lookup(self, ns: Namespace, hashes: Sequence[bytes]) -> LookupResult:
+        r = self._expect(P.Lookup(ns, list(hashes)), P.LookupOk)
+        return LookupResult(tuple(r.hits), r.miss)
+
+    def acquire(self, ns: Namespace, hashes: Sequence[bytes]) -> AcquireResult:
+        r = self._expect(P.Acquire(ns, list(hashes)), P.AcquireOk)
+        return AcquireResult(r.lease_id, tuple(r.hits), r.miss)
+
+    def release(self, lease_id: int) -> ReleaseResult:
+        r = self._expect(P.Release(lease_id), P.ReleaseOk)
+        return ReleaseResult(tuple(r.stale))
+
+    def read_page(self, lease: AcquireResult, index: int) -> np.ndarray | bytes:
+        ref = lease.hits[index]
+        if self.arena is not None:
+            return self.arena.page(ref.page, ref.length)
+        r = self._expect(P.ReadPages(lease.lease_id, [index]), P.PagesOk)
+        return r.data[0]
+
+    def reserve(self, ns: Namespace, hashes: Sequence[bytes], lengths: Sequence[int],
+                boundary: int | None = None) -> ReserveResult:
+        r = self._expect(P.Reserve(ns, list(hashes), [int(n) for n in lengths], boundary), P.ReserveOk)
+        return ReserveResult(r.reservation_id, tuple(r.slots))
+
+    def write_page(self, reservation: ReserveResult, slot: int, data: np.ndarray | bytes) -> None:
+        s = reservation.slots[slot]
+        if s.status != SlotStatus.RESERVED:
+            raise InvalidRequest(f"slot {slot} is {s.status.value}, not reserved")
+        if self.arena is not None:
+            src = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
+            self.arena.page(s.page, src.size)[:] = src
+            return
+        res_slot = sum(1 for x in reservation.slots[:slot] if x.status == SlotStatus.RESERVED)
+        payload = data.tobytes() if isinstance(data, np.ndarray) else bytes(data)
+        self._expect(P.WritePages(reservation.reservation_id, [res_slot], [payload]), P.WriteOk)
+
+    def commit(self, reservation_id: int, digests: Sequence[bytes]) -> CommitResult:
+        r = self._expect(P.Commit(reservation_id, list(digests)), P.CommitOk)
+        return CommitResult(r.committed, tuple(r.rejected))
+
+    def abort(self, reservation_id: int) -> int:
+        return self._expect(P.Abort(reservation_id), P.AbortOk).freed
+
+    def evict(self, ns: Namespace, hashes: Sequence[bytes]) -> list[EvictOutcome]:
+        return list(self._expect(P.Evict(ns, list(hashes)), P.EvictOk).outcomes)
+
+    def set_capacity(self, pages: int) -> int:
+        return self._expect(P.SetCapacity(pages), P.CapacityOk).evicted
+
+    def stats(self) -> dict[str, int]:
+        return dict(self._expect(P.Stats(), P.StatsOk).stats)
+
+    def metrics_text(self) -> str:
+        return self._expect(P.Metrics(), P.MetricsOk).text
+
+
+# -- the two high-level operations, for any PoolBackend -------------------------------------
+def _as_u8(data: np.ndarray | bytes | memoryview) -> np.ndarray:
+    if isinstance(data, np.ndarray):
+        return data.reshape(-1).view(np.uint8)
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+def publish(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes],
+            blocks: Sequence[np.ndarray | bytes], boundary: int | None = None,
+            metrics: ClientMetrics | None = None) -> PublishResult:
+    """Two-phase publish of `blocks[i]` under `hashes[i]`. Pages become visible only
+    after the daemon re-verified their digest; on any error the reservation is aborted
+    (and, if even that fails, the daemon reclaims it when the connection drops or the
+    reservation's TTL passes)."""
+    if len(blocks) != len(hashes):
+        raise InvalidRequest(f"{len(hashes)} hashes but {len(blocks)} blocks")
+    views = [_as_u8(b) for b in blocks]
+    res = backend.reserve(ns, hashes, [v.size for v in views], boundary)
+    count = {s: 0 for s in SlotStatus}
+    for slot in res.slots:
+        count[slot.status] += 1
+    committed = rejected = 0
+    if res.reservation_id:
+        digests = []
+        try:
+            for i, slot in enumerate(res.slots):
+                if slot.status == SlotStatus.RESERVED:
+                    backend.write_page(res, i, views[i])
+                    digests.append(page_digest(views[i]))
+            out = backend.commit(res.reservation_id, digests)
+        except BaseException:
+            try:
+                backend.abort(res.reservation_id)
+            except PoolError:
+                pass  # the daemon reclaims it on disconnect or at its TTL
+            raise
+        committed, rejected = out.committed, len(out.rejected)
+        if metrics is not None:
+            metrics.bytes_published.inc(sum(v.size for v, s in zip(views, res.slots) if s.status == SlotStatus.RESERVED))
+    return PublishResult(len(hashes), committed, count[SlotStatus.EXISTS], count[SlotStatus.PENDING],
+                         count[SlotStatus.NOT_ADMITTED], count[SlotStatus.NO_CAPACITY], rejected)
+
+
+def load(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes], sink: Sink,
+         deadline_s: float | None = None, metrics: ClientMetrics | None = None) -> LoadResult:
+    """Install the longest run of pooled blocks through `sink`; classify any shortfall."""
+    t0 = time.monotonic()
+    requested = len(hashes)
+    loaded = 0
+    miss: Miss | None = None
+    lease: AcquireResult | None = None
+    try:
+        lease = backend.acquire(ns, hashes)
+        miss = lease.miss
+        for i, ref in enumerate(lease.hits):
+            if deadline_s is not None and time.monotonic() - t0 > deadline_s:
+                raise PoolTimeout(f"load passed its deadline of {deadline_s}s at block {i}")
+            installed = _as_u8(sink(i, _as_u8(backend.read_page(lease, i))))
+            if installed.size != ref.length or page_digest(installed) != ref.digest:
+                raise CorruptPage(f"block {i} (page {ref.page}): installed bytes do not match the published digest")
+            loaded += 1
+    except CorruptPage:
+        miss = Miss(loaded, MissCause.CORRUPT)
+    except PoolTimeout:
+        miss = Miss(loaded, MissCause.TIMEOUT)
+    except (TransportError, LeaseLost, MalformedFrame):
+        miss = Miss(loaded, MissCause.TRANSPORT_ERROR)
+    finally:
+        if lease is not None and lease.lease_id:
+            try:
+                stale = set(backend.release(lease.lease_id).stale)
+            except (PoolTimeout, TransportError, LeaseLost, MalformedFrame):
+                # The connection (and with it the lease) is gone; the daemon unpins the
+                # pages itself. Blocks already verified by digest stand.
+                stale = set()
+                if metrics is not None:
+                    metrics.loads.labels("release_failed").inc()
+            stale_at = [i for i, h in enumerate(lease.hits[:loaded]) if h.page in stale]
+            if stale_at:  # a page's generation moved under the lease: do not trust it
+                loaded = stale_at[0]
+                miss = Miss(loaded, MissCause.CORRUPT)
+    seconds = time.monotonic() - t0
+    if metrics is not None:
+        metrics.load_seconds.observe(seconds)
+        metrics.blocks_loaded.inc(loaded)
+        if lease is not None:
+            metrics.bytes_loaded.inc(sum(h.length for h in lease.hits[:loaded]))
+        if miss is not None:
+            metrics.misses.labels(miss.cause.value).inc()
+        metrics.loads.labels("hit" if loaded == requested else ("partial" if loaded else "miss")).inc()
+    return LoadResult(requested, loaded, miss, seconds)

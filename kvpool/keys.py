@@ -1,0 +1,142 @@
+"""Keys of the pool: a Namespace and a chain of block hashes.
+
+  Namespace        every field that changes the bytes of a KV block (model, revision,
+                   tokenizer, dtype, layout, block size, geometry, TP, adapter) plus the
+                   tenant. Two namespaces that differ in any field never share a block;
+                   `differing_fields` names the fields, so a miss can say why.
+  block_hashes     h_i = BLAKE2b(key=SEED, h_{i-1} || tokens_i || extra_i) over complete
+                   blocks only; the tail inside an incomplete block is never a key.
+  useful_tokens    floor(T_match / B) * B.
+
+The chain depends on tokens only (not on the namespace), so the catalog can tell
+"same tokens, other namespace" (incompatible) from "never published". The namespace
+is checked against the entry's own namespace on every lookup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+# Fixed key of the chained hash: the same tokens give the same chain in every process
+# and every run. Changing it invalidates every pool; it is part of the protocol version.
+CHAIN_SEED = b"kvgate/block-chain/v1"
+HASH_BYTES = 16
+ROOT_HASH = bytes(HASH_BYTES)
+
+BlockHash = bytes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Namespace:
+    """Everything that changes KV bytes, plus the tenant that owns them."""
+
+    model_id: str
+    model_revision: str
+    tokenizer_hash: str
+    kv_dtype: str
+    kv_layout: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    tp_rank: int = 0
+    tp_world_size: int = 1
+    adapter_id: str = ""
+    adapter_version: str = ""
+    tenant: str = "default"
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+                raise TypeError(f"Namespace.{f.name} must be an int, got {value!r}")
+            if f.type == "str" and not isinstance(value, str):
+                raise TypeError(f"Namespace.{f.name} must be a str, got {value!r}")
+        if self.block_size <= 0:
+            raise ValueError(f"Namespace.block_size must be positive, got {self.block_size}")
+        if not 0 <= self.tp_rank < self.tp_world_size:
+            raise ValueError(
+                f"Namespace.tp_rank {self.tp_rank} outside world size {self.tp_world_size}"
+            )
+
+    def as_dict(self) -> dict[str, str | int]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> Namespace:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(f"unknown Namespace fields: {sorted(unknown)}")
+        return cls(**data)  # type: ignore[arg-type]
+
+    def differing_fields(self, other: Namespace) -> tuple[str, ...]:
+        """The fields (tenant excluded) in which two namespaces differ."""
+        return tuple(
+            f.name
+            for f in dataclasses.fields(self)
+            if f.name != "tenant" and getattr(self, f.name) != getattr(other, f.name)
+        )
+
+    def with_tenant(self, tenant: str) -> Namespace:
+        return dataclasses.replace(self, tenant=tenant)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """2 x L x Hkv x D x q for a dense attention cache (the seed's formula)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_size * dtype_bytes(self.kv_dtype)
+
+
+_DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
+                "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
+
+
+def dtype_bytes(kv_dtype: str) -> int:
+    name = kv_dtype.removeprefix("torch.")
+    if name not in _DTYPE_BYTES:
+        raise ValueError(f"unknown KV dtype {kv_dtype!r}")
+    return _DTYPE_BYTES[name]
+
+
+def block_hashes(
+    tokens: Sequence[int] | np.ndarray,
+    block_size: int,
+    extras: Sequence[bytes] | None = None,
+    parent: BlockHash = ROOT_HASH,
+) -> list[BlockHash]:
+    """Chained hashes of the complete blocks of `tokens` (the tail is not hashed).
+
+    `extras[i]`, when given, is mixed into block i (multimodal hashes, cache salts).
+    `parent` continues a chain (the hash of the block before `tokens[0]`).
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise ValueError("token ids must fit in 32 unsigned bits")
+    n_blocks = arr.size // block_size
+    if extras is not None and len(extras) < n_blocks:
+        raise ValueError(f"{len(extras)} extras for {n_blocks} complete blocks")
+    raw = arr[: n_blocks * block_size].astype("<u4").tobytes()
+    step = block_size * 4
+    out: list[BlockHash] = []
+    h = parent
+    for i in range(n_blocks):
+        m = hashlib.blake2b(h, digest_size=HASH_BYTES, key=CHAIN_SEED)
+        m.update(raw[i * step : (i + 1) * step])
+        if extras is not None:
+            m.update(extras[i])
+        h = m.digest()
+        out.append(h)
+    return out
+
+
+def useful_tokens(matched_tokens: int, block_size: int) -> int:
+    """Tokens a remote hit can serve: only complete blocks, T_useful = floor(T/B)*B."""
+    return (matched_tokens // block_size) * block_size

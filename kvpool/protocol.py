@@ -1,0 +1,245 @@
+"""The pool's wire protocol: typed, versioned msgpack frames (msgspec).
+
+A frame is a 4-byte big-endian length followed by a msgpack array
+`[version, request_id, op]`; `op` is one of the tagged structs below. Every request gets
+exactly one reply `[version, request_id, result]`, where `result` is the op's `...Ok`
+struct or an `Error` (an ErrorCode and a message). The first request of a connection
+must be `Hello` (tenant + token). Decoding is two-step: the envelope first, so a frame
+of another version is answered WRONG_VERSION rather than MALFORMED.
+
+  encode_request / decode_request   client -> daemon
+  encode_reply / decode_reply       daemon -> client
+  read_frame / frame                length-prefixed framing with a size limit
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Union
+
+import msgspec
+
+from kvpool.catalog import EvictOutcome, Miss, PageRef, Slot
+from kvpool.errors import ErrorCode, MalformedFrame, WrongVersion
+from kvpool.keys import Namespace
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_FRAME = 64 * 1024 * 1024 + 4096
+LENGTH = struct.Struct(">I")
+
+
+class Envelope(msgspec.Struct, array_like=True):
+    v: int
+    id: int
+    body: msgspec.Raw
+
+
+# -- requests ---------------------------------------------------------------------------
+class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
+    tenant: str
+    token: str
+    client_name: str = ""
+
+
+class Ping(msgspec.Struct, tag="ping", forbid_unknown_fields=True):
+    pass
+
+
+class Lookup(msgspec.Struct, tag="lookup", forbid_unknown_fields=True):
+    ns: Namespace
+    hashes: list[bytes]
+
+
+class Acquire(msgspec.Struct, tag="acquire", forbid_unknown_fields=True):
+    ns: Namespace
+    hashes: list[bytes]
+
+
+class Release(msgspec.Struct, tag="release", forbid_unknown_fields=True):
+    lease_id: int
+
+
+class Reserve(msgspec.Struct, tag="reserve", forbid_unknown_fields=True):
+    ns: Namespace
+    hashes: list[bytes]
+    lengths: list[int]
+    boundary: int | None = None
+
+
+class WritePages(msgspec.Struct, tag="write", forbid_unknown_fields=True):
+    """Page bytes sent over the socket, for a client that cannot map the arena."""
+
+    reservation_id: int
+    slots: list[int]  # indexes into the reservation's pages
+    data: list[bytes]
+
+
+class Commit(msgspec.Struct, tag="commit", forbid_unknown_fields=True):
+    reservation_id: int
+    digests: list[bytes]  # the publisher's digest of each reserved page, in order
+
+
+class Abort(msgspec.Struct, tag="abort", forbid_unknown_fields=True):
+    reservation_id: int
+
+
+class ReadPages(msgspec.Struct, tag="read", forbid_unknown_fields=True):
+    """Leased page bytes sent over the socket, for a client that cannot map the arena."""
+
+    lease_id: int
+    indexes: list[int]  # indexes into the lease's pages
+
+
+class Evict(msgspec.Struct, tag="evict", forbid_unknown_fields=True):
+    ns: Namespace
+    hashes: list[bytes]
+
+
+class SetCapacity(msgspec.Struct, tag="capacity", forbid_unknown_fields=True):
+    pages: int
+
+
+class Stats(msgspec.Struct, tag="stats", forbid_unknown_fields=True):
+    pass
+
+
+class Metrics(msgspec.Struct, tag="metrics", forbid_unknown_fields=True):
+    pass
+
+
+Request = Union[Hello, Ping, Lookup, Acquire, Release, Reserve, WritePages, Commit, Abort,
+                ReadPages, Evict, SetCapacity, Stats, Metrics]
+
+
+# -- replies ----------------------------------------------------------------------------
+class HelloOk(msgspec.Struct, tag="hello_ok"):
+    session: int
+    arena: str
+    arena_instance: bytes
+    page_size: int
+    num_pages: int
+    server: str
+    restarted_after_crash: bool
+
+
+class Pong(msgspec.Struct, tag="pong"):
+    pass
+
+
+class LookupOk(msgspec.Struct, tag="lookup_ok"):
+    hits: list[PageRef]
+    miss: Miss | None
+
+
+class AcquireOk(msgspec.Struct, tag="acquire_ok"):
+    lease_id: int
+    hits: list[PageRef]
+    miss: Miss | None
+
+
+class ReleaseOk(msgspec.Struct, tag="release_ok"):
+    stale: list[int]
+
+
+class ReserveOk(msgspec.Struct, tag="reserve_ok"):
+    reservation_id: int
+    slots: list[Slot]
+
+
+class WriteOk(msgspec.Struct, tag="write_ok"):
+    written: int
+
+
+class CommitOk(msgspec.Struct, tag="commit_ok"):
+    committed: int
+    rejected: list[int]
+
+
+class AbortOk(msgspec.Struct, tag="abort_ok"):
+    freed: int
+
+
+class PagesOk(msgspec.Struct, tag="pages_ok"):
+    data: list[bytes]
+
+
+class EvictOk(msgspec.Struct, tag="evict_ok"):
+    outcomes: list[EvictOutcome]
+
+
+class CapacityOk(msgspec.Struct, tag="capacity_ok"):
+    evicted: int
+
+
+class StatsOk(msgspec.Struct, tag="stats_ok"):
+    stats: dict[str, int]
+
+
+class MetricsOk(msgspec.Struct, tag="metrics_ok"):
+    text: str
+
+
+class Error(msgspec.Struct, tag="error"):
+    code: ErrorCode
+    message: str
+
+
+Reply = Union[HelloOk, Pong, LookupOk, AcquireOk, ReleaseOk, ReserveOk, WriteOk, CommitOk,
+              AbortOk, PagesOk, EvictOk, CapacityOk, StatsOk, MetricsOk, Error]
+
+_encoder = msgspec.msgpack.Encoder()
+_envelope = msgspec.msgpack.Decoder(Envelope)
+_request = msgspec.msgpack.Decoder(Request)
+_reply = msgspec.msgpack.Decoder(Reply)
+
+
+def frame(payload: bytes) -> bytes:
+    return LENGTH.pack(len(payload)) + payload
+
+
+def encode_request(request_id: int, op: Request, version: int = PROTOCOL_VERSION) -> bytes:
+    return frame(_encoder.encode((version, request_id, op)))
+
+
+def encode_reply(request_id: int, result: Reply) -> bytes:
+    return frame(_encoder.encode((PROTOCOL_VERSION, request_id, result)))
+
+
+def _envelope_of(payload: bytes) -> Envelope:
+    try:
+        env = _envelope.decode(payload)
+    except msgspec.DecodeError as exc:  # includes ValidationError
+        raise MalformedFrame(f"frame is not a [version, id, body] envelope: {exc}") from exc
+    if env.id < 0 or env.id >= 2**63:
+        raise MalformedFrame(f"request id {env.id} out of range")
+    return env
+
+
+def decode_request(payload: bytes) -> tuple[int, Request]:
+    """(request id, op). Raises MalformedFrame or WrongVersion (with `.request_id` set)."""
+    env = _envelope_of(payload)
+    if env.v != PROTOCOL_VERSION:
+        err = WrongVersion(f"protocol version {env.v} not served; this daemon speaks {PROTOCOL_VERSION}")
+        err.request_id = env.id  # type: ignore[attr-defined]
+        raise err
+    try:
+        op = _request.decode(env.body)
+    except msgspec.DecodeError as exc:
+        err2 = MalformedFrame(f"request body does not decode: {exc}")
+        err2.request_id = env.id  # type: ignore[attr-defined]
+        raise err2 from exc
+    except (TypeError, ValueError) as exc:  # Namespace.__post_init__ rejects a field
+        err3 = MalformedFrame(f"request body is invalid: {exc}")
+        err3.request_id = env.id  # type: ignore[attr-defined]
+        raise err3 from exc
+    return env.id, op
+
+
+def decode_reply(payload: bytes) -> tuple[int, Reply]:
+    env = _envelope_of(payload)
+    if env.v != PROTOCOL_VERSION:
+        raise WrongVersion(f"daemon replied with protocol version {env.v}, expected {PROTOCOL_VERSION}")
+    try:
+        return env.id, _reply.decode(env.body)
+    except msgspec.DecodeError as exc:
+        raise MalformedFrame(f"reply body does not decode: {exc}") from exc

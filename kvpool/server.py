@@ -1,0 +1,500 @@
+"""The pool daemon: owns the catalog and the arena, serves the wire protocol.
+
+  PoolConfig                   frozen configuration (geometry, addresses, tenants, limits).
+  PoolDaemon(config).run()     serve until SIGTERM / SIGINT, then free the shared memory.
+  PoolDaemon.start_thread()    the same daemon in a background thread (tests, benches);
+                               returns a handle whose .stop() shuts it down gracefully.
+
+Contracts:
+  * Unix socket and TCP (loopback by default), one asyncio loop; catalog mutations run
+    on the loop thread only, page hashing for verify runs in a bounded thread pool.
+  * Every frame gets exactly one reply. A malformed, wrong-version or unauthenticated
+    frame is answered with a typed Error and the connection stays usable; an oversized
+    length prefix is answered and that connection is closed (its stream cannot be
+    resynchronised). Other clients are never affected.
+  * Bounded: at most `max_clients` connections and `max_queue` requests waiting for the
+    thread pool; past either the reply is BUSY.
+  * A client's open reservations and leases are dropped when its connection closes,
+    and expire after their TTL in any case (an abandoned publish is reclaimed).
+  * Start-up finds what a crashed daemon left (pid file, shared-memory segment),
+    removes it and says so; graceful shutdown removes segment, socket and pid file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import itertools
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from kvpool import protocol as P
+from kvpool.arena import Arena
+from kvpool.catalog import AdmissionPolicy, Catalog, CatalogConfig, LoadLimits
+from kvpool.digest import page_digest
+from kvpool.errors import (
+    Busy,
+    ErrorCode,
+    InvalidRequest,
+    LeaseLost,
+    MalformedFrame,
+    OversizedFrame,
+    PoolError,
+    Unauthenticated,
+)
+from kvpool.metrics import PoolMetrics
+
+log = logging.getLogger("kvpool.server")
+SERVER_NAME = "kvgate-pool/0.1"
+
+
+def default_run_dir(name: str) -> Path:
+    base = Path(os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvgate-{os.getuid()}")
+    return base / name
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolConfig:
+    name: str = "kvgate-pool"  # shared-memory segment name and run-dir name
+    page_size: int = 64 * 1024
+    num_pages: int = 4096
+    run_dir: Path | None = None  # pid file, Unix socket, address.json
+    unix_socket: bool = True
+    tcp_host: str | None = "127.0.0.1"
+    tcp_port: int = 0  # 0: pick a free port (written to address.json)
+    tenants: Mapping[str, str] = dataclasses.field(default_factory=dict)  # tenant -> token
+    max_frame: int = P.DEFAULT_MAX_FRAME
+    max_clients: int = 256
+    max_queue: int = 64
+    io_threads: int = 2
+    admission: AdmissionPolicy = AdmissionPolicy()
+    limits: LoadLimits = LoadLimits()
+    reservation_ttl_s: float = 30.0
+    lease_ttl_s: float = 60.0
+    reap_interval_s: float = 0.5
+
+    def resolved_run_dir(self) -> Path:
+        return self.run_dir if self.run_dir is not None else default_run_dir(self.name)
+
+
+@dataclasses.dataclass
+class _Session:
+    client: int
+    peer: str
+    tenant: str | None = None
+    name: str = ""
+
+
+class PoolAlreadyRunning(PoolError):
+    """Another live daemon owns this name."""
+
+
+class PoolDaemon:
+    def __init__(self, config: PoolConfig):
+        if not config.tenants:
+            raise InvalidRequest("a pool needs at least one tenant token (PoolConfig.tenants)")
+        self.config = config
+        self.run_dir = config.resolved_run_dir()
+        self.metrics = PoolMetrics()
+        self.restarted_after_crash = False
+        self.recovery_note = ""
+        self.arena: Arena | None = None
+        self.catalog: Catalog | None = None
+        self.unix_path: Path | None = None
+        self.tcp_port: int | None = None
+        self._sessions = itertools.count(1)
+        self._clients: dict[int, asyncio.StreamWriter] = {}
+        self._queued = 0
+        self._lease_started: dict[int, float] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._servers: list[asyncio.AbstractServer] = []
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.ready = threading.Event()
+
+    # -- start-up and recovery -----------------------------------------------------------
+    def _recover_and_create(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        pid_file = self.run_dir / "pid"
+        notes = []
+        if pid_file.exists():
+            old = _read_pid(pid_file)
+            if old is not None and old != os.getpid() and _alive(old):
+                raise PoolAlreadyRunning(f"pool {self.config.name!r} is served by live pid {old} ({pid_file})")
+            notes.append(f"previous daemon (pid {old}) did not shut down cleanly")
+            pid_file.unlink()
+        if Arena.exists(self.config.name):
+            size = os.stat(f"/dev/shm/{self.config.name}").st_size
+            Arena.unlink(self.config.name)
+            notes.append(f"discarded its shared-memory arena /dev/shm/{self.config.name} ({size} bytes)")
+        sock = self.run_dir / "pool.sock"
+        if sock.exists():
+            sock.unlink()
+            notes.append("removed its stale socket")
+        if notes:
+            self.restarted_after_crash = True
+            self.recovery_note = "; ".join(notes) + "; starting with an empty pool"
+            log.warning("kvgate pool %s: %s", self.config.name, self.recovery_note)
+        self.arena = Arena.create(self.config.name, self.config.page_size, self.config.num_pages)
+        pid_file.write_text(str(os.getpid()))
+        cfg = self.config
+        self.catalog = Catalog(
+            CatalogConfig(num_pages=cfg.num_pages, page_size=cfg.page_size, admission=cfg.admission,
+                          limits=cfg.limits, reservation_ttl_s=cfg.reservation_ttl_s,
+                          lease_ttl_s=cfg.lease_ttl_s),
+            generations=self.arena._gens,
+        )
+
+    def _cleanup(self) -> None:
+        if self.arena is not None:
+            self.catalog = None  # drops the generation view into the arena
+            with contextlib.suppress(PoolError):  # views still held: unlink frees it anyway
+                self.arena.close()
+            Arena.unlink(self.config.name)
+            self.arena = None
+        for name in ("pool.sock", "address.json", "pid"):
+            (self.run_dir / name).unlink(missing_ok=True)
+
+    # -- running -------------------------------------------------------------------------
+    async def serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self._recover_and_create()
+        self._executor = ThreadPoolExecutor(max_workers=self.config.io_threads, thread_name_prefix="kvpool-io")
+        try:
+            limit = self.config.max_frame + 64
+            if self.config.unix_socket:
+                self.unix_path = self.run_dir / "pool.sock"
+                self._servers.append(await asyncio.start_unix_server(self._handle, path=str(self.unix_path), limit=limit))
+                os.chmod(self.unix_path, 0o600)
+            if self.config.tcp_host is not None:
+                srv = await asyncio.start_server(self._handle, host=self.config.tcp_host,
+                                                 port=self.config.tcp_port, limit=limit)
+                self.tcp_port = srv.sockets[0].getsockname()[1]
+                self._servers.append(srv)
+            self._write_address()
+            reaper = asyncio.create_task(self._reap())
+            self.ready.set()
+            await self._stop.wait()
+            reaper.cancel()
+            for srv in self._servers:
+                srv.close()
+            for writer in list(self._clients.values()):
+                writer.close()
+            for srv in self._servers:
+                await srv.wait_closed()
+        finally:
+            self._executor.shutdown(wait=True)
+            self._cleanup()
+            self.ready.set()
+
+    def address(self) -> dict[str, object]:
+        return {
+            "name": self.config.name,
+            "unix": str(self.unix_path) if self.unix_path else None,
+            "tcp": f"{self.config.tcp_host}:{self.tcp_port}" if self.tcp_port else None,
+            "arena": self.config.name,
+            "pid": os.getpid(),
+            "restarted_after_crash": self.restarted_after_crash,
+            "recovery_note": self.recovery_note,
+        }
+
+    def _write_address(self) -> None:
+        tmp = self.run_dir / "address.json.tmp"
+        tmp.write_text(json.dumps(self.address()))
+        tmp.replace(self.run_dir / "address.json")
+
+    def stop(self) -> None:
+        """Ask the serving loop to shut down (thread-safe)."""
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+
+    def run(self) -> None:
+        """Serve in this thread until SIGTERM or SIGINT."""
+
+        async def main() -> None:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.stop)
+            await self.serve()
+
+        asyncio.run(main())
+
+    def start_thread(self) -> PoolDaemon:
+        error: list[BaseException] = []
+
+        def target() -> None:
+            try:
+                asyncio.run(self.serve())
+            except BaseException as exc:  # re-raised in the starting thread below
+                error.append(exc)
+                self.ready.set()
+                raise
+
+        self._thread = threading.Thread(target=target, name=f"kvpool-{self.config.name}", daemon=True)
+        self._thread.start()
+        self.ready.wait()
+        if error:
+            raise error[0]
+        return self
+
+    def stop_thread(self, timeout: float = 10.0) -> None:
+        self.stop()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"pool daemon {self.config.name!r} did not stop within {timeout}s")
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.reap_interval_s)
+            assert self.catalog is not None
+            self.catalog.reap(time.monotonic())
+
+    # -- connections ---------------------------------------------------------------------
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        session = _Session(next(self._sessions), str(writer.get_extra_info("peername") or "unix"))
+        if len(self._clients) >= self.config.max_clients:
+            await self._send(writer, P.encode_reply(0, P.Error(ErrorCode.BUSY, "too many clients")))
+            writer.close()
+            return
+        self._clients[session.client] = writer
+        try:
+            while True:
+                try:
+                    header = await reader.readexactly(P.LENGTH.size)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                (n,) = P.LENGTH.unpack(header)
+                if n > self.config.max_frame:
+                    err = OversizedFrame(f"frame of {n} bytes exceeds the limit of {self.config.max_frame}")
+                    self.metrics.requests.labels("frame", err.code.value).inc()
+                    await self._send(writer, P.encode_reply(0, P.Error(err.code, err.message)))
+                    return
+                try:
+                    payload = await reader.readexactly(n)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                reply = await self._dispatch(session, payload)
+                if not await self._send(writer, reply):
+                    return
+        finally:
+            self._clients.pop(session.client, None)
+            if self.catalog is not None:
+                self.catalog.drop_client(session.client)
+            writer.close()
+
+    @staticmethod
+    async def _send(writer: asyncio.StreamWriter, data: bytes) -> bool:
+        try:
+            writer.write(data)
+            await writer.drain()
+        except ConnectionError:
+            return False
+        return True
+
+    async def _dispatch(self, session: _Session, payload: bytes) -> bytes:
+        request_id = 0
+        op_name = "frame"
+        try:
+            request_id, op = P.decode_request(payload)
+            op_name = type(op).__name__.lower()
+            result = await self._apply(session, op)
+            self.metrics.requests.labels(op_name, "ok").inc()
+            return P.encode_reply(request_id, result)
+        except PoolError as err:
+            request_id = getattr(err, "request_id", request_id)
+            self.metrics.requests.labels(op_name, err.code.value).inc()
+            return P.encode_reply(request_id, P.Error(err.code, err.message))
+
+    async def _apply(self, session: _Session, op: P.Request) -> P.Reply:
+        cat = self.catalog
+        assert cat is not None and self.arena is not None
+        if isinstance(op, P.Hello):
+            expected = self.config.tenants.get(op.tenant)
+            if expected is None or not hmac.compare_digest(expected.encode(), op.token.encode()):
+                raise Unauthenticated(f"unknown tenant or bad token for tenant {op.tenant!r}")
+            session.tenant, session.name = op.tenant, op.client_name
+            return P.HelloOk(session.client, self.arena.name, self.arena.instance, self.arena.page_size,
+                             self.arena.num_pages, SERVER_NAME, self.restarted_after_crash)
+        if session.tenant is None:
+            raise Unauthenticated(f"{type(op).__name__} before a successful hello")
+        tenant = session.tenant
+        now = time.monotonic()
+        if isinstance(op, P.Ping):
+            return P.Pong()
+        if isinstance(op, P.Lookup):
+            self._check_tenant(op.ns, tenant)
+            res = cat.lookup(tenant, op.ns, op.hashes)
+            return P.LookupOk(list(res.hits), res.miss)
+        if isinstance(op, P.Acquire):
+            self._check_tenant(op.ns, tenant)
+            acq = cat.acquire(session.client, tenant, op.ns, op.hashes, now)
+            if acq.lease_id:
+                self._lease_started[acq.lease_id] = now
+                self.metrics.hits.labels("remote").inc()
+                self.metrics.hit_blocks.inc(len(acq.hits))
+                self.metrics.bytes_read.inc(sum(h.length for h in acq.hits))
+            if acq.miss is not None:
+                self.metrics.misses.labels(acq.miss.cause.value).inc()
+            return P.AcquireOk(acq.lease_id, list(acq.hits), acq.miss)
+        if isinstance(op, P.Release):
+            self._own_lease(session, op.lease_id)
+            rel = cat.release(op.lease_id)
+            started = self._lease_started.pop(op.lease_id, None)
+            if started is not None:
+                self.metrics.lease_seconds.observe(now - started)
+            return P.ReleaseOk(list(rel.stale))
+        if isinstance(op, P.Reserve):
+            self._check_tenant(op.ns, tenant)
+            evictions = cat.counters["evictions"]
+            res = cat.reserve(session.client, tenant, op.ns, op.hashes, op.lengths, now, op.boundary)
+            self.metrics.evictions.inc(cat.counters["evictions"] - evictions)
+            return P.ReserveOk(res.reservation_id, list(res.slots))
+        if isinstance(op, P.WritePages):
+            return await self._write_pages(session, op)
+        if isinstance(op, P.Commit):
+            return await self._commit(session, op)
+        if isinstance(op, P.Abort):
+            self._own_reservation(session, op.reservation_id)
+            return P.AbortOk(cat.abort(op.reservation_id))
+        if isinstance(op, P.ReadPages):
+            return await self._read_pages(session, op)
+        if isinstance(op, P.Evict):
+            self._check_tenant(op.ns, tenant)
+            outcomes = cat.evict(tenant, op.ns, op.hashes)
+            self.metrics.evictions.inc(sum(o == "evicted" for o in outcomes))
+            return P.EvictOk(outcomes)
+        if isinstance(op, P.SetCapacity):
+            evicted = cat.set_capacity(op.pages)
+            self.metrics.evictions.inc(evicted)
+            return P.CapacityOk(evicted)
+        if isinstance(op, P.Stats):
+            return P.StatsOk(cat.stats())
+        if isinstance(op, P.Metrics):
+            self.metrics.refresh(cat.stats())
+            return P.MetricsOk(self.metrics.exposition())
+        raise InvalidRequest(f"unhandled op {type(op).__name__}")
+
+    @staticmethod
+    def _check_tenant(ns, tenant: str) -> None:  # noqa: ANN001
+        if ns.tenant != tenant:
+            raise Unauthenticated(f"session of tenant {tenant!r} cannot use namespace of tenant {ns.tenant!r}")
+
+    def _own_lease(self, session: _Session, lease_id: int) -> list[int]:
+        lease = self.catalog._leases.get(lease_id)  # noqa: SLF001 - the daemon owns the catalog
+        if lease is None or lease.client != session.client:
+            raise LeaseLost(f"lease {lease_id} is not held by this session")
+        return lease.pages
+
+    def _own_reservation(self, session: _Session, reservation_id: int) -> list[int]:
+        res = self.catalog._reservations.get(reservation_id)  # noqa: SLF001
+        if res is None or res.client != session.client:
+            raise InvalidRequest(f"reservation {reservation_id} is not open in this session")
+        return res.pages
+
+    async def _offload(self, fn, *args):  # noqa: ANN001, ANN202
+        if self._queued >= self.config.max_queue:
+            raise Busy(f"{self._queued} requests already queued (limit {self.config.max_queue})")
+        self._queued += 1
+        try:
+            return await self._loop.run_in_executor(self._executor, fn, *args)
+        finally:
+            self._queued -= 1
+
+    async def _commit(self, session: _Session, op: P.Commit) -> P.CommitOk:
+        pages = self._own_reservation(session, op.reservation_id)
+        if len(op.digests) != len(pages):
+            raise InvalidRequest(f"{len(op.digests)} digests for {len(pages)} reserved pages")
+        arena, cat = self.arena, self.catalog
+        lengths = [int(cat.length[p]) for p in pages]
+
+        def verify() -> list[bytes | None]:
+            return [page_digest(arena.page(p, n)) for p, n in zip(pages, lengths)]
+
+        actual = await self._offload(verify)
+        # The reservation may have expired while hashing; commit re-checks it.
+        digests = [a if hmac.compare_digest(a, c) else None for a, c in zip(actual, op.digests)]
+        res = cat.commit(op.reservation_id, digests)
+        self.metrics.bytes_written.inc(sum(n for n, d in zip(lengths, digests) if d is not None))
+        return P.CommitOk(res.committed, list(res.rejected))
+
+    async def _write_pages(self, session: _Session, op: P.WritePages) -> P.WriteOk:
+        pages = self._own_reservation(session, op.reservation_id)
+        if len(op.slots) != len(op.data):
+            raise InvalidRequest(f"{len(op.slots)} slots but {len(op.data)} payloads")
+        targets = []
+        for slot, data in zip(op.slots, op.data):
+            if not 0 <= slot < len(pages):
+                raise InvalidRequest(f"slot {slot} outside reservation of {len(pages)} pages")
+            expected = int(self.catalog.length[pages[slot]])
+            if len(data) != expected:
+                raise InvalidRequest(f"slot {slot}: {len(data)} bytes, reserved {expected}")
+            targets.append((pages[slot], data))
+        arena = self.arena
+
+        def write() -> int:
+            for page, data in targets:
+                arena.page(page, len(data))[:] = memoryview(data)
+            return len(targets)
+
+        return P.WriteOk(await self._offload(write))
+
+    async def _read_pages(self, session: _Session, op: P.ReadPages) -> P.PagesOk:
+        pages = self._own_lease(session, op.lease_id)
+        targets = []
+        for i in op.indexes:
+            if not 0 <= i < len(pages):
+                raise InvalidRequest(f"index {i} outside lease of {len(pages)} pages")
+            targets.append((pages[i], int(self.catalog.length[pages[i]])))
+        arena = self.arena
+        return P.PagesOk(await self._offload(lambda: [arena.page(p, n).tobytes() for p, n in targets]))
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_address(run_dir: Path, timeout: float = 10.0) -> dict[str, object]:
+    """Wait for a daemon in `run_dir` to publish its address.json; return it."""
+    deadline = time.monotonic() + timeout
+    path = run_dir / "address.json"
+    while time.monotonic() < deadline:
+        if path.exists():
+            return json.loads(path.read_text())
+        time.sleep(0.02)
+    raise TimeoutError(f"no pool daemon published {path} within {timeout}s")
+
+
+def main_serve(config: PoolConfig) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    daemon = PoolDaemon(config)
+    try:
+        daemon.run()
+    except PoolAlreadyRunning as exc:
+        print(f"kvgate pool serve: {exc}", file=sys.stderr)
+        return 2
+    return 0
+

@@ -1,0 +1,1 @@
+"""Report rendering: JSON, JUnit XML and the Markdown gate checklist."""
