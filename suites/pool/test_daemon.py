@@ -1,0 +1,264 @@
+"""The daemon over real sockets and shared memory: auth, framing, limits, lifecycle."""
+
+import dataclasses
+import os
+import socket
+
+import numpy as np
+import pytest
+
+from harness.pool_proc import PoolProcess, thread_pool
+from kvpool import protocol as P
+from kvpool.arena import Arena
+from kvpool.client import PoolClient, load, publish
+from kvpool.errors import Busy, ErrorCode, InvalidRequest, MissCause, Unauthenticated
+from kvpool.keys import Namespace, block_hashes
+
+NS = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
+
+
+def blocks(n, size=4096, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
+
+
+def collect(n, size=4096):
+    out = [np.zeros(size, np.uint8) for _ in range(n)]
+
+    def sink(i, src):
+        out[i][: src.size] = src
+        return out[i][: src.size]
+
+    return out, sink
+
+
+@pytest.fixture
+def daemon():
+    d = thread_pool(page_size=4096, num_pages=16)
+    yield d
+    d.stop_thread()
+    assert not Arena.exists(d.config.name)
+
+
+def client(d, **kw):
+    return PoolClient(f"unix:{d.unix_path}", "default", "tok", **kw)
+
+
+def raw(d):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(str(d.unix_path))
+    s.settimeout(5)
+    return s
+
+
+def ask(s, data):
+    s.sendall(data)
+    n = P.LENGTH.unpack(s.recv(4, socket.MSG_WAITALL))[0]
+    return P.decode_reply(s.recv(n, socket.MSG_WAITALL))
+
+
+def test_bad_token_and_ops_before_hello_are_refused(daemon):
+    with pytest.raises(Unauthenticated):
+        PoolClient(f"unix:{daemon.unix_path}", "default", "wrong")
+    with pytest.raises(Unauthenticated):
+        PoolClient(f"unix:{daemon.unix_path}", "nobody", "tok")
+    s = raw(daemon)
+    _, reply = ask(s, P.encode_request(1, P.Stats()))
+    assert reply.code == ErrorCode.UNAUTHENTICATED
+    _, reply = ask(s, P.encode_request(2, P.Hello("default", "tok")))
+    assert isinstance(reply, P.HelloOk)
+
+
+def test_a_session_cannot_use_another_tenants_namespace(daemon):
+    with client(daemon) as c, pytest.raises(Unauthenticated):
+        c.lookup(dataclasses.replace(NS, tenant="other"), block_hashes(range(16), 16))
+
+
+def test_publish_and_load_are_byte_exact_over_shm_and_over_tcp(daemon):
+    hs = block_hashes(range(16 * 5), 16)
+    data = blocks(5)
+    with client(daemon) as c:
+        assert c.arena is not None
+        assert publish(c, NS, hs, data).committed == 5
+        out, sink = collect(5)
+        res = load(c, NS, hs, sink)
+        assert (res.loaded, res.miss) == (5, None)
+        assert all(np.array_equal(a, b) for a, b in zip(out, data))
+    with PoolClient(f"tcp:127.0.0.1:{daemon.tcp_port}", "default", "tok", zero_copy=False) as r:
+        assert r.arena is None
+        out, sink = collect(5)
+        assert load(r, NS, hs, sink).loaded == 5
+        assert all(np.array_equal(a, b) for a, b in zip(out, data))
+        hs2 = block_hashes(range(1000, 1000 + 32), 16)
+        assert publish(r, NS, hs2, blocks(2, seed=1)).committed == 2
+        out, sink = collect(2)
+        assert load(r, NS, hs2, sink).loaded == 2
+        assert all(np.array_equal(a, b) for a, b in zip(out, blocks(2, seed=1)))
+
+
+def test_a_page_whose_bytes_differ_from_the_claimed_digest_is_never_visible(daemon):
+    hs = block_hashes(range(32), 16)
+    with client(daemon) as c:
+        res = c.reserve(NS, hs, [4096, 4096])
+        c.write_page(res, 0, blocks(1)[0])
+        c.write_page(res, 1, blocks(1, seed=5)[0])
+        from kvpool.digest import page_digest
+        out = c.commit(res.reservation_id, [page_digest(blocks(1)[0]), page_digest(blocks(1)[0])])
+        assert out.committed == 1 and out.rejected == (1,)
+        found = c.lookup(NS, hs)
+        assert len(found.hits) == 1 and found.miss.cause == MissCause.NEVER_PUBLISHED
+        assert c.stats()["free_pages"] == 15
+
+
+def test_corruption_after_commit_is_caught_by_the_loader(daemon):
+    hs = block_hashes(range(48), 16)
+    with client(daemon) as c:
+        publish(c, NS, hs, blocks(3))
+        page = c.lookup(NS, hs).hits[1].page
+        c.arena.page(page)[100] ^= 0xFF  # a stray write into a committed page
+        out, sink = collect(3)
+        res = load(c, NS, hs, sink)
+        assert res.loaded == 1 and res.miss.cause == MissCause.CORRUPT and res.miss.index == 1
+
+
+def test_connection_drop_reclaims_reservations_and_leases(daemon):
+    hs = block_hashes(range(32), 16)
+    with client(daemon) as c:
+        publish(c, NS, hs, blocks(2))
+        c2 = client(daemon)
+        c2.acquire(NS, hs)
+        c2.reserve(NS, block_hashes(range(500, 548), 16), [4096] * 3)
+        s = c.stats()
+        assert s["leased_pages"] == 2 and s["reserved_pages"] == 3
+        c2.close()
+        for _ in range(100):
+            s = c.stats()
+            if s["leased_pages"] == 0 and s["reserved_pages"] == 0:
+                break
+        assert s["leased_pages"] == 0 and s["reserved_pages"] == 0 and s["free_pages"] == 14
+
+
+def test_oversized_frame_closes_only_that_connection(daemon):
+    with client(daemon) as good:
+        s = raw(daemon)
+        s.sendall(P.LENGTH.pack(daemon.config.max_frame + 1))
+        n = P.LENGTH.unpack(s.recv(4, socket.MSG_WAITALL))[0]
+        _, reply = P.decode_reply(s.recv(n, socket.MSG_WAITALL))
+        assert reply.code == ErrorCode.OVERSIZED
+        assert s.recv(1) == b""  # closed
+        good.ping()
+
+
+def test_too_many_clients_is_busy_and_others_keep_working():
+    d = thread_pool(page_size=4096, num_pages=4, max_clients=2)
+    try:
+        a, b = client(d), client(d)
+        with pytest.raises(Busy):
+            client(d)
+        a.ping()
+        b.close()
+        c = None
+        for _ in range(50):
+            try:
+                c = client(d)
+                break
+            except Busy:
+                pass
+        assert c is not None
+        c.close()
+        a.close()
+    finally:
+        d.stop_thread()
+
+
+def test_requests_against_unknown_ids_get_typed_errors(daemon):
+    with client(daemon) as c:
+        with pytest.raises(InvalidRequest):
+            c.commit(12345, [])
+        with pytest.raises(InvalidRequest):
+            c.abort(12345)
+        from kvpool.errors import LeaseLost
+        with pytest.raises(LeaseLost):
+            c.release(999)
+        c.ping()
+
+
+def test_metrics_count_hits_misses_and_evictions(daemon):
+    hs = block_hashes(range(32), 16)
+    with client(daemon) as c:
+        publish(c, NS, hs, blocks(2))
+        out, sink = collect(2)
+        load(c, NS, hs, sink)
+        c.evict(NS, hs[1:])
+        load(c, NS, hs, sink)
+        text = c.metrics_text()
+    assert 'kvpool_hits_total{kind="remote"} 2.0' in text
+    assert 'kvpool_misses_total{cause="evicted"} 1.0' in text
+    assert "kvpool_evictions_total 1.0" in text
+    assert "kvpool_bytes_written_total 8192.0" in text
+
+
+def test_process_daemon_graceful_stop_frees_shared_memory(tmp_path):
+    pool = PoolProcess.start(page_size=4096, num_pages=8, run_dir=tmp_path)
+    try:
+        with pool.client() as c:
+            publish(c, NS, block_hashes(range(16), 16), blocks(1))
+        assert Arena.exists(pool.name)
+        assert pool.stop() == 0
+        assert not Arena.exists(pool.name)
+        assert not (tmp_path / "pid").exists() and not (tmp_path / "pool.sock").exists()
+    finally:
+        pool.cleanup()
+
+
+def test_restart_after_a_crash_starts_clean_and_says_so(tmp_path):
+    pool = PoolProcess.start(page_size=4096, num_pages=8, run_dir=tmp_path)
+    try:
+        hs = block_hashes(range(16), 16)
+        with pool.client() as c:
+            publish(c, NS, hs, blocks(1))
+            assert not c.hello.restarted_after_crash
+        pool.kill()
+        assert Arena.exists(pool.name), "a crashed daemon leaves its segment"
+        pool.restart()
+        assert pool.address["restarted_after_crash"]
+        assert "did not shut down cleanly" in pool.address["recovery_note"]
+        with pool.client() as c:
+            assert c.hello.restarted_after_crash
+            assert c.lookup(NS, hs).miss.cause == MissCause.NEVER_PUBLISHED
+            assert c.stats()["free_pages"] == 8
+        assert "starting with an empty pool" in pool.log_path.read_text()
+        assert pool.stop() == 0
+    finally:
+        pool.cleanup()
+
+
+def test_a_second_daemon_with_a_live_owner_refuses(tmp_path):
+    pool = PoolProcess.start(page_size=4096, num_pages=4, run_dir=tmp_path)
+    try:
+        with pytest.raises(RuntimeError, match="served by live pid"):
+            PoolProcess.start(page_size=4096, num_pages=4, run_dir=tmp_path, name=pool.name, timeout=10)
+        with pool.client() as c:
+            c.ping()
+    finally:
+        pool.cleanup()
+
+
+def test_client_reconnects_after_the_daemon_restarts(tmp_path):
+    pool = PoolProcess.start(page_size=4096, num_pages=8, run_dir=tmp_path)
+    try:
+        c = pool.client()
+        old_instance = c.arena.instance
+        pool.stop()
+        from kvpool.errors import TransportError
+        with pytest.raises(TransportError):
+            c.ping()
+        pool.restart()
+        c.connect()
+        assert c.arena.instance != old_instance
+        hs = block_hashes(range(16), 16)
+        assert publish(c, NS, hs, blocks(1)).committed == 1
+        c.close()
+    finally:
+        pool.cleanup()
+    assert os.path.exists(tmp_path)

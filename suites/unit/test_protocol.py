@@ -1,0 +1,63 @@
+"""The wire protocol: every message round-trips; bad frames raise typed errors."""
+
+import msgspec
+import pytest
+
+from kvpool import protocol as P
+from kvpool.catalog import EvictOutcome, Miss, PageRef, Slot, SlotStatus
+from kvpool.errors import ErrorCode, MalformedFrame, MissCause, WrongVersion, error_from_code, Unauthenticated
+from kvpool.keys import Namespace
+
+NS = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
+H = [b"\x01" * 16, b"\x02" * 16]
+
+REQUESTS = [
+    P.Hello("default", "secret", "replica-a"), P.Ping(), P.Lookup(NS, H), P.Acquire(NS, H), P.Release(3),
+    P.Reserve(NS, H, [10, 20], 1), P.WritePages(4, [0], [b"abc"]), P.Commit(4, [b"d" * 16]), P.Abort(4),
+    P.ReadPages(3, [0, 1]), P.Evict(NS, H), P.SetCapacity(9), P.Stats(), P.Metrics(),
+]
+REPLIES = [
+    P.HelloOk(1, "arena", b"i" * 16, 4096, 8, "srv", False), P.Pong(),
+    P.LookupOk([PageRef(1, 2, 3, b"d" * 16)], Miss(1, MissCause.INCOMPATIBLE, ("kv_dtype",))),
+    P.AcquireOk(5, [], Miss(0, MissCause.THROTTLED)), P.ReleaseOk([]),
+    P.ReserveOk(7, [Slot(SlotStatus.RESERVED, 1, 0), Slot(SlotStatus.EXISTS)]), P.WriteOk(1),
+    P.CommitOk(1, [2]), P.AbortOk(3), P.PagesOk([b"x"]), P.EvictOk([EvictOutcome.LEASED]),
+    P.CapacityOk(2), P.StatsOk({"a": 1}), P.MetricsOk("m 1"), P.Error(ErrorCode.BUSY, "full"),
+]
+
+
+@pytest.mark.parametrize("op", REQUESTS, ids=lambda o: type(o).__name__)
+def test_requests_round_trip(op):
+    data = P.encode_request(42, op)
+    assert P.LENGTH.unpack(data[:4])[0] == len(data) - 4
+    assert P.decode_request(data[4:]) == (42, op)
+
+
+@pytest.mark.parametrize("reply", REPLIES, ids=lambda o: type(o).__name__)
+def test_replies_round_trip(reply):
+    assert P.decode_reply(P.encode_reply(9, reply)[4:]) == (9, reply)
+
+
+def test_wrong_version_is_not_malformed():
+    data = P.encode_request(5, P.Ping(), version=P.PROTOCOL_VERSION + 1)
+    with pytest.raises(WrongVersion) as info:
+        P.decode_request(data[4:])
+    assert info.value.request_id == 5
+
+
+@pytest.mark.parametrize("payload", [
+    b"", b"\xc1", msgspec.msgpack.encode({"v": 1}), msgspec.msgpack.encode([1, 2]),
+    msgspec.msgpack.encode([1, 2, {"type": "nope"}]), msgspec.msgpack.encode([1, 2, {"type": "release"}]),
+    msgspec.msgpack.encode([1, 2, {"type": "release", "lease_id": "x"}]),
+    msgspec.msgpack.encode([1, 2, {"type": "ping", "extra": 1}]),
+    msgspec.msgpack.encode([1, -1, {"type": "ping"}]),
+    msgspec.msgpack.encode([1, 2, {"type": "lookup", "ns": {**NS.as_dict(), "block_size": 0}, "hashes": []}]),
+])
+def test_malformed_payloads_raise_malformed(payload):
+    with pytest.raises(MalformedFrame):
+        P.decode_request(payload)
+
+
+def test_error_codes_map_back_to_exception_types():
+    err = error_from_code(ErrorCode.UNAUTHENTICATED, "no")
+    assert isinstance(err, Unauthenticated) and err.message == "no"
