@@ -44,7 +44,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if worker_seed is not None:
         seed = int(worker_seed)
     elif raw == "last":
-        seed = config.cache.get(CACHE_KEY, None) if config.cache else None
+        cache = getattr(config, "cache", None)
+        seed = cache.get(CACHE_KEY, None) if cache is not None else None
         if seed is None:
             raise pytest.UsageError("--kv-seed=last: no previous seed in the cache")
     elif raw is not None:
@@ -57,7 +58,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[SEED_KEY] = seed
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(_XdistHooks(), "kvgate-xdist")
-    if config.cache is not None and worker_seed is None:
+    if getattr(config, "cache", None) is not None and worker_seed is None:
         config.cache.set(CACHE_KEY, seed)
 
 

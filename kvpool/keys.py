@@ -15,10 +15,10 @@ is checked against the entry's own namespace on every lookup.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from collections.abc import Sequence
 
+import msgspec
 import numpy as np
 
 # Fixed key of the chained hash: the same tokens give the same chain in every process
@@ -30,9 +30,12 @@ ROOT_HASH = bytes(HASH_BYTES)
 BlockHash = bytes
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Namespace:
-    """Everything that changes KV bytes, plus the tenant that owns them."""
+class Namespace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Everything that changes KV bytes, plus the tenant that owns them.
+
+    A frozen msgspec Struct: hashable, and a namespace arriving over the wire with a
+    field this build does not know is rejected rather than silently dropped (an unknown
+    field may change KV bytes)."""
 
     model_id: str
     model_revision: str
@@ -50,40 +53,43 @@ class Namespace:
     tenant: str = "default"
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
+        for f in msgspec.structs.fields(self):
             value = getattr(self, f.name)
-            if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+            if f.type is int and (not isinstance(value, int) or isinstance(value, bool)):
                 raise TypeError(f"Namespace.{f.name} must be an int, got {value!r}")
-            if f.type == "str" and not isinstance(value, str):
+            if f.type is str and not isinstance(value, str):
                 raise TypeError(f"Namespace.{f.name} must be a str, got {value!r}")
-        if self.block_size <= 0:
-            raise ValueError(f"Namespace.block_size must be positive, got {self.block_size}")
+        for name in ("block_size", "num_layers", "num_kv_heads", "head_size", "tp_world_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Namespace.{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.tp_rank < self.tp_world_size:
             raise ValueError(
                 f"Namespace.tp_rank {self.tp_rank} outside world size {self.tp_world_size}"
             )
 
     def as_dict(self) -> dict[str, str | int]:
-        return dataclasses.asdict(self)
+        return msgspec.structs.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> Namespace:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - names
+        unknown = set(data) - set(cls.__struct_fields__)
         if unknown:
             raise ValueError(f"unknown Namespace fields: {sorted(unknown)}")
         return cls(**data)  # type: ignore[arg-type]
 
+    def replace(self, **changes: object) -> Namespace:
+        return msgspec.structs.replace(self, **changes)
+
     def differing_fields(self, other: Namespace) -> tuple[str, ...]:
         """The fields (tenant excluded) in which two namespaces differ."""
         return tuple(
-            f.name
-            for f in dataclasses.fields(self)
-            if f.name != "tenant" and getattr(self, f.name) != getattr(other, f.name)
+            name
+            for name in self.__struct_fields__
+            if name != "tenant" and getattr(self, name) != getattr(other, name)
         )
 
     def with_tenant(self, tenant: str) -> Namespace:
-        return dataclasses.replace(self, tenant=tenant)
+        return self.replace(tenant=tenant)
 
     @property
     def bytes_per_token(self) -> int:

@@ -28,7 +28,7 @@ DEFAULT_MAX_FRAME = 64 * 1024 * 1024 + 4096
 LENGTH = struct.Struct(">I")
 
 
-class Envelope(msgspec.Struct, array_like=True):
+class Envelope(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     v: int
     id: int
     body: msgspec.Raw

@@ -264,8 +264,7 @@ class PoolDaemon:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         session = _Session(next(self._sessions), str(writer.get_extra_info("peername") or "unix"))
         if len(self._clients) >= self.config.max_clients:
-            await self._send(writer, P.encode_reply(0, P.Error(ErrorCode.BUSY, "too many clients")))
-            writer.close()
+            await self._refuse_busy(reader, writer)
             return
         self._clients[session.client] = writer
         try:
@@ -292,6 +291,22 @@ class PoolDaemon:
             if self.catalog is not None:
                 self.catalog.drop_client(session.client)
             writer.close()
+
+    async def _refuse_busy(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Answer the first request of a connection over the client limit with BUSY, close."""
+        request_id = 0
+        try:
+            (n,) = P.LENGTH.unpack(await asyncio.wait_for(reader.readexactly(P.LENGTH.size), 5.0))
+            if n <= self.config.max_frame:
+                payload = await asyncio.wait_for(reader.readexactly(n), 5.0)
+                with contextlib.suppress(PoolError):
+                    request_id = P.decode_request(payload)[0]
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+            pass  # the client went away first; nothing to answer
+        self.metrics.requests.labels("connect", ErrorCode.BUSY.value).inc()
+        msg = f"too many clients (limit {self.config.max_clients})"
+        await self._send(writer, P.encode_reply(request_id, P.Error(ErrorCode.BUSY, msg)))
+        writer.close()
 
     @staticmethod
     async def _send(writer: asyncio.StreamWriter, data: bytes) -> bool:

@@ -1,6 +1,5 @@
 """The daemon over real sockets and shared memory: auth, framing, limits, lifecycle."""
 
-import dataclasses
 import os
 import socket
 
@@ -71,7 +70,7 @@ def test_bad_token_and_ops_before_hello_are_refused(daemon):
 
 def test_a_session_cannot_use_another_tenants_namespace(daemon):
     with client(daemon) as c, pytest.raises(Unauthenticated):
-        c.lookup(dataclasses.replace(NS, tenant="other"), block_hashes(range(16), 16))
+        c.lookup(NS.replace(tenant="other"), block_hashes(range(16), 16))
 
 
 def test_publish_and_load_are_byte_exact_over_shm_and_over_tcp(daemon):

@@ -1,6 +1,5 @@
 """The catalog: two-phase publish, leases, eviction, ghosts, admission, limits."""
 
-import dataclasses
 
 import pytest
 
@@ -143,7 +142,7 @@ def test_incompatible_names_the_field_and_namespaces_coexist():
     cat = make()
     hs = hashes(2)
     put(cat, hs)
-    other = dataclasses.replace(NS, model_revision="r2")
+    other = NS.replace(model_revision="r2")
     miss = cat.lookup("default", other, hs).miss
     assert miss.cause == MissCause.INCOMPATIBLE and miss.fields == ("model_revision",)
     put(cat, hs, ns=other)
@@ -158,7 +157,7 @@ def test_a_tenant_never_sees_another_tenants_blocks():
     cat = make()
     hs = hashes(2)
     put(cat, hs)
-    t2 = dataclasses.replace(NS, tenant="t2")
+    t2 = NS.replace(tenant="t2")
     assert cat.lookup("t2", t2, hs).miss.cause == MissCause.NEVER_PUBLISHED
     cat.evict("default", NS, hs)
     assert cat.lookup("t2", t2, hs).miss.cause == MissCause.NEVER_PUBLISHED

@@ -1,6 +1,5 @@
 """Keys: chained block hashes and the namespace."""
 
-import dataclasses
 
 import numpy as np
 import pytest
@@ -63,18 +62,18 @@ def test_useful_tokens():
 
 
 def test_differing_fields_names_each_field_and_ignores_tenant():
-    other = dataclasses.replace(NS, model_revision="r2", kv_dtype="float16", tenant="t2")
+    other = NS.replace(model_revision="r2", kv_dtype="float16", tenant="t2")
     assert NS.differing_fields(other) == ("model_revision", "kv_dtype")
     assert NS.differing_fields(NS) == ()
 
 
 def test_namespace_validates_types():
     with pytest.raises(TypeError):
-        dataclasses.replace(NS, block_size="16")
+        NS.replace(block_size="16")
     with pytest.raises(ValueError):
-        dataclasses.replace(NS, block_size=0)
+        NS.replace(block_size=0)
     with pytest.raises(ValueError):
-        dataclasses.replace(NS, tp_rank=1, tp_world_size=1)
+        NS.replace(tp_rank=1, tp_world_size=1)
     with pytest.raises(ValueError):
         Namespace.from_dict({**NS.as_dict(), "colour": "red"})
 
@@ -82,5 +81,5 @@ def test_namespace_validates_types():
 def test_bytes_per_token_uses_kv_heads():
     # The tiny model: 2 x 2 layers x 2 KV heads x 64 x 2 bytes = 1 KiB per token.
     assert NS.bytes_per_token == 1024
-    big = dataclasses.replace(NS, num_layers=64, num_kv_heads=8, head_size=128)
+    big = NS.replace(num_layers=64, num_kv_heads=8, head_size=128)
     assert big.bytes_per_token == 2 * 64 * 8 * 128 * 2
