@@ -38,7 +38,19 @@ def _commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
+def _hypothesis_profiles(slow: bool) -> None:
+    try:
+        from hypothesis import HealthCheck, settings
+    except ImportError:  # hypothesis is a dev dependency; the plugin works without it
+        return
+    common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile("kvgate", max_examples=25, stateful_step_count=30, **common)
+    settings.register_profile("kvgate-slow", max_examples=400, stateful_step_count=80, **common)
+    settings.load_profile("kvgate-slow" if slow else "kvgate")
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    _hypothesis_profiles(config.getoption("--slow"))
     raw = config.getoption("--kv-seed")
     worker_seed = getattr(config, "workerinput", {}).get("kv_seed")
     if worker_seed is not None:
