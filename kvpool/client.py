@@ -41,7 +41,7 @@ from kvpool.catalog import (
     ReserveResult,
     SlotStatus,
 )
-from kvpool.digest import page_digest
+from kvpool.copy import Buffer, as_segments, copy_digest, digest_segments, total_size
 from kvpool.errors import (
     ArenaError,
     CorruptPage,
@@ -57,9 +57,10 @@ from kvpool.errors import (
 from kvpool.keys import Namespace
 from kvpool.metrics import ClientMetrics
 
-# A sink installs block i from `src` into the caller's memory and returns a view of the
-# installed bytes (which load() digests: the check covers what the engine will read).
-Sink = Callable[[int, np.ndarray], "np.ndarray | memoryview | bytes"]
+# Where block i goes: the caller's memory as one buffer or a list of segments (e.g. one
+# per layer). load() copies the page into it and digests the bytes as installed, so the
+# check covers what the engine will read.
+Destination = Callable[[int], "np.ndarray | Sequence[np.ndarray]"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -90,6 +91,7 @@ class PoolBackend(Protocol):
     def acquire(self, ns: Namespace, hashes: Sequence[bytes]) -> AcquireResult: ...
     def release(self, lease_id: int) -> ReleaseResult: ...
     def read_page(self, lease: AcquireResult, index: int) -> np.ndarray | bytes: ...
+    def reserved_view(self, reservation: ReserveResult, slot: int) -> np.ndarray | None: ...
     def reserve(self, ns: Namespace, hashes: Sequence[bytes], lengths: Sequence[int],
                 boundary: int | None = None) -> ReserveResult: ...
     def write_page(self, reservation: ReserveResult, slot: int, data: np.ndarray | bytes) -> None: ...
@@ -282,6 +284,13 @@ class PoolClient:
         r = self._expect(P.Reserve(ns, list(hashes), [int(n) for n in lengths], boundary), P.ReserveOk)
         return ReserveResult(r.reservation_id, tuple(r.slots))
 
+    def reserved_view(self, reservation: ReserveResult, slot: int) -> np.ndarray | None:
+        """The reserved page itself, writable, where the arena is mapped (else None)."""
+        s = reservation.slots[slot]
+        if s.status != SlotStatus.RESERVED:
+            raise InvalidRequest(f"slot {slot} is {s.status.value}, not reserved")
+        return None if self.arena is None else self.arena.page(s.page)
+
     def write_page(self, reservation: ReserveResult, slot: int, data: np.ndarray | bytes) -> None:
         s = reservation.slots[slot]
         if s.status != SlotStatus.RESERVED:
@@ -315,23 +324,18 @@ class PoolClient:
 
 
 # -- the two high-level operations, for any PoolBackend -------------------------------------
-def _as_u8(data: np.ndarray | bytes | memoryview) -> np.ndarray:
-    if isinstance(data, np.ndarray):
-        return data.reshape(-1).view(np.uint8)
-    return np.frombuffer(data, dtype=np.uint8)
-
-
 def publish(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes],
-            blocks: Sequence[np.ndarray | bytes], boundary: int | None = None,
+            blocks: Sequence[Buffer | Sequence[Buffer]], boundary: int | None = None,
             metrics: ClientMetrics | None = None) -> PublishResult:
-    """Two-phase publish of `blocks[i]` under `hashes[i]`. Pages become visible only
-    after the daemon re-verified their digest; on any error the reservation is aborted
-    (and, if even that fails, the daemon reclaims it when the connection drops or the
-    reservation's TTL passes)."""
+    """Two-phase publish of `blocks[i]` (one buffer or a list of segments) under
+    `hashes[i]`. Pages become visible only after the daemon re-verified their digest; on
+    any error the reservation is aborted (and, if even that fails, the daemon reclaims it
+    when the connection drops or the reservation's TTL passes)."""
     if len(blocks) != len(hashes):
         raise InvalidRequest(f"{len(hashes)} hashes but {len(blocks)} blocks")
-    views = [_as_u8(b) for b in blocks]
-    res = backend.reserve(ns, hashes, [v.size for v in views], boundary)
+    segments = [as_segments(b) for b in blocks]
+    sizes = [total_size(s) for s in segments]
+    res = backend.reserve(ns, hashes, sizes, boundary)
     count = {s: 0 for s in SlotStatus}
     for slot in res.slots:
         count[slot.status] += 1
@@ -340,9 +344,15 @@ def publish(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes],
         digests = []
         try:
             for i, slot in enumerate(res.slots):
-                if slot.status == SlotStatus.RESERVED:
-                    backend.write_page(res, i, views[i])
-                    digests.append(page_digest(views[i]))
+                if slot.status != SlotStatus.RESERVED:
+                    continue
+                view = backend.reserved_view(res, i)
+                if view is not None:
+                    digests.append(copy_digest(segments[i], [view[: sizes[i]]]))
+                else:
+                    data = np.concatenate(segments[i]) if len(segments[i]) > 1 else segments[i][0]
+                    backend.write_page(res, i, data)
+                    digests.append(digest_segments([data]))
             out = backend.commit(res.reservation_id, digests)
         except BaseException:
             try:
@@ -352,14 +362,14 @@ def publish(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes],
             raise
         committed, rejected = out.committed, len(out.rejected)
         if metrics is not None:
-            metrics.bytes_published.inc(sum(v.size for v, s in zip(views, res.slots) if s.status == SlotStatus.RESERVED))
+            metrics.bytes_published.inc(sum(n for n, s in zip(sizes, res.slots) if s.status == SlotStatus.RESERVED))
     return PublishResult(len(hashes), committed, count[SlotStatus.EXISTS], count[SlotStatus.PENDING],
                          count[SlotStatus.NOT_ADMITTED], count[SlotStatus.NO_CAPACITY], rejected)
 
 
-def load(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes], sink: Sink,
+def load(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes], dest: Destination,
          deadline_s: float | None = None, metrics: ClientMetrics | None = None) -> LoadResult:
-    """Install the longest run of pooled blocks through `sink`; classify any shortfall."""
+    """Install the longest run of pooled blocks into `dest(i)`; classify any shortfall."""
     t0 = time.monotonic()
     requested = len(hashes)
     loaded = 0
@@ -371,8 +381,10 @@ def load(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes], sink: Sin
         for i, ref in enumerate(lease.hits):
             if deadline_s is not None and time.monotonic() - t0 > deadline_s:
                 raise PoolTimeout(f"load passed its deadline of {deadline_s}s at block {i}")
-            installed = _as_u8(sink(i, _as_u8(backend.read_page(lease, i))))
-            if installed.size != ref.length or page_digest(installed) != ref.digest:
+            target = as_segments(dest(i))
+            if total_size(target) != ref.length:
+                raise InvalidRequest(f"block {i}: destination of {total_size(target)} bytes for a page of {ref.length}")
+            if copy_digest(as_segments(backend.read_page(lease, i)), target) != ref.digest:
                 raise CorruptPage(f"block {i} (page {ref.page}): installed bytes do not match the published digest")
             loaded += 1
     except CorruptPage:

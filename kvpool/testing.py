@@ -256,13 +256,8 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(ns=st.integers(0, 1), keys=st.lists(st.integers(0, N_KEYS - 1), min_size=1, max_size=4, unique=True))
     def load(self, ns: int, keys: list[int]) -> None:
         hits, cause, ok = self.model.acquire(ns, keys, len(self.held))
-        out: list[np.ndarray] = []
-
-        def sink(i: int, src: np.ndarray) -> np.ndarray:
-            out.append(np.array(src, copy=True))
-            return out[-1]
-
-        res = load(self.client, NAMESPACES[ns], [KEYS[k] for k in keys], sink)
+        out = [np.zeros(PAGE, np.uint8) for _ in keys]
+        res = load(self.client, NAMESPACES[ns], [KEYS[k] for k in keys], out.__getitem__)
         assert res.loaded == len(hits), (res, hits, cause)
         assert (res.miss.cause if res.miss else None) == cause
         for (n, k), data in zip(hits, out):

@@ -1,0 +1,69 @@
+"""Host-side copies of page bytes, fused with the page digest.
+
+  copy_digest(src, dst)   copy the concatenation of the `src` segments into the `dst`
+                          segments (same total size, any segment boundaries) and return
+                          the XXH3-128 digest of the bytes copied, hashing each chunk while it
+                          is still in cache: one pass over memory instead of two.
+  as_segments(x)          a block given as one buffer or a list of buffers, as uint8 views.
+
+A KV block spread over several tensors (one per layer) is a list of segments; a pool
+page is one segment. The digest equals kvpool.digest.page_digest of the concatenation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+CHUNK = 256 * 1024
+
+Buffer = np.ndarray | bytes | bytearray | memoryview
+
+
+def _u8(x: Buffer) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        if not x.flags.c_contiguous:
+            raise ValueError("segments must be C-contiguous")
+        return x.reshape(-1).view(np.uint8)
+    return np.frombuffer(x, dtype=np.uint8)
+
+
+def as_segments(block: Buffer | Sequence[Buffer]) -> list[np.ndarray]:
+    if isinstance(block, (np.ndarray, bytes, bytearray, memoryview)):
+        return [_u8(block)]
+    return [_u8(s) for s in block]
+
+
+def total_size(segments: Sequence[np.ndarray]) -> int:
+    return sum(s.size for s in segments)
+
+
+def copy_digest(src: Sequence[np.ndarray], dst: Sequence[np.ndarray], chunk: int = CHUNK) -> bytes:
+    n = total_size(src)
+    if total_size(dst) != n:
+        raise ValueError(f"copy of {n} bytes into {total_size(dst)} bytes")
+    h = xxhash.xxh3_128()
+    si = di = so = do = 0
+    while si < len(src) and di < len(dst):
+        s, d = src[si], dst[di]
+        k = min(chunk, s.size - so, d.size - do)
+        if k:
+            out = d[do : do + k]
+            np.copyto(out, s[so : so + k])
+            h.update(out)
+            so += k
+            do += k
+        if so == s.size:
+            si, so = si + 1, 0
+        if do == d.size:
+            di, do = di + 1, 0
+    return h.digest()
+
+
+def digest_segments(segments: Sequence[np.ndarray]) -> bytes:
+    h = xxhash.xxh3_128()
+    for s in segments:
+        h.update(s)
+    return h.digest()
