@@ -33,6 +33,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import msgspec
 import numpy as np
 
 from kvpool.errors import InvalidRequest, LeaseLost, MissCause
@@ -94,16 +95,54 @@ class CatalogConfig:
     lease_ttl_s: float = 60.0
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class PageRef:
+class PageRef(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     page: int
     generation: int
     length: int
     digest: bytes
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Miss:
+class Hits(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """A run of hits, stored by column (cheap to build, encode and decode); indexing
+    gives PageRefs."""
+
+    pages: list[int] = []
+    generations: list[int] = []
+    lengths: list[int] = []
+    digests: bytes = b""
+
+    def __post_init__(self) -> None:
+        n = len(self.pages)
+        if len(self.generations) != n or len(self.lengths) != n or len(self.digests) != n * DIGEST_BYTES:
+            raise ValueError(f"Hits columns disagree: {n} pages, {len(self.generations)} generations, "
+                             f"{len(self.lengths)} lengths, {len(self.digests)} digest bytes")
+
+    def __len__(self) -> int:
+        return len(self.pages)
+
+    def __bool__(self) -> bool:
+        return bool(self.pages)
+
+    def _ref(self, i: int) -> PageRef:
+        return PageRef(self.pages[i], self.generations[i], self.lengths[i],
+                       self.digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES])
+
+    def __getitem__(self, i):  # noqa: ANN001, ANN204 - an int or a slice
+        if isinstance(i, slice):
+            return [self._ref(j) for j in range(*i.indices(len(self.pages)))]
+        if i < 0:
+            i += len(self.pages)
+        return self._ref(i)
+
+    def __iter__(self):  # noqa: ANN204
+        return (self._ref(i) for i in range(len(self.pages)))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.lengths)
+
+
+class Miss(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     index: int  # the block at which the run stopped
     cause: MissCause
     fields: tuple[str, ...] = ()  # for INCOMPATIBLE: the namespace fields that differ
@@ -111,19 +150,18 @@ class Miss:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LookupResult:
-    hits: tuple[PageRef, ...]
+    hits: Hits
     miss: Miss | None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AcquireResult:
     lease_id: int  # 0 when nothing was leased
-    hits: tuple[PageRef, ...]
+    hits: Hits
     miss: Miss | None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Slot:
+class Slot(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     status: SlotStatus
     page: int = -1
     generation: int = 0
@@ -225,9 +263,6 @@ class Catalog:
         return self._namespaces[ns_id]
 
     # -- reading -----------------------------------------------------------------------
-    def _ref(self, page: int) -> PageRef:
-        return PageRef(page, int(self.gen[page]), int(self.length[page]), self.digest[page].tobytes())
-
     def _pages_for(self, tid: int, key: bytes) -> tuple[int, ...]:
         if tid < 0:
             return ()
@@ -248,16 +283,33 @@ class Catalog:
             return Miss(index, MissCause.INCOMPATIBLE, ns.differing_fields(other))
         return Miss(index, MissCause.NEVER_PUBLISHED)
 
+    def _refs(self, pages: list[int]) -> Hits:
+        if not pages:
+            return Hits()
+        return Hits(pages, self.gen[pages].tolist(), self.length[pages].tolist(), self.digest[pages].tobytes())
+
     def lookup(self, tenant: str, ns: Namespace, hashes: Sequence[bytes]) -> LookupResult:
         tid = self._tenant_id(tenant, create=False)
         nid = self._ns_ids.get(ns, -2)
-        hits: list[PageRef] = []
-        for i, key in enumerate(hashes):
-            found = self._find(tid, nid, ns, key, i)
+        # Fast path, the common case: each block under one namespace (an int entry).
+        get = (self._index[tid] if tid >= 0 else {}).get
+        pages: list[int] = []
+        for key in hashes:
+            entry = get(key)
+            if type(entry) is not int:
+                break
+            pages.append(entry)
+        if pages:
+            same = self.ns_of[pages] == nid
+            if not same.all():
+                del pages[int(np.argmin(same)) :]
+        # Slow path from the first block the fast path could not settle.
+        for i in range(len(pages), len(hashes)):
+            found = self._find(tid, nid, ns, hashes[i], i)
             if isinstance(found, Miss):
-                return LookupResult(tuple(hits), found)
-            hits.append(self._ref(found))
-        return LookupResult(tuple(hits), None)
+                return LookupResult(self._refs(pages), found)
+            pages.append(found)
+        return LookupResult(self._refs(pages), None)
 
     def acquire(self, client: int, tenant: str, ns: Namespace, hashes: Sequence[bytes],
                 now: float) -> AcquireResult:
@@ -265,19 +317,19 @@ class Catalog:
         if not found.hits:
             if found.miss is not None:
                 self.miss_counters[found.miss.cause] += 1
-            return AcquireResult(0, (), found.miss)
+            return AcquireResult(0, Hits(), found.miss)
         limits = self.config.limits
         if (limits.per_client and self._leases_by_client.get(client, 0) >= limits.per_client) or (
             limits.total and len(self._leases) >= limits.total
         ):
             self.miss_counters[MissCause.THROTTLED] += 1
-            return AcquireResult(0, (), Miss(0, MissCause.THROTTLED))
-        pages = [r.page for r in found.hits]
+            return AcquireResult(0, Hits(), Miss(0, MissCause.THROTTLED))
+        pages = list(found.hits.pages)
         for p in pages:
             self.leases_on[p] += 1
             self.tick[p] = next(self._clock)
         lease_id = next(self._ids)
-        self._leases[lease_id] = _Lease(client, pages, [r.generation for r in found.hits],
+        self._leases[lease_id] = _Lease(client, pages, list(found.hits.generations),
                                         now + self.config.lease_ttl_s)
         self._leases_by_client[client] = self._leases_by_client.get(client, 0) + 1
         self.counters["hits"] += 1

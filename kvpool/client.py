@@ -262,11 +262,11 @@ class PoolClient:
 
     def lookup(self, ns: Namespace, hashes: Sequence[bytes]) -> LookupResult:
         r = self._expect(P.Lookup(ns, list(hashes)), P.LookupOk)
-        return LookupResult(tuple(r.hits), r.miss)
+        return LookupResult(r.hits, r.miss)
 
     def acquire(self, ns: Namespace, hashes: Sequence[bytes]) -> AcquireResult:
         r = self._expect(P.Acquire(ns, list(hashes)), P.AcquireOk)
-        return AcquireResult(r.lease_id, tuple(r.hits), r.miss)
+        return AcquireResult(r.lease_id, r.hits, r.miss)
 
     def release(self, lease_id: int) -> ReleaseResult:
         r = self._expect(P.Release(lease_id), P.ReleaseOk)

@@ -53,13 +53,15 @@ class Namespace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tenant: str = "default"
 
     def __post_init__(self) -> None:
-        for f in msgspec.structs.fields(self):
-            value = getattr(self, f.name)
-            if f.type is int and (not isinstance(value, int) or isinstance(value, bool)):
-                raise TypeError(f"Namespace.{f.name} must be an int, got {value!r}")
-            if f.type is str and not isinstance(value, str):
-                raise TypeError(f"Namespace.{f.name} must be a str, got {value!r}")
-        for name in ("block_size", "num_layers", "num_kv_heads", "head_size", "tp_world_size"):
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if type(value) is not int:
+                raise TypeError(f"Namespace.{name} must be an int, got {value!r}")
+        for name in _STR_FIELDS:
+            value = getattr(self, name)
+            if type(value) is not str:
+                raise TypeError(f"Namespace.{name} must be a str, got {value!r}")
+        for name in _POSITIVE_FIELDS:
             if getattr(self, name) <= 0:
                 raise ValueError(f"Namespace.{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.tp_rank < self.tp_world_size:
@@ -96,6 +98,10 @@ class Namespace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """2 x L x Hkv x D x q for a dense attention cache (the seed's formula)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_size * dtype_bytes(self.kv_dtype)
 
+
+_INT_FIELDS = tuple(f.name for f in msgspec.structs.fields(Namespace) if f.type is int)
+_STR_FIELDS = tuple(f.name for f in msgspec.structs.fields(Namespace) if f.type is str)
+_POSITIVE_FIELDS = ("block_size", "num_layers", "num_kv_heads", "head_size", "tp_world_size")
 
 _DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
                 "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}

@@ -19,7 +19,7 @@ from typing import Union
 
 import msgspec
 
-from kvpool.catalog import EvictOutcome, Miss, PageRef, Slot
+from kvpool.catalog import EvictOutcome, Hits, Miss, Slot
 from kvpool.errors import ErrorCode, MalformedFrame, WrongVersion
 from kvpool.keys import Namespace
 
@@ -127,13 +127,13 @@ class Pong(msgspec.Struct, tag="pong"):
 
 
 class LookupOk(msgspec.Struct, tag="lookup_ok"):
-    hits: list[PageRef]
+    hits: Hits
     miss: Miss | None
 
 
 class AcquireOk(msgspec.Struct, tag="acquire_ok"):
     lease_id: int
-    hits: list[PageRef]
+    hits: Hits
     miss: Miss | None
 
 

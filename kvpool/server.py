@@ -38,6 +38,8 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import uvloop
+
 from kvpool import protocol as P
 from kvpool.arena import Arena
 from kvpool.catalog import AdmissionPolicy, Catalog, CatalogConfig, LoadLimits
@@ -228,14 +230,14 @@ class PoolDaemon:
                 loop.add_signal_handler(sig, self.stop)
             await self.serve()
 
-        asyncio.run(main())
+        uvloop.run(main())
 
     def start_thread(self) -> PoolDaemon:
         error: list[BaseException] = []
 
         def target() -> None:
             try:
-                asyncio.run(self.serve())
+                uvloop.run(self.serve())
             except BaseException as exc:  # re-raised in the starting thread below
                 error.append(exc)
                 self.ready.set()
@@ -350,7 +352,7 @@ class PoolDaemon:
         if isinstance(op, P.Lookup):
             self._check_tenant(op.ns, tenant)
             res = cat.lookup(tenant, op.ns, op.hashes)
-            return P.LookupOk(list(res.hits), res.miss)
+            return P.LookupOk(res.hits, res.miss)
         if isinstance(op, P.Acquire):
             self._check_tenant(op.ns, tenant)
             acq = cat.acquire(session.client, tenant, op.ns, op.hashes, now)
@@ -358,10 +360,10 @@ class PoolDaemon:
                 self._lease_started[acq.lease_id] = now
                 self.metrics.hits.labels("remote").inc()
                 self.metrics.hit_blocks.inc(len(acq.hits))
-                self.metrics.bytes_read.inc(sum(h.length for h in acq.hits))
+                self.metrics.bytes_read.inc(acq.hits.total_bytes)
             if acq.miss is not None:
                 self.metrics.misses.labels(acq.miss.cause.value).inc()
-            return P.AcquireOk(acq.lease_id, list(acq.hits), acq.miss)
+            return P.AcquireOk(acq.lease_id, acq.hits, acq.miss)
         if isinstance(op, P.Release):
             self._own_lease(session, op.lease_id)
             rel = cat.release(op.lease_id)

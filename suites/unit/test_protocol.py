@@ -4,7 +4,7 @@ import msgspec
 import pytest
 
 from kvpool import protocol as P
-from kvpool.catalog import EvictOutcome, Miss, PageRef, Slot, SlotStatus
+from kvpool.catalog import EvictOutcome, Hits, Miss, Slot, SlotStatus
 from kvpool.errors import ErrorCode, MalformedFrame, MissCause, WrongVersion, error_from_code, Unauthenticated
 from kvpool.keys import Namespace
 
@@ -18,8 +18,8 @@ REQUESTS = [
 ]
 REPLIES = [
     P.HelloOk(1, "arena", b"i" * 16, 4096, 8, "srv", False), P.Pong(),
-    P.LookupOk([PageRef(1, 2, 3, b"d" * 16)], Miss(1, MissCause.INCOMPATIBLE, ("kv_dtype",))),
-    P.AcquireOk(5, [], Miss(0, MissCause.THROTTLED)), P.ReleaseOk([]),
+    P.LookupOk(Hits([1], [2], [3], b"d" * 16), Miss(1, MissCause.INCOMPATIBLE, ("kv_dtype",))),
+    P.AcquireOk(5, Hits(), Miss(0, MissCause.THROTTLED)), P.ReleaseOk([]),
     P.ReserveOk(7, [Slot(SlotStatus.RESERVED, 1, 0), Slot(SlotStatus.EXISTS)]), P.WriteOk(1),
     P.CommitOk(1, [2]), P.AbortOk(3), P.PagesOk([b"x"]), P.EvictOk([EvictOutcome.LEASED]),
     P.CapacityOk(2), P.StatsOk({"a": 1}), P.MetricsOk("m 1"), P.Error(ErrorCode.BUSY, "full"),
