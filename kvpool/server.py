@@ -102,10 +102,11 @@ class PoolAlreadyRunning(PoolError):
 
 
 class PoolDaemon:
-    def __init__(self, config: PoolConfig):
+    def __init__(self, config: PoolConfig, catalog_factory: type[Catalog] = Catalog):
         if not config.tenants:
             raise InvalidRequest("a pool needs at least one tenant token (PoolConfig.tenants)")
         self.config = config
+        self._catalog_factory = catalog_factory
         self.run_dir = config.resolved_run_dir()
         self.metrics = PoolMetrics()
         self.restarted_after_crash = False
@@ -150,7 +151,7 @@ class PoolDaemon:
         self.arena = Arena.create(self.config.name, self.config.page_size, self.config.num_pages)
         pid_file.write_text(str(os.getpid()))
         cfg = self.config
-        self.catalog = Catalog(
+        self.catalog = self._catalog_factory(
             CatalogConfig(num_pages=cfg.num_pages, page_size=cfg.page_size, admission=cfg.admission,
                           limits=cfg.limits, reservation_ttl_s=cfg.reservation_ttl_s,
                           lease_ttl_s=cfg.lease_ttl_s),

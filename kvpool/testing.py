@@ -263,9 +263,16 @@ class PoolMachine(RuleBasedStateMachine):
         for (n, k), data in zip(hits, out):
             assert np.array_equal(data, page_bytes(n, k, self.model.lru[(n, k)])), "loaded bytes differ"
 
-    @rule(target=held_leases, ns=st.integers(0, 1),
-          keys=st.lists(st.integers(0, N_KEYS - 1), min_size=1, max_size=3, unique=True))
-    def hold_lease(self, ns: int, keys: list[int]):  # noqa: ANN201
+    @rule(target=held_leases, data=st.data())
+    def hold_lease(self, data):  # noqa: ANN001, ANN201
+        # Mostly start from a committed block, so leases are actually granted.
+        committed = list(self.model.lru)
+        if committed and data.draw(st.booleans(), label="from_committed"):
+            ns, first = data.draw(st.sampled_from(committed), label="first")
+        else:
+            ns, first = data.draw(st.integers(0, 1), label="ns"), data.draw(st.integers(0, N_KEYS - 1), label="first")
+        rest = data.draw(st.lists(st.integers(0, N_KEYS - 1), max_size=2, unique=True), label="rest")
+        keys = [first] + [k for k in rest if k != first]
         hits, cause, ok = self.model.acquire(ns, keys, len(self.held))
         got = self.client.acquire(NAMESPACES[ns], [KEYS[k] for k in keys])
         assert len(got.hits) == len(hits)
@@ -298,6 +305,15 @@ class PoolMachine(RuleBasedStateMachine):
                 self.model._evict(e)
                 want.append(EvictOutcome.EVICTED)
         assert self.client.evict(NAMESPACES[ns], [KEYS[k] for k in keys]) == want
+
+    @rule(lease=held_leases)
+    def evict_leased(self, lease: int) -> None:
+        """Eviction attempts on pages a loader holds must all be refused."""
+        if lease not in self.held:
+            return
+        ns, entries = self.held[lease]
+        keys = [k for _, k in entries]
+        assert self.client.evict(NAMESPACES[ns], [KEYS[k] for k in keys]) == [EvictOutcome.LEASED] * len(keys)
 
     @rule(pages=st.integers(1, NUM_PAGES))
     def squeeze(self, pages: int) -> None:

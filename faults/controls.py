@@ -1,0 +1,45 @@
+"""Negative controls: known-bad strategies the harness must catch.
+
+Each is a small subclass or wrapper of a real component with one deliberate defect.
+A check that passes with a control plugged in proves nothing; the suites run each
+control and assert that it is caught.
+
+  ForgetfulCatalog    keeps no ghosts: an evicted block's miss reads "never published".
+  LeaselessCatalog    evicts pages that are leased (a loader without a pin).
+  LeakyCatalog        never returns an aborted publish's pages to the free list.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvpool.catalog import Catalog, PageState
+
+
+class ForgetfulCatalog(Catalog):
+    def _unindex(self, page: int) -> None:
+        super()._unindex(page)
+        self._ghosts.clear()
+
+
+class LeaselessCatalog(Catalog):
+    def _evictable(self) -> np.ndarray:
+        return self.state == PageState.COMMITTED
+
+    def evict(self, tenant, ns, hashes):  # noqa: ANN001, ANN201
+        saved = self.leases_on.copy()
+        self.leases_on[:] = 0
+        try:
+            return super().evict(tenant, ns, hashes)
+        finally:
+            self.leases_on[:] = saved
+
+
+class LeakyCatalog(Catalog):
+    def _abort(self, res) -> int:  # noqa: ANN001
+        for key in res.keys:
+            del self._pending[(res.tenant, res.ns, key)]
+        return len(res.pages)
+
+
+CATALOG_CONTROLS = {"forgetful": ForgetfulCatalog, "leaseless": LeaselessCatalog, "leaky": LeakyCatalog}

@@ -1,0 +1,246 @@
+"""Pool-level checks shared by the suites and the gate; each returns a Verdict.
+
+  exchange_between_processes(pool, seed, out_dir)
+      two separate processes publish seeded pages through one daemon, then each loads
+      the other's; the parent compares every loaded byte with a fresh regeneration.
+  miss_causes(seed)
+      one injected condition per miss cause (never published, evicted, incompatible,
+      throttled, corrupt, timeout, transport error) against a live daemon; each must come
+      back as exactly its cause, at the right block.
+  crash_and_restart(seed)
+      SIGKILL the daemon with pages committed and a lease open; the next daemon must
+      find the leftovers, say so, and start empty; a graceful stop must leave nothing.
+  state_machine(seed, examples)
+      kvpool.testing.PoolMachine, seeded.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from harness.pool_proc import PoolProcess
+from kvpool.arena import Arena
+from kvpool.client import PoolClient, load, publish
+from kvpool.errors import MissCause, PoolError
+from kvpool.keys import Namespace, block_hashes
+from reports.render import Verdict
+
+NS = Namespace("kvgate-check", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
+EXCHANGE_BLOCKS = 24
+EXCHANGE_PAGE = 16 * 1024
+
+
+def _tokens(who: int, seed: int) -> list[int]:
+    base = random.Random(f"{seed}:{who}").randrange(1 << 20)
+    return [base + who * 100_000 + i for i in range(EXCHANGE_BLOCKS * 16)]
+
+
+def exchange_blocks(seed: int, who: int) -> list[np.ndarray]:
+    rng = np.random.default_rng([seed, who])
+    return [rng.integers(0, 256, EXCHANGE_PAGE, dtype=np.uint8) for _ in range(EXCHANGE_BLOCKS)]
+
+
+def _exchange_worker(who: int, seed: int, address: str, token: str, out_dir: str, barrier) -> None:  # noqa: ANN001
+    client = PoolClient(address, "default", token, name=f"proc-{who}")
+    res = publish(client, NS, block_hashes(_tokens(who, seed), 16), exchange_blocks(seed, who))
+    if res.committed != EXCHANGE_BLOCKS:
+        raise SystemExit(f"process {who}: published {res}")
+    barrier.wait(60)
+    out = np.zeros((EXCHANGE_BLOCKS, EXCHANGE_PAGE), np.uint8)
+    got = load(client, NS, block_hashes(_tokens(1 - who, seed), 16), out.__getitem__)
+    np.save(Path(out_dir) / f"loaded-by-{who}.npy", out[: got.loaded])
+    client.close()
+
+
+def exchange_between_processes(pool: PoolProcess, seed: int, out_dir: Path) -> Verdict:
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    procs = [ctx.Process(target=_exchange_worker, args=(w, seed, pool.unix, pool.token, str(out_dir), barrier))
+             for w in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    codes = [p.exitcode for p in procs]
+    if codes != [0, 0]:
+        return Verdict(False, f"worker processes exited with {codes}", {"exit_codes": codes})
+    differing = 0
+    loaded = 0
+    for who in (0, 1):
+        got = np.load(out_dir / f"loaded-by-{who}.npy")
+        expected = np.stack(exchange_blocks(seed, 1 - who))
+        loaded += len(got)
+        if got.shape != expected.shape:
+            return Verdict(False, f"process {who} loaded {len(got)} of {EXCHANGE_BLOCKS} blocks", {"loaded": loaded})
+        differing += int(np.count_nonzero((got != expected).any(axis=1)))
+    evidence = {"blocks_loaded": loaded, "bytes_compared": loaded * EXCHANGE_PAGE, "blocks_differing": differing}
+    if differing:
+        return Verdict(False, f"{differing} loaded blocks differ from what was published", evidence)
+    return Verdict(True, "every loaded byte equals the published byte", evidence,
+                   not_checked="ordering under concurrent eviction (the state machine covers eviction)")
+
+
+def miss_causes(seed: int) -> Verdict:
+    """Each cause injected once, in a seeded order; each must be reported as itself."""
+    rng = random.Random(seed)
+    page = 4096
+    pool = PoolProcess.start(page_size=page, num_pages=32, extra_args=("--max-loads-per-client", "1"))
+    observed: dict[str, str] = {}
+    try:
+        c = pool.client(name="probe")
+        holder = pool.client(name="holder")
+
+        def fresh(n: int) -> list[bytes]:
+            base = rng.randrange(1 << 24)
+            return block_hashes(range(base, base + 16 * n), 16)
+
+        def data(n: int) -> list[np.ndarray]:
+            return [np.frombuffer(rng.randbytes(page), np.uint8) for _ in range(n)]
+
+        def sink(n: int) -> list[np.ndarray]:
+            return [np.zeros(page, np.uint8) for _ in range(n)]
+
+        def probe_never_published() -> tuple[MissCause | None, int]:
+            hs = fresh(3)
+            publish(c, NS, hs[:1], data(1))
+            r = load(c, NS, hs, sink(3).__getitem__)
+            return (r.miss.cause if r.miss else None), (r.miss.index if r.miss else -1)
+
+        def probe_evicted() -> tuple[MissCause | None, int]:
+            hs = fresh(3)
+            publish(c, NS, hs, data(3))
+            c.evict(NS, hs[2:])
+            r = load(c, NS, hs, sink(3).__getitem__)
+            return (r.miss.cause if r.miss else None), (r.miss.index if r.miss else -1)
+
+        def probe_incompatible() -> tuple[MissCause | None, int]:
+            hs = fresh(2)
+            publish(c, NS, hs, data(2))
+            r = c.lookup(NS.replace(model_revision="r2"), hs)
+            if r.miss is not None and r.miss.fields != ("model_revision",):
+                return None, -1
+            return (r.miss.cause if r.miss else None), (r.miss.index if r.miss else -1)
+
+        def probe_throttled() -> tuple[MissCause | None, int]:
+            hs = fresh(2)
+            publish(c, NS, hs, data(2))
+            held = holder.acquire(NS, hs)  # holder's one allowed lease
+            r = holder.acquire(NS, hs)
+            holder.release(held.lease_id)
+            return (r.miss.cause if r.miss else None), (r.miss.index if r.miss else -1)
+
+        def probe_corrupt() -> tuple[MissCause | None, int]:
+            hs = fresh(3)
+            publish(c, NS, hs, data(3))
+            victim = c.lookup(NS, hs).hits[1].page
+            c.arena.page(victim)[rng.randrange(page)] ^= 1 << rng.randrange(8)  # a stray bit flip
+            r = load(c, NS, hs, sink(3).__getitem__)
+            return (r.miss.cause if r.miss else None), (r.miss.index if r.miss else -1)
+
+        def probe_timeout() -> tuple[MissCause | None, int]:
+            hs = fresh(2)
+            publish(c, NS, hs, data(2))
+            r = load(c, NS, hs, sink(2).__getitem__, deadline_s=-1.0)
+            return (r.miss.cause if r.miss else None), (r.miss.index if r.miss else -1)
+
+        def probe_transport_error() -> tuple[MissCause | None, int]:
+            hs = fresh(2)
+            publish(c, NS, hs, data(2))
+            other = pool.client(name="doomed")
+            other._sock.close()  # the connection dies before the load
+            r = load(other, NS, hs, sink(2).__getitem__)
+            return (r.miss.cause if r.miss else None), (r.miss.index if r.miss else -1)
+
+        probes = {
+            MissCause.NEVER_PUBLISHED: (probe_never_published, 1),
+            MissCause.EVICTED: (probe_evicted, 2),
+            MissCause.INCOMPATIBLE: (probe_incompatible, 0),
+            MissCause.THROTTLED: (probe_throttled, 0),
+            MissCause.CORRUPT: (probe_corrupt, 1),
+            MissCause.TIMEOUT: (probe_timeout, 0),
+            MissCause.TRANSPORT_ERROR: (probe_transport_error, 0),
+        }
+        order = list(probes)
+        rng.shuffle(order)
+        wrong = []
+        for cause in order:
+            fn, index = probes[cause]
+            got, at = fn()
+            observed[cause.value] = f"{got.value if got else None}@{at}"
+            if got != cause or at != index:
+                wrong.append(f"{cause.value}: got {got} at block {at}, expected block {index}")
+        c.close()
+        holder.close()
+    finally:
+        pool.stop()
+        pool.cleanup()
+    evidence = {"order": [c.value for c in order], "observed": observed}
+    if wrong:
+        return Verdict(False, "; ".join(wrong), evidence)
+    return Verdict(True, "each injected condition was reported as exactly its cause, at its block", evidence)
+
+
+def crash_and_restart(seed: int) -> Verdict:
+    run_dir = Path(tempfile.mkdtemp(prefix="kvgate-crash-"))
+    pool = PoolProcess.start(page_size=4096, num_pages=16, run_dir=run_dir)
+    try:
+        hs = block_hashes(range(seed % 1000, seed % 1000 + 64), 16)
+        with pool.client() as c:
+            publish(c, NS, hs, [np.full(4096, i, np.uint8) for i in range(4)])
+            c.acquire(NS, hs)
+            pool.kill()
+        left = Arena.exists(pool.name)
+        pool.restart()
+        evidence = {"segment_left_by_crash": left, "recovery_note": pool.address.get("recovery_note")}
+        with pool.client() as c:
+            empty = c.lookup(NS, hs).miss.cause == MissCause.NEVER_PUBLISHED
+            stats = c.stats()
+            evidence["said_so"] = c.hello.restarted_after_crash
+        clean_stop = pool.stop() == 0 and not Arena.exists(pool.name) and not (run_dir / "pid").exists()
+        evidence.update(started_empty=empty, free_pages=stats["free_pages"], clean_stop=clean_stop)
+        ok = left and evidence["said_so"] and empty and stats["free_pages"] == 16 and clean_stop
+        return Verdict(bool(ok), "restart after SIGKILL starts empty and says so; graceful stop leaves nothing"
+                       if ok else "crash recovery incomplete", evidence)
+    finally:
+        pool.cleanup()
+
+
+def state_machine(seed: int, examples: int = 25, steps: int = 30, catalog_factory: type | None = None,
+                  shrink: bool = True) -> Verdict:
+    """`catalog_factory` plugs a negative control (faults.controls) into the daemon;
+    `shrink=False` reports the first failing program as found (controls need no minimal
+    example, only the fact that they fail)."""
+    from hypothesis import HealthCheck, Phase, settings
+    from hypothesis import seed as hseed
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from kvpool.testing import PoolMachine
+
+    attrs = {}
+    if catalog_factory is not None:
+        from harness.pool_proc import thread_pool
+        from kvpool.catalog import LoadLimits
+        from kvpool.testing import NUM_PAGES, PAGE, PER_CLIENT_LEASES
+
+        def start_daemon(self):  # noqa: ANN001, ANN202
+            return thread_pool(page_size=PAGE, num_pages=NUM_PAGES, limits=LoadLimits(per_client=PER_CLIENT_LEASES),
+                               reap_interval_s=3600.0, catalog_factory=catalog_factory)
+
+        attrs["start_daemon"] = start_daemon
+    machine = hseed(seed)(type("SeededPoolMachine", (PoolMachine,), attrs))
+    try:
+        run_state_machine_as_test(machine, settings=settings(
+            max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
+            phases=tuple(Phase) if shrink else (Phase.explicit, Phase.generate),
+            suppress_health_check=[HealthCheck.too_slow]))
+    except (AssertionError, PoolError, BaseExceptionGroup) as exc:
+        return Verdict(False, f"the daemon disagreed with the reference model: {type(exc).__name__}: {str(exc)[:400]}",
+                       {"examples": examples, "steps": steps})
+    return Verdict(True, "the daemon agreed with the reference model at every step",
+                   {"examples": examples, "steps": steps},
+                   not_checked="thread interleavings inside the daemon (it is single-threaded by design)")
