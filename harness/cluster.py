@@ -1,0 +1,228 @@
+"""The live system: a pool daemon and real `vllm serve` replicas on loopback.
+
+  ReplicaSpec        one replica: name, CPU core, KV size, connector on/off, failure
+                     policy, model directory / revision override, fault-control file.
+  Cluster.start(...) starts the pool and every replica in parallel (each pinned to its own
+                     core with an explicit KV size), waits for /health, captures every log
+                     under the run's report folder. Raises ClusterStartError with the tail
+                     of the failing log.
+  cluster.stop()     terminates every process group it started and removes the pool's
+                     shared memory; safe to call twice, registered with atexit and on
+                     SIGTERM so an interrupted run leaves no orphans.
+  cluster.reset()    empties the pool (capacity squeeze to 0 and back) and every replica's
+                     own prefix cache, between tests.
+
+Ports are picked free at start and names carry the pid, so concurrent runs (xdist
+workers) do not collide.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from harness.pool_proc import PoolProcess, unique_name
+
+CONNECTOR_MODULE = "kvpool.connector"
+CONNECTOR_CLASS = "KVPoolConnector"
+
+
+class ClusterStartError(RuntimeError):
+    """A pool or replica did not come up; the message carries its log tail."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaSpec:
+    name: str
+    core: str  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0"
+    kv_bytes: int = 512 * 2**20
+    connector: bool = True
+    audit: bool = False
+    policy: str = "recompute"  # kv_load_failure_policy
+    model_dir: Path | None = None  # default: the cluster's model
+    model_revision: str = ""  # overrides the model fingerprint in the namespace
+    max_model_len: int = 16384
+    max_num_batched_tokens: int = 4096
+    faults_file: str = ""
+    extra_env: tuple[tuple[str, str], ...] = ()
+
+
+@dataclasses.dataclass
+class Replica:
+    spec: ReplicaSpec
+    port: int
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class Cluster:
+    def __init__(self, model_dir: Path, report_dir: Path, *, page_size: int, pool_pages: int = 1024,
+                 pool_args: tuple[str, ...] = ()):
+        self.model_dir = Path(model_dir)
+        self.report_dir = Path(report_dir)
+        self.page_size = page_size
+        self.pool_pages = pool_pages
+        self.pool_args = pool_args
+        self.history_dir = self.report_dir / "history"
+        self.pool: PoolProcess | None = None
+        self.replicas: dict[str, Replica] = {}
+        self._stopped = False
+
+    # -- start ---------------------------------------------------------------------------
+    def start(self, specs: list[ReplicaSpec], timeout: float = 600.0) -> Cluster:
+        self.report_dir.mkdir(parents=True, exist_ok=True)
+        self.history_dir.mkdir(parents=True, exist_ok=True)
+        atexit.register(self.stop)
+        self.pool = PoolProcess.start(page_size=self.page_size, num_pages=self.pool_pages,
+                                      name=unique_name("kvgate-live"), log_path=self.report_dir / "pool.log",
+                                      extra_args=self.pool_args)
+        for spec in specs:
+            self.replicas[spec.name] = self._spawn(spec)
+        try:
+            with ThreadPoolExecutor(len(specs)) as ex:
+                list(ex.map(lambda r: self._wait_healthy(r, timeout), self.replicas.values()))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def kv_transfer_config(self, spec: ReplicaSpec) -> dict:
+        extra = {"pool": self.pool.unix, "token": self.pool.token, "replica": spec.name,
+                 "history_dir": str(self.history_dir)}
+        if spec.model_revision:
+            extra["model_revision"] = spec.model_revision
+        if spec.faults_file:
+            extra["faults_file"] = spec.faults_file
+        cls, module = CONNECTOR_CLASS, CONNECTOR_MODULE
+        if spec.audit:
+            extra["audit_inner"] = f"{CONNECTOR_MODULE}:{CONNECTOR_CLASS}"
+            cls, module = "AuditConnector", "kvpool.audit"
+        return {"kv_connector": cls, "kv_connector_module_path": module, "kv_role": "kv_both",
+                "kv_load_failure_policy": spec.policy, "kv_connector_extra_config": extra}
+
+    def _spawn(self, spec: ReplicaSpec) -> Replica:
+        port = free_port()
+        model = spec.model_dir or self.model_dir
+        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+                "--max-model-len", str(spec.max_model_len), "--kv-cache-memory-bytes", str(spec.kv_bytes),
+                "--max-num-batched-tokens", str(spec.max_num_batched_tokens), "--dtype", "bfloat16",
+                "--seed", "0", "--enable-prefix-caching", "--disable-uvicorn-access-log"]
+        if spec.connector:
+            args += ["--kv-transfer-config", json.dumps(self.kv_transfer_config(spec))]
+        env = dict(os.environ)
+        env.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": spec.core, "VLLM_SERVER_DEV_MODE": "1",
+                    "VLLM_LOGGING_LEVEL": "INFO", "PYTHONUNBUFFERED": "1"})
+        env.update(dict(spec.extra_env))
+        log_path = self.report_dir / f"replica-{spec.name}.log"
+        log = open(log_path, "ab")  # noqa: SIM115 - owned by the child
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                cwd=Path(__file__).resolve().parent.parent)
+        log.close()
+        return Replica(spec, port, proc, log_path)
+
+    def _wait_healthy(self, replica: Replica, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        last_note = t0
+        while time.monotonic() < deadline:
+            if replica.proc.poll() is not None:
+                raise ClusterStartError(f"replica {replica.spec.name} exited with {replica.proc.returncode}; "
+                                        f"log {replica.log_path}:\n{_tail(replica.log_path)}")
+            try:
+                with urllib.request.urlopen(f"{replica.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        print(f"kvgate: replica {replica.spec.name} healthy on :{replica.port} after "
+                              f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() - last_note > 30:
+                last_note = time.monotonic()
+                print(f"kvgate: waiting for replica {replica.spec.name} ({time.monotonic() - t0:.0f} s)",
+                      file=sys.stderr, flush=True)
+            time.sleep(0.5)
+        raise ClusterStartError(f"replica {replica.spec.name} not healthy within {timeout}s; "
+                                f"log {replica.log_path}:\n{_tail(replica.log_path)}")
+
+    # -- between tests -------------------------------------------------------------------
+    def reset(self) -> None:
+        with self.pool.client(name="reset") as c:
+            pages = c.stats()["num_pages"]
+            c.set_capacity(0)
+            c.set_capacity(pages)
+        for r in self.replicas.values():
+            req = urllib.request.Request(f"{r.url}/reset_prefix_cache", method="POST", data=b"")
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"replica {r.spec.name}: reset_prefix_cache answered {resp.status}")
+
+    # -- stop ----------------------------------------------------------------------------
+    def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        for r in self.replicas.values():
+            _terminate_group(r.proc)
+        if self.pool is not None:
+            try:
+                self.pool.stop()
+            finally:
+                self.pool.cleanup()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _terminate_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
+    if proc.poll() is not None:
+        _kill_group(proc.pid)  # children of an exited leader may still run
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        pass
+    _kill_group(proc.pid)
+    proc.wait()
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _tail(path: Path, n: int = 6000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError as exc:
+        return f"(no log: {exc})"

@@ -1,0 +1,204 @@
+"""Audit mode: a V1 connector that wraps any other V1 connector and records digests.
+
+    kv_connector="AuditConnector", kv_connector_module_path="kvpool.audit",
+    kv_connector_extra_config={"audit_inner": "kvpool.connector:KVPoolConnector",
+                               "history_dir": ..., "replica": ..., <the inner's own keys>}
+
+The inner connector (ours, or e.g. vLLM's ExampleConnector or OffloadingConnector) does
+all the work; the wrapper only watches, through the public hooks:
+
+  scheduler side  learns, per request, which blocks the inner connector will load (from
+                  get_num_new_matched_tokens / update_state_after_alloc) and which prompt
+                  blocks each step completes; it sends that, next to the inner metadata,
+                  in AuditMetadata.
+  worker side     after the inner wait_for_save of a step (the step's KV is final; on GPU
+                  after a full device sync) it digests
+                    * "produced": every block the step completed, as the producer has it;
+                    * "installed": every block the inner connector loaded this step, as the
+                      consumer has it (blocks the inner reports failed are marked so).
+Records go to the history as `audit` events keyed by the block's token-chain hash (no
+salt, no namespace), so the gate can match a consumer's block with the producer's and
+with the pool's committed copy. The digest is XXH3-128 over the block's bytes in layer
+order, the byte order of a pool page, so it equals the pool's page digest directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any
+
+from kvpool import vllm_compat as compat
+from kvpool.copy import digest_segments
+from kvpool.history import HistoryWriter
+from kvpool.keys import block_hashes
+
+
+def _load_class(path: str) -> type:
+    module, sep, name = path.partition(":")
+    if not sep:
+        raise ValueError(f"audit_inner must be 'module:Class', got {path!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclasses.dataclass
+class AuditBlocks:
+    req_id: str
+    tag: str
+    first_block: int
+    block_ids: list[int]
+    hashes: list[str]  # token-chain hashes, hex
+
+
+@dataclasses.dataclass
+class AuditMetadata(compat.KVConnectorMetadata):
+    inner: Any = None
+    loaded: list[AuditBlocks] = dataclasses.field(default_factory=list)
+    produced: list[AuditBlocks] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Req:
+    tag: str
+    n_prompt: int
+    hashes: list[str]
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    load: tuple[int, int] | None = None
+
+
+class AuditConnector(compat.KVConnectorBase_V1):
+    def __init__(self, vllm_config, role, kv_cache_config=None):  # noqa: ANN001
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        inner_cls = _load_class(extra.get("audit_inner", "kvpool.connector:KVPoolConnector"))
+        self._inner = inner_cls(vllm_config, role, kv_cache_config)
+        self._role_name = "scheduler" if role == compat.KVConnectorRole.SCHEDULER else "worker"
+        self.history = HistoryWriter(extra.get("history_dir"), str(extra.get("replica", "replica")),
+                                     f"audit-{self._role_name}")
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.device = compat.device_type(vllm_config)
+        self._reqs: dict[str, _Req] = {}
+        self._layers: list = []
+        self._failed_now: set[int] = set()
+
+    # -- scheduler side ----------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):  # noqa: ANN001, ANN201
+        result = self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
+        if request.request_id not in self._reqs:
+            from kvpool.connector import _request_tag
+
+            tokens = list(request.prompt_token_ids or [])
+            B = self.block_size
+            hashes = [h.hex() for h in block_hashes(tokens[: (len(tokens) // B) * B], B)]
+            self._reqs[request.request_id] = _Req(_request_tag(request), len(tokens), hashes)
+        return result
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):  # noqa: ANN001, ANN201
+        self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
+        st = self._reqs.get(request.request_id)
+        if st is not None and num_external_tokens > 0:
+            b0 = request.num_computed_tokens // self.block_size
+            st.load = (b0, b0 + num_external_tokens // self.block_size)
+
+    def build_connector_meta(self, scheduler_output):  # noqa: ANN001, ANN201
+        meta = AuditMetadata(inner=self._inner.build_connector_meta(scheduler_output))
+        B = self.block_size
+        computed: dict[str, int] = {}
+        for nr in scheduler_output.scheduled_new_reqs:
+            if nr.req_id in self._reqs:
+                self._reqs[nr.req_id].block_ids = list(nr.block_ids[0])
+                computed[nr.req_id] = nr.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                st.block_ids = list(new_ids[0]) if compat.is_resumed(cached, i, rid) else st.block_ids + list(new_ids[0])
+            computed[rid] = cached.num_computed_tokens[i]
+        for rid, ncomp in computed.items():
+            st = self._reqs[rid]
+            if st.load is not None:
+                b0, b1 = st.load
+                meta.loaded.append(AuditBlocks(rid, st.tag, b0, st.block_ids[b0:b1], st.hashes[b0:b1]))
+                st.load = None
+            # Blocks this step completes: from the first block not yet complete before it
+            # (ncomp already counts loaded and locally cached tokens) to the last full one.
+            start = ncomp // B
+            done = min(min(ncomp + scheduler_output.num_scheduled_tokens.get(rid, 0), st.n_prompt) // B,
+                       len(st.block_ids), len(st.hashes))
+            if done > start:
+                meta.produced.append(AuditBlocks(rid, st.tag, start, st.block_ids[start:done], st.hashes[start:done]))
+        return meta
+
+    def request_finished(self, request, block_ids):  # noqa: ANN001, ANN201
+        self._reqs.pop(request.request_id, None)
+        return self._inner.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output):  # noqa: ANN001, ANN201
+        return self._inner.update_connector_output(connector_output)
+
+    def take_events(self):  # noqa: ANN201
+        return self._inner.take_events()
+
+    # -- worker side -------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches):  # noqa: ANN001, ANN201
+        self._inner.register_kv_caches(kv_caches)
+        self._layers = [kv_caches[n] for n in sorted(kv_caches, key=compat.layer_index)]
+
+    def bind_connector_metadata(self, connector_metadata):  # noqa: ANN001, ANN201
+        super().bind_connector_metadata(connector_metadata)
+        self._inner.bind_connector_metadata(connector_metadata.inner)
+
+    def clear_connector_metadata(self):  # noqa: ANN201
+        super().clear_connector_metadata()
+        self._inner.clear_connector_metadata()
+
+    def start_load_kv(self, forward_context, **kwargs):  # noqa: ANN001, ANN201
+        return self._inner.start_load_kv(forward_context, **kwargs)
+
+    def wait_for_layer_load(self, layer_name):  # noqa: ANN001, ANN201
+        return self._inner.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):  # noqa: ANN001, ANN201
+        return self._inner.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self):  # noqa: ANN201
+        self._inner.wait_for_save()
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not (meta.loaded or meta.produced):
+            return
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+        # Failed loads are only known from get_block_ids_with_load_errors, which vLLM calls
+        # after this; the inner connector's failure set is read without clearing it.
+        for kind, runs in (("installed", meta.loaded), ("produced", meta.produced)):
+            for run in runs:
+                digests = [self._digest(b) for b in run.block_ids]
+                self.history.write("audit", kind=kind, req=run.req_id, tag=run.tag, first_block=run.first_block,
+                                   block_ids=run.block_ids, hashes=run.hashes, digests=digests)
+
+    def _digest(self, block_id: int) -> str:
+        import torch
+
+        segments = []
+        for layer in self._layers:
+            block = layer[block_id]
+            if block.device.type != "cpu":
+                block = block.cpu()
+            segments.append(block.contiguous().view(torch.uint8).numpy())
+        return digest_segments(segments).hex()
+
+    def get_finished(self, finished_req_ids):  # noqa: ANN001, ANN201
+        return self._inner.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self):  # noqa: ANN201
+        failed = self._inner.get_block_ids_with_load_errors()
+        if failed:
+            self.history.write("audit_load_errors", block_ids=sorted(failed))
+        return failed

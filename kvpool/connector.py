@@ -1,0 +1,458 @@
+"""kvpool's vLLM V1 KV connector.
+
+Load it with
+    KVTransferConfig(kv_connector="KVPoolConnector", kv_connector_module_path="kvpool.connector",
+                     kv_role="kv_both", kv_load_failure_policy="recompute" | "fail",
+                     kv_connector_extra_config={"pool": "unix:/run/.../pool.sock", "token": ..., ...})
+
+KVPoolConnector is a thin facade over two objects, one per role (vLLM runs them in
+different processes on CPU):
+
+  KVPoolScheduler  get_num_new_matched_tokens: hash the prompt's complete blocks, look up
+                   the longest pooled run beyond the local prefix-cache hit, report its
+                   tokens (never the last prompt token: one token is always computed).
+                   build_connector_meta: tell the worker which blocks to load (whole
+                   blocks, by engine block id) and which newly completed prompt blocks to
+                   publish (every chunk of a chunked prefill contributes its complete
+                   blocks; the tail inside an incomplete block is never published).
+  KVPoolWorker     register_kv_caches: verify the engine's KV layout against the one the
+                   namespace declares. start_load_kv: lease, copy whole blocks into the KV
+                   tensors, digest the installed bytes, release; a block that cannot be
+                   installed (any MissCause) is reported by get_block_ids_with_load_errors
+                   together with every block after it. wait_for_save: publish the blocks
+                   this step completed (two-phase, digests re-verified by the pool).
+
+Metadata is typed in both directions (KVPoolMetadata scheduler -> worker). Every lookup,
+load and publish is appended to the history (kvpool.history) when `history_dir` is set,
+with the request's tag (`kv_transfer_params={"kvpool": {"tag": ...}}`) so a test or the
+gate can follow one request across processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvpool import vllm_compat as compat
+from kvpool.client import PoolBackend, PoolClient, load, publish
+from kvpool.errors import MissCause, PoolError
+from kvpool.history import HistoryWriter
+from kvpool.keys import HASH_BYTES, ROOT_HASH, Namespace, block_hashes
+from kvpool.metrics import ClientMetrics
+
+# -- settings -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectorSettings:
+    """`kv_connector_extra_config`, typed. Unknown keys are an error, not a silent default."""
+
+    pool: str  # "unix:PATH" or "tcp:HOST:PORT"
+    tenant: str = "default"
+    token: str = ""
+    token_file: str = ""  # JSON {tenant: token}; used when token is empty
+    replica: str = "replica"
+    history_dir: str = ""
+    load: bool = True
+    publish: bool = True
+    load_deadline_s: float = 10.0
+    timeout_s: float = 10.0
+    model_revision: str = ""  # overrides the model fingerprint in the namespace
+    faults_file: str = ""  # a fault-control file: the pool client is wrapped by faults.backend
+    audit_inner: str = ""  # used by kvpool.audit.AuditConnector only
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
+        extra = dict(extra or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - names)
+        if unknown:
+            raise ValueError(f"unknown kvpool connector settings {unknown}; known: {sorted(names)}")
+        if "pool" not in extra:
+            raise ValueError("kv_connector_extra_config needs 'pool' (e.g. 'unix:/path/pool.sock')")
+        return cls(**extra)
+
+    def resolved_token(self) -> str:
+        if self.token:
+            return self.token
+        if self.token_file:
+            return json.loads(Path(self.token_file).read_text())[self.tenant]
+        raise ValueError(f"no token for tenant {self.tenant!r}: set 'token' or 'token_file'")
+
+
+# -- namespace ------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=8)
+def _model_fingerprint(path: str) -> str:
+    """A digest of a local checkpoint: config plus weights (whole files up to 64 MiB,
+    the safetensors header and size beyond)."""
+    root = Path(path)
+    if not root.is_dir():
+        return ""
+    h = hashlib.sha256()
+    for f in sorted(root.iterdir()):
+        if f.name == "config.json" or f.suffix in (".safetensors", ".bin"):
+            h.update(f.name.encode())
+            size = f.stat().st_size
+            h.update(size.to_bytes(8, "little"))
+            with open(f, "rb") as fh:
+                if size <= 64 * 2**20:
+                    h.update(fh.read())
+                else:
+                    head = fh.read(8)
+                    h.update(fh.read(min(int.from_bytes(head, "little"), 16 * 2**20)))
+    return h.hexdigest()[:16]
+
+
+@lru_cache(maxsize=8)
+def _tokenizer_fingerprint(path: str) -> str:
+    root = Path(path)
+    if not root.is_dir():
+        return path
+    h = hashlib.sha256()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                 "vocab.json", "merges.txt"):
+        f = root / name
+        if f.exists():
+            h.update(name.encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def namespace_for(vllm_config, settings: ConnectorSettings, tp_rank: int = 0) -> Namespace:  # noqa: ANN001
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    kv_dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(mc.dtype).removeprefix("torch.")
+    revision = settings.model_revision or mc.revision or _model_fingerprint(str(mc.model))
+    return Namespace(
+        model_id=str(mc.model),
+        model_revision=str(revision),
+        tokenizer_hash=_tokenizer_fingerprint(str(mc.tokenizer)),
+        kv_dtype=kv_dtype,
+        kv_layout=compat.layout_name(compat.device_type(vllm_config)),
+        block_size=int(cc.block_size),
+        num_layers=int(mc.get_num_layers(pc)),
+        num_kv_heads=int(mc.get_num_kv_heads(pc)),
+        head_size=int(mc.get_head_size()),
+        tp_rank=tp_rank,
+        tp_world_size=int(pc.tensor_parallel_size),
+        tenant=settings.tenant,
+    )
+
+
+def _connect(settings: ConnectorSettings, role: str, history: HistoryWriter,
+             metrics: ClientMetrics | None = None) -> PoolBackend:
+    client = PoolClient(settings.pool, settings.tenant, settings.resolved_token(),
+                        name=f"{settings.replica}/{role}", timeout_s=settings.timeout_s, metrics=metrics)
+    if not settings.faults_file:
+        return client
+    from faults.backend import FaultyBackend
+
+    return FaultyBackend(client, settings.faults_file, history)
+
+
+# -- metadata -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class BlockRun:
+    """Consecutive blocks of one request: engine block ids and their pool keys."""
+
+    req_id: str
+    tag: str
+    first_block: int  # index of block_ids[0] within the request's prompt
+    block_ids: list[int]
+    hashes: list[bytes]
+
+
+@dataclasses.dataclass
+class KVPoolMetadata(compat.KVConnectorMetadata):
+    loads: list[BlockRun] = dataclasses.field(default_factory=list)
+    stores: list[BlockRun] = dataclasses.field(default_factory=list)
+
+
+# -- scheduler side -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Request:
+    tag: str
+    n_prompt: int
+    hashes: list[bytes]  # every complete prompt block
+    publish_blocks: int  # publish boundary, in blocks
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    published: int = 0  # blocks [0, published) are in the pool or on their way
+    load: tuple[int, int] | None = None  # blocks [b0, b1) to load this step
+
+
+def _request_tag(request) -> str:  # noqa: ANN001
+    params = getattr(request, "kv_transfer_params", None) or {}
+    tag = (params.get("kvpool") or {}).get("tag") if isinstance(params, dict) else None
+    return str(tag) if tag else str(request.request_id)
+
+
+def _salt_root(request) -> bytes:  # noqa: ANN001
+    """A request's cache_salt isolates its cache: it seeds the block chain."""
+    salt = getattr(request, "cache_salt", None)
+    if not salt:
+        return ROOT_HASH
+    return hashlib.blake2b(b"kvgate/cache-salt/" + salt.encode(), digest_size=HASH_BYTES).digest()
+
+
+def _request_flag(request, name: str, default: bool) -> bool:  # noqa: ANN001
+    params = getattr(request, "kv_transfer_params", None) or {}
+    value = (params.get("kvpool") or {}).get(name) if isinstance(params, dict) else None
+    return default if value is None else bool(value)
+
+
+def _publish_tokens(request) -> int | None:  # noqa: ANN001
+    params = getattr(request, "kv_transfer_params", None) or {}
+    value = (params.get("kvpool") or {}).get("publish_tokens") if isinstance(params, dict) else None
+    return None if value is None else int(value)
+
+
+class KVPoolScheduler:
+    def __init__(self, vllm_config, settings: ConnectorSettings) -> None:  # noqa: ANN001
+        self.settings = settings
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.ns = namespace_for(vllm_config, settings)
+        self.history = HistoryWriter(settings.history_dir, settings.replica, "scheduler")
+        self.history.write("namespace", ns=self.ns.as_dict())
+        self.backend = _connect(settings, "scheduler", self.history)
+        self._reqs: dict[str, _Request] = {}
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:  # noqa: ANN001
+        B = self.block_size
+        tokens = list(request.prompt_token_ids or [])
+        n = len(tokens)
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            limit = _publish_tokens(request)
+            hashes = block_hashes(tokens[: (n // B) * B], B, parent=_salt_root(request))
+            pub = len(hashes) if limit is None else min(len(hashes), max(0, limit) // B)
+            st = self._reqs[request.request_id] = _Request(_request_tag(request), n, hashes, pub)
+        max_blocks = (n - 1) // B  # at least one prompt token is always computed
+        local_blocks = num_computed_tokens // B
+        record: dict[str, Any] = {"req": request.request_id, "tag": st.tag, "prompt_tokens": n,
+                                  "local_tokens": num_computed_tokens, "max_blocks": max_blocks}
+        if not (self.settings.load and _request_flag(request, "load", True)) or local_blocks >= max_blocks:
+            self.history.write("lookup", **record, external_tokens=0, hit_blocks=0,
+                               outcome="local_hit" if local_blocks >= max_blocks and local_blocks else "skipped")
+            return 0, False
+        t0 = time.monotonic()
+        try:
+            found = self.backend.lookup(self.ns, st.hashes[local_blocks:max_blocks])
+        except PoolError as exc:  # the pool is unreachable: recompute, and say why
+            self.history.write("lookup", **record, external_tokens=0, hit_blocks=0, outcome="miss",
+                               miss_cause=MissCause.TRANSPORT_ERROR.value, error=f"{type(exc).__name__}: {exc}")
+            return 0, False
+        hit = len(found.hits)
+        miss = found.miss
+        self.history.write("lookup", **record, external_tokens=hit * B, hit_blocks=hit,
+                           outcome="remote_hit" if hit else "miss", first_block=local_blocks,
+                           miss_cause=miss.cause.value if miss else None,
+                           miss_index=(local_blocks + miss.index) if miss else None,
+                           miss_fields=list(miss.fields) if miss else [],
+                           lookup_us=round((time.monotonic() - t0) * 1e6, 1))
+        return hit * B, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:  # noqa: ANN001
+        st = self._reqs.get(request.request_id)
+        if st is None or num_external_tokens <= 0:
+            return
+        b0 = request.num_computed_tokens // self.block_size
+        st.load = (b0, b0 + num_external_tokens // self.block_size)
+
+    def build_connector_meta(self, scheduler_output) -> KVPoolMetadata:  # noqa: ANN001
+        B = self.block_size
+        meta = KVPoolMetadata()
+        computed: dict[str, int] = {}
+        for nr in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(nr.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(nr.block_ids[0])
+            computed[nr.req_id] = nr.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if compat.is_resumed(cached, i, rid):
+                    st.block_ids = list(new_ids[0])
+                else:
+                    st.block_ids.extend(new_ids[0])
+            computed[rid] = cached.num_computed_tokens[i]
+        for rid, ncomp in computed.items():
+            st = self._reqs[rid]
+            if st.load is not None:
+                b0, b1 = st.load
+                meta.loads.append(BlockRun(rid, st.tag, b0, st.block_ids[b0:b1], st.hashes[b0:b1]))
+                st.published = max(st.published, b1)
+                st.load = None
+            elif ncomp < st.published * B:  # rolled back (a failed load is being recomputed)
+                st.published = ncomp // B
+            if not self.settings.publish:
+                continue
+            done = min(ncomp + scheduler_output.num_scheduled_tokens.get(rid, 0), st.n_prompt) // B
+            done = min(done, st.publish_blocks, len(st.block_ids))
+            if done > st.published:
+                p = st.published
+                meta.stores.append(BlockRun(rid, st.tag, p, st.block_ids[p:done], st.hashes[p:done]))
+                st.published = done
+        return meta
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:  # noqa: ANN001
+        self._reqs.pop(request.request_id, None)
+        return False, None
+
+
+# -- worker side ----------------------------------------------------------------------------
+
+
+class KVPoolWorker:
+    def __init__(self, vllm_config, settings: ConnectorSettings) -> None:  # noqa: ANN001
+        self.settings = settings
+        self.vllm_config = vllm_config
+        self.device = compat.device_type(vllm_config)
+        self.ns = namespace_for(vllm_config, settings, tp_rank=compat.tp_rank())
+        self.history = HistoryWriter(settings.history_dir, settings.replica, "worker")
+        self.metrics = ClientMetrics()
+        self.backend = _connect(settings, "worker", self.history, self.metrics)
+        self._layers: list[np.ndarray] = []
+        self._failed: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        import torch
+
+        names = sorted(kv_caches, key=compat.layer_index)
+        ns = self.ns
+        want = compat.expected_block_shape(self.device, ns.num_kv_heads, ns.block_size, ns.head_size)
+        layers = []
+        for name in names:
+            t = kv_caches[name]
+            if tuple(t.shape[1:]) != want or str(t.dtype).removeprefix("torch.") != ns.kv_dtype:
+                raise compat.LayoutMismatch(
+                    f"{name}: KV tensor {tuple(t.shape)} {t.dtype}, namespace declares per-block {want} {ns.kv_dtype}")
+            if not t[0].is_contiguous():
+                raise compat.LayoutMismatch(f"{name}: one block of the KV tensor is not contiguous")
+            if t.device.type != "cpu":
+                raise compat.LayoutMismatch(f"{name}: on {t.device}; the host copier needs CPU tensors")
+            layers.append(t.view(torch.uint8).numpy())
+        if len(layers) != ns.num_layers:
+            raise compat.LayoutMismatch(f"{len(layers)} KV tensors registered, namespace declares {ns.num_layers} layers")
+        self._layers = layers
+        self.history.write("register", layers=names, shape=list(kv_caches[names[0]].shape),
+                           block_bytes=self.block_bytes, ns=ns.as_dict())
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(layer[0].nbytes for layer in self._layers)
+
+    def block_segments(self, block_id: int) -> list[np.ndarray]:
+        """One block of every layer, in layer order: the page's byte order."""
+        return [layer[block_id] for layer in self._layers]
+
+    def start_load_kv(self, meta: KVPoolMetadata) -> None:
+        for run in meta.loads:
+            res = load(self.backend, self.ns, run.hashes, lambda i, ids=run.block_ids: self.block_segments(ids[i]),
+                       deadline_s=self.settings.load_deadline_s, metrics=self.metrics)
+            failed = run.block_ids[res.loaded:]
+            self._failed.update(failed)
+            self.history.write("load", req=run.req_id, tag=run.tag, first_block=run.first_block,
+                               blocks=len(run.block_ids), loaded=res.loaded, failed_block_ids=failed,
+                               miss_cause=res.miss.cause.value if res.miss else None,
+                               miss_index=(run.first_block + res.miss.index) if res.miss else None,
+                               seconds=round(res.seconds, 6))
+
+    def save(self, meta: KVPoolMetadata) -> None:
+        for run in meta.stores:
+            keep = []  # never publish a block whose load failed, nor anything after it
+            for i, b in enumerate(run.block_ids):
+                if b in self._failed:
+                    break
+                keep.append(i)
+            if not keep:
+                continue
+            blocks = [self.block_segments(run.block_ids[i]) for i in keep]
+            t0 = time.monotonic()
+            try:
+                res = publish(self.backend, self.ns, [run.hashes[i] for i in keep], blocks, metrics=self.metrics)
+            except PoolError as exc:  # publishing is best effort: the request itself is fine
+                self.history.write("publish", req=run.req_id, tag=run.tag, first_block=run.first_block,
+                                   blocks=len(keep), error=f"{type(exc).__name__}: {exc}")
+                continue
+            self.history.write("publish", req=run.req_id, tag=run.tag, first_block=run.first_block,
+                               blocks=len(keep), committed=res.committed, exists=res.exists, pending=res.pending,
+                               not_admitted=res.not_admitted, no_capacity=res.no_capacity, rejected=res.rejected,
+                               seconds=round(time.monotonic() - t0, 6))
+
+    def take_failed(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+
+# -- the facade -----------------------------------------------------------------------------
+
+
+class KVPoolConnector(compat.KVConnectorBase_V1):
+    def __init__(self, vllm_config, role, kv_cache_config=None):  # noqa: ANN001
+        super().__init__(vllm_config, role, kv_cache_config)
+        settings = ConnectorSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        self._scheduler: KVPoolScheduler | None = None
+        self._worker: KVPoolWorker | None = None
+        if role == compat.KVConnectorRole.SCHEDULER:
+            self._scheduler = KVPoolScheduler(vllm_config, settings)
+        else:
+            self._worker = KVPoolWorker(vllm_config, settings)
+
+    # scheduler side
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):  # noqa: ANN001, ANN201
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):  # noqa: ANN001, ANN201
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output):  # noqa: ANN001, ANN201
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids):  # noqa: ANN001, ANN201
+        return self._scheduler.request_finished(request, block_ids)
+
+    # worker side
+    def register_kv_caches(self, kv_caches):  # noqa: ANN001, ANN201
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs):  # noqa: ANN001, ANN201
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVPoolMetadata)
+        self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name):  # noqa: ANN001, ANN201
+        return None  # loads are synchronous and complete in start_load_kv
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):  # noqa: ANN001, ANN201
+        return None  # blocks are published whole in wait_for_save, after every layer wrote them
+
+    def wait_for_save(self):  # noqa: ANN201
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVPoolMetadata)
+        self._worker.save(meta)
+
+    def get_finished(self, finished_req_ids):  # noqa: ANN001, ANN201
+        return None, None
+
+    def get_block_ids_with_load_errors(self):  # noqa: ANN201
+        return self._worker.take_failed() if self._worker is not None else set()
