@@ -238,6 +238,8 @@ class KVPoolScheduler:
             limit = _publish_tokens(request)
             hashes = block_hashes(tokens[: (n // B) * B], B, parent=_salt_root(request))
             pub = len(hashes) if limit is None else min(len(hashes), max(0, limit) // B)
+            if not _request_flag(request, "publish", True):
+                pub = 0
             st = self._reqs[request.request_id] = _Request(_request_tag(request), n, hashes, pub)
         max_blocks = (n - 1) // B  # at least one prompt token is always computed
         local_blocks = num_computed_tokens // B
