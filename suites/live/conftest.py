@@ -2,7 +2,6 @@
 `vllm serve` replicas (A on core 0 with failure policy `fail`, B on core 1 with
 `recompute`), both running the audit connector around kvpool's connector."""
 
-import json
 import random
 from pathlib import Path
 
@@ -57,7 +56,3 @@ def live(cluster):
 @pytest.fixture
 def rng(test_seed) -> random.Random:
     return random.Random(test_seed)
-
-
-def arm(cluster, replica: str, **fault) -> None:
-    cluster.faults[replica].write_text(json.dumps({"load": fault}))

@@ -1,0 +1,47 @@
+"""Live: two real vllm serve replicas sharing one pool (harness.live_scenarios)."""
+
+import pytest
+
+from harness import live_scenarios as S
+from harness.workload import Corpus
+
+pytestmark = pytest.mark.live
+
+
+@pytest.fixture
+def corpus(tiny_model):
+    return Corpus(tiny_model)
+
+
+def test_cross_replica_hit_is_byte_exact_and_output_unchanged(live, corpus, test_seed):
+    v = S.cross_replica_hit(live, corpus, test_seed)
+    assert v.valid is True, v
+    assert v.evidence["installed"] == 39 and v.evidence["in_pool"] == 39 and v.evidence["chunks"] == 3
+
+
+def test_partial_hit_loads_only_complete_common_blocks(live, corpus, test_seed):
+    v = S.partial_hit(live, corpus, test_seed)
+    assert v.valid is True, v
+    assert v.evidence["loaded_blocks"] == 7
+
+
+def test_local_hit_remote_hit_and_miss_are_told_apart(live, corpus, test_seed):
+    v = S.hit_kinds(live, corpus, test_seed)
+    assert v.valid is True, v
+
+
+@pytest.mark.parametrize("kind", ["corrupt", "transport_error", "timeout"])
+def test_failed_load_is_recomputed_with_unchanged_output(live, corpus, test_seed, kind):
+    v = S.load_failure(live, corpus, test_seed, kind)
+    assert v.valid is True, v
+
+
+def test_policy_fail_ends_the_request_explicitly(live, corpus, test_seed):
+    v = S.load_failure_fail(live, corpus, test_seed)
+    assert v.valid is True, v
+
+
+def test_off_on_on_off_six_turn_sessions(live, corpus, test_seed, record_property):
+    v = S.sessions(live, corpus, test_seed)
+    record_property("ttft_median_ms_cross_turns", v.evidence["ttft_median_ms_cross_turns"])
+    assert v.valid is True, v
