@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvgate-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup gate test test-slow bench-pool clean
+.PHONY: setup gate test test-slow bench-pool bench-live clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,9 @@ test-slow: setup
 
 bench-pool: setup
 	$(BIN)/kvgate bench pool
+
+bench-live: setup
+	$(BIN)/kvgate bench live
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis reports/runs

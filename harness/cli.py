@@ -74,6 +74,13 @@ def cmd_bench_pool(args: argparse.Namespace) -> int:
     return run_bench(quick=args.quick, blocks=args.catalog_blocks)
 
 
+def cmd_bench_live(args: argparse.Namespace) -> int:
+    from harness.bench_live import LENGTHS, run_bench
+
+    lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else LENGTHS
+    return run_bench(reps=args.reps, lengths=lengths, report_dir=args.report_dir)
+
+
 def cmd_gate(args: argparse.Namespace) -> int:
     from harness.gate import run_gate
 
@@ -110,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
     bp.add_argument("--catalog-blocks", type=int, default=1_000_000)
     bp.set_defaults(func=cmd_bench_pool)
+
+    bl = bench.add_parser("live", help="cold / local / remote / peer TTFT by prefix length on live replicas")
+    bl.add_argument("--reps", type=int, default=5, help="fresh prompts per length (half at 16k)")
+    bl.add_argument("--lengths", default="", help="comma-separated prefix lengths (default 1k..16k)")
+    bl.add_argument("--report-dir", type=Path, default=None, help="logs and history (default: a temp dir)")
+    bl.set_defaults(func=cmd_bench_live)
 
     gate = sub.add_parser("gate", help="run the gate on the embedded default system")
     gate.add_argument("--seed", type=int, default=None, help="root seed (default: drawn and printed)")

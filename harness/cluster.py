@@ -9,8 +9,8 @@
   cluster.stop()     terminates every process group it started and removes the pool's
                      shared memory; safe to call twice, registered with atexit and on
                      SIGTERM so an interrupted run leaves no orphans.
-  cluster.reset()    empties the pool (capacity squeeze to 0 and back) and every replica's
-                     own prefix cache, between tests.
+  cluster.reset()    disarms every fault, empties the pool (capacity squeeze to 0 and back)
+                     and every replica's own prefix cache, between tests.
 
 Ports are picked free at start and names carry the pid, so concurrent runs (xdist
 workers) do not collide.
@@ -22,10 +22,12 @@ import atexit
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -33,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from harness.pool_proc import PoolProcess, unique_name
+from kvpool.arena import Arena
 
 CONNECTOR_MODULE = "kvpool.connector"
 CONNECTOR_CLASS = "KVPoolConnector"
@@ -40,6 +43,10 @@ CONNECTOR_CLASS = "KVPoolConnector"
 
 class ClusterStartError(RuntimeError):
     """A pool or replica did not come up; the message carries its log tail."""
+
+
+class OrphanError(RuntimeError):
+    """A process or shared-memory segment of the cluster survived stop()."""
 
 
 def free_port() -> int:
@@ -62,6 +69,7 @@ class ReplicaSpec:
     max_num_batched_tokens: int = 4096
     faults_file: str = ""
     extra_env: tuple[tuple[str, str], ...] = ()
+    extra_args: tuple[str, ...] = ()  # more `vllm serve` flags (e.g. another connector)
 
 
 @dataclasses.dataclass
@@ -87,13 +95,21 @@ class Cluster:
         self.history_dir = self.report_dir / "history"
         self.pool: PoolProcess | None = None
         self.replicas: dict[str, Replica] = {}
+        self.faults: dict[str, Path] = {}  # replica -> its fault-control file (faults.backend)
         self._stopped = False
 
     # -- start ---------------------------------------------------------------------------
     def start(self, specs: list[ReplicaSpec], timeout: float = 600.0) -> Cluster:
         self.report_dir.mkdir(parents=True, exist_ok=True)
-        self.history_dir.mkdir(parents=True, exist_ok=True)
+        if self.history_dir.exists():  # a history belongs to one cluster run
+            shutil.rmtree(self.history_dir)
+        self.history_dir.mkdir(parents=True)
+        for spec in specs:
+            if spec.faults_file:
+                self.faults[spec.name] = Path(spec.faults_file)
+                self.faults[spec.name].write_text("{}")
         atexit.register(self.stop)
+        self._install_sigterm()
         self.pool = PoolProcess.start(page_size=self.page_size, num_pages=self.pool_pages,
                                       name=unique_name("kvgate-live"), log_path=self.report_dir / "pool.log",
                                       extra_args=self.pool_args)
@@ -131,6 +147,7 @@ class Cluster:
                 "--seed", "0", "--enable-prefix-caching", "--disable-uvicorn-access-log"]
         if spec.connector:
             args += ["--kv-transfer-config", json.dumps(self.kv_transfer_config(spec))]
+        args += list(spec.extra_args)
         env = dict(os.environ)
         env.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": spec.core, "VLLM_SERVER_DEV_MODE": "1",
                     "VLLM_LOGGING_LEVEL": "INFO", "PYTHONUNBUFFERED": "1"})
@@ -168,6 +185,8 @@ class Cluster:
 
     # -- between tests -------------------------------------------------------------------
     def reset(self) -> None:
+        for path in self.faults.values():  # disarm every fault
+            path.write_text("{}")
         with self.pool.client(name="reset") as c:
             pages = c.stats()["num_pages"]
             c.set_capacity(0)
@@ -180,6 +199,7 @@ class Cluster:
 
     # -- stop ----------------------------------------------------------------------------
     def stop(self) -> None:
+        """Stop everything; raise OrphanError if a process or the segment survived."""
         if self._stopped:
             return
         self._stopped = True
@@ -190,6 +210,24 @@ class Cluster:
                 self.pool.stop()
             finally:
                 self.pool.cleanup()
+        left = [f"replica {r.spec.name} process group {r.proc.pid}" for r in self.replicas.values()
+                if _group_alive(r.proc.pid)]
+        if self.pool is not None and Arena.exists(self.pool.name):
+            left.append(f"shared-memory segment {self.pool.name}")
+        if left:
+            raise OrphanError(f"left behind after stop: {left}")
+
+    def _install_sigterm(self) -> None:
+        """A SIGTERM to the harness (CI cancelling a job) still tears the cluster down."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+            return
+
+        def on_term(signum: int, frame: object) -> None:
+            raise SystemExit(128 + signum)  # unwinds through finally blocks and fixtures
+
+        signal.signal(signal.SIGTERM, on_term)
 
     def __enter__(self) -> Cluster:
         return self
@@ -198,20 +236,33 @@ class Cluster:
         self.stop()
 
 
-def _terminate_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
-    if proc.poll() is not None:
-        _kill_group(proc.pid)  # children of an exited leader may still run
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        pass
+def _terminate_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
+    """SIGTERM the leader (vllm serve shuts its engine down and frees its shared memory),
+    then SIGKILL whatever of its process group is left."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    deadline = time.monotonic() + 10
+    while _group_alive(proc.pid) and time.monotonic() < deadline:  # engine processes exit after it
+        time.sleep(0.1)
     _kill_group(proc.pid)
     proc.wait()
+    deadline = time.monotonic() + 15
+    while _group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _kill_group(pgid: int) -> None:
@@ -226,3 +277,16 @@ def _tail(path: Path, n: int = 6000) -> str:
         return path.read_text(errors="replace")[-n:]
     except OSError as exc:
         return f"(no log: {exc})"
+
+
+DEFAULT_CHUNK = 2048  # max_num_batched_tokens of the default pair: longer prompts prefill in chunks
+
+
+def default_cluster(model_dir: Path, report_dir: Path) -> tuple[Cluster, list[ReplicaSpec]]:
+    """The embedded default system: a local pool and two replicas of the tiny model, both
+    audited; A on core 0 with failure policy `fail`, B on core 1 with `recompute`; each
+    with a fault-control file in the report folder."""
+    specs = [ReplicaSpec(name, core=core, policy=policy, audit=True, max_num_batched_tokens=DEFAULT_CHUNK,
+                         faults_file=str(Path(report_dir) / f"faults-{name}.json"))
+             for name, core, policy in (("A", "0", "fail"), ("B", "1", "recompute"))]
+    return Cluster(model_dir, report_dir, page_size=128 * 1024, pool_pages=1024), specs

@@ -4,6 +4,7 @@ Options:
   --kv-seed N|last   root seed of the run; `last` reuses the previous run's seed
                      (kept in pytest's cache). Default: drawn from the OS and printed.
   --slow             also run tests marked `slow` (deeper Hypothesis runs, longer workloads)
+  --kv-report DIR    keep live clusters' logs, history and reports under DIR
 Markers: slow, live, gpu (declared in pyproject.toml).
 Fixtures:
   kv_seed            the root seed (int)
@@ -28,6 +29,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kvgate")
     group.addoption("--kv-seed", default=None, help="root seed: an integer, or 'last' for the previous run's")
     group.addoption("--slow", action="store_true", default=False, help="also run tests marked slow")
+    group.addoption("--kv-report", default=None, metavar="DIR",
+                    help="keep live clusters' logs, history and reports under DIR")
 
 
 def _commit() -> str:

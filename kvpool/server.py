@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
+import inspect
 import itertools
 import json
 import logging
@@ -34,7 +35,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -49,7 +50,6 @@ from kvpool.errors import (
     ErrorCode,
     InvalidRequest,
     LeaseLost,
-    MalformedFrame,
     OversizedFrame,
     PoolError,
     Unauthenticated,
@@ -175,14 +175,13 @@ class PoolDaemon:
         self._recover_and_create()
         self._executor = ThreadPoolExecutor(max_workers=self.config.io_threads, thread_name_prefix="kvpool-io")
         try:
-            limit = self.config.max_frame + 64
             if self.config.unix_socket:
                 self.unix_path = self.run_dir / "pool.sock"
-                self._servers.append(await asyncio.start_unix_server(self._handle, path=str(self.unix_path), limit=limit))
+                self._servers.append(await self._loop.create_unix_server(self._protocol, path=str(self.unix_path)))
                 os.chmod(self.unix_path, 0o600)
             if self.config.tcp_host is not None:
-                srv = await asyncio.start_server(self._handle, host=self.config.tcp_host,
-                                                 port=self.config.tcp_port, limit=limit)
+                srv = await self._loop.create_server(self._protocol, host=self.config.tcp_host,
+                                                     port=self.config.tcp_port)
                 self.tcp_port = srv.sockets[0].getsockname()[1]
                 self._servers.append(srv)
             self._write_address()
@@ -192,8 +191,8 @@ class PoolDaemon:
             reaper.cancel()
             for srv in self._servers:
                 srv.close()
-            for writer in list(self._clients.values()):
-                writer.close()
+            for conn in list(self._clients.values()):
+                conn.close()
             for srv in self._servers:
                 await srv.wait_closed()
         finally:
@@ -264,77 +263,37 @@ class PoolDaemon:
             self.catalog.reap(time.monotonic())
 
     # -- connections ---------------------------------------------------------------------
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        session = _Session(next(self._sessions), str(writer.get_extra_info("peername") or "unix"))
-        if len(self._clients) >= self.config.max_clients:
-            await self._refuse_busy(reader, writer)
-            return
-        self._clients[session.client] = writer
-        try:
-            while True:
-                try:
-                    header = await reader.readexactly(P.LENGTH.size)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return
-                (n,) = P.LENGTH.unpack(header)
-                if n > self.config.max_frame:
-                    err = OversizedFrame(f"frame of {n} bytes exceeds the limit of {self.config.max_frame}")
-                    self.metrics.requests.labels("frame", err.code.value).inc()
-                    await self._send(writer, P.encode_reply(0, P.Error(err.code, err.message)))
-                    return
-                try:
-                    payload = await reader.readexactly(n)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return
-                reply = await self._dispatch(session, payload)
-                if not await self._send(writer, reply):
-                    return
-        finally:
-            self._clients.pop(session.client, None)
-            if self.catalog is not None:
-                self.catalog.drop_client(session.client)
-            writer.close()
+    def _protocol(self) -> _Connection:
+        return _Connection(self)
 
-    async def _refuse_busy(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Answer the first request of a connection over the client limit with BUSY, close."""
-        request_id = 0
-        try:
-            (n,) = P.LENGTH.unpack(await asyncio.wait_for(reader.readexactly(P.LENGTH.size), 5.0))
-            if n <= self.config.max_frame:
-                payload = await asyncio.wait_for(reader.readexactly(n), 5.0)
-                with contextlib.suppress(PoolError):
-                    request_id = P.decode_request(payload)[0]
-        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
-            pass  # the client went away first; nothing to answer
-        self.metrics.requests.labels("connect", ErrorCode.BUSY.value).inc()
-        msg = f"too many clients (limit {self.config.max_clients})"
-        await self._send(writer, P.encode_reply(request_id, P.Error(ErrorCode.BUSY, msg)))
-        writer.close()
-
-    @staticmethod
-    async def _send(writer: asyncio.StreamWriter, data: bytes) -> bool:
-        try:
-            writer.write(data)
-            await writer.drain()
-        except ConnectionError:
-            return False
-        return True
-
-    async def _dispatch(self, session: _Session, payload: bytes) -> bytes:
+    def _dispatch(self, session: _Session, payload: bytes) -> bytes | Awaitable[bytes]:
+        """The encoded reply, or an awaitable of it for ops whose work leaves the loop."""
         request_id = 0
         op_name = "frame"
         try:
             request_id, op = P.decode_request(payload)
             op_name = type(op).__name__.lower()
-            result = await self._apply(session, op)
+            result = self._apply(session, op)
+            if inspect.isawaitable(result):
+                return self._finish(request_id, op_name, result)
             self.metrics.requests.labels(op_name, "ok").inc()
             return P.encode_reply(request_id, result)
         except PoolError as err:
-            request_id = getattr(err, "request_id", request_id)
-            self.metrics.requests.labels(op_name, err.code.value).inc()
-            return P.encode_reply(request_id, P.Error(err.code, err.message))
+            return self._error(getattr(err, "request_id", request_id), op_name, err)
 
-    async def _apply(self, session: _Session, op: P.Request) -> P.Reply:
+    async def _finish(self, request_id: int, op_name: str, pending: Awaitable[P.Reply]) -> bytes:
+        try:
+            result = await pending
+        except PoolError as err:
+            return self._error(request_id, op_name, err)
+        self.metrics.requests.labels(op_name, "ok").inc()
+        return P.encode_reply(request_id, result)
+
+    def _error(self, request_id: int, op_name: str, err: PoolError) -> bytes:
+        self.metrics.requests.labels(op_name, err.code.value).inc()
+        return P.encode_reply(request_id, P.Error(err.code, err.message))
+
+    def _apply(self, session: _Session, op: P.Request) -> P.Reply | Awaitable[P.Reply]:
         cat = self.catalog
         assert cat is not None and self.arena is not None
         if isinstance(op, P.Hello):
@@ -379,14 +338,14 @@ class PoolDaemon:
             self.metrics.evictions.inc(cat.counters["evictions"] - evictions)
             return P.ReserveOk(res.reservation_id, list(res.slots))
         if isinstance(op, P.WritePages):
-            return await self._write_pages(session, op)
+            return self._write_pages(session, op)
         if isinstance(op, P.Commit):
-            return await self._commit(session, op)
+            return self._commit(session, op)
         if isinstance(op, P.Abort):
             self._own_reservation(session, op.reservation_id)
             return P.AbortOk(cat.abort(op.reservation_id))
         if isinstance(op, P.ReadPages):
-            return await self._read_pages(session, op)
+            return self._read_pages(session, op)
         if isinstance(op, P.Evict):
             self._check_tenant(op.ns, tenant)
             outcomes = cat.evict(tenant, op.ns, op.hashes)
@@ -516,3 +475,98 @@ def main_serve(config: PoolConfig) -> int:
         return 2
     return 0
 
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: frames are answered in order, one at a time. Ops whose work
+    runs in the thread pool pause reading until their reply is written; a client that
+    does not read its replies pauses reading too (the kernel buffers bound the queue)."""
+
+    def __init__(self, daemon: PoolDaemon):
+        self.daemon = daemon
+        self.buf = bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.session: _Session | None = None
+        self.pending: asyncio.Future | None = None
+        self.refuse = False
+        self.closed = False
+        self.write_paused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        d = self.daemon
+        self.transport = transport  # type: ignore[assignment]
+        self.session = _Session(next(d._sessions), str(transport.get_extra_info("peername") or "unix"))
+        if len(d._clients) >= d.config.max_clients:
+            self.refuse = True  # answer its first frame with BUSY, then close
+        else:
+            d._clients[self.session.client] = self
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        self._pump()
+
+    def _pump(self) -> None:
+        d = self.daemon
+        while self.pending is None and not self.closed and not self.write_paused:
+            if len(self.buf) < P.LENGTH.size:
+                return
+            (n,) = P.LENGTH.unpack_from(self.buf)
+            if n > d.config.max_frame:
+                err = OversizedFrame(f"frame of {n} bytes exceeds the limit of {d.config.max_frame}")
+                self.transport.write(d._error(0, "frame", err))
+                self.close()
+                return
+            if len(self.buf) < P.LENGTH.size + n:
+                return
+            payload = bytes(self.buf[P.LENGTH.size : P.LENGTH.size + n])
+            del self.buf[: P.LENGTH.size + n]
+            if self.refuse:
+                self._refuse(payload)
+                return
+            reply = d._dispatch(self.session, payload)
+            if isinstance(reply, bytes):
+                self.transport.write(reply)
+                continue
+            self.transport.pause_reading()
+            self.pending = asyncio.ensure_future(reply)
+            self.pending.add_done_callback(self._replied)
+
+    def _replied(self, task: asyncio.Future) -> None:
+        self.pending = None
+        if self.closed or task.cancelled():
+            return
+        self.transport.write(task.result())  # _finish turns every PoolError into a reply
+        if not self.write_paused:
+            self.transport.resume_reading()
+        self._pump()
+
+    def _refuse(self, payload: bytes) -> None:
+        request_id = 0
+        with contextlib.suppress(PoolError):
+            request_id = P.decode_request(payload)[0]
+        d = self.daemon
+        err = Busy(f"too many clients (limit {d.config.max_clients})")
+        self.transport.write(d._error(request_id, "connect", err))
+        self.close()
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self.pending is None:
+            self.transport.resume_reading()
+        self._pump()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        d = self.daemon
+        if self.session is not None and not self.refuse:
+            d._clients.pop(self.session.client, None)
+            if d.catalog is not None:
+                d.catalog.drop_client(self.session.client)

@@ -2,14 +2,11 @@
 `vllm serve` replicas (A on core 0 with failure policy `fail`, B on core 1 with
 `recompute`), both running the audit connector around kvpool's connector."""
 
-import random
 from pathlib import Path
 
 import pytest
 
-from harness.cluster import Cluster, ReplicaSpec
-
-CHUNK = 2048  # max_num_batched_tokens: prompts longer than this prefill in chunks
+from harness.cluster import default_cluster
 
 
 @pytest.fixture(scope="session")
@@ -20,26 +17,20 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def live_report_dir(request, tmp_path_factory) -> Path:
-    return request.config.stash.get(_REPORT_KEY, None) or tmp_path_factory.mktemp("live-report")
-
-
-_REPORT_KEY = pytest.StashKey[Path]()
+def live_report_dir(request, tmp_path_factory, worker_id) -> Path:
+    """--kv-report DIR keeps the cluster's logs and history there (one folder per xdist
+    worker); by default they go to pytest's temporary directory."""
+    base = request.config.getoption("--kv-report")
+    if base is None:
+        return tmp_path_factory.mktemp("live-report")
+    path = Path(base) / f"live-{worker_id}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 @pytest.fixture(scope="session")
 def cluster(tiny_model, live_report_dir):
-    faults = {name: live_report_dir / f"faults-{name}.json" for name in ("A", "B")}
-    for path in faults.values():
-        path.write_text("{}")
-    specs = [
-        ReplicaSpec("A", core="0", policy="fail", audit=True, max_num_batched_tokens=CHUNK,
-                    faults_file=str(faults["A"])),
-        ReplicaSpec("B", core="1", policy="recompute", audit=True, max_num_batched_tokens=CHUNK,
-                    faults_file=str(faults["B"])),
-    ]
-    c = Cluster(tiny_model, live_report_dir, page_size=128 * 1024, pool_pages=1024)
-    c.faults = faults
+    c, specs = default_cluster(tiny_model, live_report_dir)
     with c.start(specs):
         yield c
 
@@ -47,12 +38,5 @@ def cluster(tiny_model, live_report_dir):
 @pytest.fixture
 def live(cluster):
     """The cluster with empty caches and no fault armed."""
-    for path in cluster.faults.values():
-        path.write_text("{}")
     cluster.reset()
     return cluster
-
-
-@pytest.fixture
-def rng(test_seed) -> random.Random:
-    return random.Random(test_seed)

@@ -1,0 +1,163 @@
+"""`kvgate bench live`: the seed study's table, measured on a live pair of replicas.
+
+For each prefix length (1k, 2k, 4k, 8k, 16k tokens) and over repeated runs with fresh
+prompts:
+  kv_bytes            from the engine: the KV bytes of one block (what the connector
+                      registered) / block size x prefix tokens; the per-token slope next to
+                      2 x L x Hkv x D x q
+  cold_prefill_ms     TTFT of a cold request on replica B (pool and local cache bypassed)
+  local_hit_ttft_ms   TTFT of the same prompt again on B (B's own prefix cache)
+  remote_hit_ttft_ms  TTFT on B of a prompt replica A computed and published (kvgate)
+  peer_hit_ttft_ms    the same exchange through vLLM's own file-based ExampleConnector
+                      between a second pair of replicas, side by side in the same run
+                      (the peer stores only the first prefill chunk under the full prompt's
+                      key, so its pair runs unchunked: max_num_batched_tokens >= the prompt)
+Medians and p95s; the seed's rule (p95 remote below p50 cold); ratios remote/local and
+remote/peer. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from harness.cluster import Cluster, ReplicaSpec
+from harness.workload import Corpus, complete
+
+LENGTHS = (1024, 2048, 4096, 8192, 16384)
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def run_bench(reps: int = 5, lengths: tuple[int, ...] = LENGTHS, report_dir: Path | None = None) -> int:
+    from fixtures.tiny_model import build_tiny_model
+
+    report_dir = report_dir or Path(tempfile.mkdtemp(prefix="kvgate-bench-live-"))
+    model = build_tiny_model(report_dir / "model" / "tiny", seed=0, revision="r1")
+    corpus = Corpus(model)
+    max_len = max(lengths) + 1024
+    ours = [ReplicaSpec("A", core="0", max_model_len=max_len, kv_bytes=1 << 30),
+            ReplicaSpec("B", core="1", max_model_len=max_len, kv_bytes=1 << 30)]
+    _say("kvgate bench live: starting the pool and replicas A, B (kvgate connector) ...")
+    cluster = Cluster(model, report_dir / "kvgate", page_size=128 * 1024, pool_pages=2048).start(ours)
+    peer_dir = report_dir / "peer-storage"
+    peer_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        rows = _measure(cluster, corpus, reps, lengths)
+    finally:
+        cluster.stop()
+    _say("kvgate bench live: starting the peer pair (vLLM ExampleConnector) ...")
+    peer = PeerPair(model, report_dir / "peer", peer_dir, max_len)
+    try:
+        _measure_peer(peer, corpus, reps, lengths, rows)
+    finally:
+        peer.stop()
+    block_bytes = _block_bytes(cluster)
+    formula = 2 * 2 * 2 * 64 * 2  # 2 x L x Hkv x D x q for the tiny model
+    for row in rows:
+        row["kv_bytes"] = block_bytes // 128 * row["prefix_tokens"]
+        row["kv_bytes_per_token"] = block_bytes // 128
+        row["formula_bytes_per_token"] = formula
+        row["seed_rule_p95_remote_below_p50_cold"] = row["remote_hit_ttft_ms_p95"] < row["cold_prefill_ms"]
+        row["remote_vs_local"] = round(row["remote_hit_ttft_ms"] / row["local_hit_ttft_ms"], 3)
+        row["remote_vs_peer"] = round(row["remote_hit_ttft_ms"] / row["peer_hit_ttft_ms"], 3)
+    _say("prefix_tokens,kv_bytes,cold_prefill_ms,local_hit_ttft_ms,remote_hit_ttft_ms(p50/p95),peer_hit_ttft_ms")
+    for r in rows:
+        _say(f"{r['prefix_tokens']},{r['kv_bytes']},{r['cold_prefill_ms']},{r['local_hit_ttft_ms']},"
+             f"{r['remote_hit_ttft_ms']}/{r['remote_hit_ttft_ms_p95']},{r['peer_hit_ttft_ms']}")
+    result = {
+        "rows": rows,
+        "targets": {
+            "remote_no_slower_than_peer_at_every_length": all(r["remote_vs_peer"] <= 1.0 for r in rows),
+            "remote_at_most_1.2x_local_at_every_length": all(r["remote_vs_local"] <= 1.2 for r in rows),
+        },
+    }
+    print(json.dumps(result))
+    return 0
+
+
+def _block_bytes(cluster: Cluster) -> int:
+    from harness.live_checks import records
+
+    reg = records(cluster.history_dir, "register")
+    if not reg:
+        raise RuntimeError("no replica registered its KV caches")
+    return int(reg[0]["block_bytes"])
+
+
+def _measure(cluster: Cluster, corpus: Corpus, reps: int, lengths: tuple[int, ...]) -> list[dict]:
+    A, B = cluster.replicas["A"].url, cluster.replicas["B"].url
+    rng = random.Random(20261129)
+    complete(B, corpus.text(64, rng), tag="warmup", replica="B")
+    complete(A, corpus.text(64, rng), tag="warmup", replica="A")
+    rows = []
+    for n in lengths:
+        cold, local, remote = [], [], []
+        for rep in range(reps if n < 16384 else max(2, reps // 2)):
+            prompt = corpus.text(n - 1, rng)  # + BOS = n tokens
+            salt = f"bench-{n}-{rep}"
+            c = complete(B, prompt, tag=f"cold-{n}-{rep}", replica="B", max_tokens=1, load=False, publish=False,
+                         cache_salt=salt + "-cold")
+            loc = complete(B, prompt, tag=f"local-{n}-{rep}", replica="B", max_tokens=1, load=False, publish=False,
+                           cache_salt=salt + "-cold")
+            complete(A, prompt, tag=f"pub-{n}-{rep}", replica="A", max_tokens=1, cache_salt=salt)
+            rem = complete(B, prompt, tag=f"remote-{n}-{rep}", replica="B", max_tokens=1, cache_salt=salt)
+            cold.append(c.ttft_s * 1e3)
+            local.append(loc.ttft_s * 1e3)
+            remote.append(rem.ttft_s * 1e3)
+        row = {"prefix_tokens": n, "cold_prefill_ms": round(statistics.median(cold), 1),
+               "cold_prefill_ms_p95": round(_pct(cold, 0.95), 1),
+               "local_hit_ttft_ms": round(statistics.median(local), 1),
+               "local_hit_ttft_ms_p95": round(_pct(local, 0.95), 1),
+               "remote_hit_ttft_ms": round(statistics.median(remote), 1),
+               "remote_hit_ttft_ms_p95": round(_pct(remote, 0.95), 1), "runs": len(cold)}
+        _say(f"  {n:>6} tokens: cold {row['cold_prefill_ms']} ms, local {row['local_hit_ttft_ms']} ms, "
+             f"kvgate remote {row['remote_hit_ttft_ms']} ms (p95 {row['remote_hit_ttft_ms_p95']})")
+        rows.append(row)
+    return rows
+
+
+class PeerPair:
+    """Two replicas exchanging KV through vLLM's ExampleConnector (files on local disk)."""
+
+    def __init__(self, model: Path, report_dir: Path, storage: Path, max_len: int):
+        config = json.dumps({"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                             "kv_connector_extra_config": {"shared_storage_path": str(storage)}})
+        specs = [ReplicaSpec(name, core=core, connector=False, max_model_len=max_len, kv_bytes=1 << 30,
+                             max_num_batched_tokens=max_len, extra_args=("--kv-transfer-config", config))
+                 for name, core in (("PA", "0"), ("PB", "1"))]
+        self.cluster = Cluster(model, report_dir, page_size=128 * 1024, pool_pages=16)
+        self.cluster.start(specs)
+
+    @property
+    def replicas(self):  # noqa: ANN201
+        return self.cluster.replicas
+
+    def stop(self) -> None:
+        self.cluster.stop()
+
+
+def _measure_peer(peer: PeerPair, corpus: Corpus, reps: int, lengths: tuple[int, ...], rows: list[dict]) -> None:
+    A, B = peer.replicas["PA"].url, peer.replicas["PB"].url
+    rng = random.Random(20261130)
+    complete(B, corpus.text(64, rng), tag="warmup", replica="PB")
+    for row, n in zip(rows, lengths):
+        hits = []
+        for rep in range(row["runs"]):
+            prompt = corpus.text(n - 1, rng)
+            complete(A, prompt, tag=f"peer-pub-{n}-{rep}", replica="PA", max_tokens=1)
+            hits.append(complete(B, prompt, tag=f"peer-hit-{n}-{rep}", replica="PB", max_tokens=1).ttft_s * 1e3)
+        row["peer_hit_ttft_ms"] = round(statistics.median(hits), 1)
+        row["peer_hit_ttft_ms_p95"] = round(_pct(hits, 0.95), 1)
+        _say(f"  {n:>6} tokens: peer ExampleConnector hit {row['peer_hit_ttft_ms']} ms")
