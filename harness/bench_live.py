@@ -132,12 +132,20 @@ class PeerPair:
     """Two replicas exchanging KV through vLLM's ExampleConnector (files on local disk)."""
 
     def __init__(self, model: Path, report_dir: Path, storage: Path, max_len: int):
-        config = json.dumps({"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-                             "kv_connector_extra_config": {"shared_storage_path": str(storage)}})
-        specs = [ReplicaSpec(name, core=core, connector=False, max_model_len=max_len, kv_bytes=1 << 30,
-                             max_num_batched_tokens=max_len, extra_args=("--kv-transfer-config", config))
-                 for name, core in (("PA", "0"), ("PB", "1"))]
+        # The peer runs under kvpool's audit wrapper, which records digests of what PA
+        # computed and what PB installed: the same byte-exact oracle, on another connector.
         self.cluster = Cluster(model, report_dir, page_size=128 * 1024, pool_pages=16)
+        inner = "vllm.distributed.kv_transfer.kv_connector.v1.example_connector:ExampleConnector"
+
+        def config(name: str) -> str:
+            return json.dumps({"kv_connector": "AuditConnector", "kv_connector_module_path": "kvpool.audit",
+                               "kv_role": "kv_both", "kv_connector_extra_config": {
+                                   "audit_inner": inner, "shared_storage_path": str(storage), "replica": name,
+                                   "history_dir": str(self.cluster.history_dir)}})
+
+        specs = [ReplicaSpec(name, core=core, connector=False, max_model_len=max_len, kv_bytes=1 << 30,
+                             max_num_batched_tokens=max_len, extra_args=("--kv-transfer-config", config(name)))
+                 for name, core in (("PA", "0"), ("PB", "1"))]
         self.cluster.start(specs)
 
     @property
@@ -158,6 +166,17 @@ def _measure_peer(peer: PeerPair, corpus: Corpus, reps: int, lengths: tuple[int,
             prompt = corpus.text(n - 1, rng)
             complete(A, prompt, tag=f"peer-pub-{n}-{rep}", replica="PA", max_tokens=1)
             hits.append(complete(B, prompt, tag=f"peer-hit-{n}-{rep}", replica="PB", max_tokens=1).ttft_s * 1e3)
+        from harness.live_checks import audit_digests
+
+        h = peer.cluster.history_dir
+        differ = 0
+        for rep in range(row["runs"]):
+            produced = audit_digests(h, "produced", f"peer-pub-{n}-{rep}", "PA")
+            installed = audit_digests(h, "installed", f"peer-hit-{n}-{rep}", "PB")
+            differ += sum(1 for k, d in installed.items() if produced.get(k) != d)
+            row.setdefault("peer_blocks_installed", 0)
+            row["peer_blocks_installed"] += len(installed)
+        row["peer_blocks_differing"] = differ
         row["peer_hit_ttft_ms"] = round(statistics.median(hits), 1)
         row["peer_hit_ttft_ms_p95"] = round(_pct(hits, 0.95), 1)
         _say(f"  {n:>6} tokens: peer ExampleConnector hit {row['peer_hit_ttft_ms']} ms")

@@ -103,20 +103,7 @@ class AuditConnector(compat.KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output):  # noqa: ANN001, ANN201
         meta = AuditMetadata(inner=self._inner.build_connector_meta(scheduler_output))
         B = self.block_size
-        computed: dict[str, int] = {}
-        for nr in scheduler_output.scheduled_new_reqs:
-            if nr.req_id in self._reqs:
-                self._reqs[nr.req_id].block_ids = list(nr.block_ids[0])
-                computed[nr.req_id] = nr.num_computed_tokens
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            st = self._reqs.get(rid)
-            if st is None:
-                continue
-            new_ids = cached.new_block_ids[i]
-            if new_ids is not None:
-                st.block_ids = list(new_ids[0]) if compat.is_resumed(cached, i, rid) else st.block_ids + list(new_ids[0])
-            computed[rid] = cached.num_computed_tokens[i]
+        computed = compat.scheduled_requests(scheduler_output, self._reqs)
         for rid, ncomp in computed.items():
             st = self._reqs[rid]
             if st.load is not None:

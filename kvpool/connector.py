@@ -276,25 +276,7 @@ class KVPoolScheduler:
     def build_connector_meta(self, scheduler_output) -> KVPoolMetadata:  # noqa: ANN001
         B = self.block_size
         meta = KVPoolMetadata()
-        computed: dict[str, int] = {}
-        for nr in scheduler_output.scheduled_new_reqs:
-            st = self._reqs.get(nr.req_id)
-            if st is None:
-                continue
-            st.block_ids = list(nr.block_ids[0])
-            computed[nr.req_id] = nr.num_computed_tokens
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            st = self._reqs.get(rid)
-            if st is None:
-                continue
-            new_ids = cached.new_block_ids[i]
-            if new_ids is not None:
-                if compat.is_resumed(cached, i, rid):
-                    st.block_ids = list(new_ids[0])
-                else:
-                    st.block_ids.extend(new_ids[0])
-            computed[rid] = cached.num_computed_tokens[i]
+        computed = compat.scheduled_requests(scheduler_output, self._reqs)
         for rid, ncomp in computed.items():
             st = self._reqs[rid]
             if st.load is not None:

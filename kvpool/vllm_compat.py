@@ -87,3 +87,28 @@ def tp_rank() -> int:
         return int(get_tensor_model_parallel_rank())
     except (ImportError, AssertionError, AttributeError):  # not initialised (scheduler side)
         return 0
+
+
+def scheduled_requests(scheduler_output, tracked: dict) -> dict[str, int]:  # noqa: ANN001
+    """Update the engine block ids of every tracked request this step schedules (its
+    `.block_ids` list: replaced for new and resumed requests, extended otherwise) and
+    return {request id: tokens computed before this step} for them."""
+    computed: dict[str, int] = {}
+    for nr in scheduler_output.scheduled_new_reqs:
+        st = tracked.get(nr.req_id)
+        if st is not None:
+            st.block_ids = list(nr.block_ids[0])
+            computed[nr.req_id] = nr.num_computed_tokens
+    cached = scheduler_output.scheduled_cached_reqs
+    for i, rid in enumerate(cached.req_ids):
+        st = tracked.get(rid)
+        if st is None:
+            continue
+        new_ids = cached.new_block_ids[i]
+        if new_ids is not None:
+            if is_resumed(cached, i, rid):
+                st.block_ids = list(new_ids[0])
+            else:
+                st.block_ids.extend(new_ids[0])
+        computed[rid] = cached.num_computed_tokens[i]
+    return computed

@@ -1,0 +1,108 @@
+"""The connector's scheduler side against a real pool, driven with the scheduler
+outputs a chunked prefill produces (no engine needed): which blocks are published in
+which step, which are loaded, and what the history says."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from harness.pool_proc import thread_pool
+from kvpool.client import publish
+from kvpool.connector import ConnectorSettings, KVPoolScheduler, namespace_for
+
+B = 128
+
+
+def vllm_config(tmp_path):
+    mc = SimpleNamespace(model=str(tmp_path), revision="r1", tokenizer=str(tmp_path), dtype="torch.bfloat16",
+                         get_num_layers=lambda pc: 2, get_num_kv_heads=lambda pc: 2, get_head_size=lambda: 64)
+    return SimpleNamespace(model_config=mc, cache_config=SimpleNamespace(cache_dtype="auto", block_size=B),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=1),
+                           device_config=SimpleNamespace(device_type="cpu"))
+
+
+def request(rid, tokens, **kvpool):
+    return SimpleNamespace(request_id=rid, prompt_token_ids=tokens, num_computed_tokens=0, cache_salt=None,
+                           kv_transfer_params={"kvpool": kvpool} if kvpool else None)
+
+
+def step(new=(), cached=(), scheduled=None):
+    """new: [(rid, block_ids, num_computed)], cached: [(rid, new_block_ids, num_computed)]."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=[ids], num_computed_tokens=n) for r, ids, n in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _, _ in cached],
+                                              new_block_ids=[[ids] if ids is not None else None for _, ids, _ in cached],
+                                              num_computed_tokens=[n for _, _, n in cached], resumed_req_ids=set()),
+        num_scheduled_tokens=scheduled or {})
+
+
+@pytest.fixture
+def pool():
+    d = thread_pool(page_size=128 * 1024, num_pages=64)
+    yield d
+    d.stop_thread()
+
+
+def scheduler(pool, tmp_path, **kw):
+    settings = ConnectorSettings(pool=f"unix:{pool.unix_path}", token="tok", history_dir=str(tmp_path / "h"), **kw)
+    return KVPoolScheduler(vllm_config(tmp_path), settings)
+
+
+def test_chunked_prefill_publishes_every_chunks_complete_blocks(pool, tmp_path):
+    s = scheduler(pool, tmp_path)
+    tokens = list(range(5001))
+    r = request("r", tokens)
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    s.update_state_after_alloc(r, None, 0)
+    ids = list(range(100, 140))
+    m1 = s.build_connector_meta(step(new=[("r", ids[:16], 0)], scheduled={"r": 2048}))
+    m2 = s.build_connector_meta(step(cached=[("r", ids[16:32], 2048)], scheduled={"r": 2048}))
+    m3 = s.build_connector_meta(step(cached=[("r", ids[32:40], 4096)], scheduled={"r": 905}))
+    m4 = s.build_connector_meta(step(cached=[("r", None, 5001)], scheduled={"r": 1}))
+    assert [(x.first_block, x.block_ids) for x in m1.stores] == [(0, ids[:16])]
+    assert [(x.first_block, x.block_ids) for x in m2.stores] == [(16, ids[16:32])]
+    assert [(x.first_block, x.block_ids) for x in m3.stores] == [(32, ids[32:39])]  # 5001 // 128 = 39: no tail
+    assert m4.stores == [] and not any(m.loads for m in (m1, m2, m3, m4))
+
+
+def test_a_pooled_prefix_is_loaded_and_not_republished(pool, tmp_path):
+    s = scheduler(pool, tmp_path)
+    tokens = list(range(1000))  # 7 complete blocks
+    with pool_client(pool) as c:
+        ns = namespace_for(vllm_config(tmp_path), s.settings)
+        publish(c, ns, s_hashes(s, tokens)[:5], [np.zeros(128 * 1024, np.uint8)] * 5)
+    r = request("r", tokens, tag="t1")
+    assert s.get_num_new_matched_tokens(r, 0) == (5 * B, False)
+    s.update_state_after_alloc(r, None, 5 * B)
+    ids = list(range(8))
+    m = s.build_connector_meta(step(new=[("r", ids, 5 * B)], scheduled={"r": 1000 - 5 * B}))
+    assert [(x.first_block, x.block_ids, x.tag) for x in m.loads] == [(0, ids[:5], "t1")]
+    assert [(x.first_block, x.block_ids) for x in m.stores] == [(5, ids[5:7])]
+
+
+def test_publish_boundary_and_load_switch_per_request(pool, tmp_path):
+    s = scheduler(pool, tmp_path)
+    r = request("r", list(range(1000)), publish_tokens=300, load=False)
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    m = s.build_connector_meta(step(new=[("r", list(range(8)), 0)], scheduled={"r": 1000}))
+    assert [(x.first_block, len(x.block_ids)) for x in m.stores] == [(0, 2)]  # 300 // 128 blocks
+
+
+def test_unknown_settings_are_an_error():
+    with pytest.raises(ValueError, match="unknown kvpool connector settings"):
+        ConnectorSettings.from_extra({"pool": "unix:/x", "colour": "red"})
+    with pytest.raises(ValueError, match="needs 'pool'"):
+        ConnectorSettings.from_extra({})
+
+
+def pool_client(pool):
+    from kvpool.client import PoolClient
+
+    return PoolClient(f"unix:{pool.unix_path}", "default", "tok")
+
+
+def s_hashes(s, tokens):
+    from kvpool.keys import block_hashes
+
+    return block_hashes(tokens[: len(tokens) // B * B], B)
