@@ -3,13 +3,15 @@
 The replica's connector builds it when `faults_file` is set; the file is JSON and is
 re-read whenever it changes, so a test switches faults without restarting the replica:
 
-    {"load": {"kind": "transport_error" | "timeout" | "corrupt",
+    {"load": {"kind": "transport_error" | "timeout" | "corrupt" | "evict",
               "block": 2,            # the lease's block index where the fault strikes
               "times": 1}}           # how many loads it hits (then it heals by itself)
 
   transport_error  the connection is closed under the load: TransportError at block k.
   timeout          the load's read of block k raises PoolTimeout.
   corrupt          block k's bytes arrive with one bit flipped (the digest must catch it).
+  evict            between the scheduler's lookup and the worker's load, blocks k.. are
+                   force-evicted from the pool: the load stops at k as `evicted`.
 Every firing is written to the run's history (`fault` events) with what it did.
 """
 
@@ -28,7 +30,7 @@ from kvpool.client import PoolBackend
 from kvpool.errors import PoolTimeout, TransportError
 from kvpool.history import HistoryWriter
 
-KINDS = ("transport_error", "timeout", "corrupt")
+KINDS = ("transport_error", "timeout", "corrupt", "evict")
 
 
 class FaultyBackend:
@@ -68,8 +70,16 @@ class FaultyBackend:
             return fault
 
     def acquire(self, ns, hashes: Sequence[bytes]) -> AcquireResult:  # noqa: ANN001
+        fault = self._load_fault()
+        if fault is not None and fault["kind"] == "evict":
+            k = int(fault.get("block", 0))
+            outcomes = self.inner.evict(ns, list(hashes[k:]))
+            self._fired += 1
+            self.history.write("fault", site="pool_client.acquire", kind="evict", block=k,
+                               evicted=sum(o == "evicted" for o in outcomes))
+            return self.inner.acquire(ns, hashes)
         lease = self.inner.acquire(ns, hashes)
-        fault = self._load_fault() if lease.lease_id else None
+        fault = fault if lease.lease_id else None
         if fault is not None and int(fault.get("block", 0)) < len(lease.hits):
             self._armed = (lease.lease_id, fault)
         else:

@@ -87,11 +87,15 @@ def _live_criteria(cluster, corpus) -> list[tuple[str, Callable[[int], Verdict]]
     return [
         ("live: cross-replica hit, byte-exact, output unchanged", fresh(S.cross_replica_hit)),
         ("live: partial hit loads only complete common blocks", fresh(S.partial_hit)),
+        ("live: shared system prompt computed once, reused by every question", fresh(S.shared_system_prompt)),
         ("live: local hit, remote hit and miss told apart", fresh(S.hit_kinds)),
         ("live: corrupt load recomputed, output unchanged", fresh(lambda c, k, s: S.load_failure(c, k, s, "corrupt"))),
         ("live: transport error recomputed, output unchanged",
          fresh(lambda c, k, s: S.load_failure(c, k, s, "transport_error"))),
         ("live: timeout recomputed, output unchanged", fresh(lambda c, k, s: S.load_failure(c, k, s, "timeout"))),
+        ("live: eviction between lookup and load recomputed, output unchanged",
+         fresh(lambda c, k, s: S.load_failure(c, k, s, "evict"))),
+        ("live: pool killed and restarted under live replicas", fresh(S.pool_restart)),
         ("live: policy fail ends the request explicitly", fresh(S.load_failure_fail)),
         ("live: OFF-ON-ON-OFF six-turn sessions alternating replicas", fresh(S.sessions)),
     ]

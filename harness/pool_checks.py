@@ -149,11 +149,18 @@ def miss_causes(seed: int) -> Verdict:
             return (r.miss.cause if r.miss else None), (r.miss.index if r.miss else -1)
 
         def probe_transport_error() -> tuple[MissCause | None, int]:
+            import json
+
+            from faults.backend import FaultyBackend
+            from kvpool.history import HistoryWriter
+
             hs = fresh(2)
             publish(c, NS, hs, data(2))
-            other = pool.client(name="doomed")
-            other._sock.close()  # the connection dies before the load
-            r = load(other, NS, hs, sink(2).__getitem__)
+            control = pool.run_dir / "faults-probe.json"
+            control.write_text(json.dumps({"load": {"kind": "transport_error", "block": 0}}))
+            doomed = FaultyBackend(pool.client(name="doomed"), control, HistoryWriter(None, "probe", "probe"))
+            r = load(doomed, NS, hs, sink(2).__getitem__)  # the connection dies under the load
+            doomed.close()
             return (r.miss.cause if r.miss else None), (r.miss.index if r.miss else -1)
 
         probes = {

@@ -55,7 +55,7 @@ class Corpus:
 
 def complete(url: str, prompt: str, *, tag: str, replica: str = "", max_tokens: int = 16,
              load: bool = True, publish: bool = True, cache_salt: str | None = None,
-             timeout_s: float = 600.0) -> Completion:
+             publish_tokens: int | None = None, timeout_s: float = 600.0) -> Completion:
     body = {
         "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
         "stream": True, "return_token_ids": True,
@@ -63,6 +63,8 @@ def complete(url: str, prompt: str, *, tag: str, replica: str = "", max_tokens: 
     }
     if cache_salt:
         body["cache_salt"] = cache_salt
+    if publish_tokens is not None:
+        body["kv_transfer_params"]["kvpool"]["publish_tokens"] = publish_tokens
     t0 = time.monotonic()
     ttft = None
     token_ids: list[int] = []

@@ -124,6 +124,10 @@ def address_from_run_dir(run_dir: Path | str, prefer: str = "unix") -> str:
     return f"unix:{info['unix']}"
 
 
+# Requests whose repetition changes nothing: safe to resend when no reply byte arrived.
+_IDEMPOTENT = (P.Ping, P.Lookup, P.Stats, P.Metrics)
+
+
 class PoolClient:
     """A connection to one pool daemon. Thread-safe (one request in flight at a time)."""
 
@@ -160,7 +164,7 @@ class PoolClient:
             if self._family != socket.AF_UNIX:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = sock
-            hello = self._call(P.Hello(self.tenant, self._token, self.name))
+            hello = self._call(P.Hello(self.tenant, self._token, self.name), retry=False)
             assert isinstance(hello, P.HelloOk)
             self.hello = hello
             self.page_size = hello.page_size
@@ -220,23 +224,33 @@ class PoolClient:
             got += k
         return bytes(buf)
 
-    def _call(self, op: P.Request) -> P.Reply:
+    def _call(self, op: P.Request, retry: bool = True) -> P.Reply:
+        """One request, one reply. A connection that was reused after sitting idle may be
+        dead (the daemon restarted): if it fails before the daemon can have read the
+        request (on send), or with no reply byte to a request that is safe to repeat,
+        the request is sent once more on a fresh connection."""
         with self._lock:
-            if self._sock is None:
+            reused = self._sock is not None
+            if not reused:
                 self.connect()
             request_id = next(self._ids)
+            stage = "send"
             try:
                 self._sock.sendall(P.encode_request(request_id, op))
-                (n,) = P.LENGTH.unpack(self._recv_exact(P.LENGTH.size))
-                payload = self._recv_exact(n)
+                stage = "reply"
+                header = self._recv_exact(P.LENGTH.size)
+                stage = "body"
+                payload = self._recv_exact(P.LENGTH.unpack(header)[0])
             except TimeoutError as exc:
                 self._drop_socket()
                 raise PoolTimeout(f"{type(op).__name__} to {self.address} timed out after {self.timeout_s}s") from exc
-            except TransportError:
+            except OSError as exc:  # TransportError (EOF) included
                 self._drop_socket()
-                raise
-            except OSError as exc:
-                self._drop_socket()
+                repeatable = stage == "send" or (stage == "reply" and isinstance(op, _IDEMPOTENT))
+                if retry and reused and repeatable:
+                    return self._call(op, retry=False)
+                if isinstance(exc, TransportError):
+                    raise
                 raise TransportError(f"{type(op).__name__} to {self.address} failed: {exc}") from exc
             try:
                 reply_id, reply = P.decode_reply(payload)

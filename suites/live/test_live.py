@@ -25,14 +25,24 @@ def test_partial_hit_loads_only_complete_common_blocks(live, corpus, test_seed):
     assert v.evidence["loaded_blocks"] == 7
 
 
+def test_shared_system_prompt_is_computed_once(live, corpus, test_seed):
+    v = S.shared_system_prompt(live, corpus, test_seed)
+    assert v.valid is True, v
+
+
 def test_local_hit_remote_hit_and_miss_are_told_apart(live, corpus, test_seed):
     v = S.hit_kinds(live, corpus, test_seed)
     assert v.valid is True, v
 
 
-@pytest.mark.parametrize("kind", ["corrupt", "transport_error", "timeout"])
+@pytest.mark.parametrize("kind", ["corrupt", "transport_error", "timeout", "evict"])
 def test_failed_load_is_recomputed_with_unchanged_output(live, corpus, test_seed, kind):
     v = S.load_failure(live, corpus, test_seed, kind)
+    assert v.valid is True, v
+
+
+def test_pool_killed_and_restarted_under_live_replicas(live, corpus, test_seed):
+    v = S.pool_restart(live, corpus, test_seed)
     assert v.valid is True, v
 
 

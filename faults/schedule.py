@@ -1,0 +1,93 @@
+"""The seeded fault schedule: data, drawn from one root seed, replayable.
+
+  FaultSpec          one fault site: its kind, where it strikes, its drawn parameters, the
+                     probability it fires with once active, and its heal step.
+  FaultSchedule      the run's faults: seed, profile, specs. JSON in and out (a failing
+                     run's schedule is written next to its report and replays as is).
+  draw_schedule(seed, profile)
+                     every parameter from a named child generator of the root seed
+                     (`random.Random(f"{seed}:fault:{kind}")`), so adding a fault kind never
+                     changes another kind's draws. Each site is activated at most once per
+                     run (BUGGIFY style: a drawn coin), then fires with its drawn probability.
+  FaultSchedule.fires(kind, attempt)
+                     whether the site fires on its n-th opportunity, decided by the schedule
+                     alone (same seed, same answers); a seed cannot force thread
+                     interleavings, and reports say so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from typing import Any
+
+# kind -> (site it strikes, heal step). The live injectors live in faults.backend.
+KINDS: dict[str, tuple[str, str]] = {
+    "corrupt": ("pool_client.read_page", "the next load reads the committed page again"),
+    "transport_error": ("pool_client.read_page", "the client reconnects on its next request"),
+    "timeout": ("pool_client.read_page", "the next load has a fresh deadline"),
+    "evict": ("pool_client.acquire", "the recomputed blocks are published again"),
+    "pool_restart": ("pool daemon", "restart the daemon; clients reconnect; the pool starts empty"),
+}
+PROFILES: dict[str, tuple[str, ...]] = {
+    "transport": ("corrupt", "transport_error", "timeout"),
+    "eviction": ("evict",),
+    "crash": ("pool_restart",),
+    "all": tuple(KINDS),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultSpec:
+    kind: str
+    site: str
+    heal: str
+    active: bool
+    probability: float
+    params: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultSchedule:
+    seed: int
+    profile: str
+    faults: tuple[FaultSpec, ...]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> FaultSchedule:
+        data = json.loads(text)
+        return cls(int(data["seed"]), str(data["profile"]), tuple(FaultSpec(**f) for f in data["faults"]))
+
+    def spec(self, kind: str) -> FaultSpec:
+        for f in self.faults:
+            if f.kind == kind:
+                return f
+        raise KeyError(f"fault kind {kind!r} is not in profile {self.profile!r}")
+
+    def fires(self, kind: str, attempt: int) -> bool:
+        spec = self.spec(kind)
+        if not spec.active:
+            return False
+        return random.Random(f"{self.seed}:fires:{kind}:{attempt}").random() < spec.probability
+
+
+def draw_schedule(seed: int, profile: str = "all", *, force_active: bool = True) -> FaultSchedule:
+    """`force_active` (the gate's default) activates every site of the profile, so every
+    kind is exercised in every run; without it each site is activated by a drawn coin."""
+    if profile not in PROFILES:
+        raise ValueError(f"unknown fault profile {profile!r}; known: {sorted(PROFILES)}")
+    faults = []
+    for kind in PROFILES[profile]:
+        rng = random.Random(f"{seed}:fault:{kind}")
+        site, heal = KINDS[kind]
+        active = True if force_active else rng.random() < 0.5
+        probability = round(rng.uniform(0.5, 1.0), 3)
+        params: dict[str, Any] = {"block": rng.randrange(0, 6)}
+        if kind == "pool_restart":
+            params = {"after_requests": rng.randrange(1, 3)}
+        faults.append(FaultSpec(kind, site, heal, active, probability, params))
+    return FaultSchedule(seed, profile, tuple(faults))

@@ -1,0 +1,39 @@
+"""The seeded fault schedule: same seed, same schedule; every draw from a named child."""
+
+import pytest
+
+from faults.schedule import PROFILES, FaultSchedule, draw_schedule
+
+
+def test_same_seed_same_schedule_and_json_round_trip():
+    a, b = draw_schedule(42), draw_schedule(42)
+    assert a == b and a.to_json() == b.to_json()
+    assert FaultSchedule.from_json(a.to_json()) == a
+    assert draw_schedule(43) != a
+
+
+def test_each_kind_draws_from_its_own_child_generator():
+    for kind in PROFILES["transport"]:
+        assert draw_schedule(7, "transport").spec(kind) == draw_schedule(7, "all").spec(kind)
+
+
+def test_firing_is_decided_by_the_schedule_alone():
+    s = draw_schedule(9)
+    seq = [s.fires("corrupt", i) for i in range(64)]
+    assert seq == [draw_schedule(9).fires("corrupt", i) for i in range(64)]
+    p = s.spec("corrupt").probability
+    assert 0.5 <= p <= 1.0 and abs(sum(seq) / 64 - p) < 0.3
+
+
+def test_inactive_sites_never_fire_and_coins_are_seeded():
+    schedules = [draw_schedule(s, force_active=False) for s in range(40)]
+    assert {f.active for s in schedules for f in s.faults} == {True, False}
+    inactive = next(s for s in schedules if not s.faults[0].active)
+    assert not any(inactive.fires(inactive.faults[0].kind, i) for i in range(32))
+
+
+def test_unknown_profile_and_kind():
+    with pytest.raises(ValueError):
+        draw_schedule(1, "everything")
+    with pytest.raises(KeyError):
+        draw_schedule(1, "eviction").spec("corrupt")
