@@ -23,6 +23,7 @@ import random
 import statistics
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from harness.cluster import Cluster, ReplicaSpec
@@ -49,20 +50,24 @@ def run_bench(reps: int = 5, lengths: tuple[int, ...] = LENGTHS, report_dir: Pat
     max_len = max(lengths) + 1024
     ours = [ReplicaSpec("A", core="0", max_model_len=max_len, kv_bytes=1 << 30),
             ReplicaSpec("B", core="1", max_model_len=max_len, kv_bytes=1 << 30)]
-    _say("kvgate bench live: starting the pool and replicas A, B (kvgate connector) ...")
-    cluster = Cluster(model, report_dir / "kvgate", page_size=128 * 1024, pool_pages=2048).start(ours)
     peer_dir = report_dir / "peer-storage"
     peer_dir.mkdir(parents=True, exist_ok=True)
+    _say("kvgate bench live: starting replicas A, B (kvgate connector) and PA, PB (ExampleConnector) ...")
+    cluster = Cluster(model, report_dir / "kvgate", page_size=128 * 1024, pool_pages=2048)
+    with ThreadPoolExecutor(2) as ex:  # both pairs live at once: measured side by side, interleaved
+        ours_f = ex.submit(cluster.start, ours)
+        peer_f = ex.submit(PeerPair, model, report_dir / "peer", peer_dir, max_len)
+        errors = [f.exception() for f in (ours_f, peer_f)]
+    peer = peer_f.result() if errors[1] is None else None
     try:
-        rows = _measure(cluster, corpus, reps, lengths)
+        for err in errors:
+            if err is not None:
+                raise err
+        rows = _measure(cluster, peer, corpus, reps, lengths)
     finally:
         cluster.stop()
-    _say("kvgate bench live: starting the peer pair (vLLM ExampleConnector) ...")
-    peer = PeerPair(model, report_dir / "peer", peer_dir, max_len)
-    try:
-        _measure_peer(peer, corpus, reps, lengths, rows)
-    finally:
-        peer.stop()
+        if peer is not None:
+            peer.stop()
     block_bytes = _block_bytes(cluster)
     formula = 2 * 2 * 2 * 64 * 2  # 2 x L x Hkv x D x q for the tiny model
     for row in rows:
@@ -96,14 +101,18 @@ def _block_bytes(cluster: Cluster) -> int:
     return int(reg[0]["block_bytes"])
 
 
-def _measure(cluster: Cluster, corpus: Corpus, reps: int, lengths: tuple[int, ...]) -> list[dict]:
+def _measure(cluster: Cluster, peer: PeerPair, corpus: Corpus, reps: int, lengths: tuple[int, ...]) -> list[dict]:
+    from harness.live_checks import audit_digests
+
     A, B = cluster.replicas["A"].url, cluster.replicas["B"].url
+    PA, PB = peer.replicas["PA"].url, peer.replicas["PB"].url
     rng = random.Random(20261129)
-    complete(B, corpus.text(64, rng), tag="warmup", replica="B")
-    complete(A, corpus.text(64, rng), tag="warmup", replica="A")
+    for url, name in ((A, "A"), (B, "B"), (PA, "PA"), (PB, "PB")):
+        complete(url, corpus.text(64, rng), tag=f"warmup-{name}", replica=name)
     rows = []
     for n in lengths:
-        cold, local, remote = [], [], []
+        cold, local, remote, peer_hit = [], [], [], []
+        installed = differing = 0
         for rep in range(reps if n < 16384 else max(2, reps // 2)):
             prompt = corpus.text(n - 1, rng)  # + BOS = n tokens
             salt = f"bench-{n}-{rep}"
@@ -113,17 +122,26 @@ def _measure(cluster: Cluster, corpus: Corpus, reps: int, lengths: tuple[int, ..
                            cache_salt=salt + "-cold")
             complete(A, prompt, tag=f"pub-{n}-{rep}", replica="A", max_tokens=1, cache_salt=salt)
             rem = complete(B, prompt, tag=f"remote-{n}-{rep}", replica="B", max_tokens=1, cache_salt=salt)
+            complete(PA, prompt, tag=f"peer-pub-{n}-{rep}", replica="PA", max_tokens=1)
+            ph = complete(PB, prompt, tag=f"peer-hit-{n}-{rep}", replica="PB", max_tokens=1)
             cold.append(c.ttft_s * 1e3)
             local.append(loc.ttft_s * 1e3)
             remote.append(rem.ttft_s * 1e3)
-        row = {"prefix_tokens": n, "cold_prefill_ms": round(statistics.median(cold), 1),
-               "cold_prefill_ms_p95": round(_pct(cold, 0.95), 1),
-               "local_hit_ttft_ms": round(statistics.median(local), 1),
-               "local_hit_ttft_ms_p95": round(_pct(local, 0.95), 1),
-               "remote_hit_ttft_ms": round(statistics.median(remote), 1),
-               "remote_hit_ttft_ms_p95": round(_pct(remote, 0.95), 1), "runs": len(cold)}
-        _say(f"  {n:>6} tokens: cold {row['cold_prefill_ms']} ms, local {row['local_hit_ttft_ms']} ms, "
-             f"kvgate remote {row['remote_hit_ttft_ms']} ms (p95 {row['remote_hit_ttft_ms_p95']})")
+            peer_hit.append(ph.ttft_s * 1e3)
+            h = peer.cluster.history_dir
+            produced = audit_digests(h, "produced", f"peer-pub-{n}-{rep}", "PA")
+            got = audit_digests(h, "installed", f"peer-hit-{n}-{rep}", "PB")
+            installed += len(got)
+            differing += sum(1 for k, d in got.items() if produced.get(k) != d)
+        row = {"prefix_tokens": n, "runs": len(cold)}
+        for name, values in (("cold_prefill_ms", cold), ("local_hit_ttft_ms", local),
+                             ("remote_hit_ttft_ms", remote), ("peer_hit_ttft_ms", peer_hit)):
+            row[name] = round(statistics.median(values), 1)
+            row[f"{name}_p95"] = round(_pct(values, 0.95), 1)
+        row["peer_blocks_installed"] = installed
+        row["peer_blocks_differing"] = differing
+        _say(f"  {n:>6} tokens: cold {row['cold_prefill_ms']} ms, local {row['local_hit_ttft_ms']} ms, kvgate remote "
+             f"{row['remote_hit_ttft_ms']} ms (p95 {row['remote_hit_ttft_ms_p95']}), peer {row['peer_hit_ttft_ms']} ms")
         rows.append(row)
     return rows
 
@@ -156,27 +174,3 @@ class PeerPair:
         self.cluster.stop()
 
 
-def _measure_peer(peer: PeerPair, corpus: Corpus, reps: int, lengths: tuple[int, ...], rows: list[dict]) -> None:
-    A, B = peer.replicas["PA"].url, peer.replicas["PB"].url
-    rng = random.Random(20261130)
-    complete(B, corpus.text(64, rng), tag="warmup", replica="PB")
-    for row, n in zip(rows, lengths):
-        hits = []
-        for rep in range(row["runs"]):
-            prompt = corpus.text(n - 1, rng)
-            complete(A, prompt, tag=f"peer-pub-{n}-{rep}", replica="PA", max_tokens=1)
-            hits.append(complete(B, prompt, tag=f"peer-hit-{n}-{rep}", replica="PB", max_tokens=1).ttft_s * 1e3)
-        from harness.live_checks import audit_digests
-
-        h = peer.cluster.history_dir
-        differ = 0
-        for rep in range(row["runs"]):
-            produced = audit_digests(h, "produced", f"peer-pub-{n}-{rep}", "PA")
-            installed = audit_digests(h, "installed", f"peer-hit-{n}-{rep}", "PB")
-            differ += sum(1 for k, d in installed.items() if produced.get(k) != d)
-            row.setdefault("peer_blocks_installed", 0)
-            row["peer_blocks_installed"] += len(installed)
-        row["peer_blocks_differing"] = differ
-        row["peer_hit_ttft_ms"] = round(statistics.median(hits), 1)
-        row["peer_hit_ttft_ms_p95"] = round(_pct(hits, 0.95), 1)
-        _say(f"  {n:>6} tokens: peer ExampleConnector hit {row['peer_hit_ttft_ms']} ms")
