@@ -9,5 +9,11 @@ Modules, one job each:
   protocol  the typed, versioned wire protocol (msgspec msgpack frames).
   server    the pool daemon: catalog + arena behind a Unix socket and TCP.
   client    the client library every other part uses (zero-copy on one host).
-  metrics   Prometheus metrics of the daemon.
+  copy      host copies fused with the page digest; digest: the page digest itself.
+  metrics   Prometheus metrics of the daemon and of clients.
+  history   the JSON-lines history every lookup, load, publish and audit record goes to.
+  connector the vLLM V1 KV connector (scheduler and worker sides); vllm_compat: the one
+            place that knows vLLM version and platform differences.
+  audit     a V1 connector that wraps any other and records digests of the KV bytes.
+  testing   the reference model and the Hypothesis state machine that checks a pool.
 """
