@@ -24,7 +24,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -111,17 +110,6 @@ def parse_address(address: str) -> tuple[int, object]:
         if host and port.isdigit():
             return socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET, (host.strip("[]"), int(port))
     raise InvalidRequest(f"pool address {address!r} is not 'unix:PATH' or 'tcp:HOST:PORT'")
-
-
-def address_from_run_dir(run_dir: Path | str, prefer: str = "unix") -> str:
-    from kvpool.server import read_address
-
-    info = read_address(Path(run_dir))
-    if prefer == "unix" and info.get("unix"):
-        return f"unix:{info['unix']}"
-    if info.get("tcp"):
-        return f"tcp:{info['tcp']}"
-    return f"unix:{info['unix']}"
 
 
 # Requests whose repetition changes nothing: safe to resend when no reply byte arrived.

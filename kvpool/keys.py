@@ -90,9 +90,6 @@ class Namespace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if name != "tenant" and getattr(self, name) != getattr(other, name)
         )
 
-    def with_tenant(self, tenant: str) -> Namespace:
-        return self.replace(tenant=tenant)
-
     @property
     def bytes_per_token(self) -> int:
         """2 x L x Hkv x D x q for a dense attention cache (the seed's formula)."""
