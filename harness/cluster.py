@@ -125,7 +125,7 @@ class Cluster:
 
     def kv_transfer_config(self, spec: ReplicaSpec) -> dict:
         extra = {"pool": self.pool.unix, "token": self.pool.token, "replica": spec.name,
-                 "history_dir": str(self.history_dir)}
+                 "history_dir": str(self.history_dir), "model_id": "kvgate-tiny"}
         if spec.model_revision:
             extra["model_revision"] = spec.model_revision
         if spec.faults_file:
@@ -182,6 +182,24 @@ class Cluster:
             time.sleep(0.5)
         raise ClusterStartError(f"replica {replica.spec.name} not healthy within {timeout}s; "
                                 f"log {replica.log_path}:\n{_tail(replica.log_path)}")
+
+    def add_replica(self, spec: ReplicaSpec, timeout: float = 600.0) -> Replica:
+        """Start one more replica on the running pool (e.g. another model revision)."""
+        if spec.name in self.replicas:
+            raise ValueError(f"replica {spec.name} already exists")
+        if spec.faults_file:
+            self.faults[spec.name] = Path(spec.faults_file)
+            self.faults[spec.name].write_text("{}")
+        replica = self.replicas[spec.name] = self._spawn(spec)
+        self._wait_healthy(replica, timeout)
+        return replica
+
+    def remove_replica(self, name: str) -> None:
+        replica = self.replicas.pop(name)
+        self.faults.pop(name, None)
+        _terminate_group(replica.proc)
+        if _group_alive(replica.proc.pid):
+            raise OrphanError(f"replica {name} process group {replica.proc.pid} survived")
 
     # -- between tests -------------------------------------------------------------------
     def reset(self) -> None:

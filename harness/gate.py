@@ -96,19 +96,24 @@ def _live_criteria(cluster, corpus) -> list[tuple[str, Callable[[int], Verdict]]
         ("live: eviction between lookup and load recomputed, output unchanged",
          fresh(lambda c, k, s: S.load_failure(c, k, s, "evict"))),
         ("live: pool killed and restarted under live replicas", fresh(S.pool_restart)),
+        ("live: another model revision finds the blocks incompatible", fresh(S.revision_mismatch)),
         ("live: policy fail ends the request explicitly", fresh(S.load_failure_fail)),
         ("live: OFF-ON-ON-OFF six-turn sessions alternating replicas", fresh(S.sessions)),
     ]
 
 
 def start_default_cluster(report_dir: Path):  # noqa: ANN201
-    """The embedded default system: local pool, two replicas, the tiny local model."""
+    """The embedded default system: local pool, two replicas of the tiny local model, and
+    a third on another revision of it (for the incompatible-namespace criterion)."""
     from fixtures.tiny_model import build_tiny_model
-    from harness.cluster import default_cluster
+    from harness.cluster import DEFAULT_CHUNK, ReplicaSpec, default_cluster
 
     model = build_tiny_model(report_dir / "model" / "tiny", seed=0, revision="r1")
+    r2 = build_tiny_model(report_dir / "model" / "tiny-r2", seed=0, revision="r2")
     cluster, specs = default_cluster(model, report_dir)
-    _say("kvgate gate: starting the pool and two vLLM replicas (about a minute) ...")
+    # C: another revision of the model (other weights, same tokenizer) on the same pool
+    specs.append(ReplicaSpec("C", core="0", model_dir=r2, audit=True, max_num_batched_tokens=DEFAULT_CHUNK))
+    _say("kvgate gate: starting the pool and three vLLM replicas (one to two minutes) ...")
     return cluster.start(specs), model
 
 

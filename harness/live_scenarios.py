@@ -12,6 +12,7 @@ The live suites assert on them and the gate runs them for its seeds.
                          at block k: k blocks load, the cause is recorded, policy recompute
                          gives B's baseline tokens.
   pool_restart           the pool daemon killed under live replicas, then restarted.
+  revision_mismatch      a replica of another model revision on the same pool.
   load_failure_fail      the same on A, whose policy is "fail": the request ends explicitly
                          with an error and the replica keeps serving.
   sessions               OFF-ON-ON-OFF six-turn sessions alternating replicas.
@@ -245,6 +246,31 @@ def pool_restart(cluster: Cluster, corpus: Corpus, seed: int) -> Verdict:
     c.check("and its output is complete", len(b2.token_ids) == 16)
     c.evidence.update(down=down.get("error", "")[:120], recovery_note=cluster.pool.address.get("recovery_note"))
     return c.verdict("pool crash: lookups failed as transport_error, outputs unchanged, sharing resumed after restart")
+
+
+def revision_mismatch(cluster: Cluster, corpus: Corpus, seed: int, replica: str = "C") -> Verdict:
+    """`replica` runs another revision of the model (other weights, same tokenizer) on the
+    same pool: it must find A's blocks `incompatible`, name `model_revision` as the only
+    differing field, load nothing, and generate what it generates cold."""
+    rng = random.Random(seed)
+    prompt = corpus.text(900, rng)
+    tag = _tag("v", seed)
+    complete(cluster.replicas["A"].url, prompt, tag=f"{tag}-a", replica="A")
+    url = cluster.replicas[replica].url
+    c_out = complete(url, prompt, tag=f"{tag}-c", replica=replica)
+    cold = complete(url, prompt, tag=f"{tag}-cold", replica=replica, load=False, publish=False,
+                    cache_salt=f"cold-{tag}")
+    h = cluster.history_dir
+    lookup = _one(h, "lookup", tag=f"{tag}-c")
+    c = Checks()
+    c.check("the lookup is incompatible", lookup["outcome"] == "miss" and lookup["miss_cause"] == "incompatible",
+            lookup)
+    c.check("naming model_revision only", lookup["miss_fields"] == ["model_revision"], lookup["miss_fields"])
+    c.check("nothing was loaded", not records(h, "load", tag=f"{tag}-c"))
+    c.check("the other revision's output equals its own cold run", c_out.token_ids == cold.token_ids
+            and len(c_out.token_ids) == 16)
+    c.evidence.update(miss_fields=lookup["miss_fields"])
+    return c.verdict("another model revision found the blocks incompatible (model_revision) and loaded nothing")
 
 
 def load_failure_fail(cluster: Cluster, corpus: Corpus, seed: int) -> Verdict:

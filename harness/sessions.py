@@ -30,8 +30,8 @@ class TurnResult:
 
 def run_sessions(cluster: Cluster, corpus: Corpus, seed: int, *, sessions: int, turns: int, context_tokens: int,
                  pool_on: bool, salt: str, block: str, user_tokens: int = 64, max_tokens: int = 16,
-                 router_kind: str = "alternating") -> list[TurnResult]:
-    router = Router(router_kind, sorted(cluster.replicas), seed)
+                 router_kind: str = "alternating", replicas: tuple[str, ...] = ("A", "B")) -> list[TurnResult]:
+    router = Router(router_kind, list(replicas), seed)
     out: list[TurnResult] = []
     for s in range(sessions):
         rng = random.Random(f"{seed}:session:{s}")

@@ -65,6 +65,7 @@ class ConnectorSettings:
     publish: bool = True
     load_deadline_s: float = 10.0
     timeout_s: float = 10.0
+    model_id: str = ""  # a stable model name for the namespace (default: the model path)
     model_revision: str = ""  # overrides the model fingerprint in the namespace
     faults_file: str = ""  # a fault-control file: the pool client is wrapped by faults.backend
     audit_inner: str = ""  # used by kvpool.audit.AuditConnector only
@@ -133,7 +134,7 @@ def namespace_for(vllm_config, settings: ConnectorSettings, tp_rank: int = 0) ->
     kv_dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(mc.dtype).removeprefix("torch.")
     revision = settings.model_revision or mc.revision or _model_fingerprint(str(mc.model))
     return Namespace(
-        model_id=str(mc.model),
+        model_id=settings.model_id or str(mc.model),
         model_revision=str(revision),
         tokenizer_hash=_tokenizer_fingerprint(str(mc.tokenizer)),
         kv_dtype=kv_dtype,

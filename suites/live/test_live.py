@@ -55,3 +55,16 @@ def test_off_on_on_off_six_turn_sessions(live, corpus, test_seed, record_propert
     v = S.sessions(live, corpus, test_seed)
     record_property("ttft_median_ms_cross_turns", v.evidence["ttft_median_ms_cross_turns"])
     assert v.valid is True, v
+
+
+def test_another_model_revision_finds_the_blocks_incompatible(live, corpus, test_seed, tmp_path_factory):
+    from fixtures.tiny_model import build_tiny_model
+    from harness.cluster import ReplicaSpec
+
+    r2 = build_tiny_model(tmp_path_factory.mktemp("model-r2") / "tiny", seed=0, revision="r2")
+    live.add_replica(ReplicaSpec("C", core="0", model_dir=r2, audit=True, max_num_batched_tokens=2048))
+    try:
+        v = S.revision_mismatch(live, corpus, test_seed, replica="C")
+    finally:
+        live.remove_replica("C")
+    assert v.valid is True, v
