@@ -5,6 +5,10 @@ Options:
                      (kept in pytest's cache). Default: drawn from the OS and printed.
   --slow             also run tests marked `slow` (deeper Hypothesis runs, longer workloads)
   --kv-report DIR    keep live clusters' logs, history and reports under DIR
+  --kv-profile NAME  which fault kinds run (faults.schedule.PROFILES: transport, eviction,
+                     crash, all); a test marked with a fault kind outside it is deselected
+Markers: slow, live, gpu (pyproject.toml) and one per fault kind (faults.schedule.KINDS),
+registered here.
 Markers: slow, live, gpu (declared in pyproject.toml).
 Fixtures:
   kv_seed            the root seed (int)
@@ -31,6 +35,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--slow", action="store_true", default=False, help="also run tests marked slow")
     group.addoption("--kv-report", default=None, metavar="DIR",
                     help="keep live clusters' logs, history and reports under DIR")
+    group.addoption("--kv-profile", default="all", metavar="NAME",
+                    help="fault kinds to run (faults.schedule.PROFILES); tests marked with other kinds are deselected")
 
 
 def _commit() -> str:
@@ -53,7 +59,14 @@ def _hypothesis_profiles(slow: bool) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    from faults.schedule import KINDS, PROFILES
+
     _hypothesis_profiles(config.getoption("--slow"))
+    for kind, (site, heal) in KINDS.items():
+        config.addinivalue_line("markers", f"{kind}: injects the {kind} fault at {site} (heal: {heal})")
+    if config.getoption("--kv-profile") not in PROFILES:
+        raise pytest.UsageError(f"--kv-profile: unknown profile {config.getoption('--kv-profile')!r}; "
+                                f"known: {sorted(PROFILES)}")
     raw = config.getoption("--kv-seed")
     worker_seed = getattr(config, "workerinput", {}).get("kv_seed")
     if worker_seed is not None:
@@ -86,10 +99,21 @@ class _XdistHooks:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    return f"kvgate replay key: --kv-seed={config.stash[SEED_KEY]} commit={_commit()}"
+    return (f"kvgate replay key: --kv-seed={config.stash[SEED_KEY]} --kv-profile={config.getoption('--kv-profile')} "
+            f"commit={_commit()}")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from faults.schedule import KINDS, PROFILES
+
+    selected = set(PROFILES[config.getoption("--kv-profile")])
+    keep, drop = [], []
+    for item in items:
+        kinds = {m.name for m in item.iter_markers() if m.name in KINDS}
+        (drop if kinds - selected else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
     if config.getoption("--slow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --slow")

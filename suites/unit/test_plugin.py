@@ -1,0 +1,36 @@
+"""kvgate's pytest plugin, in an inner pytest run: replay key, seeds, profiles."""
+
+pytest_plugins = ["pytester"]
+
+TESTS = """
+import pytest
+
+def test_plain(test_seed):
+    print("SEED", test_seed)
+
+@pytest.mark.corrupt
+def test_corrupt():
+    pass
+
+@pytest.mark.pool_restart
+def test_crash():
+    pass
+"""
+
+
+def test_header_seed_and_profile_selection(pytester):
+    pytester.makepyfile(TESTS)
+    r = pytester.runpytest("-p", "no:randomly", "--kv-seed", "123", "--kv-profile", "transport", "-s")
+    r.assert_outcomes(passed=2, deselected=1)
+    r.stdout.fnmatch_lines(["*kvgate replay key: --kv-seed=123 --kv-profile=transport*"])
+    first = [ln for ln in r.outlines if ln.startswith("SEED")]
+    again = pytester.runpytest("--kv-seed", "last", "-s")
+    again.assert_outcomes(passed=3)
+    assert [ln for ln in again.outlines if ln.startswith("SEED")] == first  # same root seed, same test seed
+
+
+def test_unknown_profile_is_a_usage_error(pytester):
+    pytester.makepyfile(TESTS)
+    r = pytester.runpytest("--kv-profile", "everything")
+    assert r.ret != 0
+    r.stderr.fnmatch_lines(["*unknown profile*"])
