@@ -7,8 +7,8 @@ Options:
   --kv-report DIR    keep live clusters' logs, history and reports under DIR
   --kv-profile NAME  which fault kinds run (faults.schedule.PROFILES: transport, eviction,
                      crash, all); a test marked with a fault kind outside it is deselected
-Markers: slow, live, gpu (pyproject.toml) and one per fault kind (faults.schedule.KINDS),
-registered here.
+Markers: slow, live, gpu (pyproject.toml) and `fault_<kind>` for each fault kind
+(faults.schedule.KINDS), registered here (prefixed: `timeout` is pytest-timeout's).
 Markers: slow, live, gpu (declared in pyproject.toml).
 Fixtures:
   kv_seed            the root seed (int)
@@ -63,7 +63,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
     _hypothesis_profiles(config.getoption("--slow"))
     for kind, (site, heal) in KINDS.items():
-        config.addinivalue_line("markers", f"{kind}: injects the {kind} fault at {site} (heal: {heal})")
+        config.addinivalue_line("markers", f"fault_{kind}: injects the {kind} fault at {site} (heal: {heal})")
     if config.getoption("--kv-profile") not in PROFILES:
         raise pytest.UsageError(f"--kv-profile: unknown profile {config.getoption('--kv-profile')!r}; "
                                 f"known: {sorted(PROFILES)}")
@@ -109,7 +109,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     selected = set(PROFILES[config.getoption("--kv-profile")])
     keep, drop = [], []
     for item in items:
-        kinds = {m.name for m in item.iter_markers() if m.name in KINDS}
+        kinds = {m.name.removeprefix("fault_") for m in item.iter_markers() if m.name.removeprefix("fault_") in KINDS
+                 and m.name.startswith("fault_")}
         (drop if kinds - selected else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)

@@ -35,20 +35,20 @@ def test_local_hit_remote_hit_and_miss_are_told_apart(live, corpus, test_seed):
     assert v.valid is True, v
 
 
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=getattr(pytest.mark, k))
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=getattr(pytest.mark, f"fault_{k}"))
                                   for k in ("corrupt", "transport_error", "timeout", "evict")])
 def test_failed_load_is_recomputed_with_unchanged_output(live, corpus, test_seed, kind):
     v = S.load_failure(live, corpus, test_seed, kind)
     assert v.valid is True, v
 
 
-@pytest.mark.pool_restart
+@pytest.mark.fault_pool_restart
 def test_pool_killed_and_restarted_under_live_replicas(live, corpus, test_seed):
     v = S.pool_restart(live, corpus, test_seed)
     assert v.valid is True, v
 
 
-@pytest.mark.corrupt
+@pytest.mark.fault_corrupt
 def test_policy_fail_ends_the_request_explicitly(live, corpus, test_seed):
     v = S.load_failure_fail(live, corpus, test_seed)
     assert v.valid is True, v

@@ -8,12 +8,18 @@ import pytest
 def test_plain(test_seed):
     print("SEED", test_seed)
 
-@pytest.mark.corrupt
+@pytest.mark.fault_corrupt
 def test_corrupt():
     pass
 
-@pytest.mark.pool_restart
+@pytest.mark.fault_pool_restart
 def test_crash():
+    pass
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.fault_timeout
+def test_timeout_marker_is_not_confused():
     pass
 """
 
@@ -21,11 +27,11 @@ def test_crash():
 def test_header_seed_and_profile_selection(pytester):
     pytester.makepyfile(TESTS)
     r = pytester.runpytest("-p", "no:randomly", "--kv-seed", "123", "--kv-profile", "transport", "-s")
-    r.assert_outcomes(passed=2, deselected=1)
+    r.assert_outcomes(passed=3, deselected=1)
     r.stdout.fnmatch_lines(["*kvgate replay key: --kv-seed=123 --kv-profile=transport*"])
     first = [ln for ln in r.outlines if ln.startswith("SEED")]
     again = pytester.runpytest("--kv-seed", "last", "-s")
-    again.assert_outcomes(passed=3)
+    again.assert_outcomes(passed=4)
     assert [ln for ln in again.outlines if ln.startswith("SEED")] == first  # same root seed, same test seed
 
 
