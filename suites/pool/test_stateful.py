@@ -25,5 +25,5 @@ def test_the_machine_catches_each_known_bad_catalog(control, test_seed):
     """Negative controls: a state machine that passes a broken pool proves nothing."""
     from faults.controls import CATALOG_CONTROLS
 
-    verdict = state_machine(test_seed, examples=100, steps=40, catalog_factory=CATALOG_CONTROLS[control], shrink=False)
+    verdict = state_machine(test_seed, examples=400, steps=50, catalog_factory=CATALOG_CONTROLS[control], shrink=False)
     assert verdict.valid is False, f"the {control} control was not caught"
