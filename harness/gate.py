@@ -54,7 +54,7 @@ def _pool_criteria() -> list[tuple[str, Callable[[int], Verdict]]]:
 
         caught = {}
         for name, cls in CATALOG_CONTROLS.items():
-            v = pool_checks.state_machine(seed, examples=100, steps=40, catalog_factory=cls, shrink=False)
+            v = pool_checks.state_machine(seed, examples=400, steps=50, catalog_factory=cls, shrink=False)
             caught[name] = v.valid is False
         missed = [n for n, ok in caught.items() if not ok]
         return Verdict(not missed, "every negative control was caught" if not missed
