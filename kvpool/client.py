@@ -232,7 +232,7 @@ class PoolClient:
             except TimeoutError as exc:
                 self._drop_socket()
                 raise PoolTimeout(f"{type(op).__name__} to {self.address} timed out after {self.timeout_s}s") from exc
-            except OSError as exc:  # TransportError (EOF) included
+            except (OSError, TransportError) as exc:  # TransportError: EOF from _recv_exact
                 self._drop_socket()
                 repeatable = stage == "send" or (stage == "reply" and isinstance(op, _IDEMPOTENT))
                 if retry and reused and repeatable:

@@ -1,0 +1,36 @@
+"""Negative controls for the transport faults (faults.proxy): known-bad loaders the
+suites must catch, as faults.controls holds the known-bad catalogs.
+
+  TrustingLoader   kvpool.client.load without its one safeguard: the bytes a lease's
+                   pages arrive with are installed and counted as loaded without being
+                   compared with the digest taken at publish. Under the proxy's bitflip
+                   it installs a corrupted page as good; a byte-exact check must see it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvpool.client import Destination, LoadResult, PoolBackend
+from kvpool.copy import as_segments, copy_digest, total_size
+from kvpool.errors import InvalidRequest
+from kvpool.keys import Namespace
+
+
+class TrustingLoader:
+    """A loader that believes the wire. Do not use outside negative controls."""
+
+    def load(self, backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes], dest: Destination) -> LoadResult:
+        lease = backend.acquire(ns, hashes)
+        loaded = 0
+        try:
+            for i, ref in enumerate(lease.hits):
+                target = as_segments(dest(i))
+                if total_size(target) != ref.length:
+                    raise InvalidRequest(f"block {i}: destination of {total_size(target)} bytes for a page of {ref.length}")
+                copy_digest(as_segments(backend.read_page(lease, i)), target)  # the defect: digest unused
+                loaded += 1
+        finally:
+            if lease.lease_id:
+                backend.release(lease.lease_id)
+        return LoadResult(len(hashes), loaded, lease.miss, 0.0)
