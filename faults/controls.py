@@ -7,9 +7,14 @@ control and assert that it is caught.
   ForgetfulCatalog    keeps no ghosts: an evicted block's miss reads "never published".
   LeaselessCatalog    evicts pages that are leased (a loader without a pin).
   LeakyCatalog        never returns an aborted publish's pages to the free list.
+  EarlyCompletionCopier
+                      reports a KV copy done when it is queued (the copy issued
+                      without its ordering dependency).
 """
 
 from __future__ import annotations
+
+from concurrent.futures import Future
 
 import numpy as np
 
@@ -43,3 +48,21 @@ class LeakyCatalog(Catalog):
 
 
 CATALOG_CONTROLS = {"forgetful": ForgetfulCatalog, "leaseless": LeaselessCatalog, "leaky": LeakyCatalog}
+
+
+class EarlyCompletionCopier:
+    """A copier that reports a copy done when it is queued, not when it has run: the
+    CPU twin of a device copy issued without waiting on the engine's stream. The engine
+    then frees blocks whose store has not read them yet, and reads blocks whose load
+    has not written them yet."""
+
+    ordered = False
+
+    def __init__(self, inner):  # noqa: ANN001 - a kvpool.copier.HostCopier
+        self.inner = inner
+
+    def submit(self, job):  # noqa: ANN001, ANN201
+        self.inner.submit(job)
+        done: Future = Future()
+        done.set_result(None)
+        return done

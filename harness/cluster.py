@@ -96,6 +96,8 @@ class Cluster:
         self.pool: PoolProcess | None = None
         self.replicas: dict[str, Replica] = {}
         self.faults: dict[str, Path] = {}  # replica -> its fault-control file (faults.backend)
+        self.history = None  # the harness's own records (requests, nemesis actions), set at start
+        self._killed: set[str] = set()  # replicas the nemesis killed (not a crash of their own)
         self._stopped = False
 
     # -- start ---------------------------------------------------------------------------
@@ -104,6 +106,11 @@ class Cluster:
         if self.history_dir.exists():  # a history belongs to one cluster run
             shutil.rmtree(self.history_dir)
         self.history_dir.mkdir(parents=True)
+        from harness import workload
+        from kvpool.history import HistoryWriter
+
+        self.history = HistoryWriter(self.history_dir, "harness", "client")
+        workload.RECORDER = self.history
         for spec in specs:
             if spec.faults_file:
                 self.faults[spec.name] = Path(spec.faults_file)
@@ -201,6 +208,42 @@ class Cluster:
         if _group_alive(replica.proc.pid):
             raise OrphanError(f"replica {name} process group {replica.proc.pid} survived")
 
+    def nemesis(self, action: str, **fields: object) -> None:
+        """Record a fault the harness itself performs (killing the pool, a replica) in the
+        run's history, next to the requests it affects."""
+        if self.history is not None:
+            self.history.write("nemesis", action=action, **fields)
+
+    def kill_replica(self, name: str) -> None:
+        """SIGKILL a replica's whole process group (server, engine, workers): a crash."""
+        replica = self.replicas[name]
+        self.nemesis("replica_kill", replica=name, pid=replica.proc.pid)
+        self._killed.add(name)
+        _kill_group(replica.proc.pid)
+        replica.proc.wait()
+        deadline = time.monotonic() + 15
+        while _group_alive(replica.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def restart_replica(self, name: str, timeout: float = 600.0) -> Replica:
+        """Start a killed (or stopped) replica again with the same spec: the heal step."""
+        old = self.replicas[name]
+        if old.proc.poll() is None:
+            raise RuntimeError(f"replica {name} is still running")
+        replica = self.replicas[name] = self._spawn(old.spec)
+        self._wait_healthy(replica, timeout)
+        self._killed.discard(name)
+        self.nemesis("replica_restart", replica=name, pid=replica.proc.pid)
+        return replica
+
+    def crashed(self) -> list[str]:
+        """Processes of the cluster that are gone although nobody stopped or killed them."""
+        out = [f"replica {r.spec.name} (exit {r.proc.returncode})" for r in self.replicas.values()
+               if r.proc.poll() is not None and r.spec.name not in self._killed]
+        if self.pool is not None and self.pool.proc.poll() is not None:
+            out.append(f"pool (exit {self.pool.proc.returncode})")
+        return out
+
     # -- between tests -------------------------------------------------------------------
     def reset(self) -> None:
         for path in self.faults.values():  # disarm every fault
@@ -221,6 +264,10 @@ class Cluster:
         if self._stopped:
             return
         self._stopped = True
+        from harness import workload
+
+        if workload.RECORDER is self.history:
+            workload.RECORDER = None
         for r in self.replicas.values():
             _terminate_group(r.proc)
         if self.pool is not None:
@@ -308,3 +355,16 @@ def default_cluster(model_dir: Path, report_dir: Path) -> tuple[Cluster, list[Re
                          faults_file=str(Path(report_dir) / f"faults-{name}.json"))
              for name, core, policy in (("A", "0", "fail"), ("B", "1", "recompute"))]
     return Cluster(model_dir, report_dir, page_size=128 * 1024, pool_pages=1024), specs
+
+
+SMALL_KV_BLOCKS = 64  # the small replica's whole KV cache: a finished request's freed blocks are reused at once
+
+
+def small_kv_spec(report_dir: Path, name: str = "D", core: str = "1") -> ReplicaSpec:
+    """A replica with a KV cache of 64 blocks of 128 tokens (8 MiB on the tiny model):
+    a request of more than 64 - n blocks after one of n blocks must run in the blocks the
+    first one freed. The stream-delay scenarios need exactly that pressure."""
+    block_bytes = 128 * 1024  # 128 tokens x 1024 bytes of KV per token on the tiny model
+    return ReplicaSpec(name, core=core, kv_bytes=SMALL_KV_BLOCKS * block_bytes, audit=True,
+                       max_model_len=(SMALL_KV_BLOCKS - 1) * 128, max_num_batched_tokens=DEFAULT_CHUNK,
+                       faults_file=str(Path(report_dir) / f"faults-{name}.json"))

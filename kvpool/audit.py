@@ -16,6 +16,9 @@ all the work; the wrapper only watches, through the public hooks:
                     * "produced": every block the step completed, as the producer has it;
                     * "installed": every block the inner connector loaded this step, as the
                       consumer has it (blocks the inner reports failed are marked so).
+                  and at the first wait_for_layer_load of a step, when the engine is about
+                  to read the first layer, "seen": the loaded blocks as attention will
+                  read them (a copy that is not ordered before attention shows up here).
 Records go to the history as `audit` events keyed by the block's token-chain hash (no
 salt, no namespace), so the gate can match a consumer's block with the producer's and
 with the pool's committed copy. The digest is XXH3-128 over the block's bytes in layer
@@ -80,6 +83,7 @@ class AuditConnector(compat.KVConnectorBase_V1):
         self._reqs: dict[str, _Req] = {}
         self._layers: list = []
         self._failed_now: set[int] = set()
+        self._seen_pending = False
 
     # -- scheduler side ----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens):  # noqa: ANN001, ANN201
@@ -136,6 +140,7 @@ class AuditConnector(compat.KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata):  # noqa: ANN001, ANN201
         super().bind_connector_metadata(connector_metadata)
+        self._seen_pending = bool(connector_metadata.loaded)
         self._inner.bind_connector_metadata(connector_metadata.inner)
 
     def clear_connector_metadata(self):  # noqa: ANN201
@@ -146,7 +151,11 @@ class AuditConnector(compat.KVConnectorBase_V1):
         return self._inner.start_load_kv(forward_context, **kwargs)
 
     def wait_for_layer_load(self, layer_name):  # noqa: ANN001, ANN201
-        return self._inner.wait_for_layer_load(layer_name)
+        out = self._inner.wait_for_layer_load(layer_name)
+        if self._seen_pending and self.has_connector_metadata():
+            self._seen_pending = False
+            self._record("seen", self._get_connector_metadata().loaded, full_sync=False)
+        return out
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):  # noqa: ANN001, ANN201
         return self._inner.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
@@ -158,17 +167,24 @@ class AuditConnector(compat.KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not (meta.loaded or meta.produced):
             return
+        # Failed loads are only known from get_block_ids_with_load_errors, which vLLM calls
+        # after this; the checkers take them from the connector's load records.
+        self._record("installed", meta.loaded, full_sync=True)
+        self._record("produced", meta.produced, full_sync=True)
+
+    def _record(self, kind: str, runs: list[AuditBlocks], full_sync: bool) -> None:
+        """full_sync: the step's final bytes (every stream done); otherwise what the engine's
+        own stream is ordered after, which is what its next kernel reads."""
+        if not runs:
+            return
         if self.device == "cuda":
             import torch
 
-            torch.cuda.synchronize()
-        # Failed loads are only known from get_block_ids_with_load_errors, which vLLM calls
-        # after this; the inner connector's failure set is read without clearing it.
-        for kind, runs in (("installed", meta.loaded), ("produced", meta.produced)):
-            for run in runs:
-                digests = [self._digest(b) for b in run.block_ids]
-                self.history.write("audit", kind=kind, req=run.req_id, tag=run.tag, first_block=run.first_block,
-                                   block_ids=run.block_ids, hashes=run.hashes, digests=digests)
+            torch.cuda.synchronize() if full_sync else torch.cuda.current_stream().synchronize()
+        for run in runs:
+            digests = [self._digest(b) for b in run.block_ids]
+            self.history.write("audit", kind=kind, req=run.req_id, tag=run.tag, first_block=run.first_block,
+                               block_ids=run.block_ids, hashes=run.hashes, digests=digests)
 
     def _digest(self, block_id: int) -> str:
         import torch

@@ -42,7 +42,8 @@ from typing import Any
 import numpy as np
 
 from kvpool import vllm_compat as compat
-from kvpool.client import PoolBackend, PoolClient, load, publish
+from kvpool.client import PoolBackend, PoolClient
+from kvpool.copier import CopyRun, HostCopier
 from kvpool.errors import MissCause, PoolError
 from kvpool.history import HistoryWriter
 from kvpool.keys import HASH_BYTES, ROOT_HASH, Namespace, block_hashes
@@ -162,22 +163,16 @@ def _connect(settings: ConnectorSettings, role: str, history: HistoryWriter,
 
 # -- metadata -------------------------------------------------------------------------------
 
-
-@dataclasses.dataclass
-class BlockRun:
-    """Consecutive blocks of one request: engine block ids and their pool keys."""
-
-    req_id: str
-    tag: str
-    first_block: int  # index of block_ids[0] within the request's prompt
-    block_ids: list[int]
-    hashes: list[bytes]
+BlockRun = CopyRun  # consecutive blocks of one request: engine block ids and their pool keys
 
 
 @dataclasses.dataclass
 class KVPoolMetadata(compat.KVConnectorMetadata):
     loads: list[BlockRun] = dataclasses.field(default_factory=list)
     stores: list[BlockRun] = dataclasses.field(default_factory=list)
+    # requests preempted since the last step: their blocks are free now, so their stores
+    # must finish before the next forward may write into those blocks
+    drain: list[str] = dataclasses.field(default_factory=list)
 
 
 # -- scheduler side -------------------------------------------------------------------------
@@ -191,6 +186,7 @@ class _Request:
     publish_blocks: int  # publish boundary, in blocks
     block_ids: list[int] = dataclasses.field(default_factory=list)
     published: int = 0  # blocks [0, published) are in the pool or on their way
+    stored: bool = False  # a store was handed to the worker: free the blocks only after it
     load: tuple[int, int] | None = None  # blocks [b0, b1) to load this step
 
 
@@ -295,17 +291,34 @@ class KVPoolScheduler:
                 p = st.published
                 meta.stores.append(BlockRun(rid, st.tag, p, st.block_ids[p:done], st.hashes[p:done]))
                 st.published = done
+                st.stored = True
+        meta.drain = sorted(r for r in (getattr(scheduler_output, "preempted_req_ids", None) or ())
+                            if r in self._reqs and self._reqs[r].stored)
         return meta
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:  # noqa: ANN001
-        self._reqs.pop(request.request_id, None)
-        return False, None
+        """A request whose blocks were handed to the copier keeps them until the worker
+        reports its stores done (get_finished -> finished_sending)."""
+        st = self._reqs.pop(request.request_id, None)
+        return (st is not None and st.stored), None
 
 
 # -- worker side ----------------------------------------------------------------------------
 
 
 class KVPoolWorker:
+    """The worker half. Copies run on the copier's thread (kvpool.copier), overlapped
+    with the engine; the ordering the engine relies on is enforced here:
+
+      loads   submitted in start_load_kv; wait_for_layer_load (before the first
+              attention reads a block) and wait_for_save wait for them.
+      stores  submitted in wait_for_save, after the step's forward wrote the KV. A
+              finished request's blocks stay allocated (request_finished said so) until
+              get_finished sees its stores done and reports it in finished_sending; a
+              preempted request's stores are drained in start_load_kv, before the next
+              forward can write into its freed blocks.
+    """
+
     def __init__(self, vllm_config, settings: ConnectorSettings) -> None:  # noqa: ANN001
         self.settings = settings
         self.vllm_config = vllm_config
@@ -314,8 +327,13 @@ class KVPoolWorker:
         self.history = HistoryWriter(settings.history_dir, settings.replica, "worker")
         self.metrics = ClientMetrics()
         self.backend = _connect(settings, "worker", self.history, self.metrics)
-        self._layers: list[np.ndarray] = []
-        self._failed: set[int] = set()
+        self.copier = _copier(settings, self.backend, self.history, self.metrics)
+        self._loading: list = []
+        self._sending: dict[str, list] = {}  # req id -> its store futures
+
+    @property
+    def _wait_s(self) -> float:  # a copy is bounded by the client's own timeouts; this is the backstop
+        return self.settings.load_deadline_s + 4 * self.settings.timeout_s
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         import torch
@@ -336,55 +354,57 @@ class KVPoolWorker:
             layers.append(t.view(torch.uint8).numpy())
         if len(layers) != ns.num_layers:
             raise compat.LayoutMismatch(f"{len(layers)} KV tensors registered, namespace declares {ns.num_layers} layers")
-        self._layers = layers
+        self.copier.register(layers)
         self.history.write("register", layers=names, shape=list(kv_caches[names[0]].shape),
-                           block_bytes=self.block_bytes, ns=ns.as_dict())
-
-    @property
-    def block_bytes(self) -> int:
-        return sum(layer[0].nbytes for layer in self._layers)
-
-    def block_segments(self, block_id: int) -> list[np.ndarray]:
-        """One block of every layer, in layer order: the page's byte order."""
-        return [layer[block_id] for layer in self._layers]
+                           block_bytes=self.copier.block_bytes, ns=ns.as_dict())
 
     def start_load_kv(self, meta: KVPoolMetadata) -> None:
+        for rid in meta.drain:
+            self.copier.wait(self._sending.get(rid, []), self._wait_s)
         for run in meta.loads:
-            res = load(self.backend, self.ns, run.hashes, lambda i, ids=run.block_ids: self.block_segments(ids[i]),
-                       deadline_s=self.settings.load_deadline_s, metrics=self.metrics)
-            failed = run.block_ids[res.loaded:]
-            self._failed.update(failed)
-            self.history.write("load", req=run.req_id, tag=run.tag, first_block=run.first_block,
-                               blocks=len(run.block_ids), loaded=res.loaded, failed_block_ids=failed,
-                               miss_cause=res.miss.cause.value if res.miss else None,
-                               miss_index=(run.first_block + res.miss.index) if res.miss else None,
-                               seconds=round(res.seconds, 6))
+            self._loading.append(self.copier.load(self.ns, run, self.settings.load_deadline_s))
+
+    def wait_for_load(self) -> None:
+        if self._loading:
+            loading, self._loading = self._loading, []
+            self.copier.wait(loading, self._wait_s)
 
     def save(self, meta: KVPoolMetadata) -> None:
+        self.wait_for_load()
+        failed = set(self.copier.failed)
         for run in meta.stores:
+            sending = self._sending.setdefault(run.req_id, [])
             keep = []  # never publish a block whose load failed, nor anything after it
             for i, b in enumerate(run.block_ids):
-                if b in self._failed:
+                if b in failed:
                     break
                 keep.append(i)
-            if not keep:
-                continue
-            blocks = [self.block_segments(run.block_ids[i]) for i in keep]
-            t0 = time.monotonic()
-            try:
-                res = publish(self.backend, self.ns, [run.hashes[i] for i in keep], blocks, metrics=self.metrics)
-            except PoolError as exc:  # publishing is best effort: the request itself is fine
-                self.history.write("publish", req=run.req_id, tag=run.tag, first_block=run.first_block,
-                                   blocks=len(keep), error=f"{type(exc).__name__}: {exc}")
-                continue
-            self.history.write("publish", req=run.req_id, tag=run.tag, first_block=run.first_block,
-                               blocks=len(keep), committed=res.committed, exists=res.exists, pending=res.pending,
-                               not_admitted=res.not_admitted, no_capacity=res.no_capacity, rejected=res.rejected,
-                               seconds=round(time.monotonic() - t0, 6))
+            if keep:
+                sending.append(self.copier.store(self.ns, run, keep))
+
+    def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests the scheduler finished whose stores are all done: their blocks may go."""
+        done = set()
+        for rid in finished_req_ids:
+            futures = self._sending.pop(rid, None)
+            if futures is None:
+                continue  # no store was handed over: the scheduler freed it already
+            self.copier.wait(futures, self._wait_s)
+            done.add(rid)
+        return done
 
     def take_failed(self) -> set[int]:
-        failed, self._failed = self._failed, set()
-        return failed
+        return self.copier.take_failed()
+
+
+def _copier(settings: ConnectorSettings, backend: PoolBackend, history: HistoryWriter,
+            metrics: ClientMetrics) -> HostCopier:
+    copier = HostCopier(backend, history, metrics)
+    if not settings.faults_file:
+        return copier
+    from faults.copier import FaultyCopier
+
+    return FaultyCopier(copier, settings.faults_file, history)
 
 
 # -- the facade -----------------------------------------------------------------------------
@@ -424,7 +444,7 @@ class KVPoolConnector(compat.KVConnectorBase_V1):
         self._worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name):  # noqa: ANN001, ANN201
-        return None  # loads are synchronous and complete in start_load_kv
+        self._worker.wait_for_load()  # the whole load, before the first layer reads a block
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):  # noqa: ANN001, ANN201
         return None  # blocks are published whole in wait_for_save, after every layer wrote them
@@ -437,7 +457,9 @@ class KVPoolConnector(compat.KVConnectorBase_V1):
         self._worker.save(meta)
 
     def get_finished(self, finished_req_ids):  # noqa: ANN001, ANN201
-        return None, None
+        if self._worker is None:
+            return None, None
+        return (self._worker.finished_sending(set(finished_req_ids)) or None), None
 
     def get_block_ids_with_load_errors(self):  # noqa: ANN201
         return self._worker.take_failed() if self._worker is not None else set()

@@ -35,6 +35,18 @@ def cluster(tiny_model, live_report_dir):
         yield c
 
 
+@pytest.fixture(scope="session")
+def small_replica(cluster, live_report_dir) -> str:
+    """Replica "D" (a 64-block KV cache, harness.cluster.small_kv_spec), started on first
+    use and kept for the session."""
+    from harness.cluster import small_kv_spec
+
+    spec = small_kv_spec(live_report_dir)
+    if spec.name not in cluster.replicas:
+        cluster.add_replica(spec)
+    return spec.name
+
+
 @pytest.fixture
 def live(cluster):
     """The cluster with empty caches and no fault armed."""

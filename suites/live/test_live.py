@@ -71,3 +71,23 @@ def test_another_model_revision_finds_the_blocks_incompatible(live, corpus, test
     finally:
         live.remove_replica("C")
     assert v.valid is True, v
+
+
+@pytest.mark.fault_stream_delay
+def test_delayed_store_keeps_blocks_until_copied_and_control_is_caught(live, small_replica, corpus, test_seed):
+    v = S.stream_delay_store(live, corpus, test_seed, replica=small_replica)
+    assert v.valid is True, v
+    live.reset()
+    control = S.stream_delay_store(live, corpus, test_seed, replica=small_replica, control=True)
+    assert control.valid is False, f"negative control not caught: {control}"
+    assert control.evidence["pooled_blocks_differing"] > 0 and control.evidence["x_blocks_reused_by_y"] > 0, control
+
+
+@pytest.mark.fault_stream_delay
+def test_delayed_load_is_waited_for_and_control_is_caught(live, small_replica, corpus, test_seed):
+    v = S.stream_delay_load(live, corpus, test_seed, replica=small_replica)
+    assert v.valid is True, v
+    live.reset()
+    control = S.stream_delay_load(live, corpus, test_seed, replica=small_replica, control=True)
+    assert control.valid is False, f"negative control not caught: {control}"
+    assert control.evidence["blocks_read_before_copy"] > 0, control

@@ -1,0 +1,117 @@
+"""A fault-injecting copy engine: wraps a replica worker's copier (kvpool.copier).
+
+Armed through the replica's fault-control file (faults.control), section "copier":
+
+    {"copier": {"store_delay_ms": 3000,    # each store job starts this late
+                "load_delay_ms": 1000,     # each load job starts this late
+                "times": 2,                # how many jobs are delayed (then it heals)
+                "control": "early_completion"}}   # optional: a known-bad copier
+
+  stream delay     the CPU analogue of a CUDA copy stream held back behind the engine's
+                   stream: the copy job waits on the copy thread while the engine moves
+                   on (frees and reuses blocks, or reads the blocks being loaded). An
+                   ordered copier still gives exact bytes; only slower.
+  early_completion a negative control (faults.controls.EarlyCompletionCopier): the
+                   copier reports each job done when it is queued, so the engine frees
+                   blocks that are still to be read, and reads blocks still to be written.
+  hide_failures    a negative control: blocks whose load failed are never reported to
+                   the engine (get_block_ids_with_load_errors stays empty), so it computes
+                   on whatever those blocks hold instead of recomputing them.
+Every delayed job and every job under the control is written to the history (`fault`
+events, site "copier").
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from faults.control import ControlFile, ControlFileError
+from faults.controls import EarlyCompletionCopier
+from kvpool.copier import CopyRun, HostCopier
+from kvpool.history import HistoryWriter
+from kvpool.keys import Namespace
+
+CONTROLS = ("early_completion", "hide_failures")
+
+
+class FaultyCopier:
+    def __init__(self, inner: HostCopier, control: str | Path, history: HistoryWriter):
+        self.inner = inner
+        self.control = ControlFile(control)
+        self.history = history
+        self._early = EarlyCompletionCopier(inner)
+        self._generation = -1
+        self._fired = 0
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - register, block_segments, failed, ...
+        return getattr(self.inner, name)
+
+    @property
+    def ordered(self) -> bool:
+        spec = self._spec()
+        return not (spec and spec.get("control"))
+
+    def _spec(self) -> dict | None:
+        spec, generation = self.control.section("copier")
+        with self._lock:
+            if generation != self._generation:
+                self._generation, self._fired = generation, 0
+                if spec and spec.get("control") not in (None, *CONTROLS):
+                    raise ControlFileError(f"unknown copier control {spec.get('control')!r}; known {CONTROLS}")
+        return spec
+
+    def _delay(self, spec: dict | None, kind: str) -> float:
+        if not spec:
+            return 0.0
+        ms = float(spec.get(f"{kind}_delay_ms", 0))
+        with self._lock:
+            if ms <= 0 or self._fired >= int(spec.get("times", 1)):
+                return 0.0
+            self._fired += 1
+        return ms / 1000
+
+    def _wrap(self, kind: str, run: CopyRun, job: Callable[[], Any]) -> tuple[Callable[[], Any], dict | None]:
+        spec = self._spec()
+        delay = self._delay(spec, kind)
+        control = spec.get("control") if spec else None
+        if delay or control == "early_completion":
+            self.history.write("fault", site="copier", kind="stream_delay" if delay else "copier_control",
+                               job=kind, req=run.req_id, tag=run.tag, first_block=run.first_block,
+                               blocks=len(run.block_ids), delay_ms=round(delay * 1000), control=control)
+        if not delay:
+            return job, spec
+
+        def delayed() -> Any:
+            time.sleep(delay)
+            return job()
+
+        return delayed, spec
+
+    def _engine(self, spec: dict | None):  # noqa: ANN202
+        return self._early if spec and spec.get("control") == "early_completion" else self.inner
+
+    def store(self, ns: Namespace, run: CopyRun, keep: Sequence[int]) -> Future:
+        job, spec = self._wrap("store", run, self.inner.store_job(ns, run, keep))
+        return self._engine(spec).submit(job)
+
+    def load(self, ns: Namespace, run: CopyRun, deadline_s: float) -> Future:
+        job, spec = self._wrap("load", run, self.inner.load_job(ns, run, deadline_s))
+        return self._engine(spec).submit(job)
+
+    def take_failed(self) -> set[int]:
+        failed = self.inner.take_failed()
+        spec = self._spec()
+        if failed and spec and spec.get("control") == "hide_failures":
+            self.history.write("fault", site="copier", kind="copier_control", job="report", control="hide_failures",
+                               hidden_block_ids=sorted(failed))
+            return set()
+        return failed
+
+    def wait(self, futures: Sequence[Future], timeout_s: float) -> None:
+        self.inner.wait(futures, timeout_s)

@@ -1,0 +1,152 @@
+"""The copy engine of a replica's worker: moves whole KV blocks between the engine's KV
+tensors and pool pages, asynchronously, in an order the engine can rely on.
+
+  HostCopier(backend, history, metrics)   the CPU engine: one thread runs every pool
+                     transfer of the worker in submission order (the pool client is not
+                     shared between threads).
+  .register(layers)  the engine's per-layer KV tensors as byte arrays, block dimension
+                     first; a page is one block of every layer, in layer order.
+  .store(ns, run, keep) -> Future
+                     publish blocks run.block_ids[i] for i in keep. The copy reads the
+                     engine's blocks later, on the copy thread: the caller must keep
+                     those blocks from being freed or rewritten until the future is done
+                     (the connector delays freeing a finished request's blocks and waits
+                     for a preempted request's stores before the next forward).
+  .load(ns, run, deadline_s) -> Future
+                     lease, copy, digest and release; blocks that could not be installed
+                     are added to .failed (with every block after them). The engine must
+                     not read the blocks before the future is done (wait_for_layer_load).
+  .wait(futures, timeout_s)
+                     block until every future is done. A copier's `ordered` flag says
+                     whether a done future means the copy is complete (a known-bad
+                     copier in faults.controls reports completion early).
+Each finished job writes its `publish` / `load` record to the history, from the copy
+thread, with the time it was submitted and the time it completed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
+
+import numpy as np
+
+from kvpool.client import PoolBackend, load, publish
+from kvpool.errors import PoolError, PoolTimeout
+from kvpool.history import HistoryWriter
+from kvpool.keys import Namespace
+from kvpool.metrics import ClientMetrics
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyRun:
+    """Consecutive blocks of one request: engine block ids and their pool keys."""
+
+    req_id: str
+    tag: str
+    first_block: int  # index of block_ids[0] within the request's prompt
+    block_ids: Sequence[int]
+    hashes: Sequence[bytes]
+
+
+class HostCopier:
+    ordered = True
+
+    def __init__(self, backend: PoolBackend, history: HistoryWriter, metrics: ClientMetrics | None = None):
+        self.backend = backend
+        self.history = history
+        self.metrics = metrics
+        self.failed: set[int] = set()
+        self._failed_lock = threading.Lock()
+        self._layers: list[np.ndarray] = []
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvpool-copier")
+
+    def register(self, layers: list[np.ndarray]) -> None:
+        self._layers = layers
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(layer[0].nbytes for layer in self._layers)
+
+    def block_segments(self, block_id: int) -> list[np.ndarray]:
+        """One block of every layer, in layer order: the page's byte order."""
+        return [layer[block_id] for layer in self._layers]
+
+    # -- jobs: what runs on the copy thread; a fault wrapper may run them later ----------
+    def store_job(self, ns: Namespace, run: CopyRun, keep: Sequence[int]) -> Callable[[], Any]:
+        submitted = time.monotonic()
+
+        def job() -> Any:
+            t0 = time.monotonic()
+            fields = {"req": run.req_id, "tag": run.tag, "first_block": run.first_block, "blocks": len(keep),
+                      "queued_s": round(t0 - submitted, 6)}
+            try:
+                blocks = [self.block_segments(run.block_ids[i]) for i in keep]
+                res = publish(self.backend, ns, [run.hashes[i] for i in keep], blocks, metrics=self.metrics)
+            except PoolError as exc:  # publishing is best effort: the request itself is fine
+                self.history.write("publish", **fields, error=f"{type(exc).__name__}: {exc}")
+                return None
+            self.history.write("publish", **fields, committed=res.committed, exists=res.exists,
+                               pending=res.pending, not_admitted=res.not_admitted, no_capacity=res.no_capacity,
+                               rejected=res.rejected, seconds=round(time.monotonic() - t0, 6))
+            return res
+
+        return job
+
+    def load_job(self, ns: Namespace, run: CopyRun, deadline_s: float) -> Callable[[], Any]:
+        submitted = time.monotonic()
+
+        def job() -> Any:
+            t0 = time.monotonic()
+            left = deadline_s - (t0 - submitted)
+            if left <= 0:  # the load waited past its deadline before it could start
+                res = None
+                loaded, cause, index = 0, "timeout", run.first_block
+            else:
+                res = load(self.backend, ns, run.hashes,
+                           lambda i, ids=run.block_ids: self.block_segments(ids[i]),
+                           deadline_s=left, metrics=self.metrics)
+                loaded = res.loaded
+                cause = res.miss.cause.value if res.miss else None
+                index = (run.first_block + res.miss.index) if res.miss else None
+            failed = list(run.block_ids[loaded:])
+            with self._failed_lock:
+                self.failed.update(failed)
+            self.history.write("load", req=run.req_id, tag=run.tag, first_block=run.first_block,
+                               blocks=len(run.block_ids), loaded=loaded, failed_block_ids=failed,
+                               miss_cause=cause, miss_index=index, queued_s=round(t0 - submitted, 6),
+                               seconds=round(time.monotonic() - t0, 6))
+            return res
+
+        return job
+
+    def submit(self, job: Callable[[], Any]) -> Future:
+        return self._thread.submit(job)
+
+    # -- the interface the connector uses ------------------------------------------------
+    def store(self, ns: Namespace, run: CopyRun, keep: Sequence[int]) -> Future:
+        return self.submit(self.store_job(ns, run, keep))
+
+    def load(self, ns: Namespace, run: CopyRun, deadline_s: float) -> Future:
+        return self.submit(self.load_job(ns, run, deadline_s))
+
+    def wait(self, futures: Sequence[Future], timeout_s: float) -> None:
+        if not futures:
+            return
+        done, pending = wait(futures, timeout=timeout_s)
+        if pending:
+            raise PoolTimeout(f"{len(pending)} of {len(futures)} KV copies still running after {timeout_s}s")
+        for f in done:
+            f.result()  # a job's own error is recorded by the job; anything else propagates
+
+    def take_failed(self) -> set[int]:
+        with self._failed_lock:
+            failed, self.failed = self.failed, set()
+        return failed
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
