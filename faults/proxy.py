@@ -47,9 +47,9 @@ Contracts:
     act on them). Over a Unix listener without it, clients on this host copy pages
     through shared memory and only control frames cross the proxy.
   * Nothing else is rewritten. A length prefix over `max_frame` is passed on and what
-    follows it on that connection is discarded (the daemon answers OVERSIZED and closes). Internal errors are kept and
-    raised by `stop()`; a control file that does not parse keeps the previous faults and
-    sets `control_error`.
+    follows it on that connection is discarded (the daemon answers OVERSIZED, closes).
+  * Internal errors are kept and raised by `stop()` / `check()`; a control file that
+    does not parse keeps the previous faults in force and sets `control_error`.
 """
 
 from __future__ import annotations
@@ -449,6 +449,7 @@ class FaultProxy:
         self._links: set[asyncio.Task] = set()
         self._numbers = 0
         self._port: int | None = None
+        self._label = listen  # the listening address, in history records
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
@@ -524,6 +525,7 @@ class FaultProxy:
             host, port = self._listen_addr
             server = await self._loop.create_server(lambda: _Side(self._accepted), host=host, port=port)
             self._port = server.sockets[0].getsockname()[1]
+        self._label = self.address
         watcher = asyncio.create_task(self._watch())
         self._history("proxy_start", upstream=self.upstream, listen=self.address, seed=self.seed, remote=self.remote)
         self._ready.set()
@@ -651,7 +653,7 @@ class FaultProxy:
 
     def _history(self, event: str, **fields: object) -> None:
         if self.history is not None:
-            self.history.write(event, site="proxy", proxy=self.listen, **fields)
+            self.history.write(event, site="proxy", proxy=self._label, **fields)
 
     def _record(self, fault: LinkFault, link: _Link, direction: str, op: str, request_id: int | None,
                 frame_bytes: int, **detail: object) -> None:
@@ -790,7 +792,7 @@ class ProxyProcess:
     @classmethod
     def start(cls, upstream: str, listen: str, control_file: str | Path, seed: int, *,
               history_dir: str | Path | None = None, remote: bool | None = None, log_path: str | Path | None = None,
-              timeout: float = 20.0) -> ProxyProcess:
+              replica: str = "proxy", timeout: float = 20.0) -> ProxyProcess:
         control_file = Path(control_file)
         ready = control_file.with_name(f".{control_file.name}.ready.{os.getpid()}.{threading.get_ident()}")
         ready.unlink(missing_ok=True)
@@ -798,7 +800,7 @@ class ProxyProcess:
         args = [sys.executable, "-m", "faults.proxy", "--upstream", upstream, "--listen", listen,
                 "--control", str(control_file), "--seed", str(seed), "--ready-file", str(ready)]
         if history_dir:
-            args += ["--history", str(history_dir)]
+            args += ["--history", str(history_dir), "--replica", replica]
         if remote is not None:
             args.append("--remote" if remote else "--no-remote")
         log = open(log_path, "ab")  # noqa: SIM115 - owned by the child
@@ -849,7 +851,7 @@ class ProxyProcess:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m faults.proxy", description=__doc__.split("\n\n")[0])
     parser.add_argument("--upstream", required=True, help="the pool daemon: unix:PATH or tcp:HOST:PORT")
-    parser.add_argument("--listen", required=True, help="where clients connect: unix:PATH or tcp:HOST:PORT (0: any port)")
+    parser.add_argument("--listen", required=True, help="where clients connect: unix:PATH or tcp:HOST:PORT (port 0: any)")
     parser.add_argument("--control", required=True, help="the JSON control file (missing or {}: no faults)")
     parser.add_argument("--seed", required=True, type=int, help="root seed of every drawn fault parameter")
     parser.add_argument("--history", default="", help="directory of the run's history (JSON lines)")
