@@ -12,7 +12,33 @@ re-read whenever it changes, so a test switches faults without restarting the re
   corrupt          block k's bytes arrive with one bit flipped (the digest must catch it).
   evict            between the scheduler's lookup and the worker's load, blocks k.. are
                    force-evicted from the pool: the load stops at k as `evicted`.
+  hold             the load pauses `seconds` (default 3) before block k, its lease held:
+                   the window in which the harness tries to evict or squeeze leased pages.
 Every firing is written to the run's history (`fault` events) with what it did.
+
+A publish that never completes (the window in which the harness kills the replica):
+
+    {"publish": {"kind": "hang", "seconds": 120, "times": 1}}
+
+  hang             the publish's pages are reserved and written, then its commit waits
+                   `seconds` before it is sent: a replica killed meanwhile dies with an
+                   open publish, which the pool must reclaim and never make visible.
+
+A negative control for reconnection:
+
+    {"client": {"control": "no_reconnect"}}
+
+  once a pool call of the replica has failed with a transport error, every later call
+  fails the same way: a client that never replaces a dead connection (after a pool
+  restart, sharing never resumes).
+
+A negative control for the namespace (the key), in the same file:
+
+    {"namespace": {"drop": ["model_revision"]}}
+
+  every pool call of the replica uses its namespace with those fields blanked: a key
+  that leaves the revision out. Two revisions of a model then share blocks, which the
+  revision-mismatch scenario must catch.
 """
 
 from __future__ import annotations
@@ -20,6 +46,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,7 +57,7 @@ from kvpool.client import PoolBackend
 from kvpool.errors import PoolTimeout, TransportError
 from kvpool.history import HistoryWriter
 
-KINDS = ("transport_error", "timeout", "corrupt", "evict")
+KINDS = ("transport_error", "timeout", "corrupt", "evict", "hold")
 
 
 class FaultyBackend:
@@ -41,6 +68,8 @@ class FaultyBackend:
         self._mtime = -1.0
         self._spec: dict = {}
         self._fired = 0
+        self._publish_fired = 0
+        self._dead = False
         self._lock = threading.Lock()
 
     @property
@@ -61,6 +90,8 @@ class FaultyBackend:
                 self._mtime = mtime
                 self._spec = json.loads(self.control.read_text() or "{}")
                 self._fired = 0
+                self._publish_fired = 0
+                self._dead = False
                 fault = self._spec.get("load")
                 if fault is not None and fault.get("kind") not in KINDS:
                     raise ValueError(f"{self.control}: unknown fault kind {fault.get('kind')!r}; known {KINDS}")
@@ -69,7 +100,54 @@ class FaultyBackend:
                 return None
             return fault
 
+    def _call(self, fn, *args):  # noqa: ANN001, ANN202
+        control = (self._spec.get("client") or {}).get("control")
+        if control not in (None, "no_reconnect"):
+            raise ValueError(f"{self.control}: unknown client control {control!r}; known ('no_reconnect',)")
+        if control and self._dead:
+            raise TransportError("control no_reconnect: the connection failed before and was never replaced")
+        try:
+            return fn(*args)
+        except TransportError:
+            self._dead = bool(control)
+            raise
+
+    def _ns(self, ns):  # noqa: ANN001, ANN202
+        self._load_fault()  # re-reads the file if it changed
+        drop = (self._spec.get("namespace") or {}).get("drop") or []
+        if not drop:
+            return ns
+        unknown = [f for f in drop if f not in ns.as_dict()]
+        if unknown:
+            raise ValueError(f"{self.control}: namespace has no fields {unknown}")
+        return ns.replace(**{f: "" for f in drop})
+
+    def commit(self, reservation_id: int, digests):  # noqa: ANN001, ANN201
+        self._load_fault()
+        spec = self._spec.get("publish")
+        if spec is not None:
+            if spec.get("kind") != "hang":
+                raise ValueError(f"{self.control}: unknown publish fault {spec.get('kind')!r}; known ('hang',)")
+            with self._lock:
+                fire = self._publish_fired < int(spec.get("times", 1))
+                self._publish_fired += fire
+            if fire:
+                self.history.write("fault", site="pool_client.commit", kind="publish_hang", job="store",
+                                   reservation=reservation_id, pages=len(digests), seconds=spec.get("seconds", 120))
+                time.sleep(float(spec.get("seconds", 120)))
+        return self.inner.commit(reservation_id, digests)
+
+    def lookup(self, ns, hashes: Sequence[bytes]):  # noqa: ANN001, ANN201
+        return self._call(self.inner.lookup, self._ns(ns), hashes)
+
+    def reserve(self, ns, hashes, lengths, boundary=None):  # noqa: ANN001, ANN201
+        return self.inner.reserve(self._ns(ns), hashes, lengths, boundary)
+
+    def evict(self, ns, hashes):  # noqa: ANN001, ANN201
+        return self.inner.evict(self._ns(ns), hashes)
+
     def acquire(self, ns, hashes: Sequence[bytes]) -> AcquireResult:  # noqa: ANN001
+        ns = self._ns(ns)
         fault = self._load_fault()
         if fault is not None and fault["kind"] == "evict":
             k = int(fault.get("block", 0))
@@ -94,6 +172,11 @@ class FaultyBackend:
         self._armed = None
         self._fired += 1
         kind = fault["kind"]
+        if kind == "hold":
+            self.history.write("fault", site="pool_client.read_page", kind="lease_hold", block=index,
+                               lease=lease.lease_id, seconds=float(fault.get("seconds", 3)))
+            time.sleep(float(fault.get("seconds", 3)))
+            return self.inner.read_page(lease, index)
         self.history.write("fault", site="pool_client.read_page", kind=kind, block=index, lease=lease.lease_id)
         if kind == "transport_error":
             self.inner.close()

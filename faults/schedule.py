@@ -29,11 +29,23 @@ KINDS: dict[str, tuple[str, str]] = {
     "timeout": ("pool_client.read_page", "the next load has a fresh deadline"),
     "evict": ("pool_client.acquire", "the recomputed blocks are published again"),
     "pool_restart": ("pool daemon", "restart the daemon; clients reconnect; the pool starts empty"),
+    "stream_delay": ("copier", "the delayed copy runs; the engine's ordering held the blocks meanwhile"),
+    "revision_mismatch": ("namespace", "nothing to heal: blocks of another revision are never loaded"),
+    "replica_crash": ("replica process, mid-publish", "restart the replica; the pool reclaimed its open publish"),
+    "conn_reset": ("transport proxy (page frame)", "the client reconnects on its next request"),
+    "truncated_frame": ("transport proxy (page frame)", "the client reconnects on its next request"),
+    "bitflip": ("transport proxy (page payload)", "the next load reads the committed page again"),
+    "stall": ("transport proxy (page frame)", "the stall ends; the next load has a fresh deadline"),
+    "slow_link": ("transport proxy (every page frame)", "the throttle is lifted"),
+    "evict_leased": ("pool (evict, capacity squeeze)", "the lease is released; the capacity restored"),
 }
 PROFILES: dict[str, tuple[str, ...]] = {
-    "transport": ("corrupt", "transport_error", "timeout"),
-    "eviction": ("evict",),
-    "crash": ("pool_restart",),
+    "transport": ("corrupt", "transport_error", "timeout", "conn_reset", "truncated_frame", "bitflip", "stall",
+                  "slow_link"),
+    "eviction": ("evict", "evict_leased"),
+    "crash": ("pool_restart", "replica_crash"),
+    "stream": ("stream_delay",),
+    "revision": ("revision_mismatch",),
     "all": tuple(KINDS),
 }
 
@@ -89,5 +101,7 @@ def draw_schedule(seed: int, profile: str = "all", *, force_active: bool = True)
         params: dict[str, Any] = {"block": rng.randrange(0, 6)}
         if kind == "pool_restart":
             params = {"after_requests": rng.randrange(1, 3)}
+        elif kind == "stream_delay":
+            params = {"store_delay_ms": rng.randrange(2000, 3001, 100), "load_delay_ms": rng.randrange(500, 1501, 100)}
         faults.append(FaultSpec(kind, site, heal, active, probability, params))
     return FaultSchedule(seed, profile, tuple(faults))

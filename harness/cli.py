@@ -2,7 +2,10 @@
 
   kvgate pool serve [...]   run a pool daemon in the foreground (SIGTERM/SIGINT: clean stop)
   kvgate bench pool [...]   the pool benchmark (ratios against baselines of the same run)
+  kvgate bench gpu [...]    the GPU transfer engine against a plain pinned cudaMemcpy (needs CUDA)
   kvgate gate [...]         the main job: start the embedded default system, run the gate
+  kvgate scenarios          list the scenario catalog
+  kvgate replay NAME --seed N   rerun one scenario with one seed, print the same verdicts
 """
 
 from __future__ import annotations
@@ -65,13 +68,28 @@ def cmd_pool_serve(args: argparse.Namespace) -> int:
     )
     print(f"kvgate pool: serving {config.name!r}: {num_pages} pages of {page_size} bytes "
           f"({num_pages * page_size / 2**20:.1f} MiB), run dir {run_dir}", file=sys.stderr, flush=True)
-    return main_serve(config)
+    factory = None
+    if args.catalog_control:
+        from faults.controls import CATALOG_CONTROLS
+
+        factory = CATALOG_CONTROLS[args.catalog_control]
+        print(f"kvgate pool: NEGATIVE CONTROL: known-bad catalog {args.catalog_control!r}", file=sys.stderr, flush=True)
+    return main_serve(config, catalog_factory=factory)
 
 
 def cmd_bench_pool(args: argparse.Namespace) -> int:
     from harness.bench_pool import run_bench
 
     return run_bench(quick=args.quick, blocks=args.catalog_blocks)
+
+
+def cmd_bench_gpu(args: argparse.Namespace) -> int:
+    from harness.bench_gpu import run_bench
+
+    paths = tuple(p for p in args.paths.split(",") if p)
+    return run_bench(quick=args.quick, paths=paths, reps=args.reps, max_blocks=args.max_blocks, lanes=args.lanes,
+                     hash_threads=args.hash_threads, io_threads=args.pool_io_threads, chunk_mib=args.chunk_mib,
+                     commit_mib=args.commit_mib, seed=args.seed)
 
 
 def cmd_bench_live(args: argparse.Namespace) -> int:
@@ -84,7 +102,48 @@ def cmd_bench_live(args: argparse.Namespace) -> int:
 def cmd_gate(args: argparse.Namespace) -> int:
     from harness.gate import run_gate
 
-    return run_gate(seed=args.seed, report_dir=args.report_dir, seeds=args.seeds)
+    return run_gate(seed=args.seed, report_dir=args.report_dir, seeds=args.seeds, profile=args.profile,
+                    scenarios=args.scenario or None, pool_checks=not args.no_pool_checks)
+
+
+def cmd_scenarios(args: argparse.Namespace) -> int:
+    from harness.scenarios import load_catalog
+
+    for sc in load_catalog():
+        control = f" [control: {sc.control.name}]" if sc.control else ""
+        print(f"{sc.name:<24} {sc.fault or 'none':<18} {'+'.join(sc.replicas):<8}{control}\n    {sc.description}")
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from harness.gate import start_system
+    from harness.scenarios import ScenarioError, find, run_scenario
+    from harness.workload import Corpus
+
+    try:
+        sc = find(args.scenario)
+    except ScenarioError as exc:
+        raise SystemExit(f"kvgate replay: {exc}") from exc
+    print(f"kvgate replay: {sc.name} --seed {args.seed} (fault {sc.fault or 'none'}; replicas {'+'.join(sc.replicas)})",
+          flush=True)
+    report_dir = args.report_dir or Path("reports/runs/replay") / f"{sc.name}-{args.seed}"
+    cluster, model = start_system(report_dir, set(sc.replicas))
+    try:
+        r = run_scenario(cluster, Corpus(model), sc, args.seed)
+    finally:
+        cluster.stop()
+    for part in r.verdict.evidence.get("parts", []):
+        label = {True: "pass", False: "FAIL", None: "unknown"}[part["valid"]]
+        print(f"  [{label:>7}] {part['reason'][:400]}")
+    print(f"  outcome: {r.outcome}; counts: {json.dumps(r.counts)}")
+    (report_dir / "replay.json").write_text(json.dumps({"scenario": sc.name, "seed": args.seed, "valid": r.verdict.valid,
+                                                        "outcome": r.outcome, "counts": r.counts, "control": r.control,
+                                                        "verdict": r.verdict.evidence}, indent=2, default=str))
+    print(f"kvgate replay: {'PASS' if r.verdict.valid is True else 'FAIL'} ({r.seconds:.0f} s); history and logs "
+          f"in {report_dir}")
+    if r.verdict.valid is not True:
+        print(f"  replay: {r.replay}")
+    return 0 if r.verdict.valid is True else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=int, default=64)
     serve.add_argument("--reservation-ttl", type=float, default=30.0, help="seconds before an open publish is reclaimed")
     serve.add_argument("--lease-ttl", type=float, default=60.0, help="seconds before an unreleased lease expires")
+    serve.add_argument("--catalog-control", choices=("forgetful", "leaseless", "leaky"), default=None,
+                       help="run a known-bad catalog (faults.controls), for the harness's negative controls only")
     serve.set_defaults(func=cmd_pool_serve)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
@@ -117,6 +178,19 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
     bp.add_argument("--catalog-blocks", type=int, default=1_000_000)
     bp.set_defaults(func=cmd_bench_pool)
+
+    bg = bench.add_parser("gpu", help="GPU transfer engine: store/load vs plain pinned cudaMemcpy, 27B KV load time")
+    bg.add_argument("--quick", action="store_true", help="smaller arena and sizes, two repetitions (smoke run)")
+    bg.add_argument("--paths", default="torch,driver", help="copy paths to measure; the first gives the headline")
+    bg.add_argument("--reps", type=int, default=3, help="repetitions per size (medians reported)")
+    bg.add_argument("--max-blocks", type=int, default=4096, help="largest transfer of the sweep, in blocks")
+    bg.add_argument("--lanes", type=int, default=8, help="pool connections the engine commits on")
+    bg.add_argument("--hash-threads", type=int, default=8, help="digest threads of the engine")
+    bg.add_argument("--pool-io-threads", type=int, default=8, help="verify threads of the bench's pool daemon")
+    bg.add_argument("--chunk-mib", type=int, default=128, help="staged copy chunk")
+    bg.add_argument("--commit-mib", type=int, default=32, help="reservation / commit unit")
+    bg.add_argument("--seed", type=int, default=0, help="seed of the KV bytes and block choices")
+    bg.set_defaults(func=cmd_bench_gpu)
 
     bl = bench.add_parser("live", help="cold / local / remote / peer TTFT by prefix length on live replicas")
     bl.add_argument("--reps", type=int, default=5, help="fresh prompts per length (half at 16k)")
@@ -128,7 +202,20 @@ def build_parser() -> argparse.ArgumentParser:
     gate.add_argument("--seed", type=int, default=None, help="root seed (default: drawn and printed)")
     gate.add_argument("--seeds", type=int, default=3, help="seeds to run")
     gate.add_argument("--report-dir", type=Path, default=Path("reports/runs/latest"))
+    gate.add_argument("--profile", default="all",
+                      help="fault kinds to run, comma-separated ('none': the fault-free scenarios), or 'all'")
+    gate.add_argument("--scenario", action="append", default=[], help="only this scenario (repeatable)")
+    gate.add_argument("--no-pool-checks", action="store_true", help="skip the pool criteria (no live system)")
     gate.set_defaults(func=cmd_gate)
+
+    sc = sub.add_parser("scenarios", help="list the scenario catalog (fixtures/scenarios)")
+    sc.set_defaults(func=cmd_scenarios)
+
+    rp = sub.add_parser("replay", help="rerun one scenario of the catalog with one seed; print its verdicts")
+    rp.add_argument("scenario", help="a scenario name (kvgate scenarios lists them)")
+    rp.add_argument("--seed", type=int, required=True)
+    rp.add_argument("--report-dir", type=Path, default=None, help="default reports/runs/replay/SCENARIO-SEED")
+    rp.set_defaults(func=cmd_replay)
     return parser
 
 

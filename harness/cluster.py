@@ -70,6 +70,8 @@ class ReplicaSpec:
     faults_file: str = ""
     extra_env: tuple[tuple[str, str], ...] = ()
     extra_args: tuple[str, ...] = ()  # more `vllm serve` flags (e.g. another connector)
+    via_proxy: bool = False  # reach the pool over TCP through a fault proxy (faults.proxy), as a remote host would
+    connector_extra: tuple[tuple[str, object], ...] = ()  # more kv_connector_extra_config settings
 
 
 @dataclasses.dataclass
@@ -97,6 +99,8 @@ class Cluster:
         self.replicas: dict[str, Replica] = {}
         self.faults: dict[str, Path] = {}  # replica -> its fault-control file (faults.backend)
         self.history = None  # the harness's own records (requests, nemesis actions), set at start
+        self.proxies: dict = {}  # replica -> its faults.proxy.ProxyProcess (specs with via_proxy)
+        self.pool_tcp_port = free_port()  # fixed, so a restarted pool keeps its address for the proxies
         self._killed: set[str] = set()  # replicas the nemesis killed (not a crash of their own)
         self._stopped = False
 
@@ -119,7 +123,7 @@ class Cluster:
         self._install_sigterm()
         self.pool = PoolProcess.start(page_size=self.page_size, num_pages=self.pool_pages,
                                       name=unique_name("kvgate-live"), log_path=self.report_dir / "pool.log",
-                                      extra_args=self.pool_args)
+                                      extra_args=("--tcp", f"127.0.0.1:{self.pool_tcp_port}", *self.pool_args))
         for spec in specs:
             self.replicas[spec.name] = self._spawn(spec)
         try:
@@ -130,9 +134,25 @@ class Cluster:
             raise
         return self
 
+    def _proxy_for(self, spec: ReplicaSpec):  # noqa: ANN202
+        """The replica's fault proxy, started on first use; it outlives replica restarts."""
+        if spec.name not in self.proxies:
+            from faults.proxy import ProxyProcess
+
+            self.proxies[spec.name] = ProxyProcess.start(
+                self.pool.tcp, "tcp:127.0.0.1:0", self.report_dir / f"proxy-{spec.name}.json", seed=0,
+                history_dir=self.history_dir, remote=True, replica=spec.name,
+                log_path=self.report_dir / f"proxy-{spec.name}.log")
+        return self.proxies[spec.name]
+
+    def arm_proxy(self, replica: str, faults: dict) -> None:
+        """Set the transport faults of a replica's proxy (faults.proxy control format)."""
+        self.proxies[replica].configure(faults)
+
     def kv_transfer_config(self, spec: ReplicaSpec) -> dict:
-        extra = {"pool": self.pool.unix, "token": self.pool.token, "replica": spec.name,
-                 "history_dir": str(self.history_dir), "model_id": "kvgate-tiny"}
+        pool = self._proxy_for(spec).address if spec.via_proxy else self.pool.unix
+        extra = {"pool": pool, "token": self.pool.token, "replica": spec.name,
+                 "history_dir": str(self.history_dir), "model_id": "kvgate-tiny", **dict(spec.connector_extra)}
         if spec.model_revision:
             extra["model_revision"] = spec.model_revision
         if spec.faults_file:
@@ -248,6 +268,8 @@ class Cluster:
     def reset(self) -> None:
         for path in self.faults.values():  # disarm every fault
             path.write_text("{}")
+        for proxy in self.proxies.values():
+            proxy.heal()
         with self.pool.client(name="reset") as c:
             pages = c.stats()["num_pages"]
             c.set_capacity(0)
@@ -270,6 +292,8 @@ class Cluster:
             workload.RECORDER = None
         for r in self.replicas.values():
             _terminate_group(r.proc)
+        for proxy in self.proxies.values():
+            proxy.stop()
         if self.pool is not None:
             try:
                 self.pool.stop()
@@ -277,6 +301,7 @@ class Cluster:
                 self.pool.cleanup()
         left = [f"replica {r.spec.name} process group {r.proc.pid}" for r in self.replicas.values()
                 if _group_alive(r.proc.pid)]
+        left += [f"proxy of {name} (pid {p.proc.pid})" for name, p in self.proxies.items() if p.proc.poll() is None]
         if self.pool is not None and Arena.exists(self.pool.name):
             left.append(f"shared-memory segment {self.pool.name}")
         if left:
@@ -361,10 +386,13 @@ SMALL_KV_BLOCKS = 64  # the small replica's whole KV cache: a finished request's
 
 
 def small_kv_spec(report_dir: Path, name: str = "D", core: str = "1") -> ReplicaSpec:
-    """A replica with a KV cache of 64 blocks of 128 tokens (8 MiB on the tiny model):
-    a request of more than 64 - n blocks after one of n blocks must run in the blocks the
-    first one freed. The stream-delay scenarios need exactly that pressure."""
+    """The "remote" replica: a KV cache of 64 blocks of 128 tokens (8 MiB on the tiny
+    model), so a request of more than 64 - n blocks after one of n blocks must run in the
+    blocks the first one freed (the stream-delay scenarios need exactly that pressure);
+    and its pool traffic over TCP through a fault proxy in remote mode (pages travel as
+    frames, as from another host), with a 3 s client timeout, for the transport faults."""
     block_bytes = 128 * 1024  # 128 tokens x 1024 bytes of KV per token on the tiny model
     return ReplicaSpec(name, core=core, kv_bytes=SMALL_KV_BLOCKS * block_bytes, audit=True,
                        max_model_len=(SMALL_KV_BLOCKS - 1) * 128, max_num_batched_tokens=DEFAULT_CHUNK,
-                       faults_file=str(Path(report_dir) / f"faults-{name}.json"))
+                       faults_file=str(Path(report_dir) / f"faults-{name}.json"), via_proxy=True,
+                       connector_extra=(("timeout_s", 3.0), ("load_deadline_s", 5.0)))

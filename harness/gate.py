@@ -1,10 +1,13 @@
 """The gate: one command, one report, pass/fail per criterion.
 
-`run_gate(seed, seeds, report_dir)` prints the replay key first, runs every criterion
-for each derived seed with progress on stderr, writes run.json, junit.xml and
-checklist.md under `report_dir`, prints a short summary and returns the exit status
-(non-zero if any criterion did not pass). Every criterion line carries the command
-that replays it.
+`run_gate(seed, seeds, report_dir, profile)` prints the replay key first, runs the
+pool criteria and then every scenario of the catalog (fixtures/scenarios; harness.scenarios)
+that the profile selects, for each derived seed, with progress on stderr; each scenario
+run is judged by its own checks, the history checkers and its negative control. It
+writes run.json, junit.xml and checklist.md under `report_dir` (with a table per fault
+kind: seeds, faults fired, loads, silent corruptions, lost requests, misclassified
+misses, controls caught), prints a summary and returns the exit status (non-zero if any
+criterion did not pass). Every failing line carries the command that replays it.
 """
 
 from __future__ import annotations
@@ -14,14 +17,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 from harness.plugin import derive_seed
 from reports.render import Criterion, GateRun, Verdict, all_of, write_reports
-
-PROFILE = "pool+live"
-
 
 def _commit() -> str:
     try:
@@ -69,83 +70,155 @@ def _pool_criteria() -> list[tuple[str, Callable[[int], Verdict]]]:
     ]
 
 
-def _live_criteria(cluster, corpus) -> list[tuple[str, Callable[[int], Verdict]]]:  # noqa: ANN001
-    from harness import live_scenarios as S
-    from harness.workload import RequestFailed
-    from kvpool.errors import PoolError
-
-    def fresh(fn):  # noqa: ANN001, ANN202 - every live check starts from empty caches, no fault armed
-        def run(seed: int) -> Verdict:
-            cluster.reset()
-            try:
-                return fn(cluster, corpus, seed)
-            except (AssertionError, RequestFailed, PoolError) as exc:  # the scenario could not finish
-                return Verdict(False, f"{type(exc).__name__}: {exc}"[:600])
-
-        return run
-
-    return [
-        ("live: cross-replica hit, byte-exact, output unchanged", fresh(S.cross_replica_hit)),
-        ("live: partial hit loads only complete common blocks", fresh(S.partial_hit)),
-        ("live: shared system prompt computed once, reused by every question", fresh(S.shared_system_prompt)),
-        ("live: local hit, remote hit and miss told apart", fresh(S.hit_kinds)),
-        ("live: corrupt load recomputed, output unchanged", fresh(lambda c, k, s: S.load_failure(c, k, s, "corrupt"))),
-        ("live: transport error recomputed, output unchanged",
-         fresh(lambda c, k, s: S.load_failure(c, k, s, "transport_error"))),
-        ("live: timeout recomputed, output unchanged", fresh(lambda c, k, s: S.load_failure(c, k, s, "timeout"))),
-        ("live: eviction between lookup and load recomputed, output unchanged",
-         fresh(lambda c, k, s: S.load_failure(c, k, s, "evict"))),
-        ("live: pool killed and restarted under live replicas", fresh(S.pool_restart)),
-        ("live: another model revision finds the blocks incompatible", fresh(S.revision_mismatch)),
-        ("live: policy fail ends the request explicitly", fresh(S.load_failure_fail)),
-        ("live: OFF-ON-ON-OFF six-turn sessions alternating replicas", fresh(S.sessions)),
-    ]
-
-
-def start_default_cluster(report_dir: Path):  # noqa: ANN201
-    """The embedded default system: local pool, two replicas of the tiny local model, and
-    a third on another revision of it (for the incompatible-namespace criterion)."""
+def start_system(report_dir: Path, replicas: set[str]):  # noqa: ANN201
+    """The embedded default system: a local pool, replicas A and B of the tiny local
+    model (harness.cluster.default_cluster), and as the scenarios need them C (revision
+    r2 of the model: other weights, same tokenizer) and D (a 64-block KV cache)."""
     from fixtures.tiny_model import build_tiny_model
-    from harness.cluster import DEFAULT_CHUNK, ReplicaSpec, default_cluster
+    from harness.cluster import DEFAULT_CHUNK, ReplicaSpec, default_cluster, small_kv_spec
 
     model = build_tiny_model(report_dir / "model" / "tiny", seed=0, revision="r1")
-    r2 = build_tiny_model(report_dir / "model" / "tiny-r2", seed=0, revision="r2")
     cluster, specs = default_cluster(model, report_dir)
-    # C: another revision of the model (other weights, same tokenizer) on the same pool
-    specs.append(ReplicaSpec("C", core="0", model_dir=r2, audit=True, max_num_batched_tokens=DEFAULT_CHUNK))
-    _say("kvgate gate: starting the pool and three vLLM replicas (one to two minutes) ...")
+    if "C" in replicas:
+        r2 = build_tiny_model(report_dir / "model" / "tiny-r2", seed=0, revision="r2")
+        specs.append(ReplicaSpec("C", core="0", model_dir=r2, audit=True, max_num_batched_tokens=DEFAULT_CHUNK,
+                                 faults_file=str(report_dir / "faults-C.json")))
+    if "D" in replicas:
+        specs.append(small_kv_spec(report_dir))
+    _say(f"kvgate: starting the pool and {len(specs)} vLLM replicas ({', '.join(s.name for s in specs)}; "
+         "one to three minutes) ...")
     return cluster.start(specs), model
 
 
-def run_gate(seed: int | None = None, seeds: int = 3, report_dir: Path = Path("reports/runs/latest")) -> int:
-    root = seed if seed is not None else secrets.randbits(32)
-    key = {"seed": root, "commit": _commit(), "profile": PROFILE, "seeds": seeds}
-    print(f"kvgate gate: replay key seed={root} commit={key['commit']} profile={PROFILE} seeds={seeds}", flush=True)
-    run = GateRun(replay_key=key)
-    t_start = time.monotonic()
+def select(profile: str, names: list[str] | None = None):  # noqa: ANN201
+    """Scenarios of the catalog for a profile: 'all', or comma-separated fault kinds
+    ('none' for the fault-free scenarios), optionally only the named ones."""
+    from faults.schedule import KINDS
+    from harness.scenarios import load_catalog
+
+    catalog = load_catalog()
+    if names:
+        unknown = sorted(set(names) - {sc.name for sc in catalog})
+        if unknown:
+            raise SystemExit(f"kvgate: no scenarios {unknown}; the catalog has {[sc.name for sc in catalog]}")
+        catalog = [sc for sc in catalog if sc.name in names]
+    if profile == "all":
+        return catalog
+    kinds = set(profile.split(","))
+    unknown = sorted(kinds - set(KINDS) - {"none"})
+    if unknown:
+        raise SystemExit(f"kvgate: unknown fault kinds {unknown}; known: {sorted(KINDS)} and 'none'")
+    return [sc for sc in catalog if (sc.fault or "none") in kinds]
+
+
+def run_gate(seed: int | None = None, seeds: int = 3, report_dir: Path = Path("reports/runs/latest"),
+             profile: str = "all", scenarios: list[str] | None = None, pool_checks: bool = True) -> int:
+    from harness.scenarios import replay_command, run_scenario
     from harness.workload import Corpus
 
-    cluster, model = start_default_cluster(report_dir)
+    root = seed if seed is not None else secrets.randbits(32)
+    chosen = select(profile, scenarios)
+    key = {"seed": root, "commit": _commit(), "profile": profile, "seeds": seeds}
+    print(f"kvgate gate: replay key seed={root} commit={key['commit']} profile={profile} seeds={seeds}", flush=True)
+    _say("kvgate gate: a seed fixes the workload and every fault parameter; it cannot force thread "
+         "interleavings, which the report notes where they matter")
+    run = GateRun(replay_key=key)
+    t_start = time.monotonic()
+    if pool_checks:
+        _run_criteria(run, _pool_criteria(), root, seeds, f"kvgate gate --seed {root} --seeds {seeds}")
+    results = []
+    cluster, model = start_system(report_dir, {r for sc in chosen for r in sc.replicas})
     try:
-        criteria = _pool_criteria() + _live_criteria(cluster, Corpus(model))
-        _run_criteria(run, criteria, root, seeds)
+        corpus = Corpus(model)
+        total = sum(min(seeds, sc.seeds or seeds) for sc in chosen)
+        done = 0
+        for sc in chosen:
+            t0 = time.monotonic()
+            per = []
+            for i in range(min(seeds, sc.seeds or seeds)):
+                s = derive_seed(root, f"{sc.name}#{i}")
+                done += 1
+                _say(f"[{done}/{total}] {sc.name} (seed {s}) ...")
+                try:
+                    r = run_scenario(cluster, corpus, sc, s)
+                except Exception as exc:  # noqa: BLE001 - a harness defect: reported as this scenario's failure
+                    r = harness_failure(sc, s, exc)
+                ctl = "" if r.control is None else f"; control {r.control['name']}: " + (
+                    "caught" if r.control["caught"] else "NOT CAUGHT")
+                _say(f"[{done}/{total}] {sc.name}: {r.verdict.label} ({r.outcome}) in {r.seconds:.0f} s{ctl}"
+                     + ("" if r.verdict.valid else f" - {r.verdict.reason[:300]}\n    replay: {r.replay}"))
+                per.append(r)
+                results.append(r)
+            verdict = all_of([r.verdict for r in per], f"{len(per)} seeds")
+            if verdict.valid is True:
+                verdict = Verdict(True, f"{len(per)} seeds: {per[0].verdict.reason}", verdict.evidence)
+            failing = next((r for r in per if r.verdict.valid is not True), per[0])
+            run.criteria.append(Criterion(f"{sc.name}: {sc.description.split(':')[0].split('.')[0]}", verdict,
+                                          replay_command(sc.name, failing.seed), time.monotonic() - t0))
     finally:
         cluster.stop()
+    kinds = per_kind(results)
     run.summary = {"wall_s": round(time.monotonic() - t_start, 1), "criteria": len(run.criteria),
-                   "passed": sum(c.verdict.valid is True for c in run.criteria)}
+                   "passed": sum(c.verdict.valid is True for c in run.criteria), "per_fault_kind": kinds,
+                   "outcomes": dict(Counter(r.outcome for r in results))}
     paths = write_reports(report_dir, run)
     print(f"kvgate gate: {'PASS' if run.passed else 'FAIL'} - {run.summary['passed']}/{len(run.criteria)} criteria "
           f"in {run.summary['wall_s']} s; checklist {paths['markdown']}")
     for c in run.criteria:
         print(f"  [{c.verdict.label:>7}] {c.name}" + ("" if c.verdict.valid else f"  replay: {c.replay}"))
-    sessions = next((c for c in run.criteria if "OFF-ON-ON-OFF" in c.name), None)
+    print(format_kinds(kinds))
+    sessions = next((c for c in run.criteria if "off-on-on-off" in c.name), None)
     if sessions is not None:
         for part in sessions.verdict.evidence.get("parts", []):
-            print(f"  OFF-ON-ON-OFF median TTFT of turns 2-6 (ms): {part['evidence'].get('ttft_median_ms_cross_turns')}")
+            ttft = part["evidence"].get("parts", [{}])[0].get("evidence", {}).get("ttft_median_ms_cross_turns")
+            print(f"  OFF-ON-ON-OFF median TTFT of turns 2-6 (ms): {ttft}")
     return 0 if run.passed else 1
 
 
-def _run_criteria(run: GateRun, criteria, root: int, seeds: int) -> None:  # noqa: ANN001
+def harness_failure(sc, seed: int, exc: BaseException):  # noqa: ANN001, ANN201
+    """A scenario that raised instead of returning a verdict: a failed criterion that
+    carries the traceback (the gate goes on with the next one)."""
+    import traceback
+
+    from harness.scenarios import ScenarioResult, replay_command
+
+    text = "".join(traceback.format_exception(exc))[-1500:]
+    return ScenarioResult(sc.name, sc.fault, seed, Verdict(False, f"harness error {type(exc).__name__}: {exc}",
+                                                           {"traceback": text}),
+                          "crash", {c: 0 for c in COUNTS}, None, replay_command(sc.name, seed), 0.0)
+
+
+COUNTS = ("faults_fired", "loads", "silent_corruptions", "lost_requests", "misclassified")
+
+
+def per_kind(results) -> dict[str, dict]:  # noqa: ANN001
+    out: dict[str, dict] = {}
+    for r in results:
+        k = out.setdefault(r.fault or "none", {"scenarios": set(), "seeds_run": 0, **{c: 0 for c in COUNTS},
+                                              "controls": 0, "controls_caught": 0})
+        k["scenarios"].add(r.scenario)
+        k["seeds_run"] += 1
+        for c in COUNTS:
+            k[c] += r.counts[c]
+        if r.control is not None:
+            k["controls"] += 1
+            k["controls_caught"] += bool(r.control["caught"])
+    for k in out.values():
+        k["scenarios"] = sorted(k["scenarios"])
+    return out
+
+
+def format_kinds(kinds: dict[str, dict]) -> str:
+    head = f"  {'fault kind':<18} {'seeds':>5} {'fired':>5} {'loads':>5} {'silent':>6} {'lost':>4} {'miscl':>5} controls"
+    lines = [head]
+    for name, k in sorted(kinds.items()):
+        ctl = f"{k['controls_caught']}/{k['controls']} caught" if k["controls"] else "-"
+        lines.append(f"  {name:<18} {k['seeds_run']:>5} {k['faults_fired']:>5} {k['loads']:>5} "
+                     f"{k['silent_corruptions']:>6} {k['lost_requests']:>4} {k['misclassified']:>5} {ctl}")
+    return "\n".join(lines)
+
+
+def _run_criteria(run: GateRun, criteria, root: int, seeds: int, replay: str) -> None:  # noqa: ANN001
     total = len(criteria) * seeds
     done = 0
     for name, check in criteria:
@@ -154,9 +227,8 @@ def _run_criteria(run: GateRun, criteria, root: int, seeds: int) -> None:  # noq
         for i in range(seeds):
             s = derive_seed(root, f"{name}#{i}")
             done += 1
-            _say(f"[{done}/{total}] {name} (seed {s}) ...")
+            _say(f"[pool {done}/{total}] {name} (seed {s}) ...")
             v = check(s)
-            _say(f"[{done}/{total}] {name}: {v.label} - {v.reason}")
+            _say(f"[pool {done}/{total}] {name}: {v.label} - {v.reason}")
             verdicts.append(v)
-        run.criteria.append(Criterion(name, all_of(verdicts, f"{seeds} seeds"), f"kvgate gate --seed {root} --seeds {seeds}",
-                                      time.monotonic() - t0))
+        run.criteria.append(Criterion(name, all_of(verdicts, f"{seeds} seeds"), replay, time.monotonic() - t0))

@@ -16,6 +16,18 @@ The live suites assert on them and the gate runs them for its seeds.
   load_failure_fail      the same on A, whose policy is "fail": the request ends explicitly
                          with an error and the replica keeps serving.
   sessions               OFF-ON-ON-OFF six-turn sessions alternating replicas.
+  stream_delay_store     the copy of a finished request's blocks delayed on a replica whose
+                         freed blocks are reused at once: the pool still gets the bytes of
+                         save time (control: the early-completion copier is caught).
+  stream_delay_load      a load's copy delayed: the engine waits before attention reads
+                         (control: the early-completion copier is caught).
+  transport_fault        reset / truncate / bitflip / stall / drop_reply / slow injected by
+                         a fault proxy into the remote replica's page frames (control:
+                         failed blocks hidden from the engine).
+  evict_leased           evictions and a capacity squeeze while a load holds its lease: all
+                         refused until it is released (control: a leaseless pool).
+  replica_crash          a replica SIGKILLed with a publish open: the pool reclaims it, nothing
+                         becomes visible, the replica restarts (control: a leaky pool).
 """
 
 from __future__ import annotations
@@ -25,7 +37,7 @@ import random
 
 from faults.schedule import draw_schedule
 from harness.cluster import Cluster
-from harness.live_checks import byte_exact, records
+from harness.live_checks import audit_digests, byte_exact, namespace_of, pool_digests, records
 from harness.sessions import off_on_on_off
 from harness.workload import Corpus, common_prefix_tails, complete
 from reports.render import Verdict
@@ -172,11 +184,17 @@ def hit_kinds(cluster: Cluster, corpus: Corpus, seed: int) -> Verdict:
     return c.verdict("local hit, remote hit and misses classified as such")
 
 
-def arm(cluster: Cluster, replica: str, **fault: object) -> None:
-    cluster.faults[replica].write_text(json.dumps({"load": fault}))
+def arm(cluster: Cluster, replica: str, control: str | None = None, **fault: object) -> None:
+    """Arm a pool-client fault (faults.backend) on `replica`; `control` also plugs in a
+    known-bad copier (faults.copier), e.g. "hide_failures"."""
+    doc: dict[str, object] = {"load": fault} if fault else {}
+    if control:
+        doc["copier"] = {"control": control}
+    cluster.faults[replica].write_text(json.dumps(doc))
 
 
-def load_failure(cluster: Cluster, corpus: Corpus, seed: int, kind: str, block: int | None = None) -> Verdict:
+def load_failure(cluster: Cluster, corpus: Corpus, seed: int, kind: str, block: int | None = None,
+                 control: str | None = None) -> Verdict:
     """A fault at block k of B's load (k drawn by the seed's fault schedule unless given).
 
     The fallback oracle compares B's output with a fault-free reference that has the same
@@ -192,8 +210,9 @@ def load_failure(cluster: Cluster, corpus: Corpus, seed: int, kind: str, block: 
     tag = _tag(f"r{kind[:3]}", seed)
     A, B = cluster.replicas["A"].url, cluster.replicas["B"].url
     complete(A, prompt, tag=f"{tag}-a", replica="A", cache_salt=f"s-{tag}")
-    arm(cluster, "B", kind=kind, block=block)
+    arm(cluster, "B", control, kind=kind, block=block)
     b = complete(B, prompt, tag=f"{tag}-b", replica="B", cache_salt=f"s-{tag}")
+    arm(cluster, "B", None)  # heal (a control must not outlive the faulted request)
     complete(A, prompt, tag=f"{tag}-refa", replica="A", cache_salt=f"ref-{tag}", publish_tokens=block * 128)
     ref = complete(B, prompt, tag=f"{tag}-ref", replica="B", cache_salt=f"ref-{tag}")
     cold = complete(B, prompt, tag=f"{tag}-cold", replica="B", load=False, publish=False, cache_salt=f"cold-{tag}")
@@ -217,21 +236,31 @@ def load_failure(cluster: Cluster, corpus: Corpus, seed: int, kind: str, block: 
     return c.verdict(f"{kind} at block {block}: classified, recomputed, output equal to the fault-free run")
 
 
-def pool_restart(cluster: Cluster, corpus: Corpus, seed: int) -> Verdict:
+def pool_restart(cluster: Cluster, corpus: Corpus, seed: int, control: str | None = None) -> Verdict:
     """The pool daemon is killed (SIGKILL) under two live replicas, then restarted:
     while it is down every lookup is a transport_error and requests are computed
     locally with unchanged output; after the restart the replicas reconnect by
-    themselves, the new pool starts empty (and says so), and sharing resumes."""
+    themselves, the new pool starts empty (and says so), and sharing resumes.
+
+    control="no_reconnect": B's pool client never replaces its dead connection."""
+    if control not in (None, "no_reconnect"):
+        raise ValueError(f"unknown control {control!r}")
+    if control:
+        cluster.faults["B"].write_text(json.dumps({"client": {"control": control}}))
     rng = random.Random(seed)
     p1, p2 = corpus.text(700, rng), corpus.text(700, rng)
     tag = _tag("k", seed)
     A, B = cluster.replicas["A"].url, cluster.replicas["B"].url
     h = cluster.history_dir
     complete(A, p1, tag=f"{tag}-a1", replica="A")
+    cluster.nemesis("pool_kill")
     cluster.pool.kill()
-    b1 = complete(B, p1, tag=f"{tag}-b1", replica="B")
-    down = _one(h, "lookup", tag=f"{tag}-b1")
-    cluster.pool.restart()
+    try:
+        b1 = complete(B, p1, tag=f"{tag}-b1", replica="B")
+        down = _one(h, "lookup", tag=f"{tag}-b1")
+    finally:  # the heal step runs whatever happened
+        cluster.pool.restart()
+        cluster.nemesis("pool_restart")
     b1_cold = complete(B, p1, tag=f"{tag}-b1cold", replica="B", load=False, publish=False, cache_salt=f"cold-{tag}")
     complete(A, p2, tag=f"{tag}-a2", replica="A")
     b2 = complete(B, p2, tag=f"{tag}-b2", replica="B")
@@ -248,10 +277,19 @@ def pool_restart(cluster: Cluster, corpus: Corpus, seed: int) -> Verdict:
     return c.verdict("pool crash: lookups failed as transport_error, outputs unchanged, sharing resumed after restart")
 
 
-def revision_mismatch(cluster: Cluster, corpus: Corpus, seed: int, replica: str = "C") -> Verdict:
+def revision_mismatch(cluster: Cluster, corpus: Corpus, seed: int, replica: str = "C",
+                      control: str | None = None) -> Verdict:
     """`replica` runs another revision of the model (other weights, same tokenizer) on the
     same pool: it must find A's blocks `incompatible`, name `model_revision` as the only
-    differing field, load nothing, and generate what it generates cold."""
+    differing field, load nothing, and generate what it generates cold.
+
+    control="key_without_revision": A and `replica` key their blocks without the model
+    revision (faults.backend's namespace control), so the other revision loads A's KV."""
+    if control not in (None, "key_without_revision"):
+        raise ValueError(f"unknown control {control!r}")
+    if control:
+        for name in ("A", replica):
+            cluster.faults[name].write_text(json.dumps({"namespace": {"drop": ["model_revision"]}}))
     rng = random.Random(seed)
     prompt = corpus.text(900, rng)
     tag = _tag("v", seed)
@@ -273,13 +311,14 @@ def revision_mismatch(cluster: Cluster, corpus: Corpus, seed: int, replica: str 
     return c.verdict("another model revision found the blocks incompatible (model_revision) and loaded nothing")
 
 
-def load_failure_fail(cluster: Cluster, corpus: Corpus, seed: int) -> Verdict:
+def load_failure_fail(cluster: Cluster, corpus: Corpus, seed: int, control: str | None = None) -> Verdict:
     rng = random.Random(seed)
     prompt = corpus.text(1500, rng)
     tag = _tag("f", seed)
     complete(cluster.replicas["B"].url, prompt, tag=f"{tag}-b", replica="B")
-    arm(cluster, "A", kind="corrupt", block=0)
+    arm(cluster, "A", control, kind="corrupt", block=0)
     a = complete(cluster.replicas["A"].url, prompt, tag=f"{tag}-a", replica="A", timeout_s=120)
+    arm(cluster, "A", None)
     load = _one(cluster.history_dir, "load", tag=f"{tag}-a", replica="A")
     again = complete(cluster.replicas["A"].url, prompt, tag=f"{tag}-a2", replica="A", timeout_s=120)
     c = Checks()
@@ -317,3 +356,328 @@ def sessions(cluster: Cluster, corpus: Corpus, seed: int, context_tokens: int = 
     c.evidence.update(ttft_median_ms_cross_turns=out["ttft_median_ms_cross_turns"], improvement=out["improvement"],
                       outputs_differing_between_blocks=out["mismatched_turns"])
     return c.verdict("with the pool on, each turn reuses everything the other replica computed the turn before")
+
+
+# -- stream delay: the copy engine held back while the engine moves on ---------------------
+
+def arm_copier(cluster: Cluster, replica: str, **spec: object) -> None:
+    cluster.faults[replica].write_text(json.dumps({"copier": spec}))
+
+
+def _wait_for(predicate, timeout_s: float, what: str) -> None:  # noqa: ANN001
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.2)
+
+
+def stream_delay_store(cluster: Cluster, corpus: Corpus, seed: int, *, control: bool = False,
+                       replica: str = "D", consumer: str = "B") -> Verdict:
+    """On `replica` (a small KV cache: its freed blocks are reused at once), the copy of a
+    finished request X's blocks to the pool is delayed; request Y, sent as soon as X
+    answers, needs more blocks than are free, so it can only run in X's blocks. The
+    ordered copier keeps X's blocks until their copy is done: the pool gets the bytes X
+    had at save time (the audit's `produced` digests), and a consumer loading X from the
+    pool installs exactly those. With the known-bad copier (control=True) X's blocks are
+    freed at once, Y overwrites them under the delayed copy, and the pool gets Y's bytes."""
+    delay = draw_schedule(seed, "stream").spec("stream_delay").params["store_delay_ms"]
+    rng = random.Random(seed)
+    x, y = corpus.text(2600, rng), corpus.text(5900, rng)
+    tag = _tag("cs" if control else "ds", seed)
+    url = cluster.replicas[replica].url
+    h = cluster.history_dir
+    spec: dict[str, object] = {"store_delay_ms": delay, "times": 2}
+    if control:
+        spec["control"] = "early_completion"
+    arm_copier(cluster, replica, **spec)
+    complete(url, x, tag=f"{tag}-x", replica=replica, max_tokens=1, load=False)
+    complete(url, y, tag=f"{tag}-y", replica=replica, max_tokens=1, load=False, publish=False)
+    _wait_for(lambda: sum(r.get("blocks", 0) for r in records(h, "publish", tag=f"{tag}-x", replica=replica)) >= 20,
+              2 * delay / 1000 + 60, f"{replica}'s delayed stores of {tag}-x")
+    arm_copier(cluster, replica)  # heal
+    b = complete(cluster.replicas[consumer].url, x, tag=f"{tag}-b", replica=consumer, max_tokens=4)
+    produced = audit_digests(h, "produced", f"{tag}-x", replica)
+    pool = pool_digests(cluster, namespace_of(h, replica), list(produced))
+    x_blocks = {bid for r in records(h, "audit", kind="produced", tag=f"{tag}-x", replica=replica)
+                for bid in r["block_ids"]}
+    y_blocks = {bid for r in records(h, "audit", kind="produced", tag=f"{tag}-y", replica=replica)
+                for bid in r["block_ids"]}
+    start = _one(h, "lookup", tag=f"{tag}-x")["t"]
+    fired = [r for r in records(h, "fault", replica=replica) if r["t"] >= start and r.get("site") == "copier"]
+    differ = sorted(k for k, d in produced.items() if k in pool and pool[k] != d)
+    c = Checks()
+    c.check("the store delay fired on both of X's stores", sum(r["kind"] == "stream_delay" for r in fired) == 2,
+            [r["kind"] for r in fired])
+    c.check("X's 20 complete blocks are in the pool", len(produced) == 20 and len(pool) == 20,
+            (len(produced), len(pool)))
+    c.check("every pooled block holds the bytes X had at save time", not differ,
+            f"{len(differ)} of {len(pool)} differ")
+    v = byte_exact(cluster, (replica, f"{tag}-x"), (consumer, f"{tag}-b"), None)
+    c.check(f"{consumer} installed X's bytes: {v.reason}", v.valid is True)
+    c.evidence.update(delay_ms=delay, control=control, pooled_blocks_differing=len(differ),
+                      x_blocks_reused_by_y=len(x_blocks & y_blocks), consumer_installed=v.evidence.get("installed"),
+                      consumer_tokens=len(b.token_ids))
+    return c.verdict(f"stores delayed {delay} ms: X's blocks were held until copied; the pool and {consumer} "
+                     "got the bytes of save time")
+
+
+def stream_delay_load(cluster: Cluster, corpus: Corpus, seed: int, *, control: bool = False,
+                      replica: str = "D", producer: str = "A") -> Verdict:
+    """`producer` publishes a prompt; `replica` loads it with its copy delayed. The
+    ordered copier makes the engine wait before the first layer reads: what attention
+    reads (the audit's `seen` digests) equals the pool's pages and the output equals the
+    replica's own cold run. With the known-bad copier the engine reads the blocks before
+    the copy lands."""
+    delay = draw_schedule(seed, "stream").spec("stream_delay").params["load_delay_ms"]
+    rng = random.Random(seed)
+    prompt = corpus.text(2600, rng)
+    tag = _tag("cl" if control else "dl", seed)
+    url = cluster.replicas[replica].url
+    h = cluster.history_dir
+    complete(cluster.replicas[producer].url, prompt, tag=f"{tag}-a", replica=producer, max_tokens=1)
+    spec: dict[str, object] = {"load_delay_ms": delay, "times": 1}
+    if control:
+        spec["control"] = "early_completion"
+    arm_copier(cluster, replica, **spec)
+    d = complete(url, prompt, tag=f"{tag}-d", replica=replica, publish=False)
+    _wait_for(lambda: bool(records(h, "load", tag=f"{tag}-d", replica=replica)), delay / 1000 + 60,
+              f"{replica}'s delayed load of {tag}-d")
+    arm_copier(cluster, replica)  # heal
+    cold = complete(url, prompt, tag=f"{tag}-cold", replica=replica, load=False, publish=False,
+                    cache_salt=f"cold-{tag}")
+    seen = audit_digests(h, "seen", f"{tag}-d", replica)
+    pool = pool_digests(cluster, namespace_of(h, replica), list(seen))
+    load = _one(h, "load", tag=f"{tag}-d", replica=replica)
+    start = _one(h, "lookup", tag=f"{tag}-d")["t"]
+    fired = [r for r in records(h, "fault", replica=replica) if r["t"] >= start and r.get("site") == "copier"]
+    differ = sorted(k for k, dg in seen.items() if pool.get(k) != dg)
+    c = Checks()
+    c.check("the load delay fired", [r["kind"] for r in fired] == ["stream_delay"], [r["kind"] for r in fired])
+    c.check("the delayed load installed all 20 blocks", load["loaded"] == 20 and not load["failed_block_ids"], load)
+    c.check("attention read the pool's bytes", len(seen) == 20 and not differ, f"{len(differ)} of {len(seen)} differ")
+    c.check("the output equals the replica's cold run", d.token_ids == cold.token_ids and len(d.token_ids) == 16)
+    c.evidence.update(delay_ms=delay, control=control, blocks_read_before_copy=len(differ),
+                      tokens_equal_cold=d.token_ids == cold.token_ids)
+    return c.verdict(f"load delayed {delay} ms: the engine waited; attention read the pool's bytes; output unchanged")
+
+
+# -- crashes ----------------------------------------------------------------------------------
+
+def replica_crash(cluster: Cluster, corpus: Corpus, seed: int, *, replica: str = "D", consumer: str = "B",
+                  control: str | None = None) -> Verdict:
+    """`replica` is SIGKILLed while one of its publishes is open (pages reserved and
+    written, the commit held back by faults.backend's `publish: hang`). The pool must
+    reclaim the reservation when the connection dies (its page accounting returns to
+    where it was), make none of those blocks visible (the consumer's lookup is
+    never_published and it computes the prompt itself), and the restarted replica
+    publishes the prompt again.
+
+    control="leaky_pool": the pool daemon runs the known-bad LeakyCatalog
+    (faults.controls), which never returns an aborted publish's pages."""
+    if control not in (None, "leaky_pool"):
+        raise ValueError(f"unknown control {control!r}")
+    rng = random.Random(seed)
+    x = corpus.text(2600, rng)
+    tag = _tag("kc" if control else "kr", seed)
+    h = cluster.history_dir
+    if control:
+        cluster.pool.stop()
+        cluster.pool.restart(extra_args=("--catalog-control", "leaky"))
+        cluster.nemesis("pool_swap", catalog="leaky")
+    try:
+        with cluster.pool.client(name="crash") as pc:
+            before = pc.stats()
+        cluster.faults[replica].write_text(json.dumps({"publish": {"kind": "hang", "seconds": 600, "times": 1}}))
+        complete(cluster.replicas[replica].url, x, tag=f"{tag}-x", replica=replica, max_tokens=1, load=False)
+        start = _one(h, "lookup", tag=f"{tag}-x")["t"]
+        _wait_for(lambda: any(r["kind"] == "publish_hang" and r["t"] >= start
+                              for r in records(h, "fault", replica=replica)), 60, f"{replica}'s publish to hang")
+        with cluster.pool.client(name="crash") as pc:
+            during = pc.stats()
+        cluster.kill_replica(replica)
+        c = Checks()
+        with cluster.pool.client(name="crash") as pc:
+            try:
+                _wait_for(lambda: pc.stats()["reserved_pages"] == before["reserved_pages"], 30,
+                          "the pool to reclaim the dead replica's reservation")
+            except AssertionError as exc:
+                c.check("the pool reclaimed the open publish", False, str(exc))
+            after = pc.stats()
+        b = complete(cluster.replicas[consumer].url, x, tag=f"{tag}-b", replica=consumer, max_tokens=4)
+        lookup = _one(h, "lookup", tag=f"{tag}-b")
+        c.check("the publish was open when the replica died", during["reserved_pages"] > before["reserved_pages"],
+                (before["reserved_pages"], during["reserved_pages"]))
+        c.check("no page of it stays reserved", after["reserved_pages"] == before["reserved_pages"],
+                (before["reserved_pages"], after["reserved_pages"]))
+        c.check("every page came back to the free list", after["free_pages"] == before["free_pages"],
+                (before["free_pages"], after["free_pages"]))
+        c.check("none of its blocks became visible", lookup["outcome"] == "miss"
+                and lookup["miss_cause"] == "never_published" and lookup["miss_index"] == 0, lookup)
+        c.check(f"{consumer} computed the prompt itself", b.finish_reason == "length" and len(b.token_ids) == 4)
+        cluster.faults[replica].write_text("{}")
+        cluster.restart_replica(replica)  # heal
+        again = complete(cluster.replicas[replica].url, x, tag=f"{tag}-x2", replica=replica, max_tokens=1,
+                         load=False, cache_salt=f"after-{tag}")
+        _wait_for(lambda: any(r.get("committed") for r in records(h, "publish", tag=f"{tag}-x2", replica=replica)),
+                  60, f"the restarted {replica} to publish")
+        c.check(f"the restarted {replica} serves and publishes", again.finish_reason == "length")
+        c.evidence.update(control=control, reserved_during=during["reserved_pages"] - before["reserved_pages"],
+                          leaked_pages=before["free_pages"] - after["free_pages"])
+        return c.verdict(f"{replica} killed mid-publish: the pool reclaimed its {c.evidence['reserved_during']} "
+                         f"reserved pages, none became visible, {consumer} computed the prompt, {replica} restarted")
+    finally:
+        if control:
+            cluster.pool.stop()
+            cluster.pool.restart()
+            cluster.nemesis("pool_swap", catalog="normal")
+
+
+# -- transport faults: the proxy between the remote replica and the pool --------------------
+
+TRANSPORT_CAUSE = {"reset": "transport_error", "truncate": "transport_error", "bitflip": "corrupt",
+                   "stall": "timeout", "drop_reply": "timeout", "slow": None}
+
+
+def transport_fault(cluster: Cluster, corpus: Corpus, seed: int, kind: str, *, replica: str = "D",
+                    producer: str = "A", control: str | None = None) -> Verdict:
+    """`producer` publishes a prompt; `replica` (whose pool traffic crosses a fault proxy
+    in remote mode: page bytes travel as frames) loads it while the proxy injects `kind`
+    into the page-read frames (faults.proxy). The load must end as the kind's cause
+    (reset, truncate: transport_error; bitflip: corrupt; stall, drop_reply: timeout;
+    slow: no miss at all) at the block the fault struck, every block from there is
+    recomputed, and the output equals a fault-free run with the same prefill partition
+    (the producer publishes exactly the blocks that loaded, under another salt).
+
+    control="hide_failures": the replica's connector does not report failed blocks."""
+    if kind not in TRANSPORT_CAUSE:
+        raise ValueError(f"unknown transport fault {kind!r}; known {sorted(TRANSPORT_CAUSE)}")
+    rng = random.Random(seed)
+    prompt = corpus.text(1500, rng)
+    n_blocks = 1501 // 128
+    tag = _tag(f"t{kind[:3]}" + ("c" if control else ""), seed)
+    url, purl = cluster.replicas[replica].url, cluster.replicas[producer].url
+    h = cluster.history_dir
+    complete(purl, prompt, tag=f"{tag}-a", replica=producer, cache_salt=f"s-{tag}")
+    after = rng.randrange(0, n_blocks - 1)  # page-read frames let through before the fault
+    spec: dict[str, object] = {"ops": ["read"], "direction": "reply", "after": after, "times": 1}
+    if kind == "stall":
+        spec["seconds"] = 8.0
+    elif kind == "slow":
+        spec.update(bytes_per_s=4_000_000, latency_s=0.02, times=n_blocks)
+    if control:
+        cluster.faults[replica].write_text(json.dumps({"copier": {"control": control}}))
+    cluster.arm_proxy(replica, {kind: spec})
+    d = complete(url, prompt, tag=f"{tag}-d", replica=replica, cache_salt=f"s-{tag}")
+    cluster.arm_proxy(replica, {})
+    cluster.faults[replica].write_text("{}")
+    load = _one(h, "load", tag=f"{tag}-d", replica=replica)
+    k = load["loaded"]
+    complete(purl, prompt, tag=f"{tag}-refa", replica=producer, cache_salt=f"ref-{tag}", publish_tokens=k * 128)
+    ref = complete(url, prompt, tag=f"{tag}-ref", replica=replica, cache_salt=f"ref-{tag}")
+    ref_load = records(h, "load", tag=f"{tag}-ref", replica=replica)
+    start = _one(h, "lookup", tag=f"{tag}-d")["t"]
+    fired = [r for r in records(h, "fault", replica=replica) if r["t"] >= start and r.get("role") == "proxy"
+             and r["t"] <= load["t"]]
+    want = TRANSPORT_CAUSE[kind]
+    c = Checks()
+    c.check(f"the proxy injected {kind}", bool(fired) and all(r["kind"] == kind for r in fired),
+            [r["kind"] for r in fired])
+    if want is None:
+        c.check("the slowed load completed", k == load["blocks"] and load["miss_cause"] is None, load)
+    else:
+        c.check(f"the load stopped as {want}", load["miss_cause"] == want and k < load["blocks"], load)
+        c.check("at the block the fault struck", k == after, (k, after))
+        c.check("every block from there was reported failed", len(load["failed_block_ids"]) == load["blocks"] - k)
+    c.check("the reference loaded exactly the same blocks", (k == 0 and not ref_load)
+            or (len(ref_load) == 1 and ref_load[0]["loaded"] == k), [r["loaded"] for r in ref_load])
+    c.check("tokens equal the fault-free run of the same partition", d.finish_reason == "length"
+            and d.token_ids == ref.token_ids, (d.finish_reason, d.error))
+    c.evidence.update(kind=kind, block=after, loaded=k, fired=len(fired), control=control,
+                      load_seconds=load.get("seconds"))
+    return c.verdict(f"{kind} on the wire at block {after}: classified {want or 'no miss'}, recomputed, "
+                     "output equal to the fault-free run")
+
+
+# -- evictions against leases -----------------------------------------------------------------
+
+def evict_leased(cluster: Cluster, corpus: Corpus, seed: int, *, control: str | None = None) -> Verdict:
+    """While B's load holds its lease (faults.backend `hold`, at a seed-drawn block), the
+    harness tries to evict every block B is loading and squeezes the pool's capacity to
+    zero. Every eviction of a leased page must be refused (`leased`), the squeeze may
+    take only unleased pages, B's load completes byte-exact with output equal to its cold
+    run; once the lease is released, the squeeze takes the rest.
+
+    control="leaseless_pool": the daemon runs the known-bad LeaselessCatalog
+    (faults.controls), which evicts leased pages."""
+    import threading
+
+    from harness.live_checks import audit_digests as produced_of
+
+    if control not in (None, "leaseless_pool"):
+        raise ValueError(f"unknown control {control!r}")
+    block = draw_schedule(seed, "eviction").spec("evict").params["block"] % 8
+    rng = random.Random(seed)
+    prompt = corpus.text(1500, rng)
+    tag = _tag("ec" if control else "el", seed)
+    h = cluster.history_dir
+    if control:
+        cluster.pool.stop()
+        cluster.pool.restart(extra_args=("--catalog-control", "leaseless"))
+        cluster.nemesis("pool_swap", catalog="leaseless")
+    try:
+        complete(cluster.replicas["A"].url, prompt, tag=f"{tag}-a", replica="A")
+        keys = [bytes.fromhex(k) for k in produced_of(h, "produced", f"{tag}-a", "A")]
+        ns = namespace_of(h, "B")
+        arm(cluster, "B", kind="hold", block=block, seconds=3)
+        out: dict[str, object] = {}
+
+        def request() -> None:
+            out["b"] = complete(cluster.replicas["B"].url, prompt, tag=f"{tag}-b", replica="B")
+
+        t = threading.Thread(target=request)
+        t.start()
+        def held() -> bool:
+            lookup = records(h, "lookup", tag=f"{tag}-b")
+            return bool(lookup) and any(r["kind"] == "lease_hold" and r["t"] >= lookup[0]["t"]
+                                        for r in records(h, "fault", replica="B"))
+
+        _wait_for(held, 60, "B's load to hold its lease")
+        cluster.nemesis("evict_leased", blocks=len(keys))
+        with cluster.pool.client(name="evictor") as pc:
+            outcomes = pc.evict(ns, keys[:11])
+            pages = pc.stats()["num_pages"]
+            squeezed = pc.set_capacity(0)
+            during = pc.stats()
+        t.join(120)
+        with cluster.pool.client(name="evictor") as pc:
+            after_release = pc.set_capacity(0)
+            pc.set_capacity(pages)
+        arm(cluster, "B", None)
+        b = out.get("b")
+        cold = complete(cluster.replicas["B"].url, prompt, tag=f"{tag}-cold", replica="B", load=False, publish=False,
+                        cache_salt=f"cold-{tag}")
+        load = _one(h, "load", tag=f"{tag}-b", replica="B")
+        c = Checks()
+        c.check("every eviction of a leased page was refused", bool(outcomes)
+                and all(str(o) == "leased" for o in outcomes[:load["blocks"]]), [str(o) for o in outcomes])
+        c.check("the squeeze left the leased pages", during["leased_pages"] >= load["blocks"],
+                (during["leased_pages"], load["blocks"]))
+        c.check("B's load completed under the squeeze", load["loaded"] == load["blocks"] and not load["miss_cause"],
+                load)
+        c.check("B's tokens equal its cold run", b is not None and b.token_ids == cold.token_ids
+                and len(b.token_ids) == 16)
+        c.check("once released, the squeeze took the rest", after_release >= load["blocks"], after_release)
+        v = byte_exact(cluster, ("A", f"{tag}-a"), ("B", f"{tag}-b"), None)
+        c.check(v.reason, v.valid is True)
+        c.evidence.update(control=control, hold_block=block, evict_outcomes=sorted({str(o) for o in outcomes}),
+                          squeezed_while_leased=squeezed, evicted_after_release=after_release)
+        return c.verdict(f"{len(outcomes)} evictions of leased pages refused, the squeeze waited for the lease, "
+                         "B's load completed byte-exact")
+    finally:
+        if control:
+            cluster.pool.stop()
+            cluster.pool.restart()
+            cluster.nemesis("pool_swap", catalog="normal")

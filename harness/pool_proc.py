@@ -80,11 +80,12 @@ class PoolProcess:
                 raise TimeoutError(f"pool daemon did not start within {timeout}s; log:\n{log_path.read_text()[-4000:]}")
         return cls(name, run_dir, token, proc, address, log_path, args)
 
-    def restart(self, timeout: float = 20.0) -> PoolProcess:
-        """Start a new daemon with the same arguments (after stop() or kill())."""
+    def restart(self, timeout: float = 20.0, extra_args: tuple[str, ...] = ()) -> PoolProcess:
+        """Start a new daemon with the same arguments (after stop() or kill()); `extra_args`
+        are added for this daemon only (e.g. a negative control's --catalog-control)."""
         if self.proc.poll() is None:
             raise RuntimeError("restart() needs the old daemon stopped or killed first")
-        new = self._spawn(self.name, self.run_dir, self.token, self.log_path, self.args, timeout)
+        new = self._spawn(self.name, self.run_dir, self.token, self.log_path, [*self.args, *extra_args], timeout)
         self.proc, self.address = new.proc, new.address
         return self
 

@@ -53,6 +53,17 @@ class Corpus:
         return " ".join(rng.choice(self.words) for _ in range(n_tokens))
 
 
+# The harness's client side of the history (Jepsen's invoke / ok / fail): set by a
+# running Cluster to a HistoryWriter of the run, so the checkers can tell a request that
+# ended from one that was lost.
+RECORDER = None
+
+
+def _record(phase: str, **fields: object) -> None:
+    if RECORDER is not None:
+        RECORDER.write("request", phase=phase, **fields)
+
+
 def complete(url: str, prompt: str, *, tag: str, replica: str = "", max_tokens: int = 16,
              load: bool = True, publish: bool = True, cache_salt: str | None = None,
              publish_tokens: int | None = None, timeout_s: float = 600.0) -> Completion:
@@ -65,6 +76,8 @@ def complete(url: str, prompt: str, *, tag: str, replica: str = "", max_tokens: 
         body["cache_salt"] = cache_salt
     if publish_tokens is not None:
         body["kv_transfer_params"]["kvpool"]["publish_tokens"] = publish_tokens
+    _record("invoke", tag=tag, replica=replica, max_tokens=max_tokens, load=load, publish=publish,
+            cache_salt=cache_salt, publish_tokens=publish_tokens)
     t0 = time.monotonic()
     ttft = None
     token_ids: list[int] = []
@@ -95,8 +108,15 @@ def complete(url: str, prompt: str, *, tag: str, replica: str = "", max_tokens: 
                     finish = choice.get("finish_reason") or finish
                     prompt_tokens = len(choice.get("prompt_token_ids") or []) or prompt_tokens
     except requests.RequestException as exc:
+        _record("fail", tag=tag, replica=replica, error=f"{type(exc).__name__}: {exc}"[:300],
+                total_s=round(time.monotonic() - t0, 3))
         raise RequestFailed(f"{replica or url}: {type(exc).__name__}: {exc}") from exc
+    except RequestFailed as exc:
+        _record("fail", tag=tag, replica=replica, error=str(exc)[:300], total_s=round(time.monotonic() - t0, 3))
+        raise
     total = time.monotonic() - t0
+    _record("ok", tag=tag, replica=replica, finish_reason=finish, tokens=len(token_ids), error=error,
+            ttft_s=round(ttft if ttft is not None else total, 4), total_s=round(total, 3))
     return Completion(tag, replica, token_ids, "".join(text), finish, ttft if ttft is not None else total, total,
                       prompt_tokens, error)
 

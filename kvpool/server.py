@@ -465,9 +465,9 @@ def read_address(run_dir: Path, timeout: float = 10.0) -> dict[str, object]:
     raise TimeoutError(f"no pool daemon published {path} within {timeout}s")
 
 
-def main_serve(config: PoolConfig) -> int:
+def main_serve(config: PoolConfig, catalog_factory: type[Catalog] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
-    daemon = PoolDaemon(config)
+    daemon = PoolDaemon(config) if catalog_factory is None else PoolDaemon(config, catalog_factory=catalog_factory)
     try:
         daemon.run()
     except PoolAlreadyRunning as exc:

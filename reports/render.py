@@ -107,6 +107,17 @@ def write_reports(directory: Path, run: GateRun) -> dict[str, Path]:
         evidence = ", ".join(f"{k}={v}" for k, v in c.verdict.evidence.items() if k != "parts")
         lines.append(f"| {c.name} | {c.verdict.label} | {c.verdict.reason}{'; ' + evidence if evidence else ''} "
                      f"| `{c.replay}` |")
+    kinds = run.summary.get("per_fault_kind") if run.summary else None
+    if kinds:
+        lines += ["", "## Per fault kind", "",
+                  "| fault kind | scenarios | seeds run | faults fired | loads attempted | silent corruptions "
+                  "| lost requests | misclassified misses | negative controls caught |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for name, k in sorted(kinds.items()):
+            ctl = f"{k['controls_caught']}/{k['controls']}" if k["controls"] else "none"
+            lines.append(f"| {name} | {', '.join(k['scenarios'])} | {k['seeds_run']} | {k['faults_fired']} "
+                         f"| {k['loads']} | {k['silent_corruptions']} | {k['lost_requests']} | {k['misclassified']} "
+                         f"| {ctl} |")
     not_checked = [f"- {c.name}: {c.verdict.not_checked}" for c in run.criteria if c.verdict.not_checked]
     if not_checked:
         lines += ["", "## What these checks do not verify", "", *not_checked]

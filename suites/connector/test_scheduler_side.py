@@ -106,3 +106,56 @@ def s_hashes(s, tokens):
     from kvpool.keys import block_hashes
 
     return block_hashes(tokens[: len(tokens) // B * B], B)
+
+
+def _with(tmp_path, field):
+    """The tiny config with one thing changed that changes the KV bytes."""
+    cfg = vllm_config(tmp_path)
+    if field == "model_revision":
+        cfg.model_config.revision = "r2"
+    elif field == "tokenizer_hash":
+        other = tmp_path / "other-tokenizer"
+        other.mkdir()
+        (other / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0}}}')
+        cfg.model_config.tokenizer = str(other)
+    elif field == "kv_dtype":
+        cfg.cache_config.cache_dtype = "fp8_e4m3"
+    elif field == "num_kv_heads":
+        cfg.model_config.get_num_kv_heads = lambda pc: 4
+    return cfg
+
+
+@pytest.mark.fault_revision_mismatch
+@pytest.mark.parametrize("field", ["model_revision", "tokenizer_hash", "kv_dtype", "num_kv_heads"])
+def test_a_replica_differing_in_one_kv_relevant_field_finds_the_blocks_incompatible(pool, tmp_path, field):
+    import json
+
+    tokens = list(range(1001))
+    producer = namespace_for(vllm_config(tmp_path), ConnectorSettings(pool="unix:x", token="t"))
+    client = KVPoolScheduler(vllm_config(tmp_path), ConnectorSettings(
+        pool=f"unix:{pool.unix_path}", token="tok")).backend
+    from kvpool.keys import block_hashes
+
+    keys = block_hashes(tokens[:896], B)
+    publish(client, producer, keys, [np.zeros(2 * 2 * B * 128 * 2, np.uint8) for _ in keys])
+    settings = ConnectorSettings(pool=f"unix:{pool.unix_path}", token="tok", history_dir=str(tmp_path / "h"))
+    s = KVPoolScheduler(_with(tmp_path, field), settings)
+    assert s.get_num_new_matched_tokens(request("r", tokens), 0) == (0, False)
+    lookup = [json.loads(line) for f in (tmp_path / "h").glob("*.jsonl") for line in f.read_text().splitlines()
+              if '"lookup"' in line][-1]
+    assert lookup["miss_cause"] == "incompatible" and lookup["miss_fields"] == [field], lookup
+
+
+def test_a_control_key_without_the_revision_shares_blocks_across_revisions(pool, tmp_path):
+    """Negative control for the test above: leave the revision out of the key (as
+    faults.backend's namespace control does) and the other revision finds a hit."""
+    tokens = list(range(1001))
+    settings = ConnectorSettings(pool=f"unix:{pool.unix_path}", token="tok")
+    a = KVPoolScheduler(vllm_config(tmp_path), settings)
+    from kvpool.keys import block_hashes
+
+    keys = block_hashes(tokens[:896], B)
+    publish(a.backend, a.ns.replace(model_revision=""), keys, [np.zeros(2 * 2 * B * 128 * 2, np.uint8) for _ in keys])
+    s = KVPoolScheduler(_with(tmp_path, "model_revision"), settings)
+    found = s.backend.lookup(s.ns.replace(model_revision=""), keys)
+    assert len(found.hits) == len(keys)  # the revision no longer separates them: the control shares KV

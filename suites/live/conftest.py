@@ -1,19 +1,11 @@
-"""The live cluster, started once per test session: a pool daemon and two real
-`vllm serve` replicas (A on core 0 with failure policy `fail`, B on core 1 with
-`recompute`), both running the audit connector around kvpool's connector."""
+"""The live system, started once per test session exactly as the gate starts it
+(harness.gate.start_system): a pool daemon and four real `vllm serve` replicas of the
+tiny local model — A (policy fail) and B (recompute), C on revision r2, D with a
+64-block KV cache behind the transport fault proxy — all audited."""
 
 from pathlib import Path
 
 import pytest
-
-from harness.cluster import default_cluster
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> Path:
-    from fixtures.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0, revision="r1")
 
 
 @pytest.fixture(scope="session")
@@ -29,22 +21,24 @@ def live_report_dir(request, tmp_path_factory, worker_id) -> Path:
 
 
 @pytest.fixture(scope="session")
-def cluster(tiny_model, live_report_dir):
-    c, specs = default_cluster(tiny_model, live_report_dir)
-    with c.start(specs):
-        yield c
+def system(live_report_dir):
+    from harness.gate import start_system
+
+    cluster, model = start_system(live_report_dir, {"A", "B", "C", "D"})
+    try:
+        yield cluster, model
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture(scope="session")
-def small_replica(cluster, live_report_dir) -> str:
-    """Replica "D" (a 64-block KV cache, harness.cluster.small_kv_spec), started on first
-    use and kept for the session."""
-    from harness.cluster import small_kv_spec
+def cluster(system):
+    return system[0]
 
-    spec = small_kv_spec(live_report_dir)
-    if spec.name not in cluster.replicas:
-        cluster.add_replica(spec)
-    return spec.name
+
+@pytest.fixture(scope="session")
+def tiny_model(system) -> Path:
+    return system[1]
 
 
 @pytest.fixture

@@ -1,0 +1,212 @@
+"""The scenario catalog: one JSON file per scenario in fixtures/scenarios/, and the
+runner that executes one against a live cluster and judges it from the history.
+
+A scenario file (data only; `runner` names an entry of RUNNERS):
+
+    {"name": "load-corrupt", "runner": "load_failure", "fault": "corrupt",
+     "replicas": ["A", "B"], "params": {"kind": "corrupt"},
+     "control": {"name": "hide_failures", "params": {...}},      (optional)
+     "seeds": 3,                                                  (optional cap)
+     "description": "..."}
+
+  load_catalog(dir)             every scenario, sorted by name; a bad file is an error.
+  run_scenario(cluster, corpus, sc, seed)
+                                resets the cluster, runs the scenario, then judges the
+                                run's window of the history with harness.checkers
+                                (byte-exact, miss causes, requests); then, if the scenario
+                                has a negative control, runs it the same way and requires
+                                that it is caught (by the scenario's own checks or by a
+                                checker). Returns a ScenarioResult with the verdict, the
+                                outcome class, the per-run counts and the replay command.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import urllib.error
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from harness import checkers
+from harness import live_scenarios as S
+from harness.cluster import Cluster
+from harness.live_checks import pool_digests
+from harness.plugin import derive_seed
+from harness.workload import Corpus, RequestFailed
+from kvpool.errors import PoolError
+from kvpool.keys import Namespace
+from reports.render import Verdict, all_of
+
+CATALOG_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "scenarios"
+
+RUNNERS: dict[str, Callable[..., Verdict]] = {
+    "cross_replica_hit": S.cross_replica_hit,
+    "partial_hit": S.partial_hit,
+    "shared_system_prompt": S.shared_system_prompt,
+    "hit_kinds": S.hit_kinds,
+    "load_failure": S.load_failure,
+    "load_failure_fail": S.load_failure_fail,
+    "pool_restart": S.pool_restart,
+    "revision_mismatch": S.revision_mismatch,
+    "sessions": S.sessions,
+    "stream_delay_store": S.stream_delay_store,
+    "stream_delay_load": S.stream_delay_load,
+    "replica_crash": S.replica_crash,
+    "transport_fault": S.transport_fault,
+    "evict_leased": S.evict_leased,
+}
+KNOWN_REPLICAS = {"A", "B", "C", "D"}  # C: the tiny model's revision r2; D: the small-KV replica
+
+
+class ScenarioError(ValueError):
+    """A scenario file is malformed or names something that does not exist."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Control:
+    name: str
+    params: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    name: str
+    runner: str
+    fault: str | None
+    replicas: tuple[str, ...]
+    params: dict[str, Any]
+    control: Control | None
+    description: str
+    seeds: int | None = None  # at most this many seeds per gate run (a costly scenario)
+
+    @classmethod
+    def from_file(cls, path: Path) -> Scenario:
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ScenarioError(f"{path}: not JSON: {exc}") from exc
+        known = {"name", "runner", "fault", "replicas", "params", "control", "description", "seeds"}
+        if not isinstance(data, dict) or set(data) - known:
+            raise ScenarioError(f"{path}: unknown fields {sorted(set(data) - known) if isinstance(data, dict) else data}")
+        if data.get("name") != path.stem:
+            raise ScenarioError(f"{path}: name {data.get('name')!r} must equal the file name {path.stem!r}")
+        if data.get("runner") not in RUNNERS:
+            raise ScenarioError(f"{path}: runner {data.get('runner')!r} is not one of {sorted(RUNNERS)}")
+        from faults.schedule import KINDS
+
+        fault = data.get("fault")
+        if fault is not None and fault not in KINDS:
+            raise ScenarioError(f"{path}: fault {fault!r} is not a fault kind ({sorted(KINDS)})")
+        replicas = tuple(data.get("replicas", ("A", "B")))
+        if set(replicas) - KNOWN_REPLICAS:
+            raise ScenarioError(f"{path}: unknown replicas {sorted(set(replicas) - KNOWN_REPLICAS)}")
+        control = data.get("control")
+        return cls(data["name"], data["runner"], fault, replicas, dict(data.get("params", {})),
+                   Control(control["name"], dict(control.get("params", {}))) if control else None,
+                   str(data.get("description", "")), data.get("seeds"))
+
+
+def load_catalog(directory: Path = CATALOG_DIR) -> list[Scenario]:
+    scenarios = [Scenario.from_file(p) for p in sorted(Path(directory).glob("*.json"))]
+    if not scenarios:
+        raise ScenarioError(f"no scenario files in {directory}")
+    return scenarios
+
+
+def find(name: str, directory: Path = CATALOG_DIR) -> Scenario:
+    path = Path(directory) / f"{name}.json"
+    if not path.exists():
+        names = sorted(p.stem for p in Path(directory).glob("*.json"))
+        raise ScenarioError(f"no scenario {name!r}; the catalog has {names}")
+    return Scenario.from_file(path)
+
+
+def replay_command(name: str, seed: int) -> str:
+    return f"kvgate replay {name} --seed {seed}"
+
+
+@dataclasses.dataclass
+class ScenarioResult:
+    scenario: str
+    fault: str | None
+    seed: int
+    verdict: Verdict
+    outcome: str  # ok | correctness | liveness | crash
+    counts: dict[str, int]
+    control: dict[str, Any] | None  # {"name", "caught", "by"} when the scenario has one
+    replay: str
+    seconds: float
+
+
+def _run_once(cluster: Cluster, corpus: Corpus, sc: Scenario, seed: int, params: dict[str, Any]
+              ) -> tuple[Verdict, list[dict], bool]:
+    t0 = time.time()
+    try:
+        cluster.reset()
+    except (OSError, urllib.error.URLError, PoolError) as exc:  # a replica or the pool is gone
+        crashed = cluster.crashed()
+        return Verdict(False, f"the system is down before the scenario: {type(exc).__name__}: {exc}; "
+                       f"gone: {crashed}"[:600]), [], True
+    cluster.nemesis("scenario_start", scenario=sc.name, seed=seed, params=params)
+    try:
+        v = RUNNERS[sc.runner](cluster, corpus, seed, **params)
+    except (AssertionError, RequestFailed, PoolError) as exc:  # the scenario could not finish
+        v = Verdict(False, f"{type(exc).__name__}: {exc}"[:600])
+    crashed = cluster.crashed()
+    cluster.nemesis("scenario_end", scenario=sc.name, seed=seed, crashed=crashed)
+    time.sleep(0.2)  # let the replicas' last records land
+    recs = checkers.window(cluster.history_dir, t0, time.time())
+    return v, recs, bool(crashed)
+
+
+def _judge(cluster: Cluster, v: Verdict, recs: list[dict], crashed: bool) -> tuple[list[Verdict], str]:
+    namespaces = {r["replica"]: json.dumps(r["ns"], sort_keys=True)
+                  for r in checkers.read_history(cluster.history_dir) if r["ev"] == "namespace"}
+
+    def pool_digest(replica: str, hashes: list[str]) -> dict[str, str]:
+        if replica not in namespaces or cluster.pool is None or cluster.pool.proc.poll() is not None:
+            return {}  # the pool is down: its copies cannot be compared (counted as unverified)
+        return pool_digests(cluster, Namespace.from_dict(json.loads(namespaces[replica])), hashes)
+
+    be = checkers.byte_exact(recs, pool_digest, namespaces)
+    mc = checkers.miss_causes(recs)
+    policies = {name: r.spec.policy for name, r in cluster.replicas.items()}
+    rq = checkers.requests(recs, policies)
+    outcome = checkers.classify(crashed=crashed, liveness=rq, correctness=[v, be, mc])
+    return [v, be, mc, rq], outcome
+
+
+def run_scenario(cluster: Cluster, corpus: Corpus, sc: Scenario, seed: int) -> ScenarioResult:
+    t_start = time.monotonic()
+    v, recs, crashed = _run_once(cluster, corpus, sc, seed, sc.params)
+    parts, outcome = _judge(cluster, v, recs, crashed)
+    names = ("scenario", "byte-exact", "miss causes", "requests")
+    counts = {
+        "faults_fired": sum(1 for r in recs if r["ev"] == "fault"
+                            or (r["ev"] == "nemesis" and not r["action"].startswith("scenario_"))),
+        "loads": sum(1 for r in recs if r["ev"] == "load"),
+        "silent_corruptions": int(parts[1].evidence.get("silent_corruptions", 0)),
+        "lost_requests": int(parts[3].evidence.get("lost", 0)),
+        "misclassified": int(parts[2].evidence.get("misclassified", 0)),
+    }
+    control = None
+    if sc.control is not None:  # its own seed (derived), so its requests never share a tag with the run's
+        cseed = derive_seed(seed, f"control:{sc.control.name}")
+        cv, crecs, ccrashed = _run_once(cluster, corpus, sc, cseed, {**sc.params, **sc.control.params})
+        cparts, _ = _judge(cluster, cv, crecs, ccrashed)
+        by = [n for n, p in zip(names, cparts) if p.valid is False]
+        control = {"name": sc.control.name, "caught": bool(by), "by": by, "reason": cv.reason[:300]}
+        cluster.reset()  # heal whatever the control left
+    verdicts = [Verdict(p.valid, f"{n}: {p.reason}", p.evidence, p.not_checked) for n, p in zip(names, parts)]
+    if control is not None:
+        verdicts.append(Verdict(control["caught"], f"negative control {control['name']} "
+                                + (f"caught by {', '.join(control['by'])}" if control["caught"] else "NOT caught"),
+                                control))
+    verdict = all_of(verdicts, f"{sc.name} seed {seed}")
+    if verdict.valid is True:
+        verdict = Verdict(True, v.reason, verdict.evidence)
+    return ScenarioResult(sc.name, sc.fault, seed, verdict, outcome, counts, control, replay_command(sc.name, seed),
+                          time.monotonic() - t_start)

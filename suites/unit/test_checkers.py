@@ -1,0 +1,123 @@
+"""The history checkers (harness.checkers) on small hand-built histories: each passes a
+good history and catches the defect it exists for."""
+
+import json
+
+import pytest
+
+from harness import checkers
+
+NS = {"model_id": "m", "model_revision": "r1"}
+
+
+def rec(ev, t, replica="B", **fields):
+    return {"ev": ev, "t": t, "replica": replica, "role": "worker", **fields}
+
+
+def good_history():
+    return [
+        rec("namespace", 0.0, "A", ns=NS),
+        rec("namespace", 0.0, "B", ns=NS),
+        rec("request", 0.5, "harness", phase="invoke", tag="a", replica_name="A"),
+        rec("audit", 1.0, "A", kind="produced", tag="a", block_ids=[3, 4], hashes=["h0", "h1"], digests=["d0", "d1"]),
+        rec("lookup", 2.0, "B", tag="b", outcome="remote_hit", miss_cause=None),
+        rec("fault", 2.1, "B", site="pool_client.read_page", kind="corrupt", block=1),
+        rec("load", 2.2, "B", tag="b", blocks=2, loaded=1, failed_block_ids=[8], miss_cause="corrupt"),
+        rec("audit", 2.3, "B", kind="seen", tag="b", block_ids=[7, 8], hashes=["h0", "h1"], digests=["d0", "zz"]),
+        rec("audit", 2.4, "B", kind="installed", tag="b", block_ids=[7, 8], hashes=["h0", "h1"], digests=["d0", "zz"]),
+        rec("audit_load_errors", 2.5, "B", block_ids=[8]),
+    ]
+
+
+def test_byte_exact_passes_a_good_history_and_exempts_blocks_the_engine_was_told_failed():
+    v = checkers.byte_exact(good_history())
+    assert v.valid is True, v
+    assert v.evidence["blocks_checked"] == 2
+
+
+def test_byte_exact_catches_a_failed_block_the_engine_was_not_told_about():
+    history = [r for r in good_history() if r["ev"] != "audit_load_errors"]
+    v = checkers.byte_exact(history)
+    assert v.valid is False and v.evidence["silent_corruptions"] == 2  # seen and installed
+
+
+def test_byte_exact_catches_a_pooled_copy_that_is_not_the_producers():
+    v = checkers.byte_exact(good_history(), pool_digest=lambda replica, hashes: {"h0": "d0", "h1": "other"})
+    assert v.valid is False and v.evidence["first"][0]["kind"] == "committed"
+
+
+def test_byte_exact_compares_only_within_one_namespace():
+    history = good_history()
+    history[0] = rec("namespace", 0.0, "A", ns={**NS, "model_revision": "r2"})
+    v = checkers.byte_exact(history)
+    assert v.valid is None and v.evidence["unverified"] == 2  # no producer of B's namespace
+
+
+def test_miss_causes_passes_a_fault_with_its_cause():
+    v = checkers.miss_causes(good_history())
+    assert v.valid is True, v
+
+
+@pytest.mark.parametrize("defect", ["wrong_cause", "unexplained", "two_causes", "no_cause", "accounting"])
+def test_miss_causes_catches(defect):
+    history = good_history()
+    load = next(r for r in history if r["ev"] == "load")
+    if defect == "wrong_cause":
+        load["miss_cause"] = "timeout"
+    elif defect == "unexplained":
+        history = [r for r in history if r["ev"] != "fault"]
+    elif defect == "two_causes":
+        load.update(loaded=2, failed_block_ids=[])  # complete, yet it names a cause
+    elif defect == "no_cause":
+        next(r for r in history if r["ev"] == "lookup").update(outcome="miss", miss_cause=None)
+    else:
+        load["failed_block_ids"] = []
+    v = checkers.miss_causes(history)
+    assert v.valid is False and v.evidence["misclassified"] >= 1, v
+
+
+def test_transport_errors_while_the_pool_is_down_are_explained():
+    history = [rec("nemesis", 1.0, "harness", action="pool_kill"),
+               rec("lookup", 2.0, "B", tag="x", outcome="miss", miss_cause="transport_error"),
+               rec("nemesis", 3.0, "harness", action="pool_restart")]
+    assert checkers.miss_causes(history).valid is True
+    history.append(rec("lookup", 4.0, "B", tag="y", outcome="miss", miss_cause="transport_error"))
+    assert checkers.miss_causes(history).valid is False
+
+
+def request_history(*ends):
+    out = []
+    for i, (phase, finish, replica) in enumerate(ends):
+        out.append({"ev": "request", "t": i, "replica": "harness", "phase": "invoke", "tag": f"r{i}"})
+        if phase:
+            out.append({"ev": "request", "t": i + 0.5, "replica": "harness", "phase": phase, "tag": f"r{i}",
+                        "finish_reason": finish, "total_s": 1.0, **({"replica": replica} if replica else {})})
+    return out
+
+
+def test_requests_catches_a_lost_request_and_classifies_it_as_liveness():
+    v = checkers.requests(request_history(("ok", "length", None), (None, None, None)), {})
+    assert v.valid is False and v.evidence["lost"] == 1
+    assert checkers.classify(crashed=False, liveness=v, correctness=[]) == "liveness"
+
+
+def test_an_error_is_explained_only_by_policy_fail_and_a_failed_load():
+    history = request_history(("ok", "error", "A"))
+    assert checkers.requests(history, {"A": "recompute"}).valid is False
+    history.append({"ev": "load", "t": 0.2, "replica": "A", "tag": "r0", "failed_block_ids": [1]})
+    assert checkers.requests(history, {"A": "fail"}).valid is True
+    assert checkers.requests(history, {"A": "recompute"}).valid is False
+
+
+def test_classify_orders_crash_before_liveness_before_correctness():
+    ok = checkers.requests([], {})
+    bad = checkers.byte_exact(good_history(), pool_digest=lambda r, h: {"h0": "x"})
+    assert checkers.classify(crashed=True, liveness=ok, correctness=[bad]) == "crash"
+    assert checkers.classify(crashed=False, liveness=ok, correctness=[bad]) == "correctness"
+    assert checkers.classify(crashed=False, liveness=ok, correctness=[ok]) == "ok"
+
+
+def test_window_reads_one_scenario_from_the_history(tmp_path):
+    lines = [json.dumps(rec("lookup", t, tag=str(t), outcome="skipped")) for t in (1.0, 2.0, 3.0)]
+    (tmp_path / "B.scheduler.1.jsonl").write_text("\n".join(lines) + "\n")
+    assert [r["tag"] for r in checkers.window(tmp_path, 1.5, 3.0)] == ["2.0", "3.0"]
