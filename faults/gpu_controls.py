@@ -1,0 +1,82 @@
+"""GPU negative controls and the stream-delay fault: known-bad transfer engines the gpu
+suite must catch, and the delay that makes them fail.
+
+Each control is a TransferEngine subclass with one deliberate defect, reached through the
+engine's hooks (`_order`, `_await_copy`, `_register_host`); the engine has no testing
+branch of its own.
+
+  UnorderedTransferEngine(..., drop=edge)
+      skips one stream dependency (kvpool.gpu_transfer.OrderingEdge): the copy that lost
+      its dependency on the engine's current stream (seed 003). Counts what it skipped.
+  EagerReleaseEngine
+      releases a load's lease as soon as the copies are enqueued, before they ran: the
+      pool may evict or reuse pages a copy is still reading.
+  RefusedRegistrationEngine
+      cudaHostRegister "fails": not a defect but the fallback's trigger; the engine must
+      report pageable host memory and keep the same ordering.
+  RefusedUnorderedEngine
+      both: the fallback path with one dependency dropped.
+
+  delay_stream(stream, cycles)   torch.cuda._sleep enqueued on `stream` (the fault).
+  cycles_per_ms(device)          _sleep's rate on this GPU, measured with CUDA events.
+Heal: the delayed work runs; nothing is left behind once the stream drained.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpool.gpu_transfer import HostRegistrationError, OrderingEdge, TransferEngine
+
+
+class UnorderedTransferEngine(TransferEngine):
+    def __init__(self, *args, drop: OrderingEdge, **kwargs):  # noqa: ANN002, ANN003
+        self.drop = OrderingEdge(drop)
+        self.dropped = 0
+        super().__init__(*args, **kwargs)
+
+    def _order(self, edge: OrderingEdge, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+        if edge == self.drop:
+            self.dropped += 1
+            return
+        super()._order(edge, stream, event)
+
+
+class EagerReleaseEngine(TransferEngine):
+    def _await_copy(self, event: torch.cuda.Event) -> None:
+        return None
+
+
+class RefusedRegistrationEngine(TransferEngine):
+    def _register_host(self, ptr: int, size: int) -> None:
+        raise HostRegistrationError(f"cudaHostRegister({size} bytes) refused by faults.gpu_controls")
+
+
+class RefusedUnorderedEngine(RefusedRegistrationEngine, UnorderedTransferEngine):
+    pass
+
+
+def delay_stream(stream: torch.cuda.Stream, cycles: int) -> None:
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(int(cycles))
+
+
+def cycles_per_ms(device: torch.device | int | None = None) -> float:
+    """Clock cycles of torch.cuda._sleep per millisecond (after a warm-up)."""
+    stream = torch.cuda.current_stream(device)
+    torch.cuda._sleep(1000)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 20_000_000
+    start.record(stream)
+    torch.cuda._sleep(cycles)
+    end.record(stream)
+    end.synchronize()
+    return cycles / start.elapsed_time(end)
+
+
+CONTROLS = {
+    "unordered": UnorderedTransferEngine,
+    "eager_release": EagerReleaseEngine,
+    "refused_registration": RefusedRegistrationEngine,
+    "refused_unordered": RefusedUnorderedEngine,
+}

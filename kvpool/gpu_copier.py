@@ -1,0 +1,151 @@
+"""The connector's copier interface (kvpool.copier.HostCopier's) on the GPU transfer
+engine (kvpool.gpu_transfer), so the worker picks one by device and calls both alike.
+
+  CudaCopier(backend, history, metrics=None, config=TransferConfig(), lanes=())
+  .register(layers, ns=..., block_dim=0)   [register_kv_caches]
+        the engine's CUDA KV tensors in layer order; `block_dim` is the dimension that
+        indexes blocks (vLLM GPU (num_blocks, 2, B, H, D): 0; (2, num_blocks, B, H, D): 1).
+  .load(ns, run, deadline_s) -> Future      [start_load_kv]
+        resolved when it returns: the copies are enqueued, `.failed` already holds the
+        blocks that cannot be installed (and every block after them).
+  .wait(futures, timeout_s)                 [wait_for_layer_load, and for stores]
+        a load: the current stream waits for its copies (a stream wait, no host sync);
+        a store: the host waits for its commit.
+  .store(ns, run, keep) -> Future           [wait_for_save]
+        the copies are ordered after the engine's KV writes, and the engine's later
+        writes after the copies' reads (stream waits enqueued before store returns), so
+        the caller may reuse the blocks at once; the future resolves after the commit.
+  .failed / take_failed() / block_bytes / close()   as HostCopier's.
+History records: `load` when a load is enqueued (what will be installed), `load_stale`
+if the pool later reports a page reused under the lease (its blocks join `.failed`),
+`publish` when a store's commit finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, wait
+
+import torch
+
+from kvpool.client import PoolBackend
+from kvpool.copier import CopyRun
+from kvpool.errors import PoolTimeout
+from kvpool.gpu_transfer import (
+    LoadHandle,
+    LoadOutcome,
+    StoreOutcome,
+    TransferConfig,
+    TransferEngine,
+    TransferError,
+)
+from kvpool.history import HistoryWriter
+from kvpool.keys import Namespace
+from kvpool.metrics import ClientMetrics
+
+
+class CudaCopier:
+    ordered = True
+
+    def __init__(self, backend: PoolBackend, history: HistoryWriter, metrics: ClientMetrics | None = None,
+                 config: TransferConfig = TransferConfig(), lanes: Sequence[PoolBackend] = ()):
+        self.backend = backend
+        self.history = history
+        self.metrics = metrics
+        self.config = config
+        self.lanes = tuple(lanes)
+        self.failed: set[int] = set()
+        self._failed_lock = threading.Lock()
+        self.engine: TransferEngine | None = None
+
+    def register(self, layers: Sequence[torch.Tensor], *, ns: Namespace, block_dim: int = 0) -> None:
+        config = dataclasses.replace(self.config, block_dim=block_dim)
+        self.engine = TransferEngine(self.backend, ns, layers, config, self.lanes)
+        self.history.write("gpu_transfer", **{k: str(v) for k, v in dataclasses.asdict(self.engine.capabilities).items()})
+
+    @property
+    def block_bytes(self) -> int:
+        return self.engine.layout.page_bytes if self.engine is not None else 0
+
+    def _engine(self, ns: Namespace) -> TransferEngine:
+        if self.engine is None:
+            raise TransferError("CudaCopier.register() has not been called")
+        if ns != self.engine.ns:
+            raise TransferError("CudaCopier serves the namespace it was registered with")
+        self.engine.poll()  # forget finished transfers (their records were written by callbacks)
+        return self.engine
+
+    def load(self, ns: Namespace, run: CopyRun, deadline_s: float) -> Future:
+        h = self._engine(ns).load(run.block_ids, run.hashes, deadline_s=deadline_s)
+        failed = list(h.failed_block_ids)
+        with self._failed_lock:
+            self.failed.update(failed)
+        self.history.write("load", req=run.req_id, tag=run.tag, first_block=run.first_block,
+                           blocks=len(run.block_ids), loaded=h.loaded, failed_block_ids=failed,
+                           miss_cause=h.miss.cause.value if h.miss else None,
+                           miss_index=(run.first_block + h.miss.index) if h.miss else None,
+                           seconds=round(time.monotonic() - h._t0, 6))
+        if self.metrics is not None:
+            self.metrics.blocks_loaded.inc(h.loaded)
+            self.metrics.bytes_loaded.inc(h.loaded * self.block_bytes)
+            if h.miss is not None:
+                self.metrics.misses.labels(h.miss.cause.value).inc()
+            self.metrics.loads.labels("hit" if not failed else ("partial" if h.loaded else "miss")).inc()
+        h.result.add_done_callback(lambda f, run=run, h=h: self._loaded(run, h, f))
+        done: Future = Future()
+        done.set_result(h)
+        return done
+
+    def _loaded(self, run: CopyRun, h: LoadHandle, f: Future) -> None:
+        outcome: LoadOutcome = f.result()
+        if outcome.stale:  # a pool bug: a page changed under the lease; those blocks are not trusted
+            stale = list(run.block_ids[outcome.loaded:h.loaded])
+            with self._failed_lock:
+                self.failed.update(stale)
+            self.history.write("load_stale", req=run.req_id, tag=run.tag, failed_block_ids=stale)
+
+    def store(self, ns: Namespace, run: CopyRun, keep: Sequence[int]) -> Future:
+        t0 = time.monotonic()
+        h = self._engine(ns).store([run.block_ids[i] for i in keep], [run.hashes[i] for i in keep])
+
+        def record(f: Future) -> None:
+            o: StoreOutcome = f.result()
+            fields = {"req": run.req_id, "tag": run.tag, "first_block": run.first_block, "blocks": len(keep)}
+            if o.errors:
+                fields["error"] = "; ".join(o.errors)
+            self.history.write("publish", **fields, committed=o.committed, exists=o.exists, pending=o.pending,
+                               not_admitted=o.not_admitted, no_capacity=o.no_capacity, rejected=o.rejected,
+                               seconds=round(time.monotonic() - t0, 6))
+            if self.metrics is not None:
+                self.metrics.bytes_published.inc(o.bytes_committed)
+
+        h.result.add_done_callback(record)
+        return h.result
+
+    def wait(self, futures: Sequence[Future], timeout_s: float) -> None:
+        def is_load(f: Future) -> bool:
+            return f.done() and f.exception() is None and isinstance(f.result(), LoadHandle)
+
+        for f in futures:
+            if is_load(f):
+                self.engine.wait_for_load(f.result())
+        rest = [f for f in futures if not is_load(f)]
+        if not rest:
+            return
+        done, pending = wait(rest, timeout=timeout_s)
+        if pending:
+            raise PoolTimeout(f"{len(pending)} of {len(rest)} KV stores still running after {timeout_s}s")
+        for f in done:
+            f.result()
+
+    def take_failed(self) -> set[int]:
+        with self._failed_lock:
+            failed, self.failed = self.failed, set()
+        return failed
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()

@@ -1,0 +1,1064 @@
+"""The GPU transfer engine: whole KV blocks between an engine's CUDA KV tensors and pool
+pages, ordered on CUDA streams.
+
+A pool page holds one block of every layer, in layer order: page = concat over layers of
+the bytes of `layer.select(block_dim, block_id)` in C order (the CPU connector's order;
+`block_page` computes it). Any layout whose blocks sit along one dimension works: vLLM's
+GPU `(num_blocks, 2, B, H, D)` has block_dim 0, FlashAttention's `(2, num_blocks, B, H,
+D)` has block_dim 1. The pages live in the pool's shared-memory arena, registered with
+`cudaHostRegister` in this process, so copies run at link speed; two processes (two CUDA
+contexts) each register their own mapping of the same arena.
+
+  TransferEngine(backend, ns, layers, config, lanes=())
+        `layers`: one CUDA tensor per layer, in layer order, all on one device, each with a
+        contiguous last dimension; `config.block_dim` says which dimension indexes blocks.
+        `backend`: a PoolClient whose arena is mapped here (same host). `lanes`: further
+        connections to the same pool; commits run on them in parallel (the daemon
+        re-verifies each commit in its own thread).
+
+  store(block_ids, hashes, boundary=None) -> StoreHandle      [vLLM: wait_for_save]
+        Records an event on the engine's current stream *before returning* (the KV the
+        engine wrote so far); the transfer stream waits on it, then copies the blocks
+        into pages reserved in the pool; the engine's stream then waits for those copies
+        to have *read* the KV (a block may be overwritten right after this call).
+        Returns at once; the copies, digests (XXH3-128 of the page as copied) and commits
+        finish in the background. A page becomes visible only after its commit.
+  load(block_ids, hashes, deadline_s=None) -> LoadHandle      [vLLM: start_load_kv]
+        Leases the longest pooled run of `hashes`, verifies every page's digest on the
+        host, and copies verified pages into the blocks on the transfer stream, after the
+        engine's earlier work on those blocks (an event recorded on the engine's current
+        stream at the call). A page whose digest does not match is never installed: the
+        load stops there with MissCause.CORRUPT. `handle.loaded` / `handle.miss` /
+        `handle.failed_block_ids` are final when load() returns (except `stale`, below).
+  wait_for_load(handle)                                       [vLLM: wait_for_layer_load]
+        `torch.cuda.current_stream().wait_event(...)`: a stream wait, never a host sync.
+        Idempotent; the engine must call it before any kernel reads the loaded blocks.
+  poll() -> list[StoreOutcome | LoadOutcome]                  [vLLM: get_finished, or any hook]
+        Outcomes of transfers that finished since the last poll. Non-blocking.
+  drain(timeout_s=None) -> list[...]  wait for everything in flight (shutdown, tests).
+  close()                              drain, stop the workers, unregister host memory.
+
+Contracts:
+  * Pages stay leased (pool lease) until the copy reading them has completed (its CUDA
+    event); the release then re-checks the page generations: a page reused under the
+    lease is reported in LoadOutcome.stale (a pool bug; the connector treats those blocks
+    as failed).
+  * A staging buffer is never refilled while a copy or kernel that reads it may run:
+    refills are ordered after the readers on the same stream, and a load's refill of a
+    buffer is enqueued only after the scatter that reads it.
+  * Reserved pages are written only by this engine's copies and committed only after the
+    copy's event completed and the page was digested; any error aborts the reservation.
+  * Where host memory cannot be registered the engine says so (`capabilities`, a
+    warning in the log) and copies from pageable memory, with the same stream ordering
+    (such copies also block the host; they are slower, never less ordered).
+  * Errors are typed (kvpool.errors.PoolError subclasses; TransferError for CUDA and
+    layout problems). Pool errors met by a background commit or release are reported in
+    the outcome; anything else re-raises from poll()/drain().
+
+Two copy paths, chosen by TransferConfig.path:
+  torch   gather/scatter kernels (index_select / index_copy_) between the KV tensors and
+          a GPU staging buffer in page order, `tensor.copy_(non_blocking=True)` between
+          staging and torch views of the registered pages.
+  driver  raw pointers through cuda-python: one copy per (layer, block, contiguous run)
+          straight between the KV tensors and the pages, batched with
+          cuMemcpyBatchAsync where the driver has it (`capabilities.batched_copies`),
+          else cuMemcpyDtoHAsync / cuMemcpyHtoDAsync one by one. No torch kernels.
+
+Admission: a store is reserved and committed in units (`commit_blocks` blocks; the last
+unit absorbs a short remainder) so the pool verifies them in parallel. The pool's
+`min_blocks` applies per reservation: keep `TransferConfig.min_blocks` equal to the
+pool's, and no unit of an admitted run is shorter than it. `boundary` is honoured as in
+`kvpool.client.publish`.
+
+The ordering edges go through one hook, `_order(edge, stream, event)`, and every wait for a
+copy's completion through `_await_copy(event)`, so a negative control
+(faults.gpu_controls) can drop exactly one of them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import enum
+import itertools
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvpool.catalog import AcquireResult, Miss, ReserveResult, SlotStatus
+from kvpool.client import PoolBackend
+from kvpool.digest import DIGEST_BYTES, page_digest
+from kvpool.errors import (
+    InvalidRequest,
+    LeaseLost,
+    MalformedFrame,
+    MissCause,
+    PoolError,
+    PoolTimeout,
+    TransportError,
+)
+from kvpool.keys import Namespace
+
+log = logging.getLogger("kvpool.gpu_transfer")
+
+_EVENT_POLL_S = 100e-6  # background workers poll CUDA events (a blocking sync would spin a core)
+MIN_RUN_BYTES = 512  # the driver path refuses layouts whose contiguous runs are shorter
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+class TransferError(PoolError):
+    """A CUDA call of the transfer engine failed, or the engine cannot work as configured."""
+
+
+class KVLayoutError(TransferError):
+    """The KV tensors do not fit the declared layout (block dim, device, namespace)."""
+
+
+class HostRegistrationError(TransferError):
+    """cudaHostRegister refused the arena; the engine falls back to pageable copies."""
+
+
+# -- configuration and reports ----------------------------------------------------------------
+
+
+class CopyPath(enum.StrEnum):
+    TORCH = "torch"
+    DRIVER = "driver"
+
+
+class HostMemory(enum.StrEnum):
+    REGISTERED = "registered"  # cudaHostRegister'ed arena: asynchronous DMA at link speed
+    PAGEABLE = "pageable"  # the fallback: same ordering, slower, the host waits for copies
+
+
+class OrderingEdge(enum.StrEnum):
+    """The four stream dependencies that make a transfer correct."""
+
+    STORE_AFTER_WRITE = "store_after_write"  # store copies read the KV after the engine wrote it
+    REUSE_AFTER_STORE = "reuse_after_store"  # the engine rewrites a block after the store read it
+    LOAD_AFTER_READ = "load_after_read"  # a load overwrites blocks after the engine's earlier reads
+    READ_AFTER_LOAD = "read_after_load"  # the engine reads loaded blocks after the load wrote them
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferConfig:
+    path: CopyPath = CopyPath.TORCH
+    block_dim: int = 0
+    chunk_bytes: int = 128 * 2**20  # bytes per staged copy chunk (GPU staging: 3 chunks)
+    commit_bytes: int = 32 * 2**20  # bytes per reservation/commit unit (when commit_blocks is 0)
+    commit_blocks: int = 0  # blocks per commit unit; 0: from commit_bytes
+    min_blocks: int = 1  # the pool's admission min_blocks (no admitted unit is shorter)
+    hash_threads: int = 8
+    register_host: bool = True  # False: pageable copies (the fallback, chosen explicitly)
+    batched: bool = True  # driver path: cuMemcpyBatchAsync where the driver has it
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes <= 0 or self.commit_bytes <= 0 or self.hash_threads <= 0:
+            raise InvalidRequest("chunk_bytes, commit_bytes and hash_threads must be positive")
+        if self.commit_blocks < 0 or self.min_blocks < 1:
+            raise InvalidRequest("commit_blocks must be >= 0 and min_blocks >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferCapabilities:
+    path: CopyPath
+    device: str
+    host_memory: HostMemory
+    host_memory_reason: str  # why pageable (empty when registered)
+    batched_copies: bool  # driver path: cuMemcpyBatchAsync in use
+    batched_reason: str  # why not batched (empty when batched, or on the torch path)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerBlock:
+    """One layer's part of a block."""
+
+    shape: tuple[int, ...]  # the block of this layer, as uint8 (last dim in bytes)
+    nbytes: int
+    page_offset: int  # where this layer's bytes start in the page
+    block_stride: int  # bytes between consecutive blocks of this layer
+    runs: tuple[tuple[int, int], ...]  # (offset from the block's first byte, length), in page order
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    block_dim: int
+    num_blocks: int
+    page_bytes: int
+    layers: tuple[LayerBlock, ...]
+
+    @property
+    def min_run(self) -> int:
+        return min(length for layer in self.layers for _, length in layer.runs)
+
+    @classmethod
+    def of(cls, layers: Sequence[torch.Tensor], block_dim: int) -> KVLayout:
+        if not layers:
+            raise KVLayoutError("no KV tensors")
+        num_blocks = None
+        out = []
+        offset = 0
+        for i, t in enumerate(layers):
+            if not 0 <= block_dim < t.dim() - 1:
+                raise KVLayoutError(f"layer {i}: block dim {block_dim} outside a {t.dim()}-d tensor (not the last dim)")
+            if t.stride(-1) != 1:
+                raise KVLayoutError(f"layer {i}: the last dimension must be contiguous, stride {t.stride(-1)}")
+            if num_blocks is None:
+                num_blocks = t.shape[block_dim]
+            elif t.shape[block_dim] != num_blocks:
+                raise KVLayoutError(f"layer {i} has {t.shape[block_dim]} blocks, layer 0 has {num_blocks}")
+            es = t.element_size()
+            shape = [s for k, s in enumerate(t.shape) if k != block_dim]
+            strides = [s * es for k, s in enumerate(t.stride()) if k != block_dim]
+            shape[-1] *= es  # as uint8
+            strides[-1] = 1
+            # the longest C-contiguous suffix of the block's dims: one run per outer index
+            k = len(shape) - 1
+            run = shape[-1]
+            while k > 0 and strides[k - 1] == run:
+                k -= 1
+                run *= shape[k]
+            outer = [range(n) for n in shape[:k]]
+            runs = tuple((sum(j * s for j, s in zip(idx, strides[:k])), run) for idx in itertools.product(*outer))
+            nbytes = math.prod(shape)
+            out.append(LayerBlock(tuple(shape), nbytes, offset, t.stride(block_dim) * es, runs))
+            offset += nbytes
+        return cls(block_dim, int(num_blocks), offset, tuple(out))
+
+
+def block_page(layers: Sequence[torch.Tensor], block_dim: int, block_id: int) -> torch.Tensor:
+    """The page bytes of one block (uint8, on the layers' device): the definition of the
+    page order."""
+    return torch.cat([t.select(block_dim, block_id).contiguous().view(torch.uint8).reshape(-1) for t in layers])
+
+
+# -- handles and outcomes -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoreOutcome:
+    handle: int
+    requested: int
+    committed: int
+    exists: int
+    pending: int
+    not_admitted: int
+    no_capacity: int
+    rejected: int  # the pool's re-verify found other bytes than the digest (never visible)
+    errors: tuple[str, ...]  # pool errors met while reserving or committing
+    bytes_committed: int
+    seconds: float  # from store() to the last commit
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadOutcome:
+    handle: int
+    requested: int
+    loaded: int  # leading blocks installed, verified, and not reused under the lease
+    miss: Miss | None
+    stale: tuple[int, ...]  # block indexes whose page was reused under the lease
+    errors: tuple[str, ...]
+    seconds: float  # from load() to the lease's release
+
+
+class LoadHandle:
+    """A load in flight. `loaded`, `miss`, `failed_block_ids` are final at load()'s return;
+    `result` (a Future) resolves to the LoadOutcome once the lease is released."""
+
+    __slots__ = ("id", "block_ids", "requested", "loaded", "miss", "result", "_done", "_future", "_t0")
+
+    def __init__(self, hid: int, block_ids: tuple[int, ...], loaded: int, miss: Miss | None,
+                 done: torch.cuda.Event, t0: float):
+        self.id = hid
+        self.block_ids = block_ids
+        self.requested = len(block_ids)
+        self.loaded = loaded
+        self.miss = miss
+        self._done = done
+        self._future: cf.Future | None = None
+        self._t0 = t0
+        self.result: cf.Future = cf.Future()
+
+    @property
+    def failed_block_ids(self) -> tuple[int, ...]:
+        """Blocks the engine must recompute (known when load() returns)."""
+        return self.block_ids[self.loaded:]
+
+    def __repr__(self) -> str:
+        return f"LoadHandle(id={self.id}, requested={self.requested}, loaded={self.loaded}, miss={self.miss})"
+
+
+@dataclasses.dataclass(slots=True)
+class _Unit:
+    """One reservation: committed as a whole on its lane."""
+
+    lane: int
+    reservation: ReserveResult
+    pages: list[int]
+    event: torch.cuda.Event | None = None  # the copy chunk holding its last page
+    future: cf.Future | None = None
+
+
+class StoreHandle:
+    """A store in flight; `result` (a Future) resolves to the StoreOutcome after the last
+    commit."""
+
+    __slots__ = ("id", "block_ids", "requested", "counts", "errors", "result", "_units", "_t0")
+
+    def __init__(self, hid: int, block_ids: tuple[int, ...], t0: float):
+        self.id = hid
+        self.block_ids = block_ids
+        self.requested = len(block_ids)
+        self.counts = {s: 0 for s in SlotStatus}
+        self.errors: list[str] = []
+        self._units: list[_Unit] = []
+        self._t0 = t0
+        self.result: cf.Future = cf.Future()
+
+    def __repr__(self) -> str:
+        return f"StoreHandle(id={self.id}, requested={self.requested}, reserved={self.counts[SlotStatus.RESERVED]})"
+
+
+# -- host memory registration (process-wide, reference counted) ---------------------------------
+
+_REG_LOCK = threading.Lock()
+_REGISTERED: dict[int, list] = {}  # address -> [size, refcount, owned]
+
+
+def _cudart():  # noqa: ANN202
+    try:
+        from cuda.bindings import runtime
+    except ImportError as exc:
+        raise HostRegistrationError(f"cuda-python (cuda.bindings) is not installed: {exc}") from exc
+    return runtime
+
+
+def _register(ptr: int, size: int) -> None:
+    with _REG_LOCK:
+        entry = _REGISTERED.get(ptr)
+        if entry is not None:
+            if entry[0] != size:
+                raise HostRegistrationError(f"{ptr:#x} is registered with {entry[0]} bytes, not {size}")
+            entry[1] += 1
+            return
+        rt = _cudart()
+        (err,) = rt.cudaHostRegister(ptr, size, rt.cudaHostRegisterPortable)
+        if err == rt.cudaError_t.cudaErrorHostMemoryAlreadyRegistered:
+            _REGISTERED[ptr] = [size, 1, False]  # someone else's registration: never undo it
+            return
+        if err != rt.cudaError_t.cudaSuccess:
+            raise HostRegistrationError(f"cudaHostRegister({size} bytes) failed: {err.name}")
+        _REGISTERED[ptr] = [size, 1, True]
+
+
+def _unregister(ptr: int) -> None:
+    with _REG_LOCK:
+        entry = _REGISTERED.get(ptr)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] > 0:
+            return
+        del _REGISTERED[ptr]
+        if entry[2]:
+            rt = _cudart()
+            (err,) = rt.cudaHostUnregister(ptr)
+            if err != rt.cudaError_t.cudaSuccess:
+                raise TransferError(f"cudaHostUnregister failed: {err.name}")
+
+
+# -- the raw-pointer path ----------------------------------------------------------------------
+
+
+class _Driver:
+    """cuda-python driver calls on one stream; every CUresult checked."""
+
+    def __init__(self, device_index: int):
+        try:
+            from cuda.bindings import driver
+        except ImportError as exc:
+            raise TransferError(f"the driver path needs cuda-python (cuda.bindings): {exc}") from exc
+        self.d = driver
+        self.device_index = device_index
+        self.ensure_context()
+        self.batched = False
+        self.batched_reason = ""
+        self._attrs = None
+
+    def check(self, result: Any, what: str) -> Any:  # noqa: ANN401 - cuda-python's tuples
+        err = result[0]
+        if err != self.d.CUresult.CUDA_SUCCESS:
+            _, name = self.d.cuGetErrorName(err)
+            raise TransferError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name} ({int(err)})")
+        return result[1] if len(result) == 2 else result[1:]
+
+    def ensure_context(self) -> None:
+        """The primary context current on this thread (torch's runtime uses the same)."""
+        ctx = self.check(self.d.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        if int(ctx) == 0:
+            self.check(self.d.cuInit(0), "cuInit")
+            dev = self.check(self.d.cuDeviceGet(self.device_index), "cuDeviceGet")
+            ctx = self.check(self.d.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+            self.check(self.d.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+    def probe_batched(self, stream: torch.cuda.Stream, device: torch.device) -> None:
+        """Try one small batched copy; use the batch API only if it copies the bytes."""
+        if not hasattr(self.d, "cuMemcpyBatchAsync"):
+            self.batched_reason = "cuMemcpyBatchAsync is not in this cuda-python"
+            return
+        attrs = self.d.CUmemcpyAttributes()
+        attrs.srcAccessOrder = self.d.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+        self._attrs = attrs
+        src = torch.arange(256, dtype=torch.int32, device=device).view(torch.uint8)
+        dst = torch.zeros(src.numel(), dtype=torch.uint8, pin_memory=True)
+        torch.cuda.synchronize(device)
+        try:
+            self.batch([dst.data_ptr()], [src.data_ptr()], [src.numel()], stream)
+        except TransferError as exc:
+            self.batched_reason = f"the probe copy failed: {exc}"
+            return
+        except TypeError as exc:  # a cuda-python whose signature differs from 13.x
+            self.batched_reason = f"cuMemcpyBatchAsync signature: {exc}"
+            return
+        stream.synchronize()
+        if not torch.equal(dst, src.cpu()):
+            self.batched_reason = "the probe copy returned other bytes"
+            return
+        self.batched = True
+
+    def batch(self, dsts: list[int], srcs: list[int], sizes: list[int], stream: torch.cuda.Stream) -> None:
+        ptr = self.d.CUdeviceptr
+        self.check(self.d.cuMemcpyBatchAsync([ptr(a) for a in dsts], [ptr(a) for a in srcs], sizes, len(sizes),
+                                             [self._attrs], [0], 1, self.d.CUstream(stream.cuda_stream)),
+                   f"cuMemcpyBatchAsync({len(sizes)} copies)")
+
+    def copies(self, dsts: list[int], srcs: list[int], sizes: list[int], stream: torch.cuda.Stream,
+               to_host: bool) -> None:
+        if self.batched:
+            self.batch(dsts, srcs, sizes, stream)
+            return
+        h = self.d.CUstream(stream.cuda_stream)
+        ptr = self.d.CUdeviceptr
+        if to_host:
+            for a, b, n in zip(dsts, srcs, sizes):
+                self.check(self.d.cuMemcpyDtoHAsync(a, ptr(b), n, h), "cuMemcpyDtoHAsync")
+        else:
+            for a, b, n in zip(dsts, srcs, sizes):
+                self.check(self.d.cuMemcpyHtoDAsync(ptr(a), b, n, h), "cuMemcpyHtoDAsync")
+
+
+class _IndexRing:
+    """Block ids for the gather/scatter kernels of one stream, without allocating: a pinned
+    host ring and a device ring, both allocated once. A host slot is rewritten only after
+    the upload that read it completed (the host waits, which only happens when more ids
+    than the ring holds are in flight); the device slot is reused in stream order."""
+
+    def __init__(self, device: torch.device, stream: torch.cuda.Stream, capacity: int):
+        self.capacity = capacity
+        self.stream = stream
+        self.host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+        self.host_np = self.host.numpy()
+        with torch.cuda.stream(stream):
+            self.dev = torch.empty(capacity, dtype=torch.int64, device=device)
+        self.pos = 0
+        self.inflight: deque[tuple[int, int, torch.cuda.Event]] = deque()
+
+    def upload(self, ids: Sequence[int]) -> torch.Tensor:
+        n = len(ids)
+        if n > self.capacity:
+            raise TransferError(f"{n} block ids in one chunk; the index ring holds {self.capacity}")
+        if self.pos + n > self.capacity:
+            self.pos = 0
+        a, b = self.pos, self.pos + n
+        while self.inflight and self.inflight[0][2].query():
+            self.inflight.popleft()
+        for start, stop, event in self.inflight:
+            if start < b and a < stop:
+                event.synchronize()
+        self.host_np[a:b] = ids
+        out = self.dev[a:b]
+        out.copy_(self.host[a:b], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        self.inflight.append((a, b, event))
+        self.pos = b
+        return out
+
+
+# -- the engine ----------------------------------------------------------------------------------
+
+
+def _require_cuda(layers: Sequence[torch.Tensor]) -> torch.device:
+    devices = {t.device for t in layers}
+    if len(devices) != 1:
+        raise KVLayoutError(f"KV tensors on several devices: {sorted(map(str, devices))}")
+    (device,) = devices
+    if device.type != "cuda":
+        raise KVLayoutError(f"KV tensors on {device}; the GPU transfer engine needs CUDA tensors")
+    return device
+
+
+def _await_event(event: torch.cuda.Event) -> None:
+    while not event.query():
+        time.sleep(_EVENT_POLL_S)
+
+
+def _verified_prefix(futures: Sequence[cf.Future], expected: Sequence[bytes]) -> int:
+    for i, (f, want) in enumerate(zip(futures, expected)):
+        if f.result() != want:
+            return i
+    return len(futures)
+
+
+class TransferEngine:
+    def __init__(self, backend: PoolBackend, ns: Namespace, layers: Sequence[torch.Tensor],
+                 config: TransferConfig = TransferConfig(), lanes: Sequence[PoolBackend] = ()):
+        self.device = _require_cuda(layers)
+        self.config = config
+        self.ns = ns
+        self.backend = backend
+        if ns.num_layers != len(layers):
+            raise KVLayoutError(f"{len(layers)} KV tensors, the namespace declares {ns.num_layers} layers")
+        dtypes = {str(t.dtype).removeprefix("torch.") for t in layers}
+        if dtypes != {ns.kv_dtype}:
+            raise KVLayoutError(f"KV tensors of dtype {sorted(dtypes)}, the namespace declares {ns.kv_dtype}")
+        self.layout = KVLayout.of(layers, config.block_dim)
+        arena = getattr(backend, "arena", None)
+        if arena is None:
+            raise TransferError("the GPU transfer engine needs the pool's arena mapped in this process "
+                                "(a PoolClient on the daemon's host, zero_copy=True)")
+        if self.layout.page_bytes > arena.page_size:
+            raise KVLayoutError(f"a block is {self.layout.page_bytes} bytes, the pool's pages {arena.page_size}")
+        self._layers = list(layers)
+        self._layers_u8 = [t.view(torch.uint8) for t in layers]
+        self._arena = arena
+        self._page_size = arena.page_size
+        self._region_np = arena.pages_region  # holds the mapping alive while the engine lives
+        self._region_ptr = int(self._region_np.ctypes.data)
+        self._region = torch.frombuffer(self._region_np, dtype=torch.uint8)
+        self._lanes: list[PoolBackend] = list(lanes) or [backend]
+        pb = self.layout.page_bytes
+        self._chunk_pages = max(1, config.chunk_bytes // pb)
+        unit = config.commit_blocks or max(1, config.commit_bytes // pb)
+        self._unit_blocks = max(unit, config.min_blocks)
+
+        with torch.cuda.device(self.device):
+            self.store_stream = torch.cuda.Stream(self.device)
+            self.load_stream = torch.cuda.Stream(self.device)
+        self._registered = False
+        self._host_reason = ""
+        if config.register_host:
+            try:
+                self._register_host(self._region_ptr, self._region_np.nbytes)
+                self._registered = True
+            except HostRegistrationError as exc:
+                self._host_reason = str(exc)
+                log.warning("kvpool GPU transfer: host pages NOT registered (%s); falling back to pageable copies "
+                            "with the same stream ordering (slower, and the host waits for each copy)",
+                            self._host_reason)
+        else:
+            self._host_reason = "registration disabled by TransferConfig.register_host=False"
+        try:
+            self._init_path(layers)
+        except BaseException:
+            if self._registered:
+                self._registered = False
+                _unregister(self._region_ptr)
+            raise
+        self._hash_pool = cf.ThreadPoolExecutor(config.hash_threads, thread_name_prefix="kvpool-digest")
+        self._lane_exec = [cf.ThreadPoolExecutor(1, thread_name_prefix=f"kvpool-commit{i}")
+                           for i in range(len(self._lanes))]
+        self._release_exec = cf.ThreadPoolExecutor(1, thread_name_prefix="kvpool-release")
+        self._lane_busy = [0] * len(self._lanes)
+        self._lane_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._inflight: dict[int, StoreHandle | LoadHandle] = {}
+        self._closed = False
+
+    def _init_path(self, layers: Sequence[torch.Tensor]) -> None:
+        """The copy path's resources (staging buffers, or the driver and its batch probe)."""
+        config, pb = self.config, self.layout.page_bytes
+        self._driver: _Driver | None = None
+        batched, batched_reason = False, ""
+        if config.path == CopyPath.DRIVER:
+            if self.layout.min_run < MIN_RUN_BYTES:
+                raise KVLayoutError(f"the driver path copies contiguous runs; this layout has runs of "
+                                    f"{self.layout.min_run} bytes (use the torch path)")
+            self._driver = _Driver(self.device.index if self.device.index is not None else torch.cuda.current_device())
+            if not config.batched:
+                batched_reason = "disabled by TransferConfig.batched=False"
+            elif not self._registered:
+                batched_reason = "host memory is pageable"
+            else:
+                self._driver.probe_batched(self.store_stream, self.device)
+                batched, batched_reason = self._driver.batched, self._driver.batched_reason
+            self._layer_ptrs = [t.data_ptr() for t in layers]
+        else:
+            # Everything the copies use is allocated here, once: an allocation issued while a
+            # stream is held back can serialize streams (CUDA's implicit synchronization).
+            ring = max(4096, 4 * self._chunk_pages)
+            with torch.cuda.device(self.device), torch.cuda.stream(self.store_stream):
+                self._store_stage = torch.empty((self._chunk_pages, pb), dtype=torch.uint8, device=self.device)
+                largest = max(lb.nbytes for lb in self.layout.layers)
+                self._gather_scratch = torch.empty(self._chunk_pages * largest, dtype=torch.uint8, device=self.device)
+                self._store_ring = _IndexRing(self.device, self.store_stream, ring)
+            with torch.cuda.device(self.device), torch.cuda.stream(self.load_stream):
+                self._load_stage = [torch.empty((self._chunk_pages, pb), dtype=torch.uint8, device=self.device)
+                                    for _ in range(2)]
+                self._load_ring = _IndexRing(self.device, self.load_stream, ring)
+        self.capabilities = TransferCapabilities(
+            config.path, torch.cuda.get_device_name(self.device),
+            HostMemory.REGISTERED if self._registered else HostMemory.PAGEABLE, self._host_reason, batched,
+            batched_reason)
+
+    # -- the ordering edges (one hook, so a control can drop one) -----------------------------
+    def _order(self, edge: OrderingEdge, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+        stream.wait_event(event)
+
+    def _register_host(self, ptr: int, size: int) -> None:
+        _register(ptr, size)
+
+    def _await_copy(self, event: torch.cuda.Event) -> None:
+        """Block this (worker) thread until the copies before `event` completed."""
+        _await_event(event)
+
+    # -- helpers --------------------------------------------------------------------------
+    def _check_ids(self, block_ids: Sequence[int], hashes: Sequence[bytes]) -> tuple[int, ...]:
+        if self._closed:
+            raise TransferError("the transfer engine is closed")
+        ids = tuple(int(b) for b in block_ids)
+        if len(ids) != len(hashes):
+            raise InvalidRequest(f"{len(ids)} block ids but {len(hashes)} hashes")
+        if len(set(ids)) != len(ids):
+            raise InvalidRequest("a block id appears twice in one transfer")
+        n = self.layout.num_blocks
+        bad = [b for b in ids if not 0 <= b < n]
+        if bad:
+            raise InvalidRequest(f"block ids {bad[:4]} outside the KV cache's {n} blocks")
+        return ids
+
+    def _page_np(self, page: int, length: int | None = None) -> np.ndarray:
+        start = page * self._page_size
+        return self._region_np[start : start + (self.layout.page_bytes if length is None else length)]
+
+    def _digest(self, page: int) -> bytes:
+        return page_digest(self._page_np(page))
+
+    def _index(self, ids: Sequence[int], ring: _IndexRing) -> torch.Tensor:
+        """Block ids on the device, uploaded on the ring's stream: no host sync, no allocation."""
+        return ring.upload(ids)
+
+    def _runs(self, pages: Sequence[int]) -> list[tuple[int, int, int]]:
+        """(first row, first page, count) of consecutive pages, when a block fills a page."""
+        if self.layout.page_bytes != self._page_size:
+            return [(i, p, 1) for i, p in enumerate(pages)]
+        out: list[tuple[int, int, int]] = []
+        for i, p in enumerate(pages):
+            if out and out[-1][1] + out[-1][2] == p:
+                row, first, k = out[-1]
+                out[-1] = (row, first, k + 1)
+            else:
+                out.append((i, p, 1))
+        return out
+
+    def _host_rows(self, page: int, count: int) -> torch.Tensor:
+        ps, pb = self._page_size, self.layout.page_bytes
+        return self._region[page * ps : page * ps + (count - 1) * ps + pb]
+
+    def _pick_lane(self) -> int:
+        with self._lane_lock:
+            lane = min(range(len(self._lanes)), key=self._lane_busy.__getitem__)
+            self._lane_busy[lane] += 1
+            return lane
+
+    def _lane_done(self, lane: int) -> None:
+        with self._lane_lock:
+            self._lane_busy[lane] -= 1
+
+    # -- copies -----------------------------------------------------------------------------
+    def _driver_lists(self, block_ids: Sequence[int], pages: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+        """(host addresses, device addresses, sizes) of every run of every layer of the blocks."""
+        ps = self._page_size
+        host: list[int] = []
+        dev: list[int] = []
+        sizes: list[int] = []
+        for lb, base in zip(self.layout.layers, self._layer_ptrs):
+            for b, p in zip(block_ids, pages):
+                block_at = base + b * lb.block_stride
+                page_at = self._region_ptr + p * ps + lb.page_offset
+                for off, n in lb.runs:
+                    dev.append(block_at + off)
+                    host.append(page_at)
+                    sizes.append(n)
+                    page_at += n
+        return host, dev, sizes
+
+    def _copy_out(self, block_ids: Sequence[int], pages: Sequence[int]) -> torch.cuda.Event:
+        """Blocks -> pages, enqueued on the current stream (the store stream). Returns an
+        event recorded once the KV has been read (after the gather on the torch path,
+        after the copies themselves on the driver path)."""
+        read = torch.cuda.Event()
+        if self._driver is not None:
+            host, dev, sizes = self._driver_lists(block_ids, pages)
+            self._driver.copies(host, dev, sizes, self.store_stream, to_host=True)
+            read.record(self.store_stream)
+            return read
+        n = len(block_ids)
+        idx = self._index(block_ids, self._store_ring)
+        stage = self._store_stage
+        d = self.layout.block_dim
+        for lb, layer in zip(self.layout.layers, self._layers_u8):
+            picked_shape = (*lb.shape[:d], n, *lb.shape[d:])
+            picked = self._gather_scratch[: n * lb.nbytes].view(picked_shape)
+            torch.index_select(layer, d, idx, out=picked)
+            stage[:n, lb.page_offset : lb.page_offset + lb.nbytes].view(n, *lb.shape).copy_(picked.movedim(d, 0))
+        read.record(self.store_stream)
+        for row, page, k in self._runs(pages):
+            self._host_rows(page, k).copy_(stage[row : row + k].reshape(-1), non_blocking=True)
+        return read
+
+    def _stage_in(self, pages: Sequence[int], buf: int) -> None:
+        """Pages -> a load staging buffer (torch path), on the current stream."""
+        stage = self._load_stage[buf]
+        for row, page, k in self._runs(pages):
+            stage[row : row + k].reshape(-1).copy_(self._host_rows(page, k), non_blocking=True)
+
+    def _scatter(self, block_ids: Sequence[int], buf: int) -> None:
+        """A load staging buffer -> blocks (torch path), on the current stream."""
+        n = len(block_ids)
+        if not n:
+            return
+        idx = self._index(block_ids, self._load_ring)
+        stage = self._load_stage[buf]
+        d = self.layout.block_dim
+        for lb, layer in zip(self.layout.layers, self._layers_u8):
+            src = stage[:n, lb.page_offset : lb.page_offset + lb.nbytes].view(n, *lb.shape).movedim(0, d)
+            layer.index_copy_(d, idx, src)
+
+    def _copy_in_direct(self, block_ids: Sequence[int], pages: Sequence[int]) -> None:
+        """Pages -> blocks (driver path), on the current stream."""
+        host, dev, sizes = self._driver_lists(block_ids, pages)
+        self._driver.copies(dev, host, sizes, self.load_stream, to_host=False)
+
+    # -- store ------------------------------------------------------------------------------
+    def _plan_units(self, n: int, boundary: int | None) -> list[tuple[int, int, int | None]]:
+        """[start, stop) and the reservation's boundary of each commit unit."""
+        limit = n if boundary is None else max(0, min(boundary, n))
+        size = self._unit_blocks
+        units: list[tuple[int, int, int | None]] = []
+        start = 0
+        while start < limit:
+            stop = start + size if limit - start >= 2 * size else limit
+            units.append((start, stop, None))
+            start = stop
+        if limit < n:
+            units.append((limit, n, 0))
+        return units
+
+    def store(self, block_ids: Sequence[int], hashes: Sequence[bytes], boundary: int | None = None) -> StoreHandle:
+        ids = self._check_ids(block_ids, hashes)
+        handle = StoreHandle(next(self._ids), ids, time.monotonic())
+        pb = self.layout.page_bytes
+        with torch.cuda.device(self.device):
+            if self._driver is not None:
+                self._driver.ensure_context()
+            engine = torch.cuda.current_stream(self.device)
+            written = torch.cuda.Event()
+            written.record(engine)
+            pending: list[tuple[int, int, _Unit]] = []  # (block id, page, unit) not yet copied
+            self._kv_read: torch.cuda.Event | None = None  # the last chunk's "KV read" event
+            try:
+                with torch.cuda.stream(self.store_stream):
+                    self._order(OrderingEdge.STORE_AFTER_WRITE, self.store_stream, written)
+                    for start, stop, unit_boundary in self._plan_units(len(ids), boundary):
+                        lane = self._pick_lane()
+                        try:
+                            res = self._lanes[lane].reserve(self.ns, hashes[start:stop], [pb] * (stop - start),
+                                                            unit_boundary)
+                        except PoolError as exc:  # refused, or the connection failed: what is copying still commits
+                            self._lane_done(lane)
+                            handle.errors.append(f"reserve: {type(exc).__name__}: {exc}")
+                            break
+                        unit = _Unit(lane, res, [])
+                        for k, slot in enumerate(res.slots):
+                            handle.counts[slot.status] += 1
+                            if slot.status == SlotStatus.RESERVED:
+                                unit.pages.append(slot.page)
+                                pending.append((ids[start + k], slot.page, unit))
+                        if not unit.pages:
+                            self._lane_done(lane)
+                            continue
+                        handle._units.append(unit)
+                        while len(pending) >= self._chunk_pages:
+                            self._issue_store_chunk(pending[: self._chunk_pages])
+                            pending = pending[self._chunk_pages :]
+                    if pending:
+                        self._issue_store_chunk(pending)
+                    kv_read = self._kv_read
+                    if kv_read is None:  # nothing was copied
+                        kv_read = torch.cuda.Event()
+                        kv_read.record(self.store_stream)
+                    self._kv_read = None
+                self._order(OrderingEdge.REUSE_AFTER_STORE, engine, kv_read)
+            except BaseException:
+                # Nothing enqueued can be trusted: let it finish, give every page back, re-raise.
+                self.store_stream.synchronize()
+                for unit in handle._units:
+                    self._abort(unit)
+                raise
+        for unit in handle._units:
+            unit.future = self._lane_exec[unit.lane].submit(self._finish_unit, unit)
+        self._watch(handle)
+        return handle
+
+    def _issue_store_chunk(self, entries: list[tuple[int, int, _Unit]]) -> None:
+        entries = sorted(entries, key=lambda e: e[1])  # ascending pages: consecutive ones copy as one
+        self._kv_read = self._copy_out([e[0] for e in entries], [e[1] for e in entries])
+        event = torch.cuda.Event()
+        event.record(self.store_stream)
+        for _, _, unit in entries:
+            unit.event = event  # chunks complete in order: the last one holding a page wins
+
+    def _abort(self, unit: _Unit) -> None:
+        try:
+            self._lanes[unit.lane].abort(unit.reservation.reservation_id)
+        except PoolError as exc:  # the daemon reclaims it at the TTL or when the connection drops
+            log.warning("abort of reservation %d failed: %s: %s", unit.reservation.reservation_id,
+                        type(exc).__name__, exc)
+        finally:
+            self._lane_done(unit.lane)
+
+    def _finish_unit(self, unit: _Unit) -> tuple[int, int, str | None]:
+        """(committed, rejected, error) of one reservation, on its lane's thread."""
+        try:
+            self._await_copy(unit.event)
+            digests = list(self._hash_pool.map(self._digest, unit.pages))
+            out = self._lanes[unit.lane].commit(unit.reservation.reservation_id, digests)
+        except PoolError as exc:
+            self._abort(unit)
+            return 0, 0, f"commit: {type(exc).__name__}: {exc}"
+        except BaseException:
+            self._abort(unit)
+            raise
+        self._lane_done(unit.lane)
+        return out.committed, len(out.rejected), None
+
+    # -- load -------------------------------------------------------------------------------
+    def load(self, block_ids: Sequence[int], hashes: Sequence[bytes], deadline_s: float | None = None) -> LoadHandle:
+        ids = self._check_ids(block_ids, hashes)
+        t0 = time.monotonic()
+        with torch.cuda.device(self.device):
+            if self._driver is not None:
+                self._driver.ensure_context()
+            engine = torch.cuda.current_stream(self.device)
+            read = torch.cuda.Event()
+            read.record(engine)
+            done = torch.cuda.Event()
+            try:
+                lease = self.backend.acquire(self.ns, hashes)
+            except PoolTimeout:
+                done.record(engine)
+                return self._finished_load(ids, Miss(0, MissCause.TIMEOUT), done, t0)
+            except (TransportError, LeaseLost, MalformedFrame):
+                done.record(engine)
+                return self._finished_load(ids, Miss(0, MissCause.TRANSPORT_ERROR), done, t0)
+            hits = lease.hits
+            miss = lease.miss
+            try:
+                if any(n != self.layout.page_bytes for n in hits.lengths):
+                    raise KVLayoutError(f"the pool holds pages of {sorted(set(hits.lengths))} bytes under this "
+                                        f"namespace; a block here is {self.layout.page_bytes}")
+                with torch.cuda.stream(self.load_stream):
+                    self._order(OrderingEdge.LOAD_AFTER_READ, self.load_stream, read)
+                    loaded, stop = self._copy_in(ids, hits, t0, deadline_s)
+                    done.record(self.load_stream)
+            except BaseException:
+                self.load_stream.synchronize()  # the lease outlives every copy that reads its pages
+                self._release(lease)
+                raise
+            if stop is not None:
+                miss = stop
+        handle = LoadHandle(next(self._ids), ids, loaded, miss, done, t0)
+        handle._future = self._release_exec.submit(self._finish_load, handle, lease)
+        self._watch(handle)
+        return handle
+
+    def _copy_in(self, ids: tuple[int, ...], hits, t0: float, deadline_s: float | None) -> tuple[int, Miss | None]:  # noqa: ANN001
+        """Verify and install the leased pages; (blocks installed, why it stopped early)."""
+        n = len(hits)
+        pages = list(hits.pages)
+        expected = [hits.digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES] for i in range(n)]
+        futures = [self._hash_pool.submit(self._digest, p) for p in pages]
+        chunks = [range(a, min(a + self._chunk_pages, n)) for a in range(0, n, self._chunk_pages)]
+        loaded = 0
+        stop: Miss | None = None
+        try:
+            if self._driver is not None:  # verify first, then copy straight into the blocks
+                for chunk in chunks:
+                    ok = _verified_prefix(futures[chunk.start : chunk.stop], expected[chunk.start : chunk.stop])
+                    if deadline_s is not None and time.monotonic() - t0 > deadline_s:
+                        return loaded, Miss(loaded, MissCause.TIMEOUT)
+                    sel = range(chunk.start, chunk.start + ok)
+                    if ok:
+                        self._copy_in_direct([ids[i] for i in sel], [pages[i] for i in sel])
+                    loaded += ok
+                    if ok < len(chunk):
+                        return loaded, Miss(loaded, MissCause.CORRUPT)
+                return loaded, None
+            # torch path: pages go to staging at once; a chunk is scattered into the blocks only
+            # after its digests matched. Two staging buffers: a buffer is refilled only after
+            # the scatter that reads it was enqueued (same stream: it runs first).
+            staged: deque[tuple[range, int]] = deque()
+            nxt = 0
+            while nxt < len(chunks) and len(staged) < 2:
+                self._stage_in([pages[i] for i in chunks[nxt]], nxt % 2)
+                staged.append((chunks[nxt], nxt % 2))
+                nxt += 1
+            while staged:
+                chunk, buf = staged.popleft()
+                ok = _verified_prefix(futures[chunk.start : chunk.stop], expected[chunk.start : chunk.stop])
+                if deadline_s is not None and time.monotonic() - t0 > deadline_s:
+                    stop = Miss(loaded, MissCause.TIMEOUT)
+                    break
+                self._scatter([ids[i] for i in range(chunk.start, chunk.start + ok)], buf)
+                loaded += ok
+                if ok < len(chunk):
+                    stop = Miss(loaded, MissCause.CORRUPT)
+                    break
+                if nxt < len(chunks):
+                    self._stage_in([pages[i] for i in chunks[nxt]], buf)
+                    staged.append((chunks[nxt], buf))
+                    nxt += 1
+            return loaded, stop
+        finally:
+            for f in futures:
+                f.cancel()
+
+    def _finished_load(self, ids: tuple[int, ...], miss: Miss, done: torch.cuda.Event, t0: float) -> LoadHandle:
+        handle = LoadHandle(next(self._ids), ids, 0, miss, done, t0)
+        future: cf.Future = cf.Future()
+        future.set_result(((), ()))
+        handle._future = future
+        self._watch(handle)
+        return handle
+
+    def _release(self, lease: AcquireResult) -> tuple[tuple[int, ...], str | None]:
+        if not lease.lease_id:
+            return (), None
+        try:
+            return tuple(self.backend.release(lease.lease_id).stale), None
+        except (PoolTimeout, TransportError, LeaseLost, MalformedFrame) as exc:
+            # The connection (and the lease with it) is gone; the daemon unpins the pages.
+            return (), f"release: {type(exc).__name__}: {exc}"
+
+    def _finish_load(self, handle: LoadHandle, lease: AcquireResult) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        self._await_copy(handle._done)
+        stale_pages, error = self._release(lease)
+        moved = set(stale_pages)
+        stale = tuple(i for i in range(handle.loaded) if lease.hits.pages[i] in moved)
+        return stale, ((error,) if error else ())
+
+    def wait_for_load(self, handle: LoadHandle) -> None:
+        """The engine's current stream waits for the load's copies (no host sync)."""
+        self._order(OrderingEdge.READ_AFTER_LOAD, torch.cuda.current_stream(self.device), handle._done)
+
+    wait = wait_for_load
+
+    # -- completion ---------------------------------------------------------------------------
+    def _outcome(self, h: StoreHandle | LoadHandle) -> StoreOutcome | LoadOutcome:
+        if isinstance(h, LoadHandle):
+            stale, errors = h._future.result()
+            loaded, miss = h.loaded, h.miss
+            if stale:
+                loaded = min(loaded, stale[0])
+                miss = Miss(loaded, MissCause.CORRUPT)
+            return LoadOutcome(h.id, h.requested, loaded, miss, stale, errors, time.monotonic() - h._t0)
+        committed = rejected = 0
+        errors = list(h.errors)
+        for unit in h._units:
+            c, r, err = unit.future.result()
+            committed += c
+            rejected += r
+            if err:
+                errors.append(err)
+        c = h.counts
+        return StoreOutcome(h.id, h.requested, committed, c[SlotStatus.EXISTS], c[SlotStatus.PENDING],
+                            c[SlotStatus.NOT_ADMITTED], c[SlotStatus.NO_CAPACITY], rejected, tuple(errors),
+                            committed * self.layout.page_bytes, time.monotonic() - h._t0)
+
+    def _watch(self, h: StoreHandle | LoadHandle) -> None:
+        """Resolve h.result once every part of the transfer finished (on the worker thread
+        that finished last)."""
+        self._inflight[h.id] = h
+        parts = [h._future] if isinstance(h, LoadHandle) else [u.future for u in h._units]
+        remaining = [len(parts)]
+        lock = threading.Lock()
+
+        def settle() -> None:
+            try:
+                h.result.set_result(self._outcome(h))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever reads the result
+                h.result.set_exception(exc)
+
+        def part_done(_: cf.Future) -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                settle()
+
+        if not parts:
+            settle()
+        for f in parts:
+            f.add_done_callback(part_done)
+
+    def poll(self) -> list[StoreOutcome | LoadOutcome]:
+        """Outcomes of the transfers that finished since the last call (non-blocking); an
+        error a background worker met that is not a pool error re-raises here."""
+        done = [h for h in self._inflight.values() if h.result.done()]
+        for h in done:
+            del self._inflight[h.id]
+        return [h.result.result() for h in done]
+
+    def drain(self, timeout_s: float | None = None) -> list[StoreOutcome | LoadOutcome]:
+        """Wait for every transfer in flight; their outcomes (and any earlier unpolled ones)."""
+        _, not_done = cf.wait([h.result for h in self._inflight.values()], timeout=timeout_s)
+        if not_done:
+            raise PoolTimeout(f"{len(not_done)} transfers still in flight after {timeout_s}s")
+        return self.poll()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.drain()
+        finally:
+            self._closed = True
+            self._hash_pool.shutdown(wait=True)
+            for ex in self._lane_exec:
+                ex.shutdown(wait=True)
+            self._release_exec.shutdown(wait=True)
+            self.store_stream.synchronize()
+            self.load_stream.synchronize()
+            if self._registered:
+                self._registered = False
+                _unregister(self._region_ptr)
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,188 @@
+"""The transfer engine's other contracts on the GPU: corrupt pages are refused, leases
+outlive the copies that read their pages (with its control, a lease released early),
+the pageable fallback when registration is refused (with the controls of its two
+catchable edges), capabilities, and the pool's answers passed through (exists, boundary)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from faults.gpu_controls import (  # noqa: E402
+    EagerReleaseEngine,
+    RefusedRegistrationEngine,
+    RefusedUnorderedEngine,
+    delay_stream,
+)
+from kvpool.catalog import EvictOutcome  # noqa: E402
+from kvpool.client import publish  # noqa: E402
+from kvpool.errors import InvalidRequest, MissCause  # noqa: E402
+from kvpool.gpu_transfer import (  # noqa: E402
+    CopyPath,
+    HostMemory,
+    KVLayoutError,
+    LoadOutcome,
+    StoreOutcome,
+    TransferEngine,
+    block_page,
+)
+from kvpool.keys import block_hashes  # noqa: E402
+from suites.gpu.scenarios import (  # noqa: E402
+    GEOMETRIES,
+    Scenario,
+    check_with_control,
+    fill,
+    make_kv,
+    namespace,
+    read_pages,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine: the gpu suite needs one"),
+]
+
+CUDA = torch.device("cuda")
+
+
+def _published(client, ns, geom, rng, k):  # noqa: ANN001, ANN202
+    pages = rng.integers(0, 256, (k, geom.page_bytes), dtype=np.uint8)
+    base = int(rng.integers(1 << 28))
+    hashes = block_hashes(range(base, base + 16 * k), 16)
+    assert publish(client, ns, hashes, list(pages)).committed == k
+    return pages, hashes
+
+
+@pytest.mark.parametrize("path", [CopyPath.TORCH, CopyPath.DRIVER])
+def test_corrupt_page_is_reported_and_never_installed(path, client, test_seed, tag):
+    geom = GEOMETRIES["flash-128k"]
+    ns = namespace(geom, tag)
+    rng = np.random.default_rng(test_seed)
+    k = 12
+    pages, hashes = _published(client, ns, geom, rng, k)
+    bad = int(rng.integers(1, k - 1))
+    victim = client.lookup(ns, hashes).hits[bad].page
+    client.arena.page(victim)[int(rng.integers(geom.page_bytes))] ^= 0xFF  # memory corruption after commit
+    layers = make_kv(geom, CUDA)
+    old = fill(layers, geom.block_dim, rng, geom.page_bytes)
+    blocks = [int(b) for b in rng.permutation(geom.num_blocks)[:k]]
+    torch.cuda.synchronize()
+    with TransferEngine(client, ns, layers, geom.config(path)) as engine:
+        h = engine.load(blocks, hashes)
+        assert (h.loaded, h.miss.index, h.miss.cause) == (bad, bad, MissCause.CORRUPT), h
+        assert h.failed_block_ids == tuple(blocks[bad:])
+        engine.wait_for_load(h)
+        got = read_pages(layers, geom.block_dim, blocks).cpu().numpy()
+        (outcome,) = engine.drain()
+    assert isinstance(outcome, LoadOutcome) and outcome.loaded == bad and outcome.miss.cause == MissCause.CORRUPT
+    assert np.array_equal(got[:bad], pages[:bad]), "verified pages must be installed"
+    assert np.array_equal(got[bad:], old[blocks[bad:]]), "the corrupt page and the ones after it must not be installed"
+
+
+@pytest.mark.parametrize("engine_cls,held", [(TransferEngine, True), (EagerReleaseEngine, False)],
+                         ids=["engine", "control-eager-release"])
+def test_lease_is_held_until_the_copy_completed(engine_cls, held, client, cycles_per_ms, test_seed, tag):
+    """While a delayed load's copy has not run, its pages are leased (eviction refused).
+    The control releases at once; the check must see those pages evictable."""
+    geom = GEOMETRIES["nfirst-512k"]
+    ns = namespace(geom, tag + engine_cls.__name__)
+    rng = np.random.default_rng(test_seed)
+    k = 10
+    _, hashes = _published(client, ns, geom, rng, k)
+    layers = make_kv(geom, CUDA)
+    torch.cuda.synchronize()
+    with engine_cls(client, ns, layers, geom.config(CopyPath.TORCH)) as engine:
+        delay_stream(engine.load_stream, int(400 * cycles_per_ms))
+        h = engine.load(list(range(k)), hashes)
+        assert h.loaded == k
+        time.sleep(0.1)  # the control's release worker has long run by now
+        in_flight = not h._done.query()
+        leased = client.stats()["leased_pages"]
+        evicted = client.evict(ns, hashes[:3])
+        engine.drain()
+    assert in_flight, "the copy finished before the check: the delay was too short to prove anything"
+    if held:
+        assert leased >= k and evicted == [EvictOutcome.LEASED] * 3, (leased, evicted)
+        assert client.stats()["leased_pages"] == 0, "the lease must be released once the copy completed"
+        assert client.evict(ns, hashes[:3]) == [EvictOutcome.EVICTED] * 3
+    else:
+        assert leased == 0 and evicted == [EvictOutcome.EVICTED] * 3, \
+            f"negative control NOT caught: pages stayed leased ({leased}, {evicted})"
+
+
+@pytest.mark.fault_stream_delay
+@pytest.mark.parametrize("path", [CopyPath.TORCH, CopyPath.DRIVER])
+@pytest.mark.parametrize("scenario", [Scenario.STORE_RAW, Scenario.LOAD_WAR])
+def test_pageable_fallback_when_registration_is_refused(scenario, path, gpu_pool, client, delay_cycles, test_seed,
+                                                         tag):
+    geom = GEOMETRIES["nfirst-16k"]
+    ns = namespace(geom, tag)
+    caps = []
+
+    def make(layers, drop):  # noqa: ANN001, ANN202
+        cfg = geom.config(path)
+        engine = (RefusedRegistrationEngine(client, ns, layers, cfg) if drop is None
+                  else RefusedUnorderedEngine(client, ns, layers, cfg, drop=drop))
+        caps.append(engine.capabilities)
+        return engine
+
+    check_with_control(scenario, geom, make, client, ns, test_seed, delay_cycles)
+    assert all(c.host_memory == HostMemory.PAGEABLE and "refused" in c.host_memory_reason for c in caps), caps
+    assert not any(c.batched_copies for c in caps)
+
+
+@pytest.mark.parametrize("path", [CopyPath.TORCH, CopyPath.DRIVER])
+def test_capabilities_registered_and_batched(path, client, tag):
+    geom = GEOMETRIES["flash-128k"]
+    layers = make_kv(geom, CUDA)
+    with TransferEngine(client, namespace(geom, tag), layers, geom.config(path)) as engine:
+        caps = engine.capabilities
+    print(caps)
+    assert caps.host_memory == HostMemory.REGISTERED, caps
+    if path == CopyPath.DRIVER:
+        assert caps.batched_copies, f"cuMemcpyBatchAsync not used: {caps.batched_reason}"
+
+
+def test_store_passes_the_pools_answers_through(client, test_seed, tag):
+    geom = GEOMETRIES["nfirst-16k"]
+    ns = namespace(geom, tag)
+    rng = np.random.default_rng(test_seed)
+    layers = make_kv(geom, CUDA)
+    fill(layers, geom.block_dim, rng, geom.page_bytes)
+    torch.cuda.synchronize()
+    base = int(rng.integers(1 << 28))
+    hashes = block_hashes(range(base, base + 16 * 20), 16)
+    with TransferEngine(client, ns, layers, geom.config(CopyPath.TORCH)) as engine:
+        engine.store(range(20), hashes)
+        (first,) = engine.drain()
+        engine.store(range(20), hashes)
+        (again,) = engine.drain()
+        more = block_hashes(range(base + 10**6, base + 10**6 + 16 * 9), 16)
+        engine.store(range(20, 29), more, boundary=4)
+        (bounded,) = engine.drain()
+        with pytest.raises(InvalidRequest):
+            engine.store([1, 1], hashes[:2])
+        with pytest.raises(InvalidRequest):
+            engine.load([geom.num_blocks], hashes[:1])
+    assert isinstance(first, StoreOutcome) and first.committed == 20 and not first.errors, first
+    assert again.committed == 0 and again.exists == 20, again
+    assert bounded.committed == 4 and bounded.not_admitted == 5, bounded
+    for i in (0, 7, 19):  # the page order is block_page's
+        page = client.arena.page(client.lookup(ns, hashes).hits[i].page, geom.page_bytes)
+        assert np.array_equal(np.asarray(page), block_page(layers, geom.block_dim, i).cpu().numpy())
+
+
+def test_layout_and_namespace_are_checked(client, tag):
+    geom = GEOMETRIES["flash-128k"]
+    layers = make_kv(geom, CUDA)
+    ns = namespace(geom, tag)
+    with pytest.raises(KVLayoutError):
+        TransferEngine(client, ns, layers[:-1], geom.config(CopyPath.TORCH))
+    with pytest.raises(KVLayoutError):
+        TransferEngine(client, ns, [t.cpu() for t in layers], geom.config(CopyPath.TORCH))
+    with pytest.raises(KVLayoutError):  # a block dim that is not the one of the layout: blocks disagree
+        TransferEngine(client, ns, layers[:1] + [t.transpose(0, 1) for t in layers[1:]], geom.config(CopyPath.TORCH))
