@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import select
 import socket
 import threading
 import time
@@ -212,6 +213,21 @@ class PoolClient:
             got += k
         return bytes(buf)
 
+    def _peer_closed(self) -> bool:
+        """Between requests nothing may arrive: a readable idle socket is at EOF, reset, or
+        out of step, and is not reused. One zero-timeout poll, no blocking."""
+        assert self._sock is not None
+        readable, _, _ = select.select([self._sock], [], [], 0)
+        if not readable:
+            return False
+        try:
+            self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+        return True
+
     def _call(self, op: P.Request, retry: bool = True) -> P.Reply:
         """One request, one reply. A connection that was reused after sitting idle may be
         dead (the daemon restarted): if it fails before the daemon can have read the
@@ -219,6 +235,9 @@ class PoolClient:
         the request is sent once more on a fresh connection."""
         with self._lock:
             reused = self._sock is not None
+            if reused and self._peer_closed():  # the daemon (or a proxy) hung up while it sat idle
+                self._drop_socket()
+                reused = False
             if not reused:
                 self.connect()
             request_id = next(self._ids)

@@ -257,13 +257,19 @@ def test_client_reconnects_after_the_daemon_restarts(tmp_path):
         pool.cleanup()
 
 
-def test_a_stale_connection_is_replaced_transparently_for_every_request(tmp_path):
-    """Each request kind, first after a restart on a connection that went stale."""
-    pool = PoolProcess.start(page_size=4096, num_pages=8, run_dir=tmp_path)
+@pytest.mark.parametrize("tcp", [False, True], ids=["unix", "tcp"])
+def test_a_stale_connection_is_replaced_transparently_for_every_request(tmp_path, tcp):
+    """Each request kind, first after a restart on a connection that went stale. Over
+    TCP a send to a closed peer succeeds and only the reply fails, so the client must
+    notice the hang-up before it sends (an acquire is not safe to resend)."""
+    from harness.cluster import free_port
+
+    pool = PoolProcess.start(page_size=4096, num_pages=8, run_dir=tmp_path,
+                             extra_args=("--tcp", f"127.0.0.1:{free_port()}"))
     try:
         hs = block_hashes(range(16), 16)
         for op in ("lookup", "reserve", "acquire", "stats"):
-            c = pool.client()
+            c = pool.client(tcp=tcp)
             pool.kill()
             pool.restart()
             if op == "lookup":
