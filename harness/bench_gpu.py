@@ -101,6 +101,24 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def _digest_ceiling(arena, pages: int, threads: int) -> dict[str, float]:  # noqa: ANN001
+    """Page digests per second on this host with 1, 4, 8 and `threads` threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvpool.digest import page_digest
+
+    views = [arena.page(i) for i in range(pages)]  # free pages: read, never written
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(page_digest, views))  # map them into this process first
+    out = {}
+    for n in sorted({1, 4, 8, threads}):
+        with ThreadPoolExecutor(n) as ex:
+            t0 = time.perf_counter()
+            list(ex.map(page_digest, views))
+            out[str(n)] = round(pages * PAGE / (time.perf_counter() - t0) / 1e9, 1)
+    return out
+
+
 def _shm_blocks(want: int) -> int:
     st = os.statvfs("/dev/shm")
     avail = st.f_bavail * st.f_frsize - 2 * 2**30  # leave room for the tests' and others' segments
@@ -156,6 +174,9 @@ def run_bench(quick: bool = False, paths: tuple[str, ...] = ("torch", "driver"),
              f"{time.perf_counter() - t_setup:.1f} s")
         rng = np.random.default_rng(seed)
         chains = iter(range(1, 1 << 30))
+        result["host_digest_GBps"] = _digest_ceiling(ctl.arena, min(512, arena_blocks), hash_threads)
+        _say(f"  host XXH3-128 over arena pages, no copy running: {result['host_digest_GBps']} GB/s by digest threads "
+             f"(the load checks every page once; a store is digested twice: by the engine and the pool's re-verify)")
 
         def fresh_hashes(n: int) -> list[bytes]:
             base = next(chains) * 1_000_000

@@ -579,6 +579,7 @@ class TransferEngine:
                            for i in range(len(self._lanes))]
         self._release_exec = cf.ThreadPoolExecutor(1, thread_name_prefix="kvpool-release")
         self._lane_busy = [0] * len(self._lanes)
+        self._lane_committing = [0] * len(self._lanes)
         self._lane_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._inflight: dict[int, StoreHandle | LoadHandle] = {}
@@ -675,8 +676,10 @@ class TransferEngine:
         return self._region[page * ps : page * ps + (count - 1) * ps + pb]
 
     def _pick_lane(self) -> int:
+        """A lane not in the middle of a commit (its connection would make reserve() wait
+        for the pool's re-verify), else the least loaded."""
         with self._lane_lock:
-            lane = min(range(len(self._lanes)), key=self._lane_busy.__getitem__)
+            lane = min(range(len(self._lanes)), key=lambda i: (self._lane_committing[i], self._lane_busy[i]))
             self._lane_busy[lane] += 1
             return lane
 
@@ -842,7 +845,13 @@ class TransferEngine:
         try:
             self._await_copy(unit.event)
             digests = list(self._hash_pool.map(self._digest, unit.pages))
-            out = self._lanes[unit.lane].commit(unit.reservation.reservation_id, digests)
+            with self._lane_lock:
+                self._lane_committing[unit.lane] += 1
+            try:
+                out = self._lanes[unit.lane].commit(unit.reservation.reservation_id, digests)
+            finally:
+                with self._lane_lock:
+                    self._lane_committing[unit.lane] -= 1
         except PoolError as exc:
             self._abort(unit)
             return 0, 0, f"commit: {type(exc).__name__}: {exc}"

@@ -40,26 +40,37 @@ def producer(address: str, token: str, seed: int, tag: str, drop: str | None, de
     from faults.gpu_controls import UnorderedTransferEngine, delay_stream
     from kvpool.client import PoolClient
     from kvpool.gpu_transfer import CopyPath, TransferEngine
-    from suites.gpu.scenarios import fill, make_kv, write_pages
+    from kvpool.keys import block_hashes
+    from suites.gpu.scenarios import fill, make_kv, write_blocks
 
     geom, pages, src_blocks, _, hashes = _plan(seed)
     client = PoolClient(address, "default", token, name="producer")
-    layers = make_kv(geom, torch.device("cuda"))
-    fill(layers, geom.block_dim, np.random.default_rng([seed, 3]), geom.page_bytes)  # what a stale read would see
-    new = torch.from_numpy(pages).cuda()
+    device = torch.device("cuda")
+    layers = make_kv(geom, device)
+    old = fill(layers, geom.block_dim, np.random.default_rng([seed, 3]), geom.page_bytes)  # what a stale read sees
+    new = torch.from_numpy(pages).to(device)
+    idx = torch.tensor(src_blocks, dtype=torch.int64, device=device)
+    spare = next(b for b in range(geom.num_blocks) if b not in src_blocks)
     torch.cuda.synchronize()
     cfg = geom.config(CopyPath.TORCH)
     ns = namespace(geom, tag)
     engine = (TransferEngine(client, ns, layers, cfg) if drop is None
               else UnorderedTransferEngine(client, ns, layers, cfg, drop=drop))
+    # warm-up (synchronized): a fresh process's first launches load their kernels, which
+    # can serialize streams and hide the race
+    write_blocks(layers, geom.block_dim, torch.tensor([spare], device=device),
+                 torch.from_numpy(old[spare : spare + 1]).to(device))
+    engine.store([spare], block_hashes(range(1 << 30, (1 << 30) + 16), 16))
+    torch.cuda.synchronize()
+    engine.drain()
     delay_stream(torch.cuda.current_stream(), delay_cycles)
-    write_pages(layers, geom.block_dim, src_blocks, new)
+    write_blocks(layers, geom.block_dim, idx, new)
     engine.store(src_blocks, hashes)
     outcomes = engine.drain()
     engine.close()
     client.close()
     result = {"committed": sum(o.committed for o in outcomes), "host_memory": engine.capabilities.host_memory.value,
-              "pid_device": torch.cuda.get_device_name()}
+              "device": torch.cuda.get_device_name()}
     Path(out_dir, "producer.json").write_text(json.dumps(result))
 
 

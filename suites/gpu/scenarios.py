@@ -142,6 +142,41 @@ def read_pages(layers: list[torch.Tensor], d: int, blocks: list[int], out: torch
     return out[: len(blocks)]
 
 
+def _block_shape(t: torch.Tensor, d: int) -> tuple[int, ...]:
+    u = t.view(torch.uint8)
+    return tuple(u.shape[:d]) + tuple(u.shape[d + 1 :])
+
+
+def write_blocks(layers: list[torch.Tensor], d: int, idx: torch.Tensor, pages: torch.Tensor) -> None:
+    """pages[i] into block idx[i]: one index_copy_ per layer on the whole KV tensor, as a
+    model's KV write touches the tensor (the stream sanitizer tracks whole tensors)."""
+    n, off = idx.numel(), 0
+    for t in layers:
+        shape = _block_shape(t, d)
+        nb = int(np.prod(shape))
+        t.view(torch.uint8).index_copy_(d, idx, pages[:, off : off + nb].view(n, *shape).movedim(0, d))
+        off += nb
+
+
+def read_scratch(layers: list[torch.Tensor], d: int, n: int) -> list[torch.Tensor]:
+    return [torch.empty((*_block_shape(t, d)[:d], n, *_block_shape(t, d)[d:]), dtype=torch.uint8, device=t.device)
+            for t in layers]
+
+
+def read_blocks(layers: list[torch.Tensor], d: int, idx: torch.Tensor, out: torch.Tensor,
+                scratch: list[torch.Tensor]) -> torch.Tensor:
+    """The page bytes of blocks idx into `out`: one index_select per layer over the whole KV
+    tensor (as attention reads it), through `scratch` from read_scratch; nothing allocated."""
+    n, off = idx.numel(), 0
+    for t, buf in zip(layers, scratch):
+        shape = _block_shape(t, d)
+        nb = int(np.prod(shape))
+        torch.index_select(t.view(torch.uint8), d, idx, out=buf)
+        out[:n, off : off + nb].view(n, *shape).copy_(buf.movedim(d, 0))
+        off += nb
+    return out[:n]
+
+
 def fill(layers: list[torch.Tensor], d: int, rng: np.random.Generator, page_bytes: int) -> np.ndarray:
     """Random bytes in every block; returns them (num_blocks, page_bytes) on the host."""
     n = layers[0].shape[d]
@@ -181,7 +216,14 @@ def run_scenario(scenario: Scenario, geom: Geometry, make_engine: EngineFactory,
     base = int(rng.integers(1 << 28))
     hashes = [block_hashes(range(base + i * 10_000, base + i * 10_000 + 16 * k), 16) for i in range(copies)]
     new_dev = [torch.from_numpy(p).to(device) for p in new]
+    # Everything the delayed part touches is allocated now (an allocation while a stream is
+    # held back can serialize the streams and hide the race under test).
+    idx = [torch.tensor(s, dtype=torch.int64, device=device) for s in sels]
     seen_buf = [torch.empty((k, pb), dtype=torch.uint8, device=device) for _ in range(copies)]
+    scratch = read_scratch(layers, d, k)
+    warm = [int(order[copies * k])]
+    warm_idx = torch.tensor(warm, dtype=torch.int64, device=device)
+    warm_hashes = block_hashes(range(base + 9_000_000, base + 9_000_016), 16)
     if scenario in (Scenario.LOAD_RAW, Scenario.LOAD_WAR):
         for h, p in zip(hashes, new):
             res = publish(client, ns, h, list(p))
@@ -193,27 +235,39 @@ def run_scenario(scenario: Scenario, geom: Geometry, make_engine: EngineFactory,
     seen: list[torch.Tensor] = []
     expected: list[np.ndarray] = []
     try:
+        # Warm-up, synchronized: every kernel and copy of the engine and of the test runs
+        # once before any delay (a first launch loads its module and can serialize streams).
+        warm_out = read_blocks(layers, d, warm_idx, seen_buf[0], read_scratch(layers, d, 1))
+        write_blocks(layers, d, warm_idx, warm_out)
+        torch.cuda.synchronize()
+        engine.store(warm, warm_hashes)
+        torch.cuda.synchronize()
+        engine.drain()
+        h = engine.load(warm, warm_hashes)
+        engine.wait_for_load(h)
+        torch.cuda.synchronize()
+        engine.drain()
         stream = torch.cuda.current_stream()
         for i in range(copies):
             if scenario == Scenario.STORE_RAW:
                 delay_stream(stream, delay_cycles)
-                write_pages(layers, d, sels[i], new_dev[i])
+                write_blocks(layers, d, idx[i], new_dev[i])
                 engine.store(sels[i], hashes[i])
             elif scenario == Scenario.STORE_WAR:
                 delay_stream(engine.store_stream, delay_cycles)
                 engine.store(sels[i], hashes[i])
-                write_pages(layers, d, sels[i], new_dev[i])  # the engine reuses the blocks at once
+                write_blocks(layers, d, idx[i], new_dev[i])  # the engine reuses the blocks at once
             elif scenario == Scenario.LOAD_RAW:
                 delay_stream(engine.load_stream, delay_cycles)
                 h = engine.load(sels[i], hashes[i])
                 if h.loaded != k:
                     return Verdict(False, f"load {i} installed {h.loaded} of {k} blocks: {h}")
                 engine.wait_for_load(h)
-                seen.append(read_pages(layers, d, sels[i], seen_buf[i]))
+                seen.append(read_blocks(layers, d, idx[i], seen_buf[i], scratch))
                 expected.append(new[i])
             else:  # LOAD_WAR
                 delay_stream(stream, delay_cycles)
-                seen.append(read_pages(layers, d, sels[i], seen_buf[i]))  # reads the old blocks, late
+                seen.append(read_blocks(layers, d, idx[i], seen_buf[i], scratch))  # reads the old blocks, late
                 expected.append(old[sels[i]])
                 h = engine.load(sels[i], hashes[i])
                 if h.loaded != k:
