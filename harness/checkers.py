@@ -111,7 +111,10 @@ def byte_exact(recs: list[dict], pool_digest: Callable[[str, list[str]], dict[st
             if r["ev"] != "audit" or r["kind"] != "produced":
                 continue
             ns = ns_of.get(r["replica"], r["replica"])
-            for h, d in pool_digest(r["replica"], r["hashes"]).items():
+            keys = r.get("keys") or r["hashes"]
+            hash_of = dict(zip(keys, r["hashes"]))
+            for key, d in pool_digest(r["replica"], keys).items():
+                h = hash_of[key]
                 if (ns, h) in seen_pooled:
                     continue
                 seen_pooled.add((ns, h))
@@ -121,12 +124,15 @@ def byte_exact(recs: list[dict], pool_digest: Callable[[str, list[str]], dict[st
                                 "hash": h})
     evidence = {"blocks_checked": checked, "pooled_checked": pooled_checked, "unverified": unverified,
                 "silent_corruptions": len(bad), "first": bad[:5]}
-    not_checked = ("blocks without a producer record in the window; pooled copies already evicted; "
-                   "salted keys in the pool (the audit keys blocks by their unsalted chain)")
+    not_checked = "blocks without a producer record in the window; pooled copies already evicted"
     if bad:
         return Verdict(False, f"{len(bad)} blocks differ from every producer's bytes", evidence, not_checked)
     if checked == 0 and pooled_checked == 0:
-        return Verdict(None, "no installed or pooled block to compare", evidence, not_checked)
+        if unverified:
+            return Verdict(None, f"{unverified} installed blocks had no producer record to compare with", evidence,
+                           not_checked)
+        return Verdict(True, "nothing was installed or pooled in this window: nothing to compare", evidence,
+                       not_checked)
     return Verdict(True, f"{checked} installed/read blocks and {pooled_checked} pooled copies equal the producer's bytes",
                    evidence, not_checked)
 

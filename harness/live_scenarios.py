@@ -597,8 +597,11 @@ def transport_fault(cluster: Cluster, corpus: Corpus, seed: int, kind: str, *, r
             and d.token_ids == ref.token_ids, (d.finish_reason, d.error))
     c.evidence.update(kind=kind, block=after, loaded=k, fired=len(fired), control=control,
                       load_seconds=load.get("seconds"))
-    return c.verdict(f"{kind} on the wire at block {after}: classified {want or 'no miss'}, recomputed, "
-                     "output equal to the fault-free run")
+    if want is None:
+        return c.verdict(f"{kind} link: all {load['blocks']} blocks loaded byte-exact through it, output equal to "
+                         "the fault-free run")
+    return c.verdict(f"{kind} on the wire at block {after}: classified {want}, recomputed from there, output equal "
+                     "to the fault-free run")
 
 
 # -- evictions against leases -----------------------------------------------------------------

@@ -14,6 +14,11 @@ Modules, one job each:
   history   the JSON-lines history every lookup, load, publish and audit record goes to.
   connector the vLLM V1 KV connector (scheduler and worker sides); vllm_compat: the one
             place that knows vLLM version and platform differences.
+  copier    the worker's copy engine on CPU: pool transfers on a copy thread, in an
+            order the engine relies on (loads before attention, stores before reuse).
+  gpu_transfer, gpu_copier
+            the CUDA stream-ordered transfer engine between KV tensors and the
+            registered arena, and the same copier interface on top of it.
   audit     a V1 connector that wraps any other and records digests of the KV bytes.
   testing   the reference model and the Hypothesis state machine that checks a pool.
 """

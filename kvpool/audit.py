@@ -20,8 +20,9 @@ all the work; the wrapper only watches, through the public hooks:
                   to read the first layer, "seen": the loaded blocks as attention will
                   read them (a copy that is not ordered before attention shows up here).
 Records go to the history as `audit` events keyed by the block's token-chain hash (no
-salt, no namespace), so the gate can match a consumer's block with the producer's and
-with the pool's committed copy. The digest is XXH3-128 over the block's bytes in layer
+salt, no namespace), so the gate can match a consumer's block with the producer's, and
+carry the block's pool key (the chain seeded by the request's cache_salt, as kvpool keys
+it) to find the pool's committed copy. The digest is XXH3-128 over the block's bytes in layer
 order, the byte order of a pool page, so it equals the pool's page digest directly.
 """
 
@@ -51,6 +52,7 @@ class AuditBlocks:
     first_block: int
     block_ids: list[int]
     hashes: list[str]  # token-chain hashes, hex
+    keys: list[str] = dataclasses.field(default_factory=list)  # the same blocks' pool keys (salted chain), hex
 
 
 @dataclasses.dataclass
@@ -65,6 +67,7 @@ class _Req:
     tag: str
     n_prompt: int
     hashes: list[str]
+    keys: list[str]
     block_ids: list[int] = dataclasses.field(default_factory=list)
     load: tuple[int, int] | None = None
 
@@ -89,12 +92,14 @@ class AuditConnector(compat.KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request, num_computed_tokens):  # noqa: ANN001, ANN201
         result = self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
         if request.request_id not in self._reqs:
-            from kvpool.connector import _request_tag
+            from kvpool.connector import _request_tag, _salt_root
 
             tokens = list(request.prompt_token_ids or [])
             B = self.block_size
-            hashes = [h.hex() for h in block_hashes(tokens[: (len(tokens) // B) * B], B)]
-            self._reqs[request.request_id] = _Req(_request_tag(request), len(tokens), hashes)
+            full = tokens[: (len(tokens) // B) * B]
+            hashes = [h.hex() for h in block_hashes(full, B)]
+            keys = [h.hex() for h in block_hashes(full, B, parent=_salt_root(request))]
+            self._reqs[request.request_id] = _Req(_request_tag(request), len(tokens), hashes, keys)
         return result
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):  # noqa: ANN001, ANN201
@@ -112,7 +117,8 @@ class AuditConnector(compat.KVConnectorBase_V1):
             st = self._reqs[rid]
             if st.load is not None:
                 b0, b1 = st.load
-                meta.loaded.append(AuditBlocks(rid, st.tag, b0, st.block_ids[b0:b1], st.hashes[b0:b1]))
+                meta.loaded.append(AuditBlocks(rid, st.tag, b0, st.block_ids[b0:b1], st.hashes[b0:b1],
+                                               st.keys[b0:b1]))
                 st.load = None
             # Blocks this step completes: from the first block not yet complete before it
             # (ncomp already counts loaded and locally cached tokens) to the last full one.
@@ -120,7 +126,8 @@ class AuditConnector(compat.KVConnectorBase_V1):
             done = min(min(ncomp + scheduler_output.num_scheduled_tokens.get(rid, 0), st.n_prompt) // B,
                        len(st.block_ids), len(st.hashes))
             if done > start:
-                meta.produced.append(AuditBlocks(rid, st.tag, start, st.block_ids[start:done], st.hashes[start:done]))
+                meta.produced.append(AuditBlocks(rid, st.tag, start, st.block_ids[start:done], st.hashes[start:done],
+                                                 st.keys[start:done]))
         return meta
 
     def request_finished(self, request, block_ids):  # noqa: ANN001, ANN201
@@ -184,7 +191,7 @@ class AuditConnector(compat.KVConnectorBase_V1):
         for run in runs:
             digests = [self._digest(b) for b in run.block_ids]
             self.history.write("audit", kind=kind, req=run.req_id, tag=run.tag, first_block=run.first_block,
-                               block_ids=run.block_ids, hashes=run.hashes, digests=digests)
+                               block_ids=run.block_ids, hashes=run.hashes, keys=run.keys, digests=digests)
 
     def _digest(self, block_id: int) -> str:
         import torch
