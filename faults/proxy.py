@@ -23,6 +23,8 @@ changes (checked on every frame and every 10 ms); `{}` or no file heals. Every k
   direction  "request", "reply" or "both" (default; drop_reply: "reply" only)
   after      matching frames let through before the fault may fire (default 0)
   times      at most this many firings per control version (default unlimited)
+  seed       the fault's own seed for its draws (default: the proxy's seed and the
+             control version), so a scenario replays its draws from its own seed
 
 and the kinds, applied to a frame in this order:
 
@@ -91,7 +93,7 @@ HEAL: dict[str, str] = {
     "bitflip": "rewrite the control file to {}; the next load reads the committed page again",
     "slow": "rewrite the control file to {}; frames go out at link speed",
 }
-_COMMON = {"p", "ops", "direction", "after", "times"}
+_COMMON = {"p", "ops", "direction", "after", "times", "seed"}
 _PARAMS = {"reset": set(), "truncate": {"bytes"}, "drop_reply": set(), "stall": {"seconds"},
            "bitflip": set(), "slow": {"bytes_per_s", "latency_s"}}
 _PAGE_FRAMES = {("request", "write"), ("reply", "pages_ok")}
@@ -118,6 +120,7 @@ class LinkFault:
     bytes: int | None = None  # truncate
     bytes_per_s: float | None = None  # slow
     latency_s: float = 0.0  # slow
+    seed: int | None = None  # this fault's own draws (else the proxy's seed and the control version)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -622,7 +625,9 @@ class FaultProxy:
             self._stats["control_versions"] += 1
             version = int(self._stats["control_versions"])
             self._faults = faults
-            self._states = {k: _KindState(random.Random(f"{self.seed}:proxy:{k}:{version}")) for k in faults}
+            self._states = {k: _KindState(random.Random(f"{f.seed}:proxy:{k}" if f.seed is not None
+                                                        else f"{self.seed}:proxy:{k}:{version}"))
+                            for k, f in faults.items()}
         self._history("proxy_control", version=version, healed=not faults,
                       faults={k: f.as_json() for k, f in faults.items()})
         if self._changed is not None:

@@ -562,7 +562,8 @@ def transport_fault(cluster: Cluster, corpus: Corpus, seed: int, kind: str, *, r
     h = cluster.history_dir
     complete(purl, prompt, tag=f"{tag}-a", replica=producer, cache_salt=f"s-{tag}")
     after = rng.randrange(0, n_blocks - 1)  # page-read frames let through before the fault
-    spec: dict[str, object] = {"ops": ["read"], "direction": "reply", "after": after, "times": 1}
+    spec: dict[str, object] = {"ops": ["read"], "direction": "reply", "after": after, "times": 1,
+                               "seed": rng.randrange(2**32)}  # the proxy's draws (bit, cut) from this seed
     if kind == "stall":
         spec["seconds"] = 8.0
     elif kind == "slow":
