@@ -3,6 +3,7 @@
   kvgate pool serve [...]   run a pool daemon in the foreground (SIGTERM/SIGINT: clean stop)
   kvgate bench pool [...]   the pool benchmark (ratios against baselines of the same run)
   kvgate bench gpu [...]    the GPU transfer engine against a plain pinned cudaMemcpy (needs CUDA)
+  kvgate gpu-live [...]     kvgate live on one GPU with vLLM 0.24: cross-replica hit, stream delay, control
   kvgate gate [...]         the main job: start the embedded default system, run the gate
   kvgate scenarios          list the scenario catalog
   kvgate replay NAME --seed N   rerun one scenario with one seed, print the same verdicts
@@ -97,6 +98,14 @@ def cmd_bench_live(args: argparse.Namespace) -> int:
 
     lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else LENGTHS
     return run_bench(reps=args.reps, lengths=lengths, report_dir=args.report_dir)
+
+
+def cmd_gpu_live(args: argparse.Namespace) -> int:
+    from harness.gpu_live import main as gpu_live
+
+    lengths = tuple(int(x) for x in args.bench_lengths.split(",") if x)
+    return gpu_live(args.report_dir, seed=args.seed, bench=args.bench, bench_reps=args.bench_reps,
+                    bench_lengths=lengths, deadline_s=args.deadline)
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
@@ -198,9 +207,18 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--report-dir", type=Path, default=None, help="logs and history (default: a temp dir)")
     bl.set_defaults(func=cmd_bench_live)
 
+    gl = sub.add_parser("gpu-live", help="live replicas on one GPU (vLLM 0.24): hit, stream delay, control")
+    gl.add_argument("--report-dir", type=Path, default=Path("reports/runs/gpu-live"))
+    gl.add_argument("--seed", type=int, default=20261129, help="seed of the prompts")
+    gl.add_argument("--bench", action="store_true", help="also the live rows of bench gpu part 2")
+    gl.add_argument("--bench-reps", type=int, default=1)
+    gl.add_argument("--bench-lengths", default="8192,32768,65536")
+    gl.add_argument("--deadline", type=float, default=540.0, help="seconds for the whole run (bench stops early)")
+    gl.set_defaults(func=cmd_gpu_live)
+
     gate = sub.add_parser("gate", help="run the gate on the embedded default system")
     gate.add_argument("--seed", type=int, default=None, help="root seed (default: drawn and printed)")
-    gate.add_argument("--seeds", type=int, default=3, help="seeds to run")
+    gate.add_argument("--seeds", type=int, default=2, help="seeds per scenario (2: about 15 minutes here)")
     gate.add_argument("--report-dir", type=Path, default=Path("reports/runs/latest"))
     gate.add_argument("--profile", default="all",
                       help="fault kinds to run, comma-separated ('none': the fault-free scenarios), or 'all'")

@@ -63,8 +63,12 @@ class CudaCopier:
 
     def register(self, layers: Sequence[torch.Tensor], *, ns: Namespace, block_dim: int = 0) -> None:
         config = dataclasses.replace(self.config, block_dim=block_dim)
-        self.engine = TransferEngine(self.backend, ns, layers, config, self.lanes)
+        self.engine = self._new_engine(ns, layers, config)
         self.history.write("gpu_transfer", **{k: str(v) for k, v in dataclasses.asdict(self.engine.capabilities).items()})
+
+    def _new_engine(self, ns: Namespace, layers: Sequence[torch.Tensor], config: TransferConfig) -> TransferEngine:
+        """The engine register() builds (a fault wrapper may build a known-bad one)."""
+        return TransferEngine(self.backend, ns, layers, config, self.lanes)
 
     @property
     def block_bytes(self) -> int:

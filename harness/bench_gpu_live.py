@@ -1,0 +1,124 @@
+"""`kvgate bench gpu` part 2: live TTFT on one GPU, side by side in one run.
+
+Replicas of a random-weight Llama (fixtures.gpu_model: 16 layers, hidden 2048, 8 KV heads,
+head 128, 64 KiB of KV per token) on the same GPU, vLLM 0.24, TRITON_ATTN, eager:
+  A, B   kvpool's connector on one pool (pages of one 16-token block of every layer);
+  C      vLLM's own OffloadingConnector with a CPU tier (--kv-offloading-size), prefix
+         caching off, so its second request of a prompt can only hit the CPU tier.
+For each prefix length, per repetition, on a fresh seeded prompt (each measurement keyed
+apart by cache_salt):
+  cold_prefill_ms     TTFT on B, pool and prefix cache bypassed
+  local_hit_ttft_ms   the same prompt again on B (B's own GPU prefix cache)
+  remote_hit_ttft_ms  TTFT on B of the prompt A computed and published (kvgate)
+  peer_hit_ttft_ms    TTFT on C of the prompt C computed and offloaded before
+Medians; ratios remote/peer and remote/local. Not a test: nothing is asserted.
+
+  start_bench(report_dir, max_len) -> Cluster     builds the model, starts A, B, C
+  measure(cluster, lengths, reps, deadline_s) -> dict
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from fixtures.gpu_model import BENCH_SHAPE
+from harness.cluster import Cluster, ReplicaSpec
+from harness.gpu_live import BLOCK_SIZE, gpu_args, wait_published
+from harness.workload import Corpus, complete
+
+KV_BYTES = 10 << 30  # per replica's GPU KV cache: a 64k prefix (4 GiB) stays cached
+CPU_TIER_GIB = 12
+CHUNK = 8192
+PEER_SETTLE_S = 1.5  # C's offload of a finished request is asynchronous; no completion signal is exposed
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def start_bench(report_dir: Path, max_len: int) -> Cluster:
+    from fixtures.gpu_model import build_llama
+
+    t0 = time.monotonic()
+    model = build_llama(report_dir / "model", BENCH_SHAPE, seed=0)
+    _say(f"bench gpu live: model built in {time.monotonic() - t0:.0f} s")
+    page = BENCH_SHAPE.kv_bytes_per_token * BLOCK_SIZE
+    n_len = max_len + 1024
+    ours = [ReplicaSpec(name, core=str(i), kv_bytes=KV_BYTES, max_model_len=n_len, max_num_batched_tokens=CHUNK,
+                        extra_args=gpu_args(0.12)) for i, name in enumerate(("A", "B"))]
+    peer = ReplicaSpec("C", core="2", connector=False, kv_bytes=KV_BYTES, max_model_len=n_len,
+                       max_num_batched_tokens=CHUNK,
+                       extra_args=(*gpu_args(0.12), "--no-enable-prefix-caching", "--kv-offloading-size",
+                                   str(CPU_TIER_GIB), "--kv-offloading-backend", "native"))
+    cluster = Cluster(model, report_dir, page_size=page, pool_pages=(8 << 30) // page)
+    cluster.start([*ours, peer], timeout=400.0)
+    _say(f"bench gpu live: A, B, C up after {time.monotonic() - t0:.0f} s")
+    return cluster
+
+
+def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: float) -> dict:
+    t_end = time.monotonic() + deadline_s
+    A, B, C = (cluster.replicas[n].url for n in ("A", "B", "C"))
+    corpus = Corpus(cluster.model_dir)
+    rng = random.Random("bench-gpu-live:20261129")
+    for url, name in ((A, "A"), (B, "B"), (C, "C")):
+        complete(url, corpus.text(64, rng), tag=f"warmup-{name}", replica=name, max_tokens=2, load=False,
+                 publish=False)
+    rows = []
+    for n in lengths:
+        cold, local, remote, peer = [], [], [], []
+        for rep in range(reps):
+            if time.monotonic() > t_end - 30:
+                _say(f"bench gpu live: out of time before {n} tokens, rep {rep}")
+                break
+            prompt = corpus.text(n - 1, rng)  # + BOS = n tokens
+            salt = f"bench-{n}-{rep}"
+            c = complete(B, prompt, tag=f"cold-{n}-{rep}", replica="B", max_tokens=1, load=False, publish=False,
+                         cache_salt=salt + "-cold")
+            loc = complete(B, prompt, tag=f"local-{n}-{rep}", replica="B", max_tokens=1, load=False,
+                           publish=False, cache_salt=salt + "-cold")
+            complete(A, prompt, tag=f"pub-{n}-{rep}", replica="A", max_tokens=1, cache_salt=salt)
+            wait_published(cluster.history_dir, "A", f"pub-{n}-{rep}", n // BLOCK_SIZE, timeout_s=60)
+            rem = complete(B, prompt, tag=f"remote-{n}-{rep}", replica="B", max_tokens=1, cache_salt=salt)
+            complete(C, prompt, tag=f"peer-pub-{n}-{rep}", replica="C", max_tokens=1, cache_salt=salt + "-peer")
+            time.sleep(PEER_SETTLE_S)
+            ph = complete(C, prompt, tag=f"peer-hit-{n}-{rep}", replica="C", max_tokens=1,
+                          cache_salt=salt + "-peer")
+            cold.append(c.ttft_s * 1e3)
+            local.append(loc.ttft_s * 1e3)
+            remote.append(rem.ttft_s * 1e3)
+            peer.append(ph.ttft_s * 1e3)
+            _say(f"  {n:>6} rep {rep}: cold {cold[-1]:.0f} ms, local {local[-1]:.0f} ms, kvgate remote "
+                 f"{remote[-1]:.0f} ms, OffloadingConnector CPU hit {peer[-1]:.0f} ms")
+        if not cold:
+            break
+        loads = [r for r in _records(cluster, "load", "B") if str(r.get("tag", "")).startswith(f"remote-{n}-")]
+        row = {"prefix_tokens": n, "runs": len(cold), "kv_bytes": n * BENCH_SHAPE.kv_bytes_per_token,
+               "remote_blocks_loaded": sum(int(r["loaded"]) for r in loads),
+               "remote_blocks_expected": len(cold) * ((n - 1) // BLOCK_SIZE)}
+        for name, values in (("cold_prefill_ms", cold), ("local_hit_ttft_ms", local),
+                             ("remote_hit_ttft_ms", remote), ("peer_hit_ttft_ms", peer)):
+            row[name] = round(statistics.median(values), 1)
+            row[f"{name}_all"] = [round(v, 1) for v in values]
+        row["remote_vs_peer"] = round(row["remote_hit_ttft_ms"] / row["peer_hit_ttft_ms"], 3)
+        row["remote_vs_local"] = round(row["remote_hit_ttft_ms"] / row["local_hit_ttft_ms"], 3)
+        rows.append(row)
+    s = BENCH_SHAPE
+    return {
+        "model": f"random-weight Llama, {s.layers} layers, hidden {s.hidden}, {s.kv_heads} KV heads, head "
+                 f"{s.head_dim}, bf16 ({s.kv_bytes_per_token // 1024} KiB of KV per token); block {BLOCK_SIZE}; "
+                 f"chunk {CHUNK}; peer: OffloadingConnector, CPU tier {CPU_TIER_GIB} GiB, prefix caching off",
+        "rows": rows,
+        "targets": {"remote_no_slower_than_peer_at_every_length":
+                    bool(rows) and all(r["remote_vs_peer"] <= 1.0 for r in rows)},
+    }
+
+
+def _records(cluster: Cluster, ev: str, replica: str) -> list[dict]:
+    from harness.live_checks import records
+
+    return records(cluster.history_dir, ev, replica=replica)
