@@ -31,7 +31,7 @@ from harness.gpu_live import BLOCK_SIZE, gpu_args, wait_published
 from harness.workload import Corpus, complete
 
 KV_BYTES = 10 << 30  # per replica's GPU KV cache: a 64k prefix (4 GiB) stays cached
-CPU_TIER_GIB = 12
+CPU_TIER_GIB = 8  # holds one repetition of 8k + 32k + 64k (6.5 GiB); older prefixes are evicted
 CHUNK = 8192
 PEER_SETTLE_S = 1.5  # C's offload of a finished request is asynchronous; no completion signal is exposed
 

@@ -16,7 +16,9 @@ different processes on CPU):
                    publish (every chunk of a chunked prefill contributes its complete
                    blocks; the tail inside an incomplete block is never published).
   KVPoolWorker     register_kv_caches: verify the engine's KV layout against the one the
-                   namespace declares. start_load_kv: lease, copy whole blocks into the KV
+                   namespace declares (kvpool.vllm_compat); the copier is picked by device:
+                   kvpool.copier.HostCopier on CPU, kvpool.gpu_copier.CudaCopier on CUDA.
+                   start_load_kv: lease, copy whole blocks into the KV
                    tensors, digest the installed bytes, release; a block that cannot be
                    installed (any MissCause) is reported by get_block_ids_with_load_errors
                    together with every block after it. wait_for_save: publish the blocks
@@ -37,7 +39,7 @@ import os
 import time
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
@@ -48,6 +50,12 @@ from kvpool.errors import MissCause, PoolError
 from kvpool.history import HistoryWriter
 from kvpool.keys import HASH_BYTES, ROOT_HASH, Namespace, block_hashes
 from kvpool.metrics import ClientMetrics
+
+if TYPE_CHECKING:
+    from faults.copier import FaultyCopier
+    from kvpool.gpu_copier import CudaCopier
+
+Copier = Union[HostCopier, "FaultyCopier", "CudaCopier"]  # one interface (kvpool.copier's docstring)
 
 # -- settings -------------------------------------------------------------------------------
 
@@ -327,7 +335,7 @@ class KVPoolWorker:
         self.history = HistoryWriter(settings.history_dir, settings.replica, "worker")
         self.metrics = ClientMetrics()
         self.backend = _connect(settings, "worker", self.history, self.metrics)
-        self.copier = _copier(settings, self.backend, self.history, self.metrics)
+        self.copier = _copier(settings, self.backend, self.history, self.metrics, self.device)
         self._loading: list = []
         self._sending: dict[str, list] = {}  # req id -> its store futures
 
@@ -336,17 +344,27 @@ class KVPoolWorker:
         return self.settings.load_deadline_s + 4 * self.settings.timeout_s
 
     def register_kv_caches(self, kv_caches: dict) -> None:
+        """Verify every layer's KV tensor against the namespace's layout and hand them to
+        the copier: on CPU as byte arrays (each block contiguous), on CUDA the tensors
+        themselves with the layout's block dimension (kvpool.gpu_copier.CudaCopier)."""
         import torch
 
         names = sorted(kv_caches, key=compat.layer_index)
         ns = self.ns
         want = compat.expected_block_shape(self.device, ns.num_kv_heads, ns.block_size, ns.head_size)
+        block_dim = compat.block_dim(self.device)
         layers = []
         for name in names:
             t = kv_caches[name]
-            if tuple(t.shape[1:]) != want or str(t.dtype).removeprefix("torch.") != ns.kv_dtype:
+            per_block = tuple(s for k, s in enumerate(t.shape) if k != block_dim)
+            if per_block != want or str(t.dtype).removeprefix("torch.") != ns.kv_dtype:
                 raise compat.LayoutMismatch(
                     f"{name}: KV tensor {tuple(t.shape)} {t.dtype}, namespace declares per-block {want} {ns.kv_dtype}")
+            if self.device == "cuda":
+                if t.device.type != "cuda":
+                    raise compat.LayoutMismatch(f"{name}: on {t.device}; the engine runs on CUDA")
+                layers.append(t)  # any strides: the GPU engine copies a block's contiguous runs
+                continue
             if not t[0].is_contiguous():
                 raise compat.LayoutMismatch(f"{name}: one block of the KV tensor is not contiguous")
             if t.device.type != "cpu":
@@ -354,7 +372,10 @@ class KVPoolWorker:
             layers.append(t.view(torch.uint8).numpy())
         if len(layers) != ns.num_layers:
             raise compat.LayoutMismatch(f"{len(layers)} KV tensors registered, namespace declares {ns.num_layers} layers")
-        self.copier.register(layers)
+        if self.device == "cuda":
+            self.copier.register(layers, ns=ns, block_dim=block_dim)
+        else:
+            self.copier.register(layers)
         self.history.write("register", layers=names, shape=list(kv_caches[names[0]].shape),
                            block_bytes=self.copier.block_bytes, ns=ns.as_dict())
 
@@ -398,7 +419,18 @@ class KVPoolWorker:
 
 
 def _copier(settings: ConnectorSettings, backend: PoolBackend, history: HistoryWriter,
-            metrics: ClientMetrics) -> HostCopier:
+            metrics: ClientMetrics, device: str = "cpu") -> Copier:
+    """The worker's copy engine by device: HostCopier on CPU (FaultyCopier around it when a
+    fault-control file is set), CudaCopier on CUDA (faults.gpu_live.ControlledCudaCopier,
+    whose engine the control file can make unordered, when a fault-control file is set)."""
+    if device == "cuda":
+        if settings.faults_file:
+            from faults.gpu_live import ControlledCudaCopier
+
+            return ControlledCudaCopier(backend, history, metrics, control=settings.faults_file)
+        from kvpool.gpu_copier import CudaCopier
+
+        return CudaCopier(backend, history, metrics)
     copier = HostCopier(backend, history, metrics)
     if not settings.faults_file:
         return copier

