@@ -308,22 +308,28 @@ class Cluster:
             raise OrphanError(f"left behind after stop: {left}")
 
     def _install_sigterm(self) -> None:
-        """A SIGTERM to the harness (CI cancelling a job) still tears the cluster down."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-        if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
-            return
-
-        def on_term(signum: int, frame: object) -> None:
-            raise SystemExit(128 + signum)  # unwinds through finally blocks and fixtures
-
-        signal.signal(signal.SIGTERM, on_term)
+        install_sigterm_unwind()
 
     def __enter__(self) -> Cluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def install_sigterm_unwind() -> None:
+    """A SIGTERM to the harness (CI cancelling a job) raises SystemExit in the main thread,
+    which unwinds through every finally block and fixture, so clusters stop cleanly. Only
+    from the main thread, and only where no other handler is installed."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+        return
+
+    def on_term(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
 
 
 def _terminate_group(proc: subprocess.Popen, grace: float = 30.0) -> None:

@@ -16,6 +16,7 @@ import secrets
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -111,7 +112,7 @@ def select(profile: str, names: list[str] | None = None):  # noqa: ANN201
     return [sc for sc in catalog if (sc.fault or "none") in kinds]
 
 
-def run_gate(seed: int | None = None, seeds: int = 3, report_dir: Path = Path("reports/runs/latest"),
+def run_gate(seed: int | None = None, seeds: int = 2, report_dir: Path = Path("reports/runs/latest"),
              profile: str = "all", scenarios: list[str] | None = None, pool_checks: bool = True) -> int:
     from harness.scenarios import replay_command, run_scenario
     from harness.workload import Corpus
@@ -124,10 +125,33 @@ def run_gate(seed: int | None = None, seeds: int = 3, report_dir: Path = Path("r
          "interleavings, which the report notes where they matter")
     run = GateRun(replay_key=key)
     t_start = time.monotonic()
-    if pool_checks:
-        _run_criteria(run, _pool_criteria(), root, seeds, f"kvgate gate --seed {root} --seeds {seeds}")
+    # The replicas take minutes to start: start them while the pool criteria run.
+    from harness.cluster import install_sigterm_unwind
+
+    install_sigterm_unwind()  # the cluster starts in a thread, where it cannot install it
+    started: dict = {}
+
+    def start() -> None:
+        try:
+            started["system"] = start_system(report_dir, {r for sc in chosen for r in sc.replicas})
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread, raised there
+            started["error"] = exc
+
+    starter = threading.Thread(target=start, name="kvgate-start-system")
+    starter.start()
+    try:
+        if pool_checks:
+            _run_criteria(run, _pool_criteria(), root, seeds, f"kvgate gate --seed {root} --seeds {seeds}")
+    except BaseException:
+        starter.join()
+        if "system" in started:  # interrupted: leave nothing running
+            started["system"][0].stop()
+        raise
+    starter.join()
+    if "error" in started:
+        raise started["error"]
     results = []
-    cluster, model = start_system(report_dir, {r for sc in chosen for r in sc.replicas})
+    cluster, model = started["system"]
     try:
         corpus = Corpus(model)
         total = sum(min(seeds, sc.seeds or seeds) for sc in chosen)
