@@ -175,7 +175,8 @@ def run_gate(seed: int | None = None, seeds: int = 2, report_dir: Path = Path("r
                 results.append(r)
             verdict = all_of([r.verdict for r in per], f"{len(per)} seeds")
             if verdict.valid is True:
-                verdict = Verdict(True, f"{len(per)} seeds: {per[0].verdict.reason}", verdict.evidence)
+                verdict = Verdict(True, f"{len(per)} seeds: {per[0].verdict.reason}", verdict.evidence,
+                                  verdict.not_checked)
             failing = next((r for r in per if r.verdict.valid is not True), per[0])
             run.criteria.append(Criterion(f"{sc.name}: {sc.description.split(':')[0].split('.')[0]}", verdict,
                                           replay_command(sc.name, failing.seed), time.monotonic() - t0))

@@ -207,6 +207,6 @@ def run_scenario(cluster: Cluster, corpus: Corpus, sc: Scenario, seed: int) -> S
                                 control))
     verdict = all_of(verdicts, f"{sc.name} seed {seed}")
     if verdict.valid is True:
-        verdict = Verdict(True, v.reason, verdict.evidence)
+        verdict = Verdict(True, v.reason, verdict.evidence, verdict.not_checked)
     return ScenarioResult(sc.name, sc.fault, seed, verdict, outcome, counts, control, replay_command(sc.name, seed),
                           time.monotonic() - t_start)

@@ -36,8 +36,9 @@ def all_of(verdicts: list[Verdict], reason: str) -> Verdict:
     else:
         valid = True
     failing = [v.reason for v in verdicts if v.valid is not True]
+    not_checked = "; ".join(dict.fromkeys(part for v in verdicts for part in v.not_checked.split("; ") if part))
     return Verdict(valid, reason if not failing else f"{reason}: " + "; ".join(failing),
-                   {"parts": [dataclasses.asdict(v) for v in verdicts]})
+                   {"parts": [dataclasses.asdict(v) for v in verdicts]}, not_checked)
 
 
 @dataclasses.dataclass(frozen=True)
