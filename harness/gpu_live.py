@@ -249,7 +249,7 @@ def run_live(cluster: GpuCluster, model: Path, seed: int) -> dict:
 
 def render_markdown(result: dict, date: str) -> str:
     env = result["env"]
-    lines = [f"# kvgate live on the GPU — {date}", "",
+    lines = [f"# kvgate live on the GPU — {date}, {result.get('gpu_model', env.get('gpu', '?'))}", "",
              f"{env.get('gpu', '?')}; vLLM {env.get('vllm')} (GPU bundle), torch {env.get('torch')} "
              f"(CUDA {env.get('cuda')}); two replicas of the tiny model (2 layers, 2 KV heads, head 64, block "
              f"{BLOCK_SIZE}) on one GPU, one kvpool pool, TRITON_ATTN, eager; seed {result['seed']}.", ""]
@@ -262,8 +262,9 @@ def render_markdown(result: dict, date: str) -> str:
         lines += [f"- [{mark}] **{ex['name']}** ({label}): {v['reason']}",
                   f"    - prompt {ex['prompt_tokens']} tokens; B loaded {ex['blocks_loaded_B']} of "
                   f"{ex['blocks_expected']} blocks; installed {be.get('installed')}, differ from A's "
-                  f"{be.get('differs_from_producer')}, from the pool's {be.get('differs_from_pool')}, cold "
-                  f"compared {be.get('cold_compared')} / differ {be.get('cold_differs')}",
+                  f"{be.get('differs_from_producer')}, from the pool's {be.get('differs_from_pool')}; cold recompute "
+                  f"compared {be.get('cold_compared', 'n/a (stopped at the first failure)')}, differ "
+                  f"{be.get('cold_differs', 'n/a')}",
                   f"    - TTFT A {ex['A']['ttft_ms']} ms, B hit {ex['B_hit']['ttft_ms']} ms, B cold "
                   f"{ex['B_cold']['ttft_ms']} ms; tokens B hit == B cold: {ex['tokens_equal_B_hit_vs_cold']}, "
                   f"A == B cold: {ex['tokens_equal_A_vs_B_cold']}",
@@ -277,9 +278,14 @@ def render_markdown(result: dict, date: str) -> str:
         for r in bench["rows"]:
             lines.append(f"| {r['prefix_tokens']} | {r['cold_prefill_ms']} | {r['local_hit_ttft_ms']} | "
                          f"{r['remote_hit_ttft_ms']} | {r['peer_hit_ttft_ms']} | {r['remote_vs_peer']} |")
-        lines += ["", f"Target (remote no slower than the peer's CPU-tier hit at every length): "
-                      f"{bench['targets']['remote_no_slower_than_peer_at_every_length']}", ""]
-    return "\n".join(lines)
+        met = bench["targets"]["remote_no_slower_than_peer_at_every_length"]
+        lines += ["", f"- [{'x' if met else ' '}] target: kvgate's remote hit no slower than the peer's CPU-tier hit "
+                      f"at every length ({'met' if met else 'NOT met'})", ""]
+    for note in result.get("notes", []):
+        lines.append(f"- {note}")
+    if result.get("command"):
+        lines += ["", f"Command: `{result['command']}`"]
+    return "\n".join(lines) + "\n"
 
 
 def _stop(cluster: Cluster) -> str:
