@@ -173,9 +173,10 @@ def run_gate(seed: int | None = None, seeds: int = 2, report_dir: Path = Path("r
                      + ("" if r.verdict.valid else f" - {r.verdict.reason[:300]}\n    replay: {r.replay}"))
                 per.append(r)
                 results.append(r)
-            verdict = all_of([r.verdict for r in per], f"{len(per)} seeds")
+            n_seeds = f"{len(per)} seed" + ("s" if len(per) != 1 else "")
+            verdict = all_of([r.verdict for r in per], n_seeds)
             if verdict.valid is True:
-                verdict = Verdict(True, f"{len(per)} seeds: {per[0].verdict.reason}", verdict.evidence,
+                verdict = Verdict(True, f"{n_seeds}: {per[0].verdict.reason}", verdict.evidence,
                                   verdict.not_checked)
             failing = next((r for r in per if r.verdict.valid is not True), per[0])
             run.criteria.append(Criterion(f"{sc.name}: {sc.description.split(':')[0].split('.')[0]}", verdict,
