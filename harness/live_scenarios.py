@@ -32,8 +32,10 @@ The live suites assert on them and the gate runs them for its seeds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+from collections.abc import Iterator
 
 from faults.schedule import draw_schedule
 from harness.cluster import Cluster
@@ -483,11 +485,7 @@ def replica_crash(cluster: Cluster, corpus: Corpus, seed: int, *, replica: str =
     x = corpus.text(2600, rng)
     tag = _tag("kc" if control else "kr", seed)
     h = cluster.history_dir
-    if control:
-        cluster.pool.stop()
-        cluster.pool.restart(extra_args=("--catalog-control", "leaky"))
-        cluster.nemesis("pool_swap", catalog="leaky")
-    try:
+    with pool_catalog(cluster, "leaky" if control else None):
         with cluster.pool.client(name="crash") as pc:
             before = pc.stats()
         cluster.faults[replica].write_text(json.dumps({"publish": {"kind": "hang", "seconds": 600, "times": 1}}))
@@ -528,11 +526,25 @@ def replica_crash(cluster: Cluster, corpus: Corpus, seed: int, *, replica: str =
                           leaked_pages=before["free_pages"] - after["free_pages"])
         return c.verdict(f"{replica} killed mid-publish: the pool reclaimed its {c.evidence['reserved_during']} "
                          f"reserved pages, none became visible, {consumer} computed the prompt, {replica} restarted")
+
+
+@contextlib.contextmanager
+def pool_catalog(cluster: Cluster, control: str | None) -> Iterator[None]:
+    """Run the block with the pool daemon on a known-bad catalog (faults.controls, by
+    name), then on a normal one again; None: leave the pool as it is. Each swap restarts
+    the daemon (the pool starts empty) and is recorded in the history."""
+    if control is None:
+        yield
+        return
+    cluster.pool.stop()
+    cluster.pool.restart(extra_args=("--catalog-control", control))
+    cluster.nemesis("pool_swap", catalog=control)
+    try:
+        yield
     finally:
-        if control:
-            cluster.pool.stop()
-            cluster.pool.restart()
-            cluster.nemesis("pool_swap", catalog="normal")
+        cluster.pool.stop()
+        cluster.pool.restart()
+        cluster.nemesis("pool_swap", catalog="normal")
 
 
 # -- transport faults: the proxy between the remote replica and the pool --------------------
@@ -627,11 +639,7 @@ def evict_leased(cluster: Cluster, corpus: Corpus, seed: int, *, control: str | 
     prompt = corpus.text(1500, rng)
     tag = _tag("ec" if control else "el", seed)
     h = cluster.history_dir
-    if control:
-        cluster.pool.stop()
-        cluster.pool.restart(extra_args=("--catalog-control", "leaseless"))
-        cluster.nemesis("pool_swap", catalog="leaseless")
-    try:
+    with pool_catalog(cluster, "leaseless" if control else None):
         complete(cluster.replicas["A"].url, prompt, tag=f"{tag}-a", replica="A")
         keys = [bytes.fromhex(k) for k in produced_of(h, "produced", f"{tag}-a", "A")]
         ns = namespace_of(h, "B")
@@ -680,8 +688,3 @@ def evict_leased(cluster: Cluster, corpus: Corpus, seed: int, *, control: str | 
                           squeezed_while_leased=squeezed, evicted_after_release=after_release)
         return c.verdict(f"{len(outcomes)} evictions of leased pages refused, the squeeze waited for the lease, "
                          "B's load completed byte-exact")
-    finally:
-        if control:
-            cluster.pool.stop()
-            cluster.pool.restart()
-            cluster.nemesis("pool_swap", catalog="normal")

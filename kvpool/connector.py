@@ -35,13 +35,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import time
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
-import numpy as np
 
 from kvpool import vllm_compat as compat
 from kvpool.client import PoolBackend, PoolClient

@@ -47,7 +47,6 @@ from kvpool.catalog import AdmissionPolicy, Catalog, CatalogConfig, LoadLimits
 from kvpool.digest import page_digest
 from kvpool.errors import (
     Busy,
-    ErrorCode,
     InvalidRequest,
     LeaseLost,
     OversizedFrame,
