@@ -18,6 +18,21 @@ pinned cudaMemcpy of the same bytes, measured in the same run, interleaved rep b
 The pool daemon runs in its own process with `--pool-io-threads` verify threads; the
 engine commits on `--lanes` connections. Progress goes to stderr; the last line printed
 is one JSON object.
+
+`kvgate bench gpu --gpus N` (run_concurrent) instead: N GPUs, one process each (its own
+CUDA context, torch.cuda.set_device(rank)), all on ONE pool (one registered arena). Each
+process stores its own blocks once (distinct chains), then, per size and repetition, with
+every process lined up on a barrier before each timed step:
+  alone       each GPU in turn, the others idle: a plain pinned H2D copy of the bytes
+              (cudaHostAlloc'd buffer -> GPU, the GPU's own baseline of this run), then
+              the engine's load of the same number of blocks from the pool;
+  concurrent  all GPUs at once: the plain copies, then the engine's loads.
+Per GPU: load_concurrent_vs_plain_copy = plain copy alone / engine load while every GPU
+loads (and the same with the GPU loading alone). Aggregate: all GPUs' bytes over the span
+from the first start to the last finish (CLOCK_MONOTONIC, shared by the processes),
+against the sum of the GPUs' plain copies alone and against their plain copies run at
+once. Headline figures over sizes of 256 MiB per GPU and more. Every process checks its
+first concurrent load byte-exact against its source KV.
 """
 
 from __future__ import annotations
@@ -26,11 +41,13 @@ import dataclasses
 import json
 import multiprocessing as mp
 import os
+import queue as queue_mod
 import secrets
 import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -350,3 +367,271 @@ def run_bench(quick: bool = False, paths: tuple[str, ...] = ("torch", "driver"),
     }
     print(json.dumps(result))
     return 0 if result["byte_exact"] else 1
+
+
+# -- N GPUs loading from one pool at once ------------------------------------------------------
+
+
+class ConcurrentBenchError(RuntimeError):
+    """A process of the concurrent bench failed, or did not answer in time."""
+
+
+BARRIER_S = 120.0  # a process that waits longer at a step gives up (BrokenBarrierError)
+
+
+def _concurrent_body(rank: int, gpus: int, unix: str, token: str, sizes: tuple[int, ...], reps: int, lanes: int,
+                     hash_threads: int, chunk_mib: int, commit_mib: int, seed: int, path: str, barrier) -> dict:  # noqa: ANN001
+    import torch
+
+    from kvpool.client import PoolClient
+    from kvpool.gpu_transfer import CopyPath, TransferConfig, TransferEngine
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    nmax = max(sizes)
+    t_setup = time.monotonic()
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed * 1000 + rank)
+    shape = (nmax, 2, BLOCK_TOKENS, KV_HEADS, HEAD_SIZE)
+    src = [torch.randint(-32768, 32767, shape, dtype=torch.int16, device=device, generator=gen).view(torch.bfloat16)
+           for _ in range(LAYERS)]
+    dst = [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(LAYERS)]
+    pinned = torch.empty(nmax * PAGE, dtype=torch.uint8, pin_memory=True)
+    gpu_buf = torch.empty(nmax * PAGE, dtype=torch.uint8, device=device)
+    clients = [PoolClient(unix, DEFAULT_TENANT, token, name=f"gpu{rank}-lane{i}", timeout_s=120.0)
+               for i in range(lanes)]
+    cfg = TransferConfig(path=CopyPath(path), block_dim=0, chunk_bytes=chunk_mib * 2**20,
+                         commit_bytes=commit_mib * 2**20, hash_threads=hash_threads)
+    eng_src = TransferEngine(clients[0], NS, src, cfg, lanes=clients)
+    eng_dst = TransferEngine(clients[0], NS, dst, cfg, lanes=clients)
+    try:
+        base = (rank + 1) * 1_000_000_000  # a chain of this process's own
+        hashes = block_hashes(range(base, base + BLOCK_TOKENS * nmax), BLOCK_TOKENS)
+        torch.cuda.synchronize(device)
+        t0 = time.monotonic()
+        eng_src.store(range(nmax), hashes)
+        outs = eng_src.drain()
+        store_s = time.monotonic() - t0
+        committed = sum(o.committed for o in outs)
+        if committed != nmax:
+            raise ConcurrentBenchError(f"GPU {rank}: store of {nmax} blocks committed {committed}: {outs}")
+        setup_s = time.monotonic() - t_setup
+
+        def plain(n: int) -> None:
+            gpu_buf[: n * PAGE].copy_(pinned[: n * PAGE], non_blocking=True)
+            torch.cuda.synchronize(device)
+
+        def load(n: int) -> None:
+            h = eng_dst.load(range(n), hashes[:n])
+            eng_dst.wait_for_load(h)
+            torch.cuda.current_stream(device).synchronize()
+            if h.loaded != n:
+                raise ConcurrentBenchError(f"GPU {rank}: load of {n} blocks installed {h.loaded}: {h}")
+
+        def step(active: bool, fn, n: int) -> tuple[float, float] | None:  # noqa: ANN001
+            torch.cuda.synchronize(device)
+            barrier.wait(BARRIER_S)
+            out = None
+            if active:
+                t0 = time.monotonic()
+                fn(n)
+                out = (t0, time.monotonic())
+                if fn is load:
+                    eng_dst.drain()  # the leases' release, outside the timing
+            barrier.wait(BARRIER_S)
+            return out
+
+        res: dict[str, dict] = {}
+        for n in sizes:
+            d: dict = {k: [] for k in ("alone_plain", "alone_load", "concurrent_plain", "concurrent_load")}
+            exact = None
+            for r in range(reps):
+                for g in range(gpus):
+                    t = step(rank == g, plain, n)
+                    if t:
+                        d["alone_plain"].append(t)
+                for g in range(gpus):
+                    t = step(rank == g, load, n)
+                    if t:
+                        d["alone_load"].append(t)
+                d["concurrent_plain"].append(step(True, plain, n))
+                if r == 0:
+                    for layer in dst:
+                        layer[:n].zero_()
+                d["concurrent_load"].append(step(True, load, n))
+                if r == 0:
+                    exact = all(torch.equal(a[:n].view(torch.int16), b[:n].view(torch.int16)) for a, b in zip(src, dst))
+            d["byte_exact"] = exact
+            res[str(n)] = d
+        return {"rank": rank, "gpu": torch.cuda.get_device_name(device), "setup_s": round(setup_s, 2),
+                "store_s": round(store_s, 3), "host_memory": str(eng_src.capabilities.host_memory.value),
+                "sizes": res}
+    finally:
+        eng_src.close()
+        eng_dst.close()
+        for c in clients:
+            c.close()
+
+
+def _concurrent_worker(rank: int, results_q, barrier, *args) -> None:  # noqa: ANN001
+    try:
+        results_q.put(("ok", rank, _concurrent_body(rank, *args, barrier)))
+    except BaseException as exc:  # reported to the parent, which raises ConcurrentBenchError
+        results_q.put(("error", rank, "".join(traceback.format_exception(exc))[-4000:]))
+        barrier.abort()  # the other processes stop waiting
+        sys.exit(1)
+
+
+def summarize_concurrent(results: dict[int, dict], sizes: tuple[int, ...], gpus: int) -> dict:
+    """Per-size rows, per-GPU ratios and the aggregate from the processes' (start, end) times."""
+    rows = {}
+    for n in sizes:
+        nbytes = n * PAGE
+        per_gpu = []
+        for rank in range(gpus):
+            d = results[rank]["sizes"][str(n)]
+            med = {k: _median([t1 - t0 for t0, t1 in d[k]])
+                   for k in ("alone_plain", "alone_load", "concurrent_plain", "concurrent_load")}
+            per_gpu.append({
+                "gpu": rank, "byte_exact": d["byte_exact"],
+                "plain_h2d_alone_GBps": round(nbytes / med["alone_plain"] / 1e9, 2),
+                "load_alone_GBps": round(nbytes / med["alone_load"] / 1e9, 2),
+                "plain_h2d_concurrent_GBps": round(nbytes / med["concurrent_plain"] / 1e9, 2),
+                "load_concurrent_GBps": round(nbytes / med["concurrent_load"] / 1e9, 2),
+                "load_alone_vs_plain_copy": round(med["alone_plain"] / med["alone_load"], 3),
+                "load_concurrent_vs_plain_copy": round(med["alone_plain"] / med["concurrent_load"], 3),
+                "median_s": {k: round(v, 6) for k, v in med.items()},
+            })
+        spans = {}
+        for k in ("concurrent_plain", "concurrent_load"):
+            reps = len(results[0]["sizes"][str(n)][k])
+            spans[k] = _median([max(results[g]["sizes"][str(n)][k][r][1] for g in range(gpus))
+                                - min(results[g]["sizes"][str(n)][k][r][0] for g in range(gpus)) for r in range(reps)])
+        agg_load = gpus * nbytes / spans["concurrent_load"] / 1e9
+        agg_plain = gpus * nbytes / spans["concurrent_plain"] / 1e9
+        sum_alone = sum(g["plain_h2d_alone_GBps"] for g in per_gpu)
+        rows[str(n)] = {
+            "blocks_per_gpu": n, "MiB_per_gpu": nbytes // 2**20, "per_gpu": per_gpu,
+            "aggregate_load_GBps": round(agg_load, 2), "aggregate_plain_concurrent_GBps": round(agg_plain, 2),
+            "sum_plain_alone_GBps": round(sum_alone, 2),
+            "aggregate_load_vs_sum_plain_copy": round(agg_load / sum_alone, 3),
+            "aggregate_load_vs_concurrent_plain_copy": round(agg_load / agg_plain, 3),
+            "median_span_s": {k: round(v, 6) for k, v in spans.items()},
+        }
+    big = [rows[str(n)] for n in sizes if n * PAGE >= 256 * 2**20] or [rows[str(max(sizes))]]
+    big_bytes = sum(r["MiB_per_gpu"] * 2**20 for r in big)
+
+    def per_gpu_ratio(rank: int, key: str) -> float:
+        return round(sum(r["per_gpu"][rank]["median_s"]["alone_plain"] for r in big)
+                     / sum(r["per_gpu"][rank]["median_s"][key] for r in big), 3)
+
+    plain_by_gpu = {str(g): round(big_bytes / sum(r["per_gpu"][g]["median_s"]["alone_plain"] for r in big) / 1e9, 2)
+                    for g in range(gpus)}
+    agg = gpus * big_bytes / sum(r["median_span_s"]["concurrent_load"] for r in big) / 1e9
+    agg_plain = gpus * big_bytes / sum(r["median_span_s"]["concurrent_plain"] for r in big) / 1e9
+    return {
+        "rows": rows,
+        "headline_sizes_blocks_per_gpu": [r["blocks_per_gpu"] for r in big],
+        "load_concurrent_vs_plain_copy_by_gpu": {str(g): per_gpu_ratio(g, "concurrent_load") for g in range(gpus)},
+        "load_alone_vs_plain_copy_by_gpu": {str(g): per_gpu_ratio(g, "alone_load") for g in range(gpus)},
+        "plain_copy_alone_GBps_by_gpu": plain_by_gpu,
+        "aggregate_load_GBps": round(agg, 2),
+        "aggregate_plain_concurrent_GBps": round(agg_plain, 2),
+        "aggregate_load_vs_sum_plain_copy": round(agg / sum(plain_by_gpu.values()), 3),
+        "aggregate_load_vs_concurrent_plain_copy": round(agg / agg_plain, 3),
+        "byte_exact": all(g["byte_exact"] is True for r in rows.values() for g in r["per_gpu"]),
+    }
+
+
+def run_concurrent(gpus: int, sizes: tuple[int, ...] = (64, 256, 1024), reps: int = 3, lanes: int = 8,
+                   hash_threads: int = 8, io_threads: int = 8, chunk_mib: int = 128, commit_mib: int = 32,
+                   seed: int = 0, path: str = "torch", timeout_s: float = 540.0) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print(json.dumps({"error": "no CUDA GPU on this machine: kvgate bench gpu --gpus needs one"}))
+        return 2
+    visible = torch.cuda.device_count()
+    if gpus < 1 or gpus > visible:
+        print(json.dumps({"error": f"--gpus {gpus}: {visible} GPU(s) visible"}))
+        return 2
+    if not sizes:
+        raise ValueError("no transfer sizes")
+    names = [torch.cuda.get_device_name(i) for i in range(gpus)]
+    want = gpus * max(sizes) + 16
+    if _shm_blocks(want) < want:
+        raise ConcurrentBenchError(f"/dev/shm holds {_shm_blocks(want)} pages of {PAGE >> 20} MiB; the concurrent "
+                                   f"bench needs {want} ({want * PAGE / 2**30:.1f} GiB)")
+    _say(f"kvgate bench gpu --gpus {gpus}: {', '.join(names)}; one pool of {want} pages ({want * PAGE / 2**30:.1f} GiB);"
+         f" sizes {list(sizes)} blocks per GPU ({[n * PAGE >> 20 for n in sizes]} MiB); reps {reps}; path {path}; "
+         f"lanes {lanes}, digest threads {hash_threads} per GPU")
+    t0 = time.monotonic()
+    pool = _Pool(PAGE, want, io_threads)
+    ctx = mp.get_context("spawn")
+    results_q = ctx.Queue()
+    barrier = ctx.Barrier(gpus)
+    procs = [ctx.Process(target=_concurrent_worker, name=f"kvgate-bench-gpu{r}",
+                         args=(r, results_q, barrier, gpus, pool.unix, pool.token, tuple(sizes), reps, lanes, hash_threads,
+                               chunk_mib, commit_mib, seed, path))
+             for r in range(gpus)]
+    results: dict[int, dict] = {}
+    errors: dict[int, str] = {}
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        silent_since: dict[int, float] = {}
+        while len(results) + len(errors) < gpus:
+            try:
+                kind, rank, payload = results_q.get(timeout=2.0)
+            except queue_mod.Empty:  # check the processes and the clock
+                now = time.monotonic()
+                for r, p in enumerate(procs):
+                    if not p.is_alive() and r not in results and r not in errors:
+                        silent_since.setdefault(r, now)
+                # a process that died without a word (its last message had 5 s to arrive): stop the others
+                gone = [r for r, t in silent_since.items() if now - t > 5 and r not in results and r not in errors]
+                if gone:
+                    barrier.abort()
+                    raise ConcurrentBenchError(f"bench process(es) {gone} exited without a result (exit codes "
+                                               f"{[procs[r].exitcode for r in gone]})") from None
+                if now > deadline:
+                    barrier.abort()
+                    raise ConcurrentBenchError(f"no result from {gpus - len(results) - len(errors)} bench "
+                                               f"process(es) within {timeout_s} s") from None
+                continue
+            (results if kind == "ok" else errors)[rank] = payload
+            if kind == "ok":
+                _say(f"  GPU {rank}: done (set-up {payload['setup_s']} s, store of {max(sizes)} blocks "
+                     f"{payload['store_s']} s, host memory {payload['host_memory']})")
+        if errors:
+            raise ConcurrentBenchError("; ".join(f"GPU {r}: {e}" for r, e in sorted(errors.items())))
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.terminate()
+                p.join(10)
+        pool.stop()
+    summary = summarize_concurrent(results, tuple(sizes), gpus)
+    for n in sizes:
+        row = summary["rows"][str(n)]
+        per = "; ".join(f"GPU {g['gpu']}: plain {g['plain_h2d_alone_GBps']} GB/s, load alone {g['load_alone_GBps']}, "
+                        f"load concurrent {g['load_concurrent_GBps']} ({g['load_concurrent_vs_plain_copy']}x)"
+                        for g in row["per_gpu"])
+        _say(f"  {n:>5} blocks/GPU ({row['MiB_per_gpu']} MiB): {per} | aggregate load {row['aggregate_load_GBps']} GB/s "
+             f"vs plain at once {row['aggregate_plain_concurrent_GBps']} ({row['aggregate_load_vs_concurrent_plain_copy']}"
+             f"x), vs the sum of plain alone {row['sum_plain_alone_GBps']} ({row['aggregate_load_vs_sum_plain_copy']}x)")
+    out = {
+        "gpus": gpus, "gpu_names": names, "torch": torch.__version__,
+        "model": {"layers": LAYERS, "kv_heads": KV_HEADS, "head_size": HEAD_SIZE, "dtype": "bfloat16",
+                  "block_tokens": BLOCK_TOKENS, "kv_bytes_per_token": KV_BYTES_PER_TOKEN, "page_bytes": PAGE},
+        "config": {"sizes_blocks_per_gpu": list(sizes), "reps": reps, "lanes": lanes, "hash_threads": hash_threads,
+                   "pool_io_threads": io_threads, "chunk_mib": chunk_mib, "commit_mib": commit_mib, "seed": seed,
+                   "path": path, "pool_pages": want},
+        "per_process": {str(r): {k: v for k, v in res.items() if k != "sizes"} for r, res in sorted(results.items())},
+        "wall_s": round(time.monotonic() - t0, 1),
+        **summary,
+    }
+    print(json.dumps(out))
+    return 0 if out["byte_exact"] else 1

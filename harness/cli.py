@@ -2,8 +2,10 @@
 
   kvgate pool serve [...]   run a pool daemon in the foreground (SIGTERM/SIGINT: clean stop)
   kvgate bench pool [...]   the pool benchmark (ratios against baselines of the same run)
-  kvgate bench gpu [...]    the GPU transfer engine against a plain pinned cudaMemcpy (needs CUDA)
-  kvgate gpu-live [...]     kvgate live on one GPU with vLLM 0.24: cross-replica hit, stream delay, control
+  kvgate bench gpu [...]    the GPU transfer engine against a plain pinned cudaMemcpy (needs CUDA);
+                            --gpus N: N GPUs loading from one pool at once
+  kvgate gpu-live [...]     kvgate live on GPUs with vLLM 0.24: cross-replica hits both ways, stream delay,
+                            control; --gpus N places one replica per GPU; --sessions: OFF-ON-ON-OFF
   kvgate gate [...]         the main job: start the embedded default system, run the gate
   kvgate scenarios          list the scenario catalog
   kvgate replay NAME --seed N   rerun one scenario with one seed, print the same verdicts
@@ -88,9 +90,16 @@ def cmd_bench_gpu(args: argparse.Namespace) -> int:
     from harness.bench_gpu import run_bench
 
     paths = tuple(p for p in args.paths.split(",") if p)
-    return run_bench(quick=args.quick, paths=paths, reps=args.reps, max_blocks=args.max_blocks, lanes=args.lanes,
-                     hash_threads=args.hash_threads, io_threads=args.pool_io_threads, chunk_mib=args.chunk_mib,
-                     commit_mib=args.commit_mib, seed=args.seed)
+    if not args.gpus:
+        return run_bench(quick=args.quick, paths=paths, reps=args.reps, max_blocks=args.max_blocks,
+                         lanes=args.lanes, hash_threads=args.hash_threads, io_threads=args.pool_io_threads,
+                         chunk_mib=args.chunk_mib, commit_mib=args.commit_mib, seed=args.seed)
+    from harness.bench_gpu import run_concurrent
+
+    sizes = tuple(int(x) for x in args.concurrent_blocks.split(",") if x)
+    return run_concurrent(gpus=args.gpus, sizes=sizes, reps=args.reps, lanes=args.lanes,
+                          hash_threads=args.hash_threads, io_threads=args.pool_io_threads, chunk_mib=args.chunk_mib,
+                          commit_mib=args.commit_mib, seed=args.seed, path=paths[0] if paths else "torch")
 
 
 def cmd_bench_live(args: argparse.Namespace) -> int:
@@ -104,8 +113,10 @@ def cmd_gpu_live(args: argparse.Namespace) -> int:
     from harness.gpu_live import main as gpu_live
 
     lengths = tuple(int(x) for x in args.bench_lengths.split(",") if x)
+    contexts = tuple(int(x) for x in args.session_contexts.split(",") if x)
     return gpu_live(args.report_dir, seed=args.seed, bench=args.bench, bench_reps=args.bench_reps,
-                    bench_lengths=lengths, deadline_s=args.deadline)
+                    bench_lengths=lengths, deadline_s=args.deadline, gpus=args.gpus, sessions=args.sessions,
+                    session_contexts=contexts, session_count=args.session_count, turns=args.turns)
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
@@ -199,6 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--chunk-mib", type=int, default=128, help="staged copy chunk")
     bg.add_argument("--commit-mib", type=int, default=32, help="reservation / commit unit")
     bg.add_argument("--seed", type=int, default=0, help="seed of the KV bytes and block choices")
+    bg.add_argument("--gpus", type=int, default=0,
+                    help="N >= 1: the concurrent bench instead of the sweep: N GPUs (one process each) load from one "
+                         "pool at once, against each GPU's plain pinned copy of the same run")
+    bg.add_argument("--concurrent-blocks", default="64,256,1024",
+                    help="transfer sizes of the concurrent bench, in 4 MiB blocks per GPU")
     bg.set_defaults(func=cmd_bench_gpu)
 
     bl = bench.add_parser("live", help="cold / local / remote / peer TTFT by prefix length on live replicas")
@@ -207,13 +223,20 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--report-dir", type=Path, default=None, help="logs and history (default: a temp dir)")
     bl.set_defaults(func=cmd_bench_live)
 
-    gl = sub.add_parser("gpu-live", help="live replicas on one GPU (vLLM 0.24): hit, stream delay, control")
+    gl = sub.add_parser("gpu-live", help="live replicas on GPUs (vLLM 0.24): hits both ways, stream delay, control")
     gl.add_argument("--report-dir", type=Path, default=Path("reports/runs/gpu-live"))
     gl.add_argument("--seed", type=int, default=20261129, help="seed of the prompts")
     gl.add_argument("--bench", action="store_true", help="also the live rows of bench gpu part 2")
     gl.add_argument("--bench-reps", type=int, default=1)
     gl.add_argument("--bench-lengths", default="8192,32768,65536")
     gl.add_argument("--deadline", type=float, default=540.0, help="seconds for the whole run (bench stops early)")
+    gl.add_argument("--gpus", type=int, default=1,
+                    help="1: two replicas share the one GPU; N >= 2: one replica per GPU (A on GPU 0, B on GPU 1, ...)")
+    gl.add_argument("--sessions", action="store_true",
+                    help="also OFF-ON-ON-OFF six-turn sessions alternating replicas (the bench model, same placement)")
+    gl.add_argument("--session-contexts", default="32768", help="initial context lengths of the sessions, in tokens")
+    gl.add_argument("--session-count", type=int, default=2, help="sessions per block")
+    gl.add_argument("--turns", type=int, default=6, help="turns per session")
     gl.set_defaults(func=cmd_gpu_live)
 
     gate = sub.add_parser("gate", help="run the gate on the embedded default system")

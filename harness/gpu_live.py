@@ -1,29 +1,44 @@
-"""`kvgate gpu-live`: kvgate live on one GPU with vLLM 0.24 (the GPU bundle).
+"""`kvgate gpu-live`: kvgate live on GPUs with vLLM 0.24 (the GPU bundle).
 
-Two replicas (A, B) of the tiny model share one GPU and one kvpool pool through kvpool's
-connector, each under the audit wrapper (kvpool.audit) around
-faults.gpu_live.StreamDelayConnector (kvpool's connector with the stream-delay fault
-site), with a fault-control file each. Three exchanges, each on a fresh seeded prompt of
-several blocks; in each, A computes and publishes, B loads, then B recomputes the same
-prompt cold (its prefix cache reset, pool bypassed):
+Placement (`--gpus N`): with N <= 1, two replicas (A, B) of the tiny model share one GPU;
+with N >= 2, one replica per GPU (A on GPU 0, B on GPU 1, C on GPU 2, ...; each started
+with CUDA_VISIBLE_DEVICES set to its GPU). Either way every replica is registered on the
+same kvpool pool (one shared-memory arena on the host), through kvpool's connector, under
+the audit wrapper (kvpool.audit) around faults.gpu_live.StreamDelayConnector (kvpool's
+connector with the stream-delay fault site), with a fault-control file each.
 
-  cross_replica_hit   no fault: B's tokens equal its cold run's, and the byte-exact oracle
-                      (harness.live_checks.byte_exact) holds: every block B installed
-                      equals A's produced bytes and the pool's committed copy, and B's own
-                      cold recompute gives the same bytes.
-  stream_delay        A's step that publishes runs behind a torch.cuda._sleep enqueued on
-                      the engine's stream before the forward writes the KV; the ordered
-                      engine must still publish exact bytes (same checks).
+Directions: every replica publishes once to the next one (A -> B, B -> A with two
+replicas; A -> B -> C -> A with three). Three exchanges per direction, each on a fresh
+seeded prompt of several blocks; in each, the producer computes and publishes, the
+consumer loads, then the consumer recomputes the same prompt cold (its prefix cache
+reset, pool bypassed):
+
+  cross_replica_hit   no fault: the consumer's tokens equal its cold run's, and the
+                      byte-exact oracle (harness.live_checks.byte_exact) holds: every block
+                      it installed equals the producer's bytes and the pool's committed
+                      copy, and its own cold recompute gives the same bytes.
+  stream_delay        the producer's step that publishes runs behind a torch.cuda._sleep
+                      enqueued on the engine's stream before the forward writes the KV; the
+                      ordered engine must still publish exact bytes (same checks).
   stream_delay_control
                       the same delay with the negative control armed (the transfer engine
                       drops the store's dependency on the engine's stream,
                       faults.gpu_live.SwitchableTransferEngine): the byte-exact check must
                       catch it (a FAIL verdict there is the expected outcome).
 
+Sessions (`--sessions`): the OFF-ON-ON-OFF comparison of the seed (003_...) on a second
+set of replicas of the bench model (fixtures.gpu_model, 64 KiB of KV per token), placed
+like the tiny ones: six-turn sessions whose turns alternate replicas, run four times
+(pool off, on, on, off; each block under its own cache_salt); TTFT per turn, the median
+of the cross-replica turns per block, and the generated tokens compared across blocks.
+
   GpuCluster            harness.cluster.Cluster with vLLM 0.24 GPU flags and the fault site
                         as the audit wrapper's inner connector.
-  run_live(report_dir, seed)  -> dict    the three exchanges and their verdicts.
-  render_markdown(result)     -> str     the checklist.
+  placement(gpus)       -> [(replica, CUDA_VISIBLE_DEVICES or None)]
+  directions(names)     -> [(producer, consumer)]
+  run_live(cluster, model, seed)  -> dict    the exchanges and their verdicts.
+  run_session_blocks(cluster, corpus, seed, ...) -> dict   OFF-ON-ON-OFF at one context.
+  render_markdown(result, date)   -> str     the checklist.
 The last line printed is the result as one JSON object. Each verdict says what it does not
 check. The delay is seeded only in its length; a seed cannot force a thread interleaving.
 """
@@ -32,7 +47,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
+import statistics
 import sys
 import time
 import traceback
@@ -142,37 +159,61 @@ def _tokens(c: Completion) -> dict:
             "error": c.error}
 
 
+def placement(gpus: int) -> list[tuple[str, str | None]]:
+    """Replica names and their CUDA_VISIBLE_DEVICES: two replicas on the one visible GPU
+    (None: inherited) for gpus <= 1, else one replica per GPU."""
+    if gpus > 26:
+        raise ValueError(f"at most 26 replicas (A..Z), asked for {gpus} GPUs")
+    if gpus <= 1:
+        return [("A", None), ("B", None)]
+    return [(chr(ord("A") + i), str(i)) for i in range(gpus)]
+
+
+def directions(names: list[str]) -> list[tuple[str, str]]:
+    """(producer, consumer) pairs: every replica publishes to the next one, the last to the
+    first (A -> B and B -> A for two replicas)."""
+    if len(names) < 2:
+        raise ValueError(f"a cross-replica hit needs two replicas, got {names}")
+    return [(names[i], names[(i + 1) % len(names)]) for i in range(len(names))]
+
+
+def _gpu_env(device: str | None) -> tuple[tuple[str, str], ...]:
+    return () if device is None else (("CUDA_VISIBLE_DEVICES", device),)
+
+
 def run_exchange(cluster: GpuCluster, corpus: Corpus, ex: Exchange, rng: random.Random,
-                 max_tokens: int = 16) -> dict:
-    A, B = cluster.replicas["A"].url, cluster.replicas["B"].url
+                 max_tokens: int = 16, producer: str = "A", consumer: str = "B") -> dict:
+    P, C = cluster.replicas[producer].url, cluster.replicas[consumer].url
     h = cluster.history_dir
     prompt = corpus.text(ex.prompt_tokens, rng)  # + BOS
     n = ex.prompt_tokens + 1
-    pub, hit, cold = f"{ex.name}-pub", f"{ex.name}-hit", f"{ex.name}-cold"
+    label = ex.name if (producer, consumer) == ("A", "B") else f"{ex.name}-{producer}{consumer}"
+    pub, hit, cold = f"{label}-pub", f"{label}-hit", f"{label}-cold"
     t_arm = time.time()
-    cluster.arm("A", ex.fault)
+    cluster.arm(producer, ex.fault)
     try:
-        a = complete(A, prompt, tag=pub, replica="A", max_tokens=max_tokens)
-        pubs = wait_published(h, "A", pub, n // BLOCK_SIZE)
+        a = complete(P, prompt, tag=pub, replica=producer, max_tokens=max_tokens)
+        pubs = wait_published(h, producer, pub, n // BLOCK_SIZE)
     finally:
-        cluster.arm("A", None)
+        cluster.arm(producer, None)
     t_heal = time.time()
-    b = complete(B, prompt, tag=hit, replica="B", max_tokens=max_tokens)
-    reset_prefix_cache(B)
-    bc = complete(B, prompt, tag=cold, replica="B", max_tokens=max_tokens, load=False, publish=False)
-    reset_prefix_cache(B)
-    lookups = records(h, "lookup", replica="B", tag=hit)
-    loads = records(h, "load", replica="B", tag=hit)
-    faults = [r for r in records(h, "fault", replica="A") if pub in (r.get("tags") or [])]
-    dropped = [r for r in records(h, "fault", replica="A", site="gpu_transfer") if t_arm <= r["t"] <= t_heal]
-    exact = byte_exact(cluster, ("A", pub), ("B", hit), ("B", cold))
-    pooled = published_exact(cluster, "A", pub)
+    b = complete(C, prompt, tag=hit, replica=consumer, max_tokens=max_tokens)
+    reset_prefix_cache(C)
+    bc = complete(C, prompt, tag=cold, replica=consumer, max_tokens=max_tokens, load=False, publish=False)
+    reset_prefix_cache(C)
+    lookups = records(h, "lookup", replica=consumer, tag=hit)
+    loads = records(h, "load", replica=consumer, tag=hit)
+    faults = [r for r in records(h, "fault", replica=producer) if pub in (r.get("tags") or [])]
+    dropped = [r for r in records(h, "fault", replica=producer, site="gpu_transfer") if t_arm <= r["t"] <= t_heal]
+    exact = byte_exact(cluster, (producer, pub), (consumer, hit), (consumer, cold))
+    pooled = published_exact(cluster, producer, pub)
     tokens_equal = b.token_ids == bc.token_ids and len(b.token_ids) == max_tokens
     hit_blocks = sum(int(r["loaded"]) for r in loads)
     want_blocks = (n - 1) // BLOCK_SIZE
+    # "A", "B_hit", "B_cold" name the roles (producer, consumer), whichever replicas play them
     out = {
-        "name": ex.name, "prompt_tokens": n, "block_size": BLOCK_SIZE, "fault": ex.fault,
-        "expect_caught": ex.expect_caught,
+        "name": ex.name, "producer": producer, "consumer": consumer, "tag": label, "prompt_tokens": n,
+        "block_size": BLOCK_SIZE, "fault": ex.fault, "expect_caught": ex.expect_caught,
         "A": _tokens(a), "B_hit": _tokens(b), "B_cold": _tokens(bc),
         "tokens_equal_B_hit_vs_cold": tokens_equal, "tokens_equal_A_vs_B_cold": a.token_ids == bc.token_ids,
         "lookup_B": [{k: r.get(k) for k in ("outcome", "hit_blocks", "external_tokens", "miss_cause")}
@@ -190,15 +231,15 @@ def run_exchange(cluster: GpuCluster, corpus: Corpus, ex: Exchange, rng: random.
             ("negative control caught: " if caught else "negative control NOT caught: ") + exact.reason
             + f"; pool vs producer: {pooled.reason}; delay fired {len(faults)}x, edge dropped {len(dropped)}x",
             {"caught": caught, "delay_fired": len(faults), "edges_dropped": len(dropped)},
-            not_checked="whether B's tokens differ (a stale block need not change greedy tokens)"))
+            not_checked=f"whether {consumer}'s tokens differ (a stale block need not change greedy tokens)"))
     else:
         fault_ok = ex.fault is None or (bool(faults) and a.ttft_s * 1e3 >= 0.9 * STREAM_DELAY_MS)
         ok = (exact.valid is True and pooled.valid is True and tokens_equal and hit_blocks == want_blocks
               and fault_ok)
         out["verdict"] = dataclasses.asdict(Verdict(
-            ok, f"B loaded {hit_blocks}/{want_blocks} blocks; tokens B hit == B cold: {tokens_equal}; "
-                f"{exact.reason}; {pooled.reason}"
-                + (f"; delay fired {len(faults)}x, A's TTFT {a.ttft_s * 1e3:.0f} ms" if ex.fault else ""),
+            ok, f"{consumer} loaded {hit_blocks}/{want_blocks} blocks {producer} published; tokens {consumer} hit == "
+                f"{consumer} cold: {tokens_equal}; {exact.reason}; {pooled.reason}"
+                + (f"; delay fired {len(faults)}x, {producer}'s TTFT {a.ttft_s * 1e3:.0f} ms" if ex.fault else ""),
             {"exact": exact.valid, "pool": pooled.valid, "tokens_equal": tokens_equal},
             not_checked="tokens beyond the first max_tokens; blocks outside this prompt"))
     return out
@@ -210,6 +251,7 @@ def _env() -> dict:
     out = {"torch": torch.__version__, "cuda": torch.version.cuda}
     if torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name(0)
+        out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     try:
         from vllm.version import __version__ as v
 
@@ -219,57 +261,282 @@ def _env() -> dict:
     return out
 
 
-def tiny_cluster(report_dir: Path) -> tuple[GpuCluster, list[ReplicaSpec], Path]:
+def tiny_cluster(report_dir: Path, gpus: int = 1) -> tuple[GpuCluster, list[ReplicaSpec], Path]:
     from fixtures.tiny_model import build_tiny_model
 
     model = build_tiny_model(report_dir / "model" / "tiny", seed=0, revision="r1")
     specs = [ReplicaSpec(name, core=str(i), kv_bytes=1 << 30, audit=True, policy="recompute",
                          max_model_len=4096, max_num_batched_tokens=2048,
-                         faults_file=str(report_dir / f"faults-{name}.json"), extra_args=gpu_args(0.08))
-             for i, name in enumerate(("A", "B"))]
+                         faults_file=str(report_dir / f"faults-{name}.json"), extra_env=_gpu_env(device),
+                         extra_args=gpu_args(0.08))
+             for i, (name, device) in enumerate(placement(gpus))]
     return GpuCluster(model, report_dir, page_size=64 * 1024, pool_pages=4096), specs, model
 
 
 def run_live(cluster: GpuCluster, model: Path, seed: int) -> dict:
+    from harness import workload
+
+    workload.RECORDER = cluster.history
     corpus = Corpus(model)
     rng = random.Random(f"gpu-live:{seed}")
-    for name in ("A", "B"):  # first requests compile kernels; not part of any exchange
+    names = list(cluster.replicas)
+    for name in names:  # first requests compile kernels; not part of any exchange
         complete(cluster.replicas[name].url, corpus.text(40, rng), tag=f"warmup-{name}", replica=name,
                  load=False, publish=False)
-    results = [run_exchange(cluster, corpus, ex, rng) for ex in EXCHANGES]
+    pairs = directions(names)
+    results = [run_exchange(cluster, corpus, ex, rng, producer=p, consumer=c) for ex in EXCHANGES for p, c in pairs]
     reg = records(cluster.history_dir, "register")
     gpu = records(cluster.history_dir, "gpu_transfer")
     return {
-        "seed": seed, "env": _env(), "exchanges": results,
+        "seed": seed, "env": _env(), "exchanges": results, "directions": [f"{p}->{c}" for p, c in pairs],
+        "placement": {r.spec.name: dict(r.spec.extra_env).get("CUDA_VISIBLE_DEVICES", "inherited")
+                      for r in cluster.replicas.values()},
         "register": [{k: r.get(k) for k in ("replica", "shape", "block_bytes")} for r in reg],
-        "gpu_transfer": gpu[:2],
+        "gpu_transfer": [{k: r.get(k) for k in ("replica", "host_memory", "path")} for r in gpu],
         "passed": all(r["verdict"]["valid"] is True for r in results),
     }
 
 
+# -- sessions: OFF-ON-ON-OFF on the bench model ----------------------------------------------
+
+SESSION_CHUNK = 8192
+SESSION_KV_BYTES = 10 << 30  # a 64k-token session (4.2 GiB of KV) stays in a replica's own prefix cache
+SESSION_POOL_BYTES = 16 << 30
+SESSION_USER_TOKENS = 64
+SESSION_MAX_TOKENS = 16
+
+
+def start_sessions(report_dir: Path, gpus: int, max_context: int, turns: int = 6) -> Cluster:
+    """Replicas of the bench model (fixtures.gpu_model), placed as the tiny ones, on a pool
+    of their own; kvpool's connector without audit (the byte-exact oracle runs on the tiny
+    pair)."""
+    from fixtures.gpu_model import BENCH_SHAPE, build_llama
+
+    t0 = time.monotonic()
+    model = build_llama(report_dir / "model", BENCH_SHAPE, seed=0)
+    page = BENCH_SHAPE.kv_bytes_per_token * BLOCK_SIZE
+    n_len = max_context + turns * (SESSION_USER_TOKENS + SESSION_MAX_TOKENS) + 1024
+    specs = [ReplicaSpec(name, core=str(i), kv_bytes=SESSION_KV_BYTES, max_model_len=n_len,
+                         max_num_batched_tokens=SESSION_CHUNK, extra_env=_gpu_env(device), extra_args=gpu_args(0.12))
+             for i, (name, device) in enumerate(placement(gpus))]
+    st = os.statvfs("/dev/shm")
+    pool_bytes = min(SESSION_POOL_BYTES, st.f_bavail * st.f_frsize - (4 << 30))  # room for the tiny pool and others
+    if pool_bytes < 2 * max_context * BENCH_SHAPE.kv_bytes_per_token:
+        raise GpuLiveError(f"/dev/shm has {st.f_bavail * st.f_frsize / 2**30:.1f} GiB free: too little for a pool "
+                           f"of two {max_context}-token sessions")
+    cluster = Cluster(model, report_dir, page_size=page, pool_pages=pool_bytes // page)
+    cluster.start(specs, timeout=400.0)
+    _say(f"kvgate gpu-live: session replicas {list(cluster.replicas)} up after {time.monotonic() - t0:.0f} s")
+    return cluster
+
+
+def _settle(history_dir: Path, replica: str, tag: str, prompt_tokens: int, timeout_s: float) -> dict:
+    """Wait until the turn's publish records cover its prompt's full blocks after the ones it
+    loaded (the next turn, on another replica, should find them). Recorded, not raised: a
+    publish that did not land shows as fewer remote-hit blocks in the next turn."""
+    t0 = time.monotonic()
+    want = got = 0
+    while time.monotonic() - t0 < timeout_s:
+        looks = records(history_dir, "lookup", replica=replica, tag=tag)
+        start = 0
+        if looks and int(looks[0].get("hit_blocks") or 0) > 0:
+            start = int(looks[0].get("first_block") or 0) + int(looks[0]["hit_blocks"])
+        want = prompt_tokens // BLOCK_SIZE - start
+        got = sum(int(r["blocks"]) for r in records(history_dir, "publish", replica=replica, tag=tag))
+        if got >= want:
+            return {"published": got, "settle_s": round(time.monotonic() - t0, 3)}
+        time.sleep(0.05)
+    return {"published": got, "expected": want, "settle_s": round(time.monotonic() - t0, 3), "timed_out": True}
+
+
+def run_session_blocks(cluster: Cluster, corpus: Corpus, seed: int, *, context_tokens: int, sessions: int = 2,
+                       turns: int = 6, settle_s: float = 30.0) -> dict:
+    """OFF-ON-ON-OFF: the same `sessions` six-turn sessions (harness.workload.six_turn_session,
+    turns alternating replicas: harness.workload.Router "alternating") four times, each
+    block under its own cache_salt; with the pool off requests neither load nor publish."""
+    from harness import workload
+    from harness.workload import Router, six_turn_session
+
+    workload.RECORDER = cluster.history
+    names = list(cluster.replicas)
+    label = f"ooo{context_tokens}"
+    turns_out: list[dict] = []
+    t_start = time.monotonic()
+    for i, on in enumerate((False, True, True, False)):
+        block = f"{i}:{'on' if on else 'off'}"
+        router = Router("alternating", names, seed)
+        salt = f"{label}-{seed}-{i}"
+        for s in range(sessions):
+            rng = random.Random(f"{seed}:session:{context_tokens}:{s}")
+            context, users = six_turn_session(corpus, rng, context_tokens, SESSION_USER_TOKENS, turns)
+            conversation = context
+            prev = None
+            for t, user in enumerate(users):
+                conversation += " " + user
+                name = router.pick(f"s{s}", t)
+                tag = f"{label}-{i}-s{s}-t{t}"
+                c = complete(cluster.replicas[name].url, conversation, tag=tag, replica=name,
+                             max_tokens=SESSION_MAX_TOKENS, load=on, publish=on, cache_salt=salt)
+                n = c.prompt_tokens or len(conversation.split()) + 1
+                look = records(cluster.history_dir, "lookup", replica=name, tag=tag)
+                row = {"block": block, "session": s, "turn": t, "replica": name, "cross": prev is not None and
+                       prev != name, "prompt_tokens": n, "ttft_ms": round(c.ttft_s * 1e3, 1),
+                       "remote_hit_blocks": int(look[0].get("hit_blocks") or 0) if look else 0,
+                       "local_tokens": int(look[0].get("local_tokens") or 0) if look else 0,
+                       "tokens": c.token_ids, "finish_reason": c.finish_reason, "error": c.error}
+                if on:
+                    row.update(_settle(cluster.history_dir, name, tag, n, settle_s))
+                turns_out.append(row)
+                conversation += " " + c.text.strip()
+                prev = name
+        _say(f"  sessions {context_tokens}: block {block} done after {time.monotonic() - t_start:.0f} s")
+    return summarize_sessions(turns_out, context_tokens, sessions, turns, names)
+
+
+def summarize_sessions(turns_out: list[dict], context_tokens: int, sessions: int, turns: int,
+                       names: list[str]) -> dict:
+    blocks = ["0:off", "1:on", "2:on", "3:off"]
+    by_key: dict[tuple[int, int], list[list[int]]] = {}
+    for r in turns_out:
+        by_key.setdefault((r["session"], r["turn"]), []).append(r["tokens"])
+    mismatched = sorted(f"s{s}-t{t}" for (s, t), outs in by_key.items() if any(o != outs[0] for o in outs))
+    per_block: dict[str, dict] = {}
+    for b in blocks:
+        rows = [r for r in turns_out if r["block"] == b]
+        cross = [r["ttft_ms"] for r in rows if r["cross"]]
+        session_sums = [sum(r["ttft_ms"] for r in rows if r["session"] == s) for s in range(sessions)]
+        per_turn = {str(t): round(statistics.median(r["ttft_ms"] for r in rows if r["turn"] == t), 1)
+                    for t in range(turns)}
+        per_block[b] = {
+            "ttft_median_ms_cross_turns": round(statistics.median(cross), 1) if cross else None,
+            "ttft_median_ms_all_turns": round(statistics.median(r["ttft_ms"] for r in rows), 1) if rows else None,
+            "session_ttft_sum_ms_mean": round(statistics.mean(session_sums), 1) if rows else None,
+            "ttft_median_ms_by_turn": per_turn,
+            "remote_hit_blocks": sum(r["remote_hit_blocks"] for r in rows),
+            "settle_timeouts": sum(1 for r in rows if r.get("timed_out")),
+            "errors": [r["error"] for r in rows if r["error"]],
+        }
+
+    def improvement(key: str) -> float | None:
+        off = [per_block[b][key] for b in ("0:off", "3:off")]
+        on = [per_block[b][key] for b in ("1:on", "2:on")]
+        if None in off or None in on:
+            return None
+        return round(1 - statistics.mean(on) / statistics.mean(off), 3)
+
+    return {
+        "context_tokens": context_tokens, "sessions": sessions, "turns": turns, "router": "alternating",
+        "replicas": names, "user_tokens": SESSION_USER_TOKENS, "max_tokens": SESSION_MAX_TOKENS,
+        "blocks": per_block,
+        "ttft_median_ms_cross_turns": {b: per_block[b]["ttft_median_ms_cross_turns"] for b in blocks},
+        "improvement_cross_turn_median": improvement("ttft_median_ms_cross_turns"),
+        "improvement_session_ttft_sum": improvement("session_ttft_sum_ms_mean"),
+        "mismatched_turns": mismatched, "tokens_equal_all_blocks": not mismatched,
+        "turns_detail": [{k: v for k, v in r.items() if k != "tokens"} for r in turns_out],
+    }
+
+
+def warm_up_sessions(cluster: Cluster, corpus: Corpus, seed: int) -> None:
+    """Kernels compile on first use: on every replica a prompt longer than one chunk, cold
+    and then as a local prefix hit; then a remote hit in every direction. Under a salt of
+    its own, so nothing of it is reused by the blocks."""
+    from harness import workload
+
+    workload.RECORDER = cluster.history
+    rng = random.Random(f"gpu-live-sessions-warmup:{seed}")
+    salt = f"warmup-{seed}"
+    for name, r in cluster.replicas.items():
+        prompt = corpus.text(SESSION_CHUNK + 1000, rng)
+        for i in range(2):
+            complete(r.url, prompt, tag=f"warmup-{name}-{i}", replica=name, max_tokens=2, load=False, publish=False,
+                     cache_salt=f"{salt}-{name}")
+    for p, c in directions(list(cluster.replicas)):
+        prompt = corpus.text(2000, rng)
+        pub = complete(cluster.replicas[p].url, prompt, tag=f"warmup-{p}{c}-pub", replica=p, max_tokens=2,
+                       load=False, cache_salt=salt)
+        _settle(cluster.history_dir, p, f"warmup-{p}{c}-pub", pub.prompt_tokens or 2001, 30.0)
+        complete(cluster.replicas[c].url, prompt, tag=f"warmup-{p}{c}-hit", replica=c, max_tokens=2, publish=False,
+                 cache_salt=salt)
+
+
+def run_sessions(cluster: Cluster, seed: int, contexts: tuple[int, ...], sessions: int, turns: int,
+                 deadline: float) -> list[dict]:
+    """OFF-ON-ON-OFF at each context length while time is left (a length is started only if
+    about 3.5x the previous one's time remains: prefill grows faster than linearly)."""
+    corpus = Corpus(cluster.model_dir)
+    warm_up_sessions(cluster, corpus, seed)
+    out: list[dict] = []
+    last = 0.0
+    for ctx in contexts:
+        left = deadline - time.monotonic()
+        if out and left < 3.5 * last + 20:
+            _say(f"kvgate gpu-live: sessions at {ctx} tokens skipped: {left:.0f} s left, the last length took "
+                 f"{last:.0f} s")
+            out.append({"context_tokens": ctx, "skipped": f"{left:.0f} s left; {last:.0f} s for the last length"})
+            continue
+        t0 = time.monotonic()
+        out.append(run_session_blocks(cluster, corpus, seed, context_tokens=ctx, sessions=sessions, turns=turns))
+        last = time.monotonic() - t0
+        s = out[-1]
+        _say(f"kvgate gpu-live: sessions {ctx}: cross-turn TTFT medians {s['ttft_median_ms_cross_turns']} ms; "
+             f"improvement {s['improvement_cross_turn_median']}; tokens equal in all blocks "
+             f"{s['tokens_equal_all_blocks']} ({last:.0f} s)")
+    return out
+
+
 def render_markdown(result: dict, date: str) -> str:
     env = result["env"]
+    gpus = int(result.get("gpus", 1))
+    where = ("two replicas of the tiny model on one GPU" if gpus <= 1 else
+             f"{len(result.get('placement', {}))} replicas of the tiny model, one per GPU ("
+             + ", ".join(f"{k} on GPU {v}" for k, v in result.get("placement", {}).items()) + ")")
     lines = [f"# kvgate live on the GPU — {date}, {result.get('gpu_model', env.get('gpu', '?'))}", "",
-             f"{env.get('gpu', '?')}; vLLM {env.get('vllm')} (GPU bundle), torch {env.get('torch')} "
-             f"(CUDA {env.get('cuda')}); two replicas of the tiny model (2 layers, 2 KV heads, head 64, block "
-             f"{BLOCK_SIZE}) on one GPU, one kvpool pool, TRITON_ATTN, eager; seed {result['seed']}.", ""]
-    for ex in result["exchanges"]:
+             f"{', '.join(env.get('gpus') or [env.get('gpu', '?')])}; vLLM {env.get('vllm')} (GPU bundle), torch "
+             f"{env.get('torch')} (CUDA {env.get('cuda')}); {where} (2 layers, 2 KV heads, head 64, block "
+             f"{BLOCK_SIZE}), all on one kvpool pool (one shared-memory arena on the host), TRITON_ATTN, eager; "
+             f"seed {result['seed']}; directions {', '.join(result.get('directions', ['A->B']))}.", ""]
+    for ex in result.get("exchanges", []):
         v = ex["verdict"]
         mark = "x" if v["valid"] else " "
         label = "negative control caught" if ex["expect_caught"] and v["valid"] else (
             "pass" if v["valid"] else "FAIL")
         be = ex["byte_exact"]["evidence"]
-        lines += [f"- [{mark}] **{ex['name']}** ({label}): {v['reason']}",
-                  f"    - prompt {ex['prompt_tokens']} tokens; B loaded {ex['blocks_loaded_B']} of "
-                  f"{ex['blocks_expected']} blocks; installed {be.get('installed')}, differ from A's "
+        p, c = ex.get("producer", "A"), ex.get("consumer", "B")
+        lines += [f"- [{mark}] **{ex['name']}** {p} → {c} ({label}): {v['reason']}",
+                  f"    - prompt {ex['prompt_tokens']} tokens; {c} loaded {ex['blocks_loaded_B']} of "
+                  f"{ex['blocks_expected']} blocks; installed {be.get('installed')}, differ from {p}'s "
                   f"{be.get('differs_from_producer')}, from the pool's {be.get('differs_from_pool')}; cold recompute "
                   f"compared {be.get('cold_compared', 'n/a (stopped at the first failure)')}, differ "
                   f"{be.get('cold_differs', 'n/a')}",
-                  f"    - TTFT A {ex['A']['ttft_ms']} ms, B hit {ex['B_hit']['ttft_ms']} ms, B cold "
-                  f"{ex['B_cold']['ttft_ms']} ms; tokens B hit == B cold: {ex['tokens_equal_B_hit_vs_cold']}, "
-                  f"A == B cold: {ex['tokens_equal_A_vs_B_cold']}",
+                  f"    - TTFT {p} {ex['A']['ttft_ms']} ms, {c} hit {ex['B_hit']['ttft_ms']} ms, {c} cold "
+                  f"{ex['B_cold']['ttft_ms']} ms; tokens {c} hit == {c} cold: {ex['tokens_equal_B_hit_vs_cold']}, "
+                  f"{p} == {c} cold: {ex['tokens_equal_A_vs_B_cold']}",
                   f"    - not checked: {v['not_checked']}"]
-    lines += ["", f"Overall: {'PASS' if result['passed'] else 'FAIL'}", ""]
+    if "error" in result:
+        lines += ["", "Live part raised:", "", "```", result["error"][-1500:], "```"]
+    lines += ["", f"Overall (live exchanges): {'PASS' if result.get('passed') else 'FAIL'}", ""]
+    for s in result.get("sessions", []):
+        if "skipped" in s:
+            lines += [f"## OFF-ON-ON-OFF at {s['context_tokens']} tokens: not run ({s['skipped']})", ""]
+            continue
+        lines += [f"## OFF-ON-ON-OFF, six-turn sessions alternating replicas, {s['context_tokens']}-token context",
+                  "", f"{s['sessions']} sessions x {s['turns']} turns (user {s['user_tokens']} tokens, answers "
+                  f"{s['max_tokens']} tokens), router {s['router']} over {', '.join(s['replicas'])}; the bench model "
+                  f"(16 layers, hidden 2048, 8 KV heads, head 128, 64 KiB of KV per token); every turn after the "
+                  f"first runs on another replica than the turn before.", "",
+                  "| block | median TTFT, cross-replica turns (ms) | mean session TTFT sum (ms) | TTFT by turn (ms) |"
+                  " remote-hit blocks |", "|---|---|---|---|---|"]
+        for b, d in s["blocks"].items():
+            by_turn = " / ".join(str(v) for v in d["ttft_median_ms_by_turn"].values())
+            lines.append(f"| {b} | {d['ttft_median_ms_cross_turns']} | {d['session_ttft_sum_ms_mean']} | {by_turn} | "
+                         f"{d['remote_hit_blocks']} |")
+        lines += ["", f"- improvement (1 - ON/OFF): cross-turn median {s['improvement_cross_turn_median']}, session "
+                      f"TTFT sum {s['improvement_session_ttft_sum']}",
+                  f"- [{'x' if s['tokens_equal_all_blocks'] else ' '}] every (session, turn) generated the same tokens "
+                  f"in all four blocks" + ("" if s["tokens_equal_all_blocks"] else
+                                            f" (differ: {', '.join(s['mismatched_turns'])})"), ""]
+    if "sessions_error" in result:
+        lines += ["Sessions raised:", "", "```", result["sessions_error"][-1500:], "```", ""]
     bench = result.get("bench")
     if bench:
         lines += ["## `kvgate bench gpu` part 2 (live TTFT)", "", bench.get("model", ""), "",
@@ -303,53 +570,84 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _trace(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc))[-4000:]
+
+
 def main(report_dir: Path, seed: int = 20261129, bench: bool = False, bench_reps: int = 1,
-         bench_lengths: tuple[int, ...] = (8192, 32768, 65536), deadline_s: float = 540.0) -> int:
-    """Start the tiny pair (and, with `bench`, the bench trio at the same time), run the
-    live exchanges, then the bench rows while time is left; write live.json (and
-    bench.json) under report_dir as each part finishes."""
+         bench_lengths: tuple[int, ...] = (8192, 32768, 65536), deadline_s: float = 540.0, gpus: int = 1,
+         sessions: bool = False, session_contexts: tuple[int, ...] = (32768,), session_count: int = 2,
+         turns: int = 6) -> int:
+    """Start the tiny replicas (and, with `sessions`, the session replicas; with `bench`, the
+    bench trio) at the same time, run the live exchanges, then the sessions, then the bench
+    rows while time is left; write live.json (and the rest) under report_dir as each part
+    finishes."""
     from concurrent.futures import ThreadPoolExecutor
 
     t0 = time.monotonic()
+    deadline = t0 + deadline_s
     report_dir.mkdir(parents=True, exist_ok=True)
-    cluster, specs, model = tiny_cluster(report_dir / "live")
-    bench_f = None
-    result: dict = {"passed": False}
-    with ThreadPoolExecutor(2) as ex:
-        live_f = ex.submit(cluster.start, specs, 300.0)
+    cluster, specs, model = tiny_cluster(report_dir / "live", gpus)
+    bench_f = sess_f = None
+    result: dict = {"passed": False, "gpus": gpus}
+    with ThreadPoolExecutor(3) as ex:
+        live_f = ex.submit(cluster.start, specs, 400.0)
+        if sessions:
+            sess_f = ex.submit(start_sessions, report_dir / "sessions", gpus, max(session_contexts), turns)
         if bench:
             from harness.bench_gpu_live import start_bench
 
             bench_f = ex.submit(start_bench, report_dir / "bench", max(bench_lengths))
         try:
             live_f.result()
-            _say(f"kvgate gpu-live: tiny pair up after {time.monotonic() - t0:.0f} s")
-            result = run_live(cluster, model, seed)
-        except Exception as exc:  # recorded in the result and the exit code; the bench still runs
-            result["error"] = "".join(traceback.format_exception(exc))[-4000:]
+            _say(f"kvgate gpu-live: tiny replicas {list(cluster.replicas)} up after {time.monotonic() - t0:.0f} s")
+            result.update(run_live(cluster, model, seed))
+        except Exception as exc:  # recorded in the result and the exit code; the other parts still run
+            result["error"] = _trace(exc)
             _say(f"kvgate gpu-live: live part raised:\n{result['error']}")
         finally:
             result["stop_error"] = _stop(cluster)
         (report_dir / "live.json").write_text(json.dumps(result, indent=1, default=str))
         _say(f"kvgate gpu-live: live part {'PASS' if result['passed'] else 'FAIL'} after "
              f"{time.monotonic() - t0:.0f} s")
+        if sess_f is not None:
+            try:
+                sess_cluster = sess_f.result()
+            except Exception as exc:
+                result["sessions_error"] = _trace(exc)
+                sess_cluster = None
+            if sess_cluster is not None:
+                try:
+                    result["sessions"] = run_sessions(sess_cluster, seed, session_contexts, session_count, turns,
+                                                      deadline - 30)
+                except Exception as exc:
+                    result["sessions_error"] = _trace(exc)
+                finally:
+                    result["sessions_stop_error"] = _stop(sess_cluster)
+            if "sessions_error" in result:
+                _say(f"kvgate gpu-live: sessions raised:\n{result['sessions_error']}")
+            (report_dir / "sessions.json").write_text(json.dumps(result.get("sessions"), indent=1, default=str))
         if bench_f is not None:
             from harness.bench_gpu_live import measure
 
             try:
                 bench_cluster = bench_f.result()
             except Exception as exc:
-                result["bench_error"] = "".join(traceback.format_exception(exc))[-4000:]
+                result["bench_error"] = _trace(exc)
                 bench_cluster = None
             if bench_cluster is not None:
                 try:
-                    left = deadline_s - (time.monotonic() - t0)
-                    result["bench"] = measure(bench_cluster, bench_lengths, bench_reps, deadline_s=left)
+                    result["bench"] = measure(bench_cluster, bench_lengths, bench_reps,
+                                              deadline_s=deadline - time.monotonic())
                 except Exception as exc:
-                    result["bench_error"] = "".join(traceback.format_exception(exc))[-4000:]
+                    result["bench_error"] = _trace(exc)
                 finally:
                     result["bench_stop_error"] = _stop(bench_cluster)
             if "bench_error" in result:
                 _say(f"kvgate gpu-live: bench raised:\n{result['bench_error']}")
+    result["wall_s"] = round(time.monotonic() - t0)
     print(json.dumps(result, default=str))
-    return 0 if result["passed"] and not result.get("stop_error") else 1
+    ok = result["passed"] and not result.get("stop_error")
+    if sessions:
+        ok = ok and "sessions_error" not in result and not result.get("sessions_stop_error")
+    return 0 if ok else 1
