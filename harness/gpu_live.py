@@ -200,6 +200,10 @@ def run_exchange(cluster: GpuCluster, corpus: Corpus, ex: Exchange, rng: random.
     b = complete(C, prompt, tag=hit, replica=consumer, max_tokens=max_tokens)
     reset_prefix_cache(C)
     bc = complete(C, prompt, tag=cold, replica=consumer, max_tokens=max_tokens, load=False, publish=False)
+    # the same prompt once more on the consumer, now a hit in its own prefix cache (the cold run's blocks): the
+    # engine's prefix-hit path without kvpool, to tell a transfer error from the engine's own numerics
+    bl = complete(C, prompt, tag=f"{label}-local", replica=consumer, max_tokens=max_tokens, load=False,
+                  publish=False)
     reset_prefix_cache(C)
     lookups = records(h, "lookup", replica=consumer, tag=hit)
     loads = records(h, "load", replica=consumer, tag=hit)
@@ -214,8 +218,10 @@ def run_exchange(cluster: GpuCluster, corpus: Corpus, ex: Exchange, rng: random.
     out = {
         "name": ex.name, "producer": producer, "consumer": consumer, "tag": label, "prompt_tokens": n,
         "block_size": BLOCK_SIZE, "fault": ex.fault, "expect_caught": ex.expect_caught,
-        "A": _tokens(a), "B_hit": _tokens(b), "B_cold": _tokens(bc),
+        "A": _tokens(a), "B_hit": _tokens(b), "B_cold": _tokens(bc), "B_local_hit": _tokens(bl),
         "tokens_equal_B_hit_vs_cold": tokens_equal, "tokens_equal_A_vs_B_cold": a.token_ids == bc.token_ids,
+        "tokens_equal_B_hit_vs_local_hit": b.token_ids == bl.token_ids,
+        "tokens_equal_B_local_hit_vs_cold": bl.token_ids == bc.token_ids,
         "lookup_B": [{k: r.get(k) for k in ("outcome", "hit_blocks", "external_tokens", "miss_cause")}
                      for r in lookups],
         "blocks_loaded_B": hit_blocks, "blocks_expected": want_blocks,
@@ -238,7 +244,8 @@ def run_exchange(cluster: GpuCluster, corpus: Corpus, ex: Exchange, rng: random.
               and fault_ok)
         out["verdict"] = dataclasses.asdict(Verdict(
             ok, f"{consumer} loaded {hit_blocks}/{want_blocks} blocks {producer} published; tokens {consumer} hit == "
-                f"{consumer} cold: {tokens_equal}; {exact.reason}; {pooled.reason}"
+                f"{consumer} cold: {tokens_equal} (== its local prefix hit: {b.token_ids == bl.token_ids}; local prefix "
+                f"hit == cold: {bl.token_ids == bc.token_ids}); {exact.reason}; {pooled.reason}"
                 + (f"; delay fired {len(faults)}x, {producer}'s TTFT {a.ttft_s * 1e3:.0f} ms" if ex.fault else ""),
             {"exact": exact.valid, "pool": pooled.valid, "tokens_equal": tokens_equal},
             not_checked="tokens beyond the first max_tokens; blocks outside this prompt"))
@@ -432,7 +439,7 @@ def summarize_sessions(turns_out: list[dict], context_tokens: int, sessions: int
         "improvement_cross_turn_median": improvement("ttft_median_ms_cross_turns"),
         "improvement_session_ttft_sum": improvement("session_ttft_sum_ms_mean"),
         "mismatched_turns": mismatched, "tokens_equal_all_blocks": not mismatched,
-        "turns_detail": [{k: v for k, v in r.items() if k != "tokens"} for r in turns_out],
+        "turns_detail": turns_out,
     }
 
 
@@ -510,7 +517,9 @@ def render_markdown(result: dict, date: str) -> str:
                   f"{be.get('cold_differs', 'n/a')}",
                   f"    - TTFT {p} {ex['A']['ttft_ms']} ms, {c} hit {ex['B_hit']['ttft_ms']} ms, {c} cold "
                   f"{ex['B_cold']['ttft_ms']} ms; tokens {c} hit == {c} cold: {ex['tokens_equal_B_hit_vs_cold']}, "
-                  f"{p} == {c} cold: {ex['tokens_equal_A_vs_B_cold']}",
+                  f"{p} == {c} cold: {ex['tokens_equal_A_vs_B_cold']}"
+                  + (f", {c} hit == {c} local prefix hit: {ex['tokens_equal_B_hit_vs_local_hit']}, local prefix hit == "
+                     f"cold: {ex['tokens_equal_B_local_hit_vs_cold']}" if "B_local_hit" in ex else ""),
                   f"    - not checked: {v['not_checked']}"]
     if "error" in result:
         lines += ["", "Live part raised:", "", "```", result["error"][-1500:], "```"]
