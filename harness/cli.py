@@ -116,7 +116,8 @@ def cmd_gpu_live(args: argparse.Namespace) -> int:
     contexts = tuple(int(x) for x in args.session_contexts.split(",") if x)
     return gpu_live(args.report_dir, seed=args.seed, bench=args.bench, bench_reps=args.bench_reps,
                     bench_lengths=lengths, deadline_s=args.deadline, gpus=args.gpus, sessions=args.sessions,
-                    session_contexts=contexts, session_count=args.session_count, turns=args.turns)
+                    session_contexts=contexts, session_count=args.session_count, turns=args.turns,
+                    exchanges=not args.no_exchanges, session_audit=args.session_audit)
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
@@ -237,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     gl.add_argument("--session-contexts", default="32768", help="initial context lengths of the sessions, in tokens")
     gl.add_argument("--session-count", type=int, default=2, help="sessions per block")
     gl.add_argument("--turns", type=int, default=6, help="turns per session")
+    gl.add_argument("--no-exchanges", action="store_true", help="skip the tiny replicas' exchanges (sessions only)")
+    gl.add_argument("--session-audit", action="store_true",
+                    help="audit the session replicas (kvpool.audit): loaded blocks against their producer's bytes, "
+                         "and the KV bytes of the OFF blocks and of the ON blocks compared with each other")
     gl.set_defaults(func=cmd_gpu_live)
 
     gate = sub.add_parser("gate", help="run the gate on the embedded default system")
