@@ -237,6 +237,7 @@ class Cluster:
     def kill_replica(self, name: str) -> None:
         """SIGKILL a replica's whole process group (server, engine, workers): a crash."""
         replica = self.replicas[name]
+        segments = _shm_mapped_by_group(replica.proc.pid) - {Path("/dev/shm") / self.pool.name}
         self.nemesis("replica_kill", replica=name, pid=replica.proc.pid)
         self._killed.add(name)
         _kill_group(replica.proc.pid)
@@ -244,6 +245,11 @@ class Cluster:
         deadline = time.monotonic() + 15
         while _group_alive(replica.proc.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
+        # A process killed outright unlinks nothing: remove the shared memory only it had mapped.
+        still_used = _shm_mapped_by_others(segments)
+        for path in sorted(segments - still_used):
+            path.unlink(missing_ok=True)
+        self.nemesis("replica_shm_cleanup", replica=name, removed=len(segments - still_used))
 
     def restart_replica(self, name: str, timeout: float = 600.0) -> Replica:
         """Start a killed (or stopped) replica again with the same spec: the heal step."""
@@ -349,6 +355,41 @@ def _terminate_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
     deadline = time.monotonic() + 15
     while _group_alive(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
+
+
+def _shm_of(pid: str) -> set[Path]:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return {Path(line.split(maxsplit=5)[5].strip()) for line in f
+                    if len(line.split(maxsplit=5)) == 6 and line.split(maxsplit=5)[5].startswith("/dev/shm/")}
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return set()  # the process is gone (or not ours): it maps nothing we may remove
+
+
+def _shm_mapped_by_group(pgid: int) -> set[Path]:
+    """Every /dev/shm file mapped by a process of the group (read from /proc/PID/maps)."""
+    out: set[Path] = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry.name)) != pgid:
+                continue
+        except (ProcessLookupError, PermissionError):
+            continue
+        out |= _shm_of(entry.name)
+    return out
+
+
+def _shm_mapped_by_others(paths: set[Path]) -> set[Path]:
+    """The subset of `paths` some live process still maps."""
+    used: set[Path] = set()
+    if not paths:
+        return used
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            used |= _shm_of(entry.name) & paths
+    return used
 
 
 def _group_alive(pgid: int) -> bool:
