@@ -53,10 +53,14 @@ EXPECTED_CAUSE: dict[str, str | None] = {
 
 
 def window(history_dir: str | Path, t0: float, t1: float) -> list[dict]:
-    return [r for r in read_history(history_dir) if t0 <= r["t"] <= t1]
+    return within(read_history(history_dir), t0, t1)
 
 
-def _namespaces(recs: Iterable[dict]) -> dict[str, str]:
+def within(recs: Iterable[dict], t0: float, t1: float) -> list[dict]:
+    return [r for r in recs if t0 <= r["t"] <= t1]
+
+
+def namespaces(recs: Iterable[dict]) -> dict[str, str]:
     """replica -> its namespace (as canonical JSON); the latest record wins."""
     out: dict[str, str] = {}
     for r in recs:
@@ -66,12 +70,12 @@ def _namespaces(recs: Iterable[dict]) -> dict[str, str]:
 
 
 def byte_exact(recs: list[dict], pool_digest: Callable[[str, list[str]], dict[str, str]] | None = None,
-               namespaces: dict[str, str] | None = None) -> Verdict:
-    """`pool_digest(replica, hashes)` -> {hash: committed digest} for the pool's copies
-    (keys under that replica's namespace, unsalted). `namespaces`: replica -> namespace,
-    when the namespace records lie before the window."""
-    ns_of = dict(namespaces or {})
-    ns_of.update(_namespaces(recs))
+               known_namespaces: dict[str, str] | None = None) -> Verdict:
+    """`pool_digest(replica, keys)` -> {key: committed digest} for the pool's copies under
+    that replica's namespace. `known_namespaces`: replica -> namespace (`namespaces()` of
+    the whole history), since the namespace records lie before the window."""
+    ns_of = dict(known_namespaces or {})
+    ns_of.update(namespaces(recs))
     produced: dict[tuple[str, str], set[str]] = defaultdict(set)
     for r in recs:
         if r["ev"] == "audit" and r["kind"] == "produced":

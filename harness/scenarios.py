@@ -142,14 +142,16 @@ class ScenarioResult:
 
 
 def _run_once(cluster: Cluster, corpus: Corpus, sc: Scenario, seed: int, params: dict[str, Any]
-              ) -> tuple[Verdict, list[dict], bool]:
+              ) -> tuple[Verdict, list[dict], dict[str, str], bool]:
+    """The scenario's verdict, its window of the history, every replica's namespace (the
+    records lie before the window) and whether a process died unbidden."""
     t0 = time.time()
     try:
         cluster.reset()
     except (OSError, urllib.error.URLError, PoolError) as exc:  # a replica or the pool is gone
         crashed = cluster.crashed()
         return Verdict(False, f"the system is down before the scenario: {type(exc).__name__}: {exc}; "
-                       f"gone: {crashed}"[:600]), [], True
+                       f"gone: {crashed}"[:600]), [], {}, True
     cluster.nemesis("scenario_start", scenario=sc.name, seed=seed, params=params)
     try:
         v = RUNNERS[sc.runner](cluster, corpus, seed, **params)
@@ -158,13 +160,12 @@ def _run_once(cluster: Cluster, corpus: Corpus, sc: Scenario, seed: int, params:
     crashed = cluster.crashed()
     cluster.nemesis("scenario_end", scenario=sc.name, seed=seed, crashed=crashed)
     time.sleep(0.2)  # let the replicas' last records land
-    recs = checkers.window(cluster.history_dir, t0, time.time())
-    return v, recs, bool(crashed)
+    history = checkers.read_history(cluster.history_dir)
+    return v, checkers.within(history, t0, time.time()), checkers.namespaces(history), bool(crashed)
 
 
-def _judge(cluster: Cluster, v: Verdict, recs: list[dict], crashed: bool) -> tuple[list[Verdict], str]:
-    namespaces = {r["replica"]: json.dumps(r["ns"], sort_keys=True)
-                  for r in checkers.read_history(cluster.history_dir) if r["ev"] == "namespace"}
+def _judge(cluster: Cluster, v: Verdict, recs: list[dict], namespaces: dict[str, str], crashed: bool
+           ) -> tuple[list[Verdict], str]:
 
     def pool_digest(replica: str, hashes: list[str]) -> dict[str, str]:
         if replica not in namespaces or cluster.pool is None or cluster.pool.proc.poll() is not None:
@@ -181,8 +182,8 @@ def _judge(cluster: Cluster, v: Verdict, recs: list[dict], crashed: bool) -> tup
 
 def run_scenario(cluster: Cluster, corpus: Corpus, sc: Scenario, seed: int) -> ScenarioResult:
     t_start = time.monotonic()
-    v, recs, crashed = _run_once(cluster, corpus, sc, seed, sc.params)
-    parts, outcome = _judge(cluster, v, recs, crashed)
+    v, recs, namespaces, crashed = _run_once(cluster, corpus, sc, seed, sc.params)
+    parts, outcome = _judge(cluster, v, recs, namespaces, crashed)
     names = ("scenario", "byte-exact", "miss causes", "requests")
     counts = {
         "faults_fired": sum(1 for r in recs if r["ev"] == "fault"
@@ -195,8 +196,8 @@ def run_scenario(cluster: Cluster, corpus: Corpus, sc: Scenario, seed: int) -> S
     control = None
     if sc.control is not None:  # its own seed (derived), so its requests never share a tag with the run's
         cseed = derive_seed(seed, f"control:{sc.control.name}")
-        cv, crecs, ccrashed = _run_once(cluster, corpus, sc, cseed, {**sc.params, **sc.control.params})
-        cparts, _ = _judge(cluster, cv, crecs, ccrashed)
+        cv, crecs, cnamespaces, ccrashed = _run_once(cluster, corpus, sc, cseed, {**sc.params, **sc.control.params})
+        cparts, _ = _judge(cluster, cv, crecs, cnamespaces, ccrashed)
         by = [n for n, p in zip(names, cparts) if p.valid is False]
         control = {"name": sc.control.name, "caught": bool(by), "by": by, "reason": cv.reason[:300]}
         cluster.reset()  # heal whatever the control left

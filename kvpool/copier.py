@@ -53,6 +53,18 @@ class CopyRun:
     hashes: Sequence[bytes]
 
 
+def wait_all(futures: Sequence[Future], timeout_s: float, what: str) -> None:
+    """Block until every future is done; PoolTimeout if some are not within timeout_s.
+    A job's own pool errors are recorded by the job; anything else it raised propagates."""
+    if not futures:
+        return
+    done, pending = wait(futures, timeout=timeout_s)
+    if pending:
+        raise PoolTimeout(f"{len(pending)} of {len(futures)} {what} still running after {timeout_s}s")
+    for f in done:
+        f.result()
+
+
 class HostCopier:
     ordered = True
 
@@ -135,13 +147,7 @@ class HostCopier:
         return self.submit(self.load_job(ns, run, deadline_s))
 
     def wait(self, futures: Sequence[Future], timeout_s: float) -> None:
-        if not futures:
-            return
-        done, pending = wait(futures, timeout=timeout_s)
-        if pending:
-            raise PoolTimeout(f"{len(pending)} of {len(futures)} KV copies still running after {timeout_s}s")
-        for f in done:
-            f.result()  # a job's own error is recorded by the job; anything else propagates
+        wait_all(futures, timeout_s, "KV copies")
 
     def take_failed(self) -> set[int]:
         with self._failed_lock:

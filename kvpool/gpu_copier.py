@@ -27,13 +27,12 @@ import dataclasses
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 
 import torch
 
 from kvpool.client import PoolBackend
-from kvpool.copier import CopyRun
-from kvpool.errors import PoolTimeout
+from kvpool.copier import CopyRun, wait_all
 from kvpool.gpu_transfer import (
     LoadHandle,
     LoadOutcome,
@@ -136,14 +135,7 @@ class CudaCopier:
         for f in futures:
             if is_load(f):
                 self.engine.wait_for_load(f.result())
-        rest = [f for f in futures if not is_load(f)]
-        if not rest:
-            return
-        done, pending = wait(rest, timeout=timeout_s)
-        if pending:
-            raise PoolTimeout(f"{len(pending)} of {len(rest)} KV stores still running after {timeout_s}s")
-        for f in done:
-            f.result()
+        wait_all([f for f in futures if not is_load(f)], timeout_s, "KV stores")
 
     def take_failed(self) -> set[int]:
         with self._failed_lock:
