@@ -235,7 +235,9 @@ class PoolClient:
         the request is sent once more on a fresh connection."""
         with self._lock:
             reused = self._sock is not None
-            if reused and self._peer_closed():  # the daemon (or a proxy) hung up while it sat idle
+            # The daemon (or a proxy) hung up while the socket sat idle. Not for retry=False:
+            # connect()'s hello on its brand-new socket, which must fail, not reconnect.
+            if reused and retry and self._peer_closed():
                 self._drop_socket()
                 reused = False
             if not reused:
