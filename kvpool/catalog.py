@@ -5,7 +5,13 @@ calls it from a single thread.
 
   lookup(tenant, ns, hashes)            longest run of committed blocks from the start and,
                                         if it stops early, the one MissCause of the first
-                                        missing block. Side-effect free.
+                                        missing block, and the id of the open reservation
+                                        publishing that block under the same tenant and
+                                        namespace (`pending`; 0 if none). Side-effect free.
+  reservation_open(res_id)              whether a reservation is still open (neither
+                                        committed, aborted nor reclaimed).
+  count_miss(cause)                     count a miss decided outside the catalog (a
+                                        lookup whose wait for a pending publish ran out).
   acquire(client, tenant, ns, hashes)   lookup + a lease on the run's pages (pinned: never
                                         evicted, freed or reused until released), subject to
                                         the per-client and global load limits (THROTTLED).
@@ -22,7 +28,8 @@ calls it from a single thread.
 
 Every freed page has its generation bumped, so a reader that held it across a reuse
 can tell. Evicted keys leave a ghost so a later miss is EVICTED, not NEVER_PUBLISHED.
-Tenants are separate indexes: a lookup never sees another tenant's blocks.
+Tenants are separate indexes: a lookup never sees another tenant's blocks, committed
+or pending.
 """
 
 from __future__ import annotations
@@ -152,6 +159,9 @@ class Miss(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=T
 class LookupResult:
     hits: Hits
     miss: Miss | None
+    # The open reservation publishing the first missing block (same tenant and
+    # namespace), 0 if none: a caller may wait for it to close and look up again.
+    pending: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -228,6 +238,7 @@ class Catalog:
         self._tenants: dict[str, int] = {}
         self._namespaces: list[Namespace] = []
         self._ns_ids: dict[Namespace, int] = {}
+        # (tenant, namespace, block hash) -> the open reservation publishing it
         self._pending: dict[tuple[int, int, bytes], int] = {}
         self._ghosts: OrderedDict[tuple[int, int, bytes], None] = OrderedDict()
         self._ghost_capacity = n if config.ghost_capacity is None else config.ghost_capacity
@@ -307,9 +318,21 @@ class Catalog:
         for i in range(len(pages), len(hashes)):
             found = self._find(tid, nid, ns, hashes[i], i)
             if isinstance(found, Miss):
-                return LookupResult(self._refs(pages), found)
+                return LookupResult(self._refs(pages), found, self._pending_reservation(tid, nid, hashes[i]))
             pages.append(found)
         return LookupResult(self._refs(pages), None)
+
+    def _pending_reservation(self, tid: int, nid: int, key: bytes) -> int:
+        if tid < 0 or nid < 0:
+            return 0
+        rid = self._pending.get((tid, nid, key), 0)
+        return rid if rid in self._reservations else 0
+
+    def reservation_open(self, reservation_id: int) -> bool:
+        return reservation_id in self._reservations
+
+    def count_miss(self, cause: MissCause) -> None:
+        self.miss_counters[cause] += 1
 
     def acquire(self, client: int, tenant: str, ns: Namespace, hashes: Sequence[bytes],
                 now: float) -> AcquireResult:
@@ -387,7 +410,7 @@ class Catalog:
             self.ns_of[page] = nid
             self.tenant_of[page] = tid
             self.key_of[page] = key
-            self._pending[(tid, nid, key)] = page
+            self._pending[(tid, nid, key)] = 0  # the reservation's id once it has one, below
             res_keys.append(key)
             res_pages.append(page)
             slots.append(Slot(SlotStatus.RESERVED, page, int(self.gen[page])))
@@ -396,6 +419,8 @@ class Catalog:
         rid = next(self._ids)
         self._reservations[rid] = _Reservation(client, tid, nid, res_keys, res_pages,
                                                now + self.config.reservation_ttl_s)
+        for key in res_keys:
+            self._pending[(tid, nid, key)] = rid
         return ReserveResult(rid, tuple(slots))
 
     def _classify_offer(self, tid: int, nid: int, key: bytes, admitted: bool) -> SlotStatus | None:

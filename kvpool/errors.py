@@ -1,6 +1,7 @@
 """Typed outcomes and errors of the pool.
 
-  MissCause   exactly one per failed lookup or load; a hit has none.
+  MissCause   exactly one per failed lookup or load; a hit has none. IN_FLIGHT only
+              answers a lookup that was asked to wait for pending publishes.
   ErrorCode   the wire-level error codes a daemon answers with.
   PoolError   the root of every exception kvpool raises; each subclass maps to one
               ErrorCode so an error crosses the wire and is re-raised as the same type.
@@ -21,6 +22,7 @@ class MissCause(enum.StrEnum):
     CORRUPT = "corrupt"  # the bytes read do not match the digest taken at publish
     TIMEOUT = "timeout"  # the load did not finish within its deadline
     THROTTLED = "throttled"  # a per-client or global load limit was reached
+    IN_FLIGHT = "in_flight"  # a publish of the block was still in flight when the lookup's wait ran out
 
 
 class ErrorCode(enum.StrEnum):

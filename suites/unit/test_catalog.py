@@ -216,3 +216,73 @@ def test_reserve_validates_sizes():
     with pytest.raises(InvalidRequest):
         cat.reserve(1, "default", NS, hashes(2), [100], 0.0)
     assert cat.state.max() == PageState.FREE
+
+
+def test_lookup_names_the_open_reservation_of_its_first_missing_block():
+    cat = make()
+    hs = hashes(3)
+    put(cat, hs[:1])
+    res = cat.reserve(1, "default", NS, hs[1:], [100] * 2, 0.0)
+    found = cat.lookup("default", NS, hs)
+    assert len(found.hits) == 1 and found.miss.index == 1
+    assert found.miss.cause == MissCause.NEVER_PUBLISHED  # the cause itself is unchanged
+    assert found.pending == res.reservation_id and cat.reservation_open(res.reservation_id)
+    cat.commit(res.reservation_id, [D] * 2)
+    found = cat.lookup("default", NS, hs)
+    assert found.miss is None and found.pending == 0 and not cat.reservation_open(res.reservation_id)
+
+
+def test_lookup_reports_no_pending_once_the_publish_is_aborted_reaped_or_dropped():
+    cat = make(reservation_ttl_s=5.0)
+    hs = hashes(2)
+    for close in ("abort", "reap", "drop", "reject"):
+        res = cat.reserve(7, "default", NS, hs, [100] * 2, 0.0)
+        assert cat.lookup("default", NS, hs).pending == res.reservation_id
+        if close == "abort":
+            cat.abort(res.reservation_id)
+        elif close == "reap":
+            cat.reap(now=5.0)
+        elif close == "drop":
+            cat.drop_client(7)
+        else:
+            cat.commit(res.reservation_id, [None, None])  # the daemon's verify failed
+        found = cat.lookup("default", NS, hs)
+        assert (found.miss.index, found.miss.cause, found.pending) == (0, MissCause.NEVER_PUBLISHED, 0), close
+        assert not cat.reservation_open(res.reservation_id)
+
+
+def test_a_later_block_pending_is_not_the_first_miss():
+    cat = make()
+    hs = hashes(3)
+    cat.reserve(1, "default", NS, hs[2:], [100], 0.0)  # block 2 in flight, block 1 never published
+    found = cat.lookup("default", NS, hs)
+    assert found.miss.index == 0 and found.pending == 0
+
+
+def test_pending_is_only_seen_by_the_same_tenant_and_namespace():
+    cat = make()
+    hs = hashes(2)
+    other_tenant = NS.replace(tenant="t2")
+    other_ns = NS.replace(model_revision="r2")
+    cat.reserve(1, "t2", other_tenant, hs, [100] * 2, 0.0)
+    cat.reserve(1, "default", other_ns, hs, [100] * 2, 0.0)
+    assert cat.lookup("default", NS, hs).pending == 0
+    mine = cat.reserve(2, "default", NS, hs, [100] * 2, 0.0)
+    assert cat.lookup("default", NS, hs).pending == mine.reservation_id
+    assert cat.lookup("t2", other_tenant, hs).pending not in (0, mine.reservation_id)
+
+
+def test_an_evicted_block_that_is_pending_again_keeps_its_cause():
+    cat = make()
+    hs = hashes(1)
+    put(cat, hs)
+    cat.evict("default", NS, hs)
+    res = cat.reserve(1, "default", NS, hs, [100], 0.0)
+    found = cat.lookup("default", NS, hs)
+    assert found.miss.cause == MissCause.EVICTED and found.pending == res.reservation_id
+
+
+def test_count_miss_shows_in_stats():
+    cat = make()
+    cat.count_miss(MissCause.IN_FLIGHT)
+    assert cat.stats()["miss_in_flight"] == 1
