@@ -7,7 +7,8 @@ Modules, one job each:
   catalog   the pool's bookkeeping: two-phase publish, leases, eviction, ghosts,
             admission and load limits. Pure state, no I/O.
   protocol  the typed, versioned wire protocol (msgspec msgpack frames).
-  server    the pool daemon: catalog + arena behind a Unix socket and TCP.
+  server    the pool daemon: catalog + arena behind a Unix socket and TCP; a lookup may
+            wait (parked, within a bound) for a publish of its block in flight.
   client    the client library every other part uses (zero-copy on one host).
   copy      host copies fused with the page digest; digest: the page digest itself.
   metrics   Prometheus metrics of the daemon and of clients.

@@ -6,6 +6,12 @@
                      On the daemon's host it maps the arena and copies page bytes directly
                      (zero-copy: no page byte crosses the socket); elsewhere page bytes
                      travel in WritePages / ReadPages frames.
+  lookup(ns, hashes, wait_pending_s=w)
+                     w > 0: the daemon waits up to w seconds (capped by its
+                     max_lookup_wait_s) for a publish in flight of the first missing
+                     block, then answers with what is visible (MissCause.IN_FLIGHT if that
+                     publish is still in flight); that call's socket timeout is the
+                     client's timeout plus w. w = 0 (the default): answer at once.
   publish(...)       reserve -> write -> commit, with digests; returns what became visible.
   load(...)          acquire (lease) -> copy each page into the caller's buffer -> digest
                      the installed bytes -> release (generation re-check). Returns how many
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import select
 import socket
 import threading
@@ -87,7 +94,7 @@ class PoolBackend(Protocol):
 
     page_size: int
 
-    def lookup(self, ns: Namespace, hashes: Sequence[bytes]) -> LookupResult: ...
+    def lookup(self, ns: Namespace, hashes: Sequence[bytes], wait_pending_s: float = 0.0) -> LookupResult: ...
     def acquire(self, ns: Namespace, hashes: Sequence[bytes]) -> AcquireResult: ...
     def release(self, lease_id: int) -> ReleaseResult: ...
     def read_page(self, lease: AcquireResult, index: int) -> np.ndarray | bytes: ...
@@ -228,11 +235,12 @@ class PoolClient:
             return True
         return True
 
-    def _call(self, op: P.Request, retry: bool = True) -> P.Reply:
+    def _call(self, op: P.Request, retry: bool = True, extra_s: float = 0.0) -> P.Reply:
         """One request, one reply. A connection that was reused after sitting idle may be
         dead (the daemon restarted): if it fails before the daemon can have read the
         request (on send), or with no reply byte to a request that is safe to repeat,
-        the request is sent once more on a fresh connection."""
+        the request is sent once more on a fresh connection. `extra_s`: time the daemon
+        may take on purpose before replying (a lookup's wait), added to the timeout."""
         with self._lock:
             reused = self._sock is not None
             # The daemon (or a proxy) hung up while the socket sat idle. Not for retry=False:
@@ -244,20 +252,25 @@ class PoolClient:
                 self.connect()
             request_id = next(self._ids)
             stage = "send"
+            timeout = self.timeout_s + extra_s
             try:
+                if extra_s:
+                    self._sock.settimeout(timeout)
                 self._sock.sendall(P.encode_request(request_id, op))
                 stage = "reply"
                 header = self._recv_exact(P.LENGTH.size)
                 stage = "body"
                 payload = self._recv_exact(P.LENGTH.unpack(header)[0])
+                if extra_s:
+                    self._sock.settimeout(self.timeout_s)
             except TimeoutError as exc:
                 self._drop_socket()
-                raise PoolTimeout(f"{type(op).__name__} to {self.address} timed out after {self.timeout_s}s") from exc
+                raise PoolTimeout(f"{type(op).__name__} to {self.address} timed out after {timeout}s") from exc
             except (OSError, TransportError) as exc:  # TransportError: EOF from _recv_exact
                 self._drop_socket()
                 repeatable = stage == "send" or (stage == "reply" and isinstance(op, _IDEMPOTENT))
                 if retry and reused and repeatable:
-                    return self._call(op, retry=False)
+                    return self._call(op, retry=False, extra_s=extra_s)
                 if isinstance(exc, TransportError):
                     raise
                 raise TransportError(f"{type(op).__name__} to {self.address} failed: {exc}") from exc
@@ -273,8 +286,8 @@ class PoolClient:
                 raise MalformedFrame(f"reply id {reply_id} does not answer request {request_id}")
             return reply
 
-    def _expect(self, op: P.Request, kind: type) -> object:
-        reply = self._call(op)
+    def _expect(self, op: P.Request, kind: type, extra_s: float = 0.0) -> object:
+        reply = self._call(op, extra_s=extra_s)
         if not isinstance(reply, kind):
             raise MalformedFrame(f"{type(op).__name__} answered with {type(reply).__name__}")
         return reply
@@ -283,8 +296,11 @@ class PoolClient:
     def ping(self) -> None:
         self._expect(P.Ping(), P.Pong)
 
-    def lookup(self, ns: Namespace, hashes: Sequence[bytes]) -> LookupResult:
-        r = self._expect(P.Lookup(ns, list(hashes)), P.LookupOk)
+    def lookup(self, ns: Namespace, hashes: Sequence[bytes], wait_pending_s: float = 0.0) -> LookupResult:
+        if not (wait_pending_s >= 0 and math.isfinite(wait_pending_s)):
+            raise InvalidRequest(f"wait_pending_s must be >= 0, got {wait_pending_s}")
+        wait_ms = round(wait_pending_s * 1000)
+        r = self._expect(P.Lookup(ns, list(hashes), wait_ms), P.LookupOk, extra_s=wait_ms / 1000)
         return LookupResult(r.hits, r.miss)
 
     def acquire(self, ns: Namespace, hashes: Sequence[bytes]) -> AcquireResult:

@@ -1,7 +1,8 @@
 """Prometheus metrics of the daemon and of a client, each in its own registry.
 
   PoolMetrics     the daemon: lookups by result, misses by cause, bytes in/out, lease
-                  (load) latency, evictions, leased / committed / free pages.
+                  (load) latency, evictions, leased / committed / free pages, lookups
+                  that waited for a pending publish (by how the wait ended) and how long.
   ClientMetrics   a client (one per replica): loads by result, misses by cause including
                   the causes only a loader sees (corrupt, transport_error, timeout), load
                   latency, bytes loaded and published.
@@ -14,6 +15,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from kvpool.errors import MissCause
 
 _LATENCY_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
+# How a lookup's wait for a pending publish ended: the publish closed (committed, aborted
+# or reclaimed) and the answer no longer stops at an in-flight block; the bound ran out
+# (answered MissCause.IN_FLIGHT); the waiting client went away (no answer).
+LOOKUP_WAIT_RESULTS = ("settled", "in_flight", "abandoned")
 
 
 class PoolMetrics:
@@ -33,6 +38,12 @@ class PoolMetrics:
         self.requests = Counter("kvpool_requests", "Requests served, by op and result", ["op", "result"], registry=r)
         self.pages = Gauge("kvpool_pages", "Pages by state", ["state"], registry=r)
         self.leased_bytes = Gauge("kvpool_leased_bytes", "Bytes of pages under a lease", registry=r)
+        self.lookup_waits = Counter("kvpool_lookup_waits", "Lookups that waited for a pending publish, by how "
+                                    "the wait ended", ["result"], registry=r)
+        for result in LOOKUP_WAIT_RESULTS:
+            self.lookup_waits.labels(result)
+        self.lookup_wait_seconds = Histogram("kvpool_lookup_wait_seconds", "Time a lookup waited for pending "
+                                             "publishes", buckets=_LATENCY_BUCKETS, registry=r)
 
     def refresh(self, stats: dict[str, int]) -> None:
         for state in ("free", "committed", "reserved", "leased"):

@@ -7,6 +7,10 @@ struct or an `Error` (an ErrorCode and a message). The first request of a connec
 must be `Hello` (tenant + token). Decoding is two-step: the envelope first, so a frame
 of another version is answered WRONG_VERSION rather than MALFORMED.
 
+Fields are added compatibly within a version: a new field has a default and its struct
+omits defaults when encoding, so a caller that does not use it sends the same frame as
+before (e.g. `Lookup.wait_pending_ms`).
+
   encode_request / decode_request   client -> daemon
   encode_reply / decode_reply       daemon -> client
   read_frame / frame                length-prefixed framing with a size limit
@@ -15,7 +19,7 @@ of another version is answered WRONG_VERSION rather than MALFORMED.
 from __future__ import annotations
 
 import struct
-from typing import Union
+from typing import Annotated, Union
 
 import msgspec
 
@@ -45,9 +49,15 @@ class Ping(msgspec.Struct, tag="ping", forbid_unknown_fields=True):
     pass
 
 
-class Lookup(msgspec.Struct, tag="lookup", forbid_unknown_fields=True):
+class Lookup(msgspec.Struct, tag="lookup", forbid_unknown_fields=True, omit_defaults=True):
+    """`wait_pending_ms`: if the first missing block's publish is in flight (reserved,
+    not yet committed, same tenant and namespace), wait up to this long (capped by the
+    daemon's `max_lookup_wait_s`) for it to commit or abort, then answer; a wait that
+    runs out answers MissCause.IN_FLIGHT. 0: answer at once (pending reads as missing)."""
+
     ns: Namespace
     hashes: list[bytes]
+    wait_pending_ms: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class Acquire(msgspec.Struct, tag="acquire", forbid_unknown_fields=True):

@@ -16,6 +16,15 @@ Contracts:
     thread pool; past either the reply is BUSY.
   * A client's open reservations and leases are dropped when its connection closes,
     and expire after their TTL in any case (an abandoned publish is reclaimed).
+  * A lookup with `wait_pending_ms` whose first missing block is being published (an
+    open reservation of the same tenant and namespace; never another tenant's) is
+    parked on that reservation, not the loop: it is woken when the reservation closes
+    (commit, abort, its publisher's connection dropping, its TTL), looks up again and
+    waits for a publish further on within the same bound (capped by
+    `max_lookup_wait_s`). A bound that runs out answers MissCause.IN_FLIGHT, counted
+    with the other misses; waits are counted and timed (stats `lookup_waits`,
+    `lookup_wait_us`, `lookup_waiting`; metrics kvpool_lookup_waits{result},
+    kvpool_lookup_wait_seconds). A waiting lookup whose client disconnects is dropped.
   * Start-up finds what a crashed daemon left (pid file, shared-memory segment),
     removes it and says so; graceful shutdown removes segment, socket and pid file.
 """
@@ -43,12 +52,13 @@ import uvloop
 
 from kvpool import protocol as P
 from kvpool.arena import Arena
-from kvpool.catalog import AdmissionPolicy, Catalog, CatalogConfig, LoadLimits
+from kvpool.catalog import AdmissionPolicy, Catalog, CatalogConfig, LookupResult, LoadLimits, Miss
 from kvpool.digest import page_digest
 from kvpool.errors import (
     Busy,
     InvalidRequest,
     LeaseLost,
+    MissCause,
     OversizedFrame,
     PoolError,
     Unauthenticated,
@@ -83,6 +93,7 @@ class PoolConfig:
     reservation_ttl_s: float = 30.0
     lease_ttl_s: float = 60.0
     reap_interval_s: float = 0.5
+    max_lookup_wait_s: float = 2.0  # cap on a lookup's wait for a pending publish (Lookup.wait_pending_ms)
 
     def resolved_run_dir(self) -> Path:
         return self.run_dir if self.run_dir is not None else default_run_dir(self.name)
@@ -94,6 +105,7 @@ class _Session:
     peer: str
     tenant: str | None = None
     name: str = ""
+    waiting: bool = False  # a lookup of this session is parked on a pending publish
 
 
 class PoolAlreadyRunning(PoolError):
@@ -118,6 +130,9 @@ class PoolDaemon:
         self._clients: dict[int, asyncio.StreamWriter] = {}
         self._queued = 0
         self._lease_started: dict[int, float] = {}
+        # reservation id -> futures of the lookups parked on it, resolved when it closes
+        self._parked: dict[int, list[asyncio.Future]] = {}
+        self._wait_counts = {"lookup_waits": 0, "lookup_wait_us": 0, "lookup_waiting": 0}
         self._executor: ThreadPoolExecutor | None = None
         self._servers: list[asyncio.AbstractServer] = []
         self._stop: asyncio.Event | None = None
@@ -260,6 +275,7 @@ class PoolDaemon:
             await asyncio.sleep(self.config.reap_interval_s)
             assert self.catalog is not None
             self.catalog.reap(time.monotonic())
+            self._wake_closed()
 
     # -- connections ---------------------------------------------------------------------
     def _protocol(self) -> _Connection:
@@ -311,6 +327,10 @@ class PoolDaemon:
         if isinstance(op, P.Lookup):
             self._check_tenant(op.ns, tenant)
             res = cat.lookup(tenant, op.ns, op.hashes)
+            wait_s = min(op.wait_pending_ms / 1000, self.config.max_lookup_wait_s)
+            if res.pending and wait_s > 0:
+                session.waiting = True
+                return self._lookup_waiting(session, op, res, wait_s)
             return P.LookupOk(res.hits, res.miss)
         if isinstance(op, P.Acquire):
             self._check_tenant(op.ns, tenant)
@@ -342,7 +362,9 @@ class PoolDaemon:
             return self._commit(session, op)
         if isinstance(op, P.Abort):
             self._own_reservation(session, op.reservation_id)
-            return P.AbortOk(cat.abort(op.reservation_id))
+            freed = cat.abort(op.reservation_id)
+            self._wake_closed()
+            return P.AbortOk(freed)
         if isinstance(op, P.ReadPages):
             return self._read_pages(session, op)
         if isinstance(op, P.Evict):
@@ -355,11 +377,69 @@ class PoolDaemon:
             self.metrics.evictions.inc(evicted)
             return P.CapacityOk(evicted)
         if isinstance(op, P.Stats):
-            return P.StatsOk(cat.stats())
+            return P.StatsOk({**cat.stats(), **self._wait_counts})
         if isinstance(op, P.Metrics):
             self.metrics.refresh(cat.stats())
             return P.MetricsOk(self.metrics.exposition())
         raise InvalidRequest(f"unhandled op {type(op).__name__}")
+
+    # -- lookups that wait for a pending publish -------------------------------------------
+    async def _lookup_waiting(self, session: _Session, op: P.Lookup, res: LookupResult,
+                              wait_s: float) -> P.LookupOk:
+        """Park until the first missing block's publish closes, look up again; repeat
+        while the answer stops at a pending block, until `wait_s` has passed."""
+        loop = self._loop
+        t0 = loop.time()
+        deadline = t0 + wait_s
+        result = "abandoned"  # unless it returns: cancelled because its client went away
+        self._wait_counts["lookup_waiting"] += 1
+        try:
+            while res.pending:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    result = MissCause.IN_FLIGHT.value
+                    assert res.miss is not None  # a pending reservation is always at the first miss
+                    self.catalog.count_miss(MissCause.IN_FLIGHT)
+                    self.metrics.misses.labels(MissCause.IN_FLIGHT.value).inc()
+                    return P.LookupOk(res.hits, Miss(res.miss.index, MissCause.IN_FLIGHT))
+                await self._until_closed(res.pending, remaining)
+                res = self.catalog.lookup(session.tenant, op.ns, op.hashes)
+            result = "settled"
+            return P.LookupOk(res.hits, res.miss)
+        finally:
+            waited = loop.time() - t0
+            session.waiting = False
+            self._wait_counts["lookup_waiting"] -= 1
+            self._wait_counts["lookup_waits"] += 1
+            self._wait_counts["lookup_wait_us"] += round(waited * 1e6)
+            self.metrics.lookup_waits.labels(result).inc()
+            self.metrics.lookup_wait_seconds.observe(waited)
+
+    async def _until_closed(self, reservation_id: int, timeout: float) -> None:
+        """Return when the reservation closes (see _wake_closed) or `timeout` passes."""
+        parked = self._loop.create_future()
+        self._parked.setdefault(reservation_id, []).append(parked)
+        try:
+            await asyncio.wait((parked,), timeout=timeout)
+        finally:
+            if not parked.done():  # timed out or cancelled: unpark
+                parked.cancel()
+                others = self._parked.get(reservation_id)
+                if others is not None:
+                    others.remove(parked)
+                    if not others:
+                        del self._parked[reservation_id]
+
+    def _wake_closed(self) -> None:
+        """Wake the lookups parked on reservations that are no longer open. Called after
+        every catalog call that can close one: commit, abort, drop_client, reap."""
+        if not self._parked:
+            return
+        cat = self.catalog
+        for rid in [r for r in self._parked if not cat.reservation_open(r)]:
+            for parked in self._parked.pop(rid):
+                if not parked.done():
+                    parked.set_result(None)
 
     @staticmethod
     def _check_tenant(ns, tenant: str) -> None:  # noqa: ANN001
@@ -401,6 +481,7 @@ class PoolDaemon:
         # The reservation may have expired while hashing; commit re-checks it.
         digests = [a if hmac.compare_digest(a, c) else None for a, c in zip(actual, op.digests)]
         res = cat.commit(op.reservation_id, digests)
+        self._wake_closed()
         self.metrics.bytes_written.inc(sum(n for n, d in zip(lengths, digests) if d is not None))
         return P.CommitOk(res.committed, list(res.rejected))
 
@@ -479,7 +560,10 @@ def main_serve(config: PoolConfig, catalog_factory: type[Catalog] | None = None)
 class _Connection(asyncio.Protocol):
     """One client connection: frames are answered in order, one at a time. Ops whose work
     runs in the thread pool pause reading until their reply is written; a client that
-    does not read its replies pauses reading too (the kernel buffers bound the queue)."""
+    does not read its replies pauses reading too (the kernel buffers bound the queue).
+    A lookup parked on a pending publish keeps reading, so that its client's hang-up is
+    seen at once (and the lookup dropped); what the client sends meanwhile is buffered,
+    up to one maximal frame, then reading pauses as for any other op."""
 
     def __init__(self, daemon: PoolDaemon):
         self.daemon = daemon
@@ -502,6 +586,8 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
+        if self.pending is not None and len(self.buf) > self.daemon.config.max_frame + P.LENGTH.size:
+            self.transport.pause_reading()  # pipelined behind a parked lookup: bound the buffer
         self._pump()
 
     def _pump(self) -> None:
@@ -526,7 +612,8 @@ class _Connection(asyncio.Protocol):
             if isinstance(reply, bytes):
                 self.transport.write(reply)
                 continue
-            self.transport.pause_reading()
+            if not self.session.waiting:
+                self.transport.pause_reading()
             self.pending = asyncio.ensure_future(reply)
             self.pending.add_done_callback(self._replied)
 
@@ -567,5 +654,8 @@ class _Connection(asyncio.Protocol):
         d = self.daemon
         if self.session is not None and not self.refuse:
             d._clients.pop(self.session.client, None)
+            if self.session.waiting and self.pending is not None:
+                self.pending.cancel()  # a lookup parked on a pending publish: nobody reads its answer
             if d.catalog is not None:
                 d.catalog.drop_client(self.session.client)
+                d._wake_closed()

@@ -61,3 +61,19 @@ def test_malformed_payloads_raise_malformed(payload):
 def test_error_codes_map_back_to_exception_types():
     err = error_from_code(ErrorCode.UNAUTHENTICATED, "no")
     assert isinstance(err, Unauthenticated) and err.message == "no"
+
+
+def test_a_lookup_that_does_not_wait_encodes_as_before_and_one_that_waits_round_trips():
+    """A caller that does not ask to wait sends the frame an older daemon decodes (its
+    Lookup forbids unknown fields); a wait travels and comes back as sent."""
+    plain = P.encode_request(1, P.Lookup(NS, H))
+    assert b"wait_pending_ms" not in plain
+    assert P.decode_request(plain[4:]) == (1, P.Lookup(NS, H, 0))
+    waiting = P.encode_request(2, P.Lookup(NS, H, wait_pending_ms=250))
+    assert P.decode_request(waiting[4:]) == (2, P.Lookup(NS, H, 250))
+
+
+def test_a_negative_wait_is_malformed():
+    body = msgspec.msgpack.encode([1, 2, {"type": "lookup", "ns": NS.as_dict(), "hashes": [], "wait_pending_ms": -1}])
+    with pytest.raises(MalformedFrame):
+        P.decode_request(body)
