@@ -1,6 +1,9 @@
 """Repository-level pytest configuration.
 
-kvgate's pytest plugin (harness/plugin.py: --kv-seed, --slow, markers, the replay key
-in the report header) is registered through the `pytest11` entry point of the
-installed distribution, so it loads here and in any project that installs kvgate.
+kvgate's pytest plugin (harness/plugin.py: --kv-seed, --slow, --kv-profile, markers, the
+replay key in the report header) is opt-in: this repository loads it here; another
+project loads it with `-p harness.plugin` or `pytest_plugins = ["harness.plugin"]` in its
+own conftest.py. Installing kvgate changes nothing in another project's pytest run.
 """
+
+pytest_plugins = ["harness.plugin"]

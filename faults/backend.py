@@ -1,7 +1,8 @@
 """A fault-injecting PoolBackend: wraps the real pool client of a live replica.
 
-The replica's connector builds it when `faults_file` is set; the file is JSON and is
-re-read whenever it changes, so a test switches faults without restarting the replica:
+faults.connector.FaultConnector builds it, through kvpool's backend factory, around the
+pool client of a replica whose `faults_file` is set; the file (faults.control) is re-read
+whenever it changes, so a test switches faults without restarting the replica:
 
     {"load": {"kind": "transport_error" | "timeout" | "corrupt" | "evict",
               "block": 2,            # the lease's block index where the fault strikes
@@ -43,8 +44,6 @@ A negative control for the namespace (the key), in the same file:
 
 from __future__ import annotations
 
-import json
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -52,6 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
+from faults.control import ControlFile, ControlFileError
 from kvpool.catalog import AcquireResult
 from kvpool.client import PoolBackend
 from kvpool.errors import PoolTimeout, TransportError
@@ -61,15 +61,16 @@ KINDS = ("transport_error", "timeout", "corrupt", "evict", "hold")
 
 
 class FaultyBackend:
-    def __init__(self, inner: PoolBackend, control: str | Path, history: HistoryWriter):
+    def __init__(self, inner: PoolBackend, control: str | Path | ControlFile, history: HistoryWriter):
         self.inner = inner
-        self.control = Path(control)
+        self.control = control if isinstance(control, ControlFile) else ControlFile(control)
         self.history = history
-        self._mtime = -1.0
+        self._generation = -1
         self._spec: dict = {}
         self._fired = 0
         self._publish_fired = 0
         self._dead = False
+        self._armed: tuple[int, dict] | None = None
         self._lock = threading.Lock()
 
     @property
@@ -80,21 +81,17 @@ class FaultyBackend:
         return getattr(self.inner, name)
 
     def _load_fault(self) -> dict | None:
+        doc, generation = self.control.read()
         with self._lock:
-            try:
-                mtime = os.stat(self.control).st_mtime_ns
-            except FileNotFoundError:
-                self._spec, self._mtime = {}, -1.0
-                return None
-            if mtime != self._mtime:
-                self._mtime = mtime
-                self._spec = json.loads(self.control.read_text() or "{}")
+            if generation != self._generation:  # a new arming: every count starts again
+                self._generation, self._spec = generation, doc
                 self._fired = 0
                 self._publish_fired = 0
                 self._dead = False
-                fault = self._spec.get("load")
+                fault = doc.get("load")
                 if fault is not None and fault.get("kind") not in KINDS:
-                    raise ValueError(f"{self.control}: unknown fault kind {fault.get('kind')!r}; known {KINDS}")
+                    raise ControlFileError(f"{self.control.path}: unknown fault kind {fault.get('kind')!r}; "
+                                           f"known {KINDS}", generation)
             fault = self._spec.get("load")
             if fault is None or self._fired >= int(fault.get("times", 1)):
                 return None
@@ -103,7 +100,7 @@ class FaultyBackend:
     def _call(self, fn, *args):  # noqa: ANN001, ANN202
         control = (self._spec.get("client") or {}).get("control")
         if control not in (None, "no_reconnect"):
-            raise ValueError(f"{self.control}: unknown client control {control!r}; known ('no_reconnect',)")
+            raise ControlFileError(f"{self.control.path}: unknown client control {control!r}; known ('no_reconnect',)")
         if control and self._dead:
             raise TransportError("control no_reconnect: the connection failed before and was never replaced")
         try:
@@ -119,7 +116,7 @@ class FaultyBackend:
             return ns
         unknown = [f for f in drop if f not in ns.as_dict()]
         if unknown:
-            raise ValueError(f"{self.control}: namespace has no fields {unknown}")
+            raise ControlFileError(f"{self.control.path}: namespace has no fields {unknown}")
         return ns.replace(**{f: "" for f in drop})
 
     def commit(self, reservation_id: int, digests):  # noqa: ANN001, ANN201
@@ -127,7 +124,7 @@ class FaultyBackend:
         spec = self._spec.get("publish")
         if spec is not None:
             if spec.get("kind") != "hang":
-                raise ValueError(f"{self.control}: unknown publish fault {spec.get('kind')!r}; known ('hang',)")
+                raise ControlFileError(f"{self.control.path}: unknown publish fault {spec.get('kind')!r}; known ('hang',)")
             with self._lock:
                 fire = self._publish_fired < int(spec.get("times", 1))
                 self._publish_fired += fire
@@ -165,7 +162,7 @@ class FaultyBackend:
         return lease
 
     def read_page(self, lease: AcquireResult, index: int):  # noqa: ANN201
-        armed = getattr(self, "_armed", None)
+        armed = self._armed
         if armed is None or armed[0] != lease.lease_id or index != int(armed[1].get("block", 0)):
             return self.inner.read_page(lease, index)
         fault = armed[1]

@@ -1,6 +1,8 @@
 """A fault-injecting copy engine: wraps a replica worker's copier (kvpool.copier).
 
-Armed through the replica's fault-control file (faults.control), section "copier":
+faults.connector.FaultConnector builds it, through kvpool's copier factory, around the
+HostCopier of a replica whose `faults_file` is set. Armed through that fault-control file
+(faults.control), section "copier":
 
     {"copier": {"store_delay_ms": 3000,    # each store job starts this late
                 "load_delay_ms": 1000,     # each load job starts this late
@@ -14,9 +16,8 @@ Armed through the replica's fault-control file (faults.control), section "copier
   early_completion a negative control (faults.controls.EarlyCompletionCopier): the
                    copier reports each job done when it is queued, so the engine frees
                    blocks that are still to be read, and reads blocks still to be written.
-  hide_failures    a negative control: blocks whose load failed are never reported to
-                   the engine (get_block_ids_with_load_errors stays empty), so it computes
-                   on whatever those blocks hold instead of recomputing them.
+(hide_failures, the control that keeps failed blocks from the engine, acts at the
+connector API: faults.connector.)
 Every delayed job and every job under the control is written to the history (`fault`
 events, site "copier").
 """
@@ -36,13 +37,13 @@ from kvpool.copier import CopyRun, HostCopier
 from kvpool.history import HistoryWriter
 from kvpool.keys import Namespace
 
-CONTROLS = ("early_completion", "hide_failures")
+CONTROLS = ("early_completion",)
 
 
 class FaultyCopier:
-    def __init__(self, inner: HostCopier, control: str | Path, history: HistoryWriter):
+    def __init__(self, inner: HostCopier, control: str | Path | ControlFile, history: HistoryWriter):
         self.inner = inner
-        self.control = ControlFile(control)
+        self.control = control if isinstance(control, ControlFile) else ControlFile(control)
         self.history = history
         self._early = EarlyCompletionCopier(inner)
         self._generation = -1
@@ -103,15 +104,6 @@ class FaultyCopier:
     def load(self, ns: Namespace, run: CopyRun, deadline_s: float) -> Future:
         job, spec = self._wrap("load", run, self.inner.load_job(ns, run, deadline_s))
         return self._engine(spec).submit(job)
-
-    def take_failed(self) -> set[int]:
-        failed = self.inner.take_failed()
-        spec = self._spec()
-        if failed and spec and spec.get("control") == "hide_failures":
-            self.history.write("fault", site="copier", kind="copier_control", job="report", control="hide_failures",
-                               hidden_block_ids=sorted(failed))
-            return set()
-        return failed
 
     def wait(self, futures: Sequence[Future], timeout_s: float) -> None:
         self.inner.wait(futures, timeout_s)

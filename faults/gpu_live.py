@@ -1,27 +1,24 @@
 """The stream-delay fault and its negative control on a live vLLM replica on a GPU.
 
-Armed through the replica's fault-control file (faults.control), section "gpu":
+faults.connector.FaultConnector uses both around kvpool's connector on CUDA. Armed through
+the replica's fault-control file (faults.control), section "gpu":
 
     {"gpu": {"stream_delay_ms": 300,   # torch.cuda._sleep on the engine's stream
              "times": 1,               # how many steps are delayed (then it heals)
              "control": "unordered",   # optional: the negative control
              "drop": "store_after_write"}}   # the ordering edge the control drops
 
-  StreamDelayConnector   kvpool.connector.KVPoolConnector with the fault: at
-                         start_load_kv of a step that will publish blocks (vLLM calls it
-                         before the forward), a `torch.cuda._sleep` is enqueued on the
+  StreamDelay            at start_load_kv of a step that will publish blocks (vLLM calls
+                         it before the forward), a `torch.cuda._sleep` is enqueued on the
                          engine's current stream, so every KV write of the step's forward
                          runs behind it. The store issued in wait_for_save must wait for
                          those writes; a copy that lost its dependency on the engine's
                          stream reads the blocks before they are written (stale KV).
-                         Load it as the audit wrapper's inner connector:
-                         audit_inner="faults.gpu_live:StreamDelayConnector".
   ControlledCudaCopier   kvpool.gpu_copier.CudaCopier whose transfer engine
                          (SwitchableTransferEngine) drops one stream dependency
                          (kvpool.gpu_transfer.OrderingEdge) while the control is armed:
                          the seed-003 bug, switched on and off at run time without a
-                         restart. The connector picks it on CUDA when a fault-control
-                         file is configured.
+                         restart.
 Every delay and every dropped edge is written to the history (`fault` events, sites
 "gpu_stream" and "gpu_transfer"). Heal: disarm the section; the delayed work runs and
 nothing is left behind once the stream drained.
@@ -38,7 +35,7 @@ import torch
 from faults.control import ControlFile, ControlFileError
 from faults.gpu_controls import cycles_per_ms, delay_stream
 from kvpool.client import PoolBackend
-from kvpool.connector import KVPoolConnector, KVPoolMetadata
+from kvpool.copier import CopyRun
 from kvpool.gpu_copier import CudaCopier
 from kvpool.gpu_transfer import OrderingEdge, TransferConfig, TransferEngine
 from kvpool.history import HistoryWriter
@@ -59,23 +56,23 @@ def _spec(control: ControlFile) -> tuple[dict | None, int]:
 class StreamDelay:
     """Fires `times` delays per arming of the control file (a new file content re-arms)."""
 
-    def __init__(self, control: str | Path, history: HistoryWriter):
-        self.control = ControlFile(control)
+    def __init__(self, control: str | Path | ControlFile, history: HistoryWriter):
+        self.control = control if isinstance(control, ControlFile) else ControlFile(control)
         self.history = history
         self._generation = -1
         self._fired = 0
         self._cycles_per_ms: float | None = None
         self._lock = threading.Lock()
 
-    def maybe_fire(self, meta: KVPoolMetadata) -> float:
-        """Enqueue the delay on the current stream if armed and `meta` publishes blocks;
-        returns the delay in ms (0 if none)."""
+    def maybe_fire(self, stores: Sequence[CopyRun]) -> float:
+        """Enqueue the delay on the current stream if armed and the step publishes blocks
+        (`stores`); returns the delay in ms (0 if none)."""
         spec, generation = _spec(self.control)
         with self._lock:
             if generation != self._generation:
                 self._generation, self._fired = generation, 0
             ms = float(spec.get("stream_delay_ms", 0)) if spec else 0.0
-            if ms <= 0 or not meta.stores or self._fired >= int(spec.get("times", 1)):
+            if ms <= 0 or not stores or self._fired >= int(spec.get("times", 1)):
                 return 0.0
             self._fired += 1
         if self._cycles_per_ms is None:
@@ -84,26 +81,9 @@ class StreamDelay:
         delay_stream(stream, int(ms * self._cycles_per_ms))
         self.history.write("fault", site="gpu_stream", kind="stream_delay", delay_ms=ms,
                            cycles_per_ms=round(self._cycles_per_ms), stream=int(stream.cuda_stream),
-                           reqs=sorted({r.req_id for r in meta.stores}), tags=sorted({r.tag for r in meta.stores}),
-                           store_blocks=sum(len(r.block_ids) for r in meta.stores), control=spec.get("control"))
+                           reqs=sorted({r.req_id for r in stores}), tags=sorted({r.tag for r in stores}),
+                           store_blocks=sum(len(r.block_ids) for r in stores), control=spec.get("control"))
         return ms
-
-
-class StreamDelayConnector(KVPoolConnector):
-    """KVPoolConnector with the stream-delay fault before each step's forward (worker side)."""
-
-    def __init__(self, vllm_config, role, kv_cache_config=None):  # noqa: ANN001
-        super().__init__(vllm_config, role, kv_cache_config)
-        self._delay: StreamDelay | None = None
-        if self._worker is not None and self._worker.settings.faults_file:
-            self._delay = StreamDelay(self._worker.settings.faults_file, self._worker.history)
-
-    def start_load_kv(self, forward_context, **kwargs):  # noqa: ANN001, ANN201
-        if self._delay is not None and self.has_connector_metadata():
-            meta = self._get_connector_metadata()
-            if isinstance(meta, KVPoolMetadata):
-                self._delay.maybe_fire(meta)
-        return super().start_load_kv(forward_context, **kwargs)
 
 
 class SwitchableTransferEngine(TransferEngine):
@@ -130,9 +110,9 @@ class ControlledCudaCopier(CudaCopier):
     """A CudaCopier on a SwitchableTransferEngine (armed by the replica's control file)."""
 
     def __init__(self, backend: PoolBackend, history: HistoryWriter, metrics: ClientMetrics | None = None, *,
-                 control: str | Path):
+                 control: str | Path | ControlFile):
         super().__init__(backend, history, metrics)
-        self.control = ControlFile(control)
+        self.control = control if isinstance(control, ControlFile) else ControlFile(control)
 
     def _new_engine(self, ns: Namespace, layers: Sequence[torch.Tensor], config: TransferConfig) -> TransferEngine:
         return SwitchableTransferEngine(self.backend, ns, layers, config, self.lanes, control=self.control,

@@ -11,7 +11,7 @@
       `.records()` (every fired fault, as written to the history).
   python -m faults.proxy --upstream ADDR --listen ADDR --control FILE --seed N
       the same proxy as a process, for live replicas: point the connector's `pool`
-      setting at the proxy's address. `ProxyProcess.start(...)` runs it from Python.
+      setting at the proxy's address (harness.system.proxy.ProxyProcess starts it).
   TrustingLoader (faults.transport_controls) is the negative control these faults need.
 
 Control file: JSON `{kind: {param: value, ...}, ...}`, off by default; re-read when it
@@ -67,7 +67,6 @@ import signal
 import socket
 import stat
 import struct
-import subprocess
 import sys
 import threading
 import time
@@ -78,6 +77,7 @@ from typing import Any
 
 import msgspec
 
+from faults import control
 from kvpool import protocol as P
 from kvpool.client import parse_address
 from kvpool.history import HistoryWriter
@@ -180,12 +180,9 @@ def parse_control(data: object) -> dict[str, LinkFault]:
 
 
 def write_control(path: str | Path, faults: Mapping[str, Mapping[str, Any]]) -> None:
-    """Validate and write a control file atomically (a new inode: never half-read)."""
+    """Validate and write a control file atomically (faults.control.write_control)."""
     parse_control(json.loads(json.dumps(faults)))
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(faults, sort_keys=True))
-    os.replace(tmp, path)
+    control.write_control(path, dict(faults))
 
 
 # -- frames ---------------------------------------------------------------------------------
@@ -446,8 +443,8 @@ class FaultProxy:
         self.control_error: str | None = None
         self._faults: dict[str, LinkFault] = {}
         self._states: dict[str, _KindState] = {}
-        self._control_key: tuple | None = None
-        self._control_text: str | None = None
+        self._control = control.ControlFile(self.control_file)
+        self._control_generation = 0
         self._changed: asyncio.Event | None = None
         self._links: set[asyncio.Task] = set()
         self._numbers = 0
@@ -597,28 +594,18 @@ class FaultProxy:
 
     def _poll_control(self) -> None:
         try:
-            st = os.stat(self.control_file)
-        except FileNotFoundError:
-            key, text = None, ""
-        else:
-            key = (st.st_ino, st.st_mtime_ns, st.st_size)
-            # Same key and not written in the last 100 ms: nothing changed. A file written
-            # recently is read again: two writes within one timestamp tick look alike.
-            if key == self._control_key and time.time() - st.st_mtime > 0.1:
+            doc, generation = self._control.read()
+            if generation == self._control_generation:
                 return
-            try:
-                text = self.control_file.read_text()
-            except FileNotFoundError:
-                key, text = None, ""
-        self._control_key = key
-        if text == self._control_text:
-            return
-        self._control_text = text
-        try:
-            faults = parse_control(json.loads(text) if text.strip() else {})
-        except ValueError as exc:  # json.JSONDecodeError included
-            self.control_error = f"{self.control_file}: {exc}"
-            self._history("proxy_control_error", error=self.control_error, text=text[:400])
+            self._control_generation = generation
+            faults = parse_control(doc)
+        except ValueError as exc:  # ControlFileError, or a fault the file describes wrongly
+            generation = getattr(exc, "generation", self._control_generation)
+            if generation == self._control_generation and self.control_error is not None:
+                return  # this content was reported already; the previous faults stay in force
+            self._control_generation = generation
+            self.control_error = str(exc) if isinstance(exc, control.ControlFileError) else f"{self.control_file}: {exc}"
+            self._history("proxy_control_error", error=self.control_error)
             return
         self.control_error = None
         with self._lock:
@@ -785,74 +772,6 @@ class FaultProxy:
 
 
 # -- as a process ---------------------------------------------------------------------------
-@dataclasses.dataclass
-class ProxyProcess:
-    """`python -m faults.proxy` as a child process (for live replicas and the gate)."""
-
-    proc: subprocess.Popen
-    address: str
-    control_file: Path
-    log_path: Path
-
-    @classmethod
-    def start(cls, upstream: str, listen: str, control_file: str | Path, seed: int, *,
-              history_dir: str | Path | None = None, remote: bool | None = None, log_path: str | Path | None = None,
-              replica: str = "proxy", timeout: float = 20.0) -> ProxyProcess:
-        control_file = Path(control_file)
-        ready = control_file.with_name(f".{control_file.name}.ready.{os.getpid()}.{threading.get_ident()}")
-        ready.unlink(missing_ok=True)
-        log_path = Path(log_path) if log_path else control_file.with_name(f"{control_file.stem}.proxy.log")
-        args = [sys.executable, "-m", "faults.proxy", "--upstream", upstream, "--listen", listen,
-                "--control", str(control_file), "--seed", str(seed), "--ready-file", str(ready)]
-        if history_dir:
-            args += ["--history", str(history_dir), "--replica", replica]
-        if remote is not None:
-            args.append("--remote" if remote else "--no-remote")
-        log = open(log_path, "ab")  # noqa: SIM115 - owned by the child
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=Path(__file__).resolve().parent.parent)
-        log.close()
-        deadline = time.monotonic() + timeout
-        while not ready.exists():
-            if proc.poll() is not None:
-                raise ProxyError(f"proxy exited with {proc.returncode}; log:\n{log_path.read_text()[-4000:]}")
-            if time.monotonic() > deadline:
-                proc.kill()
-                proc.wait()
-                raise ProxyError(f"proxy did not start within {timeout}s; log:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.02)
-        info = json.loads(ready.read_text())
-        ready.unlink()
-        return cls(proc, info["address"], control_file, log_path)
-
-    def configure(self, faults: Mapping[str, Mapping[str, Any]]) -> None:
-        """Write the control file; the process picks it up within ~10 ms (or on its next frame)."""
-        write_control(self.control_file, faults)
-
-    def heal(self) -> None:
-        self.configure({})
-
-    def stop(self, timeout: float = 10.0) -> dict[str, Any]:
-        """SIGTERM; returns the final {"fired": ..., "stats": ...} the process printed."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise
-        lines = [ln for ln in self.log_path.read_text().splitlines() if ln.startswith('{"fired"')]
-        if self.proc.returncode != 0 or not lines:
-            raise ProxyError(f"proxy exited with {self.proc.returncode}; log:\n{self.log_path.read_text()[-4000:]}")
-        return json.loads(lines[-1])
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m faults.proxy", description=__doc__.split("\n\n")[0])
     parser.add_argument("--upstream", required=True, help="the pool daemon: unix:PATH or tcp:HOST:PORT")

@@ -1,6 +1,5 @@
 """The `kvgate` command.
 
-  kvgate pool serve [...]   run a pool daemon in the foreground (SIGTERM/SIGINT: clean stop)
   kvgate bench pool [...]   the pool benchmark (ratios against baselines of the same run)
   kvgate bench gpu [...]    the GPU transfer engine against a plain pinned cudaMemcpy (needs CUDA);
                             --gpus N: N GPUs loading from one pool at once
@@ -9,92 +8,32 @@
   kvgate gate [...]         the main job: start the embedded default system, run the gate
   kvgate scenarios          list the scenario catalog
   kvgate replay NAME --seed N   rerun one scenario with one seed, print the same verdicts
+The pool daemon itself is kvpool's: `kvpool serve` (kvpool.cli).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import secrets
 import sys
 from pathlib import Path
 
-from kvpool.catalog import AdmissionPolicy, LoadLimits
-from kvpool.server import PoolConfig, default_run_dir, main_serve
-
-
-def _size(text: str) -> int:
-    units = {"k": 1024, "m": 1024**2, "g": 1024**3}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
-
-
-def _tenants(pairs: list[str], token_file: Path | None, run_dir: Path) -> dict[str, str]:
-    tenants: dict[str, str] = {}
-    if token_file is not None:
-        tenants.update(json.loads(token_file.read_text()))
-    for pair in pairs:
-        name, sep, token = pair.partition("=")
-        if not sep or not name or not token:
-            raise SystemExit(f"kvgate: --tenant takes NAME=TOKEN, got {pair!r}")
-        tenants[name] = token
-    if not tenants:
-        tenants = {"default": secrets.token_hex(16)}
-        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        path = run_dir / "tokens.json"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(tenants, f)
-        print(f"kvgate pool: no tenant given; token of tenant 'default' written to {path}", file=sys.stderr)
-    return tenants
-
-
-def cmd_pool_serve(args: argparse.Namespace) -> int:
-    run_dir = args.run_dir or default_run_dir(args.name)
-    host, port = None, 0
-    if args.tcp != "none":
-        host, _, p = args.tcp.rpartition(":")
-        port = int(p)
-    page_size = _size(args.page_size)
-    num_pages = args.pages if args.pages else max(1, _size(args.capacity) // page_size)
-    config = PoolConfig(
-        name=args.name, page_size=page_size, num_pages=num_pages, run_dir=run_dir,
-        unix_socket=not args.no_unix, tcp_host=host, tcp_port=port,
-        tenants=_tenants(args.tenant, args.token_file, run_dir),
-        max_clients=args.max_clients, max_queue=args.max_queue,
-        admission=AdmissionPolicy(min_blocks=args.min_blocks, second_hit=args.second_hit),
-        limits=LoadLimits(per_client=args.max_loads_per_client, total=args.max_loads),
-        reservation_ttl_s=args.reservation_ttl, lease_ttl_s=args.lease_ttl,
-    )
-    print(f"kvgate pool: serving {config.name!r}: {num_pages} pages of {page_size} bytes "
-          f"({num_pages * page_size / 2**20:.1f} MiB), run dir {run_dir}", file=sys.stderr, flush=True)
-    factory = None
-    if args.catalog_control:
-        from faults.controls import CATALOG_CONTROLS
-
-        factory = CATALOG_CONTROLS[args.catalog_control]
-        print(f"kvgate pool: NEGATIVE CONTROL: known-bad catalog {args.catalog_control!r}", file=sys.stderr, flush=True)
-    return main_serve(config, catalog_factory=factory)
-
 
 def cmd_bench_pool(args: argparse.Namespace) -> int:
-    from harness.bench_pool import run_bench
+    from harness.bench.pool import run_bench
 
     return run_bench(quick=args.quick, blocks=args.catalog_blocks)
 
 
 def cmd_bench_gpu(args: argparse.Namespace) -> int:
-    from harness.bench_gpu import run_bench
+    from harness.bench.gpu import run_bench
 
     paths = tuple(p for p in args.paths.split(",") if p)
     if not args.gpus:
         return run_bench(quick=args.quick, paths=paths, reps=args.reps, max_blocks=args.max_blocks,
                          lanes=args.lanes, hash_threads=args.hash_threads, io_threads=args.pool_io_threads,
                          chunk_mib=args.chunk_mib, commit_mib=args.commit_mib, seed=args.seed)
-    from harness.bench_gpu import run_concurrent
+    from harness.bench.gpu import run_concurrent
 
     sizes = tuple(int(x) for x in args.concurrent_blocks.split(",") if x)
     return run_concurrent(gpus=args.gpus, sizes=sizes, reps=args.reps, lanes=args.lanes,
@@ -103,14 +42,14 @@ def cmd_bench_gpu(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_live(args: argparse.Namespace) -> int:
-    from harness.bench_live import LENGTHS, run_bench
+    from harness.bench.live import LENGTHS, run_bench
 
     lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else LENGTHS
     return run_bench(reps=args.reps, lengths=lengths, report_dir=args.report_dir)
 
 
 def cmd_gpu_live(args: argparse.Namespace) -> int:
-    from harness.gpu_live import main as gpu_live
+    from harness.scenarios.gpu_live import main as gpu_live
 
     lengths = tuple(int(x) for x in args.bench_lengths.split(",") if x)
     contexts = tuple(int(x) for x in args.session_contexts.split(",") if x)
@@ -128,7 +67,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
 
 def cmd_scenarios(args: argparse.Namespace) -> int:
-    from harness.scenarios import load_catalog
+    from harness.scenarios.catalog import load_catalog
 
     for sc in load_catalog():
         control = f" [control: {sc.control.name}]" if sc.control else ""
@@ -137,9 +76,10 @@ def cmd_scenarios(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from harness.gate import start_system
-    from harness.scenarios import ScenarioError, find, run_scenario
-    from harness.workload import Corpus
+    from harness.system.default import start_system
+    from harness.scenarios.catalog import ScenarioError, find
+    from harness.scenarios.runner import run_scenario
+    from harness.workload.prompts import Corpus
 
     try:
         sc = find(args.scenario)
@@ -170,29 +110,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgate", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-
-    pool = sub.add_parser("pool", help="the pool daemon").add_subparsers(dest="pool_command", required=True)
-    serve = pool.add_parser("serve", help="run a pool daemon in the foreground")
-    serve.add_argument("--name", default="kvgate-pool", help="shared-memory segment and run-dir name")
-    serve.add_argument("--run-dir", type=Path, default=None, help="pid file, socket and address.json")
-    serve.add_argument("--page-size", default="64KiB", help="bytes per page (one KV block)")
-    serve.add_argument("--capacity", default="256MiB", help="arena size (rounded down to whole pages)")
-    serve.add_argument("--pages", type=int, default=0, help="number of pages (overrides --capacity)")
-    serve.add_argument("--tcp", default="127.0.0.1:0", help="HOST:PORT to listen on, or 'none'")
-    serve.add_argument("--no-unix", action="store_true", help="do not listen on a Unix socket")
-    serve.add_argument("--tenant", action="append", default=[], metavar="NAME=TOKEN")
-    serve.add_argument("--token-file", type=Path, default=None, help="JSON object tenant -> token")
-    serve.add_argument("--min-blocks", type=int, default=1, help="admission: shortest publish")
-    serve.add_argument("--second-hit", action="store_true", help="admission: publish a block on its second offer")
-    serve.add_argument("--max-loads-per-client", type=int, default=0, help="concurrent leases per client (0: no limit)")
-    serve.add_argument("--max-loads", type=int, default=0, help="concurrent leases in all (0: no limit)")
-    serve.add_argument("--max-clients", type=int, default=256)
-    serve.add_argument("--max-queue", type=int, default=64)
-    serve.add_argument("--reservation-ttl", type=float, default=30.0, help="seconds before an open publish is reclaimed")
-    serve.add_argument("--lease-ttl", type=float, default=60.0, help="seconds before an unreleased lease expires")
-    serve.add_argument("--catalog-control", choices=("forgetful", "leaseless", "leaky"), default=None,
-                       help="run a known-bad catalog (faults.controls), for the harness's negative controls only")
-    serve.set_defaults(func=cmd_pool_serve)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     bp = bench.add_parser("pool", help="lookup latency, load/publish vs memcpy, catalog memory")

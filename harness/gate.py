@@ -23,7 +23,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from harness.plugin import derive_seed
-from reports.render import Criterion, GateRun, Verdict, all_of, write_reports
+from harness.system.default import start_system
+from harness.checkers.verdict import Verdict, all_of
+from reports.render import Criterion, GateRun, write_reports
 
 def _commit() -> str:
     try:
@@ -39,8 +41,8 @@ def _say(msg: str) -> None:
 
 
 def _pool_criteria() -> list[tuple[str, Callable[[int], Verdict]]]:
-    from harness import pool_checks
-    from harness.pool_proc import PoolProcess
+    from harness.scenarios import pool as pool_checks
+    from harness.system.pool import PoolProcess
 
     def exchange(seed: int) -> Verdict:
         out = Path(tempfile.mkdtemp(prefix="kvgate-exchange-"))
@@ -71,31 +73,11 @@ def _pool_criteria() -> list[tuple[str, Callable[[int], Verdict]]]:
     ]
 
 
-def start_system(report_dir: Path, replicas: set[str]):  # noqa: ANN201
-    """The embedded default system: a local pool, replicas A and B of the tiny local
-    model (harness.cluster.default_cluster), and as the scenarios need them C (revision
-    r2 of the model: other weights, same tokenizer) and D (a 64-block KV cache)."""
-    from fixtures.tiny_model import build_tiny_model
-    from harness.cluster import DEFAULT_CHUNK, ReplicaSpec, default_cluster, small_kv_spec
-
-    model = build_tiny_model(report_dir / "model" / "tiny", seed=0, revision="r1")
-    cluster, specs = default_cluster(model, report_dir)
-    if "C" in replicas:
-        r2 = build_tiny_model(report_dir / "model" / "tiny-r2", seed=0, revision="r2")
-        specs.append(ReplicaSpec("C", core="0", model_dir=r2, audit=True, max_num_batched_tokens=DEFAULT_CHUNK,
-                                 faults_file=str(report_dir / "faults-C.json")))
-    if "D" in replicas:
-        specs.append(small_kv_spec(report_dir))
-    _say(f"kvgate: starting the pool and {len(specs)} vLLM replicas ({', '.join(s.name for s in specs)}; "
-         "one to three minutes) ...")
-    return cluster.start(specs), model
-
-
 def select(profile: str, names: list[str] | None = None):  # noqa: ANN201
     """Scenarios of the catalog for a profile: 'all', or comma-separated fault kinds
     ('none' for the fault-free scenarios), optionally only the named ones."""
     from faults.schedule import KINDS
-    from harness.scenarios import load_catalog
+    from harness.scenarios.catalog import load_catalog
 
     catalog = load_catalog()
     if names:
@@ -114,8 +96,9 @@ def select(profile: str, names: list[str] | None = None):  # noqa: ANN201
 
 def run_gate(seed: int | None = None, seeds: int = 2, report_dir: Path = Path("reports/runs/latest"),
              profile: str = "all", scenarios: list[str] | None = None, pool_checks: bool = True) -> int:
-    from harness.scenarios import replay_command, run_scenario
-    from harness.workload import Corpus
+    from harness.scenarios.catalog import replay_command
+    from harness.scenarios.runner import run_scenario
+    from harness.workload.prompts import Corpus
 
     root = seed if seed is not None else secrets.randbits(32)
     chosen = select(profile, scenarios)
@@ -126,7 +109,7 @@ def run_gate(seed: int | None = None, seeds: int = 2, report_dir: Path = Path("r
     run = GateRun(replay_key=key)
     t_start = time.monotonic()
     # The replicas take minutes to start: start them while the pool criteria run.
-    from harness.cluster import install_sigterm_unwind
+    from harness.system.cluster import install_sigterm_unwind
 
     install_sigterm_unwind()  # the cluster starts in a thread, where it cannot install it
     started: dict = {}
@@ -206,7 +189,8 @@ def harness_failure(sc, seed: int, exc: BaseException):  # noqa: ANN001, ANN201
     carries the traceback (the gate goes on with the next one)."""
     import traceback
 
-    from harness.scenarios import ScenarioResult, replay_command
+    from harness.scenarios.catalog import replay_command
+    from harness.scenarios.runner import ScenarioResult
 
     text = "".join(traceback.format_exception(exc))[-1500:]
     return ScenarioResult(sc.name, sc.fault, seed, Verdict(False, f"harness error {type(exc).__name__}: {exc}",

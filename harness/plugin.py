@@ -1,4 +1,6 @@
-"""kvgate's pytest plugin (registered through the `pytest11` entry point).
+"""kvgate's pytest plugin, opt-in: `-p harness.plugin` or `pytest_plugins = ["harness.plugin"]`
+(this repository's conftest.py). Nothing is registered through an entry point, so
+installing kvgate changes nothing in another project's pytest run.
 
 Options:
   --kv-seed N|last   root seed of the run; `last` reuses the previous run's seed

@@ -4,8 +4,9 @@
     kv_connector_extra_config={"audit_inner": "kvpool.connector:KVPoolConnector",
                                "history_dir": ..., "replica": ..., <the inner's own keys>}
 
-The inner connector (ours, or e.g. vLLM's ExampleConnector or OffloadingConnector) does
-all the work; the wrapper only watches, through the public hooks:
+The inner connector (ours, a fault-injecting wrapper around ours, or e.g. vLLM's
+ExampleConnector or OffloadingConnector) does all the work; the wrapper
+(kvpool.wrap.WrappingConnector) only watches, through the public hooks:
 
   scheduler side  learns, per request, which blocks the inner connector will load (from
                   get_num_new_matched_tokens / update_state_after_alloc) and which prompt
@@ -29,20 +30,14 @@ order, the byte order of a pool page, so it equals the pool's page digest direct
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any
 
 from kvpool import vllm_compat as compat
+from kvpool.connector import _request_tag, _salt_root
 from kvpool.copy import digest_segments
 from kvpool.history import HistoryWriter
 from kvpool.keys import block_hashes
-
-
-def _load_class(path: str) -> type:
-    module, sep, name = path.partition(":")
-    if not sep:
-        raise ValueError(f"audit_inner must be 'module:Class', got {path!r}")
-    return getattr(importlib.import_module(module), name)
+from kvpool.wrap import WrappingConnector
 
 
 @dataclasses.dataclass
@@ -72,28 +67,22 @@ class _Req:
     load: tuple[int, int] | None = None
 
 
-class AuditConnector(compat.KVConnectorBase_V1):
-    def __init__(self, vllm_config, role, kv_cache_config=None):  # noqa: ANN001
-        super().__init__(vllm_config, role, kv_cache_config)
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        inner_cls = _load_class(extra.get("audit_inner", "kvpool.connector:KVPoolConnector"))
-        self._inner = inner_cls(vllm_config, role, kv_cache_config)
-        self._role_name = "scheduler" if role == compat.KVConnectorRole.SCHEDULER else "worker"
-        self.history = HistoryWriter(extra.get("history_dir"), str(extra.get("replica", "replica")),
-                                     f"audit-{self._role_name}")
+class AuditConnector(WrappingConnector):
+    INNER_KEY = "audit_inner"
+
+    def __init__(self, vllm_config, role, kv_cache_config=None, *, extra: dict[str, Any] | None = None):  # noqa: ANN001
+        super().__init__(vllm_config, role, kv_cache_config, extra=extra)
+        self.history = HistoryWriter(self.history_dir, self.replica, f"audit-{self.role_name}")
         self.block_size = int(vllm_config.cache_config.block_size)
         self.device = compat.device_type(vllm_config)
         self._reqs: dict[str, _Req] = {}
         self._layers: list = []
-        self._failed_now: set[int] = set()
         self._seen_pending = False
 
     # -- scheduler side ----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens):  # noqa: ANN001, ANN201
         result = self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
         if request.request_id not in self._reqs:
-            from kvpool.connector import _request_tag, _salt_root
-
             tokens = list(request.prompt_token_ids or [])
             B = self.block_size
             full = tokens[: (len(tokens) // B) * B]
@@ -134,12 +123,6 @@ class AuditConnector(compat.KVConnectorBase_V1):
         self._reqs.pop(request.request_id, None)
         return self._inner.request_finished(request, block_ids)
 
-    def update_connector_output(self, connector_output):  # noqa: ANN001, ANN201
-        return self._inner.update_connector_output(connector_output)
-
-    def take_events(self):  # noqa: ANN201
-        return self._inner.take_events()
-
     # -- worker side -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches):  # noqa: ANN001, ANN201
         self._inner.register_kv_caches(kv_caches)
@@ -148,14 +131,9 @@ class AuditConnector(compat.KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata):  # noqa: ANN001, ANN201
         super().bind_connector_metadata(connector_metadata)
         self._seen_pending = bool(connector_metadata.loaded)
-        self._inner.bind_connector_metadata(connector_metadata.inner)
 
-    def clear_connector_metadata(self):  # noqa: ANN201
-        super().clear_connector_metadata()
-        self._inner.clear_connector_metadata()
-
-    def start_load_kv(self, forward_context, **kwargs):  # noqa: ANN001, ANN201
-        return self._inner.start_load_kv(forward_context, **kwargs)
+    def inner_metadata(self, connector_metadata):  # noqa: ANN001, ANN201
+        return connector_metadata.inner
 
     def wait_for_layer_load(self, layer_name):  # noqa: ANN001, ANN201
         out = self._inner.wait_for_layer_load(layer_name)
@@ -163,9 +141,6 @@ class AuditConnector(compat.KVConnectorBase_V1):
             self._seen_pending = False
             self._record("seen", self._get_connector_metadata().loaded, full_sync=False)
         return out
-
-    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):  # noqa: ANN001, ANN201
-        return self._inner.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
 
     def wait_for_save(self):  # noqa: ANN201
         self._inner.wait_for_save()
@@ -203,9 +178,6 @@ class AuditConnector(compat.KVConnectorBase_V1):
                 block = block.cpu()
             segments.append(block.contiguous().view(torch.uint8).numpy())
         return digest_segments(segments).hex()
-
-    def get_finished(self, finished_req_ids):  # noqa: ANN001, ANN201
-        return self._inner.get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self):  # noqa: ANN201
         failed = self._inner.get_block_ids_with_load_errors()

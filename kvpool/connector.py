@@ -38,8 +38,8 @@ import json
 import time
 from functools import lru_cache
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Union
-
 
 from kvpool import vllm_compat as compat
 from kvpool.client import PoolBackend, PoolClient
@@ -50,10 +50,9 @@ from kvpool.keys import HASH_BYTES, ROOT_HASH, Namespace, block_hashes
 from kvpool.metrics import ClientMetrics
 
 if TYPE_CHECKING:
-    from faults.copier import FaultyCopier
     from kvpool.gpu_copier import CudaCopier
 
-Copier = Union[HostCopier, "FaultyCopier", "CudaCopier"]  # one interface (kvpool.copier's docstring)
+Copier = Union[HostCopier, "CudaCopier"]  # one interface (kvpool.copier's docstring); a wrapper keeps it
 
 # -- settings -------------------------------------------------------------------------------
 
@@ -74,8 +73,6 @@ class ConnectorSettings:
     timeout_s: float = 10.0
     model_id: str = ""  # a stable model name for the namespace (default: the model path)
     model_revision: str = ""  # overrides the model fingerprint in the namespace
-    faults_file: str = ""  # a fault-control file: the pool client is wrapped by faults.backend
-    audit_inner: str = ""  # used by kvpool.audit.AuditConnector only
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -156,15 +153,19 @@ def namespace_for(vllm_config, settings: ConnectorSettings, tp_rank: int = 0) ->
     )
 
 
-def _connect(settings: ConnectorSettings, role: str, history: HistoryWriter,
-             metrics: ClientMetrics | None = None) -> PoolBackend:
-    client = PoolClient(settings.pool, settings.tenant, settings.resolved_token(),
-                        name=f"{settings.replica}/{role}", timeout_s=settings.timeout_s, metrics=metrics)
-    if not settings.faults_file:
-        return client
-    from faults.backend import FaultyBackend
+def connect_backend(settings: ConnectorSettings, role: str, history: HistoryWriter,
+                    metrics: ClientMetrics | None = None) -> PoolBackend:
+    """The default BackendFactory: a PoolClient to the configured pool."""
+    return PoolClient(settings.pool, settings.tenant, settings.resolved_token(),
+                      name=f"{settings.replica}/{role}", timeout_s=settings.timeout_s, metrics=metrics)
 
-    return FaultyBackend(client, settings.faults_file, history)
+
+# Extension points for a wrapper (kvpool.audit's twin for faults, or instrumentation):
+# KVPoolConnector(..., backend_factory=f, copier_factory=g) builds its pool backend and its
+# copy engine through them. A factory may wrap the default one; what it returns must keep
+# the interface (kvpool.client.PoolBackend; kvpool.copier's copier interface).
+BackendFactory = Callable[[ConnectorSettings, str, HistoryWriter, "ClientMetrics | None"], PoolBackend]
+CopierFactory = Callable[[ConnectorSettings, PoolBackend, HistoryWriter, ClientMetrics, str], Copier]
 
 
 # -- metadata -------------------------------------------------------------------------------
@@ -223,13 +224,14 @@ def _publish_tokens(request) -> int | None:  # noqa: ANN001
 
 
 class KVPoolScheduler:
-    def __init__(self, vllm_config, settings: ConnectorSettings) -> None:  # noqa: ANN001
+    def __init__(self, vllm_config, settings: ConnectorSettings,  # noqa: ANN001
+                 backend_factory: BackendFactory = connect_backend) -> None:
         self.settings = settings
         self.block_size = int(vllm_config.cache_config.block_size)
         self.ns = namespace_for(vllm_config, settings)
         self.history = HistoryWriter(settings.history_dir, settings.replica, "scheduler")
         self.history.write("namespace", ns=self.ns.as_dict())
-        self.backend = _connect(settings, "scheduler", self.history)
+        self.backend = backend_factory(settings, "scheduler", self.history, None)
         self._reqs: dict[str, _Request] = {}
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:  # noqa: ANN001
@@ -325,15 +327,18 @@ class KVPoolWorker:
               forward can write into its freed blocks.
     """
 
-    def __init__(self, vllm_config, settings: ConnectorSettings) -> None:  # noqa: ANN001
+    def __init__(self, vllm_config, settings: ConnectorSettings,  # noqa: ANN001
+                 backend_factory: BackendFactory = connect_backend,
+                 copier_factory: CopierFactory | None = None) -> None:
         self.settings = settings
         self.vllm_config = vllm_config
         self.device = compat.device_type(vllm_config)
         self.ns = namespace_for(vllm_config, settings, tp_rank=compat.tp_rank())
         self.history = HistoryWriter(settings.history_dir, settings.replica, "worker")
         self.metrics = ClientMetrics()
-        self.backend = _connect(settings, "worker", self.history, self.metrics)
-        self.copier = _copier(settings, self.backend, self.history, self.metrics, self.device)
+        self.backend = backend_factory(settings, "worker", self.history, self.metrics)
+        self.copier = (copier_factory or default_copier)(settings, self.backend, self.history, self.metrics,
+                                                         self.device)
         self._loading: list = []
         self._sending: dict[str, list] = {}  # req id -> its store futures
 
@@ -416,40 +421,43 @@ class KVPoolWorker:
         return self.copier.take_failed()
 
 
-def _copier(settings: ConnectorSettings, backend: PoolBackend, history: HistoryWriter,
-            metrics: ClientMetrics, device: str = "cpu") -> Copier:
-    """The worker's copy engine by device: HostCopier on CPU (FaultyCopier around it when a
-    fault-control file is set), CudaCopier on CUDA (faults.gpu_live.ControlledCudaCopier,
-    whose engine the control file can make unordered, when a fault-control file is set)."""
+def default_copier(settings: ConnectorSettings, backend: PoolBackend, history: HistoryWriter,
+                   metrics: ClientMetrics, device: str = "cpu") -> Copier:
+    """The default CopierFactory, by device: HostCopier on CPU, CudaCopier on CUDA."""
     if device == "cuda":
-        if settings.faults_file:
-            from faults.gpu_live import ControlledCudaCopier
-
-            return ControlledCudaCopier(backend, history, metrics, control=settings.faults_file)
         from kvpool.gpu_copier import CudaCopier
 
         return CudaCopier(backend, history, metrics)
-    copier = HostCopier(backend, history, metrics)
-    if not settings.faults_file:
-        return copier
-    from faults.copier import FaultyCopier
-
-    return FaultyCopier(copier, settings.faults_file, history)
+    return HostCopier(backend, history, metrics)
 
 
 # -- the facade -----------------------------------------------------------------------------
 
 
 class KVPoolConnector(compat.KVConnectorBase_V1):
-    def __init__(self, vllm_config, role, kv_cache_config=None):  # noqa: ANN001
+    """vLLM builds it as KVPoolConnector(vllm_config, role, kv_cache_config). A wrapping
+    connector (kvpool.wrap.WrappingConnector) may also pass `extra` (its own settings
+    removed from kv_connector_extra_config) and the two factories."""
+
+    takes_extra_config = True  # capability flags a wrapper reads (kvpool.wrap)
+    takes_factories = True
+
+    def __init__(self, vllm_config, role, kv_cache_config=None, *, extra: dict[str, Any] | None = None,  # noqa: ANN001
+                 backend_factory: BackendFactory = connect_backend, copier_factory: CopierFactory | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
-        settings = ConnectorSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        if extra is None:
+            extra = self._kv_transfer_config.kv_connector_extra_config
+        settings = ConnectorSettings.from_extra(extra)
         self._scheduler: KVPoolScheduler | None = None
         self._worker: KVPoolWorker | None = None
         if role == compat.KVConnectorRole.SCHEDULER:
-            self._scheduler = KVPoolScheduler(vllm_config, settings)
+            self._scheduler = KVPoolScheduler(vllm_config, settings, backend_factory)
         else:
-            self._worker = KVPoolWorker(vllm_config, settings)
+            self._worker = KVPoolWorker(vllm_config, settings, backend_factory, copier_factory)
+
+    @property
+    def worker(self) -> KVPoolWorker | None:
+        return self._worker
 
     # scheduler side
     def get_num_new_matched_tokens(self, request, num_computed_tokens):  # noqa: ANN001, ANN201

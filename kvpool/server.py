@@ -551,7 +551,7 @@ def main_serve(config: PoolConfig, catalog_factory: type[Catalog] | None = None)
     try:
         daemon.run()
     except PoolAlreadyRunning as exc:
-        print(f"kvgate pool serve: {exc}", file=sys.stderr)
+        print(f"kvpool serve: {exc}", file=sys.stderr)
         return 2
     return 0
 

@@ -12,17 +12,22 @@ pool daemon beside it. Shipped in the package so every backend can be checked wi
 
 from __future__ import annotations
 
+import os
+import secrets
+import tempfile
 import time
 from collections import OrderedDict
+from pathlib import Path
 
 import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
 
-from kvpool.catalog import EvictOutcome, LoadLimits, SlotStatus
+from kvpool.catalog import Catalog, EvictOutcome, LoadLimits, SlotStatus
 from kvpool.client import PoolClient, load, publish
 from kvpool.errors import MissCause, TransportError
 from kvpool.keys import Namespace, block_hashes
+from kvpool.server import PoolConfig, PoolDaemon
 
 PAGE = 256
 NUM_PAGES = 6
@@ -134,6 +139,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     open_publishes = Bundle("open_publishes")
     held_leases = Bundle("held_leases")
+    catalog_factory: type[Catalog] = Catalog
 
     def __init__(self) -> None:
         super().__init__()
@@ -143,10 +149,13 @@ class PoolMachine(RuleBasedStateMachine):
 
     # -- deployment hooks --------------------------------------------------------------
     def start_daemon(self):  # noqa: ANN201
-        from harness.pool_proc import thread_pool
-
-        return thread_pool(page_size=PAGE, num_pages=NUM_PAGES, limits=LoadLimits(per_client=PER_CLIENT_LEASES),
-                           reap_interval_s=3600.0)
+        """A daemon in a background thread on a fresh name and run dir, its catalog built by
+        `catalog_factory` (a subclass may plug in a known-bad one)."""
+        name = f"kvgt-machine-{os.getpid()}-{secrets.token_hex(4)}"
+        config = PoolConfig(name=name, page_size=PAGE, num_pages=NUM_PAGES, tenants={"default": "tok"},
+                            run_dir=Path(tempfile.mkdtemp(prefix=f"{name}-")),
+                            limits=LoadLimits(per_client=PER_CLIENT_LEASES), reap_interval_s=3600.0)
+        return PoolDaemon(config, catalog_factory=self.catalog_factory).start_thread()
 
     def connect(self, name: str = "machine") -> PoolClient:
         return PoolClient(f"unix:{self.daemon.unix_path}", "default", "tok", name=name)

@@ -1,9 +1,9 @@
 """Rendering a gate run: one JSON result, a JUnit XML file and a Markdown checklist.
 
-  Verdict        valid True / False / None (unknown), reason, evidence (a dict), and what
-                 the check does not verify. Verdicts compose with `all_of`.
+  (Verdict, the checkers' result type, is harness.checkers.verdict's.)
   Criterion      one line of the gate checklist: a name, its verdict, the replay command.
   write_reports(dir, run)   run.json, junit.xml, checklist.md under `dir`.
+  table(headers, rows)      a Markdown table's lines (the one table writer of every report).
 """
 
 from __future__ import annotations
@@ -14,31 +14,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-
-@dataclasses.dataclass(frozen=True)
-class Verdict:
-    valid: bool | None  # None: unknown (the check could not decide)
-    reason: str
-    evidence: dict[str, Any] = dataclasses.field(default_factory=dict)
-    not_checked: str = ""
-
-    @property
-    def label(self) -> str:
-        return {True: "pass", False: "FAIL", None: "unknown"}[self.valid]
-
-
-def all_of(verdicts: list[Verdict], reason: str) -> Verdict:
-    """False if any is False; else unknown if any is unknown; else True."""
-    if any(v.valid is False for v in verdicts):
-        valid: bool | None = False
-    elif any(v.valid is None for v in verdicts):
-        valid = None
-    else:
-        valid = True
-    failing = [v.reason for v in verdicts if v.valid is not True]
-    not_checked = "; ".join(dict.fromkeys(part for v in verdicts for part in v.not_checked.split("; ") if part))
-    return Verdict(valid, reason if not failing else f"{reason}: " + "; ".join(failing),
-                   {"parts": [dataclasses.asdict(v) for v in verdicts]}, not_checked)
+from harness.checkers.verdict import Verdict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +34,12 @@ class GateRun:
     @property
     def passed(self) -> bool:
         return all(c.verdict.valid is True for c in self.criteria)
+
+
+def table(headers: tuple[str, ...] | list[str], rows) -> list[str]:  # noqa: ANN001 - rows of cells
+    """The lines of a Markdown table; a cell is any value, written with str()."""
+    return [f"| {' | '.join(headers)} |", f"|{'---|' * len(headers)}",
+            *(f"| {' | '.join(str(c) for c in row)} |" for row in rows)]
 
 
 def _json_default(obj: object) -> object:
@@ -101,24 +83,23 @@ def write_reports(directory: Path, run: GateRun) -> dict[str, Path]:
         "",
         f"Result: **{'PASS' if run.passed else 'FAIL'}**",
         "",
-        "| criterion | result | evidence | replay |",
-        "|---|---|---|---|",
     ]
-    for c in run.criteria:
-        evidence = ", ".join(f"{k}={v}" for k, v in c.verdict.evidence.items() if k != "parts")
-        lines.append(f"| {c.name} | {c.verdict.label} | {c.verdict.reason}{'; ' + evidence if evidence else ''} "
-                     f"| `{c.replay}` |")
+
+    def evidence(c: Criterion) -> str:
+        ev = ", ".join(f"{k}={v}" for k, v in c.verdict.evidence.items() if k != "parts")
+        return f"{c.verdict.reason}{'; ' + ev if ev else ''}"
+
+    lines += table(("criterion", "result", "evidence", "replay"),
+                   [(c.name, c.verdict.label, evidence(c), f"`{c.replay}`") for c in run.criteria])
     kinds = run.summary.get("per_fault_kind") if run.summary else None
     if kinds:
         lines += ["", "## Per fault kind", "",
-                  "| fault kind | scenarios | seeds run | faults fired | loads attempted | silent corruptions "
-                  "| lost requests | misclassified misses | negative controls caught |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for name, k in sorted(kinds.items()):
-            ctl = f"{k['controls_caught']}/{k['controls']}" if k["controls"] else "none"
-            lines.append(f"| {name} | {', '.join(k['scenarios'])} | {k['seeds_run']} | {k['faults_fired']} "
-                         f"| {k['loads']} | {k['silent_corruptions']} | {k['lost_requests']} | {k['misclassified']} "
-                         f"| {ctl} |")
+                  *table(("fault kind", "scenarios", "seeds run", "faults fired", "loads attempted",
+                          "silent corruptions", "lost requests", "misclassified misses", "negative controls caught"),
+                         [(name, ", ".join(k["scenarios"]), k["seeds_run"], k["faults_fired"], k["loads"],
+                           k["silent_corruptions"], k["lost_requests"], k["misclassified"],
+                           f"{k['controls_caught']}/{k['controls']}" if k["controls"] else "none")
+                          for name, k in sorted(kinds.items())])]
     not_checked = [f"- {c.name}: {c.verdict.not_checked}" for c in run.criteria if c.verdict.not_checked]
     if not_checked:
         lines += ["", "## What these checks do not verify", "", *not_checked]

@@ -1,12 +1,15 @@
-"""The worker's copy engine is picked by device, with the fault wrappers where a
-fault-control file is set; constructing them touches no GPU."""
+"""How a replica's connector is assembled: kvpool picks its copy engine by device, and a
+fault-control file wraps kvpool from outside (faults.connector through kvpool's factories),
+under the audit; constructing them touches no GPU and no pool."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
 from kvpool import vllm_compat as compat
-from kvpool.connector import ConnectorSettings, _copier
+from kvpool.connector import ConnectorSettings, KVPoolConnector, default_copier
 from kvpool.copier import HostCopier
 from kvpool.history import HistoryWriter
 from kvpool.metrics import ClientMetrics
@@ -19,26 +22,90 @@ class _NoBackend:
         raise AssertionError(f"the copier called backend.{name} while being constructed")
 
 
-def _make(device: str, faults_file: str = ""):  # noqa: ANN202
-    settings = ConnectorSettings(pool="unix:/nonexistent", faults_file=faults_file)
-    return _copier(settings, _NoBackend(), HistoryWriter(None, "r", "worker"), ClientMetrics(), device)
+def _default(device: str):  # noqa: ANN202
+    settings = ConnectorSettings(pool="unix:/nonexistent")
+    return default_copier(settings, _NoBackend(), HistoryWriter(None, "r", "worker"), ClientMetrics(), device)
 
 
-def test_cpu_picks_the_host_copier_and_its_fault_wrapper(tmp_path):
-    from faults.copier import FaultyCopier
-
-    assert type(_make("cpu")) is HostCopier
-    wrapped = _make("cpu", str(tmp_path / "faults.json"))
-    assert isinstance(wrapped, FaultyCopier) and type(wrapped.inner) is HostCopier
+def test_kvpool_picks_the_host_copier_on_cpu():
+    assert type(_default("cpu")) is HostCopier
 
 
-def test_cuda_picks_the_cuda_copier_and_its_controlled_twin(tmp_path):
+def test_kvpool_picks_the_cuda_copier_on_cuda():
     pytest.importorskip("torch")
-    from faults.gpu_live import ControlledCudaCopier
     from kvpool.gpu_copier import CudaCopier
 
-    assert type(_make("cuda")) is CudaCopier
-    assert type(_make("cuda", str(tmp_path / "faults.json"))) is ControlledCudaCopier
+    assert type(_default("cuda")) is CudaCopier
+
+
+def _vllm_config(tmp_path, extra: dict, device: str = "cpu"):  # noqa: ANN202
+    mc = SimpleNamespace(model=str(tmp_path), revision="r1", tokenizer=str(tmp_path), dtype="torch.bfloat16",
+                         get_num_layers=lambda pc: 2, get_num_kv_heads=lambda pc: 2, get_head_size=lambda: 64)
+    return SimpleNamespace(model_config=mc, cache_config=SimpleNamespace(cache_dtype="auto", block_size=16),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=1),
+                           device_config=SimpleNamespace(device_type=device),
+                           kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from harness.system.pool import thread_pool
+
+    d = thread_pool(page_size=4096, num_pages=8)
+    yield d
+    d.stop_thread()
+
+
+def _chain(tmp_path, pool, device: str = "cpu", faults: bool = True):  # noqa: ANN001, ANN202
+    """The worker side of AuditConnector(FaultConnector(KVPoolConnector)) as the harness
+    configures a replica (harness.system.cluster.connector_config)."""
+    from harness.system.cluster import CONNECTOR, connector_config
+    from kvpool.wrap import load_class
+
+    extra = {"pool": f"unix:{pool.unix_path}", "token": "tok", "replica": "R", "history_dir": str(tmp_path / "h")}
+    config = connector_config(CONNECTOR, extra, "recompute", audit=True,
+                              faults_file=str(tmp_path / "faults.json") if faults else "")
+    cls = load_class(f"{config['kv_connector_module_path']}:{config['kv_connector']}")
+    vllm_config = _vllm_config(tmp_path, config["kv_connector_extra_config"], device)
+    return cls(vllm_config, compat.KVConnectorRole.WORKER, None)
+
+
+def test_the_fault_connector_wraps_kvpools_backend_and_copier_from_outside(tmp_path, pool):
+    from faults.backend import FaultyBackend
+    from faults.connector import FaultConnector
+    from faults.copier import FaultyCopier
+    from kvpool.audit import AuditConnector
+
+    audit = _chain(tmp_path, pool)
+    assert type(audit) is AuditConnector and type(audit.inner) is FaultConnector
+    kvpool = audit.inner.inner
+    assert type(kvpool) is KVPoolConnector
+    worker = kvpool.worker
+    assert isinstance(worker.backend, FaultyBackend) and isinstance(worker.copier, FaultyCopier)
+    assert type(worker.copier.inner) is HostCopier
+    # each wrapper's own settings were taken out before kvpool read its settings
+    assert worker.settings.replica == "R" and audit.inner.own == {"faults_file": str(tmp_path / "faults.json")}
+
+
+def test_without_a_fault_file_kvpool_runs_its_own_parts(tmp_path, pool):
+    from kvpool.audit import AuditConnector
+    from kvpool.client import PoolClient
+
+    audit = _chain(tmp_path, pool, faults=False)
+    assert type(audit) is AuditConnector and type(audit.inner) is KVPoolConnector
+    assert type(audit.inner.worker.backend) is PoolClient and type(audit.inner.worker.copier) is HostCopier
+
+
+def test_on_cuda_the_fault_connector_builds_the_controlled_twin(tmp_path, pool):
+    pytest.importorskip("torch")
+    from faults.gpu_live import ControlledCudaCopier
+
+    assert type(_chain(tmp_path, pool, "cuda").inner.inner.worker.copier) is ControlledCudaCopier
+
+
+def test_kvpool_refuses_a_wrappers_setting_it_does_not_know(tmp_path):
+    with pytest.raises(ValueError, match="unknown kvpool connector settings"):
+        ConnectorSettings.from_extra({"pool": "unix:/x", "faults_file": "f"})
 
 
 def test_block_dim_and_layouts():

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from harness.pool_proc import thread_pool
+from harness.system.pool import thread_pool
 from kvpool.client import publish
 from kvpool.connector import ConnectorSettings, KVPoolScheduler, namespace_for
 

@@ -17,12 +17,12 @@ import random
 
 import pytest
 
-from harness.pool_proc import PoolProcess
+from harness.system.pool import PoolProcess
 
 
 @pytest.fixture(scope="module")
 def gpu_pool(tmp_path_factory):
-    from suites.gpu.scenarios import POOL_PAGE
+    from harness.scenarios.gpu_transfer import POOL_PAGE
 
     pool = PoolProcess.start(page_size=POOL_PAGE, num_pages=512, run_dir=tmp_path_factory.mktemp("gpu-pool"))
     try:

@@ -15,7 +15,7 @@ from kvpool.gpu_copier import CudaCopier  # noqa: E402
 from kvpool.gpu_transfer import CopyPath  # noqa: E402
 from kvpool.history import HistoryWriter  # noqa: E402
 from kvpool.keys import block_hashes  # noqa: E402
-from suites.gpu.scenarios import GEOMETRIES, fill, make_kv, namespace, read_pages, write_pages  # noqa: E402
+from harness.scenarios.gpu_transfer import GEOMETRIES, fill, make_kv, namespace, read_pages, write_pages  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

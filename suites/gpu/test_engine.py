@@ -31,7 +31,7 @@ from kvpool.gpu_transfer import (  # noqa: E402
     block_page,
 )
 from kvpool.keys import block_hashes  # noqa: E402
-from suites.gpu.scenarios import (  # noqa: E402
+from harness.scenarios.gpu_transfer import (  # noqa: E402
     GEOMETRIES,
     Scenario,
     check_with_control,

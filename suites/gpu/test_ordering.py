@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvpool.gpu_transfer import CopyPath  # noqa: E402
-from suites.gpu.scenarios import GEOMETRIES, Scenario, check_with_control, engine_factory, namespace  # noqa: E402
+from harness.scenarios.gpu_transfer import GEOMETRIES, Scenario, check_with_control, engine_factory, namespace  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

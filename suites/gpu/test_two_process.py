@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvpool.gpu_transfer import OrderingEdge  # noqa: E402
-from suites.gpu import procs  # noqa: E402
+from harness.scenarios import gpu_two_process as procs  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

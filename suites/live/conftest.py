@@ -22,7 +22,7 @@ def live_report_dir(request, tmp_path_factory, worker_id) -> Path:
 
 @pytest.fixture(scope="session")
 def system(live_report_dir):
-    from harness.gate import start_system
+    from harness.system.default import start_system
 
     cluster, model = start_system(live_report_dir, {"A", "B", "C", "D"})
     try:

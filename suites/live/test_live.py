@@ -6,8 +6,9 @@ prints the command that replays the scenario with the same seed."""
 
 import pytest
 
-from harness.scenarios import load_catalog, run_scenario
-from harness.workload import Corpus
+from harness.scenarios.catalog import load_catalog
+from harness.scenarios.runner import run_scenario
+from harness.workload.prompts import Corpus
 
 pytestmark = pytest.mark.live
 

@@ -1,6 +1,6 @@
 """Miss-cause probes and crash recovery, as the gate runs them."""
 
-from harness.pool_checks import crash_and_restart, miss_causes
+from harness.scenarios.pool import crash_and_restart, miss_causes
 from kvpool.errors import MissCause
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from faults.copier import FaultyCopier
-from harness.pool_proc import thread_pool
+from harness.system.pool import thread_pool
 from kvpool.client import PoolClient
 from kvpool.copier import CopyRun, HostCopier
 from kvpool.digest import page_digest

@@ -5,7 +5,7 @@ import socket
 import numpy as np
 import pytest
 
-from harness.pool_proc import PoolProcess, thread_pool
+from harness.system.pool import PoolProcess, thread_pool
 from kvpool import protocol as P
 from kvpool.arena import Arena
 from kvpool.client import PoolClient, load, publish
@@ -262,7 +262,7 @@ def test_a_stale_connection_is_replaced_transparently_for_every_request(tmp_path
     """Each request kind, first after a restart on a connection that went stale. Over
     TCP a send to a closed peer succeeds and only the reply fails, so the client must
     notice the hang-up before it sends (an acquire is not safe to resend)."""
-    from harness.cluster import free_port
+    from harness.system.cluster import free_port
 
     pool = PoolProcess.start(page_size=4096, num_pages=8, run_dir=tmp_path,
                              extra_args=("--tcp", f"127.0.0.1:{free_port()}"))

@@ -10,7 +10,7 @@ import socket
 import msgspec
 import numpy as np
 
-from harness.pool_proc import PoolProcess
+from harness.system.pool import PoolProcess
 from kvpool import protocol as P
 from kvpool.client import load, publish
 from kvpool.errors import ErrorCode

@@ -1,7 +1,7 @@
 """Two separate processes publish and load through one daemon; compare the bytes."""
 
-from harness.pool_checks import EXCHANGE_PAGE, exchange_between_processes
-from harness.pool_proc import PoolProcess
+from harness.scenarios.pool import EXCHANGE_PAGE, exchange_between_processes
+from harness.system.pool import PoolProcess
 
 
 def test_two_processes_exchange_byte_identical_pages(tmp_path, test_seed):
@@ -17,7 +17,7 @@ def test_two_processes_exchange_byte_identical_pages(tmp_path, test_seed):
 
 def test_the_exchange_check_catches_a_pool_that_serves_other_bytes(tmp_path, test_seed, monkeypatch):
     """Negative control: corrupt what one worker expects and the check must fail."""
-    import harness.pool_checks as checks
+    import harness.scenarios.pool as checks
 
     real = checks.exchange_blocks
     pool = PoolProcess.start(page_size=EXCHANGE_PAGE, num_pages=64, run_dir=tmp_path)

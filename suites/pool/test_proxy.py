@@ -22,9 +22,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from faults.proxy import FaultProxy, LinkFault, ProxyProcess, parse_control
+from faults.proxy import FaultProxy, LinkFault, parse_control
+from harness.system.proxy import ProxyProcess
 from faults.transport_controls import TrustingLoader
-from harness.pool_proc import DEFAULT_TENANT, PoolProcess
+from harness.system.pool import DEFAULT_TENANT, PoolProcess
 from kvpool import protocol as P
 from kvpool.client import PoolClient, load, publish
 from kvpool.errors import ErrorCode, MissCause, PoolTimeout, TransportError

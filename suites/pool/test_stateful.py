@@ -6,7 +6,7 @@ examples; `--slow` runs many more, with longer programs.
 
 import pytest
 
-from harness.pool_checks import state_machine
+from harness.scenarios.pool import state_machine
 
 
 def test_pool_agrees_with_the_model(test_seed):

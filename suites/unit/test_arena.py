@@ -5,7 +5,7 @@ import multiprocessing as mp
 import numpy as np
 import pytest
 
-from harness.pool_proc import unique_name
+from harness.system.pool import unique_name
 from kvpool.arena import Arena, ArenaExists
 from kvpool.errors import ArenaError
 

@@ -5,7 +5,11 @@ import json
 
 import pytest
 
-from harness import checkers
+from harness.checkers.byte_exact import byte_exact
+from harness.checkers.history import window
+from harness.checkers.miss_causes import miss_causes
+from harness.checkers.outcome import classify
+from harness.checkers.requests import requests
 
 NS = {"model_id": "m", "model_revision": "r1"}
 
@@ -30,31 +34,31 @@ def good_history():
 
 
 def test_byte_exact_passes_a_good_history_and_exempts_blocks_the_engine_was_told_failed():
-    v = checkers.byte_exact(good_history())
+    v = byte_exact(good_history())
     assert v.valid is True, v
     assert v.evidence["blocks_checked"] == 2
 
 
 def test_byte_exact_catches_a_failed_block_the_engine_was_not_told_about():
     history = [r for r in good_history() if r["ev"] != "audit_load_errors"]
-    v = checkers.byte_exact(history)
+    v = byte_exact(history)
     assert v.valid is False and v.evidence["silent_corruptions"] == 2  # seen and installed
 
 
 def test_byte_exact_catches_a_pooled_copy_that_is_not_the_producers():
-    v = checkers.byte_exact(good_history(), pool_digest=lambda replica, hashes: {"h0": "d0", "h1": "other"})
+    v = byte_exact(good_history(), pool_digest=lambda replica, hashes: {"h0": "d0", "h1": "other"})
     assert v.valid is False and v.evidence["first"][0]["kind"] == "committed"
 
 
 def test_byte_exact_compares_only_within_one_namespace():
     history = good_history()
     history[0] = rec("namespace", 0.0, "A", ns={**NS, "model_revision": "r2"})
-    v = checkers.byte_exact(history)
+    v = byte_exact(history)
     assert v.valid is None and v.evidence["unverified"] == 2  # no producer of B's namespace
 
 
 def test_miss_causes_passes_a_fault_with_its_cause():
-    v = checkers.miss_causes(good_history())
+    v = miss_causes(good_history())
     assert v.valid is True, v
 
 
@@ -72,7 +76,7 @@ def test_miss_causes_catches(defect):
         next(r for r in history if r["ev"] == "lookup").update(outcome="miss", miss_cause=None)
     else:
         load["failed_block_ids"] = []
-    v = checkers.miss_causes(history)
+    v = miss_causes(history)
     assert v.valid is False and v.evidence["misclassified"] >= 1, v
 
 
@@ -80,9 +84,9 @@ def test_transport_errors_while_the_pool_is_down_are_explained():
     history = [rec("nemesis", 1.0, "harness", action="pool_kill"),
                rec("lookup", 2.0, "B", tag="x", outcome="miss", miss_cause="transport_error"),
                rec("nemesis", 3.0, "harness", action="pool_restart")]
-    assert checkers.miss_causes(history).valid is True
+    assert miss_causes(history).valid is True
     history.append(rec("lookup", 4.0, "B", tag="y", outcome="miss", miss_cause="transport_error"))
-    assert checkers.miss_causes(history).valid is False
+    assert miss_causes(history).valid is False
 
 
 def request_history(*ends):
@@ -96,28 +100,28 @@ def request_history(*ends):
 
 
 def test_requests_catches_a_lost_request_and_classifies_it_as_liveness():
-    v = checkers.requests(request_history(("ok", "length", None), (None, None, None)), {})
+    v = requests(request_history(("ok", "length", None), (None, None, None)), {})
     assert v.valid is False and v.evidence["lost"] == 1
-    assert checkers.classify(crashed=False, liveness=v, correctness=[]) == "liveness"
+    assert classify(crashed=False, liveness=v, correctness=[]) == "liveness"
 
 
 def test_an_error_is_explained_only_by_policy_fail_and_a_failed_load():
     history = request_history(("ok", "error", "A"))
-    assert checkers.requests(history, {"A": "recompute"}).valid is False
+    assert requests(history, {"A": "recompute"}).valid is False
     history.append({"ev": "load", "t": 0.2, "replica": "A", "tag": "r0", "failed_block_ids": [1]})
-    assert checkers.requests(history, {"A": "fail"}).valid is True
-    assert checkers.requests(history, {"A": "recompute"}).valid is False
+    assert requests(history, {"A": "fail"}).valid is True
+    assert requests(history, {"A": "recompute"}).valid is False
 
 
 def test_classify_orders_crash_before_liveness_before_correctness():
-    ok = checkers.requests([], {})
-    bad = checkers.byte_exact(good_history(), pool_digest=lambda r, h: {"h0": "x"})
-    assert checkers.classify(crashed=True, liveness=ok, correctness=[bad]) == "crash"
-    assert checkers.classify(crashed=False, liveness=ok, correctness=[bad]) == "correctness"
-    assert checkers.classify(crashed=False, liveness=ok, correctness=[ok]) == "ok"
+    ok = requests([], {})
+    bad = byte_exact(good_history(), pool_digest=lambda r, h: {"h0": "x"})
+    assert classify(crashed=True, liveness=ok, correctness=[bad]) == "crash"
+    assert classify(crashed=False, liveness=ok, correctness=[bad]) == "correctness"
+    assert classify(crashed=False, liveness=ok, correctness=[ok]) == "ok"
 
 
 def test_window_reads_one_scenario_from_the_history(tmp_path):
     lines = [json.dumps(rec("lookup", t, tag=str(t), outcome="skipped")) for t in (1.0, 2.0, 3.0)]
     (tmp_path / "B.scheduler.1.jsonl").write_text("\n".join(lines) + "\n")
-    assert [r["tag"] for r in checkers.window(tmp_path, 1.5, 3.0)] == ["2.0", "3.0"]
+    assert [r["tag"] for r in window(tmp_path, 1.5, 3.0)] == ["2.0", "3.0"]

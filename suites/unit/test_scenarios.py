@@ -7,7 +7,8 @@ import json
 import pytest
 
 from faults.schedule import KINDS
-from harness.scenarios import RUNNERS, Scenario, ScenarioError, find, load_catalog
+from harness.scenarios.catalog import Scenario, ScenarioError, find, load_catalog
+from harness.scenarios.live import RUNNERS
 
 
 def test_the_catalog_loads_and_covers_every_fault_kind():

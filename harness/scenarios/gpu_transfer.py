@@ -1,5 +1,5 @@
 """Stream-ordering scenarios of the GPU transfer engine, shared by the gpu suite and its
-sanitizer subprocess (suites/gpu/sanitized.py).
+sanitizer subprocess (harness/scenarios/gpu_sanitized.py).
 
   Geometry / GEOMETRIES   KV layouts under test (block dim first and second, three
                           page sizes, engine chunking small enough to reuse staging).
@@ -31,7 +31,7 @@ from faults.gpu_controls import UnorderedTransferEngine, delay_stream
 from kvpool.client import PoolClient, publish
 from kvpool.gpu_transfer import CopyPath, OrderingEdge, TransferConfig, TransferEngine
 from kvpool.keys import Namespace, block_hashes
-from reports.render import Verdict
+from harness.checkers.verdict import Verdict
 
 POOL_PAGE = 512 * 1024
 

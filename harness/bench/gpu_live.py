@@ -26,9 +26,11 @@ import time
 from pathlib import Path
 
 from fixtures.gpu_model import BENCH_SHAPE
-from harness.cluster import Cluster, ReplicaSpec
-from harness.gpu_live import BLOCK_SIZE, gpu_args, wait_published
-from harness.workload import Corpus, complete
+from harness.system.cluster import Cluster, ReplicaSpec
+from harness.scenarios.gpu_live import wait_published
+from harness.system.gpu import BLOCK_SIZE, gpu_args
+from harness.client.http import complete
+from harness.workload.prompts import Corpus
 
 KV_BYTES = 10 << 30  # per replica's GPU KV cache: a 64k prefix (4 GiB) stays cached
 CPU_TIER_GIB = 8  # holds one repetition of 8k + 32k + 64k (6.5 GiB); older prefixes are evicted
@@ -119,6 +121,6 @@ def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: f
 
 
 def _records(cluster: Cluster, ev: str, replica: str) -> list[dict]:
-    from harness.live_checks import records
+    from harness.checkers.history import records
 
     return records(cluster.history_dir, ev, replica=replica)

@@ -26,106 +26,22 @@ import dataclasses
 import json
 import time
 import urllib.error
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from harness import checkers
-from harness import live_scenarios as S
-from harness.cluster import Cluster
-from harness.live_checks import pool_digests
+from harness.checkers import byte_exact as BE
+from harness.checkers import history as H
+from harness.checkers.miss_causes import miss_causes
+from harness.checkers.outcome import classify
+from harness.checkers.requests import requests
+from harness.checkers.verdict import Verdict, all_of
+from harness.client.http import RequestFailed
 from harness.plugin import derive_seed
-from harness.workload import Corpus, RequestFailed
+from harness.scenarios.catalog import Scenario, replay_command
+from harness.scenarios.live import RUNNERS
+from harness.system.cluster import Cluster
+from harness.workload.prompts import Corpus
 from kvpool.errors import PoolError
 from kvpool.keys import Namespace
-from reports.render import Verdict, all_of
-
-CATALOG_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "scenarios"
-
-RUNNERS: dict[str, Callable[..., Verdict]] = {
-    "cross_replica_hit": S.cross_replica_hit,
-    "partial_hit": S.partial_hit,
-    "shared_system_prompt": S.shared_system_prompt,
-    "hit_kinds": S.hit_kinds,
-    "load_failure": S.load_failure,
-    "load_failure_fail": S.load_failure_fail,
-    "pool_restart": S.pool_restart,
-    "revision_mismatch": S.revision_mismatch,
-    "sessions": S.sessions,
-    "stream_delay_store": S.stream_delay_store,
-    "stream_delay_load": S.stream_delay_load,
-    "replica_crash": S.replica_crash,
-    "transport_fault": S.transport_fault,
-    "evict_leased": S.evict_leased,
-}
-KNOWN_REPLICAS = {"A", "B", "C", "D"}  # C: the tiny model's revision r2; D: the small-KV replica
-
-
-class ScenarioError(ValueError):
-    """A scenario file is malformed or names something that does not exist."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Control:
-    name: str
-    params: dict[str, Any]
-
-
-@dataclasses.dataclass(frozen=True)
-class Scenario:
-    name: str
-    runner: str
-    fault: str | None
-    replicas: tuple[str, ...]
-    params: dict[str, Any]
-    control: Control | None
-    description: str
-    seeds: int | None = None  # at most this many seeds per gate run (a costly scenario)
-
-    @classmethod
-    def from_file(cls, path: Path) -> Scenario:
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ScenarioError(f"{path}: not JSON: {exc}") from exc
-        known = {"name", "runner", "fault", "replicas", "params", "control", "description", "seeds"}
-        if not isinstance(data, dict) or set(data) - known:
-            raise ScenarioError(f"{path}: unknown fields {sorted(set(data) - known) if isinstance(data, dict) else data}")
-        if data.get("name") != path.stem:
-            raise ScenarioError(f"{path}: name {data.get('name')!r} must equal the file name {path.stem!r}")
-        if data.get("runner") not in RUNNERS:
-            raise ScenarioError(f"{path}: runner {data.get('runner')!r} is not one of {sorted(RUNNERS)}")
-        from faults.schedule import KINDS
-
-        fault = data.get("fault")
-        if fault is not None and fault not in KINDS:
-            raise ScenarioError(f"{path}: fault {fault!r} is not a fault kind ({sorted(KINDS)})")
-        replicas = tuple(data.get("replicas", ("A", "B")))
-        if set(replicas) - KNOWN_REPLICAS:
-            raise ScenarioError(f"{path}: unknown replicas {sorted(set(replicas) - KNOWN_REPLICAS)}")
-        control = data.get("control")
-        return cls(data["name"], data["runner"], fault, replicas, dict(data.get("params", {})),
-                   Control(control["name"], dict(control.get("params", {}))) if control else None,
-                   str(data.get("description", "")), data.get("seeds"))
-
-
-def load_catalog(directory: Path = CATALOG_DIR) -> list[Scenario]:
-    scenarios = [Scenario.from_file(p) for p in sorted(Path(directory).glob("*.json"))]
-    if not scenarios:
-        raise ScenarioError(f"no scenario files in {directory}")
-    return scenarios
-
-
-def find(name: str, directory: Path = CATALOG_DIR) -> Scenario:
-    path = Path(directory) / f"{name}.json"
-    if not path.exists():
-        names = sorted(p.stem for p in Path(directory).glob("*.json"))
-        raise ScenarioError(f"no scenario {name!r}; the catalog has {names}")
-    return Scenario.from_file(path)
-
-
-def replay_command(name: str, seed: int) -> str:
-    return f"kvgate replay {name} --seed {seed}"
 
 
 @dataclasses.dataclass
@@ -160,8 +76,8 @@ def _run_once(cluster: Cluster, corpus: Corpus, sc: Scenario, seed: int, params:
     crashed = cluster.crashed()
     cluster.nemesis("scenario_end", scenario=sc.name, seed=seed, crashed=crashed)
     time.sleep(0.2)  # let the replicas' last records land
-    history = checkers.read_history(cluster.history_dir)
-    return v, checkers.within(history, t0, time.time()), checkers.namespaces(history), bool(crashed)
+    history = H.read_history(cluster.history_dir)
+    return v, H.within(history, t0, time.time()), H.namespaces(history), bool(crashed)
 
 
 def _judge(cluster: Cluster, v: Verdict, recs: list[dict], namespaces: dict[str, str], crashed: bool
@@ -170,13 +86,13 @@ def _judge(cluster: Cluster, v: Verdict, recs: list[dict], namespaces: dict[str,
     def pool_digest(replica: str, hashes: list[str]) -> dict[str, str]:
         if replica not in namespaces or cluster.pool is None or cluster.pool.proc.poll() is not None:
             return {}  # the pool is down: its copies cannot be compared (counted as unverified)
-        return pool_digests(cluster, Namespace.from_dict(json.loads(namespaces[replica])), hashes)
+        return BE.pool_digests(cluster.pool, Namespace.from_dict(json.loads(namespaces[replica])), hashes)
 
-    be = checkers.byte_exact(recs, pool_digest, namespaces)
-    mc = checkers.miss_causes(recs)
+    be = BE.byte_exact(recs, pool_digest, namespaces)
+    mc = miss_causes(recs)
     policies = {name: r.spec.policy for name, r in cluster.replicas.items()}
-    rq = checkers.requests(recs, policies)
-    outcome = checkers.classify(crashed=crashed, liveness=rq, correctness=[v, be, mc])
+    rq = requests(recs, policies)
+    outcome = classify(crashed=crashed, liveness=rq, correctness=[v, be, mc])
     return [v, be, mc, rq], outcome
 
 

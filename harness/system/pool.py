@@ -1,7 +1,9 @@
 """Starting pool daemons for tests, benches and the gate.
 
   unique_name(prefix)            a segment / run-dir name no other process or xdist worker uses.
-  PoolProcess.start(...)         `kvgate pool serve` as a child process; waits for its address.
+  PoolProcess.start(...)         `python -m kvpool serve` as a child process; waits for its address.
+  pool.restart(catalog=NAME)     a new daemon on the same name and run dir; with `catalog`, the
+                                 known-bad catalog of a negative control (python -m faults.pool).
   pool.stop()                    SIGTERM and wait; asserts the daemon removed its segment.
   pool.kill()                    SIGKILL (a crash: the segment and pid file stay behind).
   pool.client(...)               a PoolClient over the Unix socket (or TCP).
@@ -22,11 +24,16 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness.system.procs import StartError, spawn, wait_ready
 from kvpool.arena import Arena
 from kvpool.client import PoolClient
 from kvpool.server import PoolConfig, PoolDaemon, read_address
 
 _counter = itertools.count()
+
+
+class PoolStartError(StartError):
+    """The pool daemon did not come up (the message carries its log's tail)."""
 DEFAULT_TENANT = "default"
 
 
@@ -52,40 +59,37 @@ class PoolProcess:
         run_dir = run_dir or Path(tempfile.mkdtemp(prefix=f"{name}-"))
         token = token or secrets.token_hex(8)
         log_path = log_path or run_dir / "pool.log"
-        args = [sys.executable, "-m", "harness.cli", "pool", "serve", "--name", name, "--run-dir", str(run_dir),
-                "--page-size", str(page_size), "--pages", str(num_pages),
+        args = ["--name", name, "--run-dir", str(run_dir), "--page-size", str(page_size), "--pages", str(num_pages),
                 "--tenant", f"{DEFAULT_TENANT}={token}", *extra_args]
         return cls._spawn(name, run_dir, token, log_path, args, timeout)
 
     @classmethod
-    def _spawn(cls, name: str, run_dir: Path, token: str, log_path: Path, args: list[str],
-               timeout: float) -> PoolProcess:
+    def _spawn(cls, name: str, run_dir: Path, token: str, log_path: Path, args: list[str], timeout: float,
+               catalog: str | None = None) -> PoolProcess:
         (run_dir / "address.json").unlink(missing_ok=True)
-        log = open(log_path, "ab")  # noqa: SIM115 - owned by the child
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=Path(__file__).resolve().parent.parent)
-        log.close()
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"pool daemon exited with {proc.returncode}; log:\n{log_path.read_text()[-4000:]}")
-            try:
-                address = read_address(run_dir, timeout=0.2)
-                if address.get("pid") == proc.pid:
-                    break
-            except TimeoutError:
-                pass
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise TimeoutError(f"pool daemon did not start within {timeout}s; log:\n{log_path.read_text()[-4000:]}")
-        return cls(name, run_dir, token, proc, address, log_path, args)
+        command = [sys.executable, "-m", "kvpool", "serve"] if catalog is None else \
+            [sys.executable, "-m", "faults.pool", "serve", "--catalog", catalog]
+        proc = spawn([*command, *args], log_path)
 
-    def restart(self, timeout: float = 20.0, extra_args: tuple[str, ...] = ()) -> PoolProcess:
-        """Start a new daemon with the same arguments (after stop() or kill()); `extra_args`
-        are added for this daemon only (e.g. a negative control's --catalog-control)."""
+        def address() -> dict | None:
+            try:
+                found = read_address(run_dir, timeout=0.2)
+            except TimeoutError:
+                return None
+            return found if found.get("pid") == proc.pid else None
+
+        try:
+            found = wait_ready(proc, address, timeout, "the pool daemon", log_path, poll_s=0.0)
+        except StartError as exc:
+            raise PoolStartError(str(exc)) from exc
+        return cls(name, run_dir, token, proc, found, log_path, args)
+
+    def restart(self, timeout: float = 20.0, catalog: str | None = None) -> PoolProcess:
+        """Start a new daemon with the same arguments (after stop() or kill()); `catalog`
+        names a known-bad catalog (faults.controls) for this daemon only."""
         if self.proc.poll() is None:
             raise RuntimeError("restart() needs the old daemon stopped or killed first")
-        new = self._spawn(self.name, self.run_dir, self.token, self.log_path, [*self.args, *extra_args], timeout)
+        new = self._spawn(self.name, self.run_dir, self.token, self.log_path, self.args, timeout, catalog)
         self.proc, self.address = new.proc, new.address
         return self
 

@@ -23,7 +23,7 @@ import tracemalloc
 
 import numpy as np
 
-from harness.pool_proc import PoolProcess
+from harness.system.pool import PoolProcess
 from kvpool.catalog import Catalog, CatalogConfig
 from kvpool.client import load, publish
 from kvpool.keys import Namespace, block_hashes

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from suites.gpu.scenarios import GEOMETRIES, namespace
+from harness.scenarios.gpu_transfer import GEOMETRIES, namespace
 
 GEOMETRY = "nfirst-512k"
 BLOCKS = 24
@@ -41,7 +41,7 @@ def producer(address: str, token: str, seed: int, tag: str, drop: str | None, de
     from kvpool.client import PoolClient
     from kvpool.gpu_transfer import CopyPath, TransferEngine
     from kvpool.keys import block_hashes
-    from suites.gpu.scenarios import fill, make_kv, write_blocks
+    from harness.scenarios.gpu_transfer import fill, make_kv, write_blocks
 
     geom, pages, src_blocks, _, hashes = _plan(seed)
     client = PoolClient(address, "default", token, name="producer")
@@ -79,7 +79,7 @@ def consumer(address: str, token: str, seed: int, tag: str, out_dir: str) -> Non
 
     from kvpool.client import PoolClient
     from kvpool.gpu_transfer import CopyPath, TransferEngine
-    from suites.gpu.scenarios import make_kv, read_pages
+    from harness.scenarios.gpu_transfer import make_kv, read_pages
 
     geom, pages, _, dst_blocks, hashes = _plan(seed)
     client = PoolClient(address, "default", token, name="consumer")

@@ -26,8 +26,9 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from harness.cluster import Cluster, ReplicaSpec
-from harness.workload import Corpus, complete
+from harness.system.cluster import Cluster, ReplicaSpec
+from harness.client.http import complete
+from harness.workload.prompts import Corpus
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
 
@@ -93,7 +94,7 @@ def run_bench(reps: int = 5, lengths: tuple[int, ...] = LENGTHS, report_dir: Pat
 
 
 def _block_bytes(cluster: Cluster) -> int:
-    from harness.live_checks import records
+    from harness.checkers.history import records
 
     reg = records(cluster.history_dir, "register")
     if not reg:
@@ -102,7 +103,7 @@ def _block_bytes(cluster: Cluster) -> int:
 
 
 def _measure(cluster: Cluster, peer: PeerPair, corpus: Corpus, reps: int, lengths: tuple[int, ...]) -> list[dict]:
-    from harness.live_checks import audit_digests
+    from harness.checkers.history import audit_digests
 
     A, B = cluster.replicas["A"].url, cluster.replicas["B"].url
     PA, PB = peer.replicas["PA"].url, peer.replicas["PB"].url

@@ -1,27 +1,23 @@
-"""Workload clients: prompts, a router, and streaming requests against live replicas.
+"""The one HTTP client of the harness: streaming completions with TTFT, and the replicas'
+health and cache-reset endpoints.
 
-  Corpus(model_dir, seed)      words of the tiny model's vocabulary (one word = one token);
-                               `text(n, rng)` is a prompt of exactly n tokens (+ BOS).
-  complete(url, prompt, ...)   one streaming /v1/completions request; returns a Completion
-                               with the generated token ids, TTFT and total time. The
-                               request carries `kv_transfer_params.kvpool` (tag, load,
-                               publish) and an optional cache_salt.
-  Router(kind, replicas, seed) sticky / alternating / random (seeded) choice of replica
-                               per (session, turn).
-  Workloads (all seeded):
-    shared_system_prompt     one system prompt, different questions
-    common_prefix_tails      a common prefix (not block aligned) with different tails
-    six_turn_sessions        sessions whose turns alternate replicas (the seed study's
-                             setup), each turn's prompt = the whole conversation so far
+  complete(url, prompt, ...)    one streaming /v1/completions request; returns a Completion
+                                with the generated token ids, TTFT and total time. The
+                                request carries `kv_transfer_params.kvpool` (tag, load,
+                                publish, publish_tokens) and an optional cache_salt. Every
+                                request is written to the run's history (RECORDER) as
+                                invoke, then ok or fail (Jepsen's client side).
+  healthy(url)                  GET /health answered 200.
+  reset_prefix_cache(url)       POST /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1), retried
+                                while the engine is busy, within a bound.
+Errors: RequestFailed (an HTTP error, a malformed stream, a connection that failed).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import random
 import time
-from pathlib import Path
 
 import requests
 
@@ -41,16 +37,6 @@ class Completion:
     total_s: float
     prompt_tokens: int
     error: str | None = None  # the replica's error event, when the stream carried one
-
-
-class Corpus:
-    def __init__(self, model_dir: Path):
-        vocab = json.loads((Path(model_dir) / "tokenizer.json").read_text())["model"]["vocab"]
-        self.words = sorted(w for w, i in vocab.items() if i >= 4)
-
-    def text(self, n_tokens: int, rng: random.Random) -> str:
-        """A prompt that tokenizes to exactly n_tokens words (BOS comes on top)."""
-        return " ".join(rng.choice(self.words) for _ in range(n_tokens))
 
 
 # The harness's client side of the history (Jepsen's invoke / ok / fail): set by a
@@ -121,49 +107,23 @@ def complete(url: str, prompt: str, *, tag: str, replica: str = "", max_tokens: 
                       prompt_tokens, error)
 
 
-class Router:
-    KINDS = ("sticky", "alternating", "random")
-
-    def __init__(self, kind: str, replicas: list[str], seed: int):
-        if kind not in self.KINDS:
-            raise ValueError(f"router kind {kind!r} not in {self.KINDS}")
-        self.kind = kind
-        self.replicas = list(replicas)
-        self._rng = random.Random(f"router:{seed}")
-        self._sticky: dict[str, str] = {}
-
-    def pick(self, session: str, turn: int) -> str:
-        if self.kind == "sticky":
-            if session not in self._sticky:
-                self._sticky[session] = self.replicas[len(self._sticky) % len(self.replicas)]
-            return self._sticky[session]
-        if self.kind == "alternating":
-            start = self._sticky.setdefault(session, self.replicas[len(self._sticky) % len(self.replicas)])
-            return self.replicas[(self.replicas.index(start) + turn) % len(self.replicas)]
-        return self._rng.choice(self.replicas)
+def healthy(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        return requests.get(f"{url}/health", timeout=timeout_s).status_code == 200
+    except requests.RequestException:
+        return False
 
 
-@dataclasses.dataclass(frozen=True)
-class Turn:
-    session: str
-    turn: int
-    prompt: str
-
-
-def shared_system_prompt(corpus: Corpus, rng: random.Random, system_tokens: int, questions: int,
-                         question_tokens: int = 40) -> list[Turn]:
-    system = corpus.text(system_tokens, rng)
-    return [Turn(f"q{i}", 0, system + " " + corpus.text(question_tokens, rng)) for i in range(questions)]
-
-
-def common_prefix_tails(corpus: Corpus, rng: random.Random, prefix_tokens: int, tails: int,
-                        tail_tokens: int = 200) -> list[Turn]:
-    prefix = corpus.text(prefix_tokens, rng)
-    return [Turn(f"t{i}", 0, prefix + " " + corpus.text(tail_tokens, rng)) for i in range(tails)]
-
-
-def six_turn_session(corpus: Corpus, rng: random.Random, context_tokens: int, user_tokens: int = 64,
-                     turns: int = 6) -> tuple[str, list[str]]:
-    """The initial context and the user messages of one session; the prompt of turn t is
-    the context, then for each earlier turn its user message and the model's answer."""
-    return corpus.text(context_tokens, rng), [corpus.text(user_tokens, rng) for _ in range(turns)]
+def reset_prefix_cache(url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            r = requests.post(f"{url}/reset_prefix_cache", timeout=10)
+            if r.status_code == 200:
+                return
+            last = f"HTTP {r.status_code}"
+        except requests.RequestException as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        time.sleep(0.2)
+    raise RequestFailed(f"{url}: reset_prefix_cache not accepted within {timeout_s}s ({last})")

@@ -29,19 +29,20 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from harness.pool_proc import PoolProcess, unique_name
+from harness.client.http import healthy, reset_prefix_cache
+from harness.system.pool import PoolProcess, unique_name
+from harness.system.procs import StartError, group_alive, kill_group, spawn, stop_group, wait_ready
 from kvpool.arena import Arena
 
-CONNECTOR_MODULE = "kvpool.connector"
-CONNECTOR_CLASS = "KVPoolConnector"
+CONNECTOR = "kvpool.connector:KVPoolConnector"
+FAULT_CONNECTOR = "faults.connector:FaultConnector"  # wraps the connector of a replica with a fault-control file
+AUDIT_CONNECTOR = "kvpool.audit:AuditConnector"
 
 
-class ClusterStartError(RuntimeError):
+class ClusterStartError(StartError):
     """A pool or replica did not come up; the message carries its log tail."""
 
 
@@ -99,7 +100,7 @@ class Cluster:
         self.replicas: dict[str, Replica] = {}
         self.faults: dict[str, Path] = {}  # replica -> its fault-control file (faults.backend)
         self.history = None  # the harness's own records (requests, nemesis actions), set at start
-        self.proxies: dict = {}  # replica -> its faults.proxy.ProxyProcess (specs with via_proxy)
+        self.proxies: dict = {}  # replica -> its harness.system.proxy.ProxyProcess (specs with via_proxy)
         self.pool_tcp_port = free_port()  # fixed, so a restarted pool keeps its address for the proxies
         self._killed: set[str] = set()  # replicas the nemesis killed (not a crash of their own)
         self._stopped = False
@@ -110,11 +111,11 @@ class Cluster:
         if self.history_dir.exists():  # a history belongs to one cluster run
             shutil.rmtree(self.history_dir)
         self.history_dir.mkdir(parents=True)
-        from harness import workload
+        from harness.client import http
         from kvpool.history import HistoryWriter
 
         self.history = HistoryWriter(self.history_dir, "harness", "client")
-        workload.RECORDER = self.history
+        http.RECORDER = self.history
         for spec in specs:
             if spec.faults_file:
                 self.faults[spec.name] = Path(spec.faults_file)
@@ -137,7 +138,7 @@ class Cluster:
     def _proxy_for(self, spec: ReplicaSpec):  # noqa: ANN202
         """The replica's fault proxy, started on first use; it outlives replica restarts."""
         if spec.name not in self.proxies:
-            from faults.proxy import ProxyProcess
+            from harness.system.proxy import ProxyProcess
 
             self.proxies[spec.name] = ProxyProcess.start(
                 self.pool.tcp, "tcp:127.0.0.1:0", self.report_dir / f"proxy-{spec.name}.json", seed=0,
@@ -155,14 +156,7 @@ class Cluster:
                  "history_dir": str(self.history_dir), "model_id": "kvgate-tiny", **dict(spec.connector_extra)}
         if spec.model_revision:
             extra["model_revision"] = spec.model_revision
-        if spec.faults_file:
-            extra["faults_file"] = spec.faults_file
-        cls, module = CONNECTOR_CLASS, CONNECTOR_MODULE
-        if spec.audit:
-            extra["audit_inner"] = f"{CONNECTOR_MODULE}:{CONNECTOR_CLASS}"
-            cls, module = "AuditConnector", "kvpool.audit"
-        return {"kv_connector": cls, "kv_connector_module_path": module, "kv_role": "kv_both",
-                "kv_load_failure_policy": spec.policy, "kv_connector_extra_config": extra}
+        return connector_config(CONNECTOR, extra, spec.policy, audit=spec.audit, faults_file=spec.faults_file)
 
     def _spawn(self, spec: ReplicaSpec) -> Replica:
         port = free_port()
@@ -180,35 +174,17 @@ class Cluster:
                     "VLLM_LOGGING_LEVEL": "INFO", "PYTHONUNBUFFERED": "1"})
         env.update(dict(spec.extra_env))
         log_path = self.report_dir / f"replica-{spec.name}.log"
-        log = open(log_path, "ab")  # noqa: SIM115 - owned by the child
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                cwd=Path(__file__).resolve().parent.parent)
-        log.close()
-        return Replica(spec, port, proc, log_path)
+        return Replica(spec, port, spawn(args, log_path, env), log_path)
 
     def _wait_healthy(self, replica: Replica, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
         t0 = time.monotonic()
-        last_note = t0
-        while time.monotonic() < deadline:
-            if replica.proc.poll() is not None:
-                raise ClusterStartError(f"replica {replica.spec.name} exited with {replica.proc.returncode}; "
-                                        f"log {replica.log_path}:\n{_tail(replica.log_path)}")
-            try:
-                with urllib.request.urlopen(f"{replica.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        print(f"kvgate: replica {replica.spec.name} healthy on :{replica.port} after "
-                              f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if time.monotonic() - last_note > 30:
-                last_note = time.monotonic()
-                print(f"kvgate: waiting for replica {replica.spec.name} ({time.monotonic() - t0:.0f} s)",
-                      file=sys.stderr, flush=True)
-            time.sleep(0.5)
-        raise ClusterStartError(f"replica {replica.spec.name} not healthy within {timeout}s; "
-                                f"log {replica.log_path}:\n{_tail(replica.log_path)}")
+        try:
+            wait_ready(replica.proc, lambda: True if healthy(replica.url) else None, timeout,
+                       f"replica {replica.spec.name}", replica.log_path, poll_s=0.5, note_every=30)
+        except StartError as exc:
+            raise ClusterStartError(str(exc)) from exc
+        print(f"kvgate: replica {replica.spec.name} healthy on :{replica.port} after {time.monotonic() - t0:.0f} s",
+              file=sys.stderr, flush=True)
 
     def add_replica(self, spec: ReplicaSpec, timeout: float = 600.0) -> Replica:
         """Start one more replica on the running pool (e.g. another model revision)."""
@@ -224,8 +200,8 @@ class Cluster:
     def remove_replica(self, name: str) -> None:
         replica = self.replicas.pop(name)
         self.faults.pop(name, None)
-        _terminate_group(replica.proc)
-        if _group_alive(replica.proc.pid):
+        stop_group(replica.proc)
+        if group_alive(replica.proc.pid):
             raise OrphanError(f"replica {name} process group {replica.proc.pid} survived")
 
     def nemesis(self, action: str, **fields: object) -> None:
@@ -240,10 +216,10 @@ class Cluster:
         segments = _shm_mapped_by_group(replica.proc.pid) - {Path("/dev/shm") / self.pool.name}
         self.nemesis("replica_kill", replica=name, pid=replica.proc.pid)
         self._killed.add(name)
-        _kill_group(replica.proc.pid)
+        kill_group(replica.proc.pid)
         replica.proc.wait()
         deadline = time.monotonic() + 15
-        while _group_alive(replica.proc.pid) and time.monotonic() < deadline:
+        while group_alive(replica.proc.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         # A process killed outright unlinks nothing: remove the shared memory only it had mapped.
         still_used = _shm_mapped_by_others(segments)
@@ -281,10 +257,7 @@ class Cluster:
             c.set_capacity(0)
             c.set_capacity(pages)
         for r in self.replicas.values():
-            req = urllib.request.Request(f"{r.url}/reset_prefix_cache", method="POST", data=b"")
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                if resp.status != 200:
-                    raise RuntimeError(f"replica {r.spec.name}: reset_prefix_cache answered {resp.status}")
+            reset_prefix_cache(r.url)
 
     # -- stop ----------------------------------------------------------------------------
     def stop(self) -> None:
@@ -292,12 +265,12 @@ class Cluster:
         if self._stopped:
             return
         self._stopped = True
-        from harness import workload
+        from harness.client import http
 
-        if workload.RECORDER is self.history:
-            workload.RECORDER = None
+        if http.RECORDER is self.history:
+            http.RECORDER = None
         for r in self.replicas.values():
-            _terminate_group(r.proc)
+            stop_group(r.proc)
         for proxy in self.proxies.values():
             proxy.stop()
         if self.pool is not None:
@@ -306,7 +279,7 @@ class Cluster:
             finally:
                 self.pool.cleanup()
         left = [f"replica {r.spec.name} process group {r.proc.pid}" for r in self.replicas.values()
-                if _group_alive(r.proc.pid)]
+                if group_alive(r.proc.pid)]
         left += [f"proxy of {name} (pid {p.proc.pid})" for name, p in self.proxies.items() if p.proc.poll() is None]
         if self.pool is not None and Arena.exists(self.pool.name):
             left.append(f"shared-memory segment {self.pool.name}")
@@ -323,6 +296,23 @@ class Cluster:
         self.stop()
 
 
+def connector_config(inner: str, extra: dict, policy: str, *, audit: bool = False, faults_file: str = "") -> dict:
+    """vLLM's --kv-transfer-config for connector `inner` ("module:Class") with its settings
+    `extra`: wrapped by the fault-injecting connector (faults.connector) when a fault-control
+    file is given, and by the audit (kvpool.audit) outside that when `audit` is set."""
+    extra = dict(extra)
+    connector = inner
+    if faults_file:
+        extra.update(fault_inner=connector, faults_file=faults_file)
+        connector = FAULT_CONNECTOR
+    if audit:
+        extra["audit_inner"] = connector
+        connector = AUDIT_CONNECTOR
+    module, _, cls = connector.partition(":")
+    return {"kv_connector": cls, "kv_connector_module_path": module, "kv_role": "kv_both",
+            "kv_load_failure_policy": policy, "kv_connector_extra_config": extra}
+
+
 def install_sigterm_unwind() -> None:
     """A SIGTERM to the harness (CI cancelling a job) raises SystemExit in the main thread,
     which unwinds through every finally block and fixture, so clusters stop cleanly. Only
@@ -336,25 +326,6 @@ def install_sigterm_unwind() -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_term)
-
-
-def _terminate_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
-    """SIGTERM the leader (vllm serve shuts its engine down and frees its shared memory),
-    then SIGKILL whatever of its process group is left."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            pass
-    deadline = time.monotonic() + 10
-    while _group_alive(proc.pid) and time.monotonic() < deadline:  # engine processes exit after it
-        time.sleep(0.1)
-    _kill_group(proc.pid)
-    proc.wait()
-    deadline = time.monotonic() + 15
-    while _group_alive(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
 
 
 def _shm_of(pid: str) -> set[Path]:
@@ -390,30 +361,6 @@ def _shm_mapped_by_others(paths: set[Path]) -> set[Path]:
         if entry.name.isdigit():
             used |= _shm_of(entry.name) & paths
     return used
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _tail(path: Path, n: int = 6000) -> str:
-    try:
-        return path.read_text(errors="replace")[-n:]
-    except OSError as exc:
-        return f"(no log: {exc})"
 
 
 DEFAULT_CHUNK = 2048  # max_num_batched_tokens of the default pair: longer prompts prefill in chunks

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.pool_proc import DEFAULT_TENANT, unique_name
+from harness.system.pool import DEFAULT_TENANT, unique_name
 from kvpool.arena import Arena
 from kvpool.keys import Namespace, block_hashes
 from kvpool.server import PoolConfig, main_serve, read_address

@@ -35,32 +35,16 @@ from __future__ import annotations
 import contextlib
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from faults.schedule import draw_schedule
-from harness.cluster import Cluster
-from harness.live_checks import audit_digests, byte_exact, namespace_of, pool_digests, records
-from harness.sessions import off_on_on_off
-from harness.workload import Corpus, common_prefix_tails, complete
-from reports.render import Verdict
-
-
-class Checks:
-    """Named boolean checks that become one Verdict."""
-
-    def __init__(self) -> None:
-        self.failed: list[str] = []
-        self.evidence: dict[str, object] = {}
-
-    def check(self, name: str, ok: bool, detail: object = None) -> bool:
-        if not ok:
-            self.failed.append(f"{name}" + (f" ({detail})" if detail is not None else ""))
-        return ok
-
-    def verdict(self, passed: str) -> Verdict:
-        if self.failed:
-            return Verdict(False, "; ".join(self.failed), self.evidence)
-        return Verdict(True, passed, self.evidence)
+from harness.checkers.byte_exact import exchange_exact, pool_digests
+from harness.checkers.history import audit_digests, namespace_of, records
+from harness.checkers.verdict import Checks, Verdict
+from harness.client.http import complete
+from harness.system.cluster import Cluster
+from harness.workload.prompts import Corpus, common_prefix_tails
+from harness.workload.sessions import off_on_on_off
 
 
 def _tag(prefix: str, seed: int) -> str:
@@ -98,7 +82,7 @@ def cross_replica_hit(cluster: Cluster, corpus: Corpus, seed: int, prompt_tokens
     c.check("B's tokens equal its no-cache baseline", b.token_ids == cold.token_ids and len(b.token_ids) == 16,
             (b.token_ids[:4], cold.token_ids[:4]))
     c.check("A's tokens equal B's", a.token_ids == b.token_ids)
-    v = byte_exact(cluster, ("A", f"{tag}-a"), ("B", f"{tag}-b"), ("B", f"{tag}-cold"))
+    v = exchange_exact(cluster, ("A", f"{tag}-a"), ("B", f"{tag}-b"), ("B", f"{tag}-cold"))
     c.check(v.reason, v.valid is True)
     c.evidence.update(v.evidence, prompt_tokens=n, chunks=-(-n // 2048), ttft_ms={"A": round(a.ttft_s * 1e3, 1),
                       "B_remote": round(b.ttft_s * 1e3, 1), "B_cold": round(cold.ttft_s * 1e3, 1)})
@@ -126,7 +110,7 @@ def partial_hit(cluster: Cluster, corpus: Corpus, seed: int, common: int = 1000)
     # Reported, not asserted: the loaded blocks and B's cold run were computed in different
     # prefill partitions, whose KV may differ in its last bits (see load_failure's reference).
     c.evidence["tokens_equal_full_cold_run"] = b.token_ids == cold.token_ids
-    v = byte_exact(cluster, ("A", f"{tag}-a"), ("B", f"{tag}-b"), ("B", f"{tag}-cold"))
+    v = exchange_exact(cluster, ("A", f"{tag}-a"), ("B", f"{tag}-b"), ("B", f"{tag}-cold"))
     c.check(v.reason, v.valid is True)
     c.evidence.update(common_tokens=common + 1, loaded_blocks=load["loaded"])
     return c.verdict(f"{full} complete common blocks loaded byte-exact, the tail recomputed")
@@ -136,7 +120,7 @@ def shared_system_prompt(cluster: Cluster, corpus: Corpus, seed: int, system_tok
                          questions: int = 4) -> Verdict:
     """A computes the first question; every other question, on B, loads the system
     prompt's complete blocks and recomputes only its own tail."""
-    from harness.workload import shared_system_prompt as workload
+    from harness.workload.prompts import shared_system_prompt as workload
 
     rng = random.Random(seed)
     turns = workload(corpus, rng, system_tokens, questions)
@@ -188,10 +172,10 @@ def hit_kinds(cluster: Cluster, corpus: Corpus, seed: int) -> Verdict:
 
 def arm(cluster: Cluster, replica: str, control: str | None = None, **fault: object) -> None:
     """Arm a pool-client fault (faults.backend) on `replica`; `control` also plugs in a
-    known-bad copier (faults.copier), e.g. "hide_failures"."""
+    known-bad connector behaviour (faults.connector), e.g. "hide_failures"."""
     doc: dict[str, object] = {"load": fault} if fault else {}
     if control:
-        doc["copier"] = {"control": control}
+        doc["connector"] = {"control": control}
     cluster.faults[replica].write_text(json.dumps(doc))
 
 
@@ -402,7 +386,7 @@ def stream_delay_store(cluster: Cluster, corpus: Corpus, seed: int, *, control: 
     arm_copier(cluster, replica)  # heal
     b = complete(cluster.replicas[consumer].url, x, tag=f"{tag}-b", replica=consumer, max_tokens=4)
     produced = audit_digests(h, "produced", f"{tag}-x", replica)
-    pool = pool_digests(cluster, namespace_of(h, replica), list(produced))
+    pool = pool_digests(cluster.pool, namespace_of(h, replica), list(produced))
     x_blocks = {bid for r in records(h, "audit", kind="produced", tag=f"{tag}-x", replica=replica)
                 for bid in r["block_ids"]}
     y_blocks = {bid for r in records(h, "audit", kind="produced", tag=f"{tag}-y", replica=replica)
@@ -417,7 +401,7 @@ def stream_delay_store(cluster: Cluster, corpus: Corpus, seed: int, *, control: 
             (len(produced), len(pool)))
     c.check("every pooled block holds the bytes X had at save time", not differ,
             f"{len(differ)} of {len(pool)} differ")
-    v = byte_exact(cluster, (replica, f"{tag}-x"), (consumer, f"{tag}-b"), None)
+    v = exchange_exact(cluster, (replica, f"{tag}-x"), (consumer, f"{tag}-b"), None)
     c.check(f"{consumer} installed X's bytes: {v.reason}", v.valid is True)
     c.evidence.update(delay_ms=delay, control=control, pooled_blocks_differing=len(differ),
                       x_blocks_reused_by_y=len(x_blocks & y_blocks), consumer_installed=v.evidence.get("installed"),
@@ -451,7 +435,7 @@ def stream_delay_load(cluster: Cluster, corpus: Corpus, seed: int, *, control: b
     cold = complete(url, prompt, tag=f"{tag}-cold", replica=replica, load=False, publish=False,
                     cache_salt=f"cold-{tag}")
     seen = audit_digests(h, "seen", f"{tag}-d", replica)
-    pool = pool_digests(cluster, namespace_of(h, replica), list(seen))
+    pool = pool_digests(cluster.pool, namespace_of(h, replica), list(seen))
     load = _one(h, "load", tag=f"{tag}-d", replica=replica)
     start = _one(h, "lookup", tag=f"{tag}-d")["t"]
     fired = [r for r in records(h, "fault", replica=replica) if r["t"] >= start and r.get("site") == "copier"]
@@ -537,7 +521,7 @@ def pool_catalog(cluster: Cluster, control: str | None) -> Iterator[None]:
         yield
         return
     cluster.pool.stop()
-    cluster.pool.restart(extra_args=("--catalog-control", control))
+    cluster.pool.restart(catalog=control)
     cluster.nemesis("pool_swap", catalog=control)
     try:
         yield
@@ -581,7 +565,7 @@ def transport_fault(cluster: Cluster, corpus: Corpus, seed: int, kind: str, *, r
     elif kind == "slow":
         spec.update(bytes_per_s=4_000_000, latency_s=0.02, times=n_blocks)
     if control:
-        cluster.faults[replica].write_text(json.dumps({"copier": {"control": control}}))
+        cluster.faults[replica].write_text(json.dumps({"connector": {"control": control}}))
     cluster.arm_proxy(replica, {kind: spec})
     d = complete(url, prompt, tag=f"{tag}-d", replica=replica, cache_salt=f"s-{tag}")
     cluster.arm_proxy(replica, {})
@@ -630,7 +614,7 @@ def evict_leased(cluster: Cluster, corpus: Corpus, seed: int, *, control: str | 
     (faults.controls), which evicts leased pages."""
     import threading
 
-    from harness.live_checks import audit_digests as produced_of
+    produced_of = audit_digests
 
     if control not in (None, "leaseless_pool"):
         raise ValueError(f"unknown control {control!r}")
@@ -682,9 +666,27 @@ def evict_leased(cluster: Cluster, corpus: Corpus, seed: int, *, control: str | 
         c.check("B's tokens equal its cold run", b is not None and b.token_ids == cold.token_ids
                 and len(b.token_ids) == 16)
         c.check("once released, the squeeze took the rest", after_release >= load["blocks"], after_release)
-        v = byte_exact(cluster, ("A", f"{tag}-a"), ("B", f"{tag}-b"), None)
+        v = exchange_exact(cluster, ("A", f"{tag}-a"), ("B", f"{tag}-b"), None)
         c.check(v.reason, v.valid is True)
         c.evidence.update(control=control, hold_block=block, evict_outcomes=sorted({str(o) for o in outcomes}),
                           squeezed_while_leased=squeezed, evicted_after_release=after_release)
         return c.verdict(f"{len(outcomes)} evictions of leased pages refused, the squeeze waited for the lease, "
                          "B's load completed byte-exact")
+
+
+RUNNERS: dict[str, Callable[..., Verdict]] = {
+    "cross_replica_hit": cross_replica_hit,
+    "partial_hit": partial_hit,
+    "shared_system_prompt": shared_system_prompt,
+    "hit_kinds": hit_kinds,
+    "load_failure": load_failure,
+    "load_failure_fail": load_failure_fail,
+    "pool_restart": pool_restart,
+    "revision_mismatch": revision_mismatch,
+    "sessions": sessions,
+    "stream_delay_store": stream_delay_store,
+    "stream_delay_load": stream_delay_load,
+    "replica_crash": replica_crash,
+    "transport_fault": transport_fault,
+    "evict_leased": evict_leased,
+}

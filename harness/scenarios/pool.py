@@ -23,12 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.pool_proc import PoolProcess
+from harness.system.pool import PoolProcess
 from kvpool.arena import Arena
 from kvpool.client import PoolClient, load, publish
 from kvpool.errors import MissCause, PoolError
 from kvpool.keys import Namespace, block_hashes
-from reports.render import Verdict
+from harness.checkers.verdict import Verdict
 
 NS = Namespace("kvgate-check", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
 EXCHANGE_BLOCKS = 24
@@ -230,15 +230,7 @@ def state_machine(seed: int, examples: int = 25, steps: int = 30, catalog_factor
 
     attrs = {}
     if catalog_factory is not None:
-        from harness.pool_proc import thread_pool
-        from kvpool.catalog import LoadLimits
-        from kvpool.testing import NUM_PAGES, PAGE, PER_CLIENT_LEASES
-
-        def start_daemon(self):  # noqa: ANN001, ANN202
-            return thread_pool(page_size=PAGE, num_pages=NUM_PAGES, limits=LoadLimits(per_client=PER_CLIENT_LEASES),
-                               reap_interval_s=3600.0, catalog_factory=catalog_factory)
-
-        attrs["start_daemon"] = start_daemon
+        attrs["catalog_factory"] = catalog_factory
     machine = hseed(seed)(type("SeededPoolMachine", (PoolMachine,), attrs))
     try:
         run_state_machine_as_test(machine, settings=settings(

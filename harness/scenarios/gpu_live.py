@@ -4,8 +4,9 @@ Placement (`--gpus N`): with N <= 1, two replicas (A, B) of the tiny model share
 with N >= 2, one replica per GPU (A on GPU 0, B on GPU 1, C on GPU 2, ...; each started
 with CUDA_VISIBLE_DEVICES set to its GPU). Either way every replica is registered on the
 same kvpool pool (one shared-memory arena on the host), through kvpool's connector, under
-the audit wrapper (kvpool.audit) around faults.gpu_live.StreamDelayConnector (kvpool's
-connector with the stream-delay fault site), with a fault-control file each.
+the audit wrapper (kvpool.audit) around the fault-injecting connector (faults.connector,
+whose stream-delay site and unordered-transfer control act on CUDA), with a fault-control
+file each.
 
 Directions: every replica publishes once to the next one (A -> B, B -> A with two
 replicas; A -> B -> C -> A with three). Three exchanges per direction, each on a fresh
@@ -14,7 +15,7 @@ consumer loads, then the consumer recomputes the same prompt cold (its prefix ca
 reset, pool bypassed):
 
   cross_replica_hit   no fault: the consumer's tokens equal its cold run's, and the
-                      byte-exact oracle (harness.live_checks.byte_exact) holds: every block
+                      byte-exact oracle (harness.checkers.byte_exact.exchange_exact) holds: every block
                       it installed equals the producer's bytes and the pool's committed
                       copy, and its own cold recompute gives the same bytes.
   stream_delay        the producer's step that publishes runs behind a torch.cuda._sleep
@@ -32,13 +33,12 @@ like the tiny ones: six-turn sessions whose turns alternate replicas, run four t
 (pool off, on, on, off; each block under its own cache_salt); TTFT per turn, the median
 of the cross-replica turns per block, and the generated tokens compared across blocks.
 
-  GpuCluster            harness.cluster.Cluster with vLLM 0.24 GPU flags and the fault site
-                        as the audit wrapper's inner connector.
+  GpuCluster            harness.system.gpu: the cluster with vLLM 0.24 GPU flags.
   placement(gpus)       -> [(replica, CUDA_VISIBLE_DEVICES or None)]
   directions(names)     -> [(producer, consumer)]
   run_live(cluster, model, seed)  -> dict    the exchanges and their verdicts.
   run_session_blocks(cluster, corpus, seed, ...) -> dict   OFF-ON-ON-OFF at one context.
-  render_markdown(result, date)   -> str     the checklist.
+  reports.gpu_live.render_markdown(result, date) -> str   the checklist.
 The last line printed is the result as one JSON object. Each verdict says what it does not
 check. The delay is seeded only in its length; a seed cannot force a thread interleaving.
 """
@@ -53,61 +53,22 @@ import statistics
 import sys
 import time
 import traceback
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-from harness.cluster import Cluster, ReplicaSpec
-from harness.live_checks import audit_digests, byte_exact, namespace_of, pool_digests, records
-from harness.workload import Completion, Corpus, complete
-from reports.render import Verdict
+from harness.checkers.byte_exact import exchange_exact, pool_digests
+from harness.checkers.history import audit_digests, namespace_of, records
+from harness.checkers.verdict import Verdict
+from harness.client import http
+from harness.client.http import Completion, complete, reset_prefix_cache
+from harness.system.cluster import Cluster, ReplicaSpec
+from harness.system.gpu import BLOCK_SIZE, GpuCluster, gpu_args
+from harness.workload.prompts import Corpus
 
-BLOCK_SIZE = 16  # TRITON_ATTN needs a multiple of 16; set explicitly so kernel and manager blocks agree
 STREAM_DELAY_MS = 300.0
-FAULT_SITE = "faults.gpu_live:StreamDelayConnector"
 
 
 class GpuLiveError(RuntimeError):
     """A live GPU step could not run (a publish never landed, a reset was refused)."""
-
-
-def gpu_args(memory_utilization: float, block_size: int = BLOCK_SIZE) -> tuple[str, ...]:
-    """vLLM 0.24 flags for a replica sharing one GPU (the bundle has TRITON_ATTN only)."""
-    return ("--attention-backend", "TRITON_ATTN", "--enforce-eager", "--block-size", str(block_size),
-            "--gpu-memory-utilization", str(memory_utilization))
-
-
-class GpuCluster(Cluster):
-    """A Cluster whose audited replicas with a fault file run the GPU fault site
-    (faults.gpu_live.StreamDelayConnector) as the audit wrapper's inner connector."""
-
-    def kv_transfer_config(self, spec: ReplicaSpec) -> dict:
-        config = super().kv_transfer_config(spec)
-        if spec.audit and spec.faults_file:
-            config["kv_connector_extra_config"]["audit_inner"] = FAULT_SITE
-        return config
-
-    def arm(self, replica: str, section: dict | None) -> None:
-        """Write the replica's "gpu" fault section (None: disarm)."""
-        self.faults[replica].write_text(json.dumps({"gpu": section} if section else {}))
-        self.nemesis("gpu_fault_arm" if section else "gpu_fault_heal", replica=replica, section=section)
-
-
-def reset_prefix_cache(url: str, timeout_s: float = 30.0) -> None:
-    """POST /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1), retried while the engine is busy."""
-    deadline = time.monotonic() + timeout_s
-    last = ""
-    while time.monotonic() < deadline:
-        req = urllib.request.Request(f"{url}/reset_prefix_cache", method="POST", data=b"")
-        try:
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                if resp.status == 200:
-                    return
-                last = f"HTTP {resp.status}"
-        except urllib.error.URLError as exc:
-            last = str(exc)
-        time.sleep(0.2)
-    raise GpuLiveError(f"{url}: reset_prefix_cache not accepted within {timeout_s}s ({last})")
 
 
 def wait_published(history_dir: Path, replica: str, tag: str, blocks: int, timeout_s: float = 60.0) -> list[dict]:
@@ -126,7 +87,7 @@ def wait_published(history_dir: Path, replica: str, tag: str, blocks: int, timeo
 def published_exact(cluster: Cluster, producer: str, tag: str) -> Verdict:
     """Every block the producer computed for `tag` equals the pool's committed copy."""
     produced = audit_digests(cluster.history_dir, "produced", tag, producer)
-    pool = pool_digests(cluster, namespace_of(cluster.history_dir, producer), list(produced))
+    pool = pool_digests(cluster.pool, namespace_of(cluster.history_dir, producer), list(produced))
     differ = [k for k, d in produced.items() if k in pool and pool[k] != d]
     evidence = {"produced": len(produced), "in_pool": len(pool), "pool_differs": len(differ)}
     if not pool:
@@ -209,7 +170,7 @@ def run_exchange(cluster: GpuCluster, corpus: Corpus, ex: Exchange, rng: random.
     loads = records(h, "load", replica=consumer, tag=hit)
     faults = [r for r in records(h, "fault", replica=producer) if pub in (r.get("tags") or [])]
     dropped = [r for r in records(h, "fault", replica=producer, site="gpu_transfer") if t_arm <= r["t"] <= t_heal]
-    exact = byte_exact(cluster, (producer, pub), (consumer, hit), (consumer, cold))
+    exact = exchange_exact(cluster, (producer, pub), (consumer, hit), (consumer, cold))
     pooled = published_exact(cluster, producer, pub)
     # The fallback oracle's baseline is a run with the same prefill partition: the consumer's
     # own prefix hit on the same prompt (all blocks reused, the tail computed), as on CPU
@@ -285,9 +246,8 @@ def tiny_cluster(report_dir: Path, gpus: int = 1) -> tuple[GpuCluster, list[Repl
 
 
 def run_live(cluster: GpuCluster, model: Path, seed: int) -> dict:
-    from harness import workload
 
-    workload.RECORDER = cluster.history
+    http.RECORDER = cluster.history
     corpus = Corpus(model)
     rng = random.Random(f"gpu-live:{seed}")
     names = list(cluster.replicas)
@@ -362,13 +322,13 @@ def _settle(history_dir: Path, replica: str, tag: str, prompt_tokens: int, timeo
 
 def run_session_blocks(cluster: Cluster, corpus: Corpus, seed: int, *, context_tokens: int, sessions: int = 2,
                        turns: int = 6, settle_s: float = 30.0, audit: bool = False) -> dict:
-    """OFF-ON-ON-OFF: the same `sessions` six-turn sessions (harness.workload.six_turn_session,
-    turns alternating replicas: harness.workload.Router "alternating") four times, each
+    """OFF-ON-ON-OFF: the same `sessions` six-turn sessions (harness.workload.prompts.six_turn_session,
+    turns alternating replicas: harness.workload.router.Router "alternating") four times, each
     block under its own cache_salt; with the pool off requests neither load nor publish."""
-    from harness import workload
-    from harness.workload import Router, six_turn_session
+    from harness.workload.prompts import six_turn_session
+    from harness.workload.router import Router
 
-    workload.RECORDER = cluster.history
+    http.RECORDER = cluster.history
     names = list(cluster.replicas)
     label = f"ooo{context_tokens}"
     turns_out: list[dict] = []
@@ -498,9 +458,8 @@ def warm_up_sessions(cluster: Cluster, corpus: Corpus, seed: int) -> None:
     """Kernels compile on first use: on every replica a prompt longer than one chunk, cold
     and then as a local prefix hit; then a remote hit in every direction. Under a salt of
     its own, so nothing of it is reused by the blocks."""
-    from harness import workload
 
-    workload.RECORDER = cluster.history
+    http.RECORDER = cluster.history
     rng = random.Random(f"gpu-live-sessions-warmup:{seed}")
     salt = f"warmup-{seed}"
     for name, r in cluster.replicas.items():
@@ -543,82 +502,9 @@ def run_sessions(cluster: Cluster, seed: int, contexts: tuple[int, ...], session
     return out
 
 
-def render_markdown(result: dict, date: str) -> str:
-    env = result["env"]
-    gpus = int(result.get("gpus", 1))
-    where = ("two replicas of the tiny model on one GPU" if gpus <= 1 else
-             f"{len(result.get('placement', {}))} replicas of the tiny model, one per GPU ("
-             + ", ".join(f"{k} on GPU {v}" for k, v in result.get("placement", {}).items()) + ")")
-    lines = [f"# kvgate live on the GPU — {date}, {result.get('gpu_model', env.get('gpu', '?'))}", "",
-             f"{', '.join(env.get('gpus') or [env.get('gpu', '?')])}; vLLM {env.get('vllm')} (GPU bundle), torch "
-             f"{env.get('torch')} (CUDA {env.get('cuda')}); {where} (2 layers, 2 KV heads, head 64, block "
-             f"{BLOCK_SIZE}), all on one kvpool pool (one shared-memory arena on the host), TRITON_ATTN, eager; "
-             f"seed {result['seed']}; directions {', '.join(result.get('directions', ['A->B']))}.", ""]
-    for ex in result.get("exchanges", []):
-        v = ex["verdict"]
-        mark = "x" if v["valid"] else " "
-        label = "negative control caught" if ex["expect_caught"] and v["valid"] else (
-            "pass" if v["valid"] else "FAIL")
-        be = ex["byte_exact"]["evidence"]
-        p, c = ex.get("producer", "A"), ex.get("consumer", "B")
-        lines += [f"- [{mark}] **{ex['name']}** {p} → {c} ({label}): {v['reason']}",
-                  f"    - prompt {ex['prompt_tokens']} tokens; {c} loaded {ex['blocks_loaded_B']} of "
-                  f"{ex['blocks_expected']} blocks; installed {be.get('installed')}, differ from {p}'s "
-                  f"{be.get('differs_from_producer')}, from the pool's {be.get('differs_from_pool')}; cold recompute "
-                  f"compared {be.get('cold_compared', 'n/a (stopped at the first failure)')}, differ "
-                  f"{be.get('cold_differs', 'n/a')}",
-                  f"    - TTFT {p} {ex['A']['ttft_ms']} ms, {c} hit {ex['B_hit']['ttft_ms']} ms, {c} cold "
-                  f"{ex['B_cold']['ttft_ms']} ms; tokens {c} hit == {c} cold: {ex['tokens_equal_B_hit_vs_cold']}, "
-                  f"{p} == {c} cold: {ex['tokens_equal_A_vs_B_cold']}"
-                  + (f", {c} hit == {c} local prefix hit: {ex['tokens_equal_B_hit_vs_local_hit']}, local prefix hit == "
-                     f"cold: {ex['tokens_equal_B_local_hit_vs_cold']}" if "B_local_hit" in ex else ""),
-                  f"    - not checked: {v['not_checked']}"]
-    if "error" in result:
-        lines += ["", "Live part raised:", "", "```", result["error"][-1500:], "```"]
-    lines += ["", f"Overall (live exchanges): {'PASS' if result.get('passed') else 'FAIL'}", ""]
-    for s in result.get("sessions", []):
-        if "skipped" in s:
-            lines += [f"## OFF-ON-ON-OFF at {s['context_tokens']} tokens: not run ({s['skipped']})", ""]
-            continue
-        lines += [f"## OFF-ON-ON-OFF, six-turn sessions alternating replicas, {s['context_tokens']}-token context",
-                  "", f"{s['sessions']} sessions x {s['turns']} turns (user {s['user_tokens']} tokens, answers "
-                  f"{s['max_tokens']} tokens), router {s['router']} over {', '.join(s['replicas'])}; the bench model "
-                  f"(16 layers, hidden 2048, 8 KV heads, head 128, 64 KiB of KV per token); every turn after the "
-                  f"first runs on another replica than the turn before.", "",
-                  "| block | median TTFT, cross-replica turns (ms) | mean session TTFT sum (ms) | TTFT by turn (ms) |"
-                  " remote-hit blocks |", "|---|---|---|---|---|"]
-        for b, d in s["blocks"].items():
-            by_turn = " / ".join(str(v) for v in d["ttft_median_ms_by_turn"].values())
-            lines.append(f"| {b} | {d['ttft_median_ms_cross_turns']} | {d['session_ttft_sum_ms_mean']} | {by_turn} | "
-                         f"{d['remote_hit_blocks']} |")
-        lines += ["", f"- improvement (1 - ON/OFF): cross-turn median {s['improvement_cross_turn_median']}, session "
-                      f"TTFT sum {s['improvement_session_ttft_sum']}",
-                  f"- [{'x' if s['tokens_equal_all_blocks'] else ' '}] every (session, turn) generated the same tokens "
-                  f"in all four blocks" + ("" if s["tokens_equal_all_blocks"] else
-                                            f" (differ: {', '.join(s['mismatched_turns'])})"), ""]
-    if "sessions_error" in result:
-        lines += ["Sessions raised:", "", "```", result["sessions_error"][-1500:], "```", ""]
-    bench = result.get("bench")
-    if bench:
-        lines += ["## `kvgate bench gpu` part 2 (live TTFT)", "", bench.get("model", ""), "",
-                  "| prefix tokens | cold ms | local hit ms | kvgate remote hit ms | OffloadingConnector CPU hit ms |"
-                  " remote / peer |", "|---|---|---|---|---|---|"]
-        for r in bench["rows"]:
-            lines.append(f"| {r['prefix_tokens']} | {r['cold_prefill_ms']} | {r['local_hit_ttft_ms']} | "
-                         f"{r['remote_hit_ttft_ms']} | {r['peer_hit_ttft_ms']} | {r['remote_vs_peer']} |")
-        met = bench["targets"]["remote_no_slower_than_peer_at_every_length"]
-        lines += ["", f"- [{'x' if met else ' '}] target: kvgate's remote hit no slower than the peer's CPU-tier hit "
-                      f"at every length ({'met' if met else 'NOT met'})", ""]
-    for note in result.get("notes", []):
-        lines.append(f"- {note}")
-    if result.get("command"):
-        lines += ["", f"Command: `{result['command']}`"]
-    return "\n".join(lines) + "\n"
-
-
 def _stop(cluster: Cluster) -> str:
     """Stop a cluster; an OrphanError is returned for the result (and fails the run)."""
-    from harness.cluster import OrphanError
+    from harness.system.cluster import OrphanError
 
     try:
         cluster.stop()
@@ -657,7 +543,7 @@ def main(report_dir: Path, seed: int = 20261129, bench: bool = False, bench_reps
             sess_f = ex.submit(start_sessions, report_dir / "sessions", gpus, max(session_contexts), turns,
                                session_audit)
         if bench:
-            from harness.bench_gpu_live import start_bench
+            from harness.bench.gpu_live import start_bench
 
             bench_f = ex.submit(start_bench, report_dir / "bench", max(bench_lengths))
         if live_f is not None:
@@ -693,7 +579,7 @@ def main(report_dir: Path, seed: int = 20261129, bench: bool = False, bench_reps
                 _say(f"kvgate gpu-live: sessions raised:\n{result['sessions_error']}")
             (report_dir / "sessions.json").write_text(json.dumps(result.get("sessions"), indent=1, default=str))
         if bench_f is not None:
-            from harness.bench_gpu_live import measure
+            from harness.bench.gpu_live import measure
 
             try:
                 bench_cluster = bench_f.result()
@@ -711,6 +597,10 @@ def main(report_dir: Path, seed: int = 20261129, bench: bool = False, bench_reps
             if "bench_error" in result:
                 _say(f"kvgate gpu-live: bench raised:\n{result['bench_error']}")
     result["wall_s"] = round(time.monotonic() - t0)
+    from reports.gpu_live import render_markdown
+
+    (report_dir / "result.json").write_text(json.dumps(result, indent=1, default=str))
+    (report_dir / "checklist.md").write_text(render_markdown(result, time.strftime("%Y-%m-%d")))
     print(json.dumps(result, default=str))
     ok = (result["passed"] or not exchanges) and not result.get("stop_error")
     if sessions:

@@ -15,8 +15,10 @@ import dataclasses
 import random
 import statistics
 
-from harness.cluster import Cluster
-from harness.workload import Completion, Corpus, Router, complete, six_turn_session
+from harness.system.cluster import Cluster
+from harness.client.http import Completion, complete
+from harness.workload.prompts import Corpus, six_turn_session
+from harness.workload.router import Router
 
 
 @dataclasses.dataclass(frozen=True)

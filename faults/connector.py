@@ -1,0 +1,125 @@
+"""The fault-injecting V1 connector: wraps any V1 connector from outside, as
+kvpool.audit.AuditConnector does, and injects faults through the connector API.
+
+    kv_connector="FaultConnector", kv_connector_module_path="faults.connector",
+    kv_connector_extra_config={"fault_inner": "module:Class" (default kvpool's connector),
+                               "faults_file": PATH, <the inner connector's settings>}
+Put the audit outside it (audit_inner="faults.connector:FaultConnector") so the audit
+records what the engine was told, after the faults.
+
+The fault-control file (faults.control) is re-read when it changes. At the connector API,
+for any inner connector, section "connector":
+
+    {"connector": {"control": "hide_failures"}}
+        a negative control: get_block_ids_with_load_errors reports nothing, so the engine
+        computes on whatever the failed blocks hold instead of recomputing them.
+    {"connector": {"finished_delay_ms": 500, "times": 1}}
+        a delayed completion: get_finished holds the finished requests' ids back (they
+        are reported at a later call, after the delay), `times` requests' worth.
+
+For kvpool's own connector (capability flag `takes_factories`), the pool backend and the
+copy engine are wrapped through kvpool's factories: faults.backend.FaultyBackend (sections
+"load", "publish", "client", "namespace"), faults.copier.FaultyCopier around the host
+copier (section "copier"), and on CUDA faults.gpu_live.ControlledCudaCopier (section
+"gpu": the unordered-transfer control) plus the stream delay before a step that publishes
+blocks (section "gpu", `stream_delay_ms`). Every firing is written to the history
+(`fault` events) with what it did; disarming a section heals it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from faults.backend import FaultyBackend
+from faults.control import ControlFile, ControlFileError
+from faults.copier import FaultyCopier
+from kvpool.connector import ConnectorSettings, connect_backend
+from kvpool.copier import HostCopier
+from kvpool.history import HistoryWriter
+from kvpool.wrap import WrappingConnector
+
+CONTROLS = ("hide_failures",)
+
+
+class FaultConnector(WrappingConnector):
+    INNER_KEY = "fault_inner"
+    OWN_KEYS = ("faults_file",)
+
+    def __init__(self, vllm_config, role, kv_cache_config=None, *, extra: dict[str, Any] | None = None):  # noqa: ANN001
+        # Read before the inner connector is built: its factories use the control file.
+        own = (dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {}) if extra is None else extra)
+        path = own.get("faults_file")
+        self.control = ControlFile(path) if path else None
+        self._lock = threading.Lock()
+        self._generation = -1
+        self._finished_fired = 0
+        self._held: list[tuple[float, set[str]]] = []  # (release time, request ids) of delayed completions
+        self._stream_delay = None  # set by the copier factory on CUDA
+        super().__init__(vllm_config, role, kv_cache_config, extra=extra)
+        self.history = HistoryWriter(self.history_dir, self.replica, f"faults-{self.role_name}")
+
+    # -- kvpool's parts, through its factories -----------------------------------------------
+    def inner_kwargs(self, inner_class: type) -> dict[str, Any]:
+        if self.control is None or not getattr(inner_class, "takes_factories", False):
+            return {}
+        return {"backend_factory": self._backend, "copier_factory": self._copier}
+
+    def _backend(self, settings: ConnectorSettings, role: str, history: HistoryWriter, metrics):  # noqa: ANN001, ANN202
+        return FaultyBackend(connect_backend(settings, role, history, metrics), self.control, history)
+
+    def _copier(self, settings: ConnectorSettings, backend, history: HistoryWriter, metrics, device: str):  # noqa: ANN001, ANN202
+        if device == "cuda":
+            from faults.gpu_live import ControlledCudaCopier, StreamDelay
+
+            self._stream_delay = StreamDelay(self.control, history)
+            return ControlledCudaCopier(backend, history, metrics, control=self.control)
+        return FaultyCopier(HostCopier(backend, history, metrics), self.control, history)
+
+    # -- the connector API ---------------------------------------------------------------------
+    def _section(self) -> dict | None:
+        if self.control is None:
+            return None
+        spec, generation = self.control.section("connector")
+        with self._lock:
+            if generation != self._generation:
+                self._generation, self._finished_fired = generation, 0
+                if spec and spec.get("control") not in (None, *CONTROLS):
+                    raise ControlFileError(f"{self.control.path}: unknown connector control "
+                                           f"{spec.get('control')!r}; known {CONTROLS}", generation)
+        return spec
+
+    def start_load_kv(self, forward_context, **kwargs):  # noqa: ANN001, ANN201
+        if self._stream_delay is not None and self.has_connector_metadata():
+            stores = getattr(self._get_connector_metadata(), "stores", None)
+            if stores:
+                self._stream_delay.maybe_fire(stores)
+        return super().start_load_kv(forward_context, **kwargs)
+
+    def get_block_ids_with_load_errors(self):  # noqa: ANN201
+        failed = super().get_block_ids_with_load_errors()
+        spec = self._section()
+        if failed and spec and spec.get("control") == "hide_failures":
+            self.history.write("fault", site="connector", kind="copier_control", job="report",
+                               control="hide_failures", hidden_block_ids=sorted(failed))
+            return set()
+        return failed
+
+    def get_finished(self, finished_req_ids):  # noqa: ANN001, ANN201
+        sending, receiving = super().get_finished(finished_req_ids)
+        spec = self._section()
+        now = time.monotonic()
+        ms = float(spec.get("finished_delay_ms", 0)) if spec else 0.0
+        with self._lock:
+            if sending and ms > 0 and self._finished_fired < int(spec.get("times", 1)):
+                self._finished_fired += 1
+                self._held.append((now + ms / 1000, set(sending)))
+                self.history.write("fault", site="connector", kind="finished_delay", job="report",
+                                   delay_ms=ms, reqs=sorted(sending))
+                sending = set()
+            due = [ids for t, ids in self._held if t <= now]
+            self._held = [(t, ids) for t, ids in self._held if t > now]
+        for ids in due:
+            sending = set(sending or ()) | ids
+        return (sending or None), receiving

@@ -1,0 +1,100 @@
+"""The miss-cause oracle: every lookup is a hit or exactly one known cause; every load
+accounts for each block (loaded or failed) and names its cause when short; every injected
+fault is followed by a load of that replica ending in the fault's expected cause, and no
+load ends short without an injected fault to explain it (a pool-side nemesis explains
+transport errors while the pool is down).
+
+  miss_causes(recs) -> Verdict
+  EXPECTED_CAUSE     fault kind (as injectors record it) -> the cause it must produce
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from harness.checkers.verdict import Verdict
+from kvpool.errors import MissCause
+
+LOOKUP_OUTCOMES = {"local_hit", "remote_hit", "miss", "skipped"}
+CAUSES = {c.value for c in MissCause}
+# the cause each injected fault must produce in the load it strikes (None: no miss at all)
+EXPECTED_CAUSE: dict[str, str | None] = {
+    "corrupt": "corrupt", "transport_error": "transport_error", "timeout": "timeout", "evict": "evicted",
+    "stream_delay": None, "copier_control": None, "lease_hold": None,
+    # the transport proxy (faults.proxy)
+    "reset": "transport_error", "truncate": "transport_error", "drop_reply": "timeout", "stall": "timeout",
+    "bitflip": "corrupt", "slow": None,
+}
+
+
+def miss_causes(recs: list[dict]) -> Verdict:
+    bad: list[str] = []
+    lookups = [r for r in recs if r["ev"] == "lookup"]
+    loads = [r for r in recs if r["ev"] == "load"]
+    for r in lookups:
+        if r["outcome"] not in LOOKUP_OUTCOMES:
+            bad.append(f"lookup {r['tag']}: outcome {r['outcome']!r}")
+        elif r["outcome"] == "miss" and r.get("miss_cause") not in CAUSES:
+            bad.append(f"lookup {r['tag']}: a miss without one known cause ({r.get('miss_cause')!r})")
+    for r in loads:
+        if r["loaded"] + len(r["failed_block_ids"]) != r["blocks"]:
+            bad.append(f"load {r['tag']}: {r['loaded']} loaded + {len(r['failed_block_ids'])} failed != {r['blocks']}")
+        if r["loaded"] < r["blocks"] and r.get("miss_cause") not in CAUSES:
+            bad.append(f"load {r['tag']}: short without one known cause ({r.get('miss_cause')!r})")
+        if r["loaded"] == r["blocks"] and r.get("miss_cause"):
+            bad.append(f"load {r['tag']}: complete but names a cause ({r['miss_cause']})")
+    # injected faults and the loads they strike, per replica, in time order
+    faults = [r for r in recs if r["ev"] == "fault"]
+    explained: set[int] = set()
+    for f in faults:
+        kind = f["kind"]
+        if f.get("job") in ("store", "report"):
+            continue  # store-side faults (and a control's report) strike no load
+        if kind not in EXPECTED_CAUSE:
+            bad.append(f"fault {kind!r} on {f['replica']}: no expected cause is declared for it")
+            continue
+        after = [r for r in loads if r["replica"] == f["replica"] and r["t"] >= f["t"] - 1e-3
+                 and (f.get("tag") is None or r["tag"] == f["tag"])]
+        if not after:
+            bad.append(f"fault {kind} on {f['replica']} at {f['t']:.3f}: no load followed it")
+            continue
+        hit = after[0]
+        want = EXPECTED_CAUSE[kind]
+        if hit.get("miss_cause") != want:
+            bad.append(f"fault {kind} on {f['replica']}: load {hit['tag']} ended as {hit.get('miss_cause')!r}, "
+                       f"expected {want!r}")
+        explained.add(id(hit))
+    down = _pool_down_intervals(recs)
+    for r in loads:
+        if r["loaded"] < r["blocks"] and id(r) not in explained and not _within(r["t"], down):
+            bad.append(f"load {r['tag']} on {r['replica']}: {r.get('miss_cause')} with no injected fault to explain it")
+    for r in lookups:
+        if r.get("miss_cause") == "transport_error" and not _within(r["t"], down) \
+                and not any(f["replica"] == r["replica"] and f["t"] <= r["t"] for f in faults):
+            bad.append(f"lookup {r['tag']} on {r['replica']}: transport_error with the pool up and no fault injected")
+    causes = Counter(r.get("miss_cause") for r in lookups if r.get("miss_cause"))
+    causes_loads = Counter(r.get("miss_cause") for r in loads if r.get("miss_cause"))
+    evidence = {"lookups": len(lookups), "loads": len(loads), "faults": len(faults), "misclassified": len(bad),
+                "lookup_causes": dict(causes), "load_causes": dict(causes_loads), "first": bad[:5]}
+    not_checked = "the pool's own counters (the oracle's lookups move them too); causes of local-only requests"
+    if bad:
+        return Verdict(False, f"{len(bad)} misclassified: {bad[0]}", evidence, not_checked)
+    return Verdict(True, f"{len(lookups)} lookups and {len(loads)} loads each end in a hit or exactly one cause; "
+                   f"{len(explained)} injected faults each produced their expected cause", evidence, not_checked)
+
+
+def _pool_down_intervals(recs: list[dict]) -> list[tuple[float, float]]:
+    out, start = [], None
+    for r in recs:
+        if r["ev"] == "nemesis" and r.get("action") == "pool_kill":
+            start = r["t"]
+        elif r["ev"] == "nemesis" and r.get("action") == "pool_restart" and start is not None:
+            out.append((start, r["t"]))
+            start = None
+    if start is not None:
+        out.append((start, float("inf")))
+    return out
+
+
+def _within(t: float, intervals: list[tuple[float, float]]) -> bool:
+    return any(a <= t <= b for a, b in intervals)

@@ -1,0 +1,1 @@
+"""The workload client: the harness's one HTTP client (http)."""

@@ -1,0 +1,106 @@
+"""The scenario catalog: one JSON file per scenario, shipped as package data of `fixtures`
+(fixtures/scenarios/*.json), so an installed kvgate has its catalog.
+
+A scenario file (data only; `runner` names an entry of harness.scenarios.live.RUNNERS):
+
+    {"name": "load-corrupt", "runner": "load_failure", "fault": "corrupt",
+     "replicas": ["A", "B"], "params": {"kind": "corrupt"},
+     "control": {"name": "hide_failures", "params": {...}},      (optional)
+     "seeds": 3,                                                  (optional cap)
+     "description": "..."}
+
+  catalog_dir()          where the catalog's files are (the installed package data)
+  load_catalog(dir)      every scenario, sorted by name; a bad file is an error (ScenarioError).
+  find(name, dir)        one scenario by name.
+  replay_command(name, seed)   the command that replays one scenario run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import json
+from pathlib import Path
+from typing import Any
+
+from faults.schedule import KINDS
+from harness.scenarios.live import RUNNERS
+
+
+def catalog_dir() -> Path:
+    return Path(str(importlib.resources.files("fixtures") / "scenarios"))
+
+
+KNOWN_REPLICAS = {"A", "B", "C", "D"}  # C: the tiny model's revision r2; D: the small-KV replica
+
+
+class ScenarioError(ValueError):
+    """A scenario file is malformed or names something that does not exist."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Control:
+    name: str
+    params: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    name: str
+    runner: str
+    fault: str | None
+    replicas: tuple[str, ...]
+    params: dict[str, Any]
+    control: Control | None
+    description: str
+    seeds: int | None = None  # at most this many seeds per gate run (a costly scenario)
+
+    @classmethod
+    def from_file(cls, path: Path) -> Scenario:
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ScenarioError(f"{path}: not JSON: {exc}") from exc
+        known = {"name", "runner", "fault", "replicas", "params", "control", "description", "seeds"}
+        if not isinstance(data, dict) or set(data) - known:
+            raise ScenarioError(f"{path}: unknown fields {sorted(set(data) - known) if isinstance(data, dict) else data}")
+        if data.get("name") != path.stem:
+            raise ScenarioError(f"{path}: name {data.get('name')!r} must equal the file name {path.stem!r}")
+        if data.get("runner") not in RUNNERS:
+            raise ScenarioError(f"{path}: runner {data.get('runner')!r} is not one of {sorted(RUNNERS)}")
+
+        fault = data.get("fault")
+        if fault is not None and fault not in KINDS:
+            raise ScenarioError(f"{path}: fault {fault!r} is not a fault kind ({sorted(KINDS)})")
+        replicas = tuple(data.get("replicas", ("A", "B")))
+        if set(replicas) - KNOWN_REPLICAS:
+            raise ScenarioError(f"{path}: unknown replicas {sorted(set(replicas) - KNOWN_REPLICAS)}")
+        control = data.get("control")
+        return cls(data["name"], data["runner"], fault, replicas, dict(data.get("params", {})),
+                   Control(control["name"], dict(control.get("params", {}))) if control else None,
+                   str(data.get("description", "")), data.get("seeds"))
+
+
+def load_catalog(directory: Path | None = None) -> list[Scenario]:
+    directory = catalog_dir() if directory is None else directory
+    scenarios = [Scenario.from_file(p) for p in sorted(Path(directory).glob("*.json"))]
+    if not scenarios:
+        raise ScenarioError(f"no scenario files in {directory}")
+    return scenarios
+
+
+def find(name: str, directory: Path | None = None) -> Scenario:
+    directory = catalog_dir() if directory is None else directory
+    path = Path(directory) / f"{name}.json"
+    if not path.exists():
+        names = sorted(p.stem for p in Path(directory).glob("*.json"))
+        raise ScenarioError(f"no scenario {name!r}; the catalog has {names}")
+    return Scenario.from_file(path)
+
+
+def replay_command(name: str, seed: int) -> str:
+    return f"kvgate replay {name} --seed {seed}"
+
+
+def replay_command(name: str, seed: int) -> str:
+    return f"kvgate replay {name} --seed {seed}"

@@ -1,0 +1,33 @@
+"""The embedded default system the gate and the live suite run on.
+
+  start_system(report_dir, replicas) -> (cluster, model_dir)
+      a local pool and replicas A (policy fail) and B (recompute) of the tiny local model
+      (harness.system.cluster.default_cluster), and as the scenarios need them C (revision
+      r2 of the model: other weights, same tokenizer) and D (a 64-block KV cache whose
+      pool traffic crosses the fault proxy over TCP). Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def start_system(report_dir: Path, replicas: set[str]):  # noqa: ANN201
+    """The embedded default system: a local pool, replicas A and B of the tiny local
+    model (harness.cluster.default_cluster), and as the scenarios need them C (revision
+    r2 of the model: other weights, same tokenizer) and D (a 64-block KV cache)."""
+    from fixtures.tiny_model import build_tiny_model
+    from harness.system.cluster import DEFAULT_CHUNK, ReplicaSpec, default_cluster, small_kv_spec
+
+    model = build_tiny_model(report_dir / "model" / "tiny", seed=0, revision="r1")
+    cluster, specs = default_cluster(model, report_dir)
+    if "C" in replicas:
+        r2 = build_tiny_model(report_dir / "model" / "tiny-r2", seed=0, revision="r2")
+        specs.append(ReplicaSpec("C", core="0", model_dir=r2, audit=True, max_num_batched_tokens=DEFAULT_CHUNK,
+                                 faults_file=str(report_dir / "faults-C.json")))
+    if "D" in replicas:
+        specs.append(small_kv_spec(report_dir))
+    print(f"kvgate: starting the pool and {len(specs)} vLLM replicas ({', '.join(s.name for s in specs)}; "
+         "one to three minutes) ...", file=sys.stderr, flush=True)
+    return cluster.start(specs), model

@@ -1,0 +1,108 @@
+"""The one way the harness starts, waits for and stops the processes of the system under
+test (pool daemons, fault proxies, vLLM replicas).
+
+  spawn(args, log_path, env=None)   a child in its own session (so its whole process group
+                                    can be signalled), stdout and stderr appended to the log.
+  wait_ready(proc, probe, timeout, what, log_path, note_every=None)
+                                    poll `probe()` until it returns something other than
+                                    None; StartError (with the log's tail) if the process
+                                    exits first or the timeout passes. `note_every` seconds
+                                    a progress line goes to stderr.
+  stop_group(proc, grace)           SIGTERM the leader, then SIGKILL what is left of its
+                                    process group; waits until the group is gone.
+  kill_group(pgid) / group_alive(pgid) / tail(path)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+REPO = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
+
+
+class StartError(RuntimeError):
+    """A process did not come up; the message carries its log's tail."""
+
+
+def spawn(args: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    log = open(log_path, "ab")  # noqa: SIM115 - owned by the child
+    try:
+        return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                cwd=REPO)
+    finally:
+        log.close()
+
+
+def wait_ready(proc: subprocess.Popen, probe: Callable[[], T | None], timeout: float, what: str, log_path: Path,
+               *, poll_s: float = 0.02, note_every: float | None = None) -> T:
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    last_note = t0
+    while True:
+        if proc.poll() is not None:
+            raise StartError(f"{what} exited with {proc.returncode}; log {log_path}:\n{tail(log_path)}")
+        found = probe()
+        if found is not None:
+            return found
+        now = time.monotonic()
+        if now > deadline:
+            kill_group(proc.pid)
+            proc.wait()
+            raise StartError(f"{what} not ready within {timeout}s; log {log_path}:\n{tail(log_path)}")
+        if note_every is not None and now - last_note > note_every:
+            last_note = now
+            print(f"kvgate: waiting for {what} ({now - t0:.0f} s)", file=sys.stderr, flush=True)
+        time.sleep(poll_s)
+
+
+def stop_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
+    """SIGTERM the leader (vllm serve shuts its engine down and frees its shared memory),
+    then SIGKILL whatever of its process group is left."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    _wait_gone(proc.pid, 10)  # engine processes exit after the leader
+    kill_group(proc.pid)
+    proc.wait()
+    _wait_gone(proc.pid, 15)
+
+
+def _wait_gone(pgid: int, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def tail(path: Path, n: int = 6000) -> str:
+    try:
+        return Path(path).read_text(errors="replace")[-n:]
+    except OSError as exc:
+        return f"(no log: {exc})"

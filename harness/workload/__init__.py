@@ -1,0 +1,1 @@
+"""Workloads: seeded prompts (prompts), sessions (sessions) and routing (router)."""

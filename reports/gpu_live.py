@@ -1,0 +1,80 @@
+"""Rendering a `kvgate gpu-live` result (harness.scenarios.gpu_live) as a Markdown checklist.
+
+  render_markdown(result, date) -> str
+"""
+
+from __future__ import annotations
+
+from harness.system.gpu import BLOCK_SIZE
+from reports.render import table
+
+
+def render_markdown(result: dict, date: str) -> str:
+    env = result["env"]
+    gpus = int(result.get("gpus", 1))
+    where = ("two replicas of the tiny model on one GPU" if gpus <= 1 else
+             f"{len(result.get('placement', {}))} replicas of the tiny model, one per GPU ("
+             + ", ".join(f"{k} on GPU {v}" for k, v in result.get("placement", {}).items()) + ")")
+    lines = [f"# kvgate live on the GPU — {date}, {result.get('gpu_model', env.get('gpu', '?'))}", "",
+             f"{', '.join(env.get('gpus') or [env.get('gpu', '?')])}; vLLM {env.get('vllm')} (GPU bundle), torch "
+             f"{env.get('torch')} (CUDA {env.get('cuda')}); {where} (2 layers, 2 KV heads, head 64, block "
+             f"{BLOCK_SIZE}), all on one kvpool pool (one shared-memory arena on the host), TRITON_ATTN, eager; "
+             f"seed {result['seed']}; directions {', '.join(result.get('directions', ['A->B']))}.", ""]
+    for ex in result.get("exchanges", []):
+        v = ex["verdict"]
+        mark = "x" if v["valid"] else " "
+        label = "negative control caught" if ex["expect_caught"] and v["valid"] else (
+            "pass" if v["valid"] else "FAIL")
+        be = ex["byte_exact"]["evidence"]
+        p, c = ex.get("producer", "A"), ex.get("consumer", "B")
+        lines += [f"- [{mark}] **{ex['name']}** {p} → {c} ({label}): {v['reason']}",
+                  f"    - prompt {ex['prompt_tokens']} tokens; {c} loaded {ex['blocks_loaded_B']} of "
+                  f"{ex['blocks_expected']} blocks; installed {be.get('installed')}, differ from {p}'s "
+                  f"{be.get('differs_from_producer')}, from the pool's {be.get('differs_from_pool')}; cold recompute "
+                  f"compared {be.get('cold_compared', 'n/a (stopped at the first failure)')}, differ "
+                  f"{be.get('cold_differs', 'n/a')}",
+                  f"    - TTFT {p} {ex['A']['ttft_ms']} ms, {c} hit {ex['B_hit']['ttft_ms']} ms, {c} cold "
+                  f"{ex['B_cold']['ttft_ms']} ms; tokens {c} hit == {c} cold: {ex['tokens_equal_B_hit_vs_cold']}, "
+                  f"{p} == {c} cold: {ex['tokens_equal_A_vs_B_cold']}"
+                  + (f", {c} hit == {c} local prefix hit: {ex['tokens_equal_B_hit_vs_local_hit']}, local prefix hit == "
+                     f"cold: {ex['tokens_equal_B_local_hit_vs_cold']}" if "B_local_hit" in ex else ""),
+                  f"    - not checked: {v['not_checked']}"]
+    if "error" in result:
+        lines += ["", "Live part raised:", "", "```", result["error"][-1500:], "```"]
+    lines += ["", f"Overall (live exchanges): {'PASS' if result.get('passed') else 'FAIL'}", ""]
+    for s in result.get("sessions", []):
+        if "skipped" in s:
+            lines += [f"## OFF-ON-ON-OFF at {s['context_tokens']} tokens: not run ({s['skipped']})", ""]
+            continue
+        lines += [f"## OFF-ON-ON-OFF, six-turn sessions alternating replicas, {s['context_tokens']}-token context",
+                  "", f"{s['sessions']} sessions x {s['turns']} turns (user {s['user_tokens']} tokens, answers "
+                  f"{s['max_tokens']} tokens), router {s['router']} over {', '.join(s['replicas'])}; the bench model "
+                  f"(16 layers, hidden 2048, 8 KV heads, head 128, 64 KiB of KV per token); every turn after the "
+                  f"first runs on another replica than the turn before.", "",
+                  *table(("block", "median TTFT, cross-replica turns (ms)", "mean session TTFT sum (ms)",
+                          "TTFT by turn (ms)", "remote-hit blocks"),
+                         [(b, d["ttft_median_ms_cross_turns"], d["session_ttft_sum_ms_mean"],
+                           " / ".join(str(v) for v in d["ttft_median_ms_by_turn"].values()), d["remote_hit_blocks"])
+                          for b, d in s["blocks"].items()])]
+        lines += ["", f"- improvement (1 - ON/OFF): cross-turn median {s['improvement_cross_turn_median']}, session "
+                      f"TTFT sum {s['improvement_session_ttft_sum']}",
+                  f"- [{'x' if s['tokens_equal_all_blocks'] else ' '}] every (session, turn) generated the same tokens "
+                  f"in all four blocks" + ("" if s["tokens_equal_all_blocks"] else
+                                            f" (differ: {', '.join(s['mismatched_turns'])})"), ""]
+    if "sessions_error" in result:
+        lines += ["Sessions raised:", "", "```", result["sessions_error"][-1500:], "```", ""]
+    bench = result.get("bench")
+    if bench:
+        lines += ["## `kvgate bench gpu` part 2 (live TTFT)", "", bench.get("model", ""), "",
+                  *table(("prefix tokens", "cold ms", "local hit ms", "kvgate remote hit ms",
+                          "OffloadingConnector CPU hit ms", "remote / peer"),
+                         [(r["prefix_tokens"], r["cold_prefill_ms"], r["local_hit_ttft_ms"], r["remote_hit_ttft_ms"],
+                           r["peer_hit_ttft_ms"], r["remote_vs_peer"]) for r in bench["rows"]])]
+        met = bench["targets"]["remote_no_slower_than_peer_at_every_length"]
+        lines += ["", f"- [{'x' if met else ' '}] target: kvgate's remote hit no slower than the peer's CPU-tier hit "
+                      f"at every length ({'met' if met else 'NOT met'})", ""]
+    for note in result.get("notes", []):
+        lines.append(f"- {note}")
+    if result.get("command"):
+        lines += ["", f"Command: `{result['command']}`"]
+    return "\n".join(lines) + "\n"
