@@ -134,8 +134,8 @@ class FaultyBackend:
                 time.sleep(float(spec.get("seconds", 120)))
         return self.inner.commit(reservation_id, digests)
 
-    def lookup(self, ns, hashes: Sequence[bytes]):  # noqa: ANN001, ANN201
-        return self._call(self.inner.lookup, self._ns(ns), hashes)
+    def lookup(self, ns, hashes: Sequence[bytes], wait_pending_s: float = 0.0):  # noqa: ANN001, ANN201
+        return self._call(self.inner.lookup, self._ns(ns), hashes, wait_pending_s)
 
     def reserve(self, ns, hashes, lengths, boundary=None):  # noqa: ANN001, ANN201
         return self.inner.reserve(self._ns(ns), hashes, lengths, boundary)

@@ -78,6 +78,8 @@ def serve_parser(serve: argparse.ArgumentParser) -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=int, default=64)
     serve.add_argument("--reservation-ttl", type=float, default=30.0, help="seconds before an open publish is reclaimed")
     serve.add_argument("--lease-ttl", type=float, default=60.0, help="seconds before an unreleased lease expires")
+    serve.add_argument("--max-lookup-wait", type=float, default=2.0,
+                       help="seconds a lookup may wait for a publish in flight, at most (whatever the client asks)")
     return serve
 
 
@@ -96,7 +98,7 @@ def config_from_args(args: argparse.Namespace) -> PoolConfig:
         max_clients=args.max_clients, max_queue=args.max_queue,
         admission=AdmissionPolicy(min_blocks=args.min_blocks, second_hit=args.second_hit),
         limits=LoadLimits(per_client=args.max_loads_per_client, total=args.max_loads),
-        reservation_ttl_s=args.reservation_ttl, lease_ttl_s=args.lease_ttl,
+        reservation_ttl_s=args.reservation_ttl, lease_ttl_s=args.lease_ttl, max_lookup_wait_s=args.max_lookup_wait,
     )
 
 

@@ -71,6 +71,11 @@ class ConnectorSettings:
     publish: bool = True
     load_deadline_s: float = 10.0
     timeout_s: float = 10.0
+    # A lookup whose first missing block is being published (reserved, not yet committed)
+    # waits this long for its commit: a session's next turn on another replica must not
+    # depend on whether the previous turn's store landed before the response did. Bounded,
+    # since the lookup runs in vLLM's scheduler; running out is the `in_flight` miss.
+    lookup_wait_pending_s: float = 0.5
     model_id: str = ""  # a stable model name for the namespace (default: the model path)
     model_revision: str = ""  # overrides the model fingerprint in the namespace
 
@@ -256,7 +261,8 @@ class KVPoolScheduler:
             return 0, False
         t0 = time.monotonic()
         try:
-            found = self.backend.lookup(self.ns, st.hashes[local_blocks:max_blocks])
+            found = self.backend.lookup(self.ns, st.hashes[local_blocks:max_blocks],
+                                        wait_pending_s=self.settings.lookup_wait_pending_s)
         except PoolError as exc:  # the pool is unreachable: recompute, and say why
             self.history.write("lookup", **record, external_tokens=0, hit_blocks=0, outcome="miss",
                                miss_cause=MissCause.TRANSPORT_ERROR.value, error=f"{type(exc).__name__}: {exc}")

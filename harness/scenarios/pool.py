@@ -163,8 +163,17 @@ def miss_causes(seed: int) -> Verdict:
             doomed.close()
             return (r.miss.cause if r.miss else None), (r.miss.index if r.miss else -1)
 
+        def probe_in_flight() -> tuple[MissCause | None, int]:
+            hs = fresh(2)
+            publish(c, NS, hs[:1], data(1))
+            res = holder.reserve(NS, hs[1:], [page])  # a publish in flight: reserved, never committed
+            r = c.lookup(NS, hs, wait_pending_s=0.05)
+            holder.abort(res.reservation_id)
+            return (r.miss.cause if r.miss else None), (r.miss.index if r.miss else -1)
+
         probes = {
             MissCause.NEVER_PUBLISHED: (probe_never_published, 1),
+            MissCause.IN_FLIGHT: (probe_in_flight, 1),
             MissCause.EVICTED: (probe_evicted, 2),
             MissCause.INCOMPATIBLE: (probe_incompatible, 0),
             MissCause.THROTTLED: (probe_throttled, 0),

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.pool_proc import DEFAULT_TENANT, thread_pool, unique_name
+from harness.system.pool import DEFAULT_TENANT, thread_pool, unique_name
 from kvpool import protocol as P
 from kvpool.arena import Arena
 from kvpool.client import PoolClient, publish
