@@ -69,7 +69,6 @@ import stat
 import struct
 import sys
 import threading
-import time
 import typing
 from collections.abc import Mapping
 from pathlib import Path

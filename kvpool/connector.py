@@ -400,9 +400,18 @@ class KVPoolWorker:
             self.copier.wait(loading, self._wait_s)
 
     def save(self, meta: KVPoolMetadata) -> None:
+        """Publish the blocks this step completed. A request whose load failed in this step
+        had the rest of its prompt computed on the failed blocks (vLLM schedules it in the
+        same step as the load, and rolls the request back only afterwards): nothing this
+        step computed for it is published; its recompute publishes those blocks later."""
         self.wait_for_load()
         failed = set(self.copier.failed)
+        on_failed = {run.req_id for run in meta.loads if failed.intersection(run.block_ids)}
         for run in meta.stores:
+            if run.req_id in on_failed:
+                self.history.write("publish_withheld", req=run.req_id, tag=run.tag, first_block=run.first_block,
+                                   blocks=len(run.block_ids), reason="computed in the step of a failed load")
+                continue
             sending = self._sending.setdefault(run.req_id, [])
             keep = []  # never publish a block whose load failed, nor anything after it
             for i, b in enumerate(run.block_ids):

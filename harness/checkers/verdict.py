@@ -41,20 +41,6 @@ def all_of(verdicts: list[Verdict], reason: str) -> Verdict:
                    {"parts": [dataclasses.asdict(v) for v in verdicts]}, not_checked)
 
 
-def all_of(verdicts: list[Verdict], reason: str) -> Verdict:
-    """False if any is False; else unknown if any is unknown; else True."""
-    if any(v.valid is False for v in verdicts):
-        valid: bool | None = False
-    elif any(v.valid is None for v in verdicts):
-        valid = None
-    else:
-        valid = True
-    failing = [v.reason for v in verdicts if v.valid is not True]
-    not_checked = "; ".join(dict.fromkeys(part for v in verdicts for part in v.not_checked.split("; ") if part))
-    return Verdict(valid, reason if not failing else f"{reason}: " + "; ".join(failing),
-                   {"parts": [dataclasses.asdict(v) for v in verdicts]}, not_checked)
-
-
 class Checks:
     """Named boolean checks that become one Verdict."""
 

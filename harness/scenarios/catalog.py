@@ -100,7 +100,3 @@ def find(name: str, directory: Path | None = None) -> Scenario:
 
 def replay_command(name: str, seed: int) -> str:
     return f"kvgate replay {name} --seed {seed}"
-
-
-def replay_command(name: str, seed: int) -> str:
-    return f"kvgate replay {name} --seed {seed}"

@@ -17,14 +17,12 @@ import dataclasses
 import itertools
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from harness.system.procs import StartError, spawn, wait_ready
+from harness.system.procs import StartError, spawn, terminate, wait_ready
 from kvpool.arena import Arena
 from kvpool.client import PoolClient
 from kvpool.server import PoolConfig, PoolDaemon, read_address
@@ -106,15 +104,7 @@ class PoolProcess:
                           zero_copy=zero_copy, timeout_s=timeout_s)
 
     def stop(self, timeout: float = 10.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise
-        return self.proc.returncode
+        return terminate(self.proc, timeout)
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -10,6 +10,8 @@ test (pool daemons, fault proxies, vLLM replicas).
                                     a progress line goes to stderr.
   stop_group(proc, grace)           SIGTERM the leader, then SIGKILL what is left of its
                                     process group; waits until the group is gone.
+  terminate(proc, timeout)          SIGTERM one process and wait for its exit status; past
+                                    the timeout it is killed and TimeoutExpired raised.
   kill_group(pgid) / group_alive(pgid) / tail(path)
 """
 
@@ -76,6 +78,18 @@ def stop_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
     kill_group(proc.pid)
     proc.wait()
     _wait_gone(proc.pid, 15)
+
+
+def terminate(proc: subprocess.Popen, timeout: float = 10.0) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+    return proc.returncode
 
 
 def _wait_gone(pgid: int, seconds: float) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from faults.proxy import ProxyError, write_control
-from harness.system.procs import StartError, spawn, wait_ready
+from harness.system.procs import StartError, spawn, terminate, wait_ready
 
 
 @dataclasses.dataclass
@@ -64,14 +63,7 @@ class ProxyProcess:
 
     def stop(self, timeout: float = 10.0) -> dict[str, Any]:
         """SIGTERM; returns the final {"fired": ..., "stats": ...} the process printed."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise
+        terminate(self.proc, timeout)
         lines = [ln for ln in self.log_path.read_text().splitlines() if ln.startswith('{"fired"')]
         if self.proc.returncode != 0 or not lines:
             raise ProxyError(f"proxy exited with {self.proc.returncode}; log:\n{self.log_path.read_text()[-4000:]}")

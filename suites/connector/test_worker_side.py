@@ -1,0 +1,90 @@
+"""The connector's worker side against a real pool and real (CPU) KV tensors: a step in
+which a request's load fails computes the rest of that request's prompt on the failed
+blocks, so nothing that step computed for it may be published (it would be KV computed
+on a wrong context, served to every later reader). The fault is at the data: one bit of a
+committed page flipped in the shared arena, caught by the loader's digest."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from harness.checkers.history import read_history
+from harness.system.pool import thread_pool
+from kvpool.client import PoolClient, publish
+from kvpool.connector import BlockRun, ConnectorSettings, KVPoolMetadata, KVPoolWorker
+from kvpool.errors import MissCause
+from kvpool.keys import block_hashes
+
+B, LAYERS, HEADS, HEAD = 16, 2, 2, 64
+PAGE = LAYERS * HEADS * B * 2 * HEAD * 2  # one block of every layer, bf16
+
+
+@pytest.fixture
+def pool():
+    d = thread_pool(page_size=PAGE, num_pages=64)
+    yield d
+    d.stop_thread()
+
+
+def worker(pool, tmp_path) -> KVPoolWorker:  # noqa: ANN001
+    mc = SimpleNamespace(model=str(tmp_path), revision="r1", tokenizer=str(tmp_path), dtype="torch.bfloat16",
+                         get_num_layers=lambda pc: LAYERS, get_num_kv_heads=lambda pc: HEADS,
+                         get_head_size=lambda: HEAD)
+    config = SimpleNamespace(model_config=mc, cache_config=SimpleNamespace(cache_dtype="auto", block_size=B),
+                             parallel_config=SimpleNamespace(tensor_parallel_size=1),
+                             device_config=SimpleNamespace(device_type="cpu"))
+    w = KVPoolWorker(config, ConnectorSettings(pool=f"unix:{pool.unix_path}", token="tok", replica="W",
+                                               history_dir=str(tmp_path / "h")))
+    w.register_kv_caches({f"model.layers.{i}.self_attn.attn": torch.zeros(32, HEADS, B, 2 * HEAD,
+                                                                             dtype=torch.bfloat16)
+                          for i in range(LAYERS)})
+    return w
+
+
+def step(w: KVPoolWorker, hashes: list[bytes]) -> None:
+    """One step of request r: blocks 0-3 loaded into engine blocks 10-13, blocks 4-7
+    computed in the same step (engine blocks 14-17) and stored."""
+    meta = KVPoolMetadata(loads=[BlockRun("r", "t", 0, [10, 11, 12, 13], hashes[:4])],
+                          stores=[BlockRun("r", "t", 4, [14, 15, 16, 17], hashes[4:8])])
+    w.start_load_kv(meta)
+    w.save(meta)
+    w.finished_sending({"r"})
+
+
+def prepare(pool, ns, seed: int, corrupt_block: int | None):  # noqa: ANN001, ANN202
+    """A producer publishes blocks 0-3; with `corrupt_block`, one bit of that committed page
+    is flipped in the arena afterwards (a stray write into a page at rest)."""
+    rng = np.random.default_rng(seed)
+    hashes = block_hashes(list(rng.integers(0, 2000, 8 * B)), B)
+    with PoolClient(f"unix:{pool.unix_path}", "default", "tok", name="producer") as c:
+        assert publish(c, ns, hashes[:4],
+                       [rng.integers(0, 256, PAGE, dtype=np.uint8) for _ in range(4)]).committed == 4
+        if corrupt_block is not None:
+            page = c.lookup(ns, hashes[:4]).hits[corrupt_block].page
+            c.arena.page(page)[int(rng.integers(PAGE))] ^= 1 << int(rng.integers(8))
+    return hashes
+
+
+@pytest.mark.parametrize("corrupt", [None, 2])
+def test_a_step_whose_load_failed_publishes_nothing_it_computed(pool, tmp_path, test_seed, corrupt):
+    w = worker(pool, tmp_path)
+    ns = w.ns
+    hashes = prepare(pool, test_seed, corrupt)
+    step(w, hashes)
+    failed = w.take_failed()
+    with PoolClient(f"unix:{pool.unix_path}", "default", "tok", name="oracle") as c:
+        found = c.lookup(w.ns, hashes[4:8])
+    recs = read_history(tmp_path / "h")
+    if corrupt is None:  # the positive control: a clean load, and the step's blocks are published
+        assert failed == set() and len(found.hits) == 4
+        return
+    assert failed == {12, 13}  # the corrupt block and every block after it
+    load = [r for r in recs if r["ev"] == "load"][0]
+    assert load["miss_cause"] == MissCause.CORRUPT.value and load["loaded"] == 2
+    assert len(found.hits) == 0 and found.miss.cause == MissCause.NEVER_PUBLISHED
+    withheld = [r for r in recs if r["ev"] == "publish_withheld"]
+    assert [(r["first_block"], r["blocks"]) for r in withheld] == [(4, 4)]
