@@ -72,8 +72,7 @@ def prepare(pool, ns, seed: int, corrupt_block: int | None):  # noqa: ANN001, AN
 @pytest.mark.parametrize("corrupt", [None, 2])
 def test_a_step_whose_load_failed_publishes_nothing_it_computed(pool, tmp_path, test_seed, corrupt):
     w = worker(pool, tmp_path)
-    ns = w.ns
-    hashes = prepare(pool, test_seed, corrupt)
+    hashes = prepare(pool, w.ns, test_seed, corrupt)
     step(w, hashes)
     failed = w.take_failed()
     with PoolClient(f"unix:{pool.unix_path}", "default", "tok", name="oracle") as c:
