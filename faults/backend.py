@@ -4,17 +4,28 @@ faults.connector.FaultConnector builds it, through kvpool's backend factory, aro
 pool client of a replica whose `faults_file` is set; the file (faults.control) is re-read
 whenever it changes, so a test switches faults without restarting the replica:
 
-    {"load": {"kind": "transport_error" | "timeout" | "corrupt" | "evict",
+    {"load": {"kind": "timeout" | "corrupt" | "evict" | "hold",
               "block": 2,            # the lease's block index where the fault strikes
+              "seed": 7,             # the fault's own draws (which bit flips)
               "times": 1}}           # how many loads it hits (then it heals by itself)
 
-  transport_error  the connection is closed under the load: TransportError at block k.
-  timeout          the load's read of block k raises PoolTimeout.
-  corrupt          block k's bytes arrive with one bit flipped (the digest must catch it).
+Each fault acts on the data, and the production code path must notice it by itself:
+
+  corrupt          one seed-drawn bit of block k's committed page is flipped in the shared
+                   arena once the load holds its lease (a stray write into a page at
+                   rest); the loader's digest must catch it. Heal: the bit is flipped back
+                   when the lease is released. (A client without the arena mapped gets
+                   the flipped bit in the bytes that arrive.)
+  timeout          the page reads of the load are slow: the read of block k-1 (for k = 0
+                   the acquire) takes longer than the load's deadline, so the loader's
+                   own deadline check stops it at block k. Heal: the next load runs at
+                   speed.
   evict            between the scheduler's lookup and the worker's load, blocks k.. are
-                   force-evicted from the pool: the load stops at k as `evicted`.
+                   evicted through the daemon: the load stops at k as `evicted`.
   hold             the load pauses `seconds` (default 3) before block k, its lease held:
                    the window in which the harness tries to evict or squeeze leased pages.
+A connection cut under a load is the transport proxy's (faults.proxy): on one host the
+page bytes come from shared memory, so only the frames around them can fail.
 Every firing is written to the run's history (`fault` events) with what it did.
 
 A publish that never completes (the window in which the harness kills the replica):
@@ -44,6 +55,7 @@ A negative control for the namespace (the key), in the same file:
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Sequence
@@ -54,15 +66,17 @@ import numpy as np
 from faults.control import ControlFile, ControlFileError
 from kvpool.catalog import AcquireResult
 from kvpool.client import PoolBackend
-from kvpool.errors import PoolTimeout, TransportError
+from kvpool.errors import TransportError
 from kvpool.history import HistoryWriter
 
-KINDS = ("transport_error", "timeout", "corrupt", "evict", "hold")
+KINDS = ("timeout", "corrupt", "evict", "hold")
 
 
 class FaultyBackend:
-    def __init__(self, inner: PoolBackend, control: str | Path | ControlFile, history: HistoryWriter):
+    def __init__(self, inner: PoolBackend, control: str | Path | ControlFile, history: HistoryWriter,
+                 load_deadline_s: float = 10.0):
         self.inner = inner
+        self.load_deadline_s = load_deadline_s
         self.control = control if isinstance(control, ControlFile) else ControlFile(control)
         self.history = history
         self._generation = -1
@@ -71,6 +85,7 @@ class FaultyBackend:
         self._publish_fired = 0
         self._dead = False
         self._armed: tuple[int, dict] | None = None
+        self._flipped: dict[int, tuple[np.ndarray, int, int]] = {}  # lease -> (page view, byte, bit) to restore
         self._lock = threading.Lock()
 
     @property
@@ -155,31 +170,68 @@ class FaultyBackend:
             return self.inner.acquire(ns, hashes)
         lease = self.inner.acquire(ns, hashes)
         fault = fault if lease.lease_id else None
-        if fault is not None and int(fault.get("block", 0)) < len(lease.hits):
-            self._armed = (lease.lease_id, fault)
+        k = int(fault.get("block", 0)) if fault is not None else -1
+        self._armed = None
+        if fault is None or k >= len(lease.hits):
+            return lease
+        if fault["kind"] == "corrupt" and getattr(self.inner, "arena", None) is not None:
+            self._fired += 1
+            self._flip(lease, k, fault)
+        elif fault["kind"] == "timeout" and k == 0:
+            self._fired += 1
+            self._slow(lease, 0, "pool_client.acquire")
         else:
-            self._armed = None
+            self._armed = (lease.lease_id, fault)
         return lease
+
+    def _flip(self, lease: AcquireResult, k: int, fault: dict) -> None:
+        """Flip one drawn bit of block k's committed page in the shared arena."""
+        ref = lease.hits[k]
+        rng = random.Random(f"{fault.get('seed', 0)}:corrupt:{k}")
+        view = self.inner.arena.page(ref.page, ref.length)
+        offset, bit = rng.randrange(ref.length), rng.randrange(8)
+        view[offset] ^= 1 << bit
+        self._flipped[lease.lease_id] = (view, offset, bit)
+        self.history.write("fault", site="pool_arena.page", kind="corrupt", block=k, lease=lease.lease_id,
+                           page=ref.page, offset=offset, bit=bit)
+
+    def _slow(self, lease: AcquireResult, k: int, site: str) -> None:
+        """Hold the load past its deadline, so that the loader stops at block k."""
+        seconds = self.load_deadline_s + 0.25
+        self.history.write("fault", site=site, kind="timeout", block=k, lease=lease.lease_id, seconds=seconds)
+        time.sleep(seconds)
+
+    def release(self, lease_id: int):  # noqa: ANN201
+        flipped = self._flipped.pop(lease_id, None)
+        if flipped is not None:  # heal: the committed page gets its bit back
+            view, offset, bit = flipped
+            view[offset] ^= 1 << bit
+            self.history.write("heal", site="pool_arena.page", kind="corrupt", lease=lease_id)
+        return self.inner.release(lease_id)
 
     def read_page(self, lease: AcquireResult, index: int):  # noqa: ANN201
         armed = self._armed
-        if armed is None or armed[0] != lease.lease_id or index != int(armed[1].get("block", 0)):
+        if armed is None or armed[0] != lease.lease_id:
             return self.inner.read_page(lease, index)
         fault = armed[1]
+        kind, k = fault["kind"], int(fault.get("block", 0))
+        if kind == "timeout" and index == k - 1:  # the read before block k is slow
+            self._armed = None
+            self._fired += 1
+            data = self.inner.read_page(lease, index)
+            self._slow(lease, k, "pool_client.read_page")
+            return data
+        if index != k:
+            return self.inner.read_page(lease, index)
         self._armed = None
         self._fired += 1
-        kind = fault["kind"]
         if kind == "hold":
             self.history.write("fault", site="pool_client.read_page", kind="lease_hold", block=index,
                                lease=lease.lease_id, seconds=float(fault.get("seconds", 3)))
             time.sleep(float(fault.get("seconds", 3)))
             return self.inner.read_page(lease, index)
+        # corrupt, on a client without the arena mapped: the bit flips on its way in
         self.history.write("fault", site="pool_client.read_page", kind=kind, block=index, lease=lease.lease_id)
-        if kind == "transport_error":
-            self.inner.close()
-            raise TransportError(f"injected: connection closed while loading block {index}")
-        if kind == "timeout":
-            raise PoolTimeout(f"injected: block {index} did not arrive within the deadline")
         data = np.array(self.inner.read_page(lease, index), dtype=np.uint8, copy=True).reshape(-1)
-        data[len(data) // 2] ^= 0x10  # corrupt: one flipped bit
+        data[random.Random(f"{fault.get('seed', 0)}:corrupt:{k}").randrange(len(data))] ^= 0x10
         return data

@@ -67,7 +67,8 @@ class FaultConnector(WrappingConnector):
         return {"backend_factory": self._backend, "copier_factory": self._copier}
 
     def _backend(self, settings: ConnectorSettings, role: str, history: HistoryWriter, metrics):  # noqa: ANN001, ANN202
-        return FaultyBackend(connect_backend(settings, role, history, metrics), self.control, history)
+        return FaultyBackend(connect_backend(settings, role, history, metrics), self.control, history,
+                             load_deadline_s=settings.load_deadline_s)
 
     def _copier(self, settings: ConnectorSettings, backend, history: HistoryWriter, metrics, device: str):  # noqa: ANN001, ANN202
         if device == "cuda":

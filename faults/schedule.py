@@ -22,11 +22,12 @@ import json
 import random
 from typing import Any
 
-# kind -> (site it strikes, heal step). The live injectors live in faults.backend.
+# kind -> (site it strikes, heal step). The live injectors: faults.backend, faults.copier,
+# faults.connector, faults.proxy, and the harness's own actions on the pool and replicas.
 KINDS: dict[str, tuple[str, str]] = {
-    "corrupt": ("pool_client.read_page", "the next load reads the committed page again"),
-    "transport_error": ("pool_client.read_page", "the client reconnects on its next request"),
-    "timeout": ("pool_client.read_page", "the next load has a fresh deadline"),
+    "corrupt": ("pool arena (a committed page under a lease)", "the bit is flipped back when the lease is released"),
+    "transport_error": ("transport proxy (the acquire's reply)", "the client reconnects on its next request"),
+    "timeout": ("pool client (a page read slower than the load's deadline)", "the next load has a fresh deadline"),
     "evict": ("pool_client.acquire", "the recomputed blocks are published again"),
     "pool_restart": ("pool daemon", "restart the daemon; clients reconnect; the pool starts empty"),
     "stream_delay": ("copier", "the delayed copy runs; the engine's ordering held the blocks meanwhile"),

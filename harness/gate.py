@@ -205,7 +205,8 @@ def per_kind(results) -> dict[str, dict]:  # noqa: ANN001
     out: dict[str, dict] = {}
     for r in results:
         k = out.setdefault(r.fault or "none", {"scenarios": set(), "seeds_run": 0, **{c: 0 for c in COUNTS},
-                                              "controls": 0, "controls_caught": 0})
+                                              "controls": 0, "controls_caught": 0, "controls_inconclusive": 0,
+                                              "caught_by": set()})
         k["scenarios"].add(r.scenario)
         k["seeds_run"] += 1
         for c in COUNTS:
@@ -213,8 +214,12 @@ def per_kind(results) -> dict[str, dict]:  # noqa: ANN001
         if r.control is not None:
             k["controls"] += 1
             k["controls_caught"] += bool(r.control["caught"])
+            k["controls_inconclusive"] += bool(r.control.get("inconclusive"))
+            if r.control["caught"]:
+                k["caught_by"].add(f"{r.control['name']}: {r.control['oracle']}")
     for k in out.values():
         k["scenarios"] = sorted(k["scenarios"])
+        k["caught_by"] = sorted(k["caught_by"])
     return out
 
 
@@ -222,7 +227,9 @@ def format_kinds(kinds: dict[str, dict]) -> str:
     head = f"  {'fault kind':<18} {'seeds':>5} {'fired':>5} {'loads':>5} {'silent':>6} {'lost':>4} {'miscl':>5} controls"
     lines = [head]
     for name, k in sorted(kinds.items()):
-        ctl = f"{k['controls_caught']}/{k['controls']} caught" if k["controls"] else "-"
+        ctl = (f"{k['controls_caught']}/{k['controls']} caught ({'; '.join(k['caught_by'])})"
+               + (f", {k['controls_inconclusive']} inconclusive" if k["controls_inconclusive"] else "")
+               if k["controls"] else "-")
         lines.append(f"  {name:<18} {k['seeds_run']:>5} {k['faults_fired']:>5} {k['loads']:>5} "
                      f"{k['silent_corruptions']:>6} {k['lost_requests']:>4} {k['misclassified']:>5} {ctl}")
     return "\n".join(lines)

@@ -98,7 +98,8 @@ def write_reports(directory: Path, run: GateRun) -> dict[str, Path]:
                           "silent corruptions", "lost requests", "misclassified misses", "negative controls caught"),
                          [(name, ", ".join(k["scenarios"]), k["seeds_run"], k["faults_fired"], k["loads"],
                            k["silent_corruptions"], k["lost_requests"], k["misclassified"],
-                           f"{k['controls_caught']}/{k['controls']}" if k["controls"] else "none")
+                           (f"{k['controls_caught']}/{k['controls']} ({'; '.join(k.get('caught_by', []))})"
+                            if k["controls"] else "none"))
                           for name, k in sorted(kinds.items())])]
     not_checked = [f"- {c.name}: {c.verdict.not_checked}" for c in run.criteria if c.verdict.not_checked]
     if not_checked:

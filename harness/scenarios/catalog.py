@@ -5,7 +5,8 @@ A scenario file (data only; `runner` names an entry of harness.scenarios.live.RU
 
     {"name": "load-corrupt", "runner": "load_failure", "fault": "corrupt",
      "replicas": ["A", "B"], "params": {"kind": "corrupt"},
-     "control": {"name": "hide_failures", "params": {...}},      (optional)
+     "control": {"name": "hide_failures", "params": {...},       (optional)
+                 "oracle": "byte-exact", "because": "words of its reason"},
      "seeds": 3,                                                  (optional cap)
      "description": "..."}
 
@@ -27,6 +28,11 @@ from faults.schedule import KINDS
 from harness.scenarios.live import RUNNERS
 
 
+# The parts of a scenario run's judgement, in order (harness.scenarios.runner): the
+# scenario's own checks, then the three oracles over the history.
+ORACLES = ("scenario", "byte-exact", "miss causes", "requests")
+
+
 def catalog_dir() -> Path:
     return Path(str(importlib.resources.files("fixtures") / "scenarios"))
 
@@ -40,8 +46,14 @@ class ScenarioError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Control:
+    """A scenario's negative control: a known-bad strategy (its `params` switch it on), the
+    oracle that must catch it, and, optionally, words that oracle's reason must contain
+    (the control is caught only for the reason it exists)."""
+
     name: str
     params: dict[str, Any]
+    oracle: str
+    because: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +88,15 @@ class Scenario:
         if set(replicas) - KNOWN_REPLICAS:
             raise ScenarioError(f"{path}: unknown replicas {sorted(set(replicas) - KNOWN_REPLICAS)}")
         control = data.get("control")
-        return cls(data["name"], data["runner"], fault, replicas, dict(data.get("params", {})),
-                   Control(control["name"], dict(control.get("params", {}))) if control else None,
+        if control is not None:
+            if set(control) - {"name", "params", "oracle", "because"}:
+                raise ScenarioError(f"{path}: control has unknown fields {sorted(set(control) - {'name', 'params', 'oracle', 'because'})}")
+            if control.get("oracle") not in ORACLES:
+                raise ScenarioError(f"{path}: control {control.get('name')!r} must name the oracle that catches it, "
+                                    f"one of {list(ORACLES)}; got {control.get('oracle')!r}")
+            control = Control(control["name"], dict(control.get("params", {})), control["oracle"],
+                              str(control.get("because", "")))
+        return cls(data["name"], data["runner"], fault, replicas, dict(data.get("params", {})), control,
                    str(data.get("description", "")), data.get("seeds"))
 
 

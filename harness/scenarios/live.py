@@ -189,16 +189,25 @@ def load_failure(cluster: Cluster, corpus: Corpus, seed: int, kind: str, block: 
     KV depends in its last bits on how prefill was partitioned, so a run computed in other
     chunks is not a fair baseline; whether the output also equals B's fully cold run is
     reported as evidence."""
+    spec = draw_schedule(seed).spec(kind)
     if block is None:
-        block = draw_schedule(seed).spec(kind).params["block"]
+        block = spec.params["block"]
+    if kind == "transport_error":
+        block = 0  # B's pages come through shared memory: only the acquire's frames can be cut
     rng = random.Random(seed)
     prompt = corpus.text(1500, rng)
     tag = _tag(f"r{kind[:3]}", seed)
     A, B = cluster.replicas["A"].url, cluster.replicas["B"].url
     complete(A, prompt, tag=f"{tag}-a", replica="A", cache_salt=f"s-{tag}")
-    arm(cluster, "B", control, kind=kind, block=block)
+    if kind == "transport_error":  # the proxy resets B's connection instead of answering its acquire
+        arm(cluster, "B", control)
+        cluster.arm_proxy("B", {"reset": {"ops": ["acquire"], "direction": "reply", "times": 1}})
+    else:
+        arm(cluster, "B", control, kind=kind, block=block, seed=rng.randrange(2**32))
     b = complete(B, prompt, tag=f"{tag}-b", replica="B", cache_salt=f"s-{tag}")
     arm(cluster, "B", None)  # heal (a control must not outlive the faulted request)
+    if kind == "transport_error":
+        cluster.arm_proxy("B", {})
     complete(A, prompt, tag=f"{tag}-refa", replica="A", cache_salt=f"ref-{tag}", publish_tokens=block * 128)
     ref = complete(B, prompt, tag=f"{tag}-ref", replica="B", cache_salt=f"ref-{tag}")
     cold = complete(B, prompt, tag=f"{tag}-cold", replica="B", load=False, publish=False, cache_salt=f"cold-{tag}")
@@ -208,8 +217,9 @@ def load_failure(cluster: Cluster, corpus: Corpus, seed: int, kind: str, block: 
     fired = [r["kind"] for r in records(h, "fault", replica="B") if start <= r["t"] <= load["t"]]
     ref_lookup = _one(h, "lookup", tag=f"{tag}-ref")
     cause = "evicted" if kind == "evict" else kind
+    injected = {"transport_error": "reset"}.get(kind, kind)  # the fault as its injector records it
     c = Checks()
-    c.check("the fault fired once", fired == [kind], fired)
+    c.check("the fault fired once", fired == [injected], fired)
     c.check(f"the load stopped at block {block} as {cause}", load["miss_cause"] == cause and load["loaded"] == block
             and load["miss_index"] == block, load)
     c.check("every block from there was reported failed", len(load["failed_block_ids"]) == load["blocks"] - block)

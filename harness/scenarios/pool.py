@@ -18,17 +18,18 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
+import shutil
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from harness.system.pool import PoolProcess
+from harness.checkers.verdict import Verdict
+from harness.system.pool import DEFAULT_TENANT, PoolProcess
 from kvpool.arena import Arena
 from kvpool.client import PoolClient, load, publish
 from kvpool.errors import MissCause, PoolError
 from kvpool.keys import Namespace, block_hashes
-from harness.checkers.verdict import Verdict
 
 NS = Namespace("kvgate-check", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
 EXCHANGE_BLOCKS = 24
@@ -149,18 +150,17 @@ def miss_causes(seed: int) -> Verdict:
             return (r.miss.cause if r.miss else None), (r.miss.index if r.miss else -1)
 
         def probe_transport_error() -> tuple[MissCause | None, int]:
-            import json
-
-            from faults.backend import FaultyBackend
-            from kvpool.history import HistoryWriter
+            from faults.proxy import FaultProxy
 
             hs = fresh(2)
             publish(c, NS, hs, data(2))
-            control = pool.run_dir / "faults-probe.json"
-            control.write_text(json.dumps({"load": {"kind": "transport_error", "block": 0}}))
-            doomed = FaultyBackend(pool.client(name="doomed"), control, HistoryWriter(None, "probe", "probe"))
-            r = load(doomed, NS, hs, sink(2).__getitem__)  # the connection dies under the load
-            doomed.close()
+            sockdir = Path(tempfile.mkdtemp(prefix="kvg-probe-"))
+            # the connection is reset where the acquire's reply would be: the lease is granted, never seen
+            with FaultProxy(pool.unix, f"unix:{sockdir}/p.sock", sockdir / "control.json", seed, remote=False) as proxy:
+                proxy.configure({"reset": {"ops": ["acquire"], "direction": "reply", "times": 1}})
+                with PoolClient(proxy.address, DEFAULT_TENANT, pool.token, name="doomed") as doomed:
+                    r = load(doomed, NS, hs, sink(2).__getitem__)
+            shutil.rmtree(sockdir, ignore_errors=True)
             return (r.miss.cause if r.miss else None), (r.miss.index if r.miss else -1)
 
         def probe_in_flight() -> tuple[MissCause | None, int]:

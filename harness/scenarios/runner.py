@@ -1,23 +1,15 @@
-"""The scenario catalog: one JSON file per scenario in fixtures/scenarios/, and the
-runner that executes one against a live cluster and judges it from the history.
+"""The one scenario runner: executes a scenario of the catalog (harness.scenarios.catalog)
+against a live cluster and judges it from the history.
 
-A scenario file (data only; `runner` names an entry of RUNNERS):
-
-    {"name": "load-corrupt", "runner": "load_failure", "fault": "corrupt",
-     "replicas": ["A", "B"], "params": {"kind": "corrupt"},
-     "control": {"name": "hide_failures", "params": {...}},      (optional)
-     "seeds": 3,                                                  (optional cap)
-     "description": "..."}
-
-  load_catalog(dir)             every scenario, sorted by name; a bad file is an error.
-  run_scenario(cluster, corpus, sc, seed)
-                                resets the cluster, runs the scenario, then judges the
-                                run's window of the history with harness.checkers
-                                (byte-exact, miss causes, requests); then, if the scenario
-                                has a negative control, runs it the same way and requires
-                                that it is caught (by the scenario's own checks or by a
-                                checker). Returns a ScenarioResult with the verdict, the
-                                outcome class, the per-run counts and the replay command.
+  run_scenario(cluster, corpus, sc, seed) -> ScenarioResult
+        resets the cluster, runs the scenario's body (harness.scenarios.live.RUNNERS), then
+        judges the run's window of the history with the checkers (byte-exact, miss causes,
+        requests) next to the scenario's own checks; then, if the scenario has a negative
+        control, runs it the same way (its own derived seed) and requires that the oracle
+        the scenario file names for it judged it false, for its reason (judge_control). A
+        control run that raised, timed out or found the system down is inconclusive and
+        fails the scenario. The result has the verdict, the outcome class, the per-run
+        counts, the control's judgement and the replay command.
 """
 
 from __future__ import annotations
@@ -36,7 +28,7 @@ from harness.checkers.requests import requests
 from harness.checkers.verdict import Verdict, all_of
 from harness.client.http import RequestFailed
 from harness.plugin import derive_seed
-from harness.scenarios.catalog import Scenario, replay_command
+from harness.scenarios.catalog import ORACLES, Control, Scenario, replay_command
 from harness.scenarios.live import RUNNERS
 from harness.system.cluster import Cluster
 from harness.workload.prompts import Corpus
@@ -57,50 +49,79 @@ class ScenarioResult:
     seconds: float
 
 
-def _run_once(cluster: Cluster, corpus: Corpus, sc: Scenario, seed: int, params: dict[str, Any]
-              ) -> tuple[Verdict, list[dict], dict[str, str], bool]:
-    """The scenario's verdict, its window of the history, every replica's namespace (the
-    records lie before the window) and whether a process died unbidden."""
+@dataclasses.dataclass
+class _Run:
+    verdict: Verdict  # the scenario's own checks
+    recs: list[dict]  # its window of the history
+    namespaces: dict[str, str]  # every replica's namespace (the records lie before the window)
+    crashed: bool  # a process died unbidden
+    raised: str | None  # the run could not finish (an exception, a timeout, the system down)
+
+
+def _run_once(cluster: Cluster, corpus: Corpus, sc: Scenario, seed: int, params: dict[str, Any]) -> _Run:
     t0 = time.time()
     try:
         cluster.reset()
-    except (OSError, urllib.error.URLError, PoolError) as exc:  # a replica or the pool is gone
+    except (OSError, urllib.error.URLError, PoolError, RequestFailed) as exc:  # a replica or the pool is gone
         crashed = cluster.crashed()
-        return Verdict(False, f"the system is down before the scenario: {type(exc).__name__}: {exc}; "
-                       f"gone: {crashed}"[:600]), [], {}, True
+        why = f"the system is down before the scenario: {type(exc).__name__}: {exc}; gone: {crashed}"[:600]
+        return _Run(Verdict(False, why), [], {}, True, why)
     cluster.nemesis("scenario_start", scenario=sc.name, seed=seed, params=params)
+    raised = None
     try:
         v = RUNNERS[sc.runner](cluster, corpus, seed, **params)
     except (AssertionError, RequestFailed, PoolError) as exc:  # the scenario could not finish
-        v = Verdict(False, f"{type(exc).__name__}: {exc}"[:600])
+        raised = f"{type(exc).__name__}: {exc}"[:600]
+        v = Verdict(False, raised)
     crashed = cluster.crashed()
     cluster.nemesis("scenario_end", scenario=sc.name, seed=seed, crashed=crashed)
     time.sleep(0.2)  # let the replicas' last records land
     history = H.read_history(cluster.history_dir)
-    return v, H.within(history, t0, time.time()), H.namespaces(history), bool(crashed)
+    return _Run(v, H.within(history, t0, time.time()), H.namespaces(history), bool(crashed), raised)
 
 
-def _judge(cluster: Cluster, v: Verdict, recs: list[dict], namespaces: dict[str, str], crashed: bool
-           ) -> tuple[list[Verdict], str]:
+def _judge(cluster: Cluster, run: _Run) -> tuple[list[Verdict], str]:
+    """The parts of the judgement, in the order of catalog.ORACLES, and the outcome class."""
 
     def pool_digest(replica: str, hashes: list[str]) -> dict[str, str]:
-        if replica not in namespaces or cluster.pool is None or cluster.pool.proc.poll() is not None:
+        if replica not in run.namespaces or cluster.pool is None or cluster.pool.proc.poll() is not None:
             return {}  # the pool is down: its copies cannot be compared (counted as unverified)
-        return BE.pool_digests(cluster.pool, Namespace.from_dict(json.loads(namespaces[replica])), hashes)
+        return BE.pool_digests(cluster.pool, Namespace.from_dict(json.loads(run.namespaces[replica])), hashes)
 
-    be = BE.byte_exact(recs, pool_digest, namespaces)
-    mc = miss_causes(recs)
+    be = BE.byte_exact(run.recs, pool_digest, run.namespaces)
+    mc = miss_causes(run.recs)
     policies = {name: r.spec.policy for name, r in cluster.replicas.items()}
-    rq = requests(recs, policies)
-    outcome = classify(crashed=crashed, liveness=rq, correctness=[v, be, mc])
-    return [v, be, mc, rq], outcome
+    rq = requests(run.recs, policies)
+    outcome = classify(crashed=run.crashed, liveness=rq, correctness=[run.verdict, be, mc])
+    return [run.verdict, be, mc, rq], outcome
+
+
+def judge_control(control: Control, run: _Run, parts: list[Verdict]) -> dict[str, Any]:
+    """A control is caught only when the oracle it names judged its run false, for the
+    reason it exists (`because`, when given, in that oracle's reason); a control run that
+    raised, timed out, crashed or found the system down is inconclusive, never caught."""
+    by = [n for n, p in zip(ORACLES, parts) if p.valid is False]
+    target = parts[ORACLES.index(control.oracle)]
+    inconclusive = run.raised or ("a process died: " + ", ".join(by) if run.crashed else None)
+    said = [target.reason, *(str(x) for x in target.evidence.get("first", []))]  # a checker's first findings
+    caught = not inconclusive and target.valid is False and any(control.because in x for x in said)
+    if caught:
+        why = f"caught by {control.oracle}: {target.reason[:200]}"
+    elif inconclusive:
+        why = f"INCONCLUSIVE (the control run proves nothing): {inconclusive[:300]}"
+    elif target.valid is False:
+        why = f"NOT caught for its reason: {control.oracle} said {target.reason[:200]!r}, not {control.because!r}"
+    else:
+        why = f"NOT caught by {control.oracle} (false verdicts from: {', '.join(by) or 'none'})"
+    return {"name": control.name, "oracle": control.oracle, "caught": caught, "inconclusive": bool(inconclusive),
+            "by": by, "why": why, "reason": run.verdict.reason[:300]}
 
 
 def run_scenario(cluster: Cluster, corpus: Corpus, sc: Scenario, seed: int) -> ScenarioResult:
     t_start = time.monotonic()
-    v, recs, namespaces, crashed = _run_once(cluster, corpus, sc, seed, sc.params)
-    parts, outcome = _judge(cluster, v, recs, namespaces, crashed)
-    names = ("scenario", "byte-exact", "miss causes", "requests")
+    run = _run_once(cluster, corpus, sc, seed, sc.params)
+    parts, outcome = _judge(cluster, run)
+    recs = run.recs
     counts = {
         "faults_fired": sum(1 for r in recs if r["ev"] == "fault"
                             or (r["ev"] == "nemesis" and not r["action"].startswith("scenario_"))),
@@ -112,18 +133,15 @@ def run_scenario(cluster: Cluster, corpus: Corpus, sc: Scenario, seed: int) -> S
     control = None
     if sc.control is not None:  # its own seed (derived), so its requests never share a tag with the run's
         cseed = derive_seed(seed, f"control:{sc.control.name}")
-        cv, crecs, cnamespaces, ccrashed = _run_once(cluster, corpus, sc, cseed, {**sc.params, **sc.control.params})
-        cparts, _ = _judge(cluster, cv, crecs, cnamespaces, ccrashed)
-        by = [n for n, p in zip(names, cparts) if p.valid is False]
-        control = {"name": sc.control.name, "caught": bool(by), "by": by, "reason": cv.reason[:300]}
+        crun = _run_once(cluster, corpus, sc, cseed, {**sc.params, **sc.control.params})
+        cparts, _ = _judge(cluster, crun)
+        control = judge_control(sc.control, crun, cparts)
         cluster.reset()  # heal whatever the control left
-    verdicts = [Verdict(p.valid, f"{n}: {p.reason}", p.evidence, p.not_checked) for n, p in zip(names, parts)]
+    verdicts = [Verdict(p.valid, f"{n}: {p.reason}", p.evidence, p.not_checked) for n, p in zip(ORACLES, parts)]
     if control is not None:
-        verdicts.append(Verdict(control["caught"], f"negative control {control['name']} "
-                                + (f"caught by {', '.join(control['by'])}" if control["caught"] else "NOT caught"),
-                                control))
+        verdicts.append(Verdict(control["caught"], f"negative control {control['name']} {control['why']}", control))
     verdict = all_of(verdicts, f"{sc.name} seed {seed}")
     if verdict.valid is True:
-        verdict = Verdict(True, v.reason, verdict.evidence, verdict.not_checked)
+        verdict = Verdict(True, run.verdict.reason, verdict.evidence, verdict.not_checked)
     return ScenarioResult(sc.name, sc.fault, seed, verdict, outcome, counts, control, replay_command(sc.name, seed),
                           time.monotonic() - t_start)

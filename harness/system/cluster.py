@@ -27,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -71,7 +72,9 @@ class ReplicaSpec:
     faults_file: str = ""
     extra_env: tuple[tuple[str, str], ...] = ()
     extra_args: tuple[str, ...] = ()  # more `vllm serve` flags (e.g. another connector)
-    via_proxy: bool = False  # reach the pool over TCP through a fault proxy (faults.proxy), as a remote host would
+    via_proxy: bool = False  # reach the pool through a fault proxy (faults.proxy)
+    proxy_remote: bool = True  # that proxy: over TCP, pages as frames, as from another host (else a Unix
+    # socket on this host: the arena stays mapped and only the frames around the pages cross it)
     connector_extra: tuple[tuple[str, object], ...] = ()  # more kv_connector_extra_config settings
 
 
@@ -103,6 +106,7 @@ class Cluster:
         self.proxies: dict = {}  # replica -> its harness.system.proxy.ProxyProcess (specs with via_proxy)
         self.pool_tcp_port = free_port()  # fixed, so a restarted pool keeps its address for the proxies
         self._killed: set[str] = set()  # replicas the nemesis killed (not a crash of their own)
+        self._sockdirs: list[str] = []  # directories of the local proxies' sockets
         self._stopped = False
 
     # -- start ---------------------------------------------------------------------------
@@ -140,9 +144,16 @@ class Cluster:
         if spec.name not in self.proxies:
             from harness.system.proxy import ProxyProcess
 
+            if spec.proxy_remote:
+                upstream, listen = self.pool.tcp, "tcp:127.0.0.1:0"
+            else:  # a short path: a Unix socket's name has at most 107 bytes
+                sockdir = tempfile.mkdtemp(prefix="kvg-proxy-")
+                self._sockdirs.append(sockdir)
+                listen = f"unix:{sockdir}/{spec.name}.sock"
+                upstream = self.pool.unix
             self.proxies[spec.name] = ProxyProcess.start(
-                self.pool.tcp, "tcp:127.0.0.1:0", self.report_dir / f"proxy-{spec.name}.json", seed=0,
-                history_dir=self.history_dir, remote=True, replica=spec.name,
+                upstream, listen, self.report_dir / f"proxy-{spec.name}.json", seed=0,
+                history_dir=self.history_dir, remote=spec.proxy_remote, replica=spec.name,
                 log_path=self.report_dir / f"proxy-{spec.name}.log")
         return self.proxies[spec.name]
 
@@ -273,6 +284,8 @@ class Cluster:
             stop_group(r.proc)
         for proxy in self.proxies.values():
             proxy.stop()
+        for sockdir in self._sockdirs:
+            shutil.rmtree(sockdir, ignore_errors=True)
         if self.pool is not None:
             try:
                 self.pool.stop()
@@ -369,9 +382,12 @@ DEFAULT_CHUNK = 2048  # max_num_batched_tokens of the default pair: longer promp
 def default_cluster(model_dir: Path, report_dir: Path) -> tuple[Cluster, list[ReplicaSpec]]:
     """The embedded default system: a local pool and two replicas of the tiny model, both
     audited; A on core 0 with failure policy `fail`, B on core 1 with `recompute`; each
-    with a fault-control file in the report folder."""
+    with a fault-control file in the report folder. B reaches the pool through a fault
+    proxy on a Unix socket (its arena mapped: pages through shared memory, the frames
+    around them through the proxy), where its transport faults are injected."""
     specs = [ReplicaSpec(name, core=core, policy=policy, audit=True, max_num_batched_tokens=DEFAULT_CHUNK,
-                         faults_file=str(Path(report_dir) / f"faults-{name}.json"))
+                         faults_file=str(Path(report_dir) / f"faults-{name}.json"), via_proxy=name == "B",
+                         proxy_remote=False)
              for name, core, policy in (("A", "0", "fail"), ("B", "1", "recompute"))]
     return Cluster(model_dir, report_dir, page_size=128 * 1024, pool_pages=1024), specs
 

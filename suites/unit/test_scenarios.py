@@ -34,9 +34,57 @@ def test_find_names_the_catalog_when_a_scenario_is_missing():
     ({"name": "x", "runner": "partial_hit", "replicas": ["Z"]}, "replicas"),
     ({"name": "x", "runner": "partial_hit", "colour": "red"}, "unknown fields"),
     ({"name": "y", "runner": "partial_hit"}, "file name"),
+    ({"name": "x", "runner": "partial_hit", "control": {"name": "c"}}, "must name the oracle"),
+    ({"name": "x", "runner": "partial_hit", "control": {"name": "c", "oracle": "vibes"}}, "must name the oracle"),
+    ({"name": "x", "runner": "partial_hit", "control": {"name": "c", "oracle": "scenario", "by": 1}}, "unknown"),
 ])
 def test_a_malformed_scenario_file_is_refused(tmp_path, doc, match):
     path = tmp_path / "x.json"
     path.write_text(json.dumps(doc))
     with pytest.raises(ScenarioError, match=match):
         Scenario.from_file(path)
+
+
+def test_every_control_names_its_oracle():
+    for sc in load_catalog():
+        if sc.control is not None:
+            assert sc.control.oracle in ("scenario", "byte-exact", "miss causes", "requests"), sc.name
+
+
+# -- crediting a negative control (harness.scenarios.runner.judge_control) -------------------
+def _parts(**false_reasons):  # noqa: ANN003, ANN202
+    from harness.checkers.verdict import Verdict
+    from harness.scenarios.catalog import ORACLES
+
+    return [Verdict(False, false_reasons[n.replace(" ", "_").replace("-", "_")])
+            if n.replace(" ", "_").replace("-", "_") in false_reasons else Verdict(True, "fine") for n in ORACLES]
+
+
+def _judge(parts, raised=None, crashed=False, because="differ from every producer's bytes"):  # noqa: ANN001, ANN202
+    from harness.checkers.verdict import Verdict
+    from harness.scenarios.catalog import Control
+    from harness.scenarios.runner import _Run, judge_control
+
+    run = _Run(Verdict(parts[0].valid, parts[0].reason), [], {}, crashed, raised)
+    return judge_control(Control("hide_failures", {}, "byte-exact", because), run, parts)
+
+
+def test_a_control_is_caught_by_the_oracle_it_names_for_its_reason():
+    got = _judge(_parts(byte_exact="3 blocks differ from every producer's bytes"))
+    assert got["caught"] and got["oracle"] == "byte-exact" and not got["inconclusive"]
+
+
+def test_a_control_caught_only_by_another_check_is_not_caught():
+    got = _judge(_parts(scenario="tokens differ", miss_causes="1 misclassified"))
+    assert not got["caught"] and got["by"] == ["scenario", "miss causes"]
+
+
+def test_a_control_caught_by_its_oracle_for_another_reason_is_not_caught():
+    got = _judge(_parts(byte_exact="2 installed blocks had no producer record"))
+    assert not got["caught"] and "for its reason" in got["why"]
+
+
+@pytest.mark.parametrize("raised, crashed", [("AssertionError: timed out after 30s", False), (None, True)])
+def test_a_control_run_that_raised_or_crashed_is_inconclusive(raised, crashed):
+    got = _judge(_parts(byte_exact="3 blocks differ from every producer's bytes"), raised=raised, crashed=crashed)
+    assert not got["caught"] and got["inconclusive"] and "INCONCLUSIVE" in got["why"]
