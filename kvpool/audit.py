@@ -23,13 +23,17 @@ ExampleConnector or OffloadingConnector) does all the work; the wrapper
 Records go to the history as `audit` events keyed by the block's token-chain hash (no
 salt, no namespace), so the gate can match a consumer's block with the producer's, and
 carry the block's pool key (the chain seeded by the request's cache_salt, as kvpool keys
-it) to find the pool's committed copy. The digest is XXH3-128 over the block's bytes in layer
+it) to find the pool's committed copy. Every worker record carries the worker's pid and
+its step (counted at each bind_connector_metadata), and so does `audit_load_errors` (what
+get_block_ids_with_load_errors told the engine): a failed block is matched to the install
+of the very same step. The digest is XXH3-128 over the block's bytes in layer
 order, the byte order of a pool page, so it equals the pool's page digest directly.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from kvpool import vllm_compat as compat
@@ -78,6 +82,8 @@ class AuditConnector(WrappingConnector):
         self._reqs: dict[str, _Req] = {}
         self._layers: list = []
         self._seen_pending = False
+        self._step = 0  # the worker's step, counted at each bind: the records of one step share it
+        self._pid = os.getpid()
 
     # -- scheduler side ----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens):  # noqa: ANN001, ANN201
@@ -129,6 +135,7 @@ class AuditConnector(WrappingConnector):
         self._layers = [kv_caches[n] for n in sorted(kv_caches, key=compat.layer_index)]
 
     def bind_connector_metadata(self, connector_metadata):  # noqa: ANN001, ANN201
+        self._step += 1
         super().bind_connector_metadata(connector_metadata)
         self._seen_pending = bool(connector_metadata.loaded)
 
@@ -166,7 +173,8 @@ class AuditConnector(WrappingConnector):
         for run in runs:
             digests = [self._digest(b) for b in run.block_ids]
             self.history.write("audit", kind=kind, req=run.req_id, tag=run.tag, first_block=run.first_block,
-                               block_ids=run.block_ids, hashes=run.hashes, keys=run.keys, digests=digests)
+                               block_ids=run.block_ids, hashes=run.hashes, keys=run.keys, digests=digests,
+                               step=self._step, pid=self._pid)
 
     def _digest(self, block_id: int) -> str:
         import torch
@@ -182,5 +190,5 @@ class AuditConnector(WrappingConnector):
     def get_block_ids_with_load_errors(self):  # noqa: ANN201
         failed = self._inner.get_block_ids_with_load_errors()
         if failed:
-            self.history.write("audit_load_errors", block_ids=sorted(failed))
+            self.history.write("audit_load_errors", block_ids=sorted(failed), step=self._step, pid=self._pid)
         return failed

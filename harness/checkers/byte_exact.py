@@ -12,7 +12,8 @@ pooled copy, equals a producer's bytes.
         one exchange (replica, tag) -> (replica, tag): every block the consumer installed
         equals the producer's bytes and the pool's committed copy; and the consumer's own
         cold recompute of the prefix gives the same bytes.
-  pool_digests(pool, ns, keys)   the pool's committed digests of those keys (an oracle client).
+  pool_digests(pool, ns, keys)   digests of the pool's committed pages of those keys, hashed
+                                 from the page bytes under a lease (an oracle client).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Callable
 
 from harness.checkers.history import audit_digests, namespace_of, namespaces
 from harness.checkers.verdict import Verdict
+from kvpool.digest import page_digest
 from kvpool.keys import Namespace
 
 
@@ -38,15 +40,15 @@ def byte_exact(recs: list[dict], pool_digest: Callable[[str, list[str]], dict[st
             for h, d in zip(r["hashes"], r["digests"]):
                 produced[(ns_of.get(r["replica"], r["replica"]), h)].add(d)
     # Blocks the engine was told failed (the audit's record of get_block_ids_with_load_errors,
-    # not the connector's own claim) are recomputed: exempt from the installed check.
-    told_failed: dict[str, list[tuple[float, set[int]]]] = defaultdict(list)
+    # not the connector's own claim) are recomputed: exempt from the installed check, in the
+    # very step (worker pid and step number) that installed them.
+    told_failed: dict[tuple[str, object, object], set[int]] = defaultdict(set)
     for r in recs:
         if r["ev"] == "audit_load_errors":
-            told_failed[r["replica"]].append((r["t"], set(r["block_ids"])))
+            told_failed[(r["replica"], r.get("pid"), r.get("step"))].update(r["block_ids"])
 
-    def exempt(replica: str, t: float, block_id: int) -> bool:
-        later = [ids for tf, ids in told_failed[replica] if t - 1e-6 <= tf <= t + 5.0]  # the same step
-        return bool(later) and block_id in later[0]
+    def exempt(r: dict, block_id: int) -> bool:
+        return block_id in told_failed.get((r["replica"], r.get("pid"), r.get("step")), ())
 
     checked = unverified = 0
     bad: list[dict] = []
@@ -55,7 +57,7 @@ def byte_exact(recs: list[dict], pool_digest: Callable[[str, list[str]], dict[st
             continue
         ns = ns_of.get(r["replica"], r["replica"])
         for bid, h, d in zip(r["block_ids"], r["hashes"], r["digests"]):
-            if exempt(r["replica"], r["t"], bid):
+            if exempt(r, bid):
                 continue
             want = produced.get((ns, h))
             if not want:
@@ -82,11 +84,16 @@ def byte_exact(recs: list[dict], pool_digest: Callable[[str, list[str]], dict[st
                 if d not in produced[(ns, h)]:
                     bad.append({"replica": "pool", "tag": r["tag"], "kind": "committed", "published_by": r["replica"],
                                 "hash": h})
+    audited = {r["replica"] for r in recs if r["ev"] == "audit"}
+    unaudited = sorted({r["replica"] for r in recs if r["ev"] == "load" and r.get("loaded") and r["replica"] not in audited})
     evidence = {"blocks_checked": checked, "pooled_checked": pooled_checked, "unverified": unverified,
-                "silent_corruptions": len(bad), "first": bad[:5]}
+                "silent_corruptions": len(bad), "unaudited_replicas": unaudited, "first": bad[:5]}
     not_checked = "blocks without a producer record in the window; pooled copies already evicted"
     if bad:
         return Verdict(False, f"{len(bad)} blocks differ from every producer's bytes", evidence, not_checked)
+    if unaudited:
+        return Verdict(None, f"replicas {unaudited} loaded blocks without an audit: what they installed is unknown",
+                       evidence, not_checked)
     if checked == 0 and pooled_checked == 0:
         if unverified:
             return Verdict(None, f"{unverified} installed blocks had no producer record to compare with", evidence,
@@ -98,10 +105,16 @@ def byte_exact(recs: list[dict], pool_digest: Callable[[str, list[str]], dict[st
 
 
 def pool_digests(pool, ns: Namespace, hashes: list[str]) -> dict[str, str]:  # noqa: ANN001 - has .client()
-    """{key: committed digest} of the pool's copies of `hashes` (hex pool keys) under `ns`."""
+    """{key: digest of the page's bytes} of the pool's committed copies of `hashes` (hex pool
+    keys) under `ns`: each page read under a lease and hashed here, so a stray write into a
+    committed page shows (the digest the daemon recorded at commit is not trusted)."""
     with pool.client(name="oracle") as c:
-        found = c.lookup(ns, [bytes.fromhex(h) for h in hashes])
-    return {hashes[i]: ref.digest.hex() for i, ref in enumerate(found.hits)}
+        lease = c.acquire(ns, [bytes.fromhex(h) for h in hashes])
+        try:
+            return {hashes[i]: page_digest(c.read_page(lease, i)).hex() for i in range(len(lease.hits))}
+        finally:
+            if lease.lease_id:
+                c.release(lease.lease_id)
 
 
 def exchange_exact(cluster, producer: tuple[str, str], consumer: tuple[str, str],  # noqa: ANN001

@@ -27,9 +27,11 @@ def good_history():
         rec("lookup", 2.0, "B", tag="b", outcome="remote_hit", miss_cause=None),
         rec("fault", 2.1, "B", site="pool_client.read_page", kind="corrupt", block=1),
         rec("load", 2.2, "B", tag="b", blocks=2, loaded=1, failed_block_ids=[8], miss_cause="corrupt"),
-        rec("audit", 2.3, "B", kind="seen", tag="b", block_ids=[7, 8], hashes=["h0", "h1"], digests=["d0", "zz"]),
-        rec("audit", 2.4, "B", kind="installed", tag="b", block_ids=[7, 8], hashes=["h0", "h1"], digests=["d0", "zz"]),
-        rec("audit_load_errors", 2.5, "B", block_ids=[8]),
+        rec("audit", 2.3, "B", kind="seen", tag="b", block_ids=[7, 8], hashes=["h0", "h1"], digests=["d0", "zz"],
+            step=5, pid=11),
+        rec("audit", 2.4, "B", kind="installed", tag="b", block_ids=[7, 8], hashes=["h0", "h1"], digests=["d0", "zz"],
+            step=5, pid=11),
+        rec("audit_load_errors", 2.5, "B", block_ids=[8], step=5, pid=11),
     ]
 
 
@@ -43,6 +45,23 @@ def test_byte_exact_catches_a_failed_block_the_engine_was_not_told_about():
     history = [r for r in good_history() if r["ev"] != "audit_load_errors"]
     v = byte_exact(history)
     assert v.valid is False and v.evidence["silent_corruptions"] == 2  # seen and installed
+
+
+def test_byte_exact_exempts_a_failed_block_only_in_the_step_that_installed_it():
+    """A later step's load error with a reused block id must not excuse an earlier corrupt
+    install (nor one of another worker process)."""
+    for other in ({"step": 6, "pid": 11}, {"step": 5, "pid": 12}):
+        history = [r for r in good_history() if r["ev"] != "audit_load_errors"]
+        history.append(rec("audit_load_errors", 2.5, "B", block_ids=[8], **other))
+        v = byte_exact(history)
+        assert v.valid is False and v.evidence["silent_corruptions"] == 2, other
+
+
+def test_byte_exact_is_unknown_for_a_replica_that_loaded_without_an_audit():
+    history = good_history() + [rec("load", 3.0, "C", tag="c", blocks=3, loaded=3, failed_block_ids=[],
+                                    miss_cause=None)]
+    v = byte_exact(history)
+    assert v.valid is None and v.evidence["unaudited_replicas"] == ["C"]
 
 
 def test_byte_exact_catches_a_pooled_copy_that_is_not_the_producers():
