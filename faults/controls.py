@@ -7,6 +7,9 @@ control and assert that it is caught.
   ForgetfulCatalog    keeps no ghosts: an evicted block's miss reads "never published".
   LeaselessCatalog    evicts pages that are leased (a loader without a pin).
   LeakyCatalog        never returns an aborted publish's pages to the free list.
+  CrossedCatalog      answers a run of blocks with their pages in reverse order, each with
+                      its own page's digest: a loader's digest check passes, the bytes are
+                      another block's (a pool that serves other bytes).
   EarlyCompletionCopier
                       reports a KV copy done when it is queued (the copy issued
                       without its ordering dependency).
@@ -18,7 +21,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from kvpool.catalog import Catalog, PageState
+from kvpool.catalog import Catalog, Hits, PageState
 
 
 class ForgetfulCatalog(Catalog):
@@ -47,7 +50,13 @@ class LeakyCatalog(Catalog):
         return len(res.pages)
 
 
-CATALOG_CONTROLS = {"forgetful": ForgetfulCatalog, "leaseless": LeaselessCatalog, "leaky": LeakyCatalog}
+class CrossedCatalog(Catalog):
+    def _refs(self, pages: list[int]) -> Hits:
+        return super()._refs(pages[::-1])
+
+
+CATALOG_CONTROLS = {"forgetful": ForgetfulCatalog, "leaseless": LeaselessCatalog, "leaky": LeakyCatalog,
+                    "crossed": CrossedCatalog}
 
 
 class EarlyCompletionCopier:

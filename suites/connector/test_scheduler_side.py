@@ -125,37 +125,52 @@ def _with(tmp_path, field):
     return cfg
 
 
+def other_field_outcome(pool, tmp_path, field, key_control: bool = False):  # noqa: ANN001, ANN201
+    """A producer of the tiny config publishes a prompt's blocks; a scheduler whose config
+    differs in `field` looks the prompt up. Returns (tokens it would load, its lookup record).
+    `key_control`: both reach the pool through faults.backend with the namespace control
+    that leaves the revision out of the key (as the live revision-mismatch control does)."""
+    import json
+
+    from faults.backend import FaultyBackend
+    from kvpool.connector import connect_backend
+    from kvpool.keys import block_hashes
+
+    factory = connect_backend
+    if key_control:
+        control = tmp_path / "faults.json"
+        control.write_text(json.dumps({"namespace": {"drop": ["model_revision"]}}))
+
+        def factory(settings, role, history, metrics):  # noqa: ANN001, ANN202
+            return FaultyBackend(connect_backend(settings, role, history, metrics), control, history)
+
+    tokens = list(range(1001))
+    settings = ConnectorSettings(pool=f"unix:{pool.unix_path}", token="tok", history_dir=str(tmp_path / "h"))
+    producer = KVPoolScheduler(vllm_config(tmp_path), settings, factory)
+    keys = block_hashes(tokens[:896], B)
+    publish(producer.backend, producer.ns, keys, [np.zeros(2 * 2 * B * 128 * 2, np.uint8) for _ in keys])
+    s = KVPoolScheduler(_with(tmp_path, field), settings, factory)
+    matched, _ = s.get_num_new_matched_tokens(request("r", tokens), 0)
+    lookup = [json.loads(line) for f in (tmp_path / "h").glob("*.jsonl") for line in f.read_text().splitlines()
+              if '"lookup"' in line][-1]
+    return matched, lookup
+
+
+def isolated(matched: int, lookup: dict, field: str) -> bool:
+    """The check: nothing would load, and the miss is `incompatible` naming exactly `field`."""
+    return matched == 0 and lookup["miss_cause"] == "incompatible" and lookup["miss_fields"] == [field]
+
+
 @pytest.mark.fault_revision_mismatch
 @pytest.mark.parametrize("field", ["model_revision", "tokenizer_hash", "kv_dtype", "num_kv_heads"])
 def test_a_replica_differing_in_one_kv_relevant_field_finds_the_blocks_incompatible(pool, tmp_path, field):
-    import json
-
-    tokens = list(range(1001))
-    producer = namespace_for(vllm_config(tmp_path), ConnectorSettings(pool="unix:x", token="t"))
-    client = KVPoolScheduler(vllm_config(tmp_path), ConnectorSettings(
-        pool=f"unix:{pool.unix_path}", token="tok")).backend
-    from kvpool.keys import block_hashes
-
-    keys = block_hashes(tokens[:896], B)
-    publish(client, producer, keys, [np.zeros(2 * 2 * B * 128 * 2, np.uint8) for _ in keys])
-    settings = ConnectorSettings(pool=f"unix:{pool.unix_path}", token="tok", history_dir=str(tmp_path / "h"))
-    s = KVPoolScheduler(_with(tmp_path, field), settings)
-    assert s.get_num_new_matched_tokens(request("r", tokens), 0) == (0, False)
-    lookup = [json.loads(line) for f in (tmp_path / "h").glob("*.jsonl") for line in f.read_text().splitlines()
-              if '"lookup"' in line][-1]
-    assert lookup["miss_cause"] == "incompatible" and lookup["miss_fields"] == [field], lookup
+    matched, lookup = other_field_outcome(pool, tmp_path, field)
+    assert isolated(matched, lookup, field), lookup
 
 
-def test_a_control_key_without_the_revision_shares_blocks_across_revisions(pool, tmp_path):
-    """Negative control for the test above: leave the revision out of the key (as
-    faults.backend's namespace control does) and the other revision finds a hit."""
-    tokens = list(range(1001))
-    settings = ConnectorSettings(pool=f"unix:{pool.unix_path}", token="tok")
-    a = KVPoolScheduler(vllm_config(tmp_path), settings)
-    from kvpool.keys import block_hashes
-
-    keys = block_hashes(tokens[:896], B)
-    publish(a.backend, a.ns.replace(model_revision=""), keys, [np.zeros(2 * 2 * B * 128 * 2, np.uint8) for _ in keys])
-    s = KVPoolScheduler(_with(tmp_path, "model_revision"), settings)
-    found = s.backend.lookup(s.ns.replace(model_revision=""), keys)
-    assert len(found.hits) == len(keys)  # the revision no longer separates them: the control shares KV
+def test_control_a_key_without_the_revision_fails_the_same_check(pool, tmp_path):
+    """The negative control of the test above, through the same check: with the revision
+    left out of the key, the other revision would load the blocks and the check fails."""
+    matched, lookup = other_field_outcome(pool, tmp_path, "model_revision", key_control=True)
+    assert not isolated(matched, lookup, "model_revision")
+    assert matched == 896 and lookup["outcome"] == "remote_hit", lookup  # it shares the other revision's KV

@@ -1,6 +1,6 @@
 """Two separate processes publish and load through one daemon; compare the bytes."""
 
-from harness.scenarios.pool import EXCHANGE_PAGE, exchange_between_processes
+from harness.scenarios.pool import EXCHANGE_BLOCKS, EXCHANGE_PAGE, exchange_between_processes
 from harness.system.pool import PoolProcess
 
 
@@ -15,23 +15,19 @@ def test_two_processes_exchange_byte_identical_pages(tmp_path, test_seed):
         pool.cleanup()
 
 
-def test_the_exchange_check_catches_a_pool_that_serves_other_bytes(tmp_path, test_seed, monkeypatch):
-    """Negative control: corrupt what one worker expects and the check must fail."""
-    import harness.scenarios.pool as checks
-
-    real = checks.exchange_blocks
+def test_the_exchange_check_catches_a_pool_that_serves_other_bytes(tmp_path, test_seed):
+    """Negative control: the daemon on a catalog that serves each run's pages in reverse
+    order (faults.controls.CrossedCatalog, digests consistent with the pages served, so no
+    loader safeguard trips) must fail the same exchange check."""
     pool = PoolProcess.start(page_size=EXCHANGE_PAGE, num_pages=64, run_dir=tmp_path)
     try:
-        verdict = exchange_between_processes(pool, test_seed, tmp_path)
-        assert verdict.valid is True
-        # The parent now regenerates different expected bytes for process 1's blocks.
-        monkeypatch.setattr(checks, "exchange_blocks", lambda seed, who: real(seed + (who == 1), who))
+        assert exchange_between_processes(pool, test_seed, tmp_path).valid is True
         for who in (0, 1):
             (tmp_path / f"loaded-by-{who}.npy").unlink()
         pool.stop()
-        pool.restart()
+        pool.restart(catalog="crossed")
         verdict = exchange_between_processes(pool, test_seed, tmp_path)
         assert verdict.valid is False
-        assert verdict.evidence["blocks_differing"] == 24
+        assert verdict.evidence["blocks_differing"] == 2 * EXCHANGE_BLOCKS  # every block of both processes
     finally:
         pool.cleanup()

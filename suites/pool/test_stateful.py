@@ -20,7 +20,7 @@ def test_pool_agrees_with_the_model_deep(test_seed):
     assert verdict.valid is True, verdict
 
 
-@pytest.mark.parametrize("control", ["forgetful", "leaseless", "leaky"])
+@pytest.mark.parametrize("control", ["forgetful", "leaseless", "leaky", "crossed"])
 def test_the_machine_catches_each_known_bad_catalog(control, test_seed):
     """Negative controls: a state machine that passes a broken pool proves nothing."""
     from faults.controls import CATALOG_CONTROLS
