@@ -13,7 +13,6 @@ criterion did not pass). Every failing line carries the command that replays it.
 from __future__ import annotations
 
 import secrets
-import subprocess
 import sys
 import tempfile
 import threading
@@ -23,18 +22,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from harness.plugin import derive_seed
+from harness.provenance import provenance
 from harness.system.default import start_system
 from harness.checkers.verdict import Verdict, all_of
 from reports.render import Criterion, GateRun, write_reports
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent.parent)
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return out.stdout.strip() or "unknown"
-
 
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
@@ -102,8 +93,10 @@ def run_gate(seed: int | None = None, seeds: int = 2, report_dir: Path = Path("r
 
     root = seed if seed is not None else secrets.randbits(32)
     chosen = select(profile, scenarios)
-    key = {"seed": root, "commit": _commit(), "profile": profile, "seeds": seeds}
-    print(f"kvgate gate: replay key seed={root} commit={key['commit']} profile={profile} seeds={seeds}", flush=True)
+    prov = provenance()
+    key = {"seed": root, "commit": prov["short"], "clean": prov["clean"], "profile": profile, "seeds": seeds}
+    print(f"kvgate gate: replay key seed={root} commit={key['commit']}{'' if prov['clean'] else ' (DIRTY TREE)'} "
+          f"profile={profile} seeds={seeds}", flush=True)
     _say("kvgate gate: a seed fixes the workload and every fault parameter; it cannot force thread "
          "interleavings, which the report notes where they matter")
     run = GateRun(replay_key=key)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-import subprocess
 
 import pytest
 
@@ -39,14 +38,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="keep live clusters' logs, history and reports under DIR")
     group.addoption("--kv-profile", default="all", metavar="NAME",
                     help="fault kinds to run (faults.schedule.PROFILES); tests marked with other kinds are deselected")
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return out.stdout.strip() or "unknown"
 
 
 def _hypothesis_profiles(slow: bool) -> None:
@@ -103,6 +94,13 @@ class _XdistHooks:
 def pytest_report_header(config: pytest.Config) -> str:
     return (f"kvgate replay key: --kv-seed={config.stash[SEED_KEY]} --kv-profile={config.getoption('--kv-profile')} "
             f"commit={_commit()}")
+
+
+def _commit() -> str:
+    from harness.provenance import provenance
+
+    prov = provenance()
+    return prov["short"] + ("" if prov["clean"] else "+dirty")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -79,7 +79,8 @@ def write_reports(directory: Path, run: GateRun) -> dict[str, Path]:
     lines = [
         "# kvgate gate checklist",
         "",
-        f"Replay key: seed `{key.get('seed')}`, commit `{key.get('commit')}`, profile `{key.get('profile')}`",
+        f"Replay key: seed `{key.get('seed')}`, commit `{key.get('commit')}`"
+        f"{'' if key.get('clean', True) else ' (made from a tree with uncommitted changes)'}, profile `{key.get('profile')}`",
         "",
         f"Result: **{'PASS' if run.passed else 'FAIL'}**",
         "",

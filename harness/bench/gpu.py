@@ -365,6 +365,9 @@ def run_bench(quick: bool = False, paths: tuple[str, ...] = ("torch", "driver"),
         "store_vs_plain_copy>=0.9": sv is not None and sv >= 0.9,
         "load_s_27b_128k<=seed_0.605": result["load_s_27b_128k"] <= SEED_LOAD_S_128K,
     }
+    from harness.provenance import provenance
+
+    result["provenance"] = provenance()
     print(json.dumps(result))
     return 0 if result["byte_exact"] else 1
 
@@ -633,5 +636,8 @@ def run_concurrent(gpus: int, sizes: tuple[int, ...] = (64, 256, 1024), reps: in
         "wall_s": round(time.monotonic() - t0, 1),
         **summary,
     }
+    from harness.provenance import provenance
+
+    out["provenance"] = provenance()
     print(json.dumps(out))
     return 0 if out["byte_exact"] else 1

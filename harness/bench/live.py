@@ -89,6 +89,9 @@ def run_bench(reps: int = 5, lengths: tuple[int, ...] = LENGTHS, report_dir: Pat
             "remote_at_most_1.2x_local_at_every_length": all(r["remote_vs_local"] <= 1.2 for r in rows),
         },
     }
+    from harness.provenance import provenance
+
+    result["provenance"] = provenance()
     print(json.dumps(result))
     return 0
 

@@ -156,5 +156,8 @@ def run_bench(quick: bool = False, blocks: int = 1_000_000) -> int:
         "load_vs_memcpy>=0.7": result["load_vs_memcpy"] >= 0.7,
         "catalog_bytes_per_block<256": result["catalog_bytes_per_block"] < 256,
     }
+    from harness.provenance import provenance
+
+    result["provenance"] = provenance()
     print(json.dumps(result))
     return 0

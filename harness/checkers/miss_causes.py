@@ -5,6 +5,9 @@ load ends short without an injected fault to explain it (a pool-side nemesis exp
 transport errors while the pool is down).
 
   miss_causes(recs) -> Verdict
+  expected_causes(recs, load_causes, lookup_causes) -> Verdict
+                     a scenario's declared causes: its loads end in exactly `load_causes`
+                     (complete loads aside); its lookups show at least `lookup_causes`
   EXPECTED_CAUSE     fault kind (as injectors record it) -> the cause it must produce
 """
 
@@ -98,3 +101,18 @@ def _pool_down_intervals(recs: list[dict]) -> list[tuple[float, float]]:
 
 def _within(t: float, intervals: list[tuple[float, float]]) -> bool:
     return any(a <= t <= b for a, b in intervals)
+
+
+def expected_causes(recs: list[dict], load_causes: tuple[str, ...], lookup_causes: tuple[str, ...]) -> Verdict:
+    loads = {r.get("miss_cause") for r in recs if r["ev"] == "load"} - {None}
+    lookups = {r.get("miss_cause") for r in recs if r["ev"] == "lookup"} - {None}
+    evidence = {"load_causes": sorted(loads), "lookup_causes": sorted(lookups),
+                "expected_load_causes": sorted(load_causes), "expected_lookup_causes": sorted(lookup_causes)}
+    problems = []
+    if loads != set(load_causes):
+        problems.append(f"loads ended as {sorted(loads)}, the scenario declares {sorted(load_causes)}")
+    if not set(lookup_causes) <= lookups:
+        problems.append(f"lookups showed {sorted(lookups)}, the scenario declares at least {sorted(lookup_causes)}")
+    if problems:
+        return Verdict(False, "; ".join(problems), evidence)
+    return Verdict(True, "the run's causes are the ones the scenario declares", evidence)

@@ -8,7 +8,13 @@ A scenario file (data only; `runner` names an entry of harness.scenarios.live.RU
      "control": {"name": "hide_failures", "params": {...},       (optional)
                  "oracle": "byte-exact", "because": "words of its reason"},
      "seeds": 3,                                                  (optional cap)
+     "expect": {"load_causes": ["corrupt"], "lookup_causes": []},
      "description": "..."}
+
+A scenario is data: its workload and nemesis (the runner and its params; the fault kind,
+whose site and heal step faults.schedule names), the miss causes its run must show
+(`expect`: exactly these load causes besides hits; at least these lookup causes besides
+never_published), its negative control and the oracle that must catch that control.
 
   catalog_dir()          where the catalog's files are (the installed package data)
   load_catalog(dir)      every scenario, sorted by name; a bad file is an error (ScenarioError).
@@ -25,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from faults.schedule import KINDS
+from kvpool.errors import MissCause
 from harness.scenarios.live import RUNNERS
 
 
@@ -66,6 +73,8 @@ class Scenario:
     control: Control | None
     description: str
     seeds: int | None = None  # at most this many seeds per gate run (a costly scenario)
+    expect_load_causes: tuple[str, ...] = ()  # the causes its loads end with, exactly (hits aside)
+    expect_lookup_causes: tuple[str, ...] = ()  # causes its lookups must include (never_published aside)
 
     @classmethod
     def from_file(cls, path: Path) -> Scenario:
@@ -73,7 +82,7 @@ class Scenario:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ScenarioError(f"{path}: not JSON: {exc}") from exc
-        known = {"name", "runner", "fault", "replicas", "params", "control", "description", "seeds"}
+        known = {"name", "runner", "fault", "replicas", "params", "control", "description", "seeds", "expect"}
         if not isinstance(data, dict) or set(data) - known:
             raise ScenarioError(f"{path}: unknown fields {sorted(set(data) - known) if isinstance(data, dict) else data}")
         if data.get("name") != path.stem:
@@ -96,8 +105,15 @@ class Scenario:
                                     f"one of {list(ORACLES)}; got {control.get('oracle')!r}")
             control = Control(control["name"], dict(control.get("params", {})), control["oracle"],
                               str(control.get("because", "")))
+        expect = data.get("expect", {})
+        causes = {c.value for c in MissCause}
+        if not isinstance(expect, dict) or set(expect) - {"load_causes", "lookup_causes"} or any(
+                c not in causes for c in [*expect.get("load_causes", []), *expect.get("lookup_causes", [])]):
+            raise ScenarioError(f"{path}: expect takes load_causes and lookup_causes, lists of {sorted(causes)}; "
+                                f"got {expect!r}")
         return cls(data["name"], data["runner"], fault, replicas, dict(data.get("params", {})), control,
-                   str(data.get("description", "")), data.get("seeds"))
+                   str(data.get("description", "")), data.get("seeds"), tuple(expect.get("load_causes", ())),
+                   tuple(expect.get("lookup_causes", ())))
 
 
 def load_catalog(directory: Path | None = None) -> list[Scenario]:

@@ -220,7 +220,9 @@ def run_exchange(cluster: GpuCluster, corpus: Corpus, ex: Exchange, rng: random.
 def _env() -> dict:
     import torch
 
-    out = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    from harness.provenance import provenance
+
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "provenance": provenance()}
     if torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name(0)
         out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]

@@ -22,7 +22,7 @@ from typing import Any
 
 from harness.checkers import byte_exact as BE
 from harness.checkers import history as H
-from harness.checkers.miss_causes import miss_causes
+from harness.checkers.miss_causes import expected_causes, miss_causes
 from harness.checkers.outcome import classify
 from harness.checkers.requests import requests
 from harness.checkers.verdict import Verdict, all_of
@@ -80,8 +80,10 @@ def _run_once(cluster: Cluster, corpus: Corpus, sc: Scenario, seed: int, params:
     return _Run(v, H.within(history, t0, time.time()), H.namespaces(history), bool(crashed), raised)
 
 
-def _judge(cluster: Cluster, run: _Run) -> tuple[list[Verdict], str]:
-    """The parts of the judgement, in the order of catalog.ORACLES, and the outcome class."""
+def _judge(cluster: Cluster, run: _Run, sc: Scenario | None = None) -> tuple[list[Verdict], str]:
+    """The parts of the judgement, in the order of catalog.ORACLES, and the outcome class;
+    with `sc`, its declared causes are part of the miss-cause judgement (a control run,
+    whose causes the control changes, is judged without them)."""
 
     def pool_digest(replica: str, hashes: list[str]) -> dict[str, str]:
         if replica not in run.namespaces or cluster.pool is None or cluster.pool.proc.poll() is not None:
@@ -90,6 +92,10 @@ def _judge(cluster: Cluster, run: _Run) -> tuple[list[Verdict], str]:
 
     be = BE.byte_exact(run.recs, pool_digest, run.namespaces)
     mc = miss_causes(run.recs)
+    if sc is not None:
+        ex = expected_causes(run.recs, sc.expect_load_causes, sc.expect_lookup_causes)
+        reason = mc.reason if ex.valid else (ex.reason + ("; " + mc.reason if mc.valid is False else ""))
+        mc = Verdict(mc.valid if ex.valid else False, reason, {**mc.evidence, "declared": ex.evidence}, mc.not_checked)
     policies = {name: r.spec.policy for name, r in cluster.replicas.items()}
     rq = requests(run.recs, policies)
     outcome = classify(crashed=run.crashed, liveness=rq, correctness=[run.verdict, be, mc])
@@ -120,7 +126,7 @@ def judge_control(control: Control, run: _Run, parts: list[Verdict]) -> dict[str
 def run_scenario(cluster: Cluster, corpus: Corpus, sc: Scenario, seed: int) -> ScenarioResult:
     t_start = time.monotonic()
     run = _run_once(cluster, corpus, sc, seed, sc.params)
-    parts, outcome = _judge(cluster, run)
+    parts, outcome = _judge(cluster, run, sc)
     recs = run.recs
     counts = {
         "faults_fired": sum(1 for r in recs if r["ev"] == "fault"

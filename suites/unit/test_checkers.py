@@ -144,3 +144,13 @@ def test_window_reads_one_scenario_from_the_history(tmp_path):
     lines = [json.dumps(rec("lookup", t, tag=str(t), outcome="skipped")) for t in (1.0, 2.0, 3.0)]
     (tmp_path / "B.scheduler.1.jsonl").write_text("\n".join(lines) + "\n")
     assert [r["tag"] for r in window(tmp_path, 1.5, 3.0)] == ["2.0", "3.0"]
+
+
+def test_expected_causes_holds_a_run_to_the_causes_its_scenario_declares():
+    from harness.checkers.miss_causes import expected_causes
+
+    history = good_history()  # one load ended corrupt; its lookup hit
+    assert expected_causes(history, ("corrupt",), ()).valid is True
+    assert expected_causes(history, (), ()).valid is False  # a cause nobody declared
+    assert expected_causes(history, ("corrupt", "timeout"), ()).valid is False  # a declared cause that never came
+    assert expected_causes(history, ("corrupt",), ("incompatible",)).valid is False

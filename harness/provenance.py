@@ -1,0 +1,42 @@
+"""Where a run's code came from, for every report and replay key.
+
+  provenance() -> {"commit": full sha, "short": 12 hex, "clean": bool, "dirty": [paths]}
+      from git in the repository; the tree is clean when `git status --porcelain` lists
+      nothing outside reports/runs/ (a run's own output). Where there is no git (a copy of
+      the tree carried to another host), from `.provenance.json` at the repository root,
+      which scripts/gpu/stamp.sh writes before the copy; else commit "unknown", clean False.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+STAMP = REPO / ".provenance.json"
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=REPO)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+@lru_cache(maxsize=1)
+def provenance() -> dict:
+    commit = _git("rev-parse", "HEAD")
+    if commit is not None:
+        status = _git("status", "--porcelain", "--untracked-files=all") or ""
+        dirty = [line[3:] for line in status.splitlines()
+                 if line[3:] and not line[3:].startswith("reports/runs/") and line[3:] != STAMP.name]
+        commit = commit.strip()
+        return {"commit": commit, "short": commit[:12], "clean": not dirty, "dirty": dirty[:20]}
+    if STAMP.exists():
+        stamp = json.loads(STAMP.read_text())
+        return {"commit": stamp["commit"], "short": stamp["commit"][:12], "clean": bool(stamp["clean"]),
+                "dirty": list(stamp.get("dirty", [])), "stamped": True}
+    return {"commit": "unknown", "short": "unknown", "clean": False, "dirty": []}
