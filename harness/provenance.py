@@ -40,3 +40,22 @@ def provenance() -> dict:
         return {"commit": stamp["commit"], "short": stamp["commit"][:12], "clean": bool(stamp["clean"]),
                 "dirty": list(stamp.get("dirty", [])), "stamped": True}
     return {"commit": "unknown", "short": "unknown", "clean": False, "dirty": []}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m harness.provenance` prints the provenance as JSON; `--stamp` also writes
+    .provenance.json, for a copy of the tree carried to a host without git."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m harness.provenance", description=main.__doc__.splitlines()[0])
+    parser.add_argument("--stamp", action="store_true", help=f"write {STAMP.name} at the repository root")
+    args = parser.parse_args(argv)
+    prov = provenance()
+    if args.stamp:
+        STAMP.write_text(json.dumps({k: prov[k] for k in ("commit", "clean", "dirty")}))
+    print(json.dumps(prov))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU reports, on a host with an NVIDIA GPU and the offline vLLM bundle installed
+# (shared/tools/vllm-gpu-bundle, install.sh; its site folder in SITE, default /tmp/site):
+# the GPU suite (JUnit), `kvgate bench gpu` (its JSON line), and `kvgate gpu-live --bench`
+# (result.json and checklist.md), each with the tree's provenance, under OUT.
+#
+#   scripts/gpu/reports.sh OUT [suite|bench|live ...]     (default: all three)
+#
+# Extra wheels the host lacks (msgspec, ...) are installed from .gpu/extra/*.whl if present.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${1:?usage: scripts/gpu/reports.sh OUT [suite|bench|live ...]}
+shift || true
+PARTS=${*:-suite bench live}
+SITE=${SITE:-/tmp/site}
+mkdir -p "$OUT"
+if [ -f "$SITE/vllm-env.sh" ]; then
+  # shellcheck disable=SC1091
+  source "$SITE/vllm-env.sh"
+fi
+if compgen -G ".gpu/extra/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target "$SITE" .gpu/extra/*.whl
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python3 -m harness.provenance > "$OUT/provenance.json"
+status=0
+for part in $PARTS; do
+  case "$part" in
+    suite) python3 -m pytest suites/gpu -m gpu -q -p no:cacheprovider --junitxml "$OUT/gpu-suite.junit.xml" \
+             > "$OUT/gpu-suite.log" 2>&1 || status=1 ;;
+    bench) python3 -m harness.cli bench gpu > "$OUT/bench-gpu.log" 2> "$OUT/bench-gpu.stderr" || status=1 ;;
+    live)  python3 -m harness.cli gpu-live --report-dir "$OUT/gpu-live" --bench > "$OUT/gpu-live.log" 2>&1 \
+             || status=1 ;;
+    *) echo "unknown part $part (suite, bench, live)" >&2; exit 2 ;;
+  esac
+  tail -n 3 "$OUT"/*.log 2>/dev/null | tail -n 6
+done
+exit $status
