@@ -200,12 +200,57 @@ class _Request:
     published: int = 0  # blocks [0, published) are in the pool or on their way
     stored: bool = False  # a store was handed to the worker: free the blocks only after it
     load: tuple[int, int] | None = None  # blocks [b0, b1) to load this step
+    load_allowed: bool = True  # the request's own `load` flag (false when its params were malformed)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestParams:
+    """A request's `kv_transfer_params["kvpool"]`, typed. Everything a request carries is
+    checked here, before it can reach a scheduler hook: an exception there would end vLLM's
+    engine core for every request. A malformed field is not an exception but `error`: the
+    request is then served without the pool (nothing loaded, nothing published), and the
+    history says why."""
+
+    tag: str | None = None
+    load: bool = True
+    publish: bool = True
+    publish_tokens: int | None = None
+    error: str | None = None
+
+    KNOWN = ("tag", "load", "publish", "publish_tokens")
+
+    @classmethod
+    def of(cls, request) -> RequestParams:  # noqa: ANN001
+        params = getattr(request, "kv_transfer_params", None)
+        if params is None:
+            return cls()
+        if not isinstance(params, dict):
+            return cls(load=False, publish=False, error=f"kv_transfer_params must be an object, got {params!r}"[:200])
+        ours = params.get("kvpool")
+        if ours is None:
+            return cls()
+        if not isinstance(ours, dict):
+            return cls(load=False, publish=False, error=f"kv_transfer_params.kvpool must be an object, got {ours!r}"[:200])
+        problems = [f"unknown field {k!r}" for k in ours if k not in cls.KNOWN]
+        tag = ours.get("tag")
+        if tag is not None and not isinstance(tag, (str, int)):
+            problems.append(f"tag must be a string, got {tag!r}")
+        for flag in ("load", "publish"):
+            if ours.get(flag) is not None and not isinstance(ours[flag], bool):
+                problems.append(f"{flag} must be true or false, got {ours[flag]!r}")
+        limit = ours.get("publish_tokens")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            problems.append(f"publish_tokens must be a non-negative integer, got {limit!r}")
+        if problems:
+            return cls(tag=str(tag)[:200] if isinstance(tag, (str, int)) else None, load=False, publish=False,
+                       error=("kv_transfer_params.kvpool: " + "; ".join(problems))[:400])
+        return cls(str(tag) if tag is not None else None, ours.get("load", True) is not False,
+                   ours.get("publish", True) is not False, limit)
 
 
 def _request_tag(request) -> str:  # noqa: ANN001
-    params = getattr(request, "kv_transfer_params", None) or {}
-    tag = (params.get("kvpool") or {}).get("tag") if isinstance(params, dict) else None
-    return str(tag) if tag else str(request.request_id)
+    tag = RequestParams.of(request).tag
+    return tag if tag else str(request.request_id)
 
 
 def _salt_root(request) -> bytes:  # noqa: ANN001
@@ -213,19 +258,7 @@ def _salt_root(request) -> bytes:  # noqa: ANN001
     salt = getattr(request, "cache_salt", None)
     if not salt:
         return ROOT_HASH
-    return hashlib.blake2b(b"kvgate/cache-salt/" + salt.encode(), digest_size=HASH_BYTES).digest()
-
-
-def _request_flag(request, name: str, default: bool) -> bool:  # noqa: ANN001
-    params = getattr(request, "kv_transfer_params", None) or {}
-    value = (params.get("kvpool") or {}).get(name) if isinstance(params, dict) else None
-    return default if value is None else bool(value)
-
-
-def _publish_tokens(request) -> int | None:  # noqa: ANN001
-    params = getattr(request, "kv_transfer_params", None) or {}
-    value = (params.get("kvpool") or {}).get("publish_tokens") if isinstance(params, dict) else None
-    return None if value is None else int(value)
+    return hashlib.blake2b(b"kvgate/cache-salt/" + str(salt).encode(), digest_size=HASH_BYTES).digest()
 
 
 class KVPoolScheduler:
@@ -245,17 +278,21 @@ class KVPoolScheduler:
         n = len(tokens)
         st = self._reqs.get(request.request_id)
         if st is None:
-            limit = _publish_tokens(request)
+            params = RequestParams.of(request)
+            limit = params.publish_tokens
             hashes = block_hashes(tokens[: (n // B) * B], B, parent=_salt_root(request))
-            pub = len(hashes) if limit is None else min(len(hashes), max(0, limit) // B)
-            if not _request_flag(request, "publish", True):
+            pub = len(hashes) if limit is None else min(len(hashes), limit // B)
+            if not params.publish:
                 pub = 0
-            st = self._reqs[request.request_id] = _Request(_request_tag(request), n, hashes, pub)
+            st = self._reqs[request.request_id] = _Request(params.tag or str(request.request_id), n, hashes, pub,
+                                                           load_allowed=params.load)
+            if params.error:
+                self.history.write("invalid_params", req=request.request_id, tag=st.tag, error=params.error)
         max_blocks = (n - 1) // B  # at least one prompt token is always computed
         local_blocks = num_computed_tokens // B
         record: dict[str, Any] = {"req": request.request_id, "tag": st.tag, "prompt_tokens": n,
                                   "local_tokens": num_computed_tokens, "max_blocks": max_blocks}
-        if not (self.settings.load and _request_flag(request, "load", True)) or local_blocks >= max_blocks:
+        if not (self.settings.load and st.load_allowed) or local_blocks >= max_blocks:
             self.history.write("lookup", **record, external_tokens=0, hit_blocks=0,
                                outcome="local_hit" if local_blocks >= max_blocks and local_blocks else "skipped")
             return 0, False

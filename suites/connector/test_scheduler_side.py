@@ -174,3 +174,27 @@ def test_control_a_key_without_the_revision_fails_the_same_check(pool, tmp_path)
     matched, lookup = other_field_outcome(pool, tmp_path, "model_revision", key_control=True)
     assert not isolated(matched, lookup, "model_revision")
     assert matched == 896 and lookup["outcome"] == "remote_hit", lookup  # it shares the other revision's KV
+
+
+@pytest.mark.parametrize("params", [
+    {"kvpool": {"publish_tokens": "x"}}, {"kvpool": "on"}, {"kvpool": {"load": "yes"}}, {"kvpool": {"tag": [1]}},
+    {"kvpool": {"publish_tokens": -5}}, {"kvpool": {"typo": 1}}, "not a dict",
+])
+def test_a_malformed_request_is_served_without_the_pool_not_raised(pool, tmp_path, params):
+    """An exception in a scheduler hook would end vLLM's engine core for every request: a
+    malformed kv_transfer_params makes that one request skip the pool, and says why."""
+    import json
+
+    s = scheduler(pool, tmp_path)
+    tokens = list(range(1001))
+    keys = s_hashes(s, tokens)
+    publish(s.backend, s.ns, keys, [np.zeros(2 * 2 * B * 128 * 2, np.uint8) for _ in keys])
+    r = SimpleNamespace(request_id="bad", prompt_token_ids=tokens, num_computed_tokens=0, cache_salt=None,
+                        kv_transfer_params=params)
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)  # nothing loaded, although the blocks are pooled
+    s.update_state_after_alloc(r, None, 0)
+    meta = s.build_connector_meta(step(new=[("bad", list(range(8)), 0)], scheduled={"bad": 1001}))
+    assert meta.stores == [] and meta.loads == []  # nothing published
+    recs = [json.loads(line) for f in (tmp_path / "h").glob("*.jsonl") for line in f.read_text().splitlines()]
+    bad = [x for x in recs if x["ev"] == "invalid_params"]
+    assert len(bad) == 1 and bad[0]["error"], recs
