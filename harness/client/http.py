@@ -52,7 +52,10 @@ def _record(phase: str, **fields: object) -> None:
 
 def complete(url: str, prompt: str, *, tag: str, replica: str = "", max_tokens: int = 16,
              load: bool = True, publish: bool = True, cache_salt: str | None = None,
-             publish_tokens: int | None = None, timeout_s: float = 600.0) -> Completion:
+             publish_tokens: int | None = None, timeout_s: float = 600.0,
+             raw_params: dict | None = None) -> Completion:
+    """`raw_params`: more kv_transfer_params.kvpool fields, sent as they are (a scenario's
+    malformed input)."""
     body = {
         "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
         "stream": True, "return_token_ids": True,
@@ -62,6 +65,7 @@ def complete(url: str, prompt: str, *, tag: str, replica: str = "", max_tokens: 
         body["cache_salt"] = cache_salt
     if publish_tokens is not None:
         body["kv_transfer_params"]["kvpool"]["publish_tokens"] = publish_tokens
+    body["kv_transfer_params"]["kvpool"].update(raw_params or {})
     _record("invoke", tag=tag, replica=replica, max_tokens=max_tokens, load=load, publish=publish,
             cache_salt=cache_salt, publish_tokens=publish_tokens)
     t0 = time.monotonic()

@@ -166,8 +166,16 @@ def hit_kinds(cluster: Cluster, corpus: Corpus, seed: int) -> Verdict:
     c.check("an unseen prompt is a miss", got["z"]["outcome"] == "miss" and got["z"]["miss_cause"] == "never_published")
     c.check("the pool counted one remote hit of 5 blocks", after["hits"] - before["hits"] == 1
             and after["hit_blocks"] - before["hit_blocks"] == 5, (before["hits"], after["hits"]))
+    # A malformed request: served without the pool, the replica keeps serving.
+    bad = complete(B, corpus.text(300, rng), tag=f"{tag}-bad", replica="B", raw_params={"publish_tokens": "x"})
+    after_bad = complete(B, z, tag=f"{tag}-z2", replica="B")
+    invalid = records(h, "invalid_params", tag=f"{tag}-bad", replica="B")
+    c.check("a malformed kv_transfer_params is served without the pool, and said so",
+            bad.finish_reason == "length" and len(invalid) == 1, (bad.finish_reason, bad.error, invalid))
+    c.check("the replica serves the next request", after_bad.finish_reason == "length" and len(after_bad.token_ids) == 16)
     c.evidence.update({k: v["outcome"] for k, v in got.items()})
-    return c.verdict("local hit, remote hit and misses classified as such")
+    return c.verdict("local hit, remote hit and misses classified as such; a malformed request served without "
+                     "the pool")
 
 
 def arm(cluster: Cluster, replica: str, control: str | None = None, **fault: object) -> None:
