@@ -2,7 +2,8 @@
 health and cache-reset endpoints.
 
   complete(url, prompt, ...)    one streaming /v1/completions request; returns a Completion
-                                with the generated token ids, TTFT and total time. The
+                                with the generated token ids and their log-probabilities,
+                                TTFT and total time (Completion.same_output compares both). The
                                 request carries `kv_transfer_params.kvpool` (tag, load,
                                 publish, publish_tokens) and an optional cache_salt. Every
                                 request is written to the run's history (RECORDER) as
@@ -37,6 +38,13 @@ class Completion:
     total_s: float
     prompt_tokens: int
     error: str | None = None  # the replica's error event, when the stream carried one
+    logprobs: list[float | None] = dataclasses.field(default_factory=list)  # of each generated token
+
+    def same_output(self, other: Completion) -> bool:
+        """The same tokens with the same log-probabilities, to the last bit: where the KV a
+        request attended to differs, the log-probabilities move even when greedy tokens
+        do not (the tiny model's tokens barely depend on their context)."""
+        return self.token_ids == other.token_ids and self.logprobs == other.logprobs
 
 
 # The harness's client side of the history (Jepsen's invoke / ok / fail): set by a
@@ -58,7 +66,7 @@ def complete(url: str, prompt: str, *, tag: str, replica: str = "", max_tokens: 
     malformed input)."""
     body = {
         "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-        "stream": True, "return_token_ids": True,
+        "stream": True, "return_token_ids": True, "logprobs": 1,
         "kv_transfer_params": {"kvpool": {"tag": tag, "load": load, "publish": publish}},
     }
     if cache_salt:
@@ -71,6 +79,7 @@ def complete(url: str, prompt: str, *, tag: str, replica: str = "", max_tokens: 
     t0 = time.monotonic()
     ttft = None
     token_ids: list[int] = []
+    logprobs: list[float | None] = []
     text: list[str] = []
     finish = None
     prompt_tokens = 0
@@ -94,6 +103,7 @@ def complete(url: str, prompt: str, *, tag: str, replica: str = "", max_tokens: 
                     if ids and ttft is None:
                         ttft = time.monotonic() - t0
                     token_ids.extend(ids)
+                    logprobs.extend((choice.get("logprobs") or {}).get("token_logprobs") or [])
                     text.append(choice.get("text") or "")
                     finish = choice.get("finish_reason") or finish
                     prompt_tokens = len(choice.get("prompt_token_ids") or []) or prompt_tokens
@@ -108,7 +118,7 @@ def complete(url: str, prompt: str, *, tag: str, replica: str = "", max_tokens: 
     _record("ok", tag=tag, replica=replica, finish_reason=finish, tokens=len(token_ids), error=error,
             ttft_s=round(ttft if ttft is not None else total, 4), total_s=round(total, 3))
     return Completion(tag, replica, token_ids, "".join(text), finish, ttft if ttft is not None else total, total,
-                      prompt_tokens, error)
+                      prompt_tokens, error, logprobs)
 
 
 def healthy(url: str, timeout_s: float = 2.0) -> bool:

@@ -233,9 +233,10 @@ def load_failure(cluster: Cluster, corpus: Corpus, seed: int, kind: str, block: 
     c.check("every block from there was reported failed", len(load["failed_block_ids"]) == load["blocks"] - block)
     c.check("the reference loaded exactly the same blocks", ref_lookup["external_tokens"] == block * 128
             and ref_lookup["local_tokens"] == 0, ref_lookup)
-    c.check("policy recompute: tokens equal the fault-free reference",
-            b.finish_reason == "length" and b.token_ids == ref.token_ids, (b.finish_reason, b.error))
+    c.check("policy recompute: tokens and log-probabilities equal the fault-free reference",
+            b.finish_reason == "length" and b.same_output(ref), (b.finish_reason, b.error, b.token_ids == ref.token_ids))
     c.evidence.update(kind=kind, block=block, loaded=load["loaded"], failed=len(load["failed_block_ids"]),
+                      tokens_equal_reference=b.token_ids == ref.token_ids, output_equal_reference=b.same_output(ref),
                       tokens_equal_full_cold_run=b.token_ids == cold.token_ids)
     return c.verdict(f"{kind} at block {block}: classified, recomputed, output equal to the fault-free run")
 
@@ -608,9 +609,10 @@ def transport_fault(cluster: Cluster, corpus: Corpus, seed: int, kind: str, *, r
         c.check("every block from there was reported failed", len(load["failed_block_ids"]) == load["blocks"] - k)
     c.check("the reference loaded exactly the same blocks", (k == 0 and not ref_load)
             or (len(ref_load) == 1 and ref_load[0]["loaded"] == k), [r["loaded"] for r in ref_load])
-    c.check("tokens equal the fault-free run of the same partition", d.finish_reason == "length"
-            and d.token_ids == ref.token_ids, (d.finish_reason, d.error))
+    c.check("tokens and log-probabilities equal the fault-free run of the same partition", d.finish_reason == "length"
+            and d.same_output(ref), (d.finish_reason, d.error, d.token_ids == ref.token_ids))
     c.evidence.update(kind=kind, block=after, loaded=k, fired=len(fired), control=control,
+                      tokens_equal_reference=d.token_ids == ref.token_ids, output_equal_reference=d.same_output(ref),
                       load_seconds=load.get("seconds"))
     if want is None:
         return c.verdict(f"{kind} link: all {load['blocks']} blocks loaded byte-exact through it, output equal to "
