@@ -6,7 +6,9 @@
 #
 #   scripts/gpu/reports.sh OUT [suite|bench|live ...]     (default: all three)
 #
-# Extra wheels the host lacks (msgspec, ...) are installed from .gpu/extra/*.whl if present.
+# Extra wheels the host lacks (requests, ...) are installed from .gpu/extra/*.whl if present.
+# GPU_LIVE_ARGS: the gpu-live options (default --bench; e.g. "" for the exchanges alone,
+# "--sessions" for OFF-ON-ON-OFF).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:?usage: scripts/gpu/reports.sh OUT [suite|bench|live ...]}
@@ -29,8 +31,9 @@ for part in $PARTS; do
     suite) python3 -m pytest suites/gpu -m gpu -q -p no:cacheprovider --junitxml "$OUT/gpu-suite.junit.xml" \
              > "$OUT/gpu-suite.log" 2>&1 || status=1 ;;
     bench) python3 -m harness.cli bench gpu > "$OUT/bench-gpu.log" 2> "$OUT/bench-gpu.stderr" || status=1 ;;
-    live)  python3 -m harness.cli gpu-live --report-dir "$OUT/gpu-live" --bench > "$OUT/gpu-live.log" 2>&1 \
-             || status=1 ;;
+    # shellcheck disable=SC2086
+    live)  python3 -m harness.cli gpu-live --report-dir "$OUT/gpu-live" ${GPU_LIVE_ARGS---bench} \
+             > "$OUT/gpu-live.log" 2>&1 || status=1 ;;
     *) echo "unknown part $part (suite, bench, live)" >&2; exit 2 ;;
   esac
   tail -n 3 "$OUT"/*.log 2>/dev/null | tail -n 6
