@@ -2,14 +2,17 @@
 
   provenance() -> {"commit": full sha, "short": 12 hex, "clean": bool, "dirty": [paths]}
       from git in the repository; the tree is clean when `git status --porcelain` lists
-      nothing outside reports/runs/ (a run's own output). Where there is no git (a copy of
-      the tree carried to another host), from `.provenance.json` at the repository root,
-      which scripts/gpu/stamp.sh writes before the copy; else commit "unknown", clean False.
+      nothing outside reports/runs/ (a run's own output). On a copy of the tree carried to
+      another host (KVGATE_PROVENANCE=stamp, as scripts/gpu/reports.sh sets, or no git at
+      all), from `.provenance.json` at the repository root, which `python -m
+      harness.provenance --stamp` wrote before the copy: the copy's own git, if it has one,
+      does not know which commit the tree came from. Else commit "unknown", clean False.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from functools import lru_cache
 from pathlib import Path
@@ -28,7 +31,10 @@ def _git(*args: str) -> str | None:
 
 @lru_cache(maxsize=1)
 def provenance() -> dict:
-    commit = _git("rev-parse", "HEAD")
+    use_stamp = os.environ.get("KVGATE_PROVENANCE") == "stamp"
+    if use_stamp and not STAMP.exists():
+        return {"commit": "unknown", "short": "unknown", "clean": False, "dirty": [], "stamped": False}
+    commit = None if use_stamp else _git("rev-parse", "HEAD")
     if commit is not None:
         status = _git("status", "--porcelain", "--untracked-files=all") or ""
         dirty = [line[3:] for line in status.splitlines()

@@ -21,9 +21,10 @@ if [ -f "$SITE/vllm-env.sh" ]; then
   source "$SITE/vllm-env.sh"
 fi
 if compgen -G ".gpu/extra/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --target "$SITE" .gpu/extra/*.whl
+  python3 -m pip install -q --no-index --no-deps --upgrade --target "$SITE" .gpu/extra/*.whl
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export KVGATE_PROVENANCE=stamp  # the commit this copy was made from (.provenance.json), not the copy's own git
 python3 -m harness.provenance > "$OUT/provenance.json"
 status=0
 for part in $PARTS; do
