@@ -16,6 +16,12 @@ HostCopier of a replica whose `faults_file` is set. Armed through that fault-con
   early_completion a negative control (faults.controls.EarlyCompletionCopier): the
                    copier reports each job done when it is queued, so the engine frees
                    blocks that are still to be read, and reads blocks still to be written.
+  publish_after_failed_load
+                   a negative control: the worker's save does not see this step's failed
+                   loads (`failed` reads empty; the engine is still told, take_failed is
+                   untouched), so the blocks a request computed on top of its failed load
+                   in that step are published: KV computed on a wrong context, kept and
+                   served (what kvpool.connector's save must never do).
 (hide_failures, the control that keeps failed blocks from the engine, acts at the
 connector API: faults.connector.)
 Every delayed job and every job under the control is written to the history (`fault`
@@ -37,7 +43,7 @@ from kvpool.copier import CopyRun, HostCopier
 from kvpool.history import HistoryWriter
 from kvpool.keys import Namespace
 
-CONTROLS = ("early_completion",)
+CONTROLS = ("early_completion", "publish_after_failed_load")
 
 
 class FaultyCopier:
@@ -56,7 +62,7 @@ class FaultyCopier:
     @property
     def ordered(self) -> bool:
         spec = self._spec()
-        return not (spec and spec.get("control"))
+        return not (spec and spec.get("control") == "early_completion")
 
     def _spec(self) -> dict | None:
         spec, generation = self.control.section("copier")
@@ -107,3 +113,13 @@ class FaultyCopier:
 
     def wait(self, futures: Sequence[Future], timeout_s: float) -> None:
         self.inner.wait(futures, timeout_s)
+
+    @property
+    def failed(self) -> set[int]:
+        failed = self.inner.failed
+        spec = self._spec()
+        if failed and spec and spec.get("control") == "publish_after_failed_load":
+            self.history.write("fault", site="copier", kind="copier_control", job="store",
+                               control="publish_after_failed_load", hidden_from_save=sorted(failed))
+            return set()
+        return failed

@@ -260,6 +260,69 @@ def load_failure(cluster: Cluster, corpus: Corpus, seed: int, kind: str, block: 
     return c.verdict(f"{kind} at block {block}: classified, recomputed, output equal to the fault-free run")
 
 
+def load_poison(cluster: Cluster, corpus: Corpus, seed: int, block: int = 5, control: str | None = None) -> Verdict:
+    """The clean-recompute oracle on the case where a failed load could poison the pool.
+
+    A publishes the first 10 blocks of a 30-block prompt; B loads them with block k
+    corrupt (in the arena, under its lease), so blocks k..9 fail; in that same step vLLM
+    computes the next prefill chunk (blocks 10-25) on top of the failed blocks, then rolls
+    B back and recomputes from block k. Every pooled block of the prompt must equal a
+    clean computation of the same tokens in the same partition: A publishes k blocks under
+    another salt, B loads them and computes the rest (the partition of B's recompute).
+    The producer's own bytes are no reference here: in the poisoned case they are the
+    wrong bytes.
+
+    control="publish_after_failed_load": the worker's save does not see the failed load
+    (faults.copier), so blocks computed on the failed blocks are published."""
+    if control not in (None, "publish_after_failed_load"):
+        raise ValueError(f"unknown control {control!r}")
+    rng = random.Random(seed)
+    prompt = corpus.text(30 * 128, rng)  # + BOS: 30 complete blocks and one token
+    tag = _tag("pz" if control else "po", seed)
+    A, B = cluster.replicas["A"].url, cluster.replicas["B"].url
+    h = cluster.history_dir
+    complete(A, prompt, tag=f"{tag}-a", replica="A", cache_salt=f"s-{tag}", publish_tokens=10 * 128)
+    doc: dict[str, object] = {"load": {"kind": "corrupt", "block": block, "seed": rng.randrange(2**32)}}
+    if control:
+        doc["copier"] = {"control": control}
+    cluster.faults["B"].write_text(json.dumps(doc))
+    b = complete(B, prompt, tag=f"{tag}-b", replica="B", cache_salt=f"s-{tag}")
+    cluster.faults["B"].write_text("{}")
+    ref = fault_free_reference(cluster, "A", "B", prompt, tag, block)
+    load = _one(h, "load", tag=f"{tag}-b", replica="B")
+    # The pool keys of salt s and each block's index, from the audit's records of that salt.
+    key_of: dict[str, str] = {}
+    index_of: dict[str, int] = {}
+    for r in records(h, "audit"):
+        if r["tag"] in (f"{tag}-a", f"{tag}-b"):
+            key_of.update(zip(r["hashes"], r["keys"]))
+            index_of.update((x, r["first_block"] + j) for j, x in enumerate(r["hashes"]))
+    # The clean computations, each in the partition of the pooled copy it is held to: blocks
+    # 0-9 were published by A (its own prompt, computed from the start), 10-29 by B's
+    # recompute (from block k on, after its k loaded blocks).
+    clean_a = audit_digests(h, "produced", f"{tag}-refa", "A")
+    clean_b = audit_digests(h, "produced", f"{tag}-ref", "B")
+    pooled = pool_digests(cluster.pool, namespace_of(h, "B"), list(key_of.values()))
+    hash_of = {v: k for k, v in key_of.items()}
+    want = {x: (clean_a if index_of[x] < 10 else clean_b).get(x) for x in (hash_of[k] for k in pooled)}
+    compared = [x for x, d in want.items() if d is not None]
+    differ = sorted(index_of[x] for x in compared if pooled[key_of[x]] != want[x])
+    withheld = records(h, "publish_withheld", tag=f"{tag}-b", replica="B")
+    c = Checks()
+    c.check(f"B's load stopped at block {block} as corrupt", load["miss_cause"] == "corrupt"
+            and load["loaded"] == block, load)
+    c.check("the prompt's 30 blocks are in the pool", len(pooled) == 30, len(pooled))
+    c.check("every pooled block has a clean computation to compare with", len(compared) == len(pooled),
+            (len(compared), len(pooled)))
+    c.check("pooled blocks equal a clean same-partition computation", not differ,
+            f"{len(differ)} of {len(compared)} differ: blocks {differ[:20]}")
+    c.check("B's output equals the same-partition fault-free run", b.same_output(ref) and b.finish_reason == "length")
+    c.evidence.update(block=block, control=control, pooled=len(pooled), compared=len(compared), differ=differ,
+                      withheld_blocks=sum(r["blocks"] for r in withheld))
+    return c.verdict(f"corrupt block {block} under B's load: nothing computed on the failed blocks was published; "
+                     f"all {len(compared)} pooled blocks equal a clean computation of the same partition")
+
+
 def pool_restart(cluster: Cluster, corpus: Corpus, seed: int, control: str | None = None) -> Verdict:
     """The pool daemon is killed (SIGKILL) under two live replicas, then restarted:
     while it is down every lookup is a transport_error and requests are computed
@@ -719,6 +782,7 @@ RUNNERS: dict[str, Callable[..., Verdict]] = {
     "shared_system_prompt": shared_system_prompt,
     "hit_kinds": hit_kinds,
     "load_failure": load_failure,
+    "load_poison": load_poison,
     "load_failure_fail": load_failure_fail,
     "pool_restart": pool_restart,
     "revision_mismatch": revision_mismatch,
