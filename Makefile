@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvgate-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup gate test test-slow bench-pool bench-live clean
+.PHONY: setup gate test test-slow bench-pool bench-live report clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ test: setup
 
 test-slow: setup
 	$(BIN)/python -m pytest suites --slow $(PYTEST_ARGS)
+
+# The committed CPU gate report, made again from the committed tree (it records the commit
+# and whether the tree was clean): reports/gate/DATE-cpu/. The GPU reports: scripts/gpu/.
+report: setup
+	$(BIN)/kvgate gate --report-dir reports/gate/$$(date +%F)-cpu
 
 bench-pool: setup
 	$(BIN)/kvgate bench pool
