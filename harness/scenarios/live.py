@@ -8,6 +8,8 @@ The live suites assert on them and the gate runs them for its seeds.
   shared_system_prompt   one system prompt, different questions: computed once, reused.
   hit_kinds              B's own prefix cache (local hit), a remote hit, and a miss are told
                          apart in the history and in the pool's counters.
+  load_poison            the clean-recompute oracle: a failed load must not poison the pool
+                         (control: a save that does not see the failed load).
   load_failure           a fault in B's pool client (corrupt / transport_error / timeout / evict)
                          at block k: k blocks load, the cause is recorded, policy recompute
                          gives B's baseline tokens.
@@ -32,10 +34,9 @@ The live suites assert on them and the gate runs them for its seeds.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from faults.schedule import draw_schedule
 from harness.checkers.byte_exact import exchange_exact, pool_digests
@@ -44,6 +45,7 @@ from harness.checkers.verdict import Checks, Verdict
 from harness.client.http import Completion, complete
 from harness.system.cluster import Cluster
 from harness.workload.prompts import Corpus, common_prefix_tails
+from harness.scenarios.nemesis import wait_for, arm, arm_copier, pool_catalog
 from harness.workload.sessions import off_on_on_off
 
 
@@ -196,15 +198,6 @@ def hit_kinds(cluster: Cluster, corpus: Corpus, seed: int) -> Verdict:
     c.evidence.update({k: v["outcome"] for k, v in got.items()})
     return c.verdict("local hit, remote hit and misses classified as such; a malformed request served without "
                      "the pool")
-
-
-def arm(cluster: Cluster, replica: str, control: str | None = None, **fault: object) -> None:
-    """Arm a pool-client fault (faults.backend) on `replica`; `control` also plugs in a
-    known-bad connector behaviour (faults.connector), e.g. "hide_failures"."""
-    doc: dict[str, object] = {"load": fault} if fault else {}
-    if control:
-        doc["connector"] = {"control": control}
-    cluster.faults[replica].write_text(json.dumps(doc))
 
 
 def load_failure(cluster: Cluster, corpus: Corpus, seed: int, kind: str, block: int | None = None,
@@ -447,20 +440,6 @@ def sessions(cluster: Cluster, corpus: Corpus, seed: int, context_tokens: int = 
 
 # -- stream delay: the copy engine held back while the engine moves on ---------------------
 
-def arm_copier(cluster: Cluster, replica: str, **spec: object) -> None:
-    cluster.faults[replica].write_text(json.dumps({"copier": spec}))
-
-
-def _wait_for(predicate, timeout_s: float, what: str) -> None:  # noqa: ANN001
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.2)
-
-
 def stream_delay_store(cluster: Cluster, corpus: Corpus, seed: int, *, control: bool = False,
                        replica: str = "D", consumer: str = "B") -> Verdict:
     """On `replica` (a small KV cache: its freed blocks are reused at once), the copy of a
@@ -482,7 +461,7 @@ def stream_delay_store(cluster: Cluster, corpus: Corpus, seed: int, *, control: 
     arm_copier(cluster, replica, **spec)
     complete(url, x, tag=f"{tag}-x", replica=replica, max_tokens=1, load=False)
     complete(url, y, tag=f"{tag}-y", replica=replica, max_tokens=1, load=False, publish=False)
-    _wait_for(lambda: sum(r.get("blocks", 0) for r in records(h, "publish", tag=f"{tag}-x", replica=replica)) >= 20,
+    wait_for(lambda: sum(r.get("blocks", 0) for r in records(h, "publish", tag=f"{tag}-x", replica=replica)) >= 20,
               2 * delay / 1000 + 60, f"{replica}'s delayed stores of {tag}-x")
     arm_copier(cluster, replica)  # heal
     b = complete(cluster.replicas[consumer].url, x, tag=f"{tag}-b", replica=consumer, max_tokens=4)
@@ -530,7 +509,7 @@ def stream_delay_load(cluster: Cluster, corpus: Corpus, seed: int, *, control: b
         spec["control"] = "early_completion"
     arm_copier(cluster, replica, **spec)
     d = complete(url, prompt, tag=f"{tag}-d", replica=replica, publish=False)
-    _wait_for(lambda: bool(records(h, "load", tag=f"{tag}-d", replica=replica)), delay / 1000 + 60,
+    wait_for(lambda: bool(records(h, "load", tag=f"{tag}-d", replica=replica)), delay / 1000 + 60,
               f"{replica}'s delayed load of {tag}-d")
     arm_copier(cluster, replica)  # heal
     ref = fault_free_reference(cluster, producer, replica, prompt, tag, 20, publish=False)
@@ -578,7 +557,7 @@ def replica_crash(cluster: Cluster, corpus: Corpus, seed: int, *, replica: str =
         cluster.faults[replica].write_text(json.dumps({"publish": {"kind": "hang", "seconds": 600, "times": 1}}))
         complete(cluster.replicas[replica].url, x, tag=f"{tag}-x", replica=replica, max_tokens=1, load=False)
         start = _one(h, "lookup", tag=f"{tag}-x")["t"]
-        _wait_for(lambda: any(r["kind"] == "publish_hang" and r["t"] >= start
+        wait_for(lambda: any(r["kind"] == "publish_hang" and r["t"] >= start
                               for r in records(h, "fault", replica=replica)), 60, f"{replica}'s publish to hang")
         with cluster.pool.client(name="crash") as pc:
             during = pc.stats()
@@ -586,7 +565,7 @@ def replica_crash(cluster: Cluster, corpus: Corpus, seed: int, *, replica: str =
         c = Checks()
         with cluster.pool.client(name="crash") as pc:
             try:
-                _wait_for(lambda: pc.stats()["reserved_pages"] == before["reserved_pages"], 30,
+                wait_for(lambda: pc.stats()["reserved_pages"] == before["reserved_pages"], 30,
                           "the pool to reclaim the dead replica's reservation")
             except AssertionError as exc:
                 c.check("the pool reclaimed the open publish", False, str(exc))
@@ -606,32 +585,13 @@ def replica_crash(cluster: Cluster, corpus: Corpus, seed: int, *, replica: str =
         cluster.restart_replica(replica)  # heal
         again = complete(cluster.replicas[replica].url, x, tag=f"{tag}-x2", replica=replica, max_tokens=1,
                          load=False, cache_salt=f"after-{tag}")
-        _wait_for(lambda: any(r.get("committed") for r in records(h, "publish", tag=f"{tag}-x2", replica=replica)),
+        wait_for(lambda: any(r.get("committed") for r in records(h, "publish", tag=f"{tag}-x2", replica=replica)),
                   60, f"the restarted {replica} to publish")
         c.check(f"the restarted {replica} serves and publishes", again.finish_reason == "length")
         c.evidence.update(control=control, reserved_during=during["reserved_pages"] - before["reserved_pages"],
                           leaked_pages=before["free_pages"] - after["free_pages"])
         return c.verdict(f"{replica} killed mid-publish: the pool reclaimed its {c.evidence['reserved_during']} "
                          f"reserved pages, none became visible, {consumer} computed the prompt, {replica} restarted")
-
-
-@contextlib.contextmanager
-def pool_catalog(cluster: Cluster, control: str | None) -> Iterator[None]:
-    """Run the block with the pool daemon on a known-bad catalog (faults.controls, by
-    name), then on a normal one again; None: leave the pool as it is. Each swap restarts
-    the daemon (the pool starts empty) and is recorded in the history."""
-    if control is None:
-        yield
-        return
-    cluster.pool.stop()
-    cluster.pool.restart(catalog=control)
-    cluster.nemesis("pool_swap", catalog=control)
-    try:
-        yield
-    finally:
-        cluster.pool.stop()
-        cluster.pool.restart()
-        cluster.nemesis("pool_swap", catalog="normal")
 
 
 # -- transport faults: the proxy between the remote replica and the pool --------------------
@@ -743,7 +703,7 @@ def evict_leased(cluster: Cluster, corpus: Corpus, seed: int, *, control: str | 
             return bool(lookup) and any(r["kind"] == "lease_hold" and r["t"] >= lookup[0]["t"]
                                         for r in records(h, "fault", replica="B"))
 
-        _wait_for(held, 60, "B's load to hold its lease")
+        wait_for(held, 60, "B's load to hold its lease")
         cluster.nemesis("evict_leased", blocks=len(keys))
         with cluster.pool.client(name="evictor") as pc:
             outcomes = pc.evict(ns, keys[:11])
