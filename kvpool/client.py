@@ -51,6 +51,7 @@ from kvpool.catalog import (
 from kvpool.copy import Buffer, as_segments, copy_digest, digest_segments, total_size
 from kvpool.errors import (
     ArenaError,
+    Busy,
     CorruptPage,
     InvalidRequest,
     LeaseLost,
@@ -408,7 +409,11 @@ def publish(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes],
 
 def load(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes], dest: Destination,
          deadline_s: float | None = None, metrics: ClientMetrics | None = None) -> LoadResult:
-    """Install the longest run of pooled blocks into `dest(i)`; classify any shortfall."""
+    """Install the longest run of pooled blocks into `dest(i)`; classify any shortfall.
+    Every pool error ends the load as exactly one miss cause, never as an exception (the
+    caller waits for it on vLLM's hot path): BUSY is `throttled`; any other failure of the
+    pool or the path to it is `transport_error`. Only InvalidRequest (the caller's own
+    destination is wrong) is raised."""
     t0 = time.monotonic()
     requested = len(hashes)
     loaded = 0
@@ -430,7 +435,11 @@ def load(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes], dest: Des
         miss = Miss(loaded, MissCause.CORRUPT)
     except PoolTimeout:
         miss = Miss(loaded, MissCause.TIMEOUT)
-    except (TransportError, LeaseLost, MalformedFrame):
+    except Busy:  # the daemon had no room for this client (a reconnect past max_clients) or its request
+        miss = Miss(loaded, MissCause.THROTTLED)
+    except InvalidRequest:
+        raise  # the caller's own mistake (a destination of the wrong size): not a miss of the pool
+    except PoolError:  # TransportError, LeaseLost, MalformedFrame, WrongVersion, Unauthenticated, ...
         miss = Miss(loaded, MissCause.TRANSPORT_ERROR)
     finally:
         if lease is not None and lease.lease_id:

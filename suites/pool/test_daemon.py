@@ -164,6 +164,36 @@ def test_too_many_clients_is_busy_and_others_keep_working():
         d.stop_thread()
 
 
+def test_a_busy_answer_on_reconnect_ends_the_load_as_throttled_not_as_an_exception():
+    """The loader reconnects (its idle connection was closed) into a daemon at max_clients:
+    the BUSY answer must end the load as one miss cause. Raised, it would surface from the
+    copier's wait on vLLM's hot path and end the replica."""
+    import time
+
+    d = thread_pool(page_size=4096, num_pages=8, max_clients=2)
+    try:
+        a = client(d)
+        hashes = block_hashes(list(range(32)), 16)
+        assert publish(a, NS, hashes, [np.zeros(4096, np.uint8)] * 2).committed == 2
+        loader = client(d)
+        loader._drop_socket()  # its connection is gone (e.g. the daemon dropped an idle peer)
+        squatter = None
+        for _ in range(50):  # the daemon notices the closed connection, then the slot is taken
+            try:
+                squatter = client(d)
+                break
+            except Busy:
+                time.sleep(0.02)
+        assert squatter is not None
+        out = np.zeros((2, 4096), np.uint8)
+        res = load(loader, NS, hashes, out.__getitem__)
+        assert res.loaded == 0 and res.miss.cause == MissCause.THROTTLED, res
+        squatter.close()
+        a.close()
+    finally:
+        d.stop_thread()
+
+
 def test_requests_against_unknown_ids_get_typed_errors(daemon):
     with client(daemon) as c:
         with pytest.raises(InvalidRequest):
