@@ -85,6 +85,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
         sc = find(args.scenario)
     except ScenarioError as exc:
         raise SystemExit(f"kvgate replay: {exc}") from exc
+    if args.schedule is not None:  # a failing run's schedule (the gate writes it next to its report)
+        doc = json.loads(args.schedule.read_text())
+        if doc.get("scenario") not in (None, sc.name):
+            raise SystemExit(f"kvgate replay: {args.schedule} is the schedule of {doc['scenario']!r}, not {sc.name!r}")
+        args.seed = int(doc["seed"])
     print(f"kvgate replay: {sc.name} --seed {args.seed} (fault {sc.fault or 'none'}; replicas {'+'.join(sc.replicas)})",
           flush=True)
     report_dir = args.report_dir or Path("reports/runs/replay") / f"{sc.name}-{args.seed}"
@@ -176,7 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     rp = sub.add_parser("replay", help="rerun one scenario of the catalog with one seed; print its verdicts")
     rp.add_argument("scenario", help="a scenario name (kvgate scenarios lists them)")
-    rp.add_argument("--seed", type=int, required=True)
+    which = rp.add_mutually_exclusive_group(required=True)
+    which.add_argument("--seed", type=int, help="the scenario run's seed (every failing line prints it)")
+    which.add_argument("--schedule", type=Path, help="a failing run's schedule file (reports/.../schedules/)")
     rp.add_argument("--report-dir", type=Path, default=None, help="default reports/runs/replay/SCENARIO-SEED")
     rp.set_defaults(func=cmd_replay)
     return parser

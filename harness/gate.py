@@ -12,6 +12,7 @@ criterion did not pass). Every failing line carries the command that replays it.
 
 from __future__ import annotations
 
+import json
 import secrets
 import sys
 import tempfile
@@ -149,6 +150,9 @@ def run_gate(seed: int | None = None, seeds: int = 2, report_dir: Path = Path("r
                      + ("" if r.verdict.valid else f" - {r.verdict.reason[:300]}\n    replay: {r.replay}"))
                 per.append(r)
                 results.append(r)
+                if r.verdict.valid is not True:
+                    path = write_schedule(report_dir, sc.name, s)
+                    _say(f"    its fault schedule: {path} (kvgate replay {sc.name} --schedule {path})")
             n_seeds = f"{len(per)} seed" + ("s" if len(per) != 1 else "")
             verdict = all_of([r.verdict for r in per], n_seeds)
             if verdict.valid is True:
@@ -175,6 +179,18 @@ def run_gate(seed: int | None = None, seeds: int = 2, report_dir: Path = Path("r
             ttft = part["evidence"].get("parts", [{}])[0].get("evidence", {}).get("ttft_median_ms_cross_turns")
             print(f"  OFF-ON-ON-OFF median TTFT of turns 2-6 (ms): {ttft}")
     return 0 if run.passed else 1
+
+
+def write_schedule(report_dir: Path, scenario: str, seed: int) -> Path:
+    """A failing run's fault schedule (faults.schedule: every site, its drawn parameters
+    and heal step), next to the report; `kvgate replay SCENARIO --schedule FILE` replays it."""
+    from faults.schedule import draw_schedule
+
+    path = Path(report_dir) / "schedules" / f"{scenario}-{seed}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = json.loads(draw_schedule(seed).to_json())
+    path.write_text(json.dumps({"scenario": scenario, **doc}, indent=1, sort_keys=True))
+    return path
 
 
 def harness_failure(sc, seed: int, exc: BaseException):  # noqa: ANN001, ANN201

@@ -37,3 +37,18 @@ def test_unknown_profile_and_kind():
         draw_schedule(1, "everything")
     with pytest.raises(KeyError):
         draw_schedule(1, "eviction").spec("corrupt")
+
+
+def test_a_failing_runs_schedule_is_written_and_names_its_seed(tmp_path):
+    """The gate writes a failing run's schedule next to its report; replay --schedule reads
+    its seed back, and the schedule it names is the one that seed draws."""
+    import json
+
+    from faults.schedule import FaultSchedule, draw_schedule
+    from harness.gate import write_schedule
+
+    path = write_schedule(tmp_path, "load-corrupt", 123456789)
+    doc = json.loads(path.read_text())
+    assert doc["scenario"] == "load-corrupt" and doc["seed"] == 123456789
+    del doc["scenario"]
+    assert FaultSchedule.from_json(json.dumps(doc)) == draw_schedule(123456789)
