@@ -7,7 +7,10 @@ whenever it changes, so a test switches faults without restarting the replica:
     {"load": {"kind": "timeout" | "corrupt" | "evict" | "hold",
               "block": 2,            # the lease's block index where the fault strikes
               "seed": 7,             # the fault's own draws (which bit flips)
-              "times": 1}}           # how many loads it hits (then it heals by itself)
+              "times": 1,            # how many loads it hits (then it heals by itself)
+              "p": 0.8, "schedule_seed": 42}}   # optional: BUGGIFY-style, each load that
+                                     # reaches the site fires with probability p, decided
+                                     # by faults.schedule.fires(schedule_seed, kind, n, p)
 
 Each fault acts on the data, and the production code path must notice it by itself:
 
@@ -64,6 +67,7 @@ from pathlib import Path
 import numpy as np
 
 from faults.control import ControlFile, ControlFileError
+from faults.schedule import fires
 from kvpool.catalog import AcquireResult
 from kvpool.client import PoolBackend
 from kvpool.errors import TransportError
@@ -86,6 +90,7 @@ class FaultyBackend:
         self._dead = False
         self._armed: tuple[int, dict] | None = None
         self._flipped: dict[int, tuple[np.ndarray, int, int]] = {}  # lease -> (page view, byte, bit) to restore
+        self._opportunities = 0  # loads that reached the armed site since it was armed
         self._lock = threading.Lock()
 
     @property
@@ -101,6 +106,7 @@ class FaultyBackend:
             if generation != self._generation:  # a new arming: every count starts again
                 self._generation, self._spec = generation, doc
                 self._fired = 0
+                self._opportunities = 0
                 self._publish_fired = 0
                 self._dead = False
                 fault = doc.get("load")
@@ -162,17 +168,18 @@ class FaultyBackend:
         ns = self._ns(ns)
         fault = self._load_fault()
         if fault is not None and fault["kind"] == "evict":
-            k = int(fault.get("block", 0))
-            outcomes = self.inner.evict(ns, list(hashes[k:]))
-            self._fired += 1
-            self.history.write("fault", site="pool_client.acquire", kind="evict", block=k,
-                               evicted=sum(o == "evicted" for o in outcomes))
+            if self._draw(fault):
+                k = int(fault.get("block", 0))
+                outcomes = self.inner.evict(ns, list(hashes[k:]))
+                self._fired += 1
+                self.history.write("fault", site="pool_client.acquire", kind="evict", block=k,
+                                   evicted=sum(o == "evicted" for o in outcomes))
             return self.inner.acquire(ns, hashes)
         lease = self.inner.acquire(ns, hashes)
         fault = fault if lease.lease_id else None
         k = int(fault.get("block", 0)) if fault is not None else -1
         self._armed = None
-        if fault is None or k >= len(lease.hits):
+        if fault is None or k >= len(lease.hits) or not self._draw(fault):
             return lease
         if fault["kind"] == "corrupt" and getattr(self.inner, "arena", None) is not None:
             self._fired += 1
@@ -183,6 +190,19 @@ class FaultyBackend:
         else:
             self._armed = (lease.lease_id, fault)
         return lease
+
+    def _draw(self, fault: dict) -> bool:
+        """One opportunity of the armed site: fire, unless the fault carries a probability
+        and the schedule's draw for this opportunity says no (recorded either way)."""
+        n = self._opportunities
+        self._opportunities += 1
+        if "p" not in fault:
+            return True
+        fire = fires(int(fault["schedule_seed"]), fault["kind"], n, float(fault["p"]))
+        if not fire:
+            self.history.write("fault_skipped", site="pool_client.acquire", kind=fault["kind"], opportunity=n,
+                               p=float(fault["p"]))
+        return fire
 
     def _flip(self, lease: AcquireResult, k: int, fault: dict) -> None:
         """Flip one drawn bit of block k's committed page in the shared arena."""

@@ -9,10 +9,12 @@
                      (`random.Random(f"{seed}:fault:{kind}")`), so adding a fault kind never
                      changes another kind's draws. Each site is activated at most once per
                      run (BUGGIFY style: a drawn coin), then fires with its drawn probability.
-  FaultSchedule.fires(kind, attempt)
+  FaultSchedule.fires(kind, attempt) / .first_firing(kind)
                      whether the site fires on its n-th opportunity, decided by the schedule
                      alone (same seed, same answers); a seed cannot force thread
-                     interleavings, and reports say so.
+                     interleavings, and reports say so. The live injectors take the same
+                     decision with `fires(seed, kind, attempt, p)` (faults.backend: a load
+                     fault armed with "p" and "schedule_seed").
 """
 
 from __future__ import annotations
@@ -83,9 +85,18 @@ class FaultSchedule:
 
     def fires(self, kind: str, attempt: int) -> bool:
         spec = self.spec(kind)
-        if not spec.active:
-            return False
-        return random.Random(f"{self.seed}:fires:{kind}:{attempt}").random() < spec.probability
+        return spec.active and fires(self.seed, kind, attempt, spec.probability)
+
+    def first_firing(self, kind: str, limit: int = 16) -> int | None:
+        """The opportunity (0, 1, ...) at which an active site first fires; None if it does
+        not within `limit` (or the site is not active in this run)."""
+        return next((n for n in range(limit) if self.fires(kind, n)), None)
+
+
+def fires(seed: int, kind: str, attempt: int, probability: float) -> bool:
+    """Whether a site fires on its n-th opportunity: one draw of the run's seed, the same
+    in the schedule and in the injector that acts on it."""
+    return random.Random(f"{seed}:fires:{kind}:{attempt}").random() < probability
 
 
 def draw_schedule(seed: int, profile: str = "all", *, force_active: bool = True) -> FaultSchedule:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from collections.abc import Callable
 
 from faults.schedule import draw_schedule
@@ -210,7 +211,8 @@ def load_failure(cluster: Cluster, corpus: Corpus, seed: int, kind: str, block: 
     KV depends in its last bits on how prefill was partitioned, so a run computed in other
     chunks is not a fair baseline; whether the output also equals B's fully cold run is
     reported as evidence."""
-    spec = draw_schedule(seed).spec(kind)
+    schedule = draw_schedule(seed)
+    spec = schedule.spec(kind)
     if block is None:
         block = spec.params["block"]
     if kind == "transport_error":
@@ -220,11 +222,23 @@ def load_failure(cluster: Cluster, corpus: Corpus, seed: int, kind: str, block: 
     tag = _tag(f"r{kind[:3]}", seed)
     A, B = cluster.replicas["A"].url, cluster.replicas["B"].url
     complete(A, prompt, tag=f"{tag}-a", replica="A", cache_salt=f"s-{tag}")
+    warmups = 0
+    t_armed = time.time()
     if kind == "transport_error":  # the proxy resets B's connection instead of answering its acquire
         arm(cluster, "B", control)
         cluster.arm_proxy("B", {"reset": {"ops": ["acquire"], "direction": "reply", "times": 1}})
     else:
-        arm(cluster, "B", control, kind=kind, block=block, seed=rng.randrange(2**32))
+        # BUGGIFY-style: the site is active for this run and fires on each load that reaches
+        # it with the schedule's probability; the schedule says at which load it first fires,
+        # and the loads before it must pass the armed site untouched.
+        warmups = schedule.first_firing(kind)
+        if warmups is None:
+            raise AssertionError(f"the schedule's {kind} site does not fire within 16 loads (seed {seed})")
+        arm(cluster, "B", control, kind=kind, block=block, seed=rng.randrange(2**32), p=spec.probability,
+            schedule_seed=seed)
+        for n in range(warmups):
+            complete(A, prompt, tag=f"{tag}-w{n}a", replica="A", cache_salt=f"w{n}-{tag}")
+            complete(B, prompt, tag=f"{tag}-w{n}", replica="B", cache_salt=f"w{n}-{tag}")
     b = complete(B, prompt, tag=f"{tag}-b", replica="B", cache_salt=f"s-{tag}")
     arm(cluster, "B", None)  # heal (a control must not outlive the faulted request)
     if kind == "transport_error":
@@ -238,8 +252,14 @@ def load_failure(cluster: Cluster, corpus: Corpus, seed: int, kind: str, block: 
     ref_lookup = _one(h, "lookup", tag=f"{tag}-ref")
     cause = "evicted" if kind == "evict" else kind
     injected = {"transport_error": "reset"}.get(kind, kind)  # the fault as its injector records it
+    skipped = [r for r in records(h, "fault_skipped", replica="B") if r["kind"] == kind
+               and t_armed <= r["t"] <= load["t"]]
+    warm_loads = [_one(h, "load", tag=f"{tag}-w{n}", replica="B") for n in range(warmups)]
     c = Checks()
     c.check("the fault fired once", fired == [injected], fired)
+    c.check(f"the site let the {warmups} loads before it through, as the schedule drew",
+            len(skipped) == warmups and all(w["loaded"] == w["blocks"] for w in warm_loads),
+            (len(skipped), [w["loaded"] for w in warm_loads]))
     c.check(f"the load stopped at block {block} as {cause}", load["miss_cause"] == cause and load["loaded"] == block
             and load["miss_index"] == block, load)
     c.check("every block from there was reported failed", len(load["failed_block_ids"]) == load["blocks"] - block)
@@ -247,7 +267,8 @@ def load_failure(cluster: Cluster, corpus: Corpus, seed: int, kind: str, block: 
             and ref_lookup["local_tokens"] == 0, ref_lookup)
     c.check("policy recompute: tokens and log-probabilities equal the fault-free reference",
             b.finish_reason == "length" and b.same_output(ref), (b.finish_reason, b.error, b.token_ids == ref.token_ids))
-    c.evidence.update(kind=kind, block=block, loaded=load["loaded"], failed=len(load["failed_block_ids"]),
+    c.evidence.update(kind=kind, block=block, probability=spec.probability, fired_at_load=warmups,
+                      loaded=load["loaded"], failed=len(load["failed_block_ids"]),
                       tokens_equal_reference=b.token_ids == ref.token_ids, output_equal_reference=b.same_output(ref),
                       tokens_equal_full_cold_run=b.token_ids == cold.token_ids)
     return c.verdict(f"{kind} at block {block}: classified, recomputed, output equal to the fault-free run")

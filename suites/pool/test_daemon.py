@@ -313,3 +313,40 @@ def test_a_stale_connection_is_replaced_transparently_for_every_request(tmp_path
             c.close()
     finally:
         pool.cleanup()
+
+
+@pytest.mark.parametrize("seed", [3, 11, 1234567])
+def test_a_load_fault_with_a_probability_fires_where_the_schedule_says(tmp_path, seed):
+    """faults.backend armed BUGGIFY-style: the loads before the schedule's first firing pass
+    the armed site untouched, the one it names ends corrupt (the bit flipped in the arena,
+    the loader's digest catching it), and the page is whole again after the release."""
+    import json
+
+    from faults.backend import FaultyBackend
+    from faults.schedule import draw_schedule
+    from kvpool.history import HistoryWriter
+
+    sched = draw_schedule(seed)
+    spec, first = sched.spec("corrupt"), sched.first_firing("corrupt")
+    d = thread_pool(page_size=4096, num_pages=16)
+    try:
+        hashes = block_hashes(list(range(48)), 16)
+        pages = [np.full(4096, i, np.uint8) for i in range(3)]
+        with client(d) as c:
+            assert publish(c, NS, hashes, pages).committed == 3
+        control = tmp_path / "faults.json"
+        control.write_text(json.dumps({"load": {"kind": "corrupt", "block": 1, "seed": 5, "p": spec.probability,
+                                                "schedule_seed": seed}}))
+        faulty = FaultyBackend(client(d), control, HistoryWriter(tmp_path / "h", "r", "worker"))
+        outcomes = []
+        for _ in range(first + 2):
+            out = np.zeros((3, 4096), np.uint8)
+            res = load(faulty, NS, hashes, out.__getitem__)
+            outcomes.append(res.miss.cause if res.miss else None)
+            if res.miss is None:
+                assert all(np.array_equal(o, p) for o, p in zip(out, pages))
+        assert outcomes[:first] == [None] * first and outcomes[first] == MissCause.CORRUPT, outcomes
+        assert outcomes[first + 1] is None  # times=1: healed, and the committed page is whole again
+        faulty.close()
+    finally:
+        d.stop_thread()

@@ -52,3 +52,15 @@ def test_a_failing_runs_schedule_is_written_and_names_its_seed(tmp_path):
     assert doc["scenario"] == "load-corrupt" and doc["seed"] == 123456789
     del doc["scenario"]
     assert FaultSchedule.from_json(json.dumps(doc)) == draw_schedule(123456789)
+
+
+def test_the_injector_fires_on_the_load_the_schedule_draws():
+    """faults.backend decides each opportunity with the schedule's own draw."""
+    from faults.schedule import draw_schedule, fires
+
+    for seed in range(50):
+        sched = draw_schedule(seed)
+        spec = sched.spec("corrupt")
+        first = sched.first_firing("corrupt")
+        decisions = [fires(seed, "corrupt", n, spec.probability) for n in range(16)]
+        assert first == (decisions.index(True) if True in decisions else None)
