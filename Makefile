@@ -28,9 +28,13 @@ test-slow: setup
 	$(BIN)/python -m pytest suites --slow $(PYTEST_ARGS)
 
 # The committed CPU gate report, made again from the committed tree (it records the commit
-# and whether the tree was clean): reports/gate/DATE-cpu/. The GPU reports: scripts/gpu/.
+# and whether the tree was clean): run.json, junit.xml and checklist.md in
+# reports/gate/DATE-cpu/ (logs and history stay in reports/runs/report/). GPU: scripts/gpu/.
 report: setup
-	$(BIN)/kvgate gate --report-dir reports/gate/$$(date +%F)-cpu
+	$(BIN)/kvgate gate --report-dir reports/runs/report
+	mkdir -p reports/gate/$$(date +%F)-cpu
+	cp reports/runs/report/run.json reports/runs/report/junit.xml reports/runs/report/checklist.md \
+	   reports/gate/$$(date +%F)-cpu/
 
 bench-pool: setup
 	$(BIN)/kvgate bench pool
