@@ -267,7 +267,8 @@ def load_failure(cluster: Cluster, corpus: Corpus, seed: int, kind: str, block: 
             and ref_lookup["local_tokens"] == 0, ref_lookup)
     c.check("policy recompute: tokens and log-probabilities equal the fault-free reference",
             b.finish_reason == "length" and b.same_output(ref), (b.finish_reason, b.error, b.token_ids == ref.token_ids))
-    c.evidence.update(kind=kind, block=block, probability=spec.probability, fired_at_load=warmups,
+    c.evidence.update(kind=kind, block=block, fired_at_load=warmups,
+                      probability=None if kind == "transport_error" else spec.probability,  # the proxy fires at once
                       loaded=load["loaded"], failed=len(load["failed_block_ids"]),
                       tokens_equal_reference=b.token_ids == ref.token_ids, output_equal_reference=b.same_output(ref),
                       tokens_equal_full_cold_run=b.token_ids == cold.token_ids)
@@ -691,14 +692,13 @@ def evict_leased(cluster: Cluster, corpus: Corpus, seed: int, *, control: str | 
     """While B's load holds its lease (faults.backend `hold`, at a seed-drawn block), the
     harness tries to evict every block B is loading and squeezes the pool's capacity to
     zero. Every eviction of a leased page must be refused (`leased`), the squeeze may
-    take only unleased pages, B's load completes byte-exact with output equal to its cold
-    run; once the lease is released, the squeeze takes the rest.
+    take only unleased pages, B's load completes byte-exact with output equal to the
+    same-partition run without the hold; once the lease is released, the squeeze takes the rest.
 
     control="leaseless_pool": the daemon runs the known-bad LeaselessCatalog
     (faults.controls), which evicts leased pages."""
     import threading
 
-    produced_of = audit_digests
 
     if control not in (None, "leaseless_pool"):
         raise ValueError(f"unknown control {control!r}")
@@ -709,7 +709,7 @@ def evict_leased(cluster: Cluster, corpus: Corpus, seed: int, *, control: str | 
     h = cluster.history_dir
     with pool_catalog(cluster, "leaseless" if control else None):
         complete(cluster.replicas["A"].url, prompt, tag=f"{tag}-a", replica="A")
-        keys = [bytes.fromhex(k) for k in produced_of(h, "produced", f"{tag}-a", "A")]
+        keys = [bytes.fromhex(k) for k in audit_digests(h, "produced", f"{tag}-a", "A")]
         ns = namespace_of(h, "B")
         arm(cluster, "B", kind="hold", block=block, seconds=3)
         out: dict[str, object] = {}
