@@ -13,6 +13,12 @@ for any inner connector, section "connector":
     {"connector": {"control": "hide_failures"}}
         a negative control: get_block_ids_with_load_errors reports nothing, so the engine
         computes on whatever the failed blocks hold instead of recomputing them.
+    {"connector": {"control": "claim_past_loaded"}}
+        a negative control: where the inner connector finds a hit, the engine is told that
+        every prompt token but the last is external (as a connector that serves a fully
+        cached prompt would say), while the inner connector loads only the blocks it found.
+        The tokens between are never loaded nor computed: the engine attends to whatever
+        their block holds. The pages it loaded are exact; only the output shows it.
     {"connector": {"finished_delay_ms": 500, "times": 1}}
         a delayed completion: get_finished holds the finished requests' ids back (they
         are reported at a later call, after the delay), `times` requests' worth.
@@ -40,7 +46,7 @@ from kvpool.copier import HostCopier
 from kvpool.history import HistoryWriter
 from kvpool.wrap import WrappingConnector
 
-CONTROLS = ("hide_failures",)
+CONTROLS = ("hide_failures", "claim_past_loaded")
 
 
 class FaultConnector(WrappingConnector):
@@ -57,6 +63,7 @@ class FaultConnector(WrappingConnector):
         self._finished_fired = 0
         self._held: list[tuple[float, set[str]]] = []  # (release time, request ids) of delayed completions
         self._stream_delay = None  # set by the copier factory on CUDA
+        self._claimed: dict[str, int] = {}  # claim_past_loaded: request id -> the inner connector's own count
         super().__init__(vllm_config, role, kv_cache_config, extra=extra)
         self.history = HistoryWriter(self.history_dir, self.replica, f"faults-{self.role_name}")
 
@@ -90,6 +97,25 @@ class FaultConnector(WrappingConnector):
                     raise ControlFileError(f"{self.control.path}: unknown connector control "
                                            f"{spec.get('control')!r}; known {CONTROLS}", generation)
         return spec
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):  # noqa: ANN001, ANN201
+        ext, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        spec = self._section()
+        n = len(request.prompt_token_ids or [])
+        if ext and spec and spec.get("control") == "claim_past_loaded" and num_computed_tokens + ext < n - 1:
+            self._claimed[request.request_id] = ext
+            claim = n - 1 - num_computed_tokens
+            self.history.write("fault", site="connector", kind="copier_control", job="claim",
+                               control="claim_past_loaded", req=request.request_id, loaded_tokens=ext,
+                               claimed_tokens=claim)
+            return claim, load_async
+        return ext, load_async
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):  # noqa: ANN001, ANN201
+        inner = self._claimed.pop(request.request_id, None)
+        if inner is not None and num_external_tokens > 0:
+            num_external_tokens = inner
+        return super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def start_load_kv(self, forward_context, **kwargs):  # noqa: ANN001, ANN201
         if self._stream_delay is not None and self.has_connector_metadata():

@@ -57,6 +57,10 @@ class CrossedCatalog(Catalog):
 
 CATALOG_CONTROLS = {"forgetful": ForgetfulCatalog, "leaseless": LeaselessCatalog, "leaky": LeakyCatalog,
                     "crossed": CrossedCatalog}
+# The behaviour each known-bad catalog breaks, as a kind of finding of kvpool.testing's state
+# machine (FINDINGS): a control counts as caught only by a finding of that kind, with every
+# other kind (the page-accounting invariant first) kept from ending the run.
+CATALOG_BREAKS = {"forgetful": "miss_cause", "leaseless": "lease", "leaky": "capacity", "crossed": "bytes"}
 
 
 class EarlyCompletionCopier:

@@ -96,9 +96,10 @@ def write_reports(directory: Path, run: GateRun) -> dict[str, Path]:
     if kinds:
         lines += ["", "## Per fault kind", "",
                   *table(("fault kind", "scenarios", "seeds run", "faults fired", "loads attempted",
-                          "silent corruptions", "lost requests", "misclassified misses", "negative controls caught"),
+                          "silent corruptions", "lost requests", "misclassified misses", "outputs differing",
+                          "negative controls caught"),
                          [(name, ", ".join(k["scenarios"]), k["seeds_run"], k["faults_fired"], k["loads"],
-                           k["silent_corruptions"], k["lost_requests"], k["misclassified"],
+                           k["silent_corruptions"], k["lost_requests"], k["misclassified"], k.get("outputs_differ", 0),
                            (f"{k['controls_caught']}/{k['controls']} ({'; '.join(k.get('caught_by', []))})"
                             if k["controls"] else "none"))
                           for name, k in sorted(kinds.items())])]

@@ -6,7 +6,9 @@
   all_of(verdicts, reason)
         False if any is False; else unknown if any is unknown; else True.
   Checks
-        named boolean checks of one scenario run that become one Verdict.
+        named boolean checks of one scenario run that become one Verdict, and the run's
+        output comparisons (Checks.output), which the output oracle judges
+        (harness.checkers.output).
 """
 
 from __future__ import annotations
@@ -41,11 +43,25 @@ def all_of(verdicts: list[Verdict], reason: str) -> Verdict:
                    {"parts": [dataclasses.asdict(v) for v in verdicts]}, not_checked)
 
 
+def describe_difference(rec: dict[str, Any]) -> str:
+    """How an output comparison of Checks.output differs, in words."""
+    if rec.get("why"):
+        return rec["why"]
+    if not rec.get("tokens_equal"):
+        return f"tokens differ from position {rec['first_token_differing']}"
+    return f"same tokens, log-probabilities differ by up to {rec['max_logprob_diff']:.3g}"
+
+
 class Checks:
-    """Named boolean checks that become one Verdict."""
+    """Named boolean checks that become one Verdict. `output` records a comparison of a
+    completion with its reference for the output oracle; the verdict's evidence keeps the
+    scenario's own failures (`checks_failed`) apart from the comparisons (`output`), so a
+    run can be judged by each oracle on its own."""
 
     def __init__(self) -> None:
         self.failed: list[str] = []
+        self.output_failed: list[str] = []
+        self.outputs: list[dict[str, Any]] = []
         self.evidence: dict[str, object] = {}
 
     def check(self, name: str, ok: bool, detail: object = None) -> bool:
@@ -53,7 +69,29 @@ class Checks:
             self.failed.append(f"{name}" + (f" ({detail})" if detail is not None else ""))
         return ok
 
+    def output(self, name: str, got: Any, ref: Any) -> bool:
+        """`got` must have the tokens and the log-probabilities (to the last bit) of `ref`,
+        a run of the same prefill partition; either may be None (a request that did not
+        complete), which is a failed comparison. Duck-typed: token_ids and logprobs."""
+        rec: dict[str, Any] = {"check": name}
+        if got is None or ref is None:
+            rec.update(equal=False, why="no completion" + (" (under test)" if got is None else " (reference)"))
+        else:
+            tokens_equal = list(got.token_ids) == list(ref.token_ids)
+            first = next((i for i, (a, b) in enumerate(zip(got.token_ids, ref.token_ids)) if a != b),
+                         None if len(got.token_ids) == len(ref.token_ids) else min(len(got.token_ids), len(ref.token_ids)))
+            diffs = [abs(a - b) for a, b in zip(got.logprobs, ref.logprobs) if a is not None and b is not None]
+            rec.update(equal=tokens_equal and list(got.logprobs) == list(ref.logprobs), tokens_equal=tokens_equal,
+                       first_token_differing=first, tokens=len(got.token_ids),
+                       max_logprob_diff=max(diffs) if diffs else None)
+        self.outputs.append(rec)
+        if not rec["equal"]:
+            self.output_failed.append(f"{name} ({describe_difference(rec)})")
+        return bool(rec["equal"])
+
     def verdict(self, passed: str) -> Verdict:
-        if self.failed:
-            return Verdict(False, "; ".join(self.failed), self.evidence)
-        return Verdict(True, passed, self.evidence)
+        evidence = {**self.evidence, "checks_failed": list(self.failed), "output": list(self.outputs)}
+        failed = self.failed + self.output_failed
+        if failed:
+            return Verdict(False, "; ".join(failed), evidence)
+        return Verdict(True, passed, evidence)

@@ -36,8 +36,9 @@ from harness.scenarios.live import RUNNERS
 
 
 # The parts of a scenario run's judgement, in order (harness.scenarios.runner): the
-# scenario's own checks, then the three oracles over the history.
-ORACLES = ("scenario", "byte-exact", "miss causes", "requests")
+# scenario's own checks, the output oracle over its comparisons, then the three oracles
+# over the history.
+ORACLES = ("scenario", "output", "byte-exact", "miss causes", "requests")
 
 
 def catalog_dir() -> Path:

@@ -8,6 +8,8 @@ The live suites assert on them and the gate runs them for its seeds.
   shared_system_prompt   one system prompt, different questions: computed once, reused.
   hit_kinds              B's own prefix cache (local hit), a remote hit, and a miss are told
                          apart in the history and in the pool's counters.
+  aligned_full_hit       a block-aligned prompt wholly in the pool: all blocks but the last load
+                         (control: a connector that claims the whole prompt but loads less).
   load_poison            the clean-recompute oracle: a failed load must not poison the pool
                          (control: a save that does not see the failed load).
   load_failure           a fault in B's pool client (corrupt / transport_error / timeout / evict)
@@ -102,8 +104,8 @@ def cross_replica_hit(cluster: Cluster, corpus: Corpus, seed: int, prompt_tokens
     # The same partition (the loaded blocks, then the tail) from the producer's own KV: B's
     # output, log-probabilities included, must equal it. A cold run is computed in other
     # chunks: its tokens are reported, not required.
-    c.check("B's tokens and log-probabilities equal A's prefix hit of the same prompt",
-            b.same_output(a_hit) and len(b.token_ids) == 16, (b.token_ids[:4], a_hit.token_ids[:4]))
+    c.check("B generated its 16 tokens", len(b.token_ids) == 16, len(b.token_ids))
+    c.output("B's tokens and log-probabilities equal A's prefix hit of the same prompt", b, a_hit)
     c.evidence.update(tokens_equal_cold=b.token_ids == cold.token_ids, tokens_equal_a_cold=a.token_ids == b.token_ids)
     v = exchange_exact(cluster, ("A", f"{tag}-a"), ("B", f"{tag}-b"), ("B", f"{tag}-cold"))
     c.check(v.reason, v.valid is True)
@@ -201,6 +203,52 @@ def hit_kinds(cluster: Cluster, corpus: Corpus, seed: int) -> Verdict:
                      "the pool")
 
 
+def aligned_full_hit(cluster: Cluster, corpus: Corpus, seed: int, blocks: int = 12,
+                     control: str | None = None) -> Verdict:
+    """A block-aligned prompt whose every block is in the pool: B loads all but the last
+    block (the engine must compute at least one prompt token, and a block is published
+    whole), computes the last block itself, and its output equals A's own prefix hit, which
+    vLLM's prefix cache caps the same way (the same partition).
+
+    control="claim_past_loaded": B's connector tells the engine every prompt token but the
+    last is external while it loads only the blocks it found (faults.connector): the last
+    block's first 127 tokens are neither loaded nor computed. Every page it loaded is
+    exact and the pool keeps A's copy; only the output oracle can see it."""
+    if control not in (None, "claim_past_loaded"):
+        raise ValueError(f"unknown control {control!r}")
+    rng = random.Random(seed)
+    B = 128
+    prompt = corpus.text(blocks * B - 1, rng)  # + BOS: exactly `blocks` complete blocks
+    tag = _tag("al" if control is None else "ac", seed)
+    A, Bu = cluster.replicas["A"].url, cluster.replicas["B"].url
+    h = cluster.history_dir
+    complete(A, prompt, tag=f"{tag}-a", replica="A", cache_salt=f"s-{tag}")
+    a_hit = complete(A, prompt, tag=f"{tag}-ahit", replica="A", load=False, publish=False, cache_salt=f"s-{tag}")
+    if control:
+        cluster.faults["B"].write_text(json.dumps({"connector": {"control": control}}))
+    b = complete(Bu, prompt, tag=f"{tag}-b", replica="B", cache_salt=f"s-{tag}")
+    if control:
+        cluster.faults["B"].write_text("{}")
+    published = sum(r.get("committed", 0) for r in records(h, "publish", tag=f"{tag}-a", replica="A"))
+    lookup = _one(h, "lookup", tag=f"{tag}-b", replica="B")
+    load = _one(h, "load", tag=f"{tag}-b", replica="B")
+    a_lookup = _one(h, "lookup", tag=f"{tag}-ahit", replica="A")
+    produced = [r for r in records(h, "audit", kind="produced", tag=f"{tag}-b", replica="B")]
+    c = Checks()
+    c.check(f"A published all {blocks} blocks of the aligned prompt", published == blocks, published)
+    c.check(f"B found {blocks - 1} blocks, all but the last", lookup["hit_blocks"] == blocks - 1
+            and lookup["max_blocks"] == blocks - 1, lookup)
+    c.check("B loaded them all", load["loaded"] == load["blocks"] == blocks - 1 and not load["failed_block_ids"], load)
+    c.check("A's own prefix hit stopped at the same block", a_lookup["local_tokens"] == (blocks - 1) * B, a_lookup)
+    c.check("B computed the last block itself", [r["first_block"] for r in produced] == [blocks - 1],
+            [(r["first_block"], len(r["hashes"])) for r in produced])
+    c.check("B generated its 16 tokens", len(b.token_ids) == 16, len(b.token_ids))
+    c.output("B's tokens and log-probabilities equal A's prefix hit of the same partition", b, a_hit)
+    c.evidence.update(blocks=blocks, control=control, tokens_equal_reference=b.token_ids == a_hit.token_ids)
+    return c.verdict(f"a block-aligned prompt wholly in the pool: {blocks - 1} blocks loaded, the last computed, "
+                     f"output equal to the producer's own prefix hit")
+
+
 def load_failure(cluster: Cluster, corpus: Corpus, seed: int, kind: str, block: int | None = None,
                  control: str | None = None) -> Verdict:
     """A fault at block k of B's load (k drawn by the seed's fault schedule unless given).
@@ -265,8 +313,8 @@ def load_failure(cluster: Cluster, corpus: Corpus, seed: int, kind: str, block: 
     c.check("every block from there was reported failed", len(load["failed_block_ids"]) == load["blocks"] - block)
     c.check("the reference loaded exactly the same blocks", ref_lookup["external_tokens"] == block * 128
             and ref_lookup["local_tokens"] == 0, ref_lookup)
-    c.check("policy recompute: tokens and log-probabilities equal the fault-free reference",
-            b.finish_reason == "length" and b.same_output(ref), (b.finish_reason, b.error, b.token_ids == ref.token_ids))
+    c.check("policy recompute: the request completed", b.finish_reason == "length", (b.finish_reason, b.error))
+    c.output("policy recompute: tokens and log-probabilities equal the fault-free reference", b, ref)
     c.evidence.update(kind=kind, block=block, fired_at_load=warmups,
                       probability=None if kind == "transport_error" else spec.probability,  # the proxy fires at once
                       loaded=load["loaded"], failed=len(load["failed_block_ids"]),
@@ -331,7 +379,8 @@ def load_poison(cluster: Cluster, corpus: Corpus, seed: int, block: int = 5, con
             (len(compared), len(pooled)))
     c.check("pooled blocks equal a clean same-partition computation", not differ,
             f"{len(differ)} of {len(compared)} differ: blocks {differ[:20]}")
-    c.check("B's output equals the same-partition fault-free run", b.same_output(ref) and b.finish_reason == "length")
+    c.check("B's request completed", b.finish_reason == "length", (b.finish_reason, b.error))
+    c.output("B's output equals the same-partition fault-free run", b, ref)
     c.evidence.update(block=block, control=control, pooled=len(pooled), compared=len(compared), differ=differ,
                       withheld_blocks=sum(r["blocks"] for r in withheld))
     return c.verdict(f"corrupt block {block} under B's load: nothing computed on the failed blocks was published; "
@@ -370,8 +419,8 @@ def pool_restart(cluster: Cluster, corpus: Corpus, seed: int, control: str | Non
     c = Checks()
     c.check("with the pool down the lookup is a transport_error", down["outcome"] == "miss"
             and down["miss_cause"] == "transport_error", down)
-    c.check("the request was computed locally with unchanged output", b1.token_ids == b1_cold.token_ids
-            and len(b1.token_ids) == 16)
+    c.check("the request was computed locally", len(b1.token_ids) == 16, len(b1.token_ids))
+    c.output("computed locally with the pool down, its output equals a cold run's", b1, b1_cold)
     c.check("the restarted pool said it recovered from a crash", bool(cluster.pool.address["restarted_after_crash"]))
     c.check("after the restart sharing resumed", up["outcome"] == "remote_hit" and up["hit_blocks"] == 5, up)
     c.check("and its output is complete", len(b2.token_ids) == 16)
@@ -407,8 +456,8 @@ def revision_mismatch(cluster: Cluster, corpus: Corpus, seed: int, replica: str 
             lookup)
     c.check("naming model_revision only", lookup["miss_fields"] == ["model_revision"], lookup["miss_fields"])
     c.check("nothing was loaded", not records(h, "load", tag=f"{tag}-c"))
-    c.check("the other revision's output equals its own cold run", c_out.token_ids == cold.token_ids
-            and len(c_out.token_ids) == 16)
+    c.check("the other revision generated its 16 tokens", len(c_out.token_ids) == 16, len(c_out.token_ids))
+    c.output("the other revision's output equals its own cold run", c_out, cold)
     c.evidence.update(miss_fields=lookup["miss_fields"])
     return c.verdict("another model revision found the blocks incompatible (model_revision) and loaded nothing")
 
@@ -547,8 +596,8 @@ def stream_delay_load(cluster: Cluster, corpus: Corpus, seed: int, *, control: b
     c.check("the load delay fired", [r["kind"] for r in fired] == ["stream_delay"], [r["kind"] for r in fired])
     c.check("the delayed load installed all 20 blocks", load["loaded"] == 20 and not load["failed_block_ids"], load)
     c.check("attention read the pool's bytes", len(seen) == 20 and not differ, f"{len(differ)} of {len(seen)} differ")
-    c.check("the output equals the same-partition run without the delay", d.same_output(ref) and len(d.token_ids) == 16,
-            (d.token_ids[:4], ref.token_ids[:4]))
+    c.check("D generated its 16 tokens", len(d.token_ids) == 16, len(d.token_ids))
+    c.output("the output equals the same-partition run without the delay", d, ref)
     c.evidence.update(delay_ms=delay, control=control, blocks_read_before_copy=len(differ),
                       tokens_equal_cold=d.token_ids == cold.token_ids)
     return c.verdict(f"load delayed {delay} ms: the engine waited; attention read the pool's bytes; output unchanged")
@@ -610,10 +659,27 @@ def replica_crash(cluster: Cluster, corpus: Corpus, seed: int, *, replica: str =
         wait_for(lambda: any(r.get("committed") for r in records(h, "publish", tag=f"{tag}-x2", replica=replica)),
                   60, f"the restarted {replica} to publish")
         c.check(f"the restarted {replica} serves and publishes", again.finish_reason == "length")
+        # The behaviour a leak breaks: the pool's whole capacity can be reserved again (committed
+        # pages are evicted to make room; a page that never came back cannot be had).
+        reservable = _reservable_pages(cluster, namespace_of(h, replica), rng)
+        c.check("the pool's whole capacity can be reserved again", reservable == cluster.pool_pages,
+                f"{reservable} of {cluster.pool_pages} pages")
         c.evidence.update(control=control, reserved_during=during["reserved_pages"] - before["reserved_pages"],
-                          leaked_pages=before["free_pages"] - after["free_pages"])
+                          leaked_pages=before["free_pages"] - after["free_pages"], reservable_pages=reservable)
         return c.verdict(f"{replica} killed mid-publish: the pool reclaimed its {c.evidence['reserved_during']} "
                          f"reserved pages, none became visible, {consumer} computed the prompt, {replica} restarted")
+
+
+def _reservable_pages(cluster: Cluster, ns, rng: random.Random) -> int:  # noqa: ANN001
+    """How many pages one reservation of the pool's whole capacity gets (fresh seeded keys),
+    then aborts it: what a publisher can still have, through the daemon's own allocator."""
+    keys = [rng.randbytes(16) for _ in range(cluster.pool_pages)]
+    with cluster.pool.client(name="capacity", timeout_s=30.0) as pc:
+        res = pc.reserve(ns, keys, [1] * len(keys))
+        got = sum(1 for slot in res.slots if slot.status == "reserved")
+        if res.reservation_id:
+            pc.abort(res.reservation_id)
+    return got
 
 
 # -- transport faults: the proxy between the remote replica and the pool --------------------
@@ -674,8 +740,8 @@ def transport_fault(cluster: Cluster, corpus: Corpus, seed: int, kind: str, *, r
         c.check("every block from there was reported failed", len(load["failed_block_ids"]) == load["blocks"] - k)
     c.check("the reference loaded exactly the same blocks", (k == 0 and not ref_load)
             or (len(ref_load) == 1 and ref_load[0]["loaded"] == k), [r["loaded"] for r in ref_load])
-    c.check("tokens and log-probabilities equal the fault-free run of the same partition", d.finish_reason == "length"
-            and d.same_output(ref), (d.finish_reason, d.error, d.token_ids == ref.token_ids))
+    c.check("D's request completed", d.finish_reason == "length", (d.finish_reason, d.error))
+    c.output("tokens and log-probabilities equal the fault-free run of the same partition", d, ref)
     c.evidence.update(kind=kind, block=after, loaded=k, fired=len(fired), control=control,
                       tokens_equal_reference=d.token_ids == ref.token_ids, output_equal_reference=d.same_output(ref),
                       load_seconds=load.get("seconds"))
@@ -746,8 +812,8 @@ def evict_leased(cluster: Cluster, corpus: Corpus, seed: int, *, control: str | 
                 (during["leased_pages"], load["blocks"]))
         c.check("B's load completed under the squeeze", load["loaded"] == load["blocks"] and not load["miss_cause"],
                 load)
-        c.check("B's output equals the same-partition run without the hold", b is not None and b.same_output(ref)
-                and len(b.token_ids) == 16)
+        c.check("B generated its 16 tokens", b is not None and len(b.token_ids) == 16)
+        c.output("B's output equals the same-partition run without the hold", b, ref)
         c.check("once released, the squeeze took the rest", after_release >= load["blocks"], after_release)
         v = exchange_exact(cluster, ("A", f"{tag}-a"), ("B", f"{tag}-b"), None)
         c.check(v.reason, v.valid is True)
@@ -763,6 +829,7 @@ RUNNERS: dict[str, Callable[..., Verdict]] = {
     "shared_system_prompt": shared_system_prompt,
     "hit_kinds": hit_kinds,
     "load_failure": load_failure,
+    "aligned_full_hit": aligned_full_hit,
     "load_poison": load_poison,
     "load_failure_fail": load_failure_fail,
     "pool_restart": pool_restart,

@@ -12,6 +12,9 @@
       find the leftovers, say so, and start empty; a graceful stop must leave nothing.
   state_machine(seed, examples)
       kvpool.testing.PoolMachine, seeded.
+  catalog_controls(seed)
+      each known-bad catalog (faults.controls) through the state machine, caught only by
+      the kind of finding it breaks, within CONTROL_BUDGET programs.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from kvpool.keys import Namespace, block_hashes
 NS = Namespace("kvgate-check", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
 EXCHANGE_BLOCKS = 24
 EXCHANGE_PAGE = 16 * 1024
+CONTROL_BUDGET = 400  # programs per known-bad catalog (measured: see catalog_controls)
 
 
 def _tokens(who: int, seed: int) -> list[int]:
@@ -227,19 +231,23 @@ def crash_and_restart(seed: int) -> Verdict:
 
 
 def state_machine(seed: int, examples: int = 25, steps: int = 30, catalog_factory: type | None = None,
-                  shrink: bool = True) -> Verdict:
+                  shrink: bool = True, judged: frozenset[str] | None = None) -> Verdict:
     """`catalog_factory` plugs a negative control (faults.controls) into the daemon;
-    `shrink=False` reports the first failing program as found (controls need no minimal
-    example, only the fact that they fail)."""
+    `judged` limits the kinds of finding that end a run (kvpool.testing.FINDINGS), so a
+    control is caught by the behaviour it breaks; `shrink=False` reports the first failing
+    program as found (controls need no minimal example, only the fact that they fail).
+    The evidence says how many programs ran (for a control: how many it took to catch)."""
     from hypothesis import HealthCheck, Phase, settings
     from hypothesis import seed as hseed
     from hypothesis.stateful import run_state_machine_as_test
 
     from kvpool.testing import PoolMachine
 
-    attrs = {}
+    attrs: dict = {"examples_run": 0}
     if catalog_factory is not None:
         attrs["catalog_factory"] = catalog_factory
+    if judged is not None:
+        attrs["judged"] = frozenset(judged)
     machine = hseed(seed)(type("SeededPoolMachine", (PoolMachine,), attrs))
     try:
         run_state_machine_as_test(machine, settings=settings(
@@ -248,7 +256,82 @@ def state_machine(seed: int, examples: int = 25, steps: int = 30, catalog_factor
             suppress_health_check=[HealthCheck.too_slow]))
     except (AssertionError, PoolError, BaseExceptionGroup) as exc:
         return Verdict(False, f"the daemon disagreed with the reference model: {type(exc).__name__}: {str(exc)[:400]}",
-                       {"examples": examples, "steps": steps})
+                       {"examples": examples, "steps": steps, "examples_run": machine.examples_run,
+                        "finding": _finding(exc)})
     return Verdict(True, "the daemon agreed with the reference model at every step",
-                   {"examples": examples, "steps": steps},
+                   {"examples": examples, "steps": steps, "examples_run": machine.examples_run},
                    not_checked="thread interleavings inside the daemon (it is single-threaded by design)")
+
+
+def _finding(exc: BaseException) -> str | None:
+    """The kind of finding ("[kind] ..." from kvpool.testing) that ended a run, if any."""
+    import re
+
+    m = re.match(r"\[(\w+)\]", str(exc))
+    return m.group(1) if m else None
+
+
+def catalog_controls(seed: int, examples: int = CONTROL_BUDGET, steps: int = 50) -> Verdict:
+    """Every known-bad catalog of faults.controls through the state machine, judged only by
+    the kind of finding it exists to show (faults.controls.CATALOG_BREAKS): caught when
+    that finding ended the run; the evidence has the programs each one needed."""
+    from faults.controls import CATALOG_BREAKS, CATALOG_CONTROLS
+
+    caught, needed, findings = {}, {}, {}
+    for name, cls in CATALOG_CONTROLS.items():
+        kind = CATALOG_BREAKS[name]
+        v = state_machine(seed, examples=examples, steps=steps, catalog_factory=cls, shrink=False,
+                          judged=frozenset({kind}))
+        findings[name] = v.evidence.get("finding")
+        caught[name] = v.valid is False and findings[name] == kind
+        needed[name] = v.evidence.get("examples_run")
+    missed = [n for n, ok in caught.items() if not ok]
+    evidence = {"caught": caught, "programs_needed": needed, "finding": findings, "budget": examples}
+    if missed:
+        return Verdict(False, f"controls not caught by the behaviour they break: {missed} "
+                              f"(findings {[findings[n] for n in missed]}, wanted {[CATALOG_BREAKS[n] for n in missed]})",
+                       evidence)
+    return Verdict(True, "every known-bad catalog was caught by the behaviour it breaks: "
+                   + ", ".join(f"{n} by {CATALOG_BREAKS[n]} after {needed[n]} programs" for n in caught), evidence)
+
+def programs_to_catch(seeds: range, examples: int = 2000, steps: int = 50) -> dict[str, list[int | None]]:
+    """For each known-bad catalog, per seed: how many programs the state machine ran until
+    the finding it breaks ended the run (None: not caught within `examples`). The budget
+    CONTROL_BUDGET must stay above the largest of these."""
+    from faults.controls import CATALOG_BREAKS, CATALOG_CONTROLS
+
+    out: dict[str, list[int | None]] = {}
+    for name, cls in CATALOG_CONTROLS.items():
+        kind = CATALOG_BREAKS[name]
+        out[name] = []
+        for seed in seeds:
+            v = state_machine(seed, examples=examples, steps=steps, catalog_factory=cls, shrink=False,
+                              judged=frozenset({kind}))
+            caught = v.valid is False and v.evidence.get("finding") == kind
+            out[name].append(v.evidence.get("examples_run") if caught else None)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m harness.scenarios.pool budget [--seeds N]: the programs each known-bad
+    catalog needed to be caught, per seed, against CONTROL_BUDGET."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m harness.scenarios.pool")
+    ap.add_argument("what", choices=["budget"])
+    ap.add_argument("--seeds", type=int, default=20)
+    a = ap.parse_args(argv)
+    needed = programs_to_catch(range(a.seeds))
+    ok = True
+    for name, runs in needed.items():
+        worst = None if None in runs else max(runs)
+        ok = ok and worst is not None and worst <= CONTROL_BUDGET
+        print(f"{name:<10} max {worst} median {sorted(r for r in runs if r)[len(runs) // 2] if all(runs) else '-'} "
+              f"of {len(runs)} seeds (budget {CONTROL_BUDGET}): {runs}")
+    print(json.dumps({"budget": CONTROL_BUDGET, "needed": needed, "within_budget": ok}))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -3,8 +3,8 @@ against a live cluster and judges it from the history.
 
   run_scenario(cluster, corpus, sc, seed) -> ScenarioResult
         resets the cluster, runs the scenario's body (harness.scenarios.live.RUNNERS), then
-        judges the run's window of the history with the checkers (byte-exact, miss causes,
-        requests) next to the scenario's own checks; then, if the scenario has a negative
+        judges it: the scenario's own checks, the output oracle over its comparisons, and the
+        checkers over the run's window of the history (byte-exact, miss causes, requests); then, if the scenario has a negative
         control, runs it the same way (its own derived seed) and requires that the oracle
         the scenario file names for it judged it false, for its reason (judge_control). A
         control run that raised, timed out or found the system down is inconclusive and
@@ -24,6 +24,7 @@ from harness.checkers import byte_exact as BE
 from harness.checkers import history as H
 from harness.checkers.miss_causes import expected_causes, miss_causes
 from harness.checkers.outcome import classify
+from harness.checkers.output import output, own_checks
 from harness.checkers.requests import requests
 from harness.checkers.verdict import Verdict, all_of
 from harness.client.http import RequestFailed
@@ -98,8 +99,9 @@ def _judge(cluster: Cluster, run: _Run, sc: Scenario | None = None) -> tuple[lis
         mc = Verdict(mc.valid if ex.valid else False, reason, {**mc.evidence, "declared": ex.evidence}, mc.not_checked)
     policies = {name: r.spec.policy for name, r in cluster.replicas.items()}
     rq = requests(run.recs, policies)
-    outcome = classify(crashed=run.crashed, liveness=rq, correctness=[run.verdict, be, mc])
-    return [run.verdict, be, mc, rq], outcome
+    own, out = own_checks(run.verdict), output(run.verdict)
+    outcome = classify(crashed=run.crashed, liveness=rq, correctness=[own, out, be, mc])
+    return [own, out, be, mc, rq], outcome
 
 
 def judge_control(control: Control, run: _Run, parts: list[Verdict]) -> dict[str, Any]:
@@ -119,8 +121,11 @@ def judge_control(control: Control, run: _Run, parts: list[Verdict]) -> dict[str
         why = f"NOT caught for its reason: {control.oracle} said {target.reason[:200]!r}, not {control.because!r}"
     else:
         why = f"NOT caught by {control.oracle} (false verdicts from: {', '.join(by) or 'none'})"
+    out = parts[ORACLES.index("output")].evidence
     return {"name": control.name, "oracle": control.oracle, "caught": caught, "inconclusive": bool(inconclusive),
-            "by": by, "why": why, "reason": run.verdict.reason[:300]}
+            "by": by, "why": why, "reason": run.verdict.reason[:300],
+            "findings": {n: p.reason[:200] for n, p in zip(ORACLES, parts) if p.valid is False},
+            "outputs": {k: out.get(k) for k in ("compared", "differ", "tokens_differ")}}
 
 
 def run_scenario(cluster: Cluster, corpus: Corpus, sc: Scenario, seed: int) -> ScenarioResult:
@@ -132,9 +137,10 @@ def run_scenario(cluster: Cluster, corpus: Corpus, sc: Scenario, seed: int) -> S
         "faults_fired": sum(1 for r in recs if r["ev"] == "fault"
                             or (r["ev"] == "nemesis" and not r["action"].startswith("scenario_"))),
         "loads": sum(1 for r in recs if r["ev"] == "load"),
-        "silent_corruptions": int(parts[1].evidence.get("silent_corruptions", 0)),
-        "lost_requests": int(parts[3].evidence.get("lost", 0)),
-        "misclassified": int(parts[2].evidence.get("misclassified", 0)),
+        "silent_corruptions": int(parts[ORACLES.index("byte-exact")].evidence.get("silent_corruptions", 0)),
+        "lost_requests": int(parts[ORACLES.index("requests")].evidence.get("lost", 0)),
+        "misclassified": int(parts[ORACLES.index("miss causes")].evidence.get("misclassified", 0)),
+        "outputs_differ": int(parts[ORACLES.index("output")].evidence.get("differ", 0)),
     }
     control = None
     if sc.control is not None:  # its own seed (derived), so its requests never share a tag with the run's

@@ -154,3 +154,51 @@ def test_expected_causes_holds_a_run_to_the_causes_its_scenario_declares():
     assert expected_causes(history, (), ()).valid is False  # a cause nobody declared
     assert expected_causes(history, ("corrupt", "timeout"), ()).valid is False  # a declared cause that never came
     assert expected_causes(history, ("corrupt",), ("incompatible",)).valid is False
+
+
+# -- the output oracle (harness.checkers.output) over Checks.output's comparisons -------------
+def _completion(tokens, logprobs):  # noqa: ANN001, ANN202
+    from harness.client.http import Completion
+
+    return Completion(tag="t", replica="B", token_ids=list(tokens), text="", finish_reason="length", ttft_s=0.0,
+                      total_s=0.0, prompt_tokens=1, logprobs=list(logprobs))
+
+
+def test_the_output_oracle_fails_on_moved_log_probabilities_with_equal_tokens():
+    from harness.checkers.output import output, own_checks
+    from harness.checkers.verdict import Checks
+
+    c = Checks()
+    c.check("the load happened", True)
+    c.output("same", _completion([5, 6], [-0.5, -0.25]), _completion([5, 6], [-0.5, -0.25]))
+    c.output("moved", _completion([5, 6], [-0.5, -0.2500001]), _completion([5, 6], [-0.5, -0.25]))
+    v = c.verdict("fine")
+    assert v.valid is False
+    out, own = output(v), own_checks(v)
+    assert out.valid is False and out.evidence["differ"] == 1 and out.evidence["tokens_differ"] == 0
+    assert "log-probabilities differ" in out.evidence["first"][0]
+    assert own.valid is True  # the scenario's own checks held: only the output oracle is false
+
+
+def test_the_output_oracle_names_the_first_differing_token_and_a_missing_completion():
+    from harness.checkers.output import output
+    from harness.checkers.verdict import Checks
+
+    c = Checks()
+    c.output("tokens", _completion([5, 6, 7], [-1, -1, -1]), _completion([5, 9, 7], [-1, -1, -1]))
+    c.output("none", None, _completion([5], [-1]))
+    v = output(c.verdict("fine"))
+    assert v.valid is False and v.evidence["differ"] == 2
+    assert "position 1" in v.evidence["first"][0] and "no completion" in v.evidence["first"][1]
+
+
+def test_own_checks_fail_without_the_output_and_a_run_without_comparisons_passes_the_output_oracle():
+    from harness.checkers.output import output, own_checks
+    from harness.checkers.verdict import Checks, Verdict
+
+    c = Checks()
+    c.check("the pool held the blocks", False, 3)
+    v = c.verdict("fine")
+    assert own_checks(v).valid is False and output(v).valid is True and output(v).not_checked
+    raised = Verdict(False, "AssertionError: boom")  # a run that raised: no comparisons at all
+    assert own_checks(raised).valid is False and output(raised).valid is None

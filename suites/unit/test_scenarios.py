@@ -48,7 +48,7 @@ def test_a_malformed_scenario_file_is_refused(tmp_path, doc, match):
 def test_every_control_names_its_oracle():
     for sc in load_catalog():
         if sc.control is not None:
-            assert sc.control.oracle in ("scenario", "byte-exact", "miss causes", "requests"), sc.name
+            assert sc.control.oracle in ("scenario", "output", "byte-exact", "miss causes", "requests"), sc.name
 
 
 # -- crediting a negative control (harness.scenarios.runner.judge_control) -------------------
