@@ -21,7 +21,9 @@ HostCopier of a replica whose `faults_file` is set. Armed through that fault-con
                    loads (`failed` reads empty; the engine is still told, take_failed is
                    untouched), so the blocks a request computed on top of its failed load
                    in that step are published: KV computed on a wrong context, kept and
-                   served (what kvpool.connector's save must never do).
+                   served (what kvpool.connector's save must never do). Its stores are
+                   copied synchronously at save time, so the bytes published are the
+                   step's, whatever the recompute does next.
 (hide_failures, the control that keeps failed blocks from the engine, acts at the
 connector API: faults.connector.)
 Every delayed job and every job under the control is written to the history (`fault`
@@ -105,6 +107,16 @@ class FaultyCopier:
 
     def store(self, ns: Namespace, run: CopyRun, keep: Sequence[int]) -> Future:
         job, spec = self._wrap("store", run, self.inner.store_job(ns, run, keep))
+        if spec and spec.get("control") == "publish_after_failed_load":
+            # Copied here, at save time: the step's own bytes are published. On the copy
+            # thread the rolled-back request's recompute could rewrite the blocks first, and
+            # whether the control published poison would depend on that race.
+            done: Future = Future()
+            try:
+                done.set_result(job())
+            except Exception as exc:  # noqa: BLE001 - handed to whoever waits on the future, as the copy thread would
+                done.set_exception(exc)
+            return done
         return self._engine(spec).submit(job)
 
     def load(self, ns: Namespace, run: CopyRun, deadline_s: float) -> Future:

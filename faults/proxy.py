@@ -25,6 +25,10 @@ changes (checked on every frame and every 10 ms); `{}` or no file heals. Every k
   times      at most this many firings per control version (default unlimited)
   seed       the fault's own seed for its draws (default: the proxy's seed and the
              control version), so a scenario replays its draws from its own seed
+  schedule_seed, schedule_kind
+             BUGGIFY-style: whether the n-th matching frame (after `after`) fires is the
+             run's fault schedule's decision, faults.schedule.fires(schedule_seed,
+             schedule_kind, n, p), the same answer the schedule gives the scenario
 
 and the kinds, applied to a frame in this order:
 
@@ -77,6 +81,7 @@ from typing import Any
 import msgspec
 
 from faults import control
+from faults.schedule import fires as schedule_fires
 from kvpool import protocol as P
 from kvpool.client import parse_address
 from kvpool.history import HistoryWriter
@@ -92,7 +97,7 @@ HEAL: dict[str, str] = {
     "bitflip": "rewrite the control file to {}; the next load reads the committed page again",
     "slow": "rewrite the control file to {}; frames go out at link speed",
 }
-_COMMON = {"p", "ops", "direction", "after", "times", "seed"}
+_COMMON = {"p", "ops", "direction", "after", "times", "seed", "schedule_seed", "schedule_kind"}
 _PARAMS = {"reset": set(), "truncate": {"bytes"}, "drop_reply": set(), "stall": {"seconds"},
            "bitflip": set(), "slow": {"bytes_per_s", "latency_s"}}
 _PAGE_FRAMES = {("request", "write"), ("reply", "pages_ok")}
@@ -120,6 +125,8 @@ class LinkFault:
     bytes_per_s: float | None = None  # slow
     latency_s: float = 0.0  # slow
     seed: int | None = None  # this fault's own draws (else the proxy's seed and the control version)
+    schedule_seed: int | None = None  # the decision to fire is the fault schedule's (faults.schedule.fires)
+    schedule_kind: str | None = None  # the schedule's kind for it (default: this kind)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -662,7 +669,11 @@ class FaultProxy:
         state.seen += 1
         if state.seen <= fault.after or (fault.times is not None and state.fired >= fault.times):
             return False
-        if state.rng.random() >= fault.p:
+        if fault.schedule_seed is not None:  # the schedule decides this opportunity, as it told the scenario
+            if not schedule_fires(fault.schedule_seed, fault.schedule_kind or fault.kind,
+                                  state.seen - fault.after - 1, fault.p):
+                return False
+        elif state.rng.random() >= fault.p:
             return False
         state.fired += 1
         return True

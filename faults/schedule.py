@@ -9,6 +9,7 @@
                      (`random.Random(f"{seed}:fault:{kind}")`), so adding a fault kind never
                      changes another kind's draws. Each site is activated at most once per
                      run (BUGGIFY style: a drawn coin), then fires with its drawn probability.
+  pin(schedule)      a schedule file replayed as it is: draw_schedule of its seed returns it.
   FaultSchedule.fires(kind, attempt) / .first_firing(kind)
                      whether the site fires on its n-th opportunity, decided by the schedule
                      alone (same seed, same answers); a seed cannot force thread
@@ -99,11 +100,32 @@ def fires(seed: int, kind: str, attempt: int, probability: float) -> bool:
     return random.Random(f"{seed}:fires:{kind}:{attempt}").random() < probability
 
 
+_PINNED: dict[int, FaultSchedule] = {}
+
+
+def pin(schedule: FaultSchedule) -> None:
+    """Make `draw_schedule(schedule.seed, ...)` return this schedule as it is, for any profile
+    whose kinds it holds
+    (a schedule file, perhaps edited, replayed: its parameters and probabilities are used,
+    not drawn again). Validated against the kinds first."""
+    for f in schedule.faults:
+        if f.kind not in KINDS:
+            raise ValueError(f"schedule names an unknown fault kind {f.kind!r}; known: {sorted(KINDS)}")
+        if not 0.0 <= float(f.probability) <= 1.0:
+            raise ValueError(f"fault {f.kind}: probability {f.probability!r} is not in [0, 1]")
+    _PINNED[schedule.seed] = schedule
+
+
 def draw_schedule(seed: int, profile: str = "all", *, force_active: bool = True) -> FaultSchedule:
     """`force_active` (the gate's default) activates every site of the profile, so every
-    kind is exercised in every run; without it each site is activated by a drawn coin."""
+    kind is exercised in every run; without it each site is activated by a drawn coin. A
+    pinned schedule (pin) of that seed and profile is returned as it is."""
     if profile not in PROFILES:
         raise ValueError(f"unknown fault profile {profile!r}; known: {sorted(PROFILES)}")
+    pinned = _PINNED.get(seed)
+    if pinned is not None and set(PROFILES[profile]) <= {f.kind for f in pinned.faults}:
+        # a kind's draws never depend on the profile, so a profile's schedule is the file's sites of its kinds
+        return FaultSchedule(seed, profile, tuple(f for f in pinned.faults if f.kind in PROFILES[profile]))
     faults = []
     for kind in PROFILES[profile]:
         rng = random.Random(f"{seed}:fault:{kind}")

@@ -90,6 +90,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
         if doc.get("scenario") not in (None, sc.name):
             raise SystemExit(f"kvgate replay: {args.schedule} is the schedule of {doc['scenario']!r}, not {sc.name!r}")
         args.seed = int(doc["seed"])
+        from faults.schedule import FaultSchedule, pin
+
+        try:  # its parameters as written (an edited file replays its edits), not drawn again from the seed
+            pin(FaultSchedule.from_json(json.dumps({k: v for k, v in doc.items() if k != "scenario"})))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SystemExit(f"kvgate replay: {args.schedule} is not a fault schedule: {exc}") from exc
     print(f"kvgate replay: {sc.name} --seed {args.seed} (fault {sc.fault or 'none'}; replicas {'+'.join(sc.replicas)})",
           flush=True)
     report_dir = args.report_dir or Path("reports/runs/replay") / f"{sc.name}-{args.seed}"

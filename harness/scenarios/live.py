@@ -270,23 +270,24 @@ def load_failure(cluster: Cluster, corpus: Corpus, seed: int, kind: str, block: 
     tag = _tag(f"r{kind[:3]}", seed)
     A, B = cluster.replicas["A"].url, cluster.replicas["B"].url
     complete(A, prompt, tag=f"{tag}-a", replica="A", cache_salt=f"s-{tag}")
-    warmups = 0
     t_armed = time.time()
-    if kind == "transport_error":  # the proxy resets B's connection instead of answering its acquire
+    # BUGGIFY-style: the site is active for this run and fires on each load that reaches it
+    # with the schedule's probability, by the schedule's own draw; the schedule says at which
+    # load it first fires, and the loads before it must pass the armed site untouched.
+    warmups = schedule.first_firing(kind)
+    if warmups is None:
+        raise AssertionError(f"the schedule's {kind} site does not fire within 16 loads (seed {seed})")
+    if kind == "transport_error":  # the proxy resets B's connection instead of answering an acquire
         arm(cluster, "B", control)
-        cluster.arm_proxy("B", {"reset": {"ops": ["acquire"], "direction": "reply", "times": 1}})
+        cluster.arm_proxy("B", {"reset": {"ops": ["acquire"], "direction": "reply", "times": 1,
+                                          "p": spec.probability, "schedule_seed": seed,
+                                          "schedule_kind": "transport_error"}})
     else:
-        # BUGGIFY-style: the site is active for this run and fires on each load that reaches
-        # it with the schedule's probability; the schedule says at which load it first fires,
-        # and the loads before it must pass the armed site untouched.
-        warmups = schedule.first_firing(kind)
-        if warmups is None:
-            raise AssertionError(f"the schedule's {kind} site does not fire within 16 loads (seed {seed})")
         arm(cluster, "B", control, kind=kind, block=block, seed=rng.randrange(2**32), p=spec.probability,
             schedule_seed=seed)
-        for n in range(warmups):
-            complete(A, prompt, tag=f"{tag}-w{n}a", replica="A", cache_salt=f"w{n}-{tag}")
-            complete(B, prompt, tag=f"{tag}-w{n}", replica="B", cache_salt=f"w{n}-{tag}")
+    for n in range(warmups):
+        complete(A, prompt, tag=f"{tag}-w{n}a", replica="A", cache_salt=f"w{n}-{tag}")
+        complete(B, prompt, tag=f"{tag}-w{n}", replica="B", cache_salt=f"w{n}-{tag}")
     b = complete(B, prompt, tag=f"{tag}-b", replica="B", cache_salt=f"s-{tag}")
     arm(cluster, "B", None)  # heal (a control must not outlive the faulted request)
     if kind == "transport_error":
@@ -305,8 +306,10 @@ def load_failure(cluster: Cluster, corpus: Corpus, seed: int, kind: str, block: 
     warm_loads = [_one(h, "load", tag=f"{tag}-w{n}", replica="B") for n in range(warmups)]
     c = Checks()
     c.check("the fault fired once", fired == [injected], fired)
+    # the pool client's site records each load it lets through; the proxy's, each frame it forwards untouched
+    passed = warmups if kind == "transport_error" else len(skipped)
     c.check(f"the site let the {warmups} loads before it through, as the schedule drew",
-            len(skipped) == warmups and all(w["loaded"] == w["blocks"] for w in warm_loads),
+            passed == warmups and all(w["loaded"] == w["blocks"] for w in warm_loads),
             (len(skipped), [w["loaded"] for w in warm_loads]))
     c.check(f"the load stopped at block {block} as {cause}", load["miss_cause"] == cause and load["loaded"] == block
             and load["miss_index"] == block, load)
@@ -316,7 +319,7 @@ def load_failure(cluster: Cluster, corpus: Corpus, seed: int, kind: str, block: 
     c.check("policy recompute: the request completed", b.finish_reason == "length", (b.finish_reason, b.error))
     c.output("policy recompute: tokens and log-probabilities equal the fault-free reference", b, ref)
     c.evidence.update(kind=kind, block=block, fired_at_load=warmups,
-                      probability=None if kind == "transport_error" else spec.probability,  # the proxy fires at once
+                      probability=spec.probability,
                       loaded=load["loaded"], failed=len(load["failed_block_ids"]),
                       tokens_equal_reference=b.token_ids == ref.token_ids, output_equal_reference=b.same_output(ref),
                       tokens_equal_full_cold_run=b.token_ids == cold.token_ids)
@@ -330,10 +333,13 @@ def load_poison(cluster: Cluster, corpus: Corpus, seed: int, block: int = 5, con
     corrupt (in the arena, under its lease), so blocks k..9 fail; in that same step vLLM
     computes the next prefill chunk (blocks 10-25) on top of the failed blocks, then rolls
     B back and recomputes from block k. Every pooled block of the prompt must equal a
-    clean computation of the same tokens in the same partition: A publishes k blocks under
-    another salt, B loads them and computes the rest (the partition of B's recompute).
-    The producer's own bytes are no reference here: in the poisoned case they are the
-    wrong bytes.
+    clean computation of the same tokens in the same partition by a replica that loads
+    nothing: blocks 0-9 A's run from the start under another salt (nothing pooled there),
+    blocks 10-29 B's own run of the prompt on its prefix cache of the first k blocks (B
+    computes them first as a prompt of their own), which starts computing at block k as
+    B's recompute did. The producer's own bytes are no reference here: in the poisoned case
+    they are the wrong bytes. The output is held to the fault-free run that loads the k
+    verified blocks from the pool (`fault_free_reference`).
 
     control="publish_after_failed_load": the worker's save does not see the failed load
     (faults.copier), so blocks computed on the failed blocks are published."""
@@ -352,6 +358,11 @@ def load_poison(cluster: Cluster, corpus: Corpus, seed: int, block: int = 5, con
     b = complete(B, prompt, tag=f"{tag}-b", replica="B", cache_salt=f"s-{tag}")
     cluster.faults["B"].write_text("{}")
     ref = fault_free_reference(cluster, "A", "B", prompt, tag, block)
+    # The same partition from a replica that loads nothing: B computes the first `block`
+    # blocks as a prompt of their own, then the whole prompt on its own prefix cache.
+    prefix = " ".join(prompt.split()[: block * 128 - 1])  # + BOS: exactly `block` blocks (one word, one token)
+    complete(B, prefix, tag=f"{tag}-lp", replica="B", load=False, publish=False, cache_salt=f"local-{tag}")
+    complete(B, prompt, tag=f"{tag}-lf", replica="B", load=False, publish=False, cache_salt=f"local-{tag}")
     load = _one(h, "load", tag=f"{tag}-b", replica="B")
     # The pool keys of salt s and each block's index, from the audit's records of that salt.
     key_of: dict[str, str] = {}
@@ -360,21 +371,28 @@ def load_poison(cluster: Cluster, corpus: Corpus, seed: int, block: int = 5, con
         if r["tag"] in (f"{tag}-a", f"{tag}-b"):
             key_of.update(zip(r["hashes"], r["keys"]))
             index_of.update((x, r["first_block"] + j) for j, x in enumerate(r["hashes"]))
-    # The clean computations, each in the partition of the pooled copy it is held to: blocks
-    # 0-9 were published by A (its own prompt, computed from the start), 10-29 by B's
-    # recompute (from block k on, after its k loaded blocks).
+    # The clean computations, by replicas that load nothing, each in the partition of the
+    # pooled copy it is held to: blocks 0-9 were published by A (its prompt computed from the
+    # start: A's run under the reference salt, where nothing was pooled), 10-29 by B's
+    # recompute (from block k on): B's own run on its prefix cache of the first k blocks.
     clean_a = audit_digests(h, "produced", f"{tag}-refa", "A")
-    clean_b = audit_digests(h, "produced", f"{tag}-ref", "B")
+    clean_b = audit_digests(h, "produced", f"{tag}-lf", "B")
+    refa_lookup, lf_lookup = _one(h, "lookup", tag=f"{tag}-refa"), _one(h, "lookup", tag=f"{tag}-lf")
     pooled = pool_digests(cluster.pool, namespace_of(h, "B"), list(key_of.values()))
     hash_of = {v: k for k, v in key_of.items()}
     want = {x: (clean_a if index_of[x] < 10 else clean_b).get(x) for x in (hash_of[k] for k in pooled)}
     compared = [x for x, d in want.items() if d is not None]
     differ = sorted(index_of[x] for x in compared if pooled[key_of[x]] != want[x])
     withheld = records(h, "publish_withheld", tag=f"{tag}-b", replica="B")
+    # How the clean runs compare with the fault-free run that loads k verified blocks (evidence).
+    loaded_ref = audit_digests(h, "produced", f"{tag}-ref", "B")
+    agree = [x for x in clean_b if x in loaded_ref and loaded_ref[x] == clean_b[x]]
     c = Checks()
     c.check(f"B's load stopped at block {block} as corrupt", load["miss_cause"] == "corrupt"
             and load["loaded"] == block, load)
     c.check("the prompt's 30 blocks are in the pool", len(pooled) == 30, len(pooled))
+    c.check("the clean runs loaded nothing", refa_lookup["external_tokens"] == 0 and lf_lookup["external_tokens"] == 0
+            and lf_lookup["local_tokens"] == block * 128, (refa_lookup, lf_lookup))
     c.check("every pooled block has a clean computation to compare with", len(compared) == len(pooled),
             (len(compared), len(pooled)))
     c.check("pooled blocks equal a clean same-partition computation", not differ,
@@ -382,7 +400,8 @@ def load_poison(cluster: Cluster, corpus: Corpus, seed: int, block: int = 5, con
     c.check("B's request completed", b.finish_reason == "length", (b.finish_reason, b.error))
     c.output("B's output equals the same-partition fault-free run", b, ref)
     c.evidence.update(block=block, control=control, pooled=len(pooled), compared=len(compared), differ=differ,
-                      withheld_blocks=sum(r["blocks"] for r in withheld))
+                      withheld_blocks=sum(r["blocks"] for r in withheld),
+                      clean_equal_to_loaded_reference=f"{len(agree)} of {sum(1 for x in clean_b if x in loaded_ref)}")
     return c.verdict(f"corrupt block {block} under B's load: nothing computed on the failed blocks was published; "
                      f"all {len(compared)} pooled blocks equal a clean computation of the same partition")
 
@@ -636,7 +655,7 @@ def replica_crash(cluster: Cluster, corpus: Corpus, seed: int, *, replica: str =
         c = Checks()
         with cluster.pool.client(name="crash") as pc:
             try:
-                wait_for(lambda: pc.stats()["reserved_pages"] == before["reserved_pages"], 30,
+                wait_for(lambda: pc.stats()["reserved_pages"] == before["reserved_pages"], 10,
                           "the pool to reclaim the dead replica's reservation")
             except AssertionError as exc:
                 c.check("the pool reclaimed the open publish", False, str(exc))
@@ -684,6 +703,8 @@ def _reservable_pages(cluster: Cluster, ns, rng: random.Random) -> int:  # noqa:
 
 # -- transport faults: the proxy between the remote replica and the pool --------------------
 
+PROXY_SCHEDULE_KIND = {"reset": "conn_reset", "truncate": "truncated_frame", "bitflip": "bitflip", "stall": "stall",
+                       "drop_reply": "stall", "slow": "slow_link"}  # the proxy's kind -> the schedule's
 TRANSPORT_CAUSE = {"reset": "transport_error", "truncate": "transport_error", "bitflip": "corrupt",
                    "stall": "timeout", "drop_reply": "timeout", "slow": None}
 
@@ -708,9 +729,19 @@ def transport_fault(cluster: Cluster, corpus: Corpus, seed: int, kind: str, *, r
     url, purl = cluster.replicas[replica].url, cluster.replicas[producer].url
     h = cluster.history_dir
     complete(purl, prompt, tag=f"{tag}-a", replica=producer, cache_salt=f"s-{tag}")
-    after = rng.randrange(0, n_blocks - 1)  # page-read frames let through before the fault
-    spec: dict[str, object] = {"ops": ["read"], "direction": "reply", "after": after, "times": 1,
+    # BUGGIFY-style, from the run's fault schedule: the proxy's site is active for this run and
+    # each page-read frame that reaches it fires with the schedule's probability, by the
+    # schedule's own draw; the frames before the first firing pass untouched.
+    skind = PROXY_SCHEDULE_KIND[kind]
+    sched = draw_schedule(seed)
+    sspec = sched.spec(skind)
+    after = sched.first_firing(skind, limit=n_blocks - 1)  # the block the fault strikes
+    if after is None:
+        raise AssertionError(f"the schedule's {skind} site does not fire within {n_blocks - 1} frames (seed {seed})")
+    spec: dict[str, object] = {"ops": ["read"], "direction": "reply", "times": 1, "p": sspec.probability,
+                               "schedule_seed": seed, "schedule_kind": skind,
                                "seed": rng.randrange(2**32)}  # the proxy's draws (bit, cut) from this seed
+    slowed = [n for n in range(n_blocks) if sched.fires(skind, n)]
     if kind == "stall":
         spec["seconds"] = 8.0
     elif kind == "slow":
@@ -734,6 +765,8 @@ def transport_fault(cluster: Cluster, corpus: Corpus, seed: int, kind: str, *, r
             [r["kind"] for r in fired])
     if want is None:
         c.check("the slowed load completed", k == load["blocks"] and load["miss_cause"] is None, load)
+        c.check("the schedule's frames, and only those, were slowed", len(fired) == len(slowed),
+                (len(fired), slowed))
     else:
         c.check(f"the load stopped as {want}", load["miss_cause"] == want and k < load["blocks"], load)
         c.check("at the block the fault struck", k == after, (k, after))
@@ -742,7 +775,7 @@ def transport_fault(cluster: Cluster, corpus: Corpus, seed: int, kind: str, *, r
             or (len(ref_load) == 1 and ref_load[0]["loaded"] == k), [r["loaded"] for r in ref_load])
     c.check("D's request completed", d.finish_reason == "length", (d.finish_reason, d.error))
     c.output("tokens and log-probabilities equal the fault-free run of the same partition", d, ref)
-    c.evidence.update(kind=kind, block=after, loaded=k, fired=len(fired), control=control,
+    c.evidence.update(kind=kind, block=after, loaded=k, fired=len(fired), control=control, probability=sspec.probability,
                       tokens_equal_reference=d.token_ids == ref.token_ids, output_equal_reference=d.same_output(ref),
                       load_seconds=load.get("seconds"))
     if want is None:

@@ -424,6 +424,37 @@ def test_a_slow_link_is_exact_and_its_throttle_is_accounted(pool, direct, proxie
     assert_settles(direct, before)
 
 
+def test_the_schedule_decides_which_frames_fire(pool, direct, proxies, test_seed):
+    """BUGGIFY-style: with schedule_seed, the n-th matching frame fires exactly where
+    faults.schedule.fires says, and the frames before pass untouched (a slow link slows
+    only the schedule's frames; a reset strikes at the schedule's first firing)."""
+    from faults.schedule import fires
+
+    prefix, before = published(pool, direct, test_seed)
+    proxy = proxies("tcp", remote=True)
+    p = 0.5
+    want = [n for n in range(BLOCKS) if fires(test_seed, "slow_link", n, p)]
+    with client(pool, proxy) as c:
+        proxy.configure({"slow": {"ops": ["read"], "direction": "reply", "latency_s": 0.001, "p": p,
+                                  "schedule_seed": test_seed, "schedule_kind": "slow_link"}})
+        out, sink = prefix.sink()
+        res = load(c, NS, prefix.hashes, sink)
+        assert (res.loaded, res.miss) == (BLOCKS, None) and prefix.exact(out)
+        assert proxy.fired()["slow"] == len(want)
+        first = next((n for n in range(BLOCKS) if fires(test_seed, "conn_reset", n, p)), None)
+        proxy.configure({"reset": {"ops": ["read"], "direction": "reply", "times": 1, "p": p,
+                                   "schedule_seed": test_seed, "schedule_kind": "conn_reset"}})
+        out, sink = prefix.sink()
+        res = load(c, NS, prefix.hashes, sink)
+        if first is None:
+            assert res.loaded == BLOCKS and proxy.fired()["reset"] == 0
+        else:
+            assert res.loaded == first and res.miss.cause == MissCause.TRANSPORT_ERROR
+            assert prefix.exact(out, first)
+        healed_load_is_exact(c, proxy, prefix)
+    assert_settles(direct, before)
+
+
 # -- seed, control file, framing ------------------------------------------------------------
 def test_the_same_seed_draws_the_same_faults(pool, direct, proxies, test_seed):
     prefix, before = published(pool, direct, test_seed)

@@ -64,3 +64,28 @@ def test_the_injector_fires_on_the_load_the_schedule_draws():
         first = sched.first_firing("corrupt")
         decisions = [fires(seed, "corrupt", n, spec.probability) for n in range(16)]
         assert first == (decisions.index(True) if True in decisions else None)
+
+
+def test_a_pinned_schedule_file_replays_its_edited_parameters_for_every_profile(tmp_path):
+    """`kvgate replay --schedule FILE` pins the file: an edited block or probability is what
+    the runners draw, under the profile each of them asks for; other seeds are untouched."""
+    import dataclasses
+
+    from faults import schedule as S
+
+    seed = 987654321
+    drawn = S.draw_schedule(seed)
+    edited = S.FaultSchedule(seed, drawn.profile, tuple(
+        dataclasses.replace(f, params={**f.params, "block": 5}, probability=1.0) if f.kind == "evict" else f
+        for f in drawn.faults))
+    try:
+        S.pin(edited)
+        assert S.draw_schedule(seed, "eviction").spec("evict").params["block"] == 5
+        assert S.draw_schedule(seed, "eviction").spec("evict").probability == 1.0
+        assert S.draw_schedule(seed).spec("corrupt") == drawn.spec("corrupt")
+        bad = S.FaultSchedule(seed, "all", (dataclasses.replace(drawn.faults[0], probability=2.0),))
+        with pytest.raises(ValueError, match="probability"):
+            S.pin(bad)
+    finally:
+        S._PINNED.clear()
+    assert S.draw_schedule(seed, "eviction").spec("evict") == drawn.spec("evict")
