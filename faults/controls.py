@@ -19,9 +19,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-import numpy as np
-
-from kvpool.catalog import Catalog, Hits, PageState
+from kvpool.catalog import Catalog, Hits
 
 
 class ForgetfulCatalog(Catalog):
@@ -31,8 +29,8 @@ class ForgetfulCatalog(Catalog):
 
 
 class LeaselessCatalog(Catalog):
-    def _evictable(self) -> np.ndarray:
-        return self.state == PageState.COMMITTED
+    def _may_evict(self, page: int) -> bool:
+        return True  # a lease pins nothing
 
     def evict(self, tenant, ns, hashes):  # noqa: ANN001, ANN201
         saved = self.leases_on.copy()

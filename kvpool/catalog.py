@@ -232,6 +232,14 @@ class Catalog:
         self.key_of: list[bytes | None] = [None] * n
         self._free: list[int] = list(range(n - 1, -1, -1))  # pop() gives page 0 first
         self._clock = itertools.count(1)
+        # Eviction order: the committed pages in a doubly linked list (two int32 arrays), least
+        # recently touched first; a touch moves a page to the tail, freeing unlinks it. An
+        # eviction walks from the head past the pages a loader holds (at most the lease
+        # limits' worth), so it costs O(1) per page evicted, not a scan of the arena.
+        self._prev = np.full(n, -1, dtype=np.int32)
+        self._next = np.full(n, -1, dtype=np.int32)
+        self._linked = np.zeros(n, dtype=bool)
+        self._head = self._tail = -1
         self.capacity = n  # pages that may be reserved or committed (set_capacity)
         # tenant id -> {block hash -> page, or a tuple of pages under several namespaces}
         self._index: list[dict[bytes, int | tuple[int, ...]]] = []
@@ -350,7 +358,7 @@ class Catalog:
         pages = list(found.hits.pages)
         for p in pages:
             self.leases_on[p] += 1
-            self.tick[p] = next(self._clock)
+            self._touch(p)
         lease_id = next(self._ids)
         self._leases[lease_id] = _Lease(client, pages, list(found.hits.generations),
                                         now + self.config.lease_ttl_s)
@@ -426,7 +434,7 @@ class Catalog:
     def _classify_offer(self, tid: int, nid: int, key: bytes, admitted: bool) -> SlotStatus | None:
         for p in self._pages_for(tid, key):
             if self.ns_of[p] == nid:
-                self.tick[p] = next(self._clock)
+                self._touch(p)
                 return SlotStatus.EXISTS
         if (tid, nid, key) in self._pending:
             return SlotStatus.PENDING
@@ -473,7 +481,7 @@ class Catalog:
                 continue
             self.digest[page] = np.frombuffer(digest, dtype=np.uint8)
             self.state[page] = PageState.COMMITTED
-            self.tick[page] = next(self._clock)
+            self._touch(page)
             entry = index.get(key)
             if entry is None:
                 index[key] = page
@@ -512,6 +520,7 @@ class Catalog:
         self.key_of[page] = None
         self.digest[page] = 0
         self.gen[page] += np.uint64(1)
+        self._unlink(page)
         self._free.append(page)
 
     def _unindex(self, page: int) -> None:
@@ -536,25 +545,48 @@ class Catalog:
         self._free_page(page)
         self.counters["evictions"] += 1
 
-    def _evictable(self) -> np.ndarray:
-        return (self.state == PageState.COMMITTED) & (self.leases_on == 0)
+    def _touch(self, page: int) -> None:
+        """A committed page was used (committed, found on offer, leased): it becomes the most
+        recently used."""
+        page = int(page)
+        self.tick[page] = next(self._clock)
+        self._unlink(page)
+        prev, self._prev[page], self._next[page] = self._tail, self._tail, -1
+        if prev >= 0:
+            self._next[prev] = page
+        else:
+            self._head = page
+        self._tail = page
+        self._linked[page] = True
+
+    def _unlink(self, page: int) -> None:
+        if not self._linked[page]:
+            return
+        prev, nxt = int(self._prev[page]), int(self._next[page])
+        if prev >= 0:
+            self._next[prev] = nxt
+        else:
+            self._head = nxt
+        if nxt >= 0:
+            self._prev[nxt] = prev
+        else:
+            self._tail = prev
+        self._linked[page] = False
+
+    def _may_evict(self, page: int) -> bool:
+        """A committed page may be evicted unless a loader holds it."""
+        return self.leases_on[page] == 0
 
     def _evict_lru(self, n: int) -> int:
         """Evict the `n` least recently used unleased committed pages; returns how many."""
-        mask = self._evictable()
-        candidates = np.flatnonzero(mask)
-        if candidates.size == 0:
-            return 0
-        n = min(n, candidates.size)
-        ticks = self.tick[candidates]
-        if n < candidates.size:
-            part = np.argpartition(ticks, n - 1)[:n]
-        else:
-            part = np.arange(candidates.size)
-        victims = candidates[part[np.argsort(ticks[part], kind="stable")]]
-        for p in victims:
-            self._evict_page(int(p))
-        return n
+        evicted, page = 0, self._head
+        while evicted < n and page >= 0:
+            nxt = int(self._next[page])
+            if self._may_evict(page):  # a leased page stays where it is, in its turn
+                self._evict_page(page)
+                evicted += 1
+            page = nxt
+        return evicted
 
     def evict(self, tenant: str, ns: Namespace, hashes: Sequence[bytes]) -> list[EvictOutcome]:
         tid = self._tenant_id(tenant, create=False)

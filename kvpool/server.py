@@ -12,8 +12,13 @@ Contracts:
     frame is answered with a typed Error and the connection stays usable; an oversized
     length prefix is answered and that connection is closed (its stream cannot be
     resynchronised). Other clients are never affected.
-  * Bounded: at most `max_clients` connections and `max_queue` requests waiting for the
-    thread pool; past either the reply is BUSY.
+  * Bounded: at most `max_clients` authenticated connections and `max_queue` requests
+    waiting for the thread pool; past either the reply is BUSY. Before its hello a
+    connection takes no client slot: at most `max_unauthenticated` of them (a new one
+    closes the oldest, with a BUSY error), each frame at most `max_hello_frame` bytes (a larger length prefix
+    is answered and the connection closed before its bytes are read), and one that has
+    not authenticated within `hello_timeout_s` gets an Unauthenticated error and is
+    closed.
   * A client's open reservations and leases are dropped when its connection closes,
     and expire after their TTL in any case (an abandoned publish is reclaimed).
   * A lookup with `wait_pending_ms` whose first missing block is being published (an
@@ -56,6 +61,7 @@ from kvpool.catalog import AdmissionPolicy, Catalog, CatalogConfig, LookupResult
 from kvpool.digest import page_digest
 from kvpool.errors import (
     Busy,
+    ErrorCode,
     InvalidRequest,
     LeaseLost,
     MissCause,
@@ -94,6 +100,10 @@ class PoolConfig:
     lease_ttl_s: float = 60.0
     reap_interval_s: float = 0.5
     max_lookup_wait_s: float = 2.0  # cap on a lookup's wait for a pending publish (Lookup.wait_pending_ms)
+    # Before a successful hello a connection costs the daemon little and not for long:
+    hello_timeout_s: float = 5.0  # it is closed (after a typed error) if no hello succeeds by then
+    max_hello_frame: int = 4096  # its largest frame: a bigger length prefix is refused before any byte of it
+    max_unauthenticated: int = 64  # connections awaiting their hello, at most; past it the oldest is closed
 
     def resolved_run_dir(self) -> Path:
         return self.run_dir if self.run_dir is not None else default_run_dir(self.name)
@@ -127,7 +137,8 @@ class PoolDaemon:
         self.unix_path: Path | None = None
         self.tcp_port: int | None = None
         self._sessions = itertools.count(1)
-        self._clients: dict[int, asyncio.StreamWriter] = {}
+        self._clients: dict[int, asyncio.StreamWriter] = {}  # authenticated connections
+        self._unauthenticated: dict[int, object] = {}  # connections still to say hello
         self._queued = 0
         self._lease_started: dict[int, float] = {}
         # reservation id -> futures of the lookups parked on it, resolved when it closes
@@ -205,7 +216,7 @@ class PoolDaemon:
             reaper.cancel()
             for srv in self._servers:
                 srv.close()
-            for conn in list(self._clients.values()):
+            for conn in [*self._clients.values(), *self._unauthenticated.values()]:
                 conn.close()
             for srv in self._servers:
                 await srv.wait_closed()
@@ -574,15 +585,39 @@ class _Connection(asyncio.Protocol):
         self.refuse = False
         self.closed = False
         self.write_paused = False
+        self._hello_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         d = self.daemon
         self.transport = transport  # type: ignore[assignment]
         self.session = _Session(next(d._sessions), str(transport.get_extra_info("peername") or "unix"))
-        if len(d._clients) >= d.config.max_clients:
-            self.refuse = True  # answer its first frame with BUSY, then close
-        else:
-            d._clients[self.session.client] = self
+        if len(d._unauthenticated) >= d.config.max_unauthenticated:
+            # Full of connections that have not said who they are: the oldest goes, so that a
+            # flood of idle ones cannot keep a client that says hello at once from getting in.
+            oldest = d._unauthenticated.pop(next(iter(d._unauthenticated)))
+            d.metrics.requests.labels("connect", ErrorCode.BUSY.value).inc()
+            oldest.transport.write(d._error(0, "hello", Busy(
+                f"{d.config.max_unauthenticated} connections awaiting their hello: the oldest is closed")))
+            oldest.close()
+        d._unauthenticated[self.session.client] = self
+        self._hello_timer = asyncio.get_running_loop().call_later(d.config.hello_timeout_s, self._hello_expired)
+
+    def _hello_expired(self) -> None:
+        if self.closed or self.session is None or self.session.tenant is not None:
+            return
+        d = self.daemon
+        err = Unauthenticated(f"no successful hello within {d.config.hello_timeout_s} s")
+        self.transport.write(d._error(0, "hello", err))
+        self.close()
+
+    def _authenticated(self) -> None:
+        """The hello succeeded: the connection leaves the pre-auth pool for a client slot."""
+        d = self.daemon
+        d._unauthenticated.pop(self.session.client, None)
+        d._clients[self.session.client] = self
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+            self._hello_timer = None
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
@@ -596,8 +631,11 @@ class _Connection(asyncio.Protocol):
             if len(self.buf) < P.LENGTH.size:
                 return
             (n,) = P.LENGTH.unpack_from(self.buf)
-            if n > d.config.max_frame:
-                err = OversizedFrame(f"frame of {n} bytes exceeds the limit of {d.config.max_frame}")
+            pre_auth = self.session.tenant is None
+            limit = d.config.max_hello_frame if pre_auth else d.config.max_frame
+            if n > limit:
+                err = OversizedFrame(f"frame of {n} bytes exceeds the limit of {limit}"
+                                     + (" before a successful hello" if pre_auth else ""))
                 self.transport.write(d._error(0, "frame", err))
                 self.close()
                 return
@@ -605,10 +643,12 @@ class _Connection(asyncio.Protocol):
                 return
             payload = bytes(self.buf[P.LENGTH.size : P.LENGTH.size + n])
             del self.buf[: P.LENGTH.size + n]
-            if self.refuse:
-                self._refuse(payload)
+            if self.refuse or (pre_auth and len(d._clients) >= d.config.max_clients):
+                self._refuse(payload)  # no client slot for it: BUSY, then closed
                 return
             reply = d._dispatch(self.session, payload)
+            if pre_auth and self.session.tenant is not None:
+                self._authenticated()
             if isinstance(reply, bytes):
                 self.transport.write(reply)
                 continue
@@ -652,6 +692,10 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         d = self.daemon
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        if self.session is not None:
+            d._unauthenticated.pop(self.session.client, None)
         if self.session is not None and not self.refuse:
             d._clients.pop(self.session.client, None)
             if self.session.waiting and self.pending is not None:

@@ -7,13 +7,17 @@ baseline measured in the same run, on the same machine, at the same time.
      plain memcpy between two shared-memory buffers of the same size (load includes the
      lease, the copy, the digest check and the release; publish includes reserve, copy,
      digest, the daemon's re-verify and commit);
-  3. catalog bytes per block with 1,000,000 committed blocks (tracemalloc, numpy included).
+  3. catalog bytes per block with 1,000,000 committed blocks (tracemalloc, numpy included);
+  4. a reservation's cost per block in a full catalog (each block evicts the least recently
+     used page) at 262,144 pages, next to the same at 2,048 pages: a ratio near 1 is an
+     allocation that does not grow with the arena.
 
 The last line printed is one JSON object.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import mmap
 import statistics
@@ -132,6 +136,35 @@ def bench_catalog(blocks: int) -> dict[str, float]:
     return {"catalog_blocks": blocks, "catalog_bytes_per_block": round(used / blocks, 1)}
 
 
+def _full_catalog(pages: int) -> Catalog:
+    cat = Catalog(CatalogConfig(num_pages=pages, page_size=4096, ghost_capacity=0))
+    batch = 4096
+    for start in range(0, pages, batch):
+        n = min(batch, pages - start)
+        hs = block_hashes(np.arange(start * 16, (start + n) * 16), 16)
+        res = cat.reserve(1, "default", NS, hs, [4096] * n, 0.0)
+        cat.commit(res.reservation_id, [b"d" * 16] * n)
+    return cat
+
+
+def bench_allocation(pages: int, baseline_pages: int = 2048, blocks: int = 2048) -> dict[str, float]:
+    """Microseconds per block of reserve+commit into a full catalog (every block evicts)."""
+    out: dict[str, float] = {}
+    for label, n in (("baseline", baseline_pages), ("large", pages)):
+        cat = _full_catalog(n)
+        hs = block_hashes(np.arange(10**9, 10**9 + blocks * 16), 16)
+        gc.collect()  # the build's garbage is not the allocation's cost
+        t0 = time.perf_counter()
+        for i in range(0, blocks, 32):
+            res = cat.reserve(1, "default", NS, hs[i : i + 32], [4096] * 32, 0.0)
+            cat.commit(res.reservation_id, [b"d" * 16] * 32)
+        out[f"alloc_us_per_block_{label}"] = round((time.perf_counter() - t0) / blocks * 1e6, 2)
+        assert cat.stats()["evictions"] >= blocks
+    out["alloc_pages"], out["alloc_baseline_pages"] = pages, baseline_pages
+    out["alloc_large_vs_baseline"] = round(out["alloc_us_per_block_large"] / out["alloc_us_per_block_baseline"], 2)
+    return out
+
+
 def run_bench(quick: bool = False, blocks: int = 1_000_000) -> int:
     result: dict[str, object] = {}
     _say("kvgate bench pool: lookup latency (Unix socket, daemon in its own process)")
@@ -151,10 +184,16 @@ def run_bench(quick: bool = False, blocks: int = 1_000_000) -> int:
     _say(f"kvgate bench pool: catalog memory at {blocks} blocks")
     result.update(bench_catalog(blocks if not quick else min(blocks, 100_000)))
     _say(f"  {result['catalog_bytes_per_block']} bytes per block")
+    _say("kvgate bench pool: allocation in a full catalog (every block evicts)")
+    result.update(bench_allocation(262_144 if not quick else 65_536))
+    _say(f"  {result['alloc_us_per_block_large']} us per block at {result['alloc_pages']} pages, "
+         f"{result['alloc_us_per_block_baseline']} us at {result['alloc_baseline_pages']} "
+         f"({result['alloc_large_vs_baseline']}x)")
     result["targets"] = {
         "lookup_p99_us<200": result["lookup_p99_us"] < 200,
         "load_vs_memcpy>=0.7": result["load_vs_memcpy"] >= 0.7,
         "catalog_bytes_per_block<256": result["catalog_bytes_per_block"] < 256,
+        "alloc_large_vs_baseline<2": result["alloc_large_vs_baseline"] < 2,
     }
     from harness.provenance import provenance
 
