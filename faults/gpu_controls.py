@@ -2,7 +2,7 @@
 suite must catch, and the delay that makes them fail.
 
 Each control is a TransferEngine subclass with one deliberate defect, reached through the
-engine's hooks (`_order`, `_await_copy`, `_register_host`); the engine has no testing
+engine's hooks (`_order`, `_await_copy`, `_release`, `_register_host`); the engine has no testing
 branch of its own.
 
   UnorderedTransferEngine(..., drop=edge)
@@ -11,6 +11,10 @@ branch of its own.
   EagerReleaseEngine
       releases a load's lease as soon as the copies are enqueued, before they ran: the
       pool may evict or reuse pages a copy is still reading.
+  TrustingReleaseEngine
+      takes a release that failed (the lease expired under a slow copy, the connection
+      went) for a clean one: the pages' generations are never checked, and blocks copied
+      from pages the pool may have reused count as loaded.
   RefusedRegistrationEngine
       cudaHostRegister "fails": not a defect but the fallback's trigger; the engine must
       report pageable host memory and keep the same ordering.
@@ -45,6 +49,12 @@ class UnorderedTransferEngine(TransferEngine):
 class EagerReleaseEngine(TransferEngine):
     def _await_copy(self, event: torch.cuda.Event) -> None:
         return None
+
+
+class TrustingReleaseEngine(TransferEngine):
+    def _release(self, lease):  # noqa: ANN001, ANN202
+        stale, error, _ = super()._release(lease)
+        return stale, error, None  # a release that failed is taken as a clean one
 
 
 class RefusedRegistrationEngine(TransferEngine):

@@ -265,7 +265,7 @@ class LoadOutcome:
     requested: int
     loaded: int  # leading blocks installed, verified, and not reused under the lease
     miss: Miss | None
-    stale: tuple[int, ...]  # block indexes whose page was reused under the lease
+    stale: tuple[int, ...]  # block indexes whose page was reused under the lease (all: the release failed)
     errors: tuple[str, ...]
     seconds: float  # from load() to the lease's release
 
@@ -960,21 +960,26 @@ class TransferEngine:
         self._watch(handle)
         return handle
 
-    def _release(self, lease: AcquireResult) -> tuple[tuple[int, ...], str | None]:
+    def _release(self, lease: AcquireResult) -> tuple[tuple[int, ...], str | None, MissCause | None]:
+        """(stale pages, error, cause): where the release fails the pages' generations were not
+        checked, so nothing the copy read can be vouched for: `cause` says why (the lease had
+        expired under a slow copy: timeout; the connection went: transport_error)."""
         if not lease.lease_id:
-            return (), None
+            return (), None, None
         try:
-            return tuple(self.backend.release(lease.lease_id).stale), None
-        except (PoolTimeout, TransportError, LeaseLost, MalformedFrame) as exc:
-            # The connection (and the lease with it) is gone; the daemon unpins the pages.
-            return (), f"release: {type(exc).__name__}: {exc}"
+            return tuple(self.backend.release(lease.lease_id).stale), None, None
+        except LeaseLost as exc:  # the daemon reaped it: its pages may have been reused while we copied
+            return (), f"release: {type(exc).__name__}: {exc}", MissCause.TIMEOUT
+        except (PoolTimeout, TransportError, MalformedFrame) as exc:  # the connection and its lease are gone
+            return (), f"release: {type(exc).__name__}: {exc}", MissCause.TRANSPORT_ERROR
 
-    def _finish_load(self, handle: LoadHandle, lease: AcquireResult) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    def _finish_load(self, handle: LoadHandle, lease: AcquireResult) -> tuple[tuple[int, ...], tuple[str, ...],
+                                                                             MissCause | None]:
         self._await_copy(handle._done)
-        stale_pages, error = self._release(lease)
+        stale_pages, error, unverified = self._release(lease)
         moved = set(stale_pages)
         stale = tuple(i for i in range(handle.loaded) if lease.hits.pages[i] in moved)
-        return stale, ((error,) if error else ())
+        return stale, ((error,) if error else ()), unverified
 
     def wait_for_load(self, handle: LoadHandle) -> None:
         """The engine's current stream waits for the load's copies (no host sync)."""
@@ -985,9 +990,11 @@ class TransferEngine:
     # -- completion ---------------------------------------------------------------------------
     def _outcome(self, h: StoreHandle | LoadHandle) -> StoreOutcome | LoadOutcome:
         if isinstance(h, LoadHandle):
-            stale, errors = h._future.result()
+            stale, errors, unverified = h._future.result()
             loaded, miss = h.loaded, h.miss
-            if stale:
+            if unverified is not None and loaded:  # no generation check: every copied block fails
+                stale, loaded, miss = tuple(range(loaded)), 0, Miss(0, unverified)
+            elif stale:
                 loaded = min(loaded, stale[0])
                 miss = Miss(loaded, MissCause.CORRUPT)
             return LoadOutcome(h.id, h.requested, loaded, miss, stale, errors, time.monotonic() - h._t0)

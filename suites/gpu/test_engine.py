@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 from faults.gpu_controls import (  # noqa: E402
     EagerReleaseEngine,
     RefusedRegistrationEngine,
+    TrustingReleaseEngine,
     RefusedUnorderedEngine,
     delay_stream,
 )
@@ -112,6 +113,44 @@ def test_lease_is_held_until_the_copy_completed(engine_cls, held, client, cycles
     else:
         assert leased == 0 and evicted == [EvictOutcome.EVICTED] * 3, \
             f"negative control NOT caught: pages stayed leased ({leased}, {evicted})"
+
+
+@pytest.mark.parametrize("engine_cls,checks", [(TransferEngine, True), (TrustingReleaseEngine, False)],
+                         ids=["engine", "control-trusting-release"])
+def test_a_lease_lost_under_a_slow_copy_fails_every_loaded_block(engine_cls, checks, tmp_path, cycles_per_ms,
+                                                                  test_seed, tag):
+    """The copy is held on the transfer stream past the lease's TTL, so the daemon reaps the
+    lease (its pages could be reused) before the engine releases it: the release answers
+    LeaseLost, the generations cannot be checked, and every block the copy read fails (a
+    timeout). The control takes the failed release for a clean one: its blocks count as
+    loaded, which the check must see."""
+    from harness.scenarios.gpu_transfer import POOL_PAGE
+    from harness.system.pool import PoolProcess
+
+    pool = PoolProcess.start(page_size=POOL_PAGE, num_pages=64, run_dir=tmp_path / "pool",
+                             extra_args=("--lease-ttl", "0.2"))
+    try:
+        with pool.client(name="lease-lost", timeout_s=30.0) as client:
+            geom = GEOMETRIES["nfirst-512k"]
+            ns = namespace(geom, tag + engine_cls.__name__)
+            rng = np.random.default_rng(test_seed)
+            k = 6
+            _, hashes = _published(client, ns, geom, rng, k)
+            layers = make_kv(geom, CUDA)
+            torch.cuda.synchronize()
+            with engine_cls(client, ns, layers, geom.config(CopyPath.TORCH)) as engine:
+                delay_stream(engine.load_stream, int(1500 * cycles_per_ms))  # past the TTL and a reap
+                h = engine.load(list(range(k)), hashes)
+                assert h.loaded == k
+                (outcome,) = engine.drain()
+    finally:
+        pool.stop()
+        pool.cleanup()
+    assert any("LeaseLost" in e for e in outcome.errors), outcome
+    if checks:
+        assert outcome.loaded == 0 and outcome.miss.cause == MissCause.TIMEOUT and outcome.stale == tuple(range(k))
+    else:
+        assert outcome.loaded == k, f"negative control NOT caught: {outcome}"
 
 
 @pytest.mark.fault_stream_delay
