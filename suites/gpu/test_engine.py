@@ -127,6 +127,7 @@ def test_a_lease_lost_under_a_slow_copy_fails_every_loaded_block(engine_cls, che
     from harness.scenarios.gpu_transfer import POOL_PAGE
     from harness.system.pool import PoolProcess
 
+    (tmp_path / "pool").mkdir()
     pool = PoolProcess.start(page_size=POOL_PAGE, num_pages=64, run_dir=tmp_path / "pool",
                              extra_args=("--lease-ttl", "0.2"))
     try:
