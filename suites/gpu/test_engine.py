@@ -97,6 +97,10 @@ def test_lease_is_held_until_the_copy_completed(engine_cls, held, client, cycles
     layers = make_kv(geom, CUDA)
     torch.cuda.synchronize()
     with engine_cls(client, ns, layers, geom.config(CopyPath.TORCH)) as engine:
+        # A first load warms the engine up: the first one in a process may allocate (and
+        # synchronize the device), which would wait out the delay before the check.
+        engine.load(list(range(k)), hashes)
+        engine.drain()
         delay_stream(engine.load_stream, int(400 * cycles_per_ms))
         h = engine.load(list(range(k)), hashes)
         assert h.loaded == k
