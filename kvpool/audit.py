@@ -37,10 +37,9 @@ import os
 from typing import Any
 
 from kvpool import vllm_compat as compat
-from kvpool.connector import _request_tag, _salt_root
+from kvpool.connector import ChainInputs, UnsupportedInput, _request_tag, _salt_root, chain_inputs
 from kvpool.copy import digest_segments
 from kvpool.history import HistoryWriter
-from kvpool.keys import block_hashes
 from kvpool.wrap import WrappingConnector
 
 
@@ -92,8 +91,12 @@ class AuditConnector(WrappingConnector):
             tokens = list(request.prompt_token_ids or [])
             B = self.block_size
             full = tokens[: (len(tokens) // B) * B]
-            hashes = [h.hex() for h in block_hashes(full, B)]
-            keys = [h.hex() for h in block_hashes(full, B, parent=_salt_root(request))]
+            try:  # the same inputs the pool's keys take (adapter, multimodal items), without the salt
+                inputs = chain_inputs(request, B)
+            except UnsupportedInput:
+                inputs = ChainInputs()  # kvpool serves it without the pool: nothing of it is exchanged
+            hashes = [h.hex() for h in inputs.hashes(full, B)]
+            keys = [h.hex() for h in inputs.hashes(full, B, _salt_root(request))]
             self._reqs[request.request_id] = _Req(_request_tag(request), len(tokens), hashes, keys)
         return result
 

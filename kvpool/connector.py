@@ -38,7 +38,7 @@ import json
 import time
 from functools import lru_cache
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Union
 
 from kvpool import vllm_compat as compat
@@ -261,10 +261,70 @@ def _salt_root(request) -> bytes:  # noqa: ANN001
     return hashlib.blake2b(b"kvgate/cache-salt/" + str(salt).encode(), digest_size=HASH_BYTES).digest()
 
 
+class UnsupportedInput(ValueError):
+    """A request carries something that changes its KV and that the keys cannot represent:
+    the request neither loads nor publishes (it is served, recorded as `unsupported`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainInputs:
+    """What besides its token ids changes a request's KV, as its block chain takes it: the
+    LoRA adapter (mixed into the chain's root), multimodal items (each mixed into every
+    complete block its placeholder overlaps, by the item's content hash)."""
+
+    root: bytes = ROOT_HASH
+    extras: tuple[bytes, ...] | None = None
+
+    def hashes(self, tokens: Sequence[int], block_size: int, salt_root: bytes = ROOT_HASH) -> list[bytes]:
+        root = self.root if salt_root == ROOT_HASH else (
+            salt_root if self.root == ROOT_HASH else
+            hashlib.blake2b(salt_root + self.root, digest_size=HASH_BYTES).digest())
+        n = (len(tokens) // block_size) * block_size
+        extras = None if self.extras is None else list(self.extras[: n // block_size])
+        return block_hashes(tokens[:n], block_size, parent=root, extras=extras)
+
+
+def chain_inputs(request, block_size: int) -> ChainInputs:  # noqa: ANN001
+    """A request's ChainInputs; UnsupportedInput for what the keys cannot represent (prompt
+    embeddings; multimodal items without a content hash or a placeholder position)."""
+    if getattr(request, "prompt_embeds", None) is not None:
+        raise UnsupportedInput("prompt embeddings: the KV depends on vectors the keys do not hash")
+    root = ROOT_HASH
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        ident = "\0".join(str(getattr(lora, f, "") or "") for f in ("lora_name", "lora_int_id", "lora_path"))
+        root = hashlib.blake2b(b"kvgate/lora/" + ident.encode(), digest_size=HASH_BYTES).digest()
+    features = getattr(request, "mm_features", None) or []
+    if not features:
+        return ChainInputs(root)
+    n_blocks = len(getattr(request, "prompt_token_ids", None) or []) // block_size
+    extras = [b""] * n_blocks
+    for f in features:
+        ident = getattr(f, "identifier", None) or getattr(f, "mm_hash", None)
+        pos = getattr(f, "mm_position", None)
+        offset, length = getattr(pos, "offset", None), getattr(pos, "length", None)
+        if not ident or not isinstance(offset, int) or not isinstance(length, int) or length <= 0 or offset < 0:
+            raise UnsupportedInput(f"a multimodal item without a content hash or a position ({type(f).__name__})")
+        for i in range(offset // block_size, min(n_blocks, -(-(offset + length) // block_size))):
+            extras[i] += hashlib.blake2b(f"{ident}@{offset}".encode(), digest_size=HASH_BYTES).digest()
+    return ChainInputs(root, tuple(extras))
+
+
+def kv_groups_unsupported(kv_cache_config) -> str | None:  # noqa: ANN001
+    """Why the connector cannot serve this engine's KV cache, if it cannot: it moves the
+    blocks of one KV-cache group, so an engine with several (sliding-window and full
+    attention layers, say) would share only part of each block's KV."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if groups is not None and len(groups) > 1:
+        return f"{len(groups)} KV-cache groups: the connector moves one group's blocks"
+    return None
+
+
 class KVPoolScheduler:
     def __init__(self, vllm_config, settings: ConnectorSettings,  # noqa: ANN001
-                 backend_factory: BackendFactory = connect_backend) -> None:
+                 backend_factory: BackendFactory = connect_backend, kv_cache_config=None) -> None:  # noqa: ANN001
         self.settings = settings
+        self.unsupported_config = kv_groups_unsupported(kv_cache_config)
         self.block_size = int(vllm_config.cache_config.block_size)
         self.ns = namespace_for(vllm_config, settings)
         self.history = HistoryWriter(settings.history_dir, settings.replica, "scheduler")
@@ -280,14 +340,21 @@ class KVPoolScheduler:
         if st is None:
             params = RequestParams.of(request)
             limit = params.publish_tokens
-            hashes = block_hashes(tokens[: (n // B) * B], B, parent=_salt_root(request))
+            unsupported = self.unsupported_config
+            try:
+                inputs = chain_inputs(request, B)
+            except UnsupportedInput as exc:
+                inputs, unsupported = ChainInputs(), str(exc)
+            hashes = inputs.hashes(tokens, B, _salt_root(request))
             pub = len(hashes) if limit is None else min(len(hashes), limit // B)
-            if not params.publish:
+            if not params.publish or unsupported:
                 pub = 0
             st = self._reqs[request.request_id] = _Request(params.tag or str(request.request_id), n, hashes, pub,
-                                                           load_allowed=params.load)
+                                                           load_allowed=params.load and not unsupported)
             if params.error:
                 self.history.write("invalid_params", req=request.request_id, tag=st.tag, error=params.error)
+            if unsupported:  # served without the pool: neither loads nor publishes, and says why
+                self.history.write("unsupported", req=request.request_id, tag=st.tag, reason=unsupported)
         max_blocks = (n - 1) // B  # at least one prompt token is always computed
         local_blocks = num_computed_tokens // B
         record: dict[str, Any] = {"req": request.request_id, "tag": st.tag, "prompt_tokens": n,
@@ -503,7 +570,7 @@ class KVPoolConnector(compat.KVConnectorBase_V1):
         self._scheduler: KVPoolScheduler | None = None
         self._worker: KVPoolWorker | None = None
         if role == compat.KVConnectorRole.SCHEDULER:
-            self._scheduler = KVPoolScheduler(vllm_config, settings, backend_factory)
+            self._scheduler = KVPoolScheduler(vllm_config, settings, backend_factory, kv_cache_config)
         else:
             self._worker = KVPoolWorker(vllm_config, settings, backend_factory, copier_factory)
 

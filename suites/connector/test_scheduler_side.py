@@ -198,3 +198,73 @@ def test_a_malformed_request_is_served_without_the_pool_not_raised(pool, tmp_pat
     recs = [json.loads(line) for f in (tmp_path / "h").glob("*.jsonl") for line in f.read_text().splitlines()]
     bad = [x for x in recs if x["ev"] == "invalid_params"]
     assert len(bad) == 1 and bad[0]["error"], recs
+
+
+# -- everything that changes KV is in the key ------------------------------------------------
+def _lora(name, int_id, path="/adapters/x"):
+    return SimpleNamespace(lora_name=name, lora_int_id=int_id, lora_path=path)
+
+
+def _image(ident, offset, length):
+    return SimpleNamespace(identifier=ident, mm_hash=ident, modality="image",
+                           mm_position=SimpleNamespace(offset=offset, length=length))
+
+
+def _hits_after_publishing(pool, tmp_path, producer, consumer):
+    """Publish `producer`'s complete blocks under the keys its scheduler computed; return how
+    many tokens `consumer` then finds."""
+    s = scheduler(pool, tmp_path)
+    s.get_num_new_matched_tokens(producer, 0)
+    hashes = s._reqs[producer.request_id].hashes
+    with pool_client(pool) as c:
+        ns = namespace_for(vllm_config(tmp_path), s.settings)
+        publish(c, ns, hashes, [np.zeros(128 * 1024, np.uint8)] * len(hashes))
+    return s.get_num_new_matched_tokens(consumer, 0)[0]
+
+
+@pytest.mark.parametrize("other,shared", [(_lora("a", 1), True), (_lora("b", 2), False), (None, False)],
+                         ids=["same-adapter-control", "other-adapter", "no-adapter"])
+def test_an_adapter_is_part_of_every_key(pool, tmp_path, other, shared):
+    tokens = list(range(1000))  # 7 complete blocks, all loadable (a token is left to compute)
+    a = request("a", tokens)
+    a.lora_request = _lora("a", 1)
+    b = request("b", tokens)
+    b.lora_request = other
+    assert _hits_after_publishing(pool, tmp_path, a, b) == (7 * B if shared else 0)
+
+
+@pytest.mark.parametrize("ident,hit_blocks", [("img-1", 7), ("img-2", 2)], ids=["same-image-control", "other-image"])
+def test_a_multimodal_item_keys_the_blocks_it_overlaps_and_all_after(pool, tmp_path, ident, hit_blocks):
+    tokens = list(range(1000))
+    a = request("a", tokens)
+    a.mm_features = [_image("img-1", 300, 100)]  # tokens 300-399: blocks 2 and 3
+    b = request("b", tokens)
+    b.mm_features = [_image(ident, 300, 100)]
+    assert _hits_after_publishing(pool, tmp_path, a, b) == hit_blocks * B
+
+
+def test_prompt_embeddings_are_served_without_the_pool_and_say_why(pool, tmp_path):
+    from kvpool.history import read_history
+
+    s = scheduler(pool, tmp_path)
+    r = request("e", list(range(1000)))
+    r.prompt_embeds = object()  # any tensor: the keys cannot hash what the KV depends on
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert s._reqs["e"].publish_blocks == 0 and not s._reqs["e"].load_allowed
+    recs = [x for x in read_history(tmp_path / "h") if x["ev"] == "unsupported"]
+    assert len(recs) == 1 and "prompt embeddings" in recs[0]["reason"]
+
+
+def test_an_engine_with_several_kv_cache_groups_neither_loads_nor_publishes(pool, tmp_path):
+    settings = ConnectorSettings(pool=f"unix:{pool.unix_path}", token="tok", history_dir=str(tmp_path / "h"))
+    two = SimpleNamespace(kv_cache_groups=[object(), object()])
+    s = KVPoolScheduler(vllm_config(tmp_path), settings, kv_cache_config=two)
+    tokens = list(range(1000))
+    with pool_client(pool) as c:  # the blocks are in the pool: a one-group engine loads all 7
+        ns = namespace_for(vllm_config(tmp_path), settings)
+        publish(c, ns, s_hashes(s, tokens), [np.zeros(128 * 1024, np.uint8)] * 7)
+    r = request("g", tokens)
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert s._reqs["g"].publish_blocks == 0
+    one = KVPoolScheduler(vllm_config(tmp_path), settings, kv_cache_config=SimpleNamespace(kv_cache_groups=[object()]))
+    assert one.get_num_new_matched_tokens(request("h", tokens), 0) == (7 * B, False)  # the control
