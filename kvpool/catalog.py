@@ -635,6 +635,14 @@ class Catalog:
         return len(res_ids), len(lease_ids)
 
     # -- accounting --------------------------------------------------------------------
+    def tenant_stats(self, tenant: str) -> dict[str, int]:
+        """One tenant's own pages, by state (nothing of the pool's or other tenants')."""
+        tid = self._tenants.get(tenant, -2)
+        mine = self.tenant_of == tid
+        return {"tenant_committed_pages": int(np.count_nonzero(mine & (self.state == PageState.COMMITTED))),
+                "tenant_reserved_pages": int(np.count_nonzero(mine & (self.state == PageState.RESERVED))),
+                "tenant_leased_pages": int(np.count_nonzero(mine & (self.leases_on > 0)))}
+
     def stats(self) -> dict[str, int]:
         committed = int(np.count_nonzero(self.state == PageState.COMMITTED))
         reserved = int(np.count_nonzero(self.state == PageState.RESERVED))

@@ -80,6 +80,9 @@ def serve_parser(serve: argparse.ArgumentParser) -> argparse.ArgumentParser:
     serve.add_argument("--lease-ttl", type=float, default=60.0, help="seconds before an unreleased lease expires")
     serve.add_argument("--max-lookup-wait", type=float, default=2.0,
                        help="seconds a lookup may wait for a publish in flight, at most (whatever the client asks)")
+    serve.add_argument("--admin", action="append", default=[], metavar="TENANT",
+                       help="a tenant allowed the pool-wide operations (capacity, stats, metrics); by default the "
+                            "only tenant of a single-tenant pool")
     serve.add_argument("--hello-timeout", type=float, default=5.0,
                        help="seconds a connection may take to authenticate before it is closed")
     serve.add_argument("--max-hello-frame", type=int, default=4096,
@@ -106,7 +109,7 @@ def config_from_args(args: argparse.Namespace) -> PoolConfig:
         limits=LoadLimits(per_client=args.max_loads_per_client, total=args.max_loads),
         reservation_ttl_s=args.reservation_ttl, lease_ttl_s=args.lease_ttl, max_lookup_wait_s=args.max_lookup_wait,
         hello_timeout_s=args.hello_timeout, max_hello_frame=args.max_hello_frame,
-        max_unauthenticated=args.max_unauthenticated,
+        max_unauthenticated=args.max_unauthenticated, admins=frozenset(args.admin),
     )
 
 

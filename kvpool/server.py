@@ -30,6 +30,10 @@ Contracts:
     with the other misses; waits are counted and timed (stats `lookup_waits`,
     `lookup_wait_us`, `lookup_waiting`; metrics kvpool_lookup_waits{result},
     kvpool_lookup_wait_seconds). A waiting lookup whose client disconnects is dropped.
+  * Pool-wide operations (SetCapacity, Metrics, the pool's Stats) are for admin tenants
+    (`admins`; by default the only tenant of a single-tenant pool). Another tenant's
+    Stats counts only its own pages; its SetCapacity or Metrics is refused as
+    Unauthenticated.
   * Start-up finds what a crashed daemon left (pid file, shared-memory segment),
     removes it and says so; graceful shutdown removes segment, socket and pid file.
 """
@@ -104,6 +108,14 @@ class PoolConfig:
     hello_timeout_s: float = 5.0  # it is closed (after a typed error) if no hello succeeds by then
     max_hello_frame: int = 4096  # its largest frame: a bigger length prefix is refused before any byte of it
     max_unauthenticated: int = 64  # connections awaiting their hello, at most; past it the oldest is closed
+    # Tenants allowed the pool-wide operations (capacity, pool-wide stats and metrics); none
+    # named: the only tenant of a single-tenant pool, and nobody in a pool of several.
+    admins: frozenset[str] = frozenset()
+
+    def is_admin(self, tenant: str) -> bool:
+        if self.admins:
+            return tenant in self.admins
+        return len(self.tenants) == 1 and tenant in self.tenants
 
     def resolved_run_dir(self) -> Path:
         return self.run_dir if self.run_dir is not None else default_run_dir(self.name)
@@ -383,6 +395,11 @@ class PoolDaemon:
             outcomes = cat.evict(tenant, op.ns, op.hashes)
             self.metrics.evictions.inc(sum(o == "evicted" for o in outcomes))
             return P.EvictOk(outcomes)
+        if isinstance(op, (P.SetCapacity, P.Stats, P.Metrics)) and not self.config.is_admin(tenant):
+            if isinstance(op, P.Stats):  # a tenant sees its own pages, never the pool's or another tenant's
+                return P.StatsOk(cat.tenant_stats(tenant))
+            raise Unauthenticated(f"{type(op).__name__} is a pool-wide operation: tenant {tenant!r} is not an "
+                                  "admin of this pool")
         if isinstance(op, P.SetCapacity):
             evicted = cat.set_capacity(op.pages)
             self.metrics.evictions.inc(evicted)

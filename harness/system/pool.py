@@ -121,8 +121,9 @@ def thread_pool(*, page_size: int = 4096, num_pages: int = 64, token: str = "tok
                 **kwargs) -> PoolDaemon:
     name = kwargs.pop("name", None) or unique_name("kvgt")
     run_dir = kwargs.pop("run_dir", None) or Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    tenants = kwargs.pop("tenants", None) or {DEFAULT_TENANT: token}
     config = PoolConfig(name=name, page_size=page_size, num_pages=num_pages, run_dir=run_dir,
-                        tenants={DEFAULT_TENANT: token}, **kwargs)
+                        tenants=tenants, **kwargs)
     if catalog_factory is None:
         return PoolDaemon(config).start_thread()
     return PoolDaemon(config, catalog_factory=catalog_factory).start_thread()

@@ -236,7 +236,8 @@ def test_an_aborted_republish_of_an_evicted_block_answers_evicted(daemon):
 def test_another_tenants_or_namespaces_pending_publish_never_makes_a_lookup_wait():
     name = unique_name("kvgt")
     config = PoolConfig(name=name, page_size=PAGE, num_pages=16, run_dir=Path(tempfile.mkdtemp(prefix=f"{name}-")),
-                        tenants={DEFAULT_TENANT: "tok", "other": "tok2"}, max_lookup_wait_s=60.0)
+                        tenants={DEFAULT_TENANT: "tok", "other": "tok2"}, max_lookup_wait_s=60.0,
+                        admins=frozenset({DEFAULT_TENANT}))  # it reads the pool-wide wait counts
     d = PoolDaemon(config).start_thread()
     try:
         hs = hashes(2)
