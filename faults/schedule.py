@@ -104,10 +104,9 @@ _PINNED: dict[int, FaultSchedule] = {}
 
 
 def pin(schedule: FaultSchedule) -> None:
-    """Make `draw_schedule(schedule.seed, ...)` return this schedule as it is, for any profile
-    whose kinds it holds
-    (a schedule file, perhaps edited, replayed: its parameters and probabilities are used,
-    not drawn again). Validated against the kinds first."""
+    """Make `draw_schedule(schedule.seed, profile)` return this schedule as it is, for any
+    profile whose kinds it holds: a schedule file, perhaps edited, replays with its own
+    parameters and probabilities, not drawn again. Validated against the kinds first."""
     for f in schedule.faults:
         if f.kind not in KINDS:
             raise ValueError(f"schedule names an unknown fault kind {f.kind!r}; known: {sorted(KINDS)}")

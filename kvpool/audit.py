@@ -37,7 +37,7 @@ import os
 from typing import Any
 
 from kvpool import vllm_compat as compat
-from kvpool.connector import ChainInputs, UnsupportedInput, _request_tag, _salt_root, chain_inputs
+from kvpool.connector import _request_tag, _salt_root, request_inputs
 from kvpool.copy import digest_segments
 from kvpool.history import HistoryWriter
 from kvpool.wrap import WrappingConnector
@@ -91,10 +91,7 @@ class AuditConnector(WrappingConnector):
             tokens = list(request.prompt_token_ids or [])
             B = self.block_size
             full = tokens[: (len(tokens) // B) * B]
-            try:  # the same inputs the pool's keys take (adapter, multimodal items), without the salt
-                inputs = chain_inputs(request, B)
-            except UnsupportedInput:
-                inputs = ChainInputs()  # kvpool serves it without the pool: nothing of it is exchanged
+            inputs, _ = request_inputs(request, B)  # what the pool's keys take (adapter, multimodal items)
             hashes = [h.hex() for h in inputs.hashes(full, B)]
             keys = [h.hex() for h in inputs.hashes(full, B, _salt_root(request))]
             self._reqs[request.request_id] = _Req(_request_tag(request), len(tokens), hashes, keys)

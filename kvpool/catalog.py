@@ -596,7 +596,7 @@ class Catalog:
             page = next((p for p in self._pages_for(tid, key) if self.ns_of[p] == nid), None)
             if page is None:
                 out.append(EvictOutcome.NOT_FOUND)
-            elif self.leases_on[page]:
+            elif not self._may_evict(page):
                 out.append(EvictOutcome.LEASED)
             else:
                 self._evict_page(page)

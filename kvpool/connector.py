@@ -310,6 +310,15 @@ def chain_inputs(request, block_size: int) -> ChainInputs:  # noqa: ANN001
     return ChainInputs(root, tuple(extras))
 
 
+def request_inputs(request, block_size: int) -> tuple[ChainInputs, str | None]:  # noqa: ANN001
+    """(the request's ChainInputs, None), or (plain ChainInputs, why) when its keys cannot
+    represent it: such a request is served without the pool, keyed by its tokens alone."""
+    try:
+        return chain_inputs(request, block_size), None
+    except UnsupportedInput as exc:
+        return ChainInputs(), str(exc)
+
+
 def kv_groups_unsupported(kv_cache_config) -> str | None:  # noqa: ANN001
     """Why the connector cannot serve this engine's KV cache, if it cannot: it moves the
     blocks of one KV-cache group, so an engine with several (sliding-window and full
@@ -340,11 +349,8 @@ class KVPoolScheduler:
         if st is None:
             params = RequestParams.of(request)
             limit = params.publish_tokens
-            unsupported = self.unsupported_config
-            try:
-                inputs = chain_inputs(request, B)
-            except UnsupportedInput as exc:
-                inputs, unsupported = ChainInputs(), str(exc)
+            inputs, unsupported = request_inputs(request, B)
+            unsupported = unsupported or self.unsupported_config
             hashes = inputs.hashes(tokens, B, _salt_root(request))
             pub = len(hashes) if limit is None else min(len(hashes), limit // B)
             if not params.publish or unsupported:

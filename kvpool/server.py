@@ -15,10 +15,10 @@ Contracts:
   * Bounded: at most `max_clients` authenticated connections and `max_queue` requests
     waiting for the thread pool; past either the reply is BUSY. Before its hello a
     connection takes no client slot: at most `max_unauthenticated` of them (a new one
-    closes the oldest, with a BUSY error), each frame at most `max_hello_frame` bytes (a larger length prefix
-    is answered and the connection closed before its bytes are read), and one that has
-    not authenticated within `hello_timeout_s` gets an Unauthenticated error and is
-    closed.
+    closes the oldest, with a BUSY error), each frame at most `max_hello_frame` bytes (a
+    larger length prefix is answered and the connection closed before its bytes are
+    read), and one that has not authenticated within `hello_timeout_s` gets an
+    Unauthenticated error and is closed.
   * A client's open reservations and leases are dropped when its connection closes,
     and expire after their TTL in any case (an abandoned publish is reclaimed).
   * A lookup with `wait_pending_ms` whose first missing block is being published (an
@@ -150,7 +150,7 @@ class PoolDaemon:
         self.tcp_port: int | None = None
         self._sessions = itertools.count(1)
         self._clients: dict[int, asyncio.StreamWriter] = {}  # authenticated connections
-        self._unauthenticated: dict[int, object] = {}  # connections still to say hello
+        self._unauthenticated: dict[int, _Connection] = {}  # connections still to say hello
         self._queued = 0
         self._lease_started: dict[int, float] = {}
         # reservation id -> futures of the lookups parked on it, resolved when it closes
@@ -599,7 +599,6 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.session: _Session | None = None
         self.pending: asyncio.Future | None = None
-        self.refuse = False
         self.closed = False
         self.write_paused = False
         self._hello_timer: asyncio.TimerHandle | None = None
@@ -660,7 +659,7 @@ class _Connection(asyncio.Protocol):
                 return
             payload = bytes(self.buf[P.LENGTH.size : P.LENGTH.size + n])
             del self.buf[: P.LENGTH.size + n]
-            if self.refuse or (pre_auth and len(d._clients) >= d.config.max_clients):
+            if pre_auth and len(d._clients) >= d.config.max_clients:
                 self._refuse(payload)  # no client slot for it: BUSY, then closed
                 return
             reply = d._dispatch(self.session, payload)
@@ -713,7 +712,7 @@ class _Connection(asyncio.Protocol):
             self._hello_timer.cancel()
         if self.session is not None:
             d._unauthenticated.pop(self.session.client, None)
-        if self.session is not None and not self.refuse:
+        if self.session is not None:
             d._clients.pop(self.session.client, None)
             if self.session.waiting and self.pending is not None:
                 self.pending.cancel()  # a lookup parked on a pending publish: nobody reads its answer

@@ -28,6 +28,7 @@ from kvpool import protocol as P
 from kvpool.client import load, publish
 from kvpool.connector import RequestParams
 from kvpool.keys import Namespace, block_hashes
+from suites.pool.test_malformed import _ask  # one frame, one reply (asserting the daemon answered)
 
 NS = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
 OPS = ["hello", "ping", "lookup", "acquire", "read", "release", "reserve", "write", "commit", "abort", "evict",
@@ -48,14 +49,6 @@ envelopes = st.one_of(
     st.tuples(st.sampled_from([1, 1, 1, 0, 2, -1, 2**40]), st.integers(-5, 2**40), bodies).map(list),
     values)
 payloads = st.one_of(envelopes.map(msgspec.msgpack.encode), st.binary(max_size=200))
-
-
-def _ask(sock: socket.socket, payload: bytes):  # noqa: ANN202
-    sock.sendall(P.frame(payload))
-    header = sock.recv(4, socket.MSG_WAITALL)
-    assert len(header) == 4, f"the daemon closed the connection instead of answering {payload[:60]!r}"
-    (n,) = P.LENGTH.unpack(header)
-    return P.decode_reply(sock.recv(n, socket.MSG_WAITALL))[1]
 
 
 @pytest.fixture(scope="module")
