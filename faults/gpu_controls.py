@@ -57,6 +57,16 @@ class TrustingReleaseEngine(TransferEngine):
         return stale, error, None  # a release that failed is taken as a clean one
 
 
+class StuckSegmentEngine(TransferEngine):
+    """Keeps copying to the segment it was made with, whatever its backend maps now."""
+
+    def _follow_segment(self) -> None:
+        pass
+
+    def _segment(self, client):  # noqa: ANN001, ANN202
+        return self._arena.instance
+
+
 class RefusedRegistrationEngine(TransferEngine):
     def _register_host(self, ptr: int, size: int) -> None:
         raise HostRegistrationError(f"cudaHostRegister({size} bytes) refused by faults.gpu_controls")

@@ -1,7 +1,13 @@
 """The data plane: a POSIX shared-memory arena of fixed-size pages.
 
-  Arena.create(name, page_size, num_pages)   the daemon makes the segment (O_EXCL).
-  Arena.attach(name)                          a client on the same host maps it.
+  Arena.create(name, page_size, num_pages)   a named segment in /dev/shm (O_EXCL).
+  Arena.attach(name)                          a process on the same host maps it by name.
+  Arena.anonymous(label, page_size, num_pages)
+                                              a sealed memfd: no name anyone can open, its
+                                              size fixed (a mapper cannot shrink it under
+                                              the daemon); the daemon hands its descriptor
+                                              (arena.fileno()) to one tenant's clients only.
+  Arena.from_fd(fd, label)                    a client maps a segment it was handed.
   arena.page(i)                               a writable numpy view of page i (zero-copy).
   arena.generation(i) / bump_generation(i)    a counter per page, bumped by the daemon
                                               every time the page is freed, so a reader
@@ -12,11 +18,14 @@
 Layout: a 4 KiB header (magic, layout version, geometry, instance id), the generation
 array (uint64 per page), then the pages, each aligned to 4 KiB. The segment lives in
 /dev/shm, so it is shared by every process on the host and survives a crashed daemon
-(the next daemon finds it, says so, and starts clean).
+(the next daemon finds it, says so, and starts clean). The daemon's own segments are
+anonymous: each tenant's lives only in the processes it was handed to, and its memory
+goes back to the kernel when the last of them unmaps it (a crashed daemon leaves none).
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import secrets
@@ -45,22 +54,65 @@ def segment_path(name: str) -> Path:
     return SHM_DIR / name
 
 
+def segment_label(pool: str, tenant: str) -> str:
+    """The label of a daemon's anonymous segment for `tenant` (seen in /proc/PID/maps)."""
+    return f"kvgate:{pool}:{tenant}"
+
+
+def processes_mapping(label_prefix: str) -> dict[int, list[str]]:
+    """Every process of this host (that this user may inspect) mapping an anonymous
+    segment whose label starts with `label_prefix`: pid -> the labels it maps. How to see
+    that a segment is gone: its memory is freed once no process maps it."""
+    found: dict[int, list[str]] = {}
+    marker = f"/memfd:{label_prefix}"
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # the process exited or is not ours to read
+            continue
+        labels = sorted({line.split("/memfd:", 1)[1].removesuffix(" (deleted)")
+                         for line in text.splitlines() if marker in line})
+        if labels:
+            found[int(maps.parent.name)] = labels
+    return found
+
+
+def memory_available() -> int:
+    """Bytes of memory the kernel can give without swapping (MemAvailable): what bounds an
+    anonymous segment (it is not limited by /dev/shm's size)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise ArenaError("/proc/meminfo has no MemAvailable line")
+
+
 class Arena:
     """A mapped arena. Not thread-safe by itself; the daemon's catalog arbitrates pages."""
 
-    def __init__(self, name: str, fd: int, size: int):
+    def __init__(self, name: str, fd: int, size: int, keep_fd: bool = False):
         self.name = name
+        self._fd: int | None = None
         try:
             self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except (OSError, ValueError) as exc:
+            os.close(fd)
+            raise ArenaError(f"cannot map segment {name!r} ({size} bytes): {exc}") from exc
+        if keep_fd:
+            self._fd = fd
+        else:
             os.close(fd)
         magic, version, page_size, num_pages, gen_off, pages_off, instance = _HEADER.unpack_from(self._mmap, 0)
+        problem = None
         if magic != MAGIC:
+            problem = f"segment {name!r} is not a kvgate arena (magic {magic!r})"
+        elif version != LAYOUT_VERSION:
+            problem = f"segment {name!r} has arena layout {version}, this build reads {LAYOUT_VERSION}"
+        elif pages_off + page_size * num_pages > size or gen_off + 8 * num_pages > pages_off:
+            problem = f"segment {name!r} is {size} bytes, its header claims {num_pages} pages of {page_size}"
+        if problem is not None:
             self._mmap.close()
-            raise ArenaError(f"segment {name!r} is not a kvgate arena (magic {magic!r})")
-        if version != LAYOUT_VERSION:
-            self._mmap.close()
-            raise ArenaError(f"segment {name!r} has arena layout {version}, this build reads {LAYOUT_VERSION}")
+            self._close_fd()
+            raise ArenaError(problem)
         self.page_size: int = page_size
         self.num_pages: int = num_pages
         self.instance: bytes = instance
@@ -74,12 +126,70 @@ class Arena:
     def total_size(page_size: int, num_pages: int) -> int:
         return HEADER_BYTES + _align(8 * num_pages) + page_size * num_pages
 
-    @classmethod
-    def create(cls, name: str, page_size: int, num_pages: int) -> Arena:
+    @staticmethod
+    def _check_geometry(page_size: int, num_pages: int) -> None:
         if page_size <= 0 or page_size % 64:
             raise ArenaError(f"page_size must be a positive multiple of 64, got {page_size}")
         if num_pages <= 0:
             raise ArenaError(f"num_pages must be positive, got {num_pages}")
+
+    @staticmethod
+    def _format(fd: int, page_size: int, num_pages: int) -> None:
+        header = _HEADER.pack(MAGIC, LAYOUT_VERSION, page_size, num_pages, HEADER_BYTES,
+                              HEADER_BYTES + _align(8 * num_pages), secrets.token_bytes(16))
+        os.pwrite(fd, header, 0)
+
+    @classmethod
+    def anonymous(cls, label: str, page_size: int, num_pages: int) -> Arena:
+        """A segment nobody can open by name: a memfd, its size sealed once set. The
+        arena keeps its descriptor (fileno()) to hand to the processes meant to map it."""
+        cls._check_geometry(page_size, num_pages)
+        size = cls.total_size(page_size, num_pages)
+        try:
+            fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except OSError as exc:
+            raise ArenaError(f"cannot create an anonymous segment for {label!r}: {exc}") from exc
+        try:
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)
+            cls._format(fd, page_size, num_pages)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        except OSError as exc:
+            os.close(fd)
+            raise ArenaError(f"cannot size and seal the segment of {label!r} ({size} bytes): {exc}") from exc
+        return cls(label, fd, size, keep_fd=True)
+
+    @classmethod
+    def from_fd(cls, fd: int, label: str) -> Arena:
+        """Map a segment handed over as a descriptor (which this call owns and closes).
+        Refused unless it is sealed against shrinking: a segment its other mappers could
+        shrink would fault this process on its next access."""
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            size = os.fstat(fd).st_size
+        except OSError as exc:
+            os.close(fd)
+            raise ArenaError(f"segment {label!r} handed over is not a sealed memfd: {exc}") from exc
+        if not seals & fcntl.F_SEAL_SHRINK or size < HEADER_BYTES:
+            os.close(fd)
+            raise ArenaError(f"segment {label!r} handed over is not sealed against shrinking or too small "
+                             f"({size} bytes, seals {seals:#x})")
+        return cls(label, fd, size)
+
+    def fileno(self) -> int:
+        """The segment's descriptor, kept by an arena made with `anonymous`."""
+        if self._fd is None:
+            raise ArenaError(f"arena {self.name!r} keeps no descriptor")
+        return self._fd
+
+    def _close_fd(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    @classmethod
+    def create(cls, name: str, page_size: int, num_pages: int) -> Arena:
+        cls._check_geometry(page_size, num_pages)
         path = segment_path(name)
         size = cls.total_size(page_size, num_pages)
         try:
@@ -95,9 +205,7 @@ class Arena:
             os.close(fd)
             path.unlink(missing_ok=True)
             raise ArenaError(f"cannot size segment {name!r} to {size} bytes: {exc}") from exc
-        header = _HEADER.pack(MAGIC, LAYOUT_VERSION, page_size, num_pages, HEADER_BYTES,
-                              HEADER_BYTES + _align(8 * num_pages), secrets.token_bytes(16))
-        os.pwrite(fd, header, 0)
+        cls._format(fd, page_size, num_pages)
         return cls(name, fd, size)
 
     @classmethod
@@ -129,7 +237,8 @@ class Arena:
         return True
 
     def close(self) -> None:
-        """Unmap. Views handed out by `page()` must be dropped first."""
+        """Unmap (and close a kept descriptor). Views handed out by `page()` must be dropped first."""
+        self._close_fd()
         if self._mmap.closed:
             return
         self._bytes = None  # type: ignore[assignment]

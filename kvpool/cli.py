@@ -60,11 +60,11 @@ def _tenants(pairs: list[str], token_file: Path | None, run_dir: Path) -> dict[s
 
 
 def serve_parser(serve: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    serve.add_argument("--name", default="kvgate-pool", help="shared-memory segment and run-dir name")
+    serve.add_argument("--name", default="kvgate-pool", help="the pool's name (run dir, segment labels)")
     serve.add_argument("--run-dir", type=Path, default=None, help="pid file, socket and address.json")
     serve.add_argument("--page-size", type=parse_size, default="64KiB", help="bytes per page (one KV block)")
     serve.add_argument("--capacity", type=parse_size, default="256MiB",
-                       help="arena size (rounded down to whole pages)")
+                       help="pages of all tenants' segments together (rounded down to whole pages)")
     serve.add_argument("--pages", type=int, default=0, help="number of pages (overrides --capacity)")
     serve.add_argument("--tcp", default="127.0.0.1:0", help="HOST:PORT to listen on, or 'none'")
     serve.add_argument("--no-unix", action="store_true", help="do not listen on a Unix socket")
@@ -83,6 +83,8 @@ def serve_parser(serve: argparse.ArgumentParser) -> argparse.ArgumentParser:
     serve.add_argument("--admin", action="append", default=[], metavar="TENANT",
                        help="a tenant allowed the pool-wide operations (capacity, stats, metrics); by default the "
                             "only tenant of a single-tenant pool")
+    serve.add_argument("--quota", action="append", default=[], metavar="TENANT=PAGES",
+                       help="pages of a tenant's own segment; the tenants without one share the rest evenly")
     serve.add_argument("--hello-timeout", type=float, default=5.0,
                        help="seconds a connection may take to authenticate before it is closed")
     serve.add_argument("--max-hello-frame", type=int, default=4096,
@@ -109,8 +111,18 @@ def config_from_args(args: argparse.Namespace) -> PoolConfig:
         limits=LoadLimits(per_client=args.max_loads_per_client, total=args.max_loads),
         reservation_ttl_s=args.reservation_ttl, lease_ttl_s=args.lease_ttl, max_lookup_wait_s=args.max_lookup_wait,
         hello_timeout_s=args.hello_timeout, max_hello_frame=args.max_hello_frame,
-        max_unauthenticated=args.max_unauthenticated, admins=frozenset(args.admin),
+        max_unauthenticated=args.max_unauthenticated, admins=frozenset(args.admin), quotas=_quotas(args.quota),
     )
+
+
+def _quotas(pairs: list[str]) -> dict[str, int]:
+    quotas: dict[str, int] = {}
+    for pair in pairs:
+        name, sep, pages = pair.partition("=")
+        if not sep or not name or not pages.isdigit():
+            raise SystemExit(f"kvpool serve: --quota {pair!r} is not TENANT=PAGES")
+        quotas[name] = int(pages)
+    return quotas
 
 
 def serve(args: argparse.Namespace, catalog_factory=None) -> int:  # noqa: ANN001 - a Catalog class

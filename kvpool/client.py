@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
 import select
 import socket
 import threading
@@ -142,6 +143,7 @@ class PoolClient:
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self.arena: Arena | None = None
+        self.attach_error = ""  # why the arena is not mapped here, if it was offered and is not
         self.hello: P.HelloOk | None = None
         self.page_size = 0
         self.connect()
@@ -171,16 +173,37 @@ class PoolClient:
     def _attach(self, hello: P.HelloOk) -> None:
         if self.arena is not None and (self.arena.instance != hello.arena_instance or self.arena.closed):
             self._close_arena()
-        if not self.zero_copy or self.arena is not None:
+        if not self.zero_copy or self.arena is not None or not hello.ticket:
             return
-        try:
-            arena = Arena.attach(hello.arena)
-        except ArenaError:
-            return  # another host: page bytes go over the socket
+        arena = self._fetch_arena(hello)
+        if arena is None:
+            return  # another host, or refused: page bytes go over the socket
         if arena.instance == hello.arena_instance:
             self.arena = arena
         else:
-            arena.close()  # a segment of the same name that is not this daemon's
+            arena.close()  # a segment that is not this daemon's
+
+    def _fetch_arena(self, hello: P.HelloOk) -> Arena | None:
+        """Trade the hello's ticket for the tenant's segment at the daemon's attach socket."""
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(self.timeout_s)
+                sock.connect(hello.arena)
+                sock.sendall(hello.ticket)
+                answer, fds, _, _ = socket.recv_fds(sock, 1, 1)
+        except (OSError, ValueError) as exc:  # no attach socket here (another host, a proxy in between)
+            self.attach_error = f"attach socket {hello.arena!r}: {exc}"
+            return None
+        if answer != b"\x00" or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            self.attach_error = f"attach socket {hello.arena!r} refused the ticket (answer {answer!r})"
+            return None
+        try:
+            return Arena.from_fd(fds[0], f"{self.address}:{self.tenant}")
+        except ArenaError as exc:
+            self.attach_error = str(exc)
+            return None
 
     def _close_arena(self) -> None:
         if self.arena is not None:
@@ -353,8 +376,9 @@ class PoolClient:
     def evict(self, ns: Namespace, hashes: Sequence[bytes]) -> list[EvictOutcome]:
         return list(self._expect(P.Evict(ns, list(hashes)), P.EvictOk).outcomes)
 
-    def set_capacity(self, pages: int) -> int:
-        return self._expect(P.SetCapacity(pages), P.CapacityOk).evicted
+    def set_capacity(self, pages: int, tenant: str = "") -> int:
+        """An admin's squeeze of `tenant`'s segment (by default its own) to `pages`."""
+        return self._expect(P.SetCapacity(pages, tenant), P.CapacityOk).evicted
 
     def stats(self) -> dict[str, int]:
         return dict(self._expect(P.Stats(), P.StatsOk).stats)

@@ -48,6 +48,13 @@ Contracts:
     buffer is enqueued only after the scatter that reads it.
   * Reserved pages are written only by this engine's copies and committed only after the
     copy's event completed and the page was digested; any error aborts the reservation.
+  * The engine follows its backend's segment: when the pool restarted (the client
+    reconnected and was handed a new segment), the next store() or load() first lets
+    the transfers in flight finish (their pages were the old pool's), unregisters the
+    old mapping and registers the new one (`reattached` counts this). A transfer whose
+    own reserve or acquire met the restart is not copied at all: its reservation is
+    aborted (the store reports the error) or its lease released (the load ends as
+    transport_error), never copied against the other segment.
   * Where host memory cannot be registered the engine says so (`capabilities`, a
     warning in the log) and copies from pageable memory, with the same stream ordering
     (such copies also block the host; they are slower, never less ordered).
@@ -540,11 +547,8 @@ class TransferEngine:
             raise KVLayoutError(f"a block is {self.layout.page_bytes} bytes, the pool's pages {arena.page_size}")
         self._layers = list(layers)
         self._layers_u8 = [t.view(torch.uint8) for t in layers]
-        self._arena = arena
-        self._page_size = arena.page_size
-        self._region_np = arena.pages_region  # holds the mapping alive while the engine lives
-        self._region_ptr = int(self._region_np.ctypes.data)
-        self._region = torch.frombuffer(self._region_np, dtype=torch.uint8)
+        self._map_region(arena)
+        self.reattached = 0  # times the engine moved to a new segment of its pool (a pool restart)
         self._lanes: list[PoolBackend] = list(lanes) or [backend]
         pb = self.layout.page_bytes
         self._chunk_pages = max(1, config.chunk_bytes // pb)
@@ -556,17 +560,7 @@ class TransferEngine:
             self.load_stream = torch.cuda.Stream(self.device)
         self._registered = False
         self._host_reason = ""
-        if config.register_host:
-            try:
-                self._register_host(self._region_ptr, self._region_np.nbytes)
-                self._registered = True
-            except HostRegistrationError as exc:
-                self._host_reason = str(exc)
-                log.warning("kvpool GPU transfer: host pages NOT registered (%s); falling back to pageable copies "
-                            "with the same stream ordering (slower, and the host waits for each copy)",
-                            self._host_reason)
-        else:
-            self._host_reason = "registration disabled by TransferConfig.register_host=False"
+        self._register_region()
         try:
             self._init_path(layers)
         except BaseException:
@@ -584,6 +578,55 @@ class TransferEngine:
         self._ids = itertools.count(1)
         self._inflight: dict[int, StoreHandle | LoadHandle] = {}
         self._closed = False
+
+    def _map_region(self, arena) -> None:  # noqa: ANN001 - the backend's Arena
+        self._arena = arena
+        self._page_size = arena.page_size
+        self._region_np = arena.pages_region  # holds the mapping alive while the engine uses it
+        self._region_ptr = int(self._region_np.ctypes.data)
+        self._region = torch.frombuffer(self._region_np, dtype=torch.uint8)
+
+    def _register_region(self) -> None:
+        if not self.config.register_host:
+            self._host_reason = "registration disabled by TransferConfig.register_host=False"
+            return
+        try:
+            self._register_host(self._region_ptr, self._region_np.nbytes)
+            self._registered = True
+            self._host_reason = ""
+        except HostRegistrationError as exc:
+            self._host_reason = str(exc)
+            log.warning("kvpool GPU transfer: host pages NOT registered (%s); falling back to pageable copies "
+                        "with the same stream ordering (slower, and the host waits for each copy)",
+                        self._host_reason)
+
+    @staticmethod
+    def _segment(client: PoolBackend) -> bytes | None:
+        """The instance of the segment `client` has mapped (None: not mapped there)."""
+        arena = getattr(client, "arena", None)
+        return None if arena is None else arena.instance
+
+    def _follow_segment(self) -> None:
+        """Move to the backend's segment if it is no longer the one the engine copies to."""
+        arena = getattr(self.backend, "arena", None)
+        if arena is None or arena.instance == self._arena.instance:
+            return  # unmapped (the op's own call will fail or reconnect), or the same segment
+        if self.layout.page_bytes > arena.page_size:
+            raise KVLayoutError(f"the restarted pool's pages are {arena.page_size} bytes, a block "
+                                f"{self.layout.page_bytes}")
+        self.drain()  # what is in flight read or wrote the old segment: let it end first
+        self.store_stream.synchronize()
+        self.load_stream.synchronize()
+        if self._registered:
+            self._registered = False
+            _unregister(self._region_ptr)
+        log.warning("kvpool GPU transfer: the pool's segment changed (a restart): re-registering its pages")
+        self._map_region(arena)
+        self._register_region()
+        self.capabilities = dataclasses.replace(
+            self.capabilities, host_memory=HostMemory.REGISTERED if self._registered else HostMemory.PAGEABLE,
+            host_memory_reason=self._host_reason)
+        self.reattached += 1
 
     def _init_path(self, layers: Sequence[torch.Tensor]) -> None:
         """The copy path's resources (staging buffers, or the driver and its batch probe)."""
@@ -769,6 +812,7 @@ class TransferEngine:
 
     def store(self, block_ids: Sequence[int], hashes: Sequence[bytes], boundary: int | None = None) -> StoreHandle:
         ids = self._check_ids(block_ids, hashes)
+        self._follow_segment()
         handle = StoreHandle(next(self._ids), ids, time.monotonic())
         pb = self.layout.page_bytes
         with torch.cuda.device(self.device):
@@ -790,6 +834,12 @@ class TransferEngine:
                         except PoolError as exc:  # refused, or the connection failed: what is copying still commits
                             self._lane_done(lane)
                             handle.errors.append(f"reserve: {type(exc).__name__}: {exc}")
+                            break
+                        if self._segment(self._lanes[lane]) not in (None, self._arena.instance):
+                            # The lane reconnected to a restarted pool: its pages are in another segment.
+                            self._abort(_Unit(lane, res, []))
+                            handle.errors.append("reserve: the pool restarted (a new segment); the next store "
+                                                 "re-registers it")
                             break
                         unit = _Unit(lane, res, [])
                         for k, slot in enumerate(res.slots):
@@ -864,6 +914,7 @@ class TransferEngine:
     # -- load -------------------------------------------------------------------------------
     def load(self, block_ids: Sequence[int], hashes: Sequence[bytes], deadline_s: float | None = None) -> LoadHandle:
         ids = self._check_ids(block_ids, hashes)
+        self._follow_segment()
         t0 = time.monotonic()
         with torch.cuda.device(self.device):
             if self._driver is not None:
@@ -878,6 +929,15 @@ class TransferEngine:
                 done.record(engine)
                 return self._finished_load(ids, Miss(0, MissCause.TIMEOUT), done, t0)
             except (TransportError, LeaseLost, MalformedFrame):
+                done.record(engine)
+                return self._finished_load(ids, Miss(0, MissCause.TRANSPORT_ERROR), done, t0)
+            if self._segment(self.backend) != self._arena.instance:
+                # The acquire reconnected to a restarted pool: the lease is on pages of another segment.
+                if lease.lease_id:
+                    try:
+                        self.backend.release(lease.lease_id)
+                    except PoolError as exc:  # the daemon reaps it at the TTL or when the connection drops
+                        log.warning("release of lease %d after a pool restart failed: %s", lease.lease_id, exc)
                 done.record(engine)
                 return self._finished_load(ids, Miss(0, MissCause.TRANSPORT_ERROR), done, t0)
             hits = lease.hits

@@ -2,7 +2,8 @@
 
   PoolMetrics     the daemon: lookups by result, misses by cause, bytes in/out, lease
                   (load) latency, evictions, leased / committed / free pages, lookups
-                  that waited for a pending publish (by how the wait ended) and how long.
+                  that waited for a pending publish (by how the wait ended) and how long;
+                  each tenant's pages by state and its evictions.
   ClientMetrics   a client (one per replica): loads by result, misses by cause including
                   the causes only a loader sees (corrupt, transport_error, timeout), load
                   latency, bytes loaded and published.
@@ -42,6 +43,10 @@ class PoolMetrics:
                                     "the wait ended", ["result"], registry=r)
         for result in LOOKUP_WAIT_RESULTS:
             self.lookup_waits.labels(result)
+        self.tenant_pages = Gauge("kvpool_tenant_pages", "Pages of each tenant's segment by state",
+                                  ["tenant", "state"], registry=r)
+        self.tenant_evictions = Gauge("kvpool_tenant_evictions", "Pages evicted from each tenant's segment",
+                                      ["tenant"], registry=r)
         self.lookup_wait_seconds = Histogram("kvpool_lookup_wait_seconds", "Time a lookup waited for pending "
                                              "publishes", buckets=_LATENCY_BUCKETS, registry=r)
 
@@ -49,6 +54,11 @@ class PoolMetrics:
         for state in ("free", "committed", "reserved", "leased"):
             self.pages.labels(state).set(stats[f"{state}_pages"])
         self.leased_bytes.set(stats["leased_bytes"])
+
+    def refresh_tenant(self, tenant: str, stats: dict[str, int]) -> None:
+        for state in ("free", "committed", "reserved", "leased"):
+            self.tenant_pages.labels(tenant, state).set(stats[f"{state}_pages"])
+        self.tenant_evictions.labels(tenant).set(stats["evictions"])
 
     def exposition(self) -> str:
         return generate_latest(self.registry).decode()

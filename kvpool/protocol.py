@@ -105,8 +105,11 @@ class Evict(msgspec.Struct, tag="evict", forbid_unknown_fields=True):
     hashes: list[bytes]
 
 
-class SetCapacity(msgspec.Struct, tag="capacity", forbid_unknown_fields=True):
+class SetCapacity(msgspec.Struct, tag="capacity", forbid_unknown_fields=True, omit_defaults=True):
+    """Squeeze (or restore) one tenant's usable pages: `tenant`'s segment, by default the
+    caller's own."""
     pages: int
+    tenant: str = ""
 
 
 class Stats(msgspec.Struct, tag="stats", forbid_unknown_fields=True):
@@ -123,6 +126,9 @@ Request = Union[Hello, Ping, Lookup, Acquire, Release, Reserve, WritePages, Comm
 
 # -- replies ----------------------------------------------------------------------------
 class HelloOk(msgspec.Struct, tag="hello_ok"):
+    """`arena`: the daemon's attach socket (a Unix socket path); a client on the same
+    host connects to it and sends `ticket` (single-use, for this session, valid for the
+    daemon's hello timeout) to be handed its tenant's segment as a file descriptor."""
     session: int
     arena: str
     arena_instance: bytes
@@ -130,6 +136,7 @@ class HelloOk(msgspec.Struct, tag="hello_ok"):
     num_pages: int
     server: str
     restarted_after_crash: bool
+    ticket: bytes = b""
 
 
 class Pong(msgspec.Struct, tag="pong"):

@@ -1,4 +1,4 @@
-"""The pool daemon: owns the catalog and the arena, serves the wire protocol.
+"""The pool daemon: owns each tenant's catalog and arena, serves the wire protocol.
 
   PoolConfig                   frozen configuration (geometry, addresses, tenants, limits).
   PoolDaemon(config).run()     serve until SIGTERM / SIGINT, then free the shared memory.
@@ -34,8 +34,18 @@ Contracts:
     (`admins`; by default the only tenant of a single-tenant pool). Another tenant's
     Stats counts only its own pages; its SetCapacity or Metrics is refused as
     Unauthenticated.
-  * Start-up finds what a crashed daemon left (pid file, shared-memory segment),
-    removes it and says so; graceful shutdown removes segment, socket and pid file.
+  * Tenants are apart in the data plane too: each has its own arena segment (an
+    anonymous, size-sealed memfd of its quota of pages, `quotas`; the tenants not named
+    there share the rest of `num_pages` evenly) and its own catalog, so its pages, page
+    ids, eviction, ghosts, lease and reservation ids, lookup waits and stats are its own
+    and another tenant's load cannot evict them. No segment has a name in /dev/shm: a
+    client on the daemon's host gets its tenant's segment as a file descriptor over the
+    attach socket (run_dir/attach.sock), in exchange for the single-use ticket of its
+    hello (valid for `hello_timeout_s`). A client elsewhere (or refused the descriptor)
+    moves page bytes in frames.
+  * Start-up finds what a crashed daemon left (pid file, sockets), removes it and says so
+    (its segments went with its last mapping); graceful shutdown removes the sockets and
+    the pid file.
 """
 
 from __future__ import annotations
@@ -49,7 +59,9 @@ import itertools
 import json
 import logging
 import os
+import secrets
 import signal
+import socket
 import sys
 import threading
 import time
@@ -60,7 +72,7 @@ from pathlib import Path
 import uvloop
 
 from kvpool import protocol as P
-from kvpool.arena import Arena
+from kvpool.arena import Arena, segment_label
 from kvpool.catalog import AdmissionPolicy, Catalog, CatalogConfig, LookupResult, LoadLimits, Miss
 from kvpool.digest import page_digest
 from kvpool.errors import (
@@ -77,6 +89,7 @@ from kvpool.metrics import PoolMetrics
 
 log = logging.getLogger("kvpool.server")
 SERVER_NAME = "kvgate-pool/0.1"
+_TICKET_BYTES = 16
 
 
 def default_run_dir(name: str) -> Path:
@@ -111,11 +124,29 @@ class PoolConfig:
     # Tenants allowed the pool-wide operations (capacity, pool-wide stats and metrics); none
     # named: the only tenant of a single-tenant pool, and nobody in a pool of several.
     admins: frozenset[str] = frozenset()
+    # Pages of each tenant's own segment; the tenants not named share the rest of num_pages.
+    quotas: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def is_admin(self, tenant: str) -> bool:
         if self.admins:
             return tenant in self.admins
         return len(self.tenants) == 1 and tenant in self.tenants
+
+    def tenant_pages(self) -> dict[str, int]:
+        """The pages of each tenant's segment (InvalidRequest for quotas that do not fit)."""
+        unknown = sorted(set(self.quotas) - set(self.tenants))
+        if unknown:
+            raise InvalidRequest(f"quotas name tenants the pool does not have: {unknown}")
+        bad = {t: q for t, q in self.quotas.items() if not isinstance(q, int) or q <= 0}
+        if bad:
+            raise InvalidRequest(f"quotas must be positive page counts: {bad}")
+        others = [t for t in self.tenants if t not in self.quotas]
+        rest = self.num_pages - sum(self.quotas.values())
+        share = rest // len(others) if others else 0
+        if others and share < 1:
+            raise InvalidRequest(f"{self.num_pages} pages leave {rest} for the {len(others)} tenants without a "
+                                 f"quota: less than one page each")
+        return {t: self.quotas.get(t, share) for t in self.tenants}
 
     def resolved_run_dir(self) -> Path:
         return self.run_dir if self.run_dir is not None else default_run_dir(self.name)
@@ -130,6 +161,20 @@ class _Session:
     waiting: bool = False  # a lookup of this session is parked on a pending publish
 
 
+@dataclasses.dataclass
+class _TenantPool:
+    """One tenant's part of the daemon: its segment, its catalog, what waits on them."""
+
+    tenant: str
+    arena: Arena
+    catalog: Catalog
+    # reservation id -> futures of the lookups parked on it, resolved when it closes
+    parked: dict[int, list[asyncio.Future]] = dataclasses.field(default_factory=dict)
+    lease_started: dict[int, float] = dataclasses.field(default_factory=dict)
+    waits: dict[str, int] = dataclasses.field(
+        default_factory=lambda: {"lookup_waits": 0, "lookup_wait_us": 0, "lookup_waiting": 0})
+
+
 class PoolAlreadyRunning(PoolError):
     """Another live daemon owns this name."""
 
@@ -139,23 +184,22 @@ class PoolDaemon:
         if not config.tenants:
             raise InvalidRequest("a pool needs at least one tenant token (PoolConfig.tenants)")
         self.config = config
+        self._quota = config.tenant_pages()
         self._catalog_factory = catalog_factory
         self.run_dir = config.resolved_run_dir()
         self.metrics = PoolMetrics()
         self.restarted_after_crash = False
         self.recovery_note = ""
-        self.arena: Arena | None = None
-        self.catalog: Catalog | None = None
+        self.pools: dict[str, _TenantPool] = {}
         self.unix_path: Path | None = None
+        self.attach_path: Path | None = None
+        self._tickets: dict[bytes, tuple[str, float]] = {}  # attach ticket -> (tenant, deadline)
+        self._attaching = 0
         self.tcp_port: int | None = None
         self._sessions = itertools.count(1)
         self._clients: dict[int, asyncio.StreamWriter] = {}  # authenticated connections
         self._unauthenticated: dict[int, _Connection] = {}  # connections still to say hello
         self._queued = 0
-        self._lease_started: dict[int, float] = {}
-        # reservation id -> futures of the lookups parked on it, resolved when it closes
-        self._parked: dict[int, list[asyncio.Future]] = {}
-        self._wait_counts = {"lookup_waits": 0, "lookup_wait_us": 0, "lookup_waiting": 0}
         self._executor: ThreadPoolExecutor | None = None
         self._servers: list[asyncio.AbstractServer] = []
         self._stop: asyncio.Event | None = None
@@ -173,36 +217,34 @@ class PoolDaemon:
                 raise PoolAlreadyRunning(f"pool {self.config.name!r} is served by live pid {old} ({pid_file})")
             notes.append(f"previous daemon (pid {old}) did not shut down cleanly")
             pid_file.unlink()
-        if Arena.exists(self.config.name):
-            size = os.stat(f"/dev/shm/{self.config.name}").st_size
-            Arena.unlink(self.config.name)
-            notes.append(f"discarded its shared-memory arena /dev/shm/{self.config.name} ({size} bytes)")
-        sock = self.run_dir / "pool.sock"
-        if sock.exists():
-            sock.unlink()
-            notes.append("removed its stale socket")
+        stale = [name for name in ("pool.sock", "attach.sock") if (self.run_dir / name).exists()]
+        for name in stale:
+            (self.run_dir / name).unlink()
+        if stale:
+            notes.append(f"removed its stale {' and '.join(stale)}")
         if notes:
             self.restarted_after_crash = True
             self.recovery_note = "; ".join(notes) + "; starting with an empty pool"
             log.warning("kvgate pool %s: %s", self.config.name, self.recovery_note)
-        self.arena = Arena.create(self.config.name, self.config.page_size, self.config.num_pages)
         pid_file.write_text(str(os.getpid()))
         cfg = self.config
-        self.catalog = self._catalog_factory(
-            CatalogConfig(num_pages=cfg.num_pages, page_size=cfg.page_size, admission=cfg.admission,
-                          limits=cfg.limits, reservation_ttl_s=cfg.reservation_ttl_s,
-                          lease_ttl_s=cfg.lease_ttl_s),
-            generations=self.arena._gens,
-        )
+        for tenant, pages in self._quota.items():
+            arena = Arena.anonymous(segment_label(cfg.name, tenant), cfg.page_size, pages)
+            catalog = self._catalog_factory(
+                CatalogConfig(num_pages=pages, page_size=cfg.page_size, admission=cfg.admission,
+                              limits=cfg.limits, reservation_ttl_s=cfg.reservation_ttl_s,
+                              lease_ttl_s=cfg.lease_ttl_s),
+                generations=arena._gens,
+            )
+            self.pools[tenant] = _TenantPool(tenant, arena, catalog)
 
     def _cleanup(self) -> None:
-        if self.arena is not None:
-            self.catalog = None  # drops the generation view into the arena
-            with contextlib.suppress(PoolError):  # views still held: unlink frees it anyway
-                self.arena.close()
-            Arena.unlink(self.config.name)
-            self.arena = None
-        for name in ("pool.sock", "address.json", "pid"):
+        for tp in self.pools.values():
+            tp.catalog = None  # drops the generation view into the arena
+            with contextlib.suppress(PoolError):  # views still held: the memory goes with the last of them
+                tp.arena.close()
+        self.pools = {}
+        for name in ("pool.sock", "attach.sock", "address.json", "pid"):
             (self.run_dir / name).unlink(missing_ok=True)
 
     # -- running -------------------------------------------------------------------------
@@ -221,11 +263,15 @@ class PoolDaemon:
                                                      port=self.config.tcp_port)
                 self.tcp_port = srv.sockets[0].getsockname()[1]
                 self._servers.append(srv)
+            attach = self._attach_socket()
             self._write_address()
             reaper = asyncio.create_task(self._reap())
+            attacher = asyncio.create_task(self._serve_attach(attach))
             self.ready.set()
             await self._stop.wait()
             reaper.cancel()
+            attacher.cancel()
+            attach.close()
             for srv in self._servers:
                 srv.close()
             for conn in [*self._clients.values(), *self._unauthenticated.values()]:
@@ -242,7 +288,8 @@ class PoolDaemon:
             "name": self.config.name,
             "unix": str(self.unix_path) if self.unix_path else None,
             "tcp": f"{self.config.tcp_host}:{self.tcp_port}" if self.tcp_port else None,
-            "arena": self.config.name,
+            "attach": str(self.attach_path) if self.attach_path else None,
+            "tenant_pages": self._quota,
             "pid": os.getpid(),
             "restarted_after_crash": self.restarted_after_crash,
             "recovery_note": self.recovery_note,
@@ -296,9 +343,73 @@ class PoolDaemon:
     async def _reap(self) -> None:
         while True:
             await asyncio.sleep(self.config.reap_interval_s)
-            assert self.catalog is not None
-            self.catalog.reap(time.monotonic())
-            self._wake_closed()
+            now = time.monotonic()
+            for tp in self.pools.values():
+                tp.catalog.reap(now)
+                self._wake_closed(tp)
+            for ticket in [t for t, (_, deadline) in self._tickets.items() if deadline <= now]:
+                del self._tickets[ticket]
+
+    # -- handing a tenant its segment --------------------------------------------------------
+    def _attach_socket(self) -> socket.socket:
+        self.attach_path = self.run_dir / "attach.sock"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(self.attach_path))
+        os.chmod(self.attach_path, 0o600)
+        sock.listen(64)
+        sock.setblocking(False)
+        return sock
+
+    async def _serve_attach(self, listener: socket.socket) -> None:
+        """Accept attach connections; each gets at most one descriptor, for a valid ticket.
+        At most `max_unauthenticated` are served at once (past it one is closed at once)."""
+        loop = self._loop
+        while True:
+            conn, _ = await loop.sock_accept(listener)
+            if self._attaching >= self.config.max_unauthenticated:
+                self.metrics.requests.labels("attach", ErrorCode.BUSY.value).inc()
+                conn.close()
+                continue
+            self._attaching += 1
+            task = asyncio.ensure_future(self._attach_one(conn))
+            task.add_done_callback(self._attached)
+
+    def _attached(self, task: asyncio.Future) -> None:
+        self._attaching -= 1
+        if not task.cancelled() and task.exception() is not None:
+            log.error("attach handler failed", exc_info=task.exception())
+
+    async def _attach_one(self, conn: socket.socket) -> None:
+        """Read a ticket (16 bytes, within the hello timeout); answer b"\x00" with the
+        ticket's tenant's segment attached (SCM_RIGHTS), or b"\x01" and nothing."""
+        loop = self._loop
+        result = "ok"
+        try:
+            ticket = b""
+            async with asyncio.timeout(self.config.hello_timeout_s):
+                while len(ticket) < _TICKET_BYTES:
+                    chunk = await loop.sock_recv(conn, _TICKET_BYTES - len(ticket))
+                    if not chunk:
+                        break
+                    ticket += chunk
+            entry = self._tickets.pop(ticket, None)
+            if entry is None or entry[1] <= time.monotonic() or entry[0] not in self.pools:
+                result = ErrorCode.UNAUTHENTICATED.value
+                await loop.sock_sendall(conn, b"\x01")
+                return
+            socket.send_fds(conn, [b"\x00"], [self.pools[entry[0]].arena.fileno()])
+        except TimeoutError:
+            result = "timeout"
+        except OSError:  # the peer went away or did not read: it gets nothing, nobody else is touched
+            result = "transport_error"
+        finally:
+            conn.close()
+            self.metrics.requests.labels("attach", result).inc()
+
+    def _ticket(self, tenant: str) -> bytes:
+        ticket = secrets.token_bytes(_TICKET_BYTES)
+        self._tickets[ticket] = (tenant, time.monotonic() + self.config.hello_timeout_s)
+        return ticket
 
     # -- connections ---------------------------------------------------------------------
     def _protocol(self) -> _Connection:
@@ -332,18 +443,19 @@ class PoolDaemon:
         return P.encode_reply(request_id, P.Error(err.code, err.message))
 
     def _apply(self, session: _Session, op: P.Request) -> P.Reply | Awaitable[P.Reply]:
-        cat = self.catalog
-        assert cat is not None and self.arena is not None
         if isinstance(op, P.Hello):
             expected = self.config.tenants.get(op.tenant)
             if expected is None or not hmac.compare_digest(expected.encode(), op.token.encode()):
                 raise Unauthenticated(f"unknown tenant or bad token for tenant {op.tenant!r}")
             session.tenant, session.name = op.tenant, op.client_name
-            return P.HelloOk(session.client, self.arena.name, self.arena.instance, self.arena.page_size,
-                             self.arena.num_pages, SERVER_NAME, self.restarted_after_crash)
+            arena = self.pools[op.tenant].arena
+            return P.HelloOk(session.client, str(self.attach_path), arena.instance, arena.page_size,
+                             arena.num_pages, SERVER_NAME, self.restarted_after_crash, self._ticket(op.tenant))
         if session.tenant is None:
             raise Unauthenticated(f"{type(op).__name__} before a successful hello")
         tenant = session.tenant
+        tp = self.pools[tenant]
+        cat = tp.catalog
         now = time.monotonic()
         if isinstance(op, P.Ping):
             return P.Pong()
@@ -353,13 +465,13 @@ class PoolDaemon:
             wait_s = min(op.wait_pending_ms / 1000, self.config.max_lookup_wait_s)
             if res.pending and wait_s > 0:
                 session.waiting = True
-                return self._lookup_waiting(session, op, res, wait_s)
+                return self._lookup_waiting(session, tp, op, res, wait_s)
             return P.LookupOk(res.hits, res.miss)
         if isinstance(op, P.Acquire):
             self._check_tenant(op.ns, tenant)
             acq = cat.acquire(session.client, tenant, op.ns, op.hashes, now)
             if acq.lease_id:
-                self._lease_started[acq.lease_id] = now
+                tp.lease_started[acq.lease_id] = now
                 self.metrics.hits.labels("remote").inc()
                 self.metrics.hit_blocks.inc(len(acq.hits))
                 self.metrics.bytes_read.inc(acq.hits.total_bytes)
@@ -369,7 +481,7 @@ class PoolDaemon:
         if isinstance(op, P.Release):
             self._own_lease(session, op.lease_id)
             rel = cat.release(op.lease_id)
-            started = self._lease_started.pop(op.lease_id, None)
+            started = tp.lease_started.pop(op.lease_id, None)
             if started is not None:
                 self.metrics.lease_seconds.observe(now - started)
             return P.ReleaseOk(list(rel.stale))
@@ -386,7 +498,7 @@ class PoolDaemon:
         if isinstance(op, P.Abort):
             self._own_reservation(session, op.reservation_id)
             freed = cat.abort(op.reservation_id)
-            self._wake_closed()
+            self._wake_closed(tp)
             return P.AbortOk(freed)
         if isinstance(op, P.ReadPages):
             return self._read_pages(session, op)
@@ -396,23 +508,44 @@ class PoolDaemon:
             self.metrics.evictions.inc(sum(o == "evicted" for o in outcomes))
             return P.EvictOk(outcomes)
         if isinstance(op, (P.SetCapacity, P.Stats, P.Metrics)) and not self.config.is_admin(tenant):
-            if isinstance(op, P.Stats):  # a tenant sees its own pages, never the pool's or another tenant's
-                return P.StatsOk(cat.tenant_stats(tenant))
+            if isinstance(op, P.Stats):  # a tenant sees its own segment, never the pool's or another tenant's
+                return P.StatsOk(self._tenant_stats(tp))
             raise Unauthenticated(f"{type(op).__name__} is a pool-wide operation: tenant {tenant!r} is not an "
                                   "admin of this pool")
         if isinstance(op, P.SetCapacity):
-            evicted = cat.set_capacity(op.pages)
+            target = self.pools.get(op.tenant or tenant)
+            if target is None:
+                raise InvalidRequest(f"SetCapacity of tenant {op.tenant!r}: the pool has no such tenant")
+            evicted = target.catalog.set_capacity(op.pages)
             self.metrics.evictions.inc(evicted)
             return P.CapacityOk(evicted)
         if isinstance(op, P.Stats):
-            return P.StatsOk({**cat.stats(), **self._wait_counts})
+            return P.StatsOk(self.pool_stats())
         if isinstance(op, P.Metrics):
-            self.metrics.refresh(cat.stats())
+            self.metrics.refresh(self.pool_stats())
+            for tp_ in self.pools.values():
+                self.metrics.refresh_tenant(tp_.tenant, tp_.catalog.stats())
             return P.MetricsOk(self.metrics.exposition())
         raise InvalidRequest(f"unhandled op {type(op).__name__}")
 
+    @staticmethod
+    def _tenant_stats(tp: _TenantPool) -> dict[str, int]:
+        stats = {**tp.catalog.stats(), **tp.waits}
+        own = tp.catalog.tenant_stats(tp.tenant)
+        return {**stats, **own}
+
+    def pool_stats(self) -> dict[str, int]:
+        """Every tenant's stats summed (the page size is the pool's)."""
+        total: dict[str, int] = {}
+        for tp in self.pools.values():
+            for key, value in self._tenant_stats(tp).items():
+                total[key] = total.get(key, 0) + value
+        total["page_size"] = self.config.page_size
+        total["tenants"] = len(self.pools)
+        return total
+
     # -- lookups that wait for a pending publish -------------------------------------------
-    async def _lookup_waiting(self, session: _Session, op: P.Lookup, res: LookupResult,
+    async def _lookup_waiting(self, session: _Session, tp: _TenantPool, op: P.Lookup, res: LookupResult,
                               wait_s: float) -> P.LookupOk:
         """Park until the first missing block's publish closes, look up again; repeat
         while the answer stops at a pending block, until `wait_s` has passed."""
@@ -420,52 +553,53 @@ class PoolDaemon:
         t0 = loop.time()
         deadline = t0 + wait_s
         result = "abandoned"  # unless it returns: cancelled because its client went away
-        self._wait_counts["lookup_waiting"] += 1
+        tp.waits["lookup_waiting"] += 1
         try:
             while res.pending:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     result = MissCause.IN_FLIGHT.value
                     assert res.miss is not None  # a pending reservation is always at the first miss
-                    self.catalog.count_miss(MissCause.IN_FLIGHT)
+                    tp.catalog.count_miss(MissCause.IN_FLIGHT)
                     self.metrics.misses.labels(MissCause.IN_FLIGHT.value).inc()
                     return P.LookupOk(res.hits, Miss(res.miss.index, MissCause.IN_FLIGHT))
-                await self._until_closed(res.pending, remaining)
-                res = self.catalog.lookup(session.tenant, op.ns, op.hashes)
+                await self._until_closed(tp, res.pending, remaining)
+                res = tp.catalog.lookup(session.tenant, op.ns, op.hashes)
             result = "settled"
             return P.LookupOk(res.hits, res.miss)
         finally:
             waited = loop.time() - t0
             session.waiting = False
-            self._wait_counts["lookup_waiting"] -= 1
-            self._wait_counts["lookup_waits"] += 1
-            self._wait_counts["lookup_wait_us"] += round(waited * 1e6)
+            tp.waits["lookup_waiting"] -= 1
+            tp.waits["lookup_waits"] += 1
+            tp.waits["lookup_wait_us"] += round(waited * 1e6)
             self.metrics.lookup_waits.labels(result).inc()
             self.metrics.lookup_wait_seconds.observe(waited)
 
-    async def _until_closed(self, reservation_id: int, timeout: float) -> None:
+    async def _until_closed(self, tp: _TenantPool, reservation_id: int, timeout: float) -> None:
         """Return when the reservation closes (see _wake_closed) or `timeout` passes."""
         parked = self._loop.create_future()
-        self._parked.setdefault(reservation_id, []).append(parked)
+        tp.parked.setdefault(reservation_id, []).append(parked)
         try:
             await asyncio.wait((parked,), timeout=timeout)
         finally:
             if not parked.done():  # timed out or cancelled: unpark
                 parked.cancel()
-                others = self._parked.get(reservation_id)
+                others = tp.parked.get(reservation_id)
                 if others is not None:
                     others.remove(parked)
                     if not others:
-                        del self._parked[reservation_id]
+                        del tp.parked[reservation_id]
 
-    def _wake_closed(self) -> None:
-        """Wake the lookups parked on reservations that are no longer open. Called after
-        every catalog call that can close one: commit, abort, drop_client, reap."""
-        if not self._parked:
+    @staticmethod
+    def _wake_closed(tp: _TenantPool) -> None:
+        """Wake the lookups parked on the tenant's reservations that are no longer open.
+        Called after every catalog call that can close one: commit, abort, drop_client, reap."""
+        if not tp.parked:
             return
-        cat = self.catalog
-        for rid in [r for r in self._parked if not cat.reservation_open(r)]:
-            for parked in self._parked.pop(rid):
+        cat = tp.catalog
+        for rid in [r for r in tp.parked if not cat.reservation_open(r)]:
+            for parked in tp.parked.pop(rid):
                 if not parked.done():
                     parked.set_result(None)
 
@@ -475,13 +609,13 @@ class PoolDaemon:
             raise Unauthenticated(f"session of tenant {tenant!r} cannot use namespace of tenant {ns.tenant!r}")
 
     def _own_lease(self, session: _Session, lease_id: int) -> list[int]:
-        lease = self.catalog._leases.get(lease_id)  # noqa: SLF001 - the daemon owns the catalog
+        lease = self.pools[session.tenant].catalog._leases.get(lease_id)  # noqa: SLF001 - the daemon owns the catalog
         if lease is None or lease.client != session.client:
             raise LeaseLost(f"lease {lease_id} is not held by this session")
         return lease.pages
 
     def _own_reservation(self, session: _Session, reservation_id: int) -> list[int]:
-        res = self.catalog._reservations.get(reservation_id)  # noqa: SLF001
+        res = self.pools[session.tenant].catalog._reservations.get(reservation_id)  # noqa: SLF001
         if res is None or res.client != session.client:
             raise InvalidRequest(f"reservation {reservation_id} is not open in this session")
         return res.pages
@@ -499,7 +633,8 @@ class PoolDaemon:
         pages = self._own_reservation(session, op.reservation_id)
         if len(op.digests) != len(pages):
             raise InvalidRequest(f"{len(op.digests)} digests for {len(pages)} reserved pages")
-        arena, cat = self.arena, self.catalog
+        tp = self.pools[session.tenant]
+        arena, cat = tp.arena, tp.catalog
         lengths = [int(cat.length[p]) for p in pages]
 
         def verify() -> list[bytes | None]:
@@ -509,7 +644,7 @@ class PoolDaemon:
         # The reservation may have expired while hashing; commit re-checks it.
         digests = [a if hmac.compare_digest(a, c) else None for a, c in zip(actual, op.digests)]
         res = cat.commit(op.reservation_id, digests)
-        self._wake_closed()
+        self._wake_closed(tp)
         self.metrics.bytes_written.inc(sum(n for n, d in zip(lengths, digests) if d is not None))
         return P.CommitOk(res.committed, list(res.rejected))
 
@@ -517,15 +652,16 @@ class PoolDaemon:
         pages = self._own_reservation(session, op.reservation_id)
         if len(op.slots) != len(op.data):
             raise InvalidRequest(f"{len(op.slots)} slots but {len(op.data)} payloads")
+        tp = self.pools[session.tenant]
         targets = []
         for slot, data in zip(op.slots, op.data):
             if not 0 <= slot < len(pages):
                 raise InvalidRequest(f"slot {slot} outside reservation of {len(pages)} pages")
-            expected = int(self.catalog.length[pages[slot]])
+            expected = int(tp.catalog.length[pages[slot]])
             if len(data) != expected:
                 raise InvalidRequest(f"slot {slot}: {len(data)} bytes, reserved {expected}")
             targets.append((pages[slot], data))
-        arena = self.arena
+        arena = tp.arena
 
         def write() -> int:
             for page, data in targets:
@@ -536,12 +672,13 @@ class PoolDaemon:
 
     async def _read_pages(self, session: _Session, op: P.ReadPages) -> P.PagesOk:
         pages = self._own_lease(session, op.lease_id)
+        tp = self.pools[session.tenant]
         targets = []
         for i in op.indexes:
             if not 0 <= i < len(pages):
                 raise InvalidRequest(f"index {i} outside lease of {len(pages)} pages")
-            targets.append((pages[i], int(self.catalog.length[pages[i]])))
-        arena = self.arena
+            targets.append((pages[i], int(tp.catalog.length[pages[i]])))
+        arena = tp.arena
         return P.PagesOk(await self._offload(lambda: [arena.page(p, n).tobytes() for p, n in targets]))
 
 
@@ -575,10 +712,10 @@ def read_address(run_dir: Path, timeout: float = 10.0) -> dict[str, object]:
 
 def main_serve(config: PoolConfig, catalog_factory: type[Catalog] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
-    daemon = PoolDaemon(config) if catalog_factory is None else PoolDaemon(config, catalog_factory=catalog_factory)
     try:
+        daemon = PoolDaemon(config) if catalog_factory is None else PoolDaemon(config, catalog_factory=catalog_factory)
         daemon.run()
-    except PoolAlreadyRunning as exc:
+    except (PoolAlreadyRunning, InvalidRequest) as exc:
         print(f"kvpool serve: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -716,6 +853,7 @@ class _Connection(asyncio.Protocol):
             d._clients.pop(self.session.client, None)
             if self.session.waiting and self.pending is not None:
                 self.pending.cancel()  # a lookup parked on a pending publish: nobody reads its answer
-            if d.catalog is not None:
-                d.catalog.drop_client(self.session.client)
-                d._wake_closed()
+            tp = d.pools.get(self.session.tenant) if self.session.tenant is not None else None
+            if tp is not None and tp.catalog is not None:
+                tp.catalog.drop_client(self.session.client)
+                d._wake_closed(tp)

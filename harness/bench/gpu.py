@@ -53,7 +53,7 @@ from pathlib import Path
 import numpy as np
 
 from harness.system.pool import DEFAULT_TENANT, unique_name
-from kvpool.arena import Arena
+from kvpool.arena import memory_available
 from kvpool.keys import Namespace, block_hashes
 from kvpool.server import PoolConfig, main_serve, read_address
 
@@ -111,7 +111,6 @@ class _Pool:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join()
-        Arena.unlink(self.name)
 
 
 def _median(xs: list[float]) -> float:
@@ -137,8 +136,7 @@ def _digest_ceiling(arena, pages: int, threads: int) -> dict[str, float]:  # noq
 
 
 def _shm_blocks(want: int) -> int:
-    st = os.statvfs("/dev/shm")
-    avail = st.f_bavail * st.f_frsize - 2 * 2**30  # leave room for the tests' and others' segments
+    avail = memory_available() - 8 * 2**30  # leave room for the pinned baseline, the tests and others
     return max(16, min(want, avail // PAGE))
 
 
@@ -563,7 +561,7 @@ def run_concurrent(gpus: int, sizes: tuple[int, ...] = (64, 256, 1024), reps: in
     names = [torch.cuda.get_device_name(i) for i in range(gpus)]
     want = gpus * max(sizes) + 16
     if _shm_blocks(want) < want:
-        raise ConcurrentBenchError(f"/dev/shm holds {_shm_blocks(want)} pages of {PAGE >> 20} MiB; the concurrent "
+        raise ConcurrentBenchError(f"memory holds {_shm_blocks(want)} pages of {PAGE >> 20} MiB; the concurrent "
                                    f"bench needs {want} ({want * PAGE / 2**30:.1f} GiB)")
     _say(f"kvgate bench gpu --gpus {gpus}: {', '.join(names)}; one pool of {want} pages ({want * PAGE / 2**30:.1f} GiB);"
          f" sizes {list(sizes)} blocks per GPU ({[n * PAGE >> 20 for n in sizes]} MiB); reps {reps}; path {path}; "

@@ -63,6 +63,7 @@ from harness.client.http import Completion, complete, reset_prefix_cache
 from harness.system.cluster import Cluster, ReplicaSpec
 from harness.system.gpu import BLOCK_SIZE, GpuCluster, gpu_args
 from harness.workload.prompts import Corpus
+from kvpool.arena import memory_available
 
 STREAM_DELAY_MS = 300.0
 
@@ -292,10 +293,10 @@ def start_sessions(report_dir: Path, gpus: int, max_context: int, turns: int = 6
     specs = [ReplicaSpec(name, core=str(i), kv_bytes=SESSION_KV_BYTES, max_model_len=n_len, audit=audit,
                          max_num_batched_tokens=SESSION_CHUNK, extra_env=_gpu_env(device), extra_args=gpu_args(0.12))
              for i, (name, device) in enumerate(placement(gpus))]
-    st = os.statvfs("/dev/shm")
-    pool_bytes = min(SESSION_POOL_BYTES, st.f_bavail * st.f_frsize - (4 << 30))  # room for the tiny pool and others
+    free = memory_available()
+    pool_bytes = min(SESSION_POOL_BYTES, free - (16 << 30))  # room for the tiny pool, the replicas and others
     if pool_bytes < 2 * max_context * BENCH_SHAPE.kv_bytes_per_token:
-        raise GpuLiveError(f"/dev/shm has {st.f_bavail * st.f_frsize / 2**30:.1f} GiB free: too little for a pool "
+        raise GpuLiveError(f"{free / 2**30:.1f} GiB of memory available: too little for a pool "
                            f"of two {max_context}-token sessions")
     cluster = Cluster(model, report_dir, page_size=page, pool_pages=pool_bytes // page)
     cluster.start(specs, timeout=400.0)

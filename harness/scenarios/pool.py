@@ -29,7 +29,7 @@ import numpy as np
 
 from harness.checkers.verdict import Verdict
 from harness.system.pool import DEFAULT_TENANT, PoolProcess
-from kvpool.arena import Arena
+from kvpool.arena import processes_mapping, segment_label
 from kvpool.client import PoolClient, load, publish
 from kvpool.errors import MissCause, PoolError
 from kvpool.keys import Namespace, block_hashes
@@ -211,22 +211,27 @@ def crash_and_restart(seed: int) -> Verdict:
     pool = PoolProcess.start(page_size=4096, num_pages=16, run_dir=run_dir)
     try:
         hs = block_hashes(range(seed % 1000, seed % 1000 + 64), 16)
+        label = segment_label(pool.name, "")
         with pool.client() as c:
             publish(c, NS, hs, [np.full(4096, i, np.uint8) for i in range(4)])
             c.acquire(NS, hs)
+            mapped_before = sorted(processes_mapping(label))  # the daemon and this client
             pool.kill()
-        left = Arena.exists(pool.name)
+        left = sorted(processes_mapping(label))  # the client has unmapped it: nobody should map it now
         pool.restart()
-        evidence = {"segment_left_by_crash": left, "recovery_note": pool.address.get("recovery_note")}
+        evidence = {"mapped_before_crash": len(mapped_before), "mapped_after_crash": left,
+                    "recovery_note": pool.address.get("recovery_note")}
         with pool.client() as c:
             empty = c.lookup(NS, hs).miss.cause == MissCause.NEVER_PUBLISHED
             stats = c.stats()
             evidence["said_so"] = c.hello.restarted_after_crash
-        clean_stop = pool.stop() == 0 and not Arena.exists(pool.name) and not (run_dir / "pid").exists()
+        clean_stop = (pool.stop() == 0 and not processes_mapping(label)
+                      and not any((run_dir / f).exists() for f in ("pid", "pool.sock", "attach.sock")))
         evidence.update(started_empty=empty, free_pages=stats["free_pages"], clean_stop=clean_stop)
-        ok = left and evidence["said_so"] and empty and stats["free_pages"] == 16 and clean_stop
-        return Verdict(bool(ok), "restart after SIGKILL starts empty and says so; graceful stop leaves nothing"
-                       if ok else "crash recovery incomplete", evidence)
+        ok = (len(mapped_before) == 2 and not left and evidence["said_so"] and empty and stats["free_pages"] == 16
+              and clean_stop)
+        return Verdict(bool(ok), "a SIGKILLed daemon leaves no segment mapped; the restart starts empty and says so; "
+                       "graceful stop leaves nothing" if ok else "crash recovery incomplete", evidence)
     finally:
         pool.cleanup()
 

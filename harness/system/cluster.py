@@ -36,7 +36,7 @@ from pathlib import Path
 from harness.client.http import healthy, reset_prefix_cache
 from harness.system.pool import PoolProcess, unique_name
 from harness.system.procs import StartError, group_alive, kill_group, spawn, stop_group, wait_ready
-from kvpool.arena import Arena
+from kvpool.arena import processes_mapping, segment_label
 
 CONNECTOR = "kvpool.connector:KVPoolConnector"
 FAULT_CONNECTOR = "faults.connector:FaultConnector"  # wraps the connector of a replica with a fault-control file
@@ -224,7 +224,7 @@ class Cluster:
     def kill_replica(self, name: str) -> None:
         """SIGKILL a replica's whole process group (server, engine, workers): a crash."""
         replica = self.replicas[name]
-        segments = _shm_mapped_by_group(replica.proc.pid) - {Path("/dev/shm") / self.pool.name}
+        segments = _shm_mapped_by_group(replica.proc.pid)
         self.nemesis("replica_kill", replica=name, pid=replica.proc.pid)
         self._killed.add(name)
         kill_group(replica.proc.pid)
@@ -294,8 +294,10 @@ class Cluster:
         left = [f"replica {r.spec.name} process group {r.proc.pid}" for r in self.replicas.values()
                 if group_alive(r.proc.pid)]
         left += [f"proxy of {name} (pid {p.proc.pid})" for name, p in self.proxies.items() if p.proc.poll() is None]
-        if self.pool is not None and Arena.exists(self.pool.name):
-            left.append(f"shared-memory segment {self.pool.name}")
+        if self.pool is not None:
+            mapping = {pid: labels for pid, labels in processes_mapping(segment_label(self.pool.name, "")).items()
+                       if pid != os.getpid()}
+            left += [f"pid {pid} mapping the pool's segments {labels}" for pid, labels in mapping.items()]
         if left:
             raise OrphanError(f"left behind after stop: {left}")
 

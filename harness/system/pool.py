@@ -23,7 +23,6 @@ import tempfile
 from pathlib import Path
 
 from harness.system.procs import StartError, spawn, terminate, wait_ready
-from kvpool.arena import Arena
 from kvpool.client import PoolClient
 from kvpool.server import PoolConfig, PoolDaemon, read_address
 
@@ -112,9 +111,8 @@ class PoolProcess:
             self.proc.wait()
 
     def cleanup(self) -> None:
-        """Whatever happened, leave no process or segment behind."""
+        """Whatever happened, leave no process behind (its segments go with it)."""
         self.kill()
-        Arena.unlink(self.name)
 
 
 def thread_pool(*, page_size: int = 4096, num_pages: int = 64, token: str = "tok", catalog_factory=None,  # noqa: ANN001

@@ -17,6 +17,7 @@ from faults.gpu_controls import (  # noqa: E402
     RefusedRegistrationEngine,
     TrustingReleaseEngine,
     RefusedUnorderedEngine,
+    StuckSegmentEngine,
     delay_stream,
 )
 from kvpool.catalog import EvictOutcome  # noqa: E402
@@ -156,6 +157,63 @@ def test_a_lease_lost_under_a_slow_copy_fails_every_loaded_block(engine_cls, che
         assert outcome.loaded == 0 and outcome.miss.cause == MissCause.TIMEOUT and outcome.stale == tuple(range(k))
     else:
         assert outcome.loaded == k, f"negative control NOT caught: {outcome}"
+
+
+@pytest.mark.fault_pool_restart
+@pytest.mark.parametrize("path", [CopyPath.TORCH, CopyPath.DRIVER])
+@pytest.mark.parametrize("engine_cls,follows", [(TransferEngine, True), (StuckSegmentEngine, False)],
+                         ids=["engine", "control-stuck-segment"])
+def test_the_engine_follows_its_pool_through_a_restart(engine_cls, follows, path, tmp_path, test_seed, tag):
+    """The daemon is killed and restarted under a live engine; its client reconnects and
+    is handed the new daemon's segment. The engine's next load and store must use that
+    segment (re-registered): pages published to the new pool load byte-exact, and a
+    store commits. The control keeps the old mapping: its load reads the dead pool's
+    pages (refused as corrupt) and its store's pages fail the new pool's verify."""
+    from harness.scenarios.gpu_transfer import POOL_PAGE
+    from harness.system.pool import PoolProcess
+
+    (tmp_path / "pool").mkdir()
+    pool = PoolProcess.start(page_size=POOL_PAGE, num_pages=64, run_dir=tmp_path / "pool")
+    try:
+        with pool.client(name="restart", timeout_s=30.0) as client:
+            geom = GEOMETRIES["nfirst-512k"]
+            ns = namespace(geom, tag + engine_cls.__name__ + path.value)
+            rng = np.random.default_rng(test_seed)
+            k = 6
+            layers = make_kv(geom, CUDA)
+            host = fill(layers, geom.block_dim, rng, geom.page_bytes)
+            torch.cuda.synchronize()
+            with engine_cls(client, ns, layers, geom.config(path)) as engine:
+                _, warm = _published(client, ns, geom, rng, k)
+                assert engine.load(list(range(k)), warm).loaded == k  # the engine copies from the first segment
+                engine.drain()
+                first = client.arena.instance
+                pool.kill()
+                pool.restart()
+                client.ping()  # reconnects: the client now maps the new daemon's segment
+                assert client.arena.instance != first
+                pages, hashes = _published(client, ns, geom, rng, k)
+                blocks = list(range(k, 2 * k))
+                h = engine.load(blocks, hashes)
+                engine.wait_for_load(h)
+                got = read_pages(layers, geom.block_dim, blocks).cpu().numpy()
+                stored = block_hashes(range(1 << 29, (1 << 29) + 16 * k), 16)
+                engine.store(list(range(2 * k, 3 * k)), stored)
+                outcomes = engine.drain()
+                reattached, memory = engine.reattached, engine.capabilities.host_memory
+            visible = len(client.lookup(ns, stored).hits)
+    finally:
+        pool.stop()
+        pool.cleanup()
+    store_out = [o for o in outcomes if isinstance(o, StoreOutcome)]
+    if follows:
+        assert h.loaded == k and h.miss is None and np.array_equal(got, pages), h
+        assert visible == k and store_out[0].committed == k, store_out
+        assert reattached == 1 and memory == HostMemory.REGISTERED
+    else:
+        assert h.loaded == 0 and h.miss.cause == MissCause.CORRUPT, f"negative control NOT caught: {h}"
+        assert visible == 0, f"negative control NOT caught: {visible} stored blocks visible"
+    assert not np.array_equal(host[blocks], pages)  # what the blocks held before differs from the pages
 
 
 @pytest.mark.fault_stream_delay

@@ -1,5 +1,6 @@
 """The daemon over real sockets and shared memory: auth, framing, limits, lifecycle."""
 
+import os
 import socket
 
 import numpy as np
@@ -7,7 +8,7 @@ import pytest
 
 from harness.system.pool import PoolProcess, thread_pool
 from kvpool import protocol as P
-from kvpool.arena import Arena
+from kvpool.arena import processes_mapping, segment_label
 from kvpool.client import PoolClient, load, publish
 from kvpool.errors import Busy, ErrorCode, InvalidRequest, MissCause, Unauthenticated
 from kvpool.keys import Namespace, block_hashes
@@ -30,7 +31,7 @@ def daemon():
     d = thread_pool(page_size=4096, num_pages=16)
     yield d
     d.stop_thread()
-    assert not Arena.exists(d.config.name)
+    assert os.getpid() not in processes_mapping(segment_label(d.config.name, ""))
 
 
 def client(d, **kw):
@@ -226,10 +227,11 @@ def test_process_daemon_graceful_stop_frees_shared_memory(tmp_path):
     try:
         with pool.client() as c:
             publish(c, NS, block_hashes(range(16), 16), blocks(1))
-        assert Arena.exists(pool.name)
+            mapping = processes_mapping(segment_label(pool.name, ""))
+            assert set(mapping) == {pool.proc.pid, os.getpid()}, mapping  # the daemon and this client
         assert pool.stop() == 0
-        assert not Arena.exists(pool.name)
-        assert not (tmp_path / "pid").exists() and not (tmp_path / "pool.sock").exists()
+        assert not processes_mapping(segment_label(pool.name, ""))
+        assert not any((tmp_path / f).exists() for f in ("pid", "pool.sock", "attach.sock"))
     finally:
         pool.cleanup()
 
@@ -242,7 +244,7 @@ def test_restart_after_a_crash_starts_clean_and_says_so(tmp_path):
             publish(c, NS, hs, blocks(1))
             assert not c.hello.restarted_after_crash
         pool.kill()
-        assert Arena.exists(pool.name), "a crashed daemon leaves its segment"
+        assert not processes_mapping(segment_label(pool.name, "")), "a crashed daemon leaves no segment"
         pool.restart()
         assert pool.address["restarted_after_crash"]
         assert "did not shut down cleanly" in pool.address["recovery_note"]

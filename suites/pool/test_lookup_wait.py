@@ -5,6 +5,7 @@ Timing: bounds are generous (WAIT seconds) and each test asserts order (the answ
 after the commit was sent) or "well before the bound", never a small wall time."""
 
 import concurrent.futures
+import os
 import re
 import socket
 import tempfile
@@ -16,7 +17,7 @@ import pytest
 
 from harness.system.pool import DEFAULT_TENANT, thread_pool, unique_name
 from kvpool import protocol as P
-from kvpool.arena import Arena
+from kvpool.arena import processes_mapping, segment_label
 from kvpool.client import PoolClient, publish
 from kvpool.digest import page_digest
 from kvpool.errors import InvalidRequest, MissCause
@@ -100,7 +101,7 @@ def daemon():
     d = thread_pool(page_size=PAGE, num_pages=32, max_lookup_wait_s=60.0, reap_interval_s=3600.0)
     yield d
     d.stop_thread()
-    assert not Arena.exists(d.config.name)
+    assert os.getpid() not in processes_mapping(segment_label(d.config.name, ""))
 
 
 def test_a_lookup_waits_for_the_pending_commit_and_then_hits_every_block(daemon):

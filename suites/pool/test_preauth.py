@@ -4,6 +4,7 @@ slow clients do not keep an authenticated one from being served."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -11,7 +12,7 @@ import pytest
 
 from harness.system.pool import thread_pool
 from kvpool import protocol as P
-from kvpool.arena import Arena
+from kvpool.arena import processes_mapping, segment_label
 from kvpool.client import PoolClient
 from kvpool.errors import ErrorCode
 from kvpool.keys import Namespace, block_hashes
@@ -24,7 +25,7 @@ def daemon():
     d = thread_pool(page_size=4096, num_pages=16, max_clients=4, max_unauthenticated=8, hello_timeout_s=0.5)
     yield d
     d.stop_thread()
-    assert not Arena.exists(d.config.name)
+    assert os.getpid() not in processes_mapping(segment_label(d.config.name, ""))
 
 
 def raw(d) -> socket.socket:  # noqa: ANN001

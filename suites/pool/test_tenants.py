@@ -1,61 +1,182 @@
-"""Tenants and the pool-wide operations: a tenant's Stats counts only its own pages; its
-SetCapacity and Metrics are refused unless it is an admin (by default the only tenant of
-a single-tenant pool); another tenant's blocks stay invisible to its lookups."""
+"""Tenants apart, in the catalog and in the data plane: each tenant has its own segment
+(handed over as a descriptor for a single-use ticket), its own quota of pages and
+eviction, its own ids and stats; the pool-wide operations are an admin's."""
 
 from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import time
 
 import numpy as np
 import pytest
 
 from harness.system.pool import thread_pool
-from kvpool.client import PoolClient, publish
-from kvpool.errors import MissCause, Unauthenticated
+from kvpool.arena import Arena
+from kvpool.client import PoolClient, load, publish
+from kvpool.errors import ArenaError, InvalidRequest, MissCause, Unauthenticated
 from kvpool.keys import Namespace, block_hashes
+from kvpool.server import PoolConfig
+
+PAGE = 4096
 
 
 def ns(tenant: str) -> Namespace:
     return Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64, tenant=tenant)
 
 
-def client(d, tenant: str) -> PoolClient:  # noqa: ANN001
-    return PoolClient(f"unix:{d.unix_path}", tenant, f"tok-{tenant}")
+def client(d, tenant: str, **kw) -> PoolClient:  # noqa: ANN001
+    return PoolClient(f"unix:{d.unix_path}", tenant, f"tok-{tenant}", **kw)
+
+
+def payload(n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, PAGE, dtype=np.uint8) for _ in range(n)]
+
+
+def hashes(start: int, n: int) -> list[bytes]:
+    return block_hashes(range(start * 16, (start + n) * 16), 16)
+
+
+def trade(path: str, ticket: bytes) -> tuple[bytes, list[int]]:
+    """What the attach socket answers to `ticket`: (answer byte, descriptors)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(path)
+        s.sendall(ticket)
+        answer, fds, _, _ = socket.recv_fds(s, 1, 1)
+    return answer, fds
 
 
 @pytest.fixture
 def two_tenants():
-    d = thread_pool(page_size=4096, num_pages=16, tenants={"a": "tok-a", "b": "tok-b"})
+    d = thread_pool(page_size=PAGE, num_pages=16, tenants={"a": "tok-a", "b": "tok-b"})
     yield d
     d.stop_thread()
 
 
-def test_a_tenant_sees_only_its_own_pages_and_no_pool_wide_operation(two_tenants):
+def test_each_tenant_maps_its_own_segment_and_no_byte_of_another(two_tenants):
     d = two_tenants
-    hs = block_hashes(range(48), 16)
+    secret = payload(3, seed=1)
     with client(d, "a") as a, client(d, "b") as b:
-        assert publish(a, ns("a"), hs, [np.zeros(4096, np.uint8)] * 3).committed == 3
-        assert b.lookup(ns("b"), hs).miss.cause == MissCause.NEVER_PUBLISHED  # not even "incompatible"
-        assert b.stats() == {"tenant_committed_pages": 0, "tenant_reserved_pages": 0, "tenant_leased_pages": 0}
-        assert a.stats()["tenant_committed_pages"] == 3 and "free_pages" not in a.stats()
-        for c in (a, b):
-            with pytest.raises(Unauthenticated, match="pool-wide"):
-                c.set_capacity(0)
-            with pytest.raises(Unauthenticated, match="pool-wide"):
-                c.metrics_text()
-        assert a.lookup(ns("a"), hs).miss is None  # nothing was evicted by the refused squeeze
+        assert a.arena is not None and b.arena is not None
+        assert a.arena.instance != b.arena.instance
+        assert a.arena.num_pages == b.arena.num_pages == 8  # 16 pages shared evenly: each its own half
+        assert publish(a, ns("a"), hashes(0, 3), secret).committed == 3
+        # Nowhere in what b has mapped is there a byte string of a's pages.
+        mine = bytes(b.arena._bytes)
+        assert all(blk[:256].tobytes() not in mine for blk in secret)
+        # b may scribble over all of its segment: a's pages are elsewhere and load byte-exact.
+        b.arena.pages_region[:] = 0xA5
+        out = [np.zeros(PAGE, np.uint8) for _ in range(3)]
+        res = load(a, ns("a"), hashes(0, 3), out.__getitem__)
+        assert res.loaded == 3 and res.miss is None
+        assert all(np.array_equal(x, y) for x, y in zip(out, secret))
+        assert b.lookup(ns("b"), hashes(0, 3)).miss.cause == MissCause.NEVER_PUBLISHED  # not even "incompatible"
 
 
-def test_a_named_admin_may_and_the_single_tenant_of_a_pool_is_one():
-    d = thread_pool(page_size=4096, num_pages=16, tenants={"a": "tok-a", "ops": "tok-ops"}, admins=frozenset({"ops"}))
+def test_a_ticket_buys_one_descriptor_of_its_own_tenant_only(two_tenants):
+    d = two_tenants
+    with client(d, "a", zero_copy=False) as a, client(d, "b") as b:
+        assert a.arena is None and b.arena is not None
+        path, ticket = a.hello.arena, a.hello.ticket
+        assert trade(path, os.urandom(16)) == (b"\x01", [])  # a forged ticket: nothing
+        answer, fds = trade(path, ticket)
+        assert answer == b"\x00" and len(fds) == 1
+        assert trade(path, ticket) == (b"\x01", [])  # used once: never again
+        arena = Arena.from_fd(fds[0], "a, by hand")
+        try:
+            assert arena.instance == a.hello.arena_instance != b.arena.instance
+        finally:
+            arena.close()
+
+
+def test_a_ticket_expires_with_the_hello_timeout():
+    d = thread_pool(page_size=PAGE, num_pages=4, tenants={"a": "tok-a"}, hello_timeout_s=0.3, reap_interval_s=0.05)
     try:
-        with client(d, "ops") as ops, client(d, "a") as a:
-            assert ops.set_capacity(16) == 0 and "free_pages" in ops.stats()
-            with pytest.raises(Unauthenticated):
-                a.set_capacity(16)
+        with client(d, "a", zero_copy=False) as a:
+            time.sleep(0.6)
+            assert trade(a.hello.arena, a.hello.ticket) == (b"\x01", [])
     finally:
         d.stop_thread()
-    single = thread_pool(page_size=4096, num_pages=16, tenants={"solo": "tok-solo"})
+
+
+def test_a_handed_segment_is_sealed_against_resizing(two_tenants):
+    with client(two_tenants, "a", zero_copy=False) as a:
+        _, (fd,) = trade(a.hello.arena, a.hello.ticket)
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW and seals & fcntl.F_SEAL_SEAL
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, 4096)  # would fault the daemon's next access to the pages past it
+        finally:
+            os.close(fd)
+    # And a client refuses a segment that is not sealed (its other mappers could shrink it).
+    fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    os.ftruncate(fd, Arena.total_size(PAGE, 2))
+    with pytest.raises(ArenaError, match="not sealed"):
+        Arena.from_fd(fd, "unsealed")
+
+
+def test_a_tenant_cannot_evict_another_or_see_its_activity(two_tenants):
+    d = two_tenants
+    with client(d, "a") as a, client(d, "b") as b:
+        assert publish(b, ns("b"), hashes(100, 1), payload(1, 2)).committed == 1
+        before = b.stats()
+        first = b.reserve(ns("b"), hashes(101, 1), [PAGE])
+        b.abort(first.reservation_id)
+        before = b.stats()
+        assert publish(a, ns("a"), hashes(0, 3), payload(3, 3)).committed == 3
+        for i in range(6):  # a goes far past its own quota of 8: it evicts its own pages only
+            publish(a, ns("a"), hashes(10 + 4 * i, 4), payload(4, 10 + i))
+        a_lease = a.acquire(ns("a"), hashes(10 + 4 * 5, 4))
+        assert a_lease.lease_id
+        assert b.stats() == before  # nothing of a's publishing, evicting or leasing shows in b's stats
+        again = b.reserve(ns("b"), hashes(101, 1), [PAGE])
+        assert again.reservation_id == first.reservation_id + 1  # ids are b's own: a's traffic moved none
+        b.abort(again.reservation_id)
+        assert b.lookup(ns("b"), hashes(100, 1)).miss is None  # b's page survived a's pressure
+        assert a.stats()["evictions"] > 0 and b.stats()["evictions"] == 0
+        assert a.stats()["num_pages"] == b.stats()["num_pages"] == 8
+        a.release(a_lease.lease_id)
+
+
+def test_pool_wide_operations_are_an_admins():
+    d = thread_pool(page_size=PAGE, num_pages=16, tenants={"a": "tok-a", "b": "tok-b", "ops": "tok-ops"},
+                    admins=frozenset({"ops"}), quotas={"a": 10})
+    try:
+        with client(d, "ops") as ops, client(d, "a") as a, client(d, "b") as b:
+            assert a.arena.num_pages == 10 and b.arena.num_pages == 3 and ops.arena.num_pages == 3
+            assert publish(a, ns("a"), hashes(0, 2), payload(2, 4)).committed == 2
+            for c in (a, b):
+                with pytest.raises(Unauthenticated, match="pool-wide"):
+                    c.set_capacity(0)
+                with pytest.raises(Unauthenticated, match="pool-wide"):
+                    c.metrics_text()
+            assert a.lookup(ns("a"), hashes(0, 2)).miss is None  # the refused squeezes evicted nothing
+            pool = ops.stats()
+            assert pool["num_pages"] == 16 and pool["committed_pages"] == 2 and pool["tenants"] == 3
+            text = ops.metrics_text()
+            assert 'kvpool_tenant_pages{state="committed",tenant="a"} 2.0' in text
+            assert ops.set_capacity(1, tenant="a") == 1  # an admin squeezes a's segment
+            assert a.stats()["capacity_pages"] == 1 and b.stats()["capacity_pages"] == 3
+            with pytest.raises(InvalidRequest, match="no such tenant"):
+                ops.set_capacity(1, tenant="nobody")
+    finally:
+        d.stop_thread()
+    single = thread_pool(page_size=PAGE, num_pages=16, tenants={"solo": "tok-solo"})
     try:
         with client(single, "solo") as solo:
+            assert solo.arena.num_pages == 16
             assert solo.set_capacity(16) == 0 and "free_pages" in solo.stats() and solo.metrics_text()
     finally:
         single.stop_thread()
+
+
+@pytest.mark.parametrize("quotas, match", [({"x": 4}, "does not have"), ({"a": 0}, "positive"),
+                                           ({"a": 16}, "less than one page")])
+def test_quotas_that_do_not_fit_are_refused(quotas, match):
+    config = PoolConfig(num_pages=16, tenants={"a": "1", "b": "2"}, quotas=quotas)
+    with pytest.raises(InvalidRequest, match=match):
+        config.tenant_pages()
