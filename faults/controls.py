@@ -64,8 +64,8 @@ class EarlyCompletionCopier:
     def __init__(self, inner):  # noqa: ANN001 - a kvpool.copier.HostCopier
         self.inner = inner
 
-    def submit(self, job):  # noqa: ANN001, ANN201
-        self.inner.submit(job)
+    def submit(self, job, lane):  # noqa: ANN001, ANN201
+        self.inner.submit(job, lane)
         done: Future = Future()
         done.set_result(None)
         return done

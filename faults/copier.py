@@ -117,11 +117,11 @@ class FaultyCopier:
             except Exception as exc:  # noqa: BLE001 - handed to whoever waits on the future, as the copy thread would
                 done.set_exception(exc)
             return done
-        return self._engine(spec).submit(job)
+        return self._engine(spec).submit(job, "store")
 
     def load(self, ns: Namespace, run: CopyRun, deadline_s: float) -> Future:
         job, spec = self._wrap("load", run, self.inner.load_job(ns, run, deadline_s))
-        return self._engine(spec).submit(job)
+        return self._engine(spec).submit(job, "load")
 
     def wait(self, futures: Sequence[Future], timeout_s: float) -> None:
         self.inner.wait(futures, timeout_s)

@@ -1,11 +1,15 @@
 """The `kvgate` command.
 
   kvgate bench pool [...]   the pool benchmark (ratios against baselines of the same run)
+  kvgate bench stall [...]  each connector hook's longest call against a stalled pool (SIGSTOP), next to
+                            the healthy pool and a scheduler that waits for its lookups
   kvgate bench gpu [...]    the GPU transfer engine against a plain pinned cudaMemcpy (needs CUDA);
                             --gpus N: N GPUs loading from one pool at once
   kvgate gpu-live [...]     kvgate live on GPUs with vLLM 0.24: cross-replica hits both ways, stream delay,
                             control; --gpus N places one replica per GPU; --sessions: OFF-ON-ON-OFF
   kvgate gate [...]         the main job: start the embedded default system, run the gate
+  kvgate soak [...]         the default system under concurrent streams with seeded faults for minutes:
+                            requests, errors, lost requests, silent corruptions, RSS / fd / shm growth
   kvgate scenarios          list the scenario catalog
   kvgate replay NAME --seed N   rerun one scenario with one seed, print the same verdicts
 The pool daemon itself is kvpool's: `kvpool serve` (kvpool.cli).
@@ -39,6 +43,18 @@ def cmd_bench_gpu(args: argparse.Namespace) -> int:
     return run_concurrent(gpus=args.gpus, sizes=sizes, reps=args.reps, lanes=args.lanes,
                           hash_threads=args.hash_threads, io_threads=args.pool_io_threads, chunk_mib=args.chunk_mib,
                           commit_mib=args.commit_mib, seed=args.seed, path=paths[0] if paths else "torch")
+
+
+def cmd_bench_stall(args: argparse.Namespace) -> int:
+    from harness.bench.stall import main
+
+    return main(args.out)
+
+
+def cmd_soak(args: argparse.Namespace) -> int:
+    from harness.soak import soak
+
+    return soak(args.report_dir, minutes=args.minutes, seed=args.seed, streams=args.streams, sample_s=args.sample)
 
 
 def cmd_bench_live(args: argparse.Namespace) -> int:
@@ -146,11 +162,23 @@ def build_parser() -> argparse.ArgumentParser:
                     help="transfer sizes of the concurrent bench, in 4 MiB blocks per GPU")
     bg.set_defaults(func=cmd_bench_gpu)
 
+    bs = bench.add_parser("stall", help="how long each connector hook holds the engine while the pool is stalled")
+    bs.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    bs.set_defaults(func=cmd_bench_stall)
+
     bl = bench.add_parser("live", help="cold / local / remote / peer TTFT by prefix length on live replicas")
     bl.add_argument("--reps", type=int, default=5, help="fresh prompts per length (half at 16k)")
     bl.add_argument("--lengths", default="", help="comma-separated prefix lengths (default 1k..16k)")
     bl.add_argument("--report-dir", type=Path, default=None, help="logs and history (default: a temp dir)")
     bl.set_defaults(func=cmd_bench_live)
+
+    so = sub.add_parser("soak", help="concurrent request streams with seeded faults for minutes; leaks and losses")
+    so.add_argument("--minutes", type=float, default=10.0)
+    so.add_argument("--seed", type=int, default=0)
+    so.add_argument("--streams", type=int, default=3, help="concurrent request streams")
+    so.add_argument("--sample", type=float, default=15.0, help="seconds between resource samples")
+    so.add_argument("--report-dir", type=Path, default=Path("reports/runs/soak"))
+    so.set_defaults(func=cmd_soak)
 
     gl = sub.add_parser("gpu-live", help="live replicas on GPUs (vLLM 0.24): hits both ways, stream delay, control")
     gl.add_argument("--report-dir", type=Path, default=Path("reports/runs/gpu-live"))

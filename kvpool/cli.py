@@ -85,6 +85,9 @@ def serve_parser(serve: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "only tenant of a single-tenant pool")
     serve.add_argument("--quota", action="append", default=[], metavar="TENANT=PAGES",
                        help="pages of a tenant's own segment; the tenants without one share the rest evenly")
+    serve.add_argument("--dumpable", action="store_true",
+                       help="leave the daemon ptrace-able and its /proc/PID/fd open to its own user (debugging; "
+                            "by default it is not, so that no tenant's client can take another's segment from it)")
     serve.add_argument("--hello-timeout", type=float, default=5.0,
                        help="seconds a connection may take to authenticate before it is closed")
     serve.add_argument("--max-hello-frame", type=int, default=4096,
@@ -130,7 +133,7 @@ def serve(args: argparse.Namespace, catalog_factory=None) -> int:  # noqa: ANN00
     print(f"kvpool: serving {config.name!r}: {config.num_pages} pages of {config.page_size} bytes "
           f"({config.num_pages * config.page_size / 2**20:.1f} MiB), run dir {config.run_dir}", file=sys.stderr,
           flush=True)
-    return main_serve(config, catalog_factory=catalog_factory)
+    return main_serve(config, catalog_factory=catalog_factory, dumpable=args.dumpable)
 
 
 def build_parser() -> argparse.ArgumentParser:

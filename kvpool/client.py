@@ -14,7 +14,13 @@
                      client's timeout plus w. w = 0 (the default): answer at once.
   publish(...)       reserve -> write -> commit, with digests; returns what became visible.
   load(...)          acquire (lease) -> copy each page into the caller's buffer -> digest
-                     the installed bytes -> release (generation re-check). Returns how many
+                     the installed bytes -> release (generation re-check). With a
+                     deadline, every pool call of the load (and the wait for the client's
+                     lock behind another thread's call) ends by it: a stalled pool costs
+                     the load its deadline, not the client's timeout per call.
+  with client.call_deadline(s): ...
+                     this thread's calls end within s seconds from now (PoolTimeout past
+                     it; a call begun after it still gets MIN_CALL_S). Returns how many
                      leading blocks were installed and, if fewer than asked, exactly one
                      MissCause (including the loader-side ones: corrupt, transport_error,
                      timeout).
@@ -24,6 +30,7 @@ Addresses: "unix:/path/to/pool.sock" or "tcp:HOST:PORT".
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -122,6 +129,10 @@ def parse_address(address: str) -> tuple[int, object]:
     raise InvalidRequest(f"pool address {address!r} is not 'unix:PATH' or 'tcp:HOST:PORT'")
 
 
+# A call begun at or past its thread's deadline still gets this long (a release after a
+# load's deadline, say: it unpins the pages at once instead of at the lease's TTL).
+MIN_CALL_S = 0.05
+
 # Requests whose repetition changes nothing: safe to resend when no reply byte arrived.
 _IDEMPOTENT = (P.Ping, P.Lookup, P.Stats, P.Metrics)
 
@@ -142,6 +153,7 @@ class PoolClient:
         self._sock: socket.socket | None = None
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
+        self._local = threading.local()  # .deadline: this thread's call_deadline, if any
         self.arena: Arena | None = None
         self.attach_error = ""  # why the arena is not mapped here, if it was offered and is not
         self.hello: P.HelloOk | None = None
@@ -259,56 +271,83 @@ class PoolClient:
             return True
         return True
 
+    @contextlib.contextmanager
+    def call_deadline(self, seconds: float):  # noqa: ANN201
+        """Within the block, this thread's calls end by `seconds` from now."""
+        outer = getattr(self._local, "deadline", None)
+        mine = time.monotonic() + seconds
+        self._local.deadline = mine if outer is None else min(outer, mine)
+        try:
+            yield
+        finally:
+            self._local.deadline = outer
+
+    def _call_timeout(self, extra_s: float) -> float:
+        timeout = self.timeout_s + extra_s
+        deadline = getattr(self._local, "deadline", None)
+        if deadline is not None:
+            timeout = min(timeout, max(deadline - time.monotonic(), MIN_CALL_S))
+        return timeout
+
     def _call(self, op: P.Request, retry: bool = True, extra_s: float = 0.0) -> P.Reply:
+        if not self._lock.acquire(timeout=self._call_timeout(extra_s)):
+            raise PoolTimeout(f"{type(op).__name__} to {self.address}: the connection stayed busy with another "
+                              f"thread's call past this call's timeout")
+        try:
+            return self._call_locked(op, retry, extra_s)
+        finally:
+            self._lock.release()
+
+    def _call_locked(self, op: P.Request, retry: bool, extra_s: float) -> P.Reply:
         """One request, one reply. A connection that was reused after sitting idle may be
         dead (the daemon restarted): if it fails before the daemon can have read the
         request (on send), or with no reply byte to a request that is safe to repeat,
         the request is sent once more on a fresh connection. `extra_s`: time the daemon
         may take on purpose before replying (a lookup's wait), added to the timeout."""
-        with self._lock:
-            reused = self._sock is not None
-            # The daemon (or a proxy) hung up while the socket sat idle. Not for retry=False:
-            # connect()'s hello on its brand-new socket, which must fail, not reconnect.
-            if reused and retry and self._peer_closed():
-                self._drop_socket()
-                reused = False
-            if not reused:
-                self.connect()
-            request_id = next(self._ids)
-            stage = "send"
-            timeout = self.timeout_s + extra_s
-            try:
-                if extra_s:
-                    self._sock.settimeout(timeout)
-                self._sock.sendall(P.encode_request(request_id, op))
-                stage = "reply"
-                header = self._recv_exact(P.LENGTH.size)
-                stage = "body"
-                payload = self._recv_exact(P.LENGTH.unpack(header)[0])
-                if extra_s:
-                    self._sock.settimeout(self.timeout_s)
-            except TimeoutError as exc:
-                self._drop_socket()
-                raise PoolTimeout(f"{type(op).__name__} to {self.address} timed out after {timeout}s") from exc
-            except (OSError, TransportError) as exc:  # TransportError: EOF from _recv_exact
-                self._drop_socket()
-                repeatable = stage == "send" or (stage == "reply" and isinstance(op, _IDEMPOTENT))
-                if retry and reused and repeatable:
-                    return self._call(op, retry=False, extra_s=extra_s)
-                if isinstance(exc, TransportError):
-                    raise
-                raise TransportError(f"{type(op).__name__} to {self.address} failed: {exc}") from exc
-            try:
-                reply_id, reply = P.decode_reply(payload)
-            except PoolError:
-                self._drop_socket()
+        # the caller holds self._lock
+        reused = self._sock is not None
+        # The daemon (or a proxy) hung up while the socket sat idle. Not for retry=False:
+        # connect()'s hello on its brand-new socket, which must fail, not reconnect.
+        if reused and retry and self._peer_closed():
+            self._drop_socket()
+            reused = False
+        if not reused:
+            self.connect()
+        request_id = next(self._ids)
+        stage = "send"
+        timeout = self._call_timeout(extra_s)
+        try:
+            if timeout != self.timeout_s:
+                self._sock.settimeout(timeout)
+            self._sock.sendall(P.encode_request(request_id, op))
+            stage = "reply"
+            header = self._recv_exact(P.LENGTH.size)
+            stage = "body"
+            payload = self._recv_exact(P.LENGTH.unpack(header)[0])
+            if timeout != self.timeout_s:
+                self._sock.settimeout(self.timeout_s)
+        except TimeoutError as exc:
+            self._drop_socket()
+            raise PoolTimeout(f"{type(op).__name__} to {self.address} timed out after {timeout}s") from exc
+        except (OSError, TransportError) as exc:  # TransportError: EOF from _recv_exact
+            self._drop_socket()
+            repeatable = stage == "send" or (stage == "reply" and isinstance(op, _IDEMPOTENT))
+            if retry and reused and repeatable:
+                return self._call_locked(op, False, extra_s)
+            if isinstance(exc, TransportError):
                 raise
-            if isinstance(reply, P.Error):
-                raise error_from_code(reply.code, reply.message)
-            if reply_id != request_id:
-                self._drop_socket()
-                raise MalformedFrame(f"reply id {reply_id} does not answer request {request_id}")
-            return reply
+            raise TransportError(f"{type(op).__name__} to {self.address} failed: {exc}") from exc
+        try:
+            reply_id, reply = P.decode_reply(payload)
+        except PoolError:
+            self._drop_socket()
+            raise
+        if isinstance(reply, P.Error):
+            raise error_from_code(reply.code, reply.message)
+        if reply_id != request_id:
+            self._drop_socket()
+            raise MalformedFrame(f"reply id {reply_id} does not answer request {request_id}")
+        return reply
 
     def _expect(self, op: P.Request, kind: type, extra_s: float = 0.0) -> object:
         reply = self._call(op, extra_s=extra_s)
@@ -438,6 +477,13 @@ def load(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes], dest: Des
     caller waits for it on vLLM's hot path): BUSY is `throttled`; any other failure of the
     pool or the path to it is `transport_error`. Only InvalidRequest (the caller's own
     destination is wrong) is raised."""
+    bound = getattr(backend, "call_deadline", None)  # a PoolClient, or a wrapper that passes it on
+    with bound(deadline_s) if bound is not None and deadline_s is not None else contextlib.nullcontext():
+        return _load(backend, ns, hashes, dest, deadline_s, metrics)
+
+
+def _load(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes], dest: Destination,
+          deadline_s: float | None, metrics: ClientMetrics | None) -> LoadResult:
     t0 = time.monotonic()
     requested = len(hashes)
     loaded = 0

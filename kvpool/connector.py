@@ -11,6 +11,12 @@ different processes on CPU):
   KVPoolScheduler  get_num_new_matched_tokens: hash the prompt's complete blocks, look up
                    the longest pooled run beyond the local prefix-cache hit, report its
                    tokens (never the last prompt token: one token is always computed).
+                   The lookup runs on a thread of its own: the call waits for its answer
+                   at most `lookup_sync_s` (`lookup_poll_s` while the pool is being slow,
+                   and at the calls after the first), else answers None (vLLM asks again at a later step, the request
+                   waits, the others run); a lookup that fails or passes
+                   `lookup_timeout_s` is a miss (recompute), and after a timeout the
+                   pool is not asked for `pool_backoff_s` (doubling while it stays slow).
                    build_connector_meta: tell the worker which blocks to load (whole
                    blocks, by engine block id) and which newly completed prompt blocks to
                    publish (every chunk of a chunked prefill contributes its complete
@@ -36,6 +42,8 @@ import dataclasses
 import hashlib
 import json
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from functools import lru_cache
 from pathlib import Path
 from collections.abc import Callable, Sequence
@@ -44,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Union
 from kvpool import vllm_compat as compat
 from kvpool.client import PoolBackend, PoolClient
 from kvpool.copier import CopyRun, HostCopier
-from kvpool.errors import MissCause, PoolError
+from kvpool.errors import MissCause, PoolError, PoolTimeout
 from kvpool.history import HistoryWriter
 from kvpool.keys import HASH_BYTES, ROOT_HASH, Namespace, block_hashes
 from kvpool.metrics import ClientMetrics
@@ -76,6 +84,15 @@ class ConnectorSettings:
     # depend on whether the previous turn's store landed before the response did. Bounded,
     # since the lookup runs in vLLM's scheduler; running out is the `in_flight` miss.
     lookup_wait_pending_s: float = 0.5
+    # The scheduler's hot path: its pool connection times out after lookup_timeout_s (plus
+    # the pending wait above); a scheduler call waits lookup_sync_s at most for an answer,
+    # then defers the request to a later step; after a timeout the pool is left alone for
+    # pool_backoff_s, doubled while it keeps timing out, up to pool_backoff_max_s.
+    lookup_timeout_s: float = 1.0
+    lookup_sync_s: float = 0.2
+    lookup_poll_s: float = 0.005  # a later call's wait for the same answer (and a slow pool's first)
+    pool_backoff_s: float = 1.0
+    pool_backoff_max_s: float = 30.0
     model_id: str = ""  # a stable model name for the namespace (default: the model path)
     model_revision: str = ""  # overrides the model fingerprint in the namespace
 
@@ -160,9 +177,11 @@ def namespace_for(vllm_config, settings: ConnectorSettings, tp_rank: int = 0) ->
 
 def connect_backend(settings: ConnectorSettings, role: str, history: HistoryWriter,
                     metrics: ClientMetrics | None = None) -> PoolBackend:
-    """The default BackendFactory: a PoolClient to the configured pool."""
+    """The default BackendFactory: a PoolClient to the configured pool (the scheduler's
+    with the scheduler's short timeout)."""
+    timeout = settings.lookup_timeout_s if role == "scheduler" else settings.timeout_s
     return PoolClient(settings.pool, settings.tenant, settings.resolved_token(),
-                      name=f"{settings.replica}/{role}", timeout_s=settings.timeout_s, metrics=metrics)
+                      name=f"{settings.replica}/{role}", timeout_s=timeout, metrics=metrics)
 
 
 # Extension points for a wrapper (kvpool.audit's twin for faults, or instrumentation):
@@ -329,6 +348,16 @@ def kv_groups_unsupported(kv_cache_config) -> str | None:  # noqa: ANN001
     return None
 
 
+@dataclasses.dataclass
+class _Lookup:
+    """A lookup in flight for one request, from the first block past its local hit."""
+
+    first_block: int
+    future: Future
+    started: float
+    deferred: int = 0  # scheduler calls answered None while it ran
+
+
 class KVPoolScheduler:
     def __init__(self, vllm_config, settings: ConnectorSettings,  # noqa: ANN001
                  backend_factory: BackendFactory = connect_backend, kv_cache_config=None) -> None:  # noqa: ANN001
@@ -340,8 +369,15 @@ class KVPoolScheduler:
         self.history.write("namespace", ns=self.ns.as_dict())
         self.backend = backend_factory(settings, "scheduler", self.history, None)
         self._reqs: dict[str, _Request] = {}
+        self._lookups: dict[str, _Lookup] = {}
+        self._lookup_thread = ThreadPoolExecutor(1, thread_name_prefix="kvpool-lookup")
+        self._paused_until = 0.0  # no lookups before this: the pool timed out
+        self._backoff_s = settings.pool_backoff_s
+        # Past this a lookup is given up even if the client has not timed out (connect, hello,
+        # the call and its one resend are each bounded by lookup_timeout_s).
+        self._give_up_s = 3 * settings.lookup_timeout_s + settings.lookup_wait_pending_s
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:  # noqa: ANN001
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:  # noqa: ANN001
         B = self.block_size
         tokens = list(request.prompt_token_ids or [])
         n = len(tokens)
@@ -369,22 +405,54 @@ class KVPoolScheduler:
             self.history.write("lookup", **record, external_tokens=0, hit_blocks=0,
                                outcome="local_hit" if local_blocks >= max_blocks and local_blocks else "skipped")
             return 0, False
-        t0 = time.monotonic()
+        now = time.monotonic()
+        rid = request.request_id
+        pending = self._lookups.get(rid)
+        if pending is not None and pending.first_block != local_blocks:  # the local hit moved: ask anew
+            pending.future.cancel()
+            del self._lookups[rid]
+            pending = None
+        if pending is None:
+            if now < self._paused_until:
+                self.history.write("lookup", **record, external_tokens=0, hit_blocks=0, outcome="miss",
+                                   miss_cause=MissCause.TIMEOUT.value,
+                                   error=f"the pool timed out: no lookups for {self._paused_until - now:.2f} s more")
+                return 0, False
+            slow = any(now - x.started > self.settings.lookup_sync_s for x in self._lookups.values())
+            future = self._lookup_thread.submit(self.backend.lookup, self.ns, st.hashes[local_blocks:max_blocks],
+                                                wait_pending_s=self.settings.lookup_wait_pending_s)
+            pending = self._lookups[rid] = _Lookup(local_blocks, future, now)
+            budget = self.settings.lookup_poll_s if slow else self.settings.lookup_sync_s  # slow now: barely wait
+        else:
+            budget = self.settings.lookup_poll_s
         try:
-            found = self.backend.lookup(self.ns, st.hashes[local_blocks:max_blocks],
-                                        wait_pending_s=self.settings.lookup_wait_pending_s)
-        except PoolError as exc:  # the pool is unreachable: recompute, and say why
+            found = pending.future.result(timeout=budget)
+        except FutureTimeout:
+            if time.monotonic() - pending.started < self._give_up_s:
+                pending.deferred += 1
+                return None, False  # vLLM asks again at a later step; meanwhile the other requests run
+            pending.future.cancel()
+            found = PoolTimeout(f"no answer within {self._give_up_s:.2f} s")
+        except PoolError as exc:
+            found = exc
+        del self._lookups[rid]
+        waited = dict(lookup_us=round((time.monotonic() - pending.started) * 1e6, 1), deferred=pending.deferred)
+        if isinstance(found, PoolError):  # the pool is unreachable or too slow: recompute, and say why
+            cause = MissCause.TIMEOUT if isinstance(found, PoolTimeout) else MissCause.TRANSPORT_ERROR
+            if cause == MissCause.TIMEOUT:
+                self._paused_until = time.monotonic() + self._backoff_s
+                self._backoff_s = min(2 * self._backoff_s, self.settings.pool_backoff_max_s)
             self.history.write("lookup", **record, external_tokens=0, hit_blocks=0, outcome="miss",
-                               miss_cause=MissCause.TRANSPORT_ERROR.value, error=f"{type(exc).__name__}: {exc}")
+                               miss_cause=cause.value, error=f"{type(found).__name__}: {found}", **waited)
             return 0, False
+        self._backoff_s = self.settings.pool_backoff_s
         hit = len(found.hits)
         miss = found.miss
         self.history.write("lookup", **record, external_tokens=hit * B, hit_blocks=hit,
                            outcome="remote_hit" if hit else "miss", first_block=local_blocks,
                            miss_cause=miss.cause.value if miss else None,
                            miss_index=(local_blocks + miss.index) if miss else None,
-                           miss_fields=list(miss.fields) if miss else [],
-                           lookup_us=round((time.monotonic() - t0) * 1e6, 1))
+                           miss_fields=list(miss.fields) if miss else [], **waited)
         return hit * B, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:  # noqa: ANN001
@@ -424,6 +492,9 @@ class KVPoolScheduler:
         """A request whose blocks were handed to the copier keeps them until the worker
         reports its stores done (get_finished -> finished_sending)."""
         st = self._reqs.pop(request.request_id, None)
+        pending = self._lookups.pop(request.request_id, None)
+        if pending is not None:  # finished (aborted) while its lookup ran: nobody needs the answer
+            pending.future.cancel()
         return (st is not None and st.stored), None
 
 
@@ -438,9 +509,10 @@ class KVPoolWorker:
               attention reads a block) and wait_for_save wait for them.
       stores  submitted in wait_for_save, after the step's forward wrote the KV. A
               finished request's blocks stay allocated (request_finished said so) until
-              get_finished sees its stores done and reports it in finished_sending; a
-              preempted request's stores are drained in start_load_kv, before the next
-              forward can write into its freed blocks.
+              a get_finished sees its stores done and reports it in finished_sending
+              (get_finished never waits: a request whose stores still run is reported
+              at a later call); a preempted request's stores are drained in
+              start_load_kv, before the next forward can write into its freed blocks.
     """
 
     def __init__(self, vllm_config, settings: ConnectorSettings,  # noqa: ANN001
@@ -457,6 +529,7 @@ class KVPoolWorker:
                                                          self.device)
         self._loading: list = []
         self._sending: dict[str, list] = {}  # req id -> its store futures
+        self._finishing: dict[str, list] = {}  # finished by the scheduler, stores still running
 
     @property
     def _wait_s(self) -> float:  # a copy is bounded by the client's own timeouts; this is the backstop
@@ -518,11 +591,13 @@ class KVPoolWorker:
         failed = set(self.copier.failed)
         on_failed = {run.req_id for run in meta.loads if failed.intersection(run.block_ids)}
         for run in meta.stores:
+            # The scheduler keeps a request with stores in its metadata from freeing its blocks
+            # until finished_sending reports it: it is reported even if nothing is published.
+            sending = self._sending.setdefault(run.req_id, [])
             if run.req_id in on_failed:
                 self.history.write("publish_withheld", req=run.req_id, tag=run.tag, first_block=run.first_block,
                                    blocks=len(run.block_ids), reason="computed in the step of a failed load")
                 continue
-            sending = self._sending.setdefault(run.req_id, [])
             keep = []  # never publish a block whose load failed, nor anything after it
             for i, b in enumerate(run.block_ids):
                 if b in failed:
@@ -532,14 +607,15 @@ class KVPoolWorker:
                 sending.append(self.copier.store(self.ns, run, keep))
 
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
-        """Requests the scheduler finished whose stores are all done: their blocks may go."""
-        done = set()
+        """Requests the scheduler finished (now or at an earlier call) whose stores are all
+        done: their blocks may go. Never waits: the others are reported at a later call."""
         for rid in finished_req_ids:
             futures = self._sending.pop(rid, None)
-            if futures is None:
-                continue  # no store was handed over: the scheduler freed it already
-            self.copier.wait(futures, self._wait_s)
-            done.add(rid)
+            if futures is not None:  # None: no store was handed over, the scheduler freed it already
+                self._finishing[rid] = futures
+        done = {rid for rid, futures in self._finishing.items() if all(f.done() for f in futures)}
+        for rid in done:
+            self.copier.wait(self._finishing.pop(rid), 0.0)  # all done: raises what a job raised, if any
         return done
 
     def take_failed(self) -> set[int]:

@@ -1,9 +1,11 @@
 """The copy engine of a replica's worker: moves whole KV blocks between the engine's KV
 tensors and pool pages, asynchronously, in an order the engine can rely on.
 
-  HostCopier(backend, history, metrics)   the CPU engine: one thread runs every pool
-                     transfer of the worker in submission order (the pool client is not
-                     shared between threads).
+  HostCopier(backend, history, metrics)   the CPU engine: one thread runs the worker's
+                     stores in submission order, another its loads (so that a load, which
+                     the engine waits for, never queues behind a publish to a slow pool;
+                     the pool client serializes their calls, each load's within its
+                     deadline).
   .register(layers)  the engine's per-layer KV tensors as byte arrays, block dimension
                      first; a page is one block of every layer, in layer order.
   .store(ns, run, keep) -> Future
@@ -42,6 +44,9 @@ from kvpool.keys import Namespace
 from kvpool.metrics import ClientMetrics
 
 
+LANES = ("store", "load")
+
+
 @dataclasses.dataclass(frozen=True)
 class CopyRun:
     """Consecutive blocks of one request: engine block ids and their pool keys."""
@@ -75,7 +80,7 @@ class HostCopier:
         self.failed: set[int] = set()
         self._failed_lock = threading.Lock()
         self._layers: list[np.ndarray] = []
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvpool-copier")
+        self._threads = {lane: ThreadPoolExecutor(1, thread_name_prefix=f"kvpool-{lane}") for lane in LANES}
 
     def register(self, layers: list[np.ndarray]) -> None:
         self._layers = layers
@@ -136,15 +141,16 @@ class HostCopier:
 
         return job
 
-    def submit(self, job: Callable[[], Any]) -> Future:
-        return self._thread.submit(job)
+    def submit(self, job: Callable[[], Any], lane: str) -> Future:
+        """Run `job` on the lane's thread ("store" or "load")."""
+        return self._threads[lane].submit(job)
 
     # -- the interface the connector uses ------------------------------------------------
     def store(self, ns: Namespace, run: CopyRun, keep: Sequence[int]) -> Future:
-        return self.submit(self.store_job(ns, run, keep))
+        return self.submit(self.store_job(ns, run, keep), "store")
 
     def load(self, ns: Namespace, run: CopyRun, deadline_s: float) -> Future:
-        return self.submit(self.load_job(ns, run, deadline_s))
+        return self.submit(self.load_job(ns, run, deadline_s), "load")
 
     def wait(self, futures: Sequence[Future], timeout_s: float) -> None:
         wait_all(futures, timeout_s, "KV copies")
@@ -155,4 +161,5 @@ class HostCopier:
         return failed
 
     def close(self) -> None:
-        self._thread.shutdown(wait=True)
+        for thread in self._threads.values():
+            thread.shutdown(wait=True)

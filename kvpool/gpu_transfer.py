@@ -85,6 +85,7 @@ copy's completion through `_await_copy(event)`, so a negative control
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import enum
 import itertools
@@ -923,8 +924,10 @@ class TransferEngine:
             read = torch.cuda.Event()
             read.record(engine)
             done = torch.cuda.Event()
+            bound = getattr(self.backend, "call_deadline", None)  # the acquire ends within the load's deadline
             try:
-                lease = self.backend.acquire(self.ns, hashes)
+                with bound(deadline_s) if bound is not None and deadline_s is not None else contextlib.nullcontext():
+                    lease = self.backend.acquire(self.ns, hashes)
             except PoolTimeout:
                 done.record(engine)
                 return self._finished_load(ids, Miss(0, MissCause.TIMEOUT), done, t0)

@@ -179,6 +179,10 @@ class PoolAlreadyRunning(PoolError):
     """Another live daemon owns this name."""
 
 
+class InsecureRunDir(PoolError):
+    """The run dir is another user's: the daemon will not put its sockets there."""
+
+
 class PoolDaemon:
     def __init__(self, config: PoolConfig, catalog_factory: type[Catalog] = Catalog):
         if not config.tenants:
@@ -209,8 +213,16 @@ class PoolDaemon:
     # -- start-up and recovery -----------------------------------------------------------
     def _recover_and_create(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        pid_file = self.run_dir / "pid"
         notes = []
+        st = self.run_dir.stat()
+        if st.st_uid != os.getuid():
+            raise InsecureRunDir(f"run dir {self.run_dir} belongs to uid {st.st_uid}, not to this daemon's "
+                                 f"({os.getuid()}): its owner could replace the sockets")
+        if st.st_mode & 0o077:  # the sockets are only as private as the directory they are in
+            os.chmod(self.run_dir, 0o700)
+            log.warning("kvgate pool %s: run dir %s was mode %o; made 0700", self.config.name, self.run_dir,
+                        st.st_mode & 0o777)
+        pid_file = self.run_dir / "pid"
         if pid_file.exists():
             old = _read_pid(pid_file)
             if old is not None and old != os.getpid() and _alive(old):
@@ -305,8 +317,13 @@ class PoolDaemon:
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
 
-    def run(self) -> None:
-        """Serve in this thread until SIGTERM or SIGINT."""
+    def run(self, dumpable: bool = False) -> None:
+        """Serve in this thread until SIGTERM or SIGINT. A daemon process is made
+        non-dumpable first (unless `dumpable`): processes of its own user can then neither
+        ptrace it nor open its /proc/PID/fd or mem, so a tenant's client running as the
+        daemon's user cannot take another tenant's segment from it (root still can)."""
+        if not dumpable:
+            _set_dumpable(False)
 
         async def main() -> None:
             loop = asyncio.get_running_loop()
@@ -682,6 +699,14 @@ class PoolDaemon:
         return P.PagesOk(await self._offload(lambda: [arena.page(p, n).tobytes() for p, n in targets]))
 
 
+def _set_dumpable(on: bool) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(4, int(on), 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE) failed")
+
+
 def _read_pid(path: Path) -> int | None:
     try:
         return int(path.read_text().strip())
@@ -710,12 +735,12 @@ def read_address(run_dir: Path, timeout: float = 10.0) -> dict[str, object]:
     raise TimeoutError(f"no pool daemon published {path} within {timeout}s")
 
 
-def main_serve(config: PoolConfig, catalog_factory: type[Catalog] | None = None) -> int:
+def main_serve(config: PoolConfig, catalog_factory: type[Catalog] | None = None, dumpable: bool = False) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
         daemon = PoolDaemon(config) if catalog_factory is None else PoolDaemon(config, catalog_factory=catalog_factory)
-        daemon.run()
-    except (PoolAlreadyRunning, InvalidRequest) as exc:
+        daemon.run(dumpable=dumpable)
+    except (PoolAlreadyRunning, InsecureRunDir, InvalidRequest) as exc:
         print(f"kvpool serve: {exc}", file=sys.stderr)
         return 2
     return 0

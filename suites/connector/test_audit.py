@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from suites.connector.engine_calls import ask_matched, finished
 from harness.checkers.history import read_history
 from harness.system.cluster import CONNECTOR, connector_config
 from harness.system.pool import thread_pool
@@ -88,15 +89,15 @@ def audit_mismatches(tmp_path, pool, seed: int, audit_class=AuditConnector) -> l
     expected: dict[tuple[str, int], str] = {}
 
     producer = _request("p", tokens)
-    assert sched.get_num_new_matched_tokens(producer, 0) == (0, False)
+    assert ask_matched(sched, producer, 0) == (0, False)
     sched.update_state_after_alloc(producer, None, 0)
     _run_step(sched, worker, _step("p", [1, 2, 3, 4], len(tokens)))
     expected.update({("produced", b): _direct(layers, b) for b in (1, 2, 3)})
     sched.request_finished(producer, [1, 2, 3, 4])
-    worker.get_finished({"p"})  # its stores are done
+    assert finished(worker, {"p"}) == {"p"}  # its stores are done
 
     consumer = _request("c", tokens)
-    assert sched.get_num_new_matched_tokens(consumer, 0) == (3 * B, False)
+    assert ask_matched(sched, consumer, 0) == (3 * B, False)
     sched.update_state_after_alloc(consumer, None, 3 * B)
     _run_step(sched, worker, _step("c", [10, 11, 12, 13], 1))
     expected.update({(kind, b): _direct(layers, b) for kind in ("seen", "installed") for b in (10, 11, 12)})

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from suites.connector.engine_calls import ask_matched
 from harness.system.pool import thread_pool
 from kvpool.client import publish
 from kvpool.connector import ConnectorSettings, KVPoolScheduler, namespace_for
@@ -53,7 +54,7 @@ def test_chunked_prefill_publishes_every_chunks_complete_blocks(pool, tmp_path):
     s = scheduler(pool, tmp_path)
     tokens = list(range(5001))
     r = request("r", tokens)
-    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert ask_matched(s, r, 0) == (0, False)
     s.update_state_after_alloc(r, None, 0)
     ids = list(range(100, 140))
     m1 = s.build_connector_meta(step(new=[("r", ids[:16], 0)], scheduled={"r": 2048}))
@@ -73,7 +74,7 @@ def test_a_pooled_prefix_is_loaded_and_not_republished(pool, tmp_path):
         ns = namespace_for(vllm_config(tmp_path), s.settings)
         publish(c, ns, s_hashes(s, tokens)[:5], [np.zeros(128 * 1024, np.uint8)] * 5)
     r = request("r", tokens, tag="t1")
-    assert s.get_num_new_matched_tokens(r, 0) == (5 * B, False)
+    assert ask_matched(s, r, 0) == (5 * B, False)
     s.update_state_after_alloc(r, None, 5 * B)
     ids = list(range(8))
     m = s.build_connector_meta(step(new=[("r", ids, 5 * B)], scheduled={"r": 1000 - 5 * B}))
@@ -84,7 +85,7 @@ def test_a_pooled_prefix_is_loaded_and_not_republished(pool, tmp_path):
 def test_publish_boundary_and_load_switch_per_request(pool, tmp_path):
     s = scheduler(pool, tmp_path)
     r = request("r", list(range(1000)), publish_tokens=300, load=False)
-    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert ask_matched(s, r, 0) == (0, False)
     m = s.build_connector_meta(step(new=[("r", list(range(8)), 0)], scheduled={"r": 1000}))
     assert [(x.first_block, len(x.block_ids)) for x in m.stores] == [(0, 2)]  # 300 // 128 blocks
 
@@ -150,7 +151,7 @@ def other_field_outcome(pool, tmp_path, field, key_control: bool = False):  # no
     keys = block_hashes(tokens[:896], B)
     publish(producer.backend, producer.ns, keys, [np.zeros(2 * 2 * B * 128 * 2, np.uint8) for _ in keys])
     s = KVPoolScheduler(_with(tmp_path, field), settings, factory)
-    matched, _ = s.get_num_new_matched_tokens(request("r", tokens), 0)
+    matched, _ = ask_matched(s, request("r", tokens), 0)
     lookup = [json.loads(line) for f in (tmp_path / "h").glob("*.jsonl") for line in f.read_text().splitlines()
               if '"lookup"' in line][-1]
     return matched, lookup
@@ -191,7 +192,7 @@ def test_a_malformed_request_is_served_without_the_pool_not_raised(pool, tmp_pat
     publish(s.backend, s.ns, keys, [np.zeros(2 * 2 * B * 128 * 2, np.uint8) for _ in keys])
     r = SimpleNamespace(request_id="bad", prompt_token_ids=tokens, num_computed_tokens=0, cache_salt=None,
                         kv_transfer_params=params)
-    assert s.get_num_new_matched_tokens(r, 0) == (0, False)  # nothing loaded, although the blocks are pooled
+    assert ask_matched(s, r, 0) == (0, False)  # nothing loaded, although the blocks are pooled
     s.update_state_after_alloc(r, None, 0)
     meta = s.build_connector_meta(step(new=[("bad", list(range(8)), 0)], scheduled={"bad": 1001}))
     assert meta.stores == [] and meta.loads == []  # nothing published
@@ -214,12 +215,12 @@ def _hits_after_publishing(pool, tmp_path, producer, consumer):
     """Publish `producer`'s complete blocks under the keys its scheduler computed; return how
     many tokens `consumer` then finds."""
     s = scheduler(pool, tmp_path)
-    s.get_num_new_matched_tokens(producer, 0)
+    ask_matched(s, producer, 0)
     hashes = s._reqs[producer.request_id].hashes
     with pool_client(pool) as c:
         ns = namespace_for(vllm_config(tmp_path), s.settings)
         publish(c, ns, hashes, [np.zeros(128 * 1024, np.uint8)] * len(hashes))
-    return s.get_num_new_matched_tokens(consumer, 0)[0]
+    return ask_matched(s, consumer, 0)[0]
 
 
 @pytest.mark.parametrize("other,shared", [(_lora("a", 1), True), (_lora("b", 2), False), (None, False)],
@@ -249,7 +250,7 @@ def test_prompt_embeddings_are_served_without_the_pool_and_say_why(pool, tmp_pat
     s = scheduler(pool, tmp_path)
     r = request("e", list(range(1000)))
     r.prompt_embeds = object()  # any tensor: the keys cannot hash what the KV depends on
-    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert ask_matched(s, r, 0) == (0, False)
     assert s._reqs["e"].publish_blocks == 0 and not s._reqs["e"].load_allowed
     recs = [x for x in read_history(tmp_path / "h") if x["ev"] == "unsupported"]
     assert len(recs) == 1 and "prompt embeddings" in recs[0]["reason"]
@@ -264,7 +265,7 @@ def test_an_engine_with_several_kv_cache_groups_neither_loads_nor_publishes(pool
         ns = namespace_for(vllm_config(tmp_path), settings)
         publish(c, ns, s_hashes(s, tokens), [np.zeros(128 * 1024, np.uint8)] * 7)
     r = request("g", tokens)
-    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert ask_matched(s, r, 0) == (0, False)
     assert s._reqs["g"].publish_blocks == 0
     one = KVPoolScheduler(vllm_config(tmp_path), settings, kv_cache_config=SimpleNamespace(kv_cache_groups=[object()]))
-    assert one.get_num_new_matched_tokens(request("h", tokens), 0) == (7 * B, False)  # the control
+    assert ask_matched(one, request("h", tokens), 0) == (7 * B, False)  # the control

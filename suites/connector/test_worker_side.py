@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from suites.connector.engine_calls import finished
 from harness.checkers.history import read_history
 from harness.system.pool import thread_pool
 from kvpool.client import PoolClient, publish
@@ -52,7 +53,9 @@ def step(w: KVPoolWorker, hashes: list[bytes]) -> None:
                           stores=[BlockRun("r", "t", 4, [14, 15, 16, 17], hashes[4:8])])
     w.start_load_kv(meta)
     w.save(meta)
-    w.finished_sending({"r"})
+    # The scheduler holds the request's blocks until the worker reports it, whether its
+    # stores ran or were withheld: never reported, its blocks would never be freed.
+    assert finished(w, {"r"}) == {"r"}
 
 
 def prepare(pool, ns, seed: int, corrupt_block: int | None):  # noqa: ANN001, ANN202

@@ -14,7 +14,7 @@ import pytest
 from faults.copier import FaultyCopier
 from harness.system.pool import thread_pool
 from kvpool.client import PoolClient
-from kvpool.copier import CopyRun, HostCopier
+from kvpool.copier import LANES, CopyRun, HostCopier
 from kvpool.digest import page_digest
 from kvpool.history import HistoryWriter, read_history
 from kvpool.keys import Namespace, block_hashes
@@ -61,7 +61,10 @@ def page_of(layers, block):
 
 
 def drain(copier):
-    copier.inner.submit(lambda: None).result(timeout=30) if hasattr(copier, "inner") else None
+    """Wait until both of the copier's lanes ran what was queued before this call."""
+    if hasattr(copier, "inner"):
+        for lane in LANES:
+            copier.inner.submit(lambda: None, lane).result(timeout=30)
 
 
 def store_then_reuse(d, tmp_path, seed, spec):

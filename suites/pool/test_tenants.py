@@ -5,8 +5,13 @@ eviction, its own ids and stats; the pool-wide operations are an admin's."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
+import shutil
 import socket
+import stat
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -180,3 +185,51 @@ def test_quotas_that_do_not_fit_are_refused(quotas, match):
     config = PoolConfig(num_pages=16, tenants={"a": "1", "b": "2"}, quotas=quotas)
     with pytest.raises(InvalidRequest, match=match):
         config.tenant_pages()
+
+
+NOCAPS = ["setpriv", "--securebits", "+noroot", "--bounding-set", "-all", "--inh-caps", "-all", "--"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="drops every capability with setpriv (util-linux), which needs root")
+@pytest.mark.parametrize("dumpable", [False, True], ids=["daemon", "control-dumpable"])
+def test_another_tenants_process_of_the_same_user_cannot_reach_a_segment(tmp_path, dumpable):
+    """The daemon and tenant b's process run as one user, without capabilities (as two
+    processes of an unprivileged service user would). b authenticates as itself and then
+    looks for tenant a's bytes: in its own segment, by name in /dev/shm, through the
+    daemon's /proc/PID/fd and /proc/PID/mem. The control serves with --dumpable: the
+    daemon's descriptors are open to its user again, and b must find a's bytes there."""
+    run_dir = tmp_path / "pool"
+    run_dir.mkdir()
+    cmd = [*NOCAPS, sys.executable, "-m", "kvpool", "serve", "--run-dir", str(run_dir), "--name",
+           f"breach-{os.getpid()}-{int(dumpable)}", "--page-size", str(PAGE), "--pages", "16", "--tcp", "none",
+           "--tenant", "a=tok-a", "--tenant", "b=tok-b", *(["--dumpable"] if dumpable else [])]
+    daemon = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "pool.log", "wb"))
+    try:
+        deadline = time.monotonic() + 20
+        while not (run_dir / "address.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        secret = np.random.default_rng(7).integers(0, 256, PAGE, dtype=np.uint8)
+        with PoolClient(f"unix:{run_dir / 'pool.sock'}", "a", "tok-a") as a:
+            assert publish(a, ns("a"), hashes(0, 1), [secret]).committed == 1
+            out = subprocess.run([*NOCAPS, sys.executable, "-m", "suites.pool.breach", str(run_dir),
+                                  secret[:64].tobytes().hex(), str(daemon.pid), "b", "tok-b"],
+                                 capture_output=True, text=True, timeout=60, check=True)
+        report = json.loads(out.stdout)
+        assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+        assert all(stat.S_IMODE((run_dir / s).stat().st_mode) == 0o600 for s in ("pool.sock", "attach.sock"))
+    finally:
+        daemon.terminate()
+        daemon.wait(20)
+    tries = {t["try"]: t["answer"] for t in report["attempts"]}
+    if dumpable:
+        assert report["found"], f"negative control NOT caught: b did not find a's bytes: {report}"
+        return
+    assert not report["found"], report
+    assert tries["a segment by name in /dev/shm"] == "none exists", report
+    # The daemon's descriptors are listed or not (by the user's own file modes), never opened.
+    through_fd = [answer for t, answer in tries.items() if t.startswith(("open ", "readlink "))]
+    listed = tries.get(f"list /proc/{daemon.pid}/fd", "listed")
+    assert listed.startswith("PermissionError") or (through_fd and all(
+        a.startswith("PermissionError") for a in through_fd)), report
+    assert tries[f"/proc/{daemon.pid}/mem"].startswith("PermissionError"), report
