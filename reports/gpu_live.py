@@ -18,7 +18,7 @@ def render_markdown(result: dict, date: str) -> str:
     lines = [f"# kvgate live on the GPU — {date}, {result.get('gpu_model', env.get('gpu', '?'))}", "",
              f"{', '.join(env.get('gpus') or [env.get('gpu', '?')])}; vLLM {env.get('vllm')} (GPU bundle), torch "
              f"{env.get('torch')} (CUDA {env.get('cuda')}); {where} (2 layers, 2 KV heads, head 64, block "
-             f"{BLOCK_SIZE}), all on one kvpool pool (one shared-memory arena on the host), TRITON_ATTN, eager; "
+             f"{BLOCK_SIZE}), all on one kvpool pool (one tenant: one segment of the host's pool), TRITON_ATTN, eager; "
              f"seed {result['seed']}; directions {', '.join(result.get('directions', ['A->B']))}.", ""]
     for ex in result.get("exchanges", []):
         v = ex["verdict"]

@@ -3,7 +3,7 @@
 Placement (`--gpus N`): with N <= 1, two replicas (A, B) of the tiny model share one GPU;
 with N >= 2, one replica per GPU (A on GPU 0, B on GPU 1, C on GPU 2, ...; each started
 with CUDA_VISIBLE_DEVICES set to its GPU). Either way every replica is registered on the
-same kvpool pool (one shared-memory arena on the host), through kvpool's connector, under
+same kvpool pool (one tenant, one segment on the host), through kvpool's connector, under
 the audit wrapper (kvpool.audit) around the fault-injecting connector (faults.connector,
 whose stream-delay site and unordered-transfer control act on CUDA), with a fault-control
 file each.
