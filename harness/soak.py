@@ -1,0 +1,219 @@
+"""kvgate soak: the default system under load for a long run, with seeded faults firing.
+
+Several request streams (threads, each its own seeded generator) send prompts of mixed
+lengths over a set of shared prefixes (so that replicas load each other's blocks) to
+replicas A, B and D for `minutes`; a nemesis thread arms one seeded fault at a time on B
+(a load fault: corrupt, timeout, evict) or on D's transport proxy (a reset, a truncated
+frame, a bit flip on page frames), for a few seconds each, and heals it. A sampler
+records every process's resident memory and open descriptors and the host's shared
+memory (Shmem: /dev/shm and memfd segments) every `sample_s`.
+
+The run is judged as a scenario is (harness.scenarios.runner): byte-exact over the
+audit's records of the whole window (silent corruptions), miss causes, and the requests
+checker (lost requests; an error is allowed only where the replica's policy says fail).
+Output under REPORT_DIR: soak.json (counts, verdicts, samples, the command, provenance)
+and soak.md (the table).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+from harness.checkers.verdict import Verdict
+from harness.client.http import complete
+from harness.scenarios.nemesis import arm
+from harness.scenarios.runner import ORACLES, _judge, _Run
+from harness.workload.prompts import Corpus
+from harness.plugin import derive_seed
+
+REPLICAS = ("A", "B", "D")
+LOAD_FAULTS = ("corrupt", "timeout", "evict")
+PROXY_FAULTS = ("reset", "truncate", "bitflip")
+
+
+def _pids(root: int) -> list[int]:
+    """The process and every descendant (a replica: its API server, engine core, workers)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def _usage(pid: int) -> tuple[int, int]:
+    """(resident bytes, open descriptors) of one process (0, 0 if it is gone)."""
+    try:
+        rss = next(int(line.split()[1]) * 1024 for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                   if line.startswith("VmRSS:"))
+        fds = sum(1 for _ in Path(f"/proc/{pid}/fd").iterdir())
+    except (OSError, StopIteration):
+        return 0, 0
+    return rss, fds
+
+
+def _shmem() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Shmem:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _sample(cluster) -> dict:  # noqa: ANN001
+    row: dict = {"t": round(time.time(), 2), "shmem_bytes": _shmem()}
+    procs = {name: r.proc.pid for name, r in cluster.replicas.items() if name in REPLICAS}
+    procs["pool"] = cluster.pool.proc.pid
+    for name, pid in procs.items():
+        rss = fds = 0
+        for p in _pids(pid):
+            r, f = _usage(p)
+            rss, fds = rss + r, fds + f
+        row[name] = {"rss_bytes": rss, "fds": fds}
+    return row
+
+
+def _stream(cluster, corpus: Corpus, prefixes: list[str], seed: int, k: int, stop: threading.Event,  # noqa: ANN001
+            out: dict) -> None:
+    rng = random.Random(derive_seed(seed, f"stream:{k}"))
+    i = 0
+    while not stop.is_set():
+        replica = rng.choice(REPLICAS)
+        prefix = prefixes[min(int(rng.paretovariate(1.2)) - 1, len(prefixes) - 1)]  # a few hot prefixes
+        prompt = prefix + " " + corpus.text(rng.randint(1, 120), rng)
+        c = complete(cluster.replicas[replica].url, prompt, tag=f"soak-{k}-{i}", replica=replica,
+                     max_tokens=rng.randint(1, 8), timeout_s=300)
+        out["requests"] += 1
+        out["errors"] += c.error is not None
+        i += 1
+
+
+def _nemesis(cluster, seed: int, stop: threading.Event, fired: list) -> None:  # noqa: ANN001
+    rng = random.Random(derive_seed(seed, "soak:nemesis"))
+    n = 0
+    while not stop.wait(rng.uniform(5, 15)):
+        n += 1
+        sseed = derive_seed(seed, f"soak:fault:{n}")
+        if rng.random() < 0.5:
+            kind = rng.choice(LOAD_FAULTS)
+            arm(cluster, "B", kind=kind, block=rng.randrange(4), seed=rng.randrange(2**32), p=0.5,
+                schedule_seed=sseed)
+            where = "B"
+        else:
+            kind = rng.choice(PROXY_FAULTS)
+            cluster.arm_proxy("D", {kind: {"ops": ["read", "acquire"], "direction": "reply", "times": 2, "p": 0.5,
+                                           "schedule_seed": sseed, "schedule_kind": "soak",
+                                           "seed": rng.randrange(2**32)}})
+            where = "D"
+        fired.append({"t": round(time.time(), 2), "fault": kind, "replica": where})
+        stop.wait(rng.uniform(3, 8))
+        arm(cluster, "B", None)
+        cluster.arm_proxy("D", {})
+
+
+def soak(report_dir: Path, minutes: float = 10.0, seed: int = 0, streams: int = 3, sample_s: float = 15.0) -> int:
+    from harness.provenance import provenance
+    from harness.system.default import start_system
+
+    report_dir.mkdir(parents=True, exist_ok=True)
+    cluster, model = start_system(report_dir / "system", set(REPLICAS))
+    try:
+        corpus = Corpus(model)
+        rng = random.Random(derive_seed(seed, "soak:prefixes"))
+        prefixes = [corpus.text(rng.choice((48, 160, 400, 800, 1600)), rng) for _ in range(10)]
+        cluster.reset()
+        t0 = time.time()
+        cluster.nemesis("scenario_start", scenario="soak", seed=seed, params={"minutes": minutes})
+        stop = threading.Event()
+        tallies = [{"requests": 0, "errors": 0} for _ in range(streams)]
+        fired: list = []
+        threads = [threading.Thread(target=_stream, args=(cluster, corpus, prefixes, seed, k, stop, tallies[k]),
+                                    name=f"soak-stream-{k}") for k in range(streams)]
+        threads.append(threading.Thread(target=_nemesis, args=(cluster, seed, stop, fired), name="soak-nemesis"))
+        samples = [_sample(cluster)]
+        for t in threads:
+            t.start()
+        end = time.monotonic() + minutes * 60
+        while time.monotonic() < end:
+            time.sleep(min(sample_s, max(0.0, end - time.monotonic())))
+            samples.append(_sample(cluster))
+            done = sum(x["requests"] for x in tallies)
+            print(f"kvgate soak: {(time.monotonic() - end) / 60 + minutes:.1f} of {minutes} min, {done} requests, "
+                  f"{len(fired)} faults", file=sys.stderr, flush=True)
+        stop.set()
+        for t in threads:
+            t.join(600)
+        arm(cluster, "B", None)
+        cluster.arm_proxy("D", {})
+        time.sleep(2.0)
+        samples.append(_sample(cluster))
+        cluster.nemesis("scenario_end", scenario="soak", seed=seed, crashed=cluster.crashed())
+        time.sleep(0.5)
+        from harness.checkers import history as H
+
+        history = H.read_history(cluster.history_dir)
+        run = _Run(Verdict(True, "the soak ran"), H.within(history, t0, time.time()), H.namespaces(history),
+                   bool(cluster.crashed()), None)
+        parts, outcome = _judge(cluster, run)
+    finally:
+        cluster.stop()
+    recs = run.recs
+    counts = {
+        "requests": sum(x["requests"] for x in tallies),
+        "request_errors": sum(x["errors"] for x in tallies),
+        "faults_armed": len(fired),
+        "faults_fired": sum(1 for r in recs if r["ev"] == "fault"),
+        "loads": sum(1 for r in recs if r["ev"] == "load"),
+        "blocks_loaded": sum(int(r.get("loaded") or 0) for r in recs if r["ev"] == "load"),
+        "silent_corruptions": int(parts[ORACLES.index("byte-exact")].evidence.get("silent_corruptions", 0)),
+        "lost_requests": int(parts[ORACLES.index("requests")].evidence.get("lost", 0)),
+        "misclassified": int(parts[ORACLES.index("miss causes")].evidence.get("misclassified", 0)),
+    }
+    first, last = samples[1] if len(samples) > 2 else samples[0], samples[-1]
+    growth = {name: {"rss_mib": round((last[name]["rss_bytes"] - first[name]["rss_bytes"]) / 2**20, 1),
+                     "fds": last[name]["fds"] - first[name]["fds"],
+                     "rss_mib_at_end": round(last[name]["rss_bytes"] / 2**20, 1)}
+              for name in (*REPLICAS, "pool")}
+    growth["host shared memory"] = {"mib": round((last["shmem_bytes"] - first["shmem_bytes"]) / 2**20, 1)}
+    verdicts = {n: {"valid": p.valid, "reason": p.reason[:300]} for n, p in zip(ORACLES, parts)}
+    ok = (outcome == "ok" and counts["silent_corruptions"] == 0 and counts["lost_requests"] == 0
+          and all(p.valid is not False for p in parts[1:]))
+    result = {"pass": ok, "outcome": outcome, "minutes": minutes, "seed": seed, "streams": streams,
+              "command": f"kvgate soak --minutes {minutes} --seed {seed} --streams {streams}",
+              "counts": counts, "growth_after_warmup": growth, "verdicts": verdicts, "faults": fired,
+              "samples": samples, "provenance": provenance()}
+    (report_dir / "soak.json").write_text(json.dumps(result, indent=2) + "\n")
+    (report_dir / "soak.md").write_text(_markdown(result))
+    print(_markdown(result))
+    return 0 if ok else 1
+
+
+def _markdown(r: dict) -> str:
+    c, g = r["counts"], r["growth_after_warmup"]
+    lines = [f"# kvgate soak: {'PASS' if r['pass'] else 'FAIL'}", "",
+             f"`{r['command']}` — {r['provenance'].get('commit', '?')[:12]}"
+             f"{'' if r['provenance'].get('clean') else ' (dirty tree)'}", "",
+             "| requests | request errors | faults armed | faults fired | loads | blocks loaded | silent corruptions "
+             "| lost requests | misclassified misses |", "|---|---|---|---|---|---|---|---|---|",
+             f"| {c['requests']} | {c['request_errors']} | {c['faults_armed']} | {c['faults_fired']} | {c['loads']} "
+             f"| {c['blocks_loaded']} | {c['silent_corruptions']} | {c['lost_requests']} | {c['misclassified']} |",
+             "", "Growth from the first sample after start-up to the end:", "",
+             "| process | RSS growth (MiB) | RSS at end (MiB) | descriptors growth |", "|---|---|---|---|"]
+    for name, row in g.items():
+        if "rss_mib" in row:
+            lines.append(f"| {name} | {row['rss_mib']} | {row['rss_mib_at_end']} | {row['fds']} |")
+    lines += [f"| host shared memory | {g['host shared memory']['mib']} | | |", "",
+              "Verdicts: " + "; ".join(f"{n}: {'ok' if v['valid'] is not False else 'FAIL ' + v['reason']}"
+                                       for n, v in r["verdicts"].items()), ""]
+    return "\n".join(lines)
