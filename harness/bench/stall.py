@@ -203,7 +203,9 @@ def run_stall(settings: dict | None = None, requests: int = 5, root: Path | None
 
 
 def main(out: Path | None = None) -> int:
-    result = run_stall()
+    from harness.provenance import provenance
+
+    result = {**run_stall(), "command": "kvgate bench stall", "provenance": provenance()}
     text = json.dumps(result, indent=2)
     print(text)
     if out is not None:
