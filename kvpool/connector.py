@@ -240,7 +240,12 @@ class RequestParams:
 
     @classmethod
     def of(cls, request) -> RequestParams:  # noqa: ANN001
-        params = getattr(request, "kv_transfer_params", None)
+        return cls.parse(getattr(request, "kv_transfer_params", None))
+
+    @classmethod
+    def parse(cls, params: object) -> RequestParams:
+        """The same check of a request's raw `kv_transfer_params` (kvpool.http runs it on
+        the HTTP body, before the request reaches the engine)."""
         if params is None:
             return cls()
         if not isinstance(params, dict):

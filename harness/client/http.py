@@ -121,6 +121,12 @@ def complete(url: str, prompt: str, *, tag: str, replica: str = "", max_tokens: 
                       prompt_tokens, error, logprobs)
 
 
+def http_status(url: str, body: object, timeout_s: float = 120.0) -> tuple[int, str]:
+    """POST `body` (any JSON) to the replica's completions endpoint, as it is: (status, text)."""
+    r = requests.post(f"{url}/v1/completions", json=body, timeout=timeout_s)
+    return r.status_code, r.text[:2000]
+
+
 def healthy(url: str, timeout_s: float = 2.0) -> bool:
     try:
         return requests.get(f"{url}/health", timeout=timeout_s).status_code == 200

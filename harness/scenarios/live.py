@@ -45,7 +45,7 @@ from faults.schedule import draw_schedule
 from harness.checkers.byte_exact import exchange_exact, pool_digests
 from harness.checkers.history import audit_digests, namespace_of, records
 from harness.checkers.verdict import Checks, Verdict
-from harness.client.http import Completion, complete
+from harness.client.http import Completion, complete, http_status
 from harness.system.cluster import Cluster
 from harness.workload.prompts import Corpus, common_prefix_tails
 from harness.scenarios.nemesis import wait_for, arm, arm_copier, pool_catalog
@@ -191,13 +191,19 @@ def hit_kinds(cluster: Cluster, corpus: Corpus, seed: int) -> Verdict:
     c.check("an unseen prompt is a miss", got["z"]["outcome"] == "miss" and got["z"]["miss_cause"] == "never_published")
     c.check("the pool counted one remote hit of 5 blocks", after["hits"] - before["hits"] == 1
             and after["hit_blocks"] - before["hit_blocks"] == 5, (before["hits"], after["hits"]))
-    # A malformed request: served without the pool, the replica keeps serving.
+    # A malformed request: B (the connector alone) serves it without the pool; A (with
+    # kvpool.http's check in front) refuses it with a 400 naming the field; both keep serving.
     bad = complete(B, corpus.text(300, rng), tag=f"{tag}-bad", replica="B", raw_params={"publish_tokens": "x"})
     after_bad = complete(B, z, tag=f"{tag}-z2", replica="B")
     invalid = records(h, "invalid_params", tag=f"{tag}-bad", replica="B")
     c.check("a malformed kv_transfer_params is served without the pool, and said so",
             bad.finish_reason == "length" and len(invalid) == 1, (bad.finish_reason, bad.error, invalid))
     c.check("the replica serves the next request", after_bad.finish_reason == "length" and len(after_bad.token_ids) == 16)
+    refused = http_status(A, {"model": "tiny", "prompt": "x", "max_tokens": 1,
+                              "kv_transfer_params": {"kvpool": {"publish_tokens": "x"}}})
+    c.check("A refuses it with a 400 naming the field", refused[0] == 400 and "publish_tokens" in refused[1], refused)
+    after_refused = complete(A, z, tag=f"{tag}-z3", replica="A")
+    c.check("and serves the next request", after_refused.finish_reason == "length")
     c.evidence.update({k: v["outcome"] for k, v in got.items()})
     return c.verdict("local hit, remote hit and misses classified as such; a malformed request served without "
                      "the pool")

@@ -76,6 +76,7 @@ class ReplicaSpec:
     proxy_remote: bool = True  # that proxy: over TCP, pages as frames, as from another host (else a Unix
     # socket on this host: the arena stays mapped and only the frames around the pages cross it)
     connector_extra: tuple[tuple[str, object], ...] = ()  # more kv_connector_extra_config settings
+    check_params: bool = False  # kvpool.http's check in front of the server: bad kvpool params get a 400
 
 
 @dataclasses.dataclass
@@ -179,6 +180,8 @@ class Cluster:
                 "--seed", "0", "--enable-prefix-caching", "--disable-uvicorn-access-log"]
         if spec.connector:
             args += ["--kv-transfer-config", json.dumps(self.kv_transfer_config(spec))]
+        if spec.check_params:
+            args += ["--middleware", "kvpool.http.check_kv_transfer_params"]
         args += list(spec.extra_args)
         env = dict(os.environ)
         env.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": spec.core, "VLLM_SERVER_DEV_MODE": "1",
@@ -383,13 +386,15 @@ DEFAULT_CHUNK = 2048  # max_num_batched_tokens of the default pair: longer promp
 
 def default_cluster(model_dir: Path, report_dir: Path) -> tuple[Cluster, list[ReplicaSpec]]:
     """The embedded default system: a local pool and two replicas of the tiny model, both
-    audited; A on core 0 with failure policy `fail`, B on core 1 with `recompute`; each
-    with a fault-control file in the report folder. B reaches the pool through a fault
+    audited; A on core 0 with failure policy `fail` and kvpool.http's parameter check
+    (a malformed kvpool section gets a 400 there), B on core 1 with `recompute` (the
+    connector serves such a request without the pool); each with a fault-control file in
+    the report folder. B reaches the pool through a fault
     proxy on a Unix socket (its arena mapped: pages through shared memory, the frames
     around them through the proxy), where its transport faults are injected."""
     specs = [ReplicaSpec(name, core=core, policy=policy, audit=True, max_num_batched_tokens=DEFAULT_CHUNK,
                          faults_file=str(Path(report_dir) / f"faults-{name}.json"), via_proxy=name == "B",
-                         proxy_remote=False)
+                         proxy_remote=False, check_params=name == "A")
              for name, core, policy in (("A", "0", "fail"), ("B", "1", "recompute"))]
     return Cluster(model_dir, report_dir, page_size=128 * 1024, pool_pages=1024), specs
 

@@ -1,9 +1,10 @@
 """Hypothesis fuzz of what a client can put in a completion request's kv_transfer_params,
-sent to a live replica (B) over HTTP: any JSON there, the "kvpool" section with known
-fields of any type and unknown ones. Every request is answered, never with a server
-error; afterwards every replica is healthy, the pool holds no open publish or lease
-(accounting unchanged), and the replica still loads a pooled prefix and computes the
-same tokens as the replica that published it."""
+sent over HTTP to live replicas A (kvpool.http's check in front of its server) and B
+(the connector alone): any JSON there, the "kvpool" section with known fields of any type
+and unknown ones. Every request is answered, never with a server error; A answers 400
+(naming kv_transfer_params) to every one whose kvpool section the connector refuses.
+Afterwards every replica is healthy, the pool holds no open publish or lease (accounting
+unchanged), and B still loads a pooled prefix and computes the same tokens as A."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ import random
 import time
 
 import pytest
-import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as hseed
 from hypothesis import strategies as st
 
-from harness.client.http import complete, healthy
+from harness.client.http import complete, healthy, http_status
 from harness.workload.prompts import Corpus
+from kvpool.connector import RequestParams
 
 pytestmark = pytest.mark.live
 
@@ -32,27 +33,27 @@ PARAMS = st.one_of(JSON, st.fixed_dictionaries({"kvpool": st.one_of(KVPOOL, JSON
 EXAMPLES = 60
 
 
-def _post(url: str, params: object) -> int:
-    body = {"model": "tiny", "prompt": "the fuzzed request", "max_tokens": 1, "temperature": 0.0,
-            "kv_transfer_params": params}
-    return requests.post(f"{url}/v1/completions", json=body, timeout=120).status_code
-
-
 def test_any_kv_transfer_params_is_answered_and_harms_nothing(cluster, tiny_model, test_seed, record_property):
     cluster.reset()
-    b = cluster.replicas["B"].url
-    seen: dict[int, int] = {}
+    a, b = cluster.replicas["A"].url, cluster.replicas["B"].url
+    seen: dict[str, int] = {}
 
     @hseed(test_seed)
     @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(params=PARAMS)
-    def one(params: object) -> None:
-        status = _post(b, params)
-        seen[status] = seen.get(status, 0) + 1
-        assert status < 500, (status, params)
+    @given(params=PARAMS, to_a=st.booleans())
+    def one(params: object, to_a: bool) -> None:
+        status, text = http_status(a if to_a else b, {"model": "tiny", "prompt": "the fuzzed request",
+                                                      "max_tokens": 1, "temperature": 0.0,
+                                                      "kv_transfer_params": params})
+        key = f"{'A' if to_a else 'B'} {status}"
+        seen[key] = seen.get(key, 0) + 1
+        assert status < 500, (status, params, text)
+        if to_a and RequestParams.parse(params).error is not None:  # A checks kvpool's fields before the engine
+            assert status == 400 and "kv_transfer_params" in text, (status, params, text)
 
     one()
     record_property("statuses", seen)
+    print(f"statuses by replica: {seen}")
     assert sum(seen.values()) >= EXAMPLES // 2, f"the fuzz ran {sum(seen.values())} requests"
     assert all(healthy(r.url) for r in cluster.replicas.values())
     with cluster.pool.client(name="fuzz-audit") as c:
