@@ -1,12 +1,15 @@
 """kvgate soak: the default system under load for a long run, with seeded faults firing.
 
 Several request streams (threads, each its own seeded generator) send prompts of mixed
-lengths over a set of shared prefixes (so that replicas load each other's blocks) to
-replicas A, B and D for `minutes`; a nemesis thread arms one seeded fault at a time on B
-(a load fault: corrupt, timeout, evict) or on D's transport proxy (a reset, a truncated
-frame, a bit flip on page frames), for a few seconds each, and heals it. A sampler
-records every process's resident memory and open descriptors and the host's shared
-memory (Shmem: /dev/shm and memfd segments) every `sample_s`.
+lengths to replicas A, B and D for `minutes`: a shared prefix (a new one a quarter of the
+time, else one of the recent ones, the newest most often) and a suffix of its own, so that
+replicas keep loading each other's blocks and the pool keeps evicting. A nemesis thread
+arms one seeded fault at a time on B (a load fault: corrupt, timeout, evict) or on D's
+transport proxy (a reset, a truncated frame, a bit flip on page frames) for a few seconds
+and heals it, and now and then empties a replica's prefix cache (its next requests load
+from the pool). A sampler records each process tree's private and shared resident memory
+and open descriptors, and the host's Shmem (/dev/shm and memfd segments), every
+`sample_s`.
 
 The run is judged as a scenario is (harness.scenarios.runner): byte-exact over the
 audit's records of the whole window (silent corruptions), miss causes, and the requests
@@ -25,13 +28,15 @@ import time
 from pathlib import Path
 
 from harness.checkers.verdict import Verdict
-from harness.client.http import complete
+from harness.client.http import complete, reset_prefix_cache
 from harness.scenarios.nemesis import arm
 from harness.scenarios.runner import ORACLES, _judge, _Run
 from harness.workload.prompts import Corpus
 from harness.plugin import derive_seed
 
 REPLICAS = ("A", "B", "D")
+PREFIX_TOKENS = (48, 160, 400, 800, 1600)
+RECENT = 40
 LOAD_FAULTS = ("corrupt", "timeout", "evict")
 PROXY_FAULTS = ("reset", "truncate", "bitflip")
 
@@ -53,15 +58,19 @@ def _pids(root: int) -> list[int]:
     return out
 
 
-def _usage(pid: int) -> tuple[int, int]:
-    """(resident bytes, open descriptors) of one process (0, 0 if it is gone)."""
+def _usage(pid: int) -> tuple[int, int, int]:
+    """(private resident bytes, shared-memory resident bytes, open descriptors) of one
+    process; zeros if it is gone. Private: anonymous and file-backed pages (RssAnon +
+    RssFile); shared: its mapped shared-memory pages (RssShmem: the pool's segment, which
+    grows as pages are first written, up to the segment's size)."""
     try:
-        rss = next(int(line.split()[1]) * 1024 for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                   if line.startswith("VmRSS:"))
+        fields = {line.split(":")[0]: int(line.split()[1]) * 1024
+                  for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                  if line.startswith(("RssAnon:", "RssFile:", "RssShmem:"))}
         fds = sum(1 for _ in Path(f"/proc/{pid}/fd").iterdir())
-    except (OSError, StopIteration):
-        return 0, 0
-    return rss, fds
+    except OSError:
+        return 0, 0, 0
+    return fields.get("RssAnon", 0) + fields.get("RssFile", 0), fields.get("RssShmem", 0), fds
 
 
 def _shmem() -> int:
@@ -76,11 +85,11 @@ def _sample(cluster) -> dict:  # noqa: ANN001
     procs = {name: r.proc.pid for name, r in cluster.replicas.items() if name in REPLICAS}
     procs["pool"] = cluster.pool.proc.pid
     for name, pid in procs.items():
-        rss = fds = 0
+        rss = shm = fds = 0
         for p in _pids(pid):
-            r, f = _usage(p)
-            rss, fds = rss + r, fds + f
-        row[name] = {"rss_bytes": rss, "fds": fds}
+            r, s, f = _usage(p)
+            rss, shm, fds = rss + r, shm + s, fds + f
+        row[name] = {"rss_bytes": rss, "shm_rss_bytes": shm, "fds": fds}
     return row
 
 
@@ -90,7 +99,10 @@ def _stream(cluster, corpus: Corpus, prefixes: list[str], seed: int, k: int, sto
     i = 0
     while not stop.is_set():
         replica = rng.choice(REPLICAS)
-        prefix = prefixes[min(int(rng.paretovariate(1.2)) - 1, len(prefixes) - 1)]  # a few hot prefixes
+        if rng.random() < 0.25:  # a new prefix (the streams share the list: the others may load it)
+            prefixes.append(corpus.text(rng.choice(PREFIX_TOKENS), rng))
+        recent = prefixes[-RECENT:]
+        prefix = recent[-min(int(rng.paretovariate(1.0)), len(recent))]  # the newest most often
         prompt = prefix + " " + corpus.text(rng.randint(1, 120), rng)
         c = complete(cluster.replicas[replica].url, prompt, tag=f"soak-{k}-{i}", replica=replica,
                      max_tokens=rng.randint(1, 8), timeout_s=300)
@@ -104,6 +116,12 @@ def _nemesis(cluster, seed: int, stop: threading.Event, fired: list) -> None:  #
     n = 0
     while not stop.wait(rng.uniform(5, 15)):
         n += 1
+        if rng.random() < 0.3:  # a replica forgets its prefix cache: its next requests load from the pool
+            victim = rng.choice(REPLICAS)
+            reset_prefix_cache(cluster.replicas[victim].url)
+            cluster.nemesis("reset_prefix_cache", replica=victim)
+            fired.append({"t": round(time.time(), 2), "fault": "reset_prefix_cache", "replica": victim})
+            continue
         sseed = derive_seed(seed, f"soak:fault:{n}")
         if rng.random() < 0.5:
             kind = rng.choice(LOAD_FAULTS)
@@ -131,7 +149,7 @@ def soak(report_dir: Path, minutes: float = 10.0, seed: int = 0, streams: int = 
     try:
         corpus = Corpus(model)
         rng = random.Random(derive_seed(seed, "soak:prefixes"))
-        prefixes = [corpus.text(rng.choice((48, 160, 400, 800, 1600)), rng) for _ in range(10)]
+        prefixes = [corpus.text(rng.choice(PREFIX_TOKENS), rng) for _ in range(10)]
         cluster.reset()
         t0 = time.time()
         cluster.nemesis("scenario_start", scenario="soak", seed=seed, params={"minutes": minutes})
@@ -172,18 +190,24 @@ def soak(report_dir: Path, minutes: float = 10.0, seed: int = 0, streams: int = 
     counts = {
         "requests": sum(x["requests"] for x in tallies),
         "request_errors": sum(x["errors"] for x in tallies),
-        "faults_armed": len(fired),
+        "faults_armed": sum(1 for f in fired if f["fault"] != "reset_prefix_cache"),
+        "prefix_cache_resets": sum(1 for f in fired if f["fault"] == "reset_prefix_cache"),
+        "prefixes": len(prefixes),
         "faults_fired": sum(1 for r in recs if r["ev"] == "fault"),
         "loads": sum(1 for r in recs if r["ev"] == "load"),
         "blocks_loaded": sum(int(r.get("loaded") or 0) for r in recs if r["ev"] == "load"),
+        "loads_failed": sum(1 for r in recs if r["ev"] == "load" and r.get("miss_cause")),
+        "blocks_published": sum(int(r.get("committed") or 0) for r in recs if r["ev"] == "publish"),
         "silent_corruptions": int(parts[ORACLES.index("byte-exact")].evidence.get("silent_corruptions", 0)),
         "lost_requests": int(parts[ORACLES.index("requests")].evidence.get("lost", 0)),
         "misclassified": int(parts[ORACLES.index("miss causes")].evidence.get("misclassified", 0)),
     }
     first, last = samples[1] if len(samples) > 2 else samples[0], samples[-1]
-    growth = {name: {"rss_mib": round((last[name]["rss_bytes"] - first[name]["rss_bytes"]) / 2**20, 1),
-                     "fds": last[name]["fds"] - first[name]["fds"],
-                     "rss_mib_at_end": round(last[name]["rss_bytes"] / 2**20, 1)}
+    mib = 2**20
+    growth = {name: {"rss_mib": round((last[name]["rss_bytes"] - first[name]["rss_bytes"]) / mib, 1),
+                     "rss_mib_at_end": round(last[name]["rss_bytes"] / mib, 1),
+                     "shm_rss_mib": round((last[name]["shm_rss_bytes"] - first[name]["shm_rss_bytes"]) / mib, 1),
+                     "fds": last[name]["fds"] - first[name]["fds"]}
               for name in (*REPLICAS, "pool")}
     growth["host shared memory"] = {"mib": round((last["shmem_bytes"] - first["shmem_bytes"]) / 2**20, 1)}
     verdicts = {n: {"valid": p.valid, "reason": p.reason[:300]} for n, p in zip(ORACLES, parts)}
@@ -204,16 +228,20 @@ def _markdown(r: dict) -> str:
     lines = [f"# kvgate soak: {'PASS' if r['pass'] else 'FAIL'}", "",
              f"`{r['command']}` — {r['provenance'].get('commit', '?')[:12]}"
              f"{'' if r['provenance'].get('clean') else ' (dirty tree)'}", "",
-             "| requests | request errors | faults armed | faults fired | loads | blocks loaded | silent corruptions "
-             "| lost requests | misclassified misses |", "|---|---|---|---|---|---|---|---|---|",
-             f"| {c['requests']} | {c['request_errors']} | {c['faults_armed']} | {c['faults_fired']} | {c['loads']} "
-             f"| {c['blocks_loaded']} | {c['silent_corruptions']} | {c['lost_requests']} | {c['misclassified']} |",
-             "", "Growth from the first sample after start-up to the end:", "",
-             "| process | RSS growth (MiB) | RSS at end (MiB) | descriptors growth |", "|---|---|---|---|"]
+             "| requests | request errors | faults armed | faults fired | prefix caches emptied | loads | loads "
+             "failed | blocks loaded | blocks published | silent corruptions | lost requests | misclassified misses |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|",
+             f"| {c['requests']} | {c['request_errors']} | {c['faults_armed']} | {c['faults_fired']} "
+             f"| {c['prefix_cache_resets']} | {c['loads']} | {c['loads_failed']} | {c['blocks_loaded']} "
+             f"| {c['blocks_published']} | {c['silent_corruptions']} | {c['lost_requests']} | {c['misclassified']} |",
+             "", "Growth from the first sample after start-up to the end (private: RssAnon + RssFile of the "
+             "process tree; shared: its RssShmem, the pool's segment pages it has touched):", "",
+             "| process | private RSS growth (MiB) | private RSS at end (MiB) | shared RSS growth (MiB) "
+             "| descriptors growth |", "|---|---|---|---|---|"]
     for name, row in g.items():
         if "rss_mib" in row:
-            lines.append(f"| {name} | {row['rss_mib']} | {row['rss_mib_at_end']} | {row['fds']} |")
-    lines += [f"| host shared memory | {g['host shared memory']['mib']} | | |", "",
+            lines.append(f"| {name} | {row['rss_mib']} | {row['rss_mib_at_end']} | {row['shm_rss_mib']} | {row['fds']} |")
+    lines += [f"| host shared memory (Shmem) | | | {g['host shared memory']['mib']} | |", "",
               "Verdicts: " + "; ".join(f"{n}: {'ok' if v['valid'] is not False else 'FAIL ' + v['reason']}"
                                        for n, v in r["verdicts"].items()), ""]
     return "\n".join(lines)
