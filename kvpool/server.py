@@ -41,7 +41,8 @@ Contracts:
     and another tenant's load cannot evict them. No segment has a name in /dev/shm: a
     client on the daemon's host gets its tenant's segment as a file descriptor over the
     attach socket (run_dir/attach.sock), in exchange for the single-use ticket of its
-    hello (valid for `hello_timeout_s`). A client elsewhere (or refused the descriptor)
+    hello (valid for `hello_timeout_s`; at most `max_unauthenticated` attach connections
+    at once, the oldest closed past it). A client elsewhere (or refused the descriptor)
     moves page bytes in frames.
   * Start-up finds what a crashed daemon left (pid file, sockets), removes it and says so
     (its segments went with its last mapping); graceful shutdown removes the sockets and
@@ -198,7 +199,7 @@ class PoolDaemon:
         self.unix_path: Path | None = None
         self.attach_path: Path | None = None
         self._tickets: dict[bytes, tuple[str, float]] = {}  # attach ticket -> (tenant, deadline)
-        self._attaching = 0
+        self._attaching: dict[int, asyncio.Future] = {}  # attach connections being served, oldest first
         self.tcp_port: int | None = None
         self._sessions = itertools.count(1)
         self._clients: dict[int, asyncio.StreamWriter] = {}  # authenticated connections
@@ -379,20 +380,23 @@ class PoolDaemon:
 
     async def _serve_attach(self, listener: socket.socket) -> None:
         """Accept attach connections; each gets at most one descriptor, for a valid ticket.
-        At most `max_unauthenticated` are served at once (past it one is closed at once)."""
+        At most `max_unauthenticated` are served at once: past it the oldest is closed, so
+        that idle connections cannot keep a client with a ticket from its segment."""
         loop = self._loop
+        ids = itertools.count()
         while True:
             conn, _ = await loop.sock_accept(listener)
-            if self._attaching >= self.config.max_unauthenticated:
+            if len(self._attaching) >= self.config.max_unauthenticated:
+                oldest = next(iter(self._attaching))
                 self.metrics.requests.labels("attach", ErrorCode.BUSY.value).inc()
-                conn.close()
-                continue
-            self._attaching += 1
+                self._attaching.pop(oldest).cancel()  # its handler's finally closes the connection
+            n = next(ids)
             task = asyncio.ensure_future(self._attach_one(conn))
-            task.add_done_callback(self._attached)
+            self._attaching[n] = task
+            task.add_done_callback(lambda t, n=n: self._attached(n, t))
 
-    def _attached(self, task: asyncio.Future) -> None:
-        self._attaching -= 1
+    def _attached(self, n: int, task: asyncio.Future) -> None:
+        self._attaching.pop(n, None)
         if not task.cancelled() and task.exception() is not None:
             log.error("attach handler failed", exc_info=task.exception())
 

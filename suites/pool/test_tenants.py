@@ -233,3 +233,28 @@ def test_another_tenants_process_of_the_same_user_cannot_reach_a_segment(tmp_pat
     assert listed.startswith("PermissionError") or (through_fd and all(
         a.startswith("PermissionError") for a in through_fd)), report
     assert tries[f"/proc/{daemon.pid}/mem"].startswith("PermissionError"), report
+
+
+def test_idle_attach_connections_do_not_keep_a_client_from_its_segment():
+    d = thread_pool(page_size=PAGE, num_pages=8, tenants={"a": "tok-a"}, max_unauthenticated=4, hello_timeout_s=30)
+    idle = []
+    try:
+        for _ in range(3 * d.config.max_unauthenticated):  # each says nothing and stays
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(d.attach_path))
+            idle.append(s)
+        time.sleep(0.2)
+        with client(d, "a") as a:
+            assert a.arena is not None, a.attach_error  # the oldest idle ones were closed for it
+        closed = 0
+        for s in idle:
+            s.settimeout(2)
+            try:
+                closed += s.recv(1) == b""
+            except TimeoutError:
+                pass
+        assert closed >= 2 * d.config.max_unauthenticated, closed
+    finally:
+        for s in idle:
+            s.close()
+        d.stop_thread()
