@@ -168,12 +168,16 @@ class FaultyBackend:
         ns = self._ns(ns)
         fault = self._load_fault()
         if fault is not None and fault["kind"] == "evict":
-            if self._draw(fault):
-                k = int(fault.get("block", 0))
+            k = int(fault.get("block", 0))
+            if k < len(hashes) and self._draw(fault):  # a load of k blocks or fewer has no block k to lose
                 outcomes = self.inner.evict(ns, list(hashes[k:]))
-                self._fired += 1
-                self.history.write("fault", site="pool_client.acquire", kind="evict", block=k,
-                                   evicted=sum(o == "evicted" for o in outcomes))
+                evicted = sum(o == "evicted" for o in outcomes)
+                if evicted:
+                    self._fired += 1
+                    self.history.write("fault", site="pool_client.acquire", kind="evict", block=k, evicted=evicted)
+                else:  # every block from k on leased by another load, or gone already: nothing happened
+                    self.history.write("fault_skipped", site="pool_client.acquire", kind="evict", block=k,
+                                       reason="nothing evicted", outcomes=[str(o) for o in outcomes])
             return self.inner.acquire(ns, hashes)
         lease = self.inner.acquire(ns, hashes)
         fault = fault if lease.lease_id else None

@@ -61,11 +61,11 @@ def _record(phase: str, **fields: object) -> None:
 def complete(url: str, prompt: str, *, tag: str, replica: str = "", max_tokens: int = 16,
              load: bool = True, publish: bool = True, cache_salt: str | None = None,
              publish_tokens: int | None = None, timeout_s: float = 600.0,
-             raw_params: dict | None = None) -> Completion:
+             raw_params: dict | None = None, model: str = "tiny") -> Completion:
     """`raw_params`: more kv_transfer_params.kvpool fields, sent as they are (a scenario's
-    malformed input)."""
+    malformed input). `model`: the served model or one of its LoRA adapters."""
     body = {
-        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
         "stream": True, "return_token_ids": True, "logprobs": 1,
         "kv_transfer_params": {"kvpool": {"tag": tag, "load": load, "publish": publish}},
     }
