@@ -2,10 +2,10 @@
 tensors and pool pages, asynchronously, in an order the engine can rely on.
 
   HostCopier(backend, history, metrics)   the CPU engine: one thread runs the worker's
-                     stores in submission order, another its loads (so that a load, which
-                     the engine waits for, never queues behind a publish to a slow pool;
-                     the pool client serializes their calls, each load's within its
-                     deadline).
+                     stores in submission order, LOAD_THREADS its loads (so that a load,
+                     which the engine waits for, never queues behind a publish to a slow
+                     pool, nor behind another request's slow load; the pool client
+                     serializes their calls, each load's within its deadline).
   .register(layers)  the engine's per-layer KV tensors as byte arrays, block dimension
                      first; a page is one block of every layer, in layer order.
   .store(ns, run, keep) -> Future
@@ -45,6 +45,7 @@ from kvpool.metrics import ClientMetrics
 
 
 LANES = ("store", "load")
+LOAD_THREADS = 4  # loads of one step run side by side: a slow one does not spend the others' deadlines
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +81,8 @@ class HostCopier:
         self.failed: set[int] = set()
         self._failed_lock = threading.Lock()
         self._layers: list[np.ndarray] = []
-        self._threads = {lane: ThreadPoolExecutor(1, thread_name_prefix=f"kvpool-{lane}") for lane in LANES}
+        self._threads = {lane: ThreadPoolExecutor(LOAD_THREADS if lane == "load" else 1,
+                                                  thread_name_prefix=f"kvpool-{lane}") for lane in LANES}
 
     def register(self, layers: list[np.ndarray]) -> None:
         self._layers = layers

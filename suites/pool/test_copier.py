@@ -7,6 +7,7 @@ a load is done the test reads them, as attention would."""
 
 import json
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from faults.copier import FaultyCopier
 from harness.system.pool import thread_pool
 from kvpool.client import PoolClient
-from kvpool.copier import LANES, CopyRun, HostCopier
+from kvpool.copier import LANES, LOAD_THREADS, CopyRun, HostCopier
 from kvpool.digest import page_digest
 from kvpool.history import HistoryWriter, read_history
 from kvpool.keys import Namespace, block_hashes
@@ -61,10 +62,15 @@ def page_of(layers, block):
 
 
 def drain(copier):
-    """Wait until both of the copier's lanes ran what was queued before this call."""
-    if hasattr(copier, "inner"):
-        for lane in LANES:
-            copier.inner.submit(lambda: None, lane).result(timeout=30)
+    """Wait until the copier's lanes ran what was queued before this call: one barrier job
+    per thread of a lane can only all run once every thread has finished its earlier job."""
+    if not hasattr(copier, "inner"):
+        return
+    for lane, threads in zip(LANES, (1, LOAD_THREADS)):
+        barrier = threading.Barrier(threads)
+        jobs = [copier.inner.submit(lambda b=barrier: b.wait(timeout=30), lane) for _ in range(threads)]
+        for job in jobs:
+            job.result(timeout=30)
 
 
 def store_then_reuse(d, tmp_path, seed, spec):
