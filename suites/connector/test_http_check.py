@@ -37,7 +37,9 @@ def client():
                                            ({"kvpool": "on"}, "kvpool must be an object"),
                                            ({"kvpool": {"load": 1}}, "load must be true or false"),
                                            ({"kvpool": {"nope": 1}}, "unknown field 'nope'"),
-                                           ([1, 2], "kv_transfer_params must be an object")])
+                                           ([1, 2], "kv_transfer_params must be an object"),
+                                           ({"other": {"x": [0, 2**64]}}, "kv_transfer_params.other.x[1]: an integer"),
+                                           ({"kvpool": {"tag": -(2**63) - 1}}, "kv_transfer_params.kvpool.tag")])
 def test_a_bad_kvpool_section_is_refused_before_the_handler(client, params, field):
     r = client.post("/v1/completions", json={"prompt": "x", "kv_transfer_params": params})
     assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
@@ -45,7 +47,8 @@ def test_a_bad_kvpool_section_is_refused_before_the_handler(client, params, fiel
 
 
 @pytest.mark.parametrize("body", [{"prompt": "x"}, {"prompt": "x", "kv_transfer_params": {"kvpool": {"tag": "t"}}},
-                                  {"prompt": "x", "kv_transfer_params": {"other": {"a": 1}}}, "not json {"])
+                                  {"prompt": "x", "kv_transfer_params": {"other": {"a": 2**64 - 1, "b": -(2**63)}}},
+                                  "not json {"])
 def test_everything_else_reaches_the_handler_unchanged(client, body):
     raw = body.encode() if isinstance(body, str) else None
     r = client.post("/v1/completions", content=raw) if raw else client.post("/v1/completions", json=body)

@@ -1,8 +1,9 @@
 """Hypothesis fuzz of what a client can put in a completion request's kv_transfer_params,
 sent over HTTP to live replicas A (kvpool.http's check in front of its server) and B
 (the connector alone): any JSON there, the "kvpool" section with known fields of any type
-and unknown ones. Every request is answered, never with a server error; A answers 400
-(naming kv_transfer_params) to every one whose kvpool section the connector refuses.
+and unknown ones. Every request is answered; A answers 400 (naming kv_transfer_params)
+to every one whose kvpool section the connector refuses or that holds an integer the
+engine cannot carry, and never 5xx; B answers 5xx only to the latter (vLLM's own limit).
 Afterwards every replica is healthy, the pool holds no open publish or lease (accounting
 unchanged), and B still loads a pooled prefix and computes the same tokens as A."""
 
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 from harness.client.http import complete, healthy, http_status
 from harness.workload.prompts import Corpus
 from kvpool.connector import RequestParams
+from kvpool.http import unencodable
 
 pytestmark = pytest.mark.live
 
@@ -47,9 +49,12 @@ def test_any_kv_transfer_params_is_answered_and_harms_nothing(cluster, tiny_mode
                                                       "kv_transfer_params": params})
         key = f"{'A' if to_a else 'B'} {status}"
         seen[key] = seen.get(key, 0) + 1
-        assert status < 500, (status, params, text)
-        if to_a and RequestParams.parse(params).error is not None:  # A checks kvpool's fields before the engine
-            assert status == 400 and "kv_transfer_params" in text, (status, params, text)
+        if to_a and (RequestParams.parse(params).error is not None or unencodable(params) is not None):
+            assert status == 400 and "kv_transfer_params" in text, (status, params, text)  # A's check, first
+        # vLLM's own front end answers 500 to an integer it cannot carry to its engine core (a finding
+        # about vLLM: msgpack's 64-bit range); A's check refuses those first. Nothing else is a 5xx.
+        assert status < 500 or (not to_a and status == 500 and unencodable(params) is not None), \
+            (status, params, text)
 
     one()
     record_property("statuses", seen)
