@@ -83,6 +83,7 @@ def cross_replica_hit(cluster: Cluster, corpus: Corpus, seed: int, prompt_tokens
     n = prompt_tokens + 1
     tag = _tag("x", seed)
     a = complete(cluster.replicas["A"].url, prompt, tag=f"{tag}-a", replica="A")
+    _stored(cluster, f"{tag}-a", "A")
     b = complete(cluster.replicas["B"].url, prompt, tag=f"{tag}-b", replica="B")
     a_hit = complete(cluster.replicas["A"].url, prompt, tag=f"{tag}-ahit", replica="A", load=False, publish=False)
     cold = complete(cluster.replicas["B"].url, prompt, tag=f"{tag}-cold", replica="B", load=False, publish=False,
@@ -165,6 +166,14 @@ def shared_system_prompt(cluster: Cluster, corpus: Corpus, seed: int, system_tok
     return c.verdict(f"the system prompt's {full} blocks were computed once and reused by every question")
 
 
+def _stored(cluster: Cluster, tag: str, replica: str, timeout_s: float = 60.0) -> None:
+    """Wait until the replica's store of the request `tag` has ended (its publish record):
+    the response and the store are independent, so a scenario whose next request expects
+    these blocks in the pool must not depend on which of the two came first."""
+    wait_for(lambda: bool(records(cluster.history_dir, "publish", tag=tag, replica=replica)), timeout_s,
+             f"{replica}'s store of {tag}")
+
+
 def hit_kinds(cluster: Cluster, corpus: Corpus, seed: int) -> Verdict:
     rng = random.Random(seed)
     x, y, z = (corpus.text(700, rng) for _ in range(3))
@@ -175,6 +184,7 @@ def hit_kinds(cluster: Cluster, corpus: Corpus, seed: int) -> Verdict:
     complete(B, x, tag=f"{tag}-x1", replica="B")
     complete(B, x, tag=f"{tag}-x2", replica="B")
     complete(A, y, tag=f"{tag}-y1", replica="A")
+    _stored(cluster, f"{tag}-y1", "A")
     complete(B, y, tag=f"{tag}-y2", replica="B")
     complete(B, z, tag=f"{tag}-z", replica="B")
     with cluster.pool.client(name="hit-kinds") as pc:
@@ -229,6 +239,7 @@ def aligned_full_hit(cluster: Cluster, corpus: Corpus, seed: int, blocks: int = 
     A, Bu = cluster.replicas["A"].url, cluster.replicas["B"].url
     h = cluster.history_dir
     complete(A, prompt, tag=f"{tag}-a", replica="A", cache_salt=f"s-{tag}")
+    _stored(cluster, f"{tag}-a", "A")
     a_hit = complete(A, prompt, tag=f"{tag}-ahit", replica="A", load=False, publish=False, cache_salt=f"s-{tag}")
     if control:
         cluster.faults["B"].write_text(json.dumps({"connector": {"control": control}}))
