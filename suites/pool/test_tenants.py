@@ -258,3 +258,14 @@ def test_idle_attach_connections_do_not_keep_a_client_from_its_segment():
         for s in idle:
             s.close()
         d.stop_thread()
+
+
+def test_a_tenant_cannot_use_another_tenants_namespace(two_tenants):
+    d = two_tenants
+    with client(d, "a") as a, client(d, "b") as b:
+        assert publish(a, ns("a"), hashes(0, 1), payload(1, 9)).committed == 1
+        for op in (lambda: b.lookup(ns("a"), hashes(0, 1)), lambda: b.acquire(ns("a"), hashes(0, 1)),
+                   lambda: b.evict(ns("a"), hashes(0, 1)), lambda: b.reserve(ns("a"), hashes(5, 1), [PAGE])):
+            with pytest.raises(Unauthenticated, match="session of tenant 'b' cannot use namespace of tenant 'a'"):
+                op()
+        assert a.lookup(ns("a"), hashes(0, 1)).miss is None  # b's attempts changed nothing of a's
