@@ -140,7 +140,7 @@ class FaultyBackend:
             raise ControlFileError(f"{self.control.path}: namespace has no fields {unknown}")
         return ns.replace(**{f: "" for f in drop})
 
-    def commit(self, reservation_id: int, digests):  # noqa: ANN001, ANN201
+    def commit(self, reservation_id: int, digests, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN201
         self._load_fault()
         spec = self._spec.get("publish")
         if spec is not None:
@@ -153,7 +153,7 @@ class FaultyBackend:
                 self.history.write("fault", site="pool_client.commit", kind="publish_hang", job="store",
                                    reservation=reservation_id, pages=len(digests), seconds=spec.get("seconds", 120))
                 time.sleep(float(spec.get("seconds", 120)))
-        return self.inner.commit(reservation_id, digests)
+        return self.inner.commit(reservation_id, digests, *args, **kw)
 
     def lookup(self, ns, hashes: Sequence[bytes], wait_pending_s: float = 0.0):  # noqa: ANN001, ANN201
         return self._call(self.inner.lookup, self._ns(ns), hashes, wait_pending_s)

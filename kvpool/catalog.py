@@ -19,8 +19,11 @@ calls it from a single thread.
   reserve(client, tenant, ns, hashes, lengths, boundary)
                                         phase one of publish: admission, then a RESERVED page
                                         per admitted block (evicting LRU victims if needed).
-  commit(res_id, digests)               phase two: pages become visible (a None digest means
-                                        the daemon's verify failed: that page is freed).
+  commit(res_id, digests, kind)         phase two: pages become visible (a None digest means
+                                        the daemon's verify failed: that page is freed); `kind`
+                                        (kvpool.digest.DigestKind) is recorded with each page.
+  committed_as(page, generation)        the page's kind if it still holds that commit, else None.
+  discard(page, generation)             drop a committed page found corrupt at rest (the scrub).
   abort(res_id) / drop_client(client)   an abandoned or crashed publish returns its pages.
   reap(now)                             expire reservations and leases past their deadline.
   evict(...) / set_capacity(pages)      forced eviction and capacity squeeze; leased pages
@@ -46,7 +49,7 @@ import numpy as np
 from kvpool.errors import InvalidRequest, LeaseLost, MissCause
 from kvpool.keys import Namespace
 
-from kvpool.digest import DIGEST_BYTES
+from kvpool.digest import DIGEST_BYTES, KINDS, DigestKind
 
 
 class PageState(enum.IntEnum):
@@ -107,6 +110,7 @@ class PageRef(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_field
     generation: int
     length: int
     digest: bytes
+    kind: DigestKind = DigestKind.XXH3  # how `digest` was taken (kvpool.digest)
 
 
 class Hits(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -117,12 +121,18 @@ class Hits(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=T
     generations: list[int] = []
     lengths: list[int] = []
     digests: bytes = b""
+    kinds: bytes = b""  # DigestKind.code per page; empty: every page xxh3-128
 
     def __post_init__(self) -> None:
         n = len(self.pages)
         if len(self.generations) != n or len(self.lengths) != n or len(self.digests) != n * DIGEST_BYTES:
             raise ValueError(f"Hits columns disagree: {n} pages, {len(self.generations)} generations, "
                              f"{len(self.lengths)} lengths, {len(self.digests)} digest bytes")
+        if len(self.kinds) not in (0, n) or any(k >= len(KINDS) for k in self.kinds):
+            raise ValueError(f"Hits: {len(self.kinds)} digest kinds for {n} pages, or an unknown kind")
+
+    def kind(self, i: int) -> DigestKind:
+        return KINDS[self.kinds[i]] if self.kinds else DigestKind.XXH3
 
     def __len__(self) -> int:
         return len(self.pages)
@@ -132,7 +142,7 @@ class Hits(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=T
 
     def _ref(self, i: int) -> PageRef:
         return PageRef(self.pages[i], self.generations[i], self.lengths[i],
-                       self.digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES])
+                       self.digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES], self.kind(i))
 
     def __getitem__(self, i):  # noqa: ANN001, ANN204 - an int or a slice
         if isinstance(i, slice):
@@ -225,6 +235,7 @@ class Catalog:
         self.state = np.zeros(n, dtype=np.uint8)
         self.length = np.zeros(n, dtype=np.uint32)
         self.digest = np.zeros((n, DIGEST_BYTES), dtype=np.uint8)
+        self.kind = np.zeros(n, dtype=np.uint8)  # DigestKind.code of each committed page's digest
         self.ns_of = np.full(n, -1, dtype=np.int32)
         self.tenant_of = np.full(n, -1, dtype=np.int32)
         self.tick = np.zeros(n, dtype=np.uint64)
@@ -258,6 +269,7 @@ class Catalog:
         self.counters: dict[str, int] = {
             "hits": 0, "hit_blocks": 0, "evictions": 0, "commits": 0, "aborted_pages": 0,
             "rejected_pages": 0, "expired_reservations": 0, "expired_leases": 0,
+            "discarded_corrupt": 0,
         }
         self.miss_counters: dict[MissCause, int] = {c: 0 for c in MissCause}
 
@@ -305,7 +317,9 @@ class Catalog:
     def _refs(self, pages: list[int]) -> Hits:
         if not pages:
             return Hits()
-        return Hits(pages, self.gen[pages].tolist(), self.length[pages].tolist(), self.digest[pages].tobytes())
+        kinds = self.kind[pages]
+        return Hits(pages, self.gen[pages].tolist(), self.length[pages].tolist(), self.digest[pages].tobytes(),
+                    kinds.tobytes() if kinds.any() else b"")
 
     def lookup(self, tenant: str, ns: Namespace, hashes: Sequence[bytes]) -> LookupResult:
         tid = self._tenant_id(tenant, create=False)
@@ -462,7 +476,8 @@ class Catalog:
     def used_pages(self) -> int:
         return self.config.num_pages - len(self._free)
 
-    def commit(self, reservation_id: int, digests: Sequence[bytes | None]) -> CommitResult:
+    def commit(self, reservation_id: int, digests: Sequence[bytes | None],
+               kind: DigestKind = DigestKind.XXH3) -> CommitResult:
         res = self._reservations.pop(reservation_id, None)
         if res is None:
             raise InvalidRequest(f"reservation {reservation_id} is not open (committed, aborted or expired)")
@@ -480,6 +495,7 @@ class Catalog:
                 self.counters["rejected_pages"] += 1
                 continue
             self.digest[page] = np.frombuffer(digest, dtype=np.uint8)
+            self.kind[page] = kind.code
             self.state[page] = PageState.COMMITTED
             self._touch(page)
             entry = index.get(key)
@@ -491,6 +507,25 @@ class Catalog:
             committed += 1
         self.counters["commits"] += committed
         return CommitResult(committed, tuple(rejected))
+
+    def committed_as(self, page: int, generation: int) -> DigestKind | None:
+        """The digest kind of `page` if it still holds the commit of `generation`."""
+        if self.state[page] != PageState.COMMITTED or int(self.gen[page]) != generation:
+            return None
+        return KINDS[int(self.kind[page])]
+
+    def discard(self, page: int, generation: int) -> bool | None:
+        """Drop a committed page whose bytes no longer match its digest (found at rest). True:
+        dropped; False: a loader holds it (it verifies on its own; try again later); None:
+        the page no longer holds that commit (evicted or reused since)."""
+        if self.committed_as(page, generation) is None:
+            return None
+        if not self._may_evict(page):
+            return False
+        self._unindex(page)
+        self._free_page(page)
+        self.counters["discarded_corrupt"] += 1
+        return True
 
     def abort(self, reservation_id: int) -> int:
         res = self._reservations.pop(reservation_id, None)
@@ -519,6 +554,7 @@ class Catalog:
         self.tenant_of[page] = -1
         self.key_of[page] = None
         self.digest[page] = 0
+        self.kind[page] = 0
         self.gen[page] += np.uint64(1)
         self._unlink(page)
         self._free.append(page)

@@ -56,7 +56,8 @@ from kvpool.catalog import (
     ReserveResult,
     SlotStatus,
 )
-from kvpool.copy import Buffer, as_segments, copy_digest, digest_segments, total_size
+from kvpool.copy import Buffer, as_segments, copy_digest, copy_digest_as, digest_segments, total_size
+from kvpool.digest import DigestKind
 from kvpool.errors import (
     ArenaError,
     Busy,
@@ -111,7 +112,8 @@ class PoolBackend(Protocol):
     def reserve(self, ns: Namespace, hashes: Sequence[bytes], lengths: Sequence[int],
                 boundary: int | None = None) -> ReserveResult: ...
     def write_page(self, reservation: ReserveResult, slot: int, data: np.ndarray | bytes) -> None: ...
-    def commit(self, reservation_id: int, digests: Sequence[bytes]) -> CommitResult: ...
+    def commit(self, reservation_id: int, digests: Sequence[bytes],
+               kind: DigestKind = DigestKind.XXH3) -> CommitResult: ...
     def abort(self, reservation_id: int) -> int: ...
     def evict(self, ns: Namespace, hashes: Sequence[bytes]) -> list[EvictOutcome]: ...
     def stats(self) -> dict[str, int]: ...
@@ -405,8 +407,9 @@ class PoolClient:
         payload = data.tobytes() if isinstance(data, np.ndarray) else bytes(data)
         self._expect(P.WritePages(reservation.reservation_id, [res_slot], [payload]), P.WriteOk)
 
-    def commit(self, reservation_id: int, digests: Sequence[bytes]) -> CommitResult:
-        r = self._expect(P.Commit(reservation_id, list(digests)), P.CommitOk)
+    def commit(self, reservation_id: int, digests: Sequence[bytes],
+               kind: DigestKind = DigestKind.XXH3) -> CommitResult:
+        r = self._expect(P.Commit(reservation_id, list(digests), DigestKind(kind)), P.CommitOk)
         return CommitResult(r.committed, tuple(r.rejected))
 
     def abort(self, reservation_id: int) -> int:
@@ -498,7 +501,7 @@ def _load(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes], dest: De
             target = as_segments(dest(i))
             if total_size(target) != ref.length:
                 raise InvalidRequest(f"block {i}: destination of {total_size(target)} bytes for a page of {ref.length}")
-            if copy_digest(as_segments(backend.read_page(lease, i)), target) != ref.digest:
+            if copy_digest_as(ref.kind, as_segments(backend.read_page(lease, i)), target) != ref.digest:
                 raise CorruptPage(f"block {i} (page {ref.page}): installed bytes do not match the published digest")
             loaded += 1
     except CorruptPage:

@@ -4,6 +4,9 @@
                           segments (same total size, any segment boundaries) and return
                           the XXH3-128 digest of the bytes copied, hashing each chunk while it
                           is still in cache: one pass over memory instead of two.
+  copy_digest_as(kind, src, dst)
+                          the same, returning the digest of `kind` (kvpool.digest): for
+                          kv-sketch-1 the sketch is taken over the bytes copied, after the copy.
   as_segments(x)          a block given as one buffer or a list of buffers, as uint8 views.
 
 A KV block spread over several tensors (one per layer) is a list of segments; a pool
@@ -16,6 +19,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import xxhash
+
+from kvpool.digest import DigestKind, page_digest
 
 CHUNK = 256 * 1024
 
@@ -67,3 +72,10 @@ def digest_segments(segments: Sequence[np.ndarray]) -> bytes:
     for s in segments:
         h.update(s)
     return h.digest()
+
+
+def copy_digest_as(kind: DigestKind, src: Sequence[np.ndarray], dst: Sequence[np.ndarray]) -> bytes:
+    if kind is DigestKind.XXH3:
+        return copy_digest(src, dst)
+    copy_digest(src, dst)
+    return page_digest(dst[0] if len(dst) == 1 else np.concatenate(dst), kind)

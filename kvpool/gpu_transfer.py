@@ -21,15 +21,23 @@ contexts) each register their own mapping of the same arena.
         engine wrote so far); the transfer stream waits on it, then copies the blocks
         into pages reserved in the pool; the engine's stream then waits for those copies
         to have *read* the KV (a block may be overwritten right after this call).
-        Returns at once; the copies, digests (XXH3-128 of the page as copied) and commits
-        finish in the background. A page becomes visible only after its commit.
+        Returns at once; the copies, digests and commits finish in the background. A page
+        becomes visible only after its commit. Digests (TransferConfig.digest): kv-sketch-1
+        by default, taken on the GPU over the staged page (the bytes the copy sends; on
+        the driver path over the blocks gathered in page order) and committed as trusted
+        (the daemon scrubs at rest); or xxh3-128 on the host over the page as copied, which
+        the daemon re-verifies before commit.
   load(block_ids, hashes, deadline_s=None) -> LoadHandle      [vLLM: start_load_kv]
-        Leases the longest pooled run of `hashes`, verifies every page's digest on the
-        host, and copies verified pages into the blocks on the transfer stream, after the
-        engine's earlier work on those blocks (an event recorded on the engine's current
-        stream at the call). A page whose digest does not match is never installed: the
-        load stops there with MissCause.CORRUPT. `handle.loaded` / `handle.miss` /
-        `handle.failed_block_ids` are final when load() returns (except `stale`, below).
+        Leases the longest pooled run of `hashes`, verifies every page's digest by its kind,
+        and installs verified pages into the blocks, after the engine's earlier work on
+        those blocks (an event recorded on the engine's current stream at the call).
+        kv-sketch-1 pages are checked on the GPU over what arrived (torch path: the staged
+        page, before the scatter installs it; driver path: the installed blocks, gathered
+        back), the host reading only the sketches; xxh3-128 pages on the host before they
+        are copied. A page whose digest does not match is never reported loaded (torch
+        path: never installed): the load stops there with MissCause.CORRUPT.
+        `handle.loaded` / `handle.miss` / `handle.failed_block_ids` are final when load()
+        returns (except `stale`, below).
   wait_for_load(handle)                                       [vLLM: wait_for_layer_load]
         `torch.cuda.current_stream().wait_event(...)`: a stream wait, never a host sync.
         Idempotent; the engine must call it before any kernel reads the loaded blocks.
@@ -102,7 +110,8 @@ import torch
 
 from kvpool.catalog import AcquireResult, Miss, ReserveResult, SlotStatus
 from kvpool.client import PoolBackend
-from kvpool.digest import DIGEST_BYTES, page_digest
+from kvpool.digest import DIGEST_BYTES, SKETCH_COLS, SKETCH_ROW, DigestKind, page_digest, sketch_rows
+from kvpool.gpu_sketch import Sketcher, digests as sketch_digests, staged_width
 from kvpool.errors import (
     InvalidRequest,
     LeaseLost,
@@ -117,6 +126,7 @@ from kvpool.keys import Namespace
 log = logging.getLogger("kvpool.gpu_transfer")
 
 _EVENT_POLL_S = 100e-6  # background workers poll CUDA events (a blocking sync would spin a core)
+_LOAD_POLL_S = 20e-6  # load() itself waits for each chunk's sketch (the caller waits anyway)
 MIN_RUN_BYTES = 512  # the driver path refuses layouts whose contiguous runs are shorter
 
 
@@ -168,12 +178,20 @@ class TransferConfig:
     hash_threads: int = 8
     register_host: bool = True  # False: pageable copies (the fallback, chosen explicitly)
     batched: bool = True  # driver path: cuMemcpyBatchAsync where the driver has it
+    # How stores digest their pages: kv-sketch-1 on the GPU (the host reads 1/256 of the
+    # bytes, the daemon trusts the commit and scrubs at rest), or xxh3-128 on the host over
+    # the pages as copied (and the daemon's re-verify). Loads verify each page by its own kind.
+    digest: DigestKind = DigestKind.SKETCH
+    load_buffers: int = 3  # staging buffers of a sketch-verified load (copies run ahead of the checks)
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0 or self.commit_bytes <= 0 or self.hash_threads <= 0:
             raise InvalidRequest("chunk_bytes, commit_bytes and hash_threads must be positive")
         if self.commit_blocks < 0 or self.min_blocks < 1:
             raise InvalidRequest("commit_blocks must be >= 0 and min_blocks >= 1")
+        if self.load_buffers < 2:
+            raise InvalidRequest("load_buffers must be at least 2")
+        object.__setattr__(self, "digest", DigestKind(self.digest))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +202,9 @@ class TransferCapabilities:
     host_memory_reason: str  # why pageable (empty when registered)
     batched_copies: bool  # driver path: cuMemcpyBatchAsync in use
     batched_reason: str  # why not batched (empty when batched, or on the torch path)
+    digest: str = DigestKind.XXH3.value  # how stores digest their pages
+    sketch_impl: str = ""  # kv-sketch-1 on the GPU: "int8-mm" or "float64-mm" (empty: xxh3-128)
+    sketch_reason: str = ""  # why not int8-mm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,6 +335,10 @@ class _Unit:
     pages: list[int]
     event: torch.cuda.Event | None = None  # the copy chunk holding its last page
     future: cf.Future | None = None
+    # kv-sketch-1: the sketches' D2H of its last chunk, and where each page's sketch lands
+    sketch_event: torch.cuda.Event | None = None
+    host_sketch: torch.Tensor | None = None
+    sketch_index: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 class StoreHandle:
@@ -515,9 +540,9 @@ def _require_cuda(layers: Sequence[torch.Tensor]) -> torch.device:
     return device
 
 
-def _await_event(event: torch.cuda.Event) -> None:
+def _await_event(event: torch.cuda.Event, poll_s: float = _EVENT_POLL_S) -> None:
     while not event.query():
-        time.sleep(_EVENT_POLL_S)
+        time.sleep(poll_s)
 
 
 def _verified_prefix(futures: Sequence[cf.Future], expected: Sequence[bytes]) -> int:
@@ -616,8 +641,7 @@ class TransferEngine:
             raise KVLayoutError(f"the restarted pool's pages are {arena.page_size} bytes, a block "
                                 f"{self.layout.page_bytes}")
         self.drain()  # what is in flight read or wrote the old segment: let it end first
-        self.store_stream.synchronize()
-        self.load_stream.synchronize()
+        torch.cuda.synchronize(self.device)  # every stream of the engine: nothing reads the old pages
         if self._registered:
             self._registered = False
             _unregister(self._region_ptr)
@@ -647,6 +671,8 @@ class TransferEngine:
                 self._driver.probe_batched(self.store_stream, self.device)
                 batched, batched_reason = self._driver.batched, self._driver.batched_reason
             self._layer_ptrs = [t.data_ptr() for t in layers]
+        elif config.digest is DigestKind.SKETCH:
+            self._load_ring = _IndexRing(self.device, self.load_stream, max(4096, 4 * self._chunk_pages))
         else:
             # Everything the copies use is allocated here, once: an allocation issued while a
             # stream is held back can serialize streams (CUDA's implicit synchronization).
@@ -660,10 +686,52 @@ class TransferEngine:
                 self._load_stage = [torch.empty((self._chunk_pages, pb), dtype=torch.uint8, device=self.device)
                                     for _ in range(2)]
                 self._load_ring = _IndexRing(self.device, self.load_stream, ring)
+        self._sketcher: Sketcher | None = None
+        if config.digest is DigestKind.SKETCH:
+            self._init_sketch(layers)
         self.capabilities = TransferCapabilities(
             config.path, torch.cuda.get_device_name(self.device),
             HostMemory.REGISTERED if self._registered else HostMemory.PAGEABLE, self._host_reason, batched,
-            batched_reason)
+            batched_reason, config.digest.value, self._sketcher.impl if self._sketcher else "",
+            self._sketcher.reason if self._sketcher else "")
+
+    def _init_sketch(self, layers: Sequence[torch.Tensor]) -> None:
+        """kv-sketch-1's resources: kernel streams (gathers, sketches, scatters run beside
+        the copies), staging rows padded to whole sketch rows (zero, and never written
+        past the page), device and host sketch buffers."""
+        pb, cp = self.layout.page_bytes, self._chunk_pages
+        self._sketcher = Sketcher(self.device)
+        self._sk_rows = sketch_rows(pb)
+        width = staged_width(pb)
+        ring = max(4096, 4 * cp)
+        largest = max(lb.nbytes for lb in self.layout.layers)
+        dev = self.device
+        with torch.cuda.device(dev):
+            self._store_k = torch.cuda.Stream(dev)  # gathers and sketches of stores
+            self._load_k = torch.cuda.Stream(dev)  # sketches of loads (and the driver path's gathers)
+            self._load_s = torch.cuda.Stream(dev)  # scatters of verified chunks (torch path)
+        with torch.cuda.device(dev), torch.cuda.stream(self._store_k):
+            self._sk_store_stage = [torch.zeros((cp, width), dtype=torch.uint8, device=dev) for _ in range(2)]
+            self._sk_store_dev = [torch.empty((cp * self._sk_rows, SKETCH_COLS), dtype=torch.int32, device=dev)
+                                  for _ in range(2)]
+            self._sk_store_scratch = torch.empty(cp * largest, dtype=torch.uint8, device=dev)
+            self._sk_store_ring = _IndexRing(dev, self._store_k, ring)
+        with torch.cuda.device(dev), torch.cuda.stream(self._load_k):
+            n = self.config.load_buffers
+            self._sk_load_stage = [torch.zeros((cp, width), dtype=torch.uint8, device=dev) for _ in range(n)]
+            self._sk_load_dev = [torch.empty((cp * self._sk_rows, SKETCH_COLS), dtype=torch.int32, device=dev)
+                                 for _ in range(n)]
+            if self._driver is not None:
+                self._sk_load_scratch = torch.empty(cp * largest, dtype=torch.uint8, device=dev)
+                self._sk_gather_ring = _IndexRing(dev, self._load_k, ring)
+        with torch.cuda.device(dev), torch.cuda.stream(self._load_s):
+            self._sk_scatter_ring = _IndexRing(dev, self._load_s, ring)
+        if self._driver is None:
+            self._load_stage = self._sk_load_stage[:2]  # loads of xxh3-128 pages stage here too
+        self._store_buf = 0
+        self._store_free: list[torch.cuda.Event | None] = [None, None]
+        self._load_free: list[torch.cuda.Event | None] = [None] * self.config.load_buffers
+        torch.cuda.synchronize(dev)  # the zeroed staging rows exist before any copy writes them
 
     # -- the ordering edges (one hook, so a control can drop one) -----------------------------
     def _order(self, edge: OrderingEdge, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
@@ -775,17 +843,53 @@ class TransferEngine:
 
     def _stage_in(self, pages: Sequence[int], buf: int) -> None:
         """Pages -> a load staging buffer (torch path), on the current stream."""
-        stage = self._load_stage[buf]
-        for row, page, k in self._runs(pages):
-            stage[row : row + k].reshape(-1).copy_(self._host_rows(page, k), non_blocking=True)
+        self._h2d(pages, self._load_stage[buf])
 
-    def _scatter(self, block_ids: Sequence[int], buf: int) -> None:
+    def _h2d(self, pages: Sequence[int], stage: torch.Tensor) -> None:
+        """Pages -> rows of `stage` (one row per page, any row width), on the current stream."""
+        pb = self.layout.page_bytes
+        if stage.shape[1] == pb:
+            for row, page, k in self._runs(pages):
+                stage[row : row + k].reshape(-1).copy_(self._host_rows(page, k), non_blocking=True)
+            return
+        for row, page in enumerate(pages):
+            stage[row, :pb].copy_(self._host_rows(page, 1), non_blocking=True)
+
+    def _d2h(self, stage: torch.Tensor, pages: Sequence[int]) -> None:
+        """Rows of `stage` -> pages, on the current stream."""
+        pb = self.layout.page_bytes
+        if stage.shape[1] == pb:
+            for row, page, k in self._runs(pages):
+                self._host_rows(page, k).copy_(stage[row : row + k].reshape(-1), non_blocking=True)
+            return
+        for row, page in enumerate(pages):
+            self._host_rows(page, 1).copy_(stage[row, :pb], non_blocking=True)
+
+    def _gather(self, block_ids: Sequence[int], stage: torch.Tensor, scratch: torch.Tensor, ring: _IndexRing) -> None:
+        """Blocks -> rows of `stage` in page order, on the current stream (the ring's)."""
+        n = len(block_ids)
+        idx = self._index(block_ids, ring)
+        d = self.layout.block_dim
+        for lb, layer in zip(self.layout.layers, self._layers_u8):
+            picked = scratch[: n * lb.nbytes].view((*lb.shape[:d], n, *lb.shape[d:]))
+            torch.index_select(layer, d, idx, out=picked)
+            stage[:n, lb.page_offset : lb.page_offset + lb.nbytes].view(n, *lb.shape).copy_(picked.movedim(d, 0))
+
+    def _sketch_to_host(self, stage: torch.Tensor, n: int, dev_out: torch.Tensor, host: torch.Tensor) -> None:
+        """The sketches of the first `n` rows of `stage` -> `host` (int32 (n, rows, cols)),
+        on the current stream."""
+        rows = n * self._sk_rows
+        out = self._sketcher.sketch(stage[:n].view(rows, SKETCH_ROW), out=dev_out[:rows])
+        host.view(rows, SKETCH_COLS).copy_(out, non_blocking=True)
+
+    def _scatter(self, block_ids: Sequence[int], buf: int, stage: torch.Tensor | None = None,
+                 ring: _IndexRing | None = None) -> None:
         """A load staging buffer -> blocks (torch path), on the current stream."""
         n = len(block_ids)
         if not n:
             return
-        idx = self._index(block_ids, self._load_ring)
-        stage = self._load_stage[buf]
+        idx = self._index(block_ids, ring or self._load_ring)
+        stage = self._load_stage[buf] if stage is None else stage
         d = self.layout.block_dim
         for lb, layer in zip(self.layout.layers, self._layers_u8):
             src = stage[:n, lb.page_offset : lb.page_offset + lb.nbytes].view(n, *lb.shape).movedim(0, d)
@@ -823,10 +927,16 @@ class TransferEngine:
             written = torch.cuda.Event()
             written.record(engine)
             pending: list[tuple[int, int, _Unit]] = []  # (block id, page, unit) not yet copied
-            self._kv_read: torch.cuda.Event | None = None  # the last chunk's "KV read" event
+            self._kv_read: list[torch.cuda.Event] = []  # the last chunk's "KV read" events
+            if self._sketcher is not None:
+                self._store_sketch = torch.empty((len(ids), self._sk_rows, SKETCH_COLS), dtype=torch.int32,
+                                                 pin_memory=True)
+                self._store_sketched = 0
             try:
                 with torch.cuda.stream(self.store_stream):
                     self._order(OrderingEdge.STORE_AFTER_WRITE, self.store_stream, written)
+                    if self._sketcher is not None:
+                        self._order(OrderingEdge.STORE_AFTER_WRITE, self._store_k, written)
                     for start, stop, unit_boundary in self._plan_units(len(ids), boundary):
                         lane = self._pick_lane()
                         try:
@@ -858,14 +968,17 @@ class TransferEngine:
                     if pending:
                         self._issue_store_chunk(pending)
                     kv_read = self._kv_read
-                    if kv_read is None:  # nothing was copied
-                        kv_read = torch.cuda.Event()
-                        kv_read.record(self.store_stream)
-                    self._kv_read = None
-                self._order(OrderingEdge.REUSE_AFTER_STORE, engine, kv_read)
+                    if not kv_read:  # nothing was copied
+                        kv_read = [torch.cuda.Event()]
+                        kv_read[0].record(self.store_stream)
+                    self._kv_read = []
+                for event in kv_read:
+                    self._order(OrderingEdge.REUSE_AFTER_STORE, engine, event)
             except BaseException:
                 # Nothing enqueued can be trusted: let it finish, give every page back, re-raise.
                 self.store_stream.synchronize()
+                if self._sketcher is not None:
+                    self._store_k.synchronize()
                 for unit in handle._units:
                     self._abort(unit)
                 raise
@@ -876,11 +989,58 @@ class TransferEngine:
 
     def _issue_store_chunk(self, entries: list[tuple[int, int, _Unit]]) -> None:
         entries = sorted(entries, key=lambda e: e[1])  # ascending pages: consecutive ones copy as one
-        self._kv_read = self._copy_out([e[0] for e in entries], [e[1] for e in entries])
+        if self._sketcher is not None:
+            self._issue_store_chunk_sketched(entries)
+            return
+        self._kv_read = [self._copy_out([e[0] for e in entries], [e[1] for e in entries])]
         event = torch.cuda.Event()
         event.record(self.store_stream)
         for _, _, unit in entries:
             unit.event = event  # chunks complete in order: the last one holding a page wins
+
+    def _issue_store_chunk_sketched(self, entries: list[tuple[int, int, _Unit]]) -> None:
+        """One chunk of a store digested on the GPU. Kernel stream: gather the blocks into a
+        staging buffer (page order), sketch it, copy the sketches to the host. Copy stream:
+        the pages to the arena (from the staging buffer; on the driver path straight from
+        the KV tensors). Two staging buffers: a gather waits for the copy that last read its
+        buffer, so gathers and sketches run beside the copies."""
+        n = len(entries)
+        ids, pages = [e[0] for e in entries], [e[1] for e in entries]
+        b = self._store_buf
+        self._store_buf ^= 1
+        stage, dev_out = self._sk_store_stage[b], self._sk_store_dev[b]
+        base = self._store_sketched
+        self._store_sketched += n
+        host = self._store_sketch[base : base + n]
+        with torch.cuda.stream(self._store_k):
+            free = self._store_free[b]
+            if free is not None:
+                self._store_k.wait_event(free)
+            self._gather(ids, stage, self._sk_store_scratch, self._sk_store_ring)
+            gathered = torch.cuda.Event()
+            gathered.record(self._store_k)
+            self._sketch_to_host(stage, n, dev_out, host)
+            sketched = torch.cuda.Event()
+            sketched.record(self._store_k)
+        if self._driver is not None:
+            host_at, dev_at, sizes = self._driver_lists(ids, pages)
+            self._driver.copies(host_at, dev_at, sizes, self.store_stream, to_host=True)
+            read = torch.cuda.Event()
+            read.record(self.store_stream)
+            self._kv_read = [gathered, read]  # both read the KV
+        else:
+            self.store_stream.wait_event(gathered)  # the staged pages are complete
+            self._d2h(stage, pages)
+            self._kv_read = [gathered]
+        event = torch.cuda.Event()
+        event.record(self.store_stream)
+        if self._driver is None:
+            self._store_free[b] = event  # the next gather into this buffer waits for these copies
+        for row, (_, page, unit) in enumerate(entries):
+            unit.event = event
+            unit.sketch_event = sketched
+            unit.host_sketch = self._store_sketch
+            unit.sketch_index[page] = base + row
 
     def _abort(self, unit: _Unit) -> None:
         try:
@@ -895,11 +1055,19 @@ class TransferEngine:
         """(committed, rejected, error) of one reservation, on its lane's thread."""
         try:
             self._await_copy(unit.event)
-            digests = list(self._hash_pool.map(self._digest, unit.pages))
+            if unit.host_sketch is not None:
+                self._await_copy(unit.sketch_event)
+                sk = unit.host_sketch.numpy()
+                rows = [unit.sketch_index[p] for p in unit.pages]
+                digests = sketch_digests(sk[rows], self.layout.page_bytes)
+                kind = DigestKind.SKETCH
+            else:
+                digests = list(self._hash_pool.map(self._digest, unit.pages))
+                kind = DigestKind.XXH3
             with self._lane_lock:
                 self._lane_committing[unit.lane] += 1
             try:
-                out = self._lanes[unit.lane].commit(unit.reservation.reservation_id, digests)
+                out = self._lanes[unit.lane].commit(unit.reservation.reservation_id, digests, kind)
             finally:
                 with self._lane_lock:
                     self._lane_committing[unit.lane] -= 1
@@ -949,12 +1117,22 @@ class TransferEngine:
                 if any(n != self.layout.page_bytes for n in hits.lengths):
                     raise KVLayoutError(f"the pool holds pages of {sorted(set(hits.lengths))} bytes under this "
                                         f"namespace; a block here is {self.layout.page_bytes}")
-                with torch.cuda.stream(self.load_stream):
-                    self._order(OrderingEdge.LOAD_AFTER_READ, self.load_stream, read)
-                    loaded, stop = self._copy_in(ids, hits, t0, deadline_s)
-                    done.record(self.load_stream)
+                sketched = self._sketcher is not None and len(hits) > 0 and len(hits.kinds) == len(hits) and \
+                    all(k == DigestKind.SKETCH.code for k in hits.kinds)
+                if sketched:
+                    loaded, stop = self._copy_in_sketched(ids, hits, t0, deadline_s, read, done)
+                else:
+                    if self._sketcher is not None:  # the staging buffers are shared with sketched loads
+                        self.load_stream.wait_stream(self._load_s)
+                    with torch.cuda.stream(self.load_stream):
+                        self._order(OrderingEdge.LOAD_AFTER_READ, self.load_stream, read)
+                        loaded, stop = self._copy_in(ids, hits, t0, deadline_s)
+                        done.record(self.load_stream)
             except BaseException:
                 self.load_stream.synchronize()  # the lease outlives every copy that reads its pages
+                if self._sketcher is not None:
+                    self._load_k.synchronize()
+                    self._load_s.synchronize()
                 self._release(lease)
                 raise
             if stop is not None:
@@ -1014,6 +1192,90 @@ class TransferEngine:
         finally:
             for f in futures:
                 f.cancel()
+
+    def _copy_in_sketched(self, ids: tuple[int, ...], hits, t0: float, deadline_s: float | None,  # noqa: ANN001
+                          read: torch.cuda.Event, done: torch.cuda.Event) -> tuple[int, Miss | None]:
+        """Install leased kv-sketch-1 pages, verified on the GPU; (blocks installed, why it
+        stopped early). Per chunk: the copy stream brings the pages over (into a staging
+        buffer; on the driver path straight into the blocks), the kernel stream sketches
+        what arrived (the driver path gathers the installed blocks back in page order
+        first) and copies the sketches to the host, the host checks them against the
+        pages' digests, and only then (torch path) the scatter stream installs the
+        verified prefix. `load_buffers` staging buffers: copies run that many chunks ahead
+        of the checks. On the driver path a block of a chunk that fails its check was
+        written, never reported loaded: the engine recomputes it. `done` is recorded once
+        every copy reading the pages and every kernel touching the blocks is enqueued."""
+        n = len(hits)
+        pb, rows = self.layout.page_bytes, self._sk_rows
+        pages = list(hits.pages)
+        expected = [hits.digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES] for i in range(n)]
+        chunks = [range(a, min(a + self._chunk_pages, n)) for a in range(0, n, self._chunk_pages)]
+        nbuf = len(self._sk_load_stage)
+        host = torch.empty((n, rows, SKETCH_COLS), dtype=torch.int32, pin_memory=True)
+        host_np = host.numpy()
+        copied: list[torch.cuda.Event] = []
+        sketched: list[torch.cuda.Event] = []
+        scattered = self._load_free  # per buffer: the last scatter that read it (this load's or an earlier one's)
+        driver = self._driver is not None
+        if driver:  # the copies write the blocks themselves
+            self._order(OrderingEdge.LOAD_AFTER_READ, self.load_stream, read)
+        else:
+            self._order(OrderingEdge.LOAD_AFTER_READ, self._load_s, read)
+
+        def issue(i: int) -> None:
+            chunk, b = chunks[i], i % nbuf
+            stage = self._sk_load_stage[b]
+            with torch.cuda.stream(self.load_stream):
+                if scattered[b] is not None:
+                    self.load_stream.wait_event(scattered[b])  # the buffer's last scatter read it
+                if driver:
+                    self._copy_in_direct([ids[j] for j in chunk], [pages[j] for j in chunk])
+                else:
+                    self._h2d([pages[j] for j in chunk], stage)
+                ev = torch.cuda.Event()
+                ev.record(self.load_stream)
+                copied.append(ev)
+            with torch.cuda.stream(self._load_k):
+                self._load_k.wait_event(ev)
+                if driver:
+                    self._gather([ids[j] for j in chunk], stage, self._sk_load_scratch, self._sk_gather_ring)
+                self._sketch_to_host(stage, len(chunk), self._sk_load_dev[b], host[chunk.start : chunk.stop])
+                ev2 = torch.cuda.Event()
+                ev2.record(self._load_k)
+                sketched.append(ev2)
+
+        issued = min(nbuf, len(chunks))
+        for i in range(issued):
+            issue(i)
+        loaded = 0
+        stop: Miss | None = None
+        for i, chunk in enumerate(chunks):
+            _await_event(sketched[i], _LOAD_POLL_S)
+            got = sketch_digests(host_np[chunk.start : chunk.stop], pb)
+            ok = next((k for k, j in enumerate(chunk) if got[k] != expected[j]), len(chunk))
+            if deadline_s is not None and time.monotonic() - t0 > deadline_s:
+                stop = Miss(loaded, MissCause.TIMEOUT)
+                break
+            if not driver and ok:
+                b = i % nbuf
+                with torch.cuda.stream(self._load_s):
+                    self._load_s.wait_event(copied[i])
+                    self._scatter([ids[j] for j in range(chunk.start, chunk.start + ok)], b,
+                                  self._sk_load_stage[b], self._sk_scatter_ring)
+                    ev = torch.cuda.Event()
+                    ev.record(self._load_s)
+                    scattered[b] = ev
+            loaded += ok
+            if ok < len(chunk):
+                stop = Miss(loaded, MissCause.CORRUPT)
+                break
+            if issued < len(chunks):
+                issue(issued)
+                issued += 1
+        self._load_s.wait_event(copied[-1])  # every copy reading the pages (and writing blocks) ...
+        self._load_s.wait_event(sketched[-1])  # ... and every gather reading the blocks, in stream order
+        done.record(self._load_s)
+        return loaded, stop
 
     def _finished_load(self, ids: tuple[int, ...], miss: Miss, done: torch.cuda.Event, t0: float) -> LoadHandle:
         handle = LoadHandle(next(self._ids), ids, 0, miss, done, t0)
@@ -1132,6 +1394,10 @@ class TransferEngine:
             self._release_exec.shutdown(wait=True)
             self.store_stream.synchronize()
             self.load_stream.synchronize()
+            if self._sketcher is not None:
+                self._store_k.synchronize()
+                self._load_k.synchronize()
+                self._load_s.synchronize()
             if self._registered:
                 self._registered = False
                 _unregister(self._region_ptr)

@@ -24,6 +24,7 @@ from typing import Annotated, Union
 import msgspec
 
 from kvpool.catalog import EvictOutcome, Hits, Miss, Slot
+from kvpool.digest import DigestKind
 from kvpool.errors import ErrorCode, MalformedFrame, WrongVersion
 from kvpool.keys import Namespace
 
@@ -84,9 +85,13 @@ class WritePages(msgspec.Struct, tag="write", forbid_unknown_fields=True):
     data: list[bytes]
 
 
-class Commit(msgspec.Struct, tag="commit", forbid_unknown_fields=True):
+class Commit(msgspec.Struct, tag="commit", forbid_unknown_fields=True, omit_defaults=True):
+    """`kind`: how the digests were taken. xxh3-128 digests are re-taken by the daemon
+    before the pages become visible; kv-sketch-1 digests (a GPU's) are trusted at commit,
+    checked end to end by every loader and scrubbed at rest by the daemon."""
     reservation_id: int
     digests: list[bytes]  # the publisher's digest of each reserved page, in order
+    kind: DigestKind = DigestKind.XXH3
 
 
 class Abort(msgspec.Struct, tag="abort", forbid_unknown_fields=True):

@@ -19,6 +19,13 @@ Contracts:
     larger length prefix is answered and the connection closed before its bytes are
     read), and one that has not authenticated within `hello_timeout_s` gets an
     Unauthenticated error and is closed.
+  * Commit by digest kind (kvpool.digest): xxh3-128 pages are re-hashed in the thread
+    pool before they become visible (a mismatch is rejected, never visible); kv-sketch-1
+    pages (taken by a GPU over the KV it copied) are trusted at commit and scrubbed at
+    rest on a thread of their own (`scrub_pages_per_round` per `scrub_interval_s`): a
+    page whose bytes no longer match is dropped (stats `scrub_corrupt`; `scrubbed_pages`,
+    `scrub_gone` for pages evicted before their turn, `scrub_queued`). Loaders verify
+    every page they install whatever its kind.
   * A client's open reservations and leases are dropped when its connection closes,
     and expire after their TTL in any case (an abandoned publish is reclaimed).
   * A lookup with `wait_pending_ms` whose first missing block is being published (an
@@ -52,6 +59,7 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import hmac
@@ -118,6 +126,10 @@ class PoolConfig:
     lease_ttl_s: float = 60.0
     reap_interval_s: float = 0.5
     max_lookup_wait_s: float = 2.0  # cap on a lookup's wait for a pending publish (Lookup.wait_pending_ms)
+    # The scrub of pages whose digest was trusted at commit (kv-sketch-1): at most this many
+    # pages per round, one round per interval, on its own thread (never in the requests' way).
+    scrub_interval_s: float = 0.05
+    scrub_pages_per_round: int = 16
     # Before a successful hello a connection costs the daemon little and not for long:
     hello_timeout_s: float = 5.0  # it is closed (after a typed error) if no hello succeeds by then
     max_hello_frame: int = 4096  # its largest frame: a bigger length prefix is refused before any byte of it
@@ -174,6 +186,10 @@ class _TenantPool:
     lease_started: dict[int, float] = dataclasses.field(default_factory=dict)
     waits: dict[str, int] = dataclasses.field(
         default_factory=lambda: {"lookup_waits": 0, "lookup_wait_us": 0, "lookup_waiting": 0})
+    # (page, generation) of commits trusted at commit, to re-take at rest, oldest first
+    scrub: collections.deque[tuple[int, int]] = dataclasses.field(default_factory=collections.deque)
+    scrubbed: dict[str, int] = dataclasses.field(
+        default_factory=lambda: {"scrub_queued": 0, "scrubbed_pages": 0, "scrub_corrupt": 0, "scrub_gone": 0})
 
 
 class PoolAlreadyRunning(PoolError):
@@ -266,6 +282,7 @@ class PoolDaemon:
         self._stop = asyncio.Event()
         self._recover_and_create()
         self._executor = ThreadPoolExecutor(max_workers=self.config.io_threads, thread_name_prefix="kvpool-io")
+        self._scrub_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-scrub")
         try:
             if self.config.unix_socket:
                 self.unix_path = self.run_dir / "pool.sock"
@@ -279,10 +296,12 @@ class PoolDaemon:
             attach = self._attach_socket()
             self._write_address()
             reaper = asyncio.create_task(self._reap())
+            scrubber = asyncio.create_task(self._scrub())
             attacher = asyncio.create_task(self._serve_attach(attach))
             self.ready.set()
             await self._stop.wait()
             reaper.cancel()
+            scrubber.cancel()
             attacher.cancel()
             attach.close()
             for srv in self._servers:
@@ -293,6 +312,7 @@ class PoolDaemon:
                 await srv.wait_closed()
         finally:
             self._executor.shutdown(wait=True)
+            self._scrub_executor.shutdown(wait=True)
             self._cleanup()
             self.ready.set()
 
@@ -367,6 +387,43 @@ class PoolDaemon:
                 self._wake_closed(tp)
             for ticket in [t for t, (_, deadline) in self._tickets.items() if deadline <= now]:
                 del self._tickets[ticket]
+
+    async def _scrub(self) -> None:
+        """Re-take the digest of every page committed on trust, at rest. A page that no longer
+        holds that commit is skipped (`scrub_gone`); one whose bytes do not match is dropped
+        from the pool (`scrub_corrupt`; a loader holding it re-checks it itself, and the
+        page is dropped once released)."""
+        cfg = self.config
+        while True:
+            await asyncio.sleep(cfg.scrub_interval_s)
+            for tp in self.pools.values():
+                for _ in range(min(cfg.scrub_pages_per_round, len(tp.scrub))):
+                    page, gen = tp.scrub.popleft()
+                    await self._scrub_page(tp, page, gen)
+                tp.scrubbed["scrub_queued"] = len(tp.scrub)
+
+    async def _scrub_page(self, tp: _TenantPool, page: int, gen: int) -> None:
+        cat = tp.catalog
+        kind = cat.committed_as(page, gen)
+        if kind is None:
+            tp.scrubbed["scrub_gone"] += 1
+            return
+        want = cat.digest[page].tobytes()
+        view = tp.arena.page(page, int(cat.length[page]))
+        got = await self._loop.run_in_executor(self._scrub_executor, page_digest, view, kind)
+        if cat.committed_as(page, gen) is None:  # freed or reused while it was hashed
+            tp.scrubbed["scrub_gone"] += 1
+            return
+        if hmac.compare_digest(got, want):
+            tp.scrubbed["scrubbed_pages"] += 1
+            return
+        dropped = cat.discard(page, gen)
+        if dropped is False:  # leased: its loader verifies it; look again after the release
+            tp.scrub.append((page, gen))
+            return
+        tp.scrubbed["scrub_corrupt"] += 1
+        log.warning("kvgate pool %s: tenant %s page %d (generation %d) no longer matches its %s digest at rest: "
+                    "dropped", self.config.name, tp.tenant, page, gen, kind.value)
 
     # -- handing a tenant its segment --------------------------------------------------------
     def _attach_socket(self) -> socket.socket:
@@ -551,7 +608,7 @@ class PoolDaemon:
 
     @staticmethod
     def _tenant_stats(tp: _TenantPool) -> dict[str, int]:
-        stats = {**tp.catalog.stats(), **tp.waits}
+        stats = {**tp.catalog.stats(), **tp.waits, **tp.scrubbed}
         own = tp.catalog.tenant_stats(tp.tenant)
         return {**stats, **own}
 
@@ -657,6 +714,17 @@ class PoolDaemon:
         tp = self.pools[session.tenant]
         arena, cat = tp.arena, tp.catalog
         lengths = [int(cat.length[p]) for p in pages]
+        if not op.kind.verified_at_commit:
+            # Trusted at commit (the writer took it over the bytes it copied; every loader
+            # re-takes it over what it installed); the scrub re-takes it at rest.
+            res = cat.commit(op.reservation_id, list(op.digests), op.kind)
+            self._wake_closed(tp)
+            for p in pages:
+                if cat.committed_as(p, int(cat.gen[p])) is not None:
+                    tp.scrub.append((p, int(cat.gen[p])))
+            tp.scrubbed["scrub_queued"] = len(tp.scrub)
+            self.metrics.bytes_written.inc(sum(n for n, p in zip(lengths, pages) if cat.state[p]))
+            return P.CommitOk(res.committed, list(res.rejected))
 
         def verify() -> list[bytes | None]:
             return [page_digest(arena.page(p, n)) for p, n in zip(pages, lengths)]

@@ -1,0 +1,121 @@
+"""Commits trusted at commit (kv-sketch-1) and the daemon's scrub at rest.
+
+A trusted commit becomes visible without the daemon re-hashing it; every loader still
+verifies it end to end; the scrub re-takes it at rest and drops a page whose bytes no
+longer match. Negative controls: a daemon whose scrub never runs keeps the corrupt page
+visible (the check that it was dropped fails), and the loader's own check is what then
+catches it."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from harness.system.pool import thread_pool
+from kvpool.client import PoolClient, load
+from kvpool.digest import DigestKind, page_digest
+from kvpool.errors import MissCause
+from kvpool.keys import Namespace, block_hashes
+
+NS = Namespace("m", "r1", "tok", "bfloat16", "cuda:N,2,B,H,D", 16, 2, 2, 64)
+PAGE = 32 * 1024
+
+
+def _trusted_publish(c: PoolClient, hashes, pages) -> None:  # noqa: ANN001
+    res = c.reserve(NS, hashes, [PAGE] * len(hashes))
+    for i, page in enumerate(pages):
+        c.reserved_view(res, i)[:] = page
+    out = c.commit(res.reservation_id, [page_digest(p, DigestKind.SKETCH) for p in pages], DigestKind.SKETCH)
+    assert out.committed == len(pages)
+
+
+def _scrubbed(c: PoolClient, timeout_s: float = 20.0) -> dict[str, int]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = c.stats()
+        if stats["scrub_queued"] == 0 and stats["scrubbed_pages"] + stats["scrub_corrupt"] + stats["scrub_gone"] > 0:
+            return stats
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the scrub did not finish within {timeout_s}s: {stats}")
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("scrub", [True, False], ids=["scrub", "control-no-scrub"])
+def test_a_page_corrupted_at_rest_is_dropped_by_the_scrub(scrub, test_seed):
+    rng = np.random.default_rng(test_seed)
+    d = thread_pool(page_size=PAGE, num_pages=16, scrub_pages_per_round=16 if scrub else 0)
+    try:
+        with PoolClient(f"unix:{d.unix_path}", "default", "tok", name="scrub") as c:
+            k = 6
+            hashes = block_hashes(range(16 * k), 16)
+            pages = list(rng.integers(0, 256, (k, PAGE), dtype=np.uint8))
+            bad = int(rng.integers(k))
+            victim = None
+            _trusted_publish(c, hashes, pages)
+            hits = c.lookup(NS, hashes).hits
+            assert len(hits) == k and all(h.kind is DigestKind.SKETCH for h in hits)
+            victim = hits[bad].page
+            c.arena.page(victim)[int(rng.integers(PAGE))] ^= 1 << int(rng.integers(8))  # a stray write at rest
+            if scrub:
+                stats = _scrubbed(c)
+                assert stats["scrub_corrupt"] == 1 and stats["scrubbed_pages"] == k - 1, stats
+            else:
+                time.sleep(0.3)
+                assert c.stats()["scrub_queued"] == k
+            visible = len(c.lookup(NS, hashes).hits)
+            dest = [np.zeros(PAGE, np.uint8) for _ in range(k)]
+            got = load(c, NS, hashes, dest.__getitem__)
+    finally:
+        d.stop_thread()
+    if scrub:
+        assert visible == bad, f"the scrub left {visible} visible blocks, the corrupt one is block {bad}"
+        assert got.loaded == bad and got.miss.cause == MissCause.EVICTED, got
+    else:
+        assert visible == k, "negative control: without a scrub the corrupt page stays visible"
+        assert got.loaded == bad and got.miss.cause == MissCause.CORRUPT, f"the loader must catch it: {got}"
+    assert all(np.array_equal(dest[i], pages[i]) for i in range(bad))
+
+
+def test_a_trusted_commit_is_not_rehashed_but_a_lying_one_is_caught_by_its_loader(test_seed):
+    """The daemon commits a kv-sketch-1 digest of other bytes as it is (no re-hash at
+    commit); the loader's check refuses the page (corrupt), the scrub drops it; the same
+    lie as xxh3-128 is rejected at commit."""
+    rng = np.random.default_rng(test_seed)
+    d = thread_pool(page_size=PAGE, num_pages=16)
+    try:
+        with PoolClient(f"unix:{d.unix_path}", "default", "tok", name="liar") as c:
+            page = rng.integers(0, 256, PAGE, dtype=np.uint8)
+            lie = page.copy()
+            lie[0] ^= 1
+            for kind, hashes in ((DigestKind.SKETCH, block_hashes(range(16), 16)),
+                                 (DigestKind.XXH3, block_hashes(range(100, 116), 16))):
+                res = c.reserve(NS, hashes, [PAGE])
+                c.reserved_view(res, 0)[:] = page
+                out = c.commit(res.reservation_id, [page_digest(lie, kind)], kind)
+                if kind is DigestKind.XXH3:
+                    assert out.committed == 0 and out.rejected == (0,), out
+                    continue
+                assert out.committed == 1, out
+                got = load(c, NS, hashes, lambda i: np.zeros(PAGE, np.uint8))
+                assert got.loaded == 0 and got.miss.cause == MissCause.CORRUPT, got
+                stats = _scrubbed(c)
+                assert stats["scrub_corrupt"] == 1, stats
+                assert len(c.lookup(NS, hashes).hits) == 0
+    finally:
+        d.stop_thread()
+
+
+def test_an_unknown_digest_kind_is_a_typed_refusal():
+    import msgspec
+
+    from kvpool import protocol as P
+    from kvpool.errors import MalformedFrame
+
+    good = P.encode_request(7, P.Commit(1, [b"d" * 16], DigestKind.SKETCH))
+    assert P.decode_request(good[4:])[1].kind is DigestKind.SKETCH
+    body = msgspec.msgpack.decode(good[4:])
+    body[2]["kind"] = "crc32"
+    with pytest.raises(MalformedFrame, match="crc32"):
+        P.decode_request(msgspec.msgpack.encode(body))

@@ -1,0 +1,77 @@
+"""kv-sketch-1 (kvpool.digest): the GPU's implementation (kvpool.gpu_sketch, run here on the
+CPU through the same torch calls) equals the host reference, padding included, and the
+digest sees every changed byte, its position and the page length."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool.digest import KINDS, SKETCH_ROW, DigestKind, page_digest, page_sketch, sketch_key, sketch_rows
+
+torch = pytest.importorskip("torch")
+
+from kvpool.gpu_sketch import Sketcher, digests, staged_width  # noqa: E402
+
+
+def test_the_key_is_fixed_and_read_only():
+    key = sketch_key()
+    assert key.shape == (SKETCH_ROW, 16) and key.dtype == np.int8 and not key.flags.writeable
+    assert int(key.astype(np.int64).sum()) == int(sketch_key().astype(np.int64).sum())
+    assert {int(key.min()), int(key.max())} == {-128, 127}
+
+
+def test_kinds_round_trip_through_their_codes():
+    assert [k.code for k in KINDS] == [0, 1]
+    assert DigestKind.XXH3.verified_at_commit and not DigestKind.SKETCH.verified_at_commit
+
+
+@pytest.mark.parametrize("nbytes", [1, 100, SKETCH_ROW - 1, SKETCH_ROW, SKETCH_ROW + 1, 3 * SKETCH_ROW, 70_000])
+def test_the_torch_sketch_of_a_staged_page_equals_the_host_reference(nbytes, test_seed):
+    rng = np.random.default_rng(test_seed)
+    pages = rng.integers(0, 256, (3, nbytes), dtype=np.uint8)
+    width = staged_width(nbytes)
+    assert width % SKETCH_ROW == 0 and width - nbytes < SKETCH_ROW
+    stage = np.zeros((3, width), dtype=np.uint8)
+    stage[:, :nbytes] = pages
+    sk = Sketcher(torch.device("cpu"))
+    out = sk.sketch(torch.from_numpy(stage).view(-1, SKETCH_ROW)).numpy().reshape(3, sketch_rows(nbytes), 16)
+    for i in range(3):
+        assert np.array_equal(out[i], page_sketch(pages[i]))
+    assert digests(out, nbytes) == [page_digest(p, DigestKind.SKETCH) for p in pages]
+
+
+def test_both_torch_products_agree_at_the_largest_sums():
+    """All bytes -128 against the key: the largest sums the rows can reach stay exact."""
+    sk = Sketcher(torch.device("cpu"))
+    rows = torch.full((20, SKETCH_ROW), 0x80, dtype=torch.uint8)
+    want = page_sketch(rows.numpy())
+    assert np.array_equal(sk.sketch(rows).numpy(), want)
+    assert np.array_equal(sk._f64(rows.view(torch.int8)).numpy(), want)
+    assert int(np.abs(want).max()) <= SKETCH_ROW * 128 * 128
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 3 * SKETCH_ROW), st.data())
+def test_any_changed_byte_changes_the_digest(nbytes, data):
+    rng = np.random.default_rng(nbytes)
+    page = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    at = data.draw(st.integers(0, nbytes - 1))
+    flip = data.draw(st.integers(1, 255))
+    other = page.copy()
+    other[at] ^= flip
+    assert page_digest(page, DigestKind.SKETCH) != page_digest(other, DigestKind.SKETCH)
+
+
+def test_swapped_rows_and_zero_padding_are_told_apart(test_seed):
+    rng = np.random.default_rng(test_seed)
+    page = rng.integers(0, 256, 2 * SKETCH_ROW, dtype=np.uint8)
+    swapped = np.concatenate([page[SKETCH_ROW:], page[:SKETCH_ROW]])
+    assert page_digest(page, DigestKind.SKETCH) != page_digest(swapped, DigestKind.SKETCH)
+    short = page[: SKETCH_ROW + 10].copy()
+    short[-10:] = 0
+    padded = np.concatenate([short, np.zeros(5, np.uint8)])  # same sketch rows, other length
+    assert np.array_equal(page_sketch(short), page_sketch(padded))
+    assert page_digest(short, DigestKind.SKETCH) != page_digest(padded, DigestKind.SKETCH)
