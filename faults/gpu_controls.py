@@ -2,7 +2,7 @@
 suite must catch, and the delay that makes them fail.
 
 Each control is a TransferEngine subclass with one deliberate defect, reached through the
-engine's hooks (`_order`, `_await_copy`, `_release`, `_register_host`); the engine has no testing
+engine's hooks (`_order`, `_await_copy`, `_verified`, `_release`, `_register_host`); the engine has no testing
 branch of its own.
 
   UnorderedTransferEngine(..., drop=edge)
@@ -15,6 +15,9 @@ branch of its own.
       takes a release that failed (the lease expired under a slow copy, the connection
       went) for a clean one: the pages' generations are never checked, and blocks copied
       from pages the pool may have reused count as loaded.
+  BlindLoadEngine
+      takes every sketched page for verified: a page corrupted at rest is installed and
+      counted as loaded.
   RefusedRegistrationEngine
       cudaHostRegister "fails": not a defect but the fallback's trigger; the engine must
       report pageable host memory and keep the same ordering.
@@ -55,6 +58,11 @@ class TrustingReleaseEngine(TransferEngine):
     def _release(self, lease):  # noqa: ANN001, ANN202
         stale, error, _ = super()._release(lease)
         return stale, error, None  # a release that failed is taken as a clean one
+
+
+class BlindLoadEngine(TransferEngine):
+    def _verified(self, got, expected):  # noqa: ANN001, ANN202
+        return len(got)
 
 
 class StuckSegmentEngine(TransferEngine):

@@ -146,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bg = bench.add_parser("gpu", help="GPU transfer engine: store/load vs plain pinned cudaMemcpy, 27B KV load time")
     bg.add_argument("--quick", action="store_true", help="smaller arena and sizes, two repetitions (smoke run)")
-    bg.add_argument("--paths", default="torch,driver", help="copy paths to measure; the first gives the headline")
+    bg.add_argument("--paths", default="torch,driver,torch-xxh3",
+                    help="copy paths to measure (torch, driver; '-xxh3': with host digests, the baseline of "
+                         "the GPU digests); the first gives the headline")
     bg.add_argument("--reps", type=int, default=3, help="repetitions per size (medians reported)")
     bg.add_argument("--max-blocks", type=int, default=4096, help="largest transfer of the sweep, in blocks")
     bg.add_argument("--lanes", type=int, default=8, help="pool connections the engine commits on")

@@ -85,9 +85,10 @@ unit absorbs a short remainder) so the pool verifies them in parallel. The pool'
 pool's, and no unit of an admitted run is shorter than it. `boundary` is honoured as in
 `kvpool.client.publish`.
 
-The ordering edges go through one hook, `_order(edge, stream, event)`, and every wait for a
-copy's completion through `_await_copy(event)`, so a negative control
-(faults.gpu_controls) can drop exactly one of them.
+The ordering edges go through one hook, `_order(edge, stream, event)`, every wait for a
+copy's completion through `_await_copy(event)`, and a sketched load's check through
+`_verified(got, expected)`, so a negative control (faults.gpu_controls) can drop exactly
+one of them.
 """
 
 from __future__ import annotations
@@ -731,6 +732,7 @@ class TransferEngine:
         self._store_buf = 0
         self._store_free: list[torch.cuda.Event | None] = [None, None]
         self._load_free: list[torch.cuda.Event | None] = [None] * self.config.load_buffers
+        self._load_sketched: list[torch.cuda.Event | None] = [None] * self.config.load_buffers
         torch.cuda.synchronize(dev)  # the zeroed staging rows exist before any copy writes them
 
     # -- the ordering edges (one hook, so a control can drop one) -----------------------------
@@ -743,6 +745,10 @@ class TransferEngine:
     def _await_copy(self, event: torch.cuda.Event) -> None:
         """Block this (worker) thread until the copies before `event` completed."""
         _await_event(event)
+
+    def _verified(self, got: Sequence[bytes], expected: Sequence[bytes]) -> int:
+        """How many leading pages of a chunk match their digests (a sketched load's check)."""
+        return next((k for k, (a, b) in enumerate(zip(got, expected)) if a != b), len(got))
 
     # -- helpers --------------------------------------------------------------------------
     def _check_ids(self, block_ids: Sequence[int], hashes: Sequence[bytes]) -> tuple[int, ...]:
@@ -1216,6 +1222,7 @@ class TransferEngine:
         copied: list[torch.cuda.Event] = []
         sketched: list[torch.cuda.Event] = []
         scattered = self._load_free  # per buffer: the last scatter that read it (this load's or an earlier one's)
+        sketch_read = self._load_sketched  # per buffer: the last sketch (or gather) that used it
         driver = self._driver is not None
         if driver:  # the copies write the blocks themselves
             self._order(OrderingEdge.LOAD_AFTER_READ, self.load_stream, read)
@@ -1226,8 +1233,9 @@ class TransferEngine:
             chunk, b = chunks[i], i % nbuf
             stage = self._sk_load_stage[b]
             with torch.cuda.stream(self.load_stream):
-                if scattered[b] is not None:
-                    self.load_stream.wait_event(scattered[b])  # the buffer's last scatter read it
+                for reader in (scattered[b], sketch_read[b]):  # the buffer's last scatter and sketch read it
+                    if reader is not None:
+                        self.load_stream.wait_event(reader)
                 if driver:
                     self._copy_in_direct([ids[j] for j in chunk], [pages[j] for j in chunk])
                 else:
@@ -1243,6 +1251,7 @@ class TransferEngine:
                 ev2 = torch.cuda.Event()
                 ev2.record(self._load_k)
                 sketched.append(ev2)
+                sketch_read[b] = ev2
 
         issued = min(nbuf, len(chunks))
         for i in range(issued):
@@ -1251,8 +1260,7 @@ class TransferEngine:
         stop: Miss | None = None
         for i, chunk in enumerate(chunks):
             _await_event(sketched[i], _LOAD_POLL_S)
-            got = sketch_digests(host_np[chunk.start : chunk.stop], pb)
-            ok = next((k for k, j in enumerate(chunk) if got[k] != expected[j]), len(chunk))
+            ok = self._verified(sketch_digests(host_np[chunk.start : chunk.stop], pb), expected[chunk.start : chunk.stop])
             if deadline_s is not None and time.monotonic() - t0 > deadline_s:
                 stop = Miss(loaded, MissCause.TIMEOUT)
                 break

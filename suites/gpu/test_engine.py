@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from faults.gpu_controls import (  # noqa: E402
+    BlindLoadEngine,
     EagerReleaseEngine,
     RefusedRegistrationEngine,
     TrustingReleaseEngine,
@@ -21,6 +22,7 @@ from faults.gpu_controls import (  # noqa: E402
     delay_stream,
 )
 from kvpool.catalog import EvictOutcome  # noqa: E402
+from kvpool.digest import DigestKind  # noqa: E402
 from kvpool.client import publish  # noqa: E402
 from kvpool.errors import InvalidRequest, MissCause  # noqa: E402
 from kvpool.gpu_transfer import (  # noqa: E402
@@ -83,6 +85,98 @@ def test_corrupt_page_is_reported_and_never_installed(path, client, test_seed, t
     assert isinstance(outcome, LoadOutcome) and outcome.loaded == bad and outcome.miss.cause == MissCause.CORRUPT
     assert np.array_equal(got[:bad], pages[:bad]), "verified pages must be installed"
     assert np.array_equal(got[bad:], old[blocks[bad:]]), "the corrupt page and the ones after it must not be installed"
+
+
+def _scrubbed(client, timeout_s: float = 60.0) -> dict:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = client.stats()
+        if stats["scrub_queued"] == 0:
+            return stats
+        assert time.monotonic() < deadline, f"the pool's scrub did not finish within {timeout_s}s: {stats}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("path", [CopyPath.TORCH, CopyPath.DRIVER])
+@pytest.mark.parametrize("engine_cls,checks", [(TransferEngine, True), (BlindLoadEngine, False)],
+                         ids=["engine", "control-blind-load"])
+def test_a_sketched_page_corrupted_at_rest_is_refused_on_the_gpu(engine_cls, checks, path, client, test_seed, tag):
+    """The engine stores blocks (digested on the GPU, kv-sketch-1, trusted at commit); one
+    committed page is corrupted in the arena; another engine's load must stop there as
+    corrupt (torch path: the page never installed) while the pages before it load
+    byte-exact. The control takes every sketched page for verified: the corrupt page is
+    installed and counted, and the byte check sees it."""
+    geom = GEOMETRIES["flash-128k"]
+    ns = namespace(geom, tag + engine_cls.__name__ + path.value)
+    rng = np.random.default_rng(test_seed)
+    k = 12
+    src, dst = make_kv(geom, CUDA), make_kv(geom, CUDA)
+    host = fill(src, geom.block_dim, rng, geom.page_bytes)
+    old = fill(dst, geom.block_dim, rng, geom.page_bytes)
+    blocks = [int(b) for b in rng.permutation(geom.num_blocks)[:k]]
+    targets = [int(b) for b in rng.permutation(geom.num_blocks)[:k]]
+    base = int(rng.integers(1 << 28))
+    hashes = block_hashes(range(base, base + 16 * k), 16)
+    torch.cuda.synchronize()
+    with TransferEngine(client, ns, src, geom.config(path)) as producer:
+        assert producer.capabilities.digest == DigestKind.SKETCH.value and producer.capabilities.sketch_impl
+        producer.store(blocks, hashes)
+        (out,) = producer.drain()
+    assert out.committed == k, out
+    hits = client.lookup(ns, hashes).hits
+    assert [h.kind for h in hits] == [DigestKind.SKETCH] * k
+    bad = int(rng.integers(1, k - 1))
+    client.arena.page(hits[bad].page)[int(rng.integers(geom.page_bytes))] ^= 0xFF  # memory corruption at rest
+    with engine_cls(client, ns, dst, geom.config(path)) as consumer:
+        h = consumer.load(targets, hashes)
+        consumer.wait_for_load(h)
+        got = read_pages(dst, geom.block_dim, targets).cpu().numpy()
+        consumer.drain()
+    assert np.array_equal(got[:bad], host[blocks[:bad]]), "verified pages must be installed byte-exact"
+    if checks:
+        assert (h.loaded, h.miss.index, h.miss.cause) == (bad, bad, MissCause.CORRUPT), h
+        assert h.failed_block_ids == tuple(targets[bad:])
+        if path == CopyPath.TORCH:
+            assert np.array_equal(got[bad:], old[targets[bad:]]), "the corrupt page and the later ones are not installed"
+    else:
+        assert h.loaded == k, h
+        assert not np.array_equal(got[bad], host[blocks[bad]]), "negative control NOT caught: the corrupt page " \
+            "was installed as loaded, and the byte check did not see it"
+
+
+@pytest.mark.parametrize("path", [CopyPath.TORCH, CopyPath.DRIVER])
+def test_engines_of_either_digest_kind_exchange_pages_and_the_scrub_agrees(path, client, test_seed, tag):
+    """Stores digested on the GPU pass the pool's scrub (the host reference of kv-sketch-1)
+    page for page; an xxh3-128 engine's pages load in a sketch engine and the other way."""
+    geom = GEOMETRIES["nfirst-16k"]
+    rng = np.random.default_rng(test_seed)
+    k = 9
+    for store_kind, load_kind in ((DigestKind.SKETCH, DigestKind.XXH3), (DigestKind.XXH3, DigestKind.SKETCH),
+                                  (DigestKind.SKETCH, DigestKind.SKETCH)):
+        ns = namespace(geom, f"{tag}{store_kind}{load_kind}{path.value}")
+        src, dst = make_kv(geom, CUDA), make_kv(geom, CUDA)
+        host = fill(src, geom.block_dim, rng, geom.page_bytes)
+        blocks = [int(b) for b in rng.permutation(geom.num_blocks)[:k]]
+        targets = [int(b) for b in rng.permutation(geom.num_blocks)[:k]]
+        base = int(rng.integers(1 << 28))
+        hashes = block_hashes(range(base, base + 16 * k), 16)
+        before = client.stats()
+        torch.cuda.synchronize()
+        with TransferEngine(client, ns, src, geom.config(path, digest=store_kind)) as producer:
+            producer.store(blocks, hashes)
+            (out,) = producer.drain()
+        assert out.committed == k and out.rejected == 0, out
+        with TransferEngine(client, ns, dst, geom.config(path, digest=load_kind)) as consumer:
+            h = consumer.load(targets, hashes)
+            consumer.wait_for_load(h)
+            got = read_pages(dst, geom.block_dim, targets).cpu().numpy()
+            consumer.drain()
+        assert h.loaded == k and h.miss is None, (store_kind, load_kind, h)
+        assert np.array_equal(got, host[blocks]), (store_kind, load_kind)
+        after = _scrubbed(client)
+        if store_kind is DigestKind.SKETCH:
+            assert after["scrubbed_pages"] - before["scrubbed_pages"] == k, (before, after)
+        assert after["scrub_corrupt"] == before["scrub_corrupt"], (before, after)
 
 
 @pytest.mark.parametrize("engine_cls,held", [(TransferEngine, True), (EagerReleaseEngine, False)],
@@ -201,6 +295,7 @@ def test_the_engine_follows_its_pool_through_a_restart(engine_cls, follows, path
                 engine.store(list(range(2 * k, 3 * k)), stored)
                 outcomes = engine.drain()
                 reattached, memory = engine.reattached, engine.capabilities.host_memory
+            scrub = _scrubbed(client)
             visible = len(client.lookup(ns, stored).hits)
     finally:
         pool.stop()
@@ -209,10 +304,12 @@ def test_the_engine_follows_its_pool_through_a_restart(engine_cls, follows, path
     if follows:
         assert h.loaded == k and h.miss is None and np.array_equal(got, pages), h
         assert visible == k and store_out[0].committed == k, store_out
+        assert scrub["scrubbed_pages"] == k and scrub["scrub_corrupt"] == 0, scrub
         assert reattached == 1 and memory == HostMemory.REGISTERED
     else:
         assert h.loaded == 0 and h.miss.cause == MissCause.CORRUPT, f"negative control NOT caught: {h}"
-        assert visible == 0, f"negative control NOT caught: {visible} stored blocks visible"
+        assert visible == 0 and scrub["scrub_corrupt"] == k, f"negative control NOT caught: {visible} stored " \
+            f"blocks visible, scrub {scrub}"
     assert not np.array_equal(host[blocks], pages)  # what the blocks held before differs from the pages
 
 
