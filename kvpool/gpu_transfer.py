@@ -128,6 +128,7 @@ log = logging.getLogger("kvpool.gpu_transfer")
 
 _EVENT_POLL_S = 100e-6  # background workers poll CUDA events (a blocking sync would spin a core)
 _LOAD_POLL_S = 20e-6  # load() itself waits for each chunk's sketch (the caller waits anyway)
+_COMMIT_POLL_S = 50e-6  # a unit's commit waits for its copies (the store's last commit is its latency)
 MIN_RUN_BYTES = 512  # the driver path refuses layouts whose contiguous runs are shorter
 
 
@@ -173,7 +174,8 @@ class TransferConfig:
     path: CopyPath = CopyPath.TORCH
     block_dim: int = 0
     chunk_bytes: int = 128 * 2**20  # bytes per staged copy chunk (GPU staging: 3 chunks)
-    commit_bytes: int = 32 * 2**20  # bytes per reservation/commit unit (when commit_blocks is 0)
+    commit_bytes: int = 32 * 2**20  # bytes per reservation/commit unit (when commit_blocks is 0; a
+    # kv-sketch-1 store, with nothing for the pool to re-verify, commits a copy chunk at a time)
     commit_blocks: int = 0  # blocks per commit unit; 0: from commit_bytes
     min_blocks: int = 1  # the pool's admission min_blocks (no admitted unit is shorter)
     hash_threads: int = 8
@@ -579,7 +581,12 @@ class TransferEngine:
         self._lanes: list[PoolBackend] = list(lanes) or [backend]
         pb = self.layout.page_bytes
         self._chunk_pages = max(1, config.chunk_bytes // pb)
-        unit = config.commit_blocks or max(1, config.commit_bytes // pb)
+        if config.commit_blocks:
+            unit = config.commit_blocks
+        elif config.digest is DigestKind.SKETCH:  # nothing to re-verify at commit: a unit per copy chunk
+            unit = max(self._chunk_pages, config.commit_bytes // pb)
+        else:  # the pool re-verifies each unit: units small enough to verify in parallel
+            unit = max(1, config.commit_bytes // pb)
         self._unit_blocks = max(unit, config.min_blocks)
 
         with torch.cuda.device(self.device):
@@ -735,6 +742,20 @@ class TransferEngine:
         self._load_sketched: list[torch.cuda.Event | None] = [None] * self.config.load_buffers
         torch.cuda.synchronize(dev)  # the zeroed staging rows exist before any copy writes them
 
+    @property
+    def store_read_streams(self) -> tuple[torch.cuda.Stream, ...]:
+        """The streams whose work reads the KV blocks of a store (a fault that delays the
+        reads delays these)."""
+        if self._sketcher is None:
+            return (self.store_stream,)
+        return (self._store_k,) if self._driver is None else (self.store_stream, self._store_k)
+
+    def load_write_stream(self, kind: DigestKind) -> torch.cuda.Stream:
+        """The stream whose work writes the blocks of a load of pages of `kind`."""
+        if kind is DigestKind.SKETCH and self._sketcher is not None and self._driver is None:
+            return self._load_s
+        return self.load_stream
+
     # -- the ordering edges (one hook, so a control can drop one) -----------------------------
     def _order(self, edge: OrderingEdge, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
         stream.wait_event(event)
@@ -744,7 +765,7 @@ class TransferEngine:
 
     def _await_copy(self, event: torch.cuda.Event) -> None:
         """Block this (worker) thread until the copies before `event` completed."""
-        _await_event(event)
+        _await_event(event, _COMMIT_POLL_S)
 
     def _verified(self, got: Sequence[bytes], expected: Sequence[bytes]) -> int:
         """How many leading pages of a chunk match their digests (a sketched load's check)."""
@@ -769,8 +790,8 @@ class TransferEngine:
         start = page * self._page_size
         return self._region_np[start : start + (self.layout.page_bytes if length is None else length)]
 
-    def _digest(self, page: int) -> bytes:
-        return page_digest(self._page_np(page))
+    def _digest(self, page: int, kind: DigestKind = DigestKind.XXH3) -> bytes:
+        return page_digest(self._page_np(page), kind)
 
     def _index(self, ids: Sequence[int], ring: _IndexRing) -> torch.Tensor:
         """Block ids on the device, uploaded on the ring's stream: no host sync, no allocation."""
@@ -877,9 +898,13 @@ class TransferEngine:
         idx = self._index(block_ids, ring)
         d = self.layout.block_dim
         for lb, layer in zip(self.layout.layers, self._layers_u8):
+            rows = stage[:n, lb.page_offset : lb.page_offset + lb.nbytes].view(n, *lb.shape)
+            if d == 0:  # blocks first: the selection lands in the staged rows as it is (one kernel)
+                torch.index_select(layer, 0, idx, out=rows)
+                continue
             picked = scratch[: n * lb.nbytes].view((*lb.shape[:d], n, *lb.shape[d:]))
             torch.index_select(layer, d, idx, out=picked)
-            stage[:n, lb.page_offset : lb.page_offset + lb.nbytes].view(n, *lb.shape).copy_(picked.movedim(d, 0))
+            rows.copy_(picked.movedim(d, 0))
 
     def _sketch_to_host(self, stage: torch.Tensor, n: int, dev_out: torch.Tensor, host: torch.Tensor) -> None:
         """The sketches of the first `n` rows of `stage` -> `host` (int32 (n, rows, cols)),
@@ -1153,7 +1178,7 @@ class TransferEngine:
         n = len(hits)
         pages = list(hits.pages)
         expected = [hits.digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES] for i in range(n)]
-        futures = [self._hash_pool.submit(self._digest, p) for p in pages]
+        futures = [self._hash_pool.submit(self._digest, p, hits.kind(i)) for i, p in enumerate(pages)]
         chunks = [range(a, min(a + self._chunk_pages, n)) for a in range(0, n, self._chunk_pages)]
         loaded = 0
         stop: Miss | None = None
@@ -1215,7 +1240,10 @@ class TransferEngine:
         pb, rows = self.layout.page_bytes, self._sk_rows
         pages = list(hits.pages)
         expected = [hits.digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES] for i in range(n)]
-        chunks = [range(a, min(a + self._chunk_pages, n)) for a in range(0, n, self._chunk_pages)]
+        # Four chunks or more (the first check starts early, the last one is short), none
+        # under 32 MiB (each chunk costs a kernel launch per layer).
+        size = min(self._chunk_pages, max(1, (32 << 20) // pb, -(-n // 4)))
+        chunks = [range(a, min(a + size, n)) for a in range(0, n, size)]
         nbuf = len(self._sk_load_stage)
         host = torch.empty((n, rows, SKETCH_COLS), dtype=torch.int32, pin_memory=True)
         host_np = host.numpy()

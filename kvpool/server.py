@@ -24,7 +24,8 @@ Contracts:
     pages (taken by a GPU over the KV it copied) are trusted at commit and scrubbed at
     rest on a thread of their own (`scrub_pages_per_round` per `scrub_interval_s`): a
     page whose bytes no longer match is dropped (stats `scrub_corrupt`; `scrubbed_pages`,
-    `scrub_gone` for pages evicted before their turn, `scrub_queued`). Loaders verify
+    `scrub_gone` for pages evicted before their turn, `scrub_queued` for those not yet
+    scrubbed once; scrubbed pages are re-taken in a slow cycle). Loaders verify
     every page they install whatever its kind.
   * A client's open reservations and leases are dropped when its connection closes,
     and expire after their TTL in any case (an abandoned publish is reclaimed).
@@ -126,10 +127,13 @@ class PoolConfig:
     lease_ttl_s: float = 60.0
     reap_interval_s: float = 0.5
     max_lookup_wait_s: float = 2.0  # cap on a lookup's wait for a pending publish (Lookup.wait_pending_ms)
-    # The scrub of pages whose digest was trusted at commit (kv-sketch-1): at most this many
-    # pages per round, one round per interval, on its own thread (never in the requests' way).
+    # The scrub of pages whose digest was trusted at commit (kv-sketch-1), on its own thread
+    # (never in the requests' way), one round per interval: at most `scrub_pages_per_round`
+    # pages not yet scrubbed, then `scrub_rest_pages_per_round` of the scrubbed ones again
+    # (a slow cycle over the pages at rest; 0: each page is scrubbed once).
     scrub_interval_s: float = 0.05
     scrub_pages_per_round: int = 16
+    scrub_rest_pages_per_round: int = 1
     # Before a successful hello a connection costs the daemon little and not for long:
     hello_timeout_s: float = 5.0  # it is closed (after a typed error) if no hello succeeds by then
     max_hello_frame: int = 4096  # its largest frame: a bigger length prefix is refused before any byte of it
@@ -186,10 +190,12 @@ class _TenantPool:
     lease_started: dict[int, float] = dataclasses.field(default_factory=dict)
     waits: dict[str, int] = dataclasses.field(
         default_factory=lambda: {"lookup_waits": 0, "lookup_wait_us": 0, "lookup_waiting": 0})
-    # (page, generation) of commits trusted at commit, to re-take at rest, oldest first
+    # (page, generation) of commits trusted at commit and not yet scrubbed, oldest first;
+    # then the scrubbed ones, re-taken in turn while they stay committed
     scrub: collections.deque[tuple[int, int]] = dataclasses.field(default_factory=collections.deque)
+    scrub_rest: collections.deque[tuple[int, int]] = dataclasses.field(default_factory=collections.deque)
     scrubbed: dict[str, int] = dataclasses.field(
-        default_factory=lambda: {"scrub_queued": 0, "scrubbed_pages": 0, "scrub_corrupt": 0, "scrub_gone": 0})
+        default_factory=lambda: {"scrubbed_pages": 0, "scrub_corrupt": 0, "scrub_gone": 0})
 
 
 class PoolAlreadyRunning(PoolError):
@@ -389,18 +395,22 @@ class PoolDaemon:
                 del self._tickets[ticket]
 
     async def _scrub(self) -> None:
-        """Re-take the digest of every page committed on trust, at rest. A page that no longer
-        holds that commit is skipped (`scrub_gone`); one whose bytes do not match is dropped
-        from the pool (`scrub_corrupt`; a loader holding it re-checks it itself, and the
-        page is dropped once released)."""
+        """Re-take the digest of every page committed on trust, at rest: once soon after its
+        commit, then in a slow cycle. A page that no longer holds that commit is skipped
+        (`scrub_gone`); one whose bytes do not match is dropped from the pool
+        (`scrub_corrupt`; while a loader holds it, it re-checks it itself, and the page is
+        looked at again after the release)."""
         cfg = self.config
         while True:
             await asyncio.sleep(cfg.scrub_interval_s)
             for tp in self.pools.values():
                 for _ in range(min(cfg.scrub_pages_per_round, len(tp.scrub))):
-                    page, gen = tp.scrub.popleft()
+                    page, gen = tp.scrub[0]  # still queued (in the stats) until its outcome is counted
                     await self._scrub_page(tp, page, gen)
-                tp.scrubbed["scrub_queued"] = len(tp.scrub)
+                    tp.scrub.popleft()
+                for _ in range(min(cfg.scrub_rest_pages_per_round, len(tp.scrub_rest))):
+                    page, gen = tp.scrub_rest.popleft()
+                    await self._scrub_page(tp, page, gen)
 
     async def _scrub_page(self, tp: _TenantPool, page: int, gen: int) -> None:
         cat = tp.catalog
@@ -416,6 +426,7 @@ class PoolDaemon:
             return
         if hmac.compare_digest(got, want):
             tp.scrubbed["scrubbed_pages"] += 1
+            tp.scrub_rest.append((page, gen))  # its next turn at rest
             return
         dropped = cat.discard(page, gen)
         if dropped is False:  # leased: its loader verifies it; look again after the release
@@ -608,7 +619,7 @@ class PoolDaemon:
 
     @staticmethod
     def _tenant_stats(tp: _TenantPool) -> dict[str, int]:
-        stats = {**tp.catalog.stats(), **tp.waits, **tp.scrubbed}
+        stats = {**tp.catalog.stats(), **tp.waits, **tp.scrubbed, "scrub_queued": len(tp.scrub)}
         own = tp.catalog.tenant_stats(tp.tenant)
         return {**stats, **own}
 
@@ -722,7 +733,6 @@ class PoolDaemon:
             for p in pages:
                 if cat.committed_as(p, int(cat.gen[p])) is not None:
                     tp.scrub.append((p, int(cat.gen[p])))
-            tp.scrubbed["scrub_queued"] = len(tp.scrub)
             self.metrics.bytes_written.inc(sum(n for n, p in zip(lengths, pages) if cat.state[p]))
             return P.CommitOk(res.committed, list(res.rejected))
 

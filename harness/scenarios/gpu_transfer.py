@@ -28,7 +28,9 @@ import numpy as np
 import torch
 
 from faults.gpu_controls import UnorderedTransferEngine, delay_stream
+from kvpool.catalog import SlotStatus
 from kvpool.client import PoolClient, publish
+from kvpool.digest import DigestKind, page_digest
 from kvpool.gpu_transfer import CopyPath, OrderingEdge, TransferConfig, TransferEngine
 from kvpool.keys import Namespace, block_hashes
 from harness.checkers.verdict import Verdict
@@ -185,6 +187,22 @@ def fill(layers: list[torch.Tensor], d: int, rng: np.random.Generator, page_byte
     return host
 
 
+def publish_as(client: PoolClient, ns: Namespace, hashes: list[bytes], pages: np.ndarray, kind: DigestKind) -> int:
+    """Publish `pages` with digests of `kind` (as a GPU engine would for kv-sketch-1);
+    returns how many committed."""
+    if kind is DigestKind.XXH3:
+        return publish(client, ns, hashes, list(pages)).committed
+    res = client.reserve(ns, hashes, [pages.shape[1]] * len(hashes))
+    slots = [i for i, slot in enumerate(res.slots) if slot.status == SlotStatus.RESERVED]
+    if len(slots) != len(hashes):
+        if res.reservation_id:
+            client.abort(res.reservation_id)
+        return 0
+    for i in slots:
+        client.reserved_view(res, i)[:] = pages[i]
+    return client.commit(res.reservation_id, [page_digest(p, kind) for p in pages], kind).committed
+
+
 def pool_pages(client: PoolClient, ns: Namespace, hashes: list[bytes]) -> np.ndarray | None:
     """The committed pages of `hashes`, read from the arena (None if any is not committed)."""
     hits = client.lookup(ns, hashes).hits
@@ -224,14 +242,22 @@ def run_scenario(scenario: Scenario, geom: Geometry, make_engine: EngineFactory,
     warm = [int(order[copies * k])]
     warm_idx = torch.tensor(warm, dtype=torch.int64, device=device)
     warm_hashes = block_hashes(range(base + 9_000_000, base + 9_000_016), 16)
+    engine = make_engine(layers, scenario.edge if drop else None)
+    # The reference pages of a load carry the engine's own digest kind, except for the
+    # driver path's read-after-load: a sketched driver load checks the installed blocks
+    # before load() returns (its copies are complete by then, there is no race to force),
+    # so that scenario loads xxh3-128 pages, checked on the host before the copies.
+    kind = DigestKind(engine.config.digest)
+    if scenario == Scenario.LOAD_RAW and engine.config.path == CopyPath.DRIVER:
+        kind = DigestKind.XXH3
     if scenario in (Scenario.LOAD_RAW, Scenario.LOAD_WAR):
         for h, p in zip(hashes, new):
-            res = publish(client, ns, h, list(p))
-            if res.committed != k:
-                return Verdict(None, f"could not publish the reference pages: {res}")
+            res = publish_as(client, ns, h, p, kind)
+            if res != k:
+                engine.close()
+                return Verdict(None, f"could not publish the reference pages: {res} of {k} committed")
     torch.cuda.synchronize()
 
-    engine = make_engine(layers, scenario.edge if drop else None)
     seen: list[torch.Tensor] = []
     expected: list[np.ndarray] = []
     try:
@@ -254,11 +280,12 @@ def run_scenario(scenario: Scenario, geom: Geometry, make_engine: EngineFactory,
                 write_blocks(layers, d, idx[i], new_dev[i])
                 engine.store(sels[i], hashes[i])
             elif scenario == Scenario.STORE_WAR:
-                delay_stream(engine.store_stream, delay_cycles)
+                for reader in engine.store_read_streams:  # every stream that reads the KV is late
+                    delay_stream(reader, delay_cycles)
                 engine.store(sels[i], hashes[i])
                 write_blocks(layers, d, idx[i], new_dev[i])  # the engine reuses the blocks at once
             elif scenario == Scenario.LOAD_RAW:
-                delay_stream(engine.load_stream, delay_cycles)
+                delay_stream(engine.load_write_stream(kind), delay_cycles)  # the writes into the blocks are late
                 h = engine.load(sels[i], hashes[i])
                 if h.loaded != k:
                     return Verdict(False, f"load {i} installed {h.loaded} of {k} blocks: {h}")

@@ -42,7 +42,8 @@ def test_copier_round_trip_like_the_connector(path, client, delay_cycles, test_s
     consumer = CudaCopier(client, history, config=geom.config(path))
     consumer.register(b, ns=ns, block_dim=geom.block_dim)
     try:
-        delay_stream(producer.engine.store_stream, delay_cycles)
+        for reader in producer.engine.store_read_streams:
+            delay_stream(reader, delay_cycles)
         stored = producer.store(ns, CopyRun("r1", "t", 0, src_blocks + [0, 1], hashes), keep=list(range(8)))
         write_pages(a, geom.block_dim, src_blocks, reuse)  # the engine reuses the blocks right away
         producer.wait([stored], 60)

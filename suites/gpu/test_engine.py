@@ -88,6 +88,7 @@ def test_corrupt_page_is_reported_and_never_installed(path, client, test_seed, t
 
 
 def _scrubbed(client, timeout_s: float = 60.0) -> dict:  # noqa: ANN001
+    """The pool's stats once every page committed on trust had its first scrub."""
     deadline = time.monotonic() + timeout_s
     while True:
         stats = client.stats()
@@ -125,13 +126,16 @@ def test_a_sketched_page_corrupted_at_rest_is_refused_on_the_gpu(engine_cls, che
     assert out.committed == k, out
     hits = client.lookup(ns, hashes).hits
     assert [h.kind for h in hits] == [DigestKind.SKETCH] * k
+    _scrubbed(client)  # their first scrub passed
     bad = int(rng.integers(1, k - 1))
+    held = client.acquire(ns, hashes)  # while leased the scrub's cycle cannot drop the page: the load meets it
     client.arena.page(hits[bad].page)[int(rng.integers(geom.page_bytes))] ^= 0xFF  # memory corruption at rest
     with engine_cls(client, ns, dst, geom.config(path)) as consumer:
         h = consumer.load(targets, hashes)
         consumer.wait_for_load(h)
         got = read_pages(dst, geom.block_dim, targets).cpu().numpy()
         consumer.drain()
+    client.release(held.lease_id)
     assert np.array_equal(got[:bad], host[blocks[:bad]]), "verified pages must be installed byte-exact"
     if checks:
         assert (h.loaded, h.miss.index, h.miss.cause) == (bad, bad, MissCause.CORRUPT), h
@@ -175,7 +179,7 @@ def test_engines_of_either_digest_kind_exchange_pages_and_the_scrub_agrees(path,
         assert np.array_equal(got, host[blocks]), (store_kind, load_kind)
         after = _scrubbed(client)
         if store_kind is DigestKind.SKETCH:
-            assert after["scrubbed_pages"] - before["scrubbed_pages"] == k, (before, after)
+            assert after["scrubbed_pages"] - before["scrubbed_pages"] >= k, (before, after)
         assert after["scrub_corrupt"] == before["scrub_corrupt"], (before, after)
 
 
@@ -304,7 +308,7 @@ def test_the_engine_follows_its_pool_through_a_restart(engine_cls, follows, path
     if follows:
         assert h.loaded == k and h.miss is None and np.array_equal(got, pages), h
         assert visible == k and store_out[0].committed == k, store_out
-        assert scrub["scrubbed_pages"] == k and scrub["scrub_corrupt"] == 0, scrub
+        assert scrub["scrubbed_pages"] >= k and scrub["scrub_corrupt"] == 0, scrub
         assert reattached == 1 and memory == HostMemory.REGISTERED
     else:
         assert h.loaded == 0 and h.miss.cause == MissCause.CORRUPT, f"negative control NOT caught: {h}"
