@@ -543,7 +543,18 @@ def _require_cuda(layers: Sequence[torch.Tensor]) -> torch.device:
     return device
 
 
+def _host_event() -> torch.cuda.Event:
+    """An event a host thread waits for: blocking-sync, so the waiting thread sleeps in the
+    driver (no spinning, no GIL held) instead of polling."""
+    event = torch.cuda.Event(blocking=True)
+    event.kvpool_blocking = True
+    return event
+
+
 def _await_event(event: torch.cuda.Event, poll_s: float = _EVENT_POLL_S) -> None:
+    if getattr(event, "kvpool_blocking", False):
+        event.synchronize()  # torch releases the GIL while it waits
+        return
     while not event.query():
         time.sleep(poll_s)
 
@@ -1024,7 +1035,7 @@ class TransferEngine:
             self._issue_store_chunk_sketched(entries)
             return
         self._kv_read = [self._copy_out([e[0] for e in entries], [e[1] for e in entries])]
-        event = torch.cuda.Event()
+        event = _host_event()
         event.record(self.store_stream)
         for _, _, unit in entries:
             unit.event = event  # chunks complete in order: the last one holding a page wins
@@ -1051,7 +1062,7 @@ class TransferEngine:
             gathered = torch.cuda.Event()
             gathered.record(self._store_k)
             self._sketch_to_host(stage, n, dev_out, host)
-            sketched = torch.cuda.Event()
+            sketched = _host_event()
             sketched.record(self._store_k)
         if self._driver is not None:
             host_at, dev_at, sizes = self._driver_lists(ids, pages)
@@ -1063,7 +1074,7 @@ class TransferEngine:
             self.store_stream.wait_event(gathered)  # the staged pages are complete
             self._d2h(stage, pages)
             self._kv_read = [gathered]
-        event = torch.cuda.Event()
+        event = _host_event()
         event.record(self.store_stream)
         if self._driver is None:
             self._store_free[b] = event  # the next gather into this buffer waits for these copies
@@ -1122,7 +1133,7 @@ class TransferEngine:
             engine = torch.cuda.current_stream(self.device)
             read = torch.cuda.Event()
             read.record(engine)
-            done = torch.cuda.Event()
+            done = _host_event()
             bound = getattr(self.backend, "call_deadline", None)  # the acquire ends within the load's deadline
             try:
                 with bound(deadline_s) if bound is not None and deadline_s is not None else contextlib.nullcontext():
@@ -1240,10 +1251,7 @@ class TransferEngine:
         pb, rows = self.layout.page_bytes, self._sk_rows
         pages = list(hits.pages)
         expected = [hits.digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES] for i in range(n)]
-        # Four chunks or more (the first check starts early, the last one is short), none
-        # under 32 MiB (each chunk costs a kernel launch per layer).
-        size = min(self._chunk_pages, max(1, (32 << 20) // pb, -(-n // 4)))
-        chunks = [range(a, min(a + size, n)) for a in range(0, n, size)]
+        chunks = [range(a, min(a + self._chunk_pages, n)) for a in range(0, n, self._chunk_pages)]
         nbuf = len(self._sk_load_stage)
         host = torch.empty((n, rows, SKETCH_COLS), dtype=torch.int32, pin_memory=True)
         host_np = host.numpy()
@@ -1276,7 +1284,7 @@ class TransferEngine:
                 if driver:
                     self._gather([ids[j] for j in chunk], stage, self._sk_load_scratch, self._sk_gather_ring)
                 self._sketch_to_host(stage, len(chunk), self._sk_load_dev[b], host[chunk.start : chunk.stop])
-                ev2 = torch.cuda.Event()
+                ev2 = _host_event()
                 ev2.record(self._load_k)
                 sketched.append(ev2)
                 sketch_read[b] = ev2

@@ -141,6 +141,39 @@ def _digest_ceiling(arena, pages: int, threads: int) -> dict[str, float]:  # noq
     return out
 
 
+def _kernel_times(src, dst, blocks: int, reps: int = 10) -> dict[str, float]:  # noqa: ANN001 - TransferEngines
+    """GPU milliseconds per copy chunk of the kernels a sketched transfer adds (CUDA events,
+    nothing else running): the gather into staging, the sketch, the scatter out of it."""
+    import torch
+
+    from kvpool.digest import SKETCH_ROW
+
+    n = src._chunk_pages
+    ids = list(range(min(n, blocks)))
+    stage = src._sk_store_stage[0]
+    out = src._sk_store_dev[0]
+    stream = src._store_k
+    rows = len(ids) * src._sk_rows
+    steps = {
+        "gather": lambda: src._gather(ids, stage, src._sk_store_scratch, src._sk_store_ring),
+        "sketch": lambda: src._sketcher.sketch(stage[: len(ids)].view(rows, SKETCH_ROW), out=out[:rows]),
+        "scatter": lambda: dst._scatter(ids, 0, stage, src._sk_store_ring),
+    }
+    times: dict[str, float] = {}
+    with torch.cuda.stream(stream):
+        for name, fn in steps.items():
+            fn()  # warm-up
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            for _ in range(reps):
+                fn()
+            end.record(stream)
+            end.synchronize()
+            times[name] = round(start.elapsed_time(end) / reps, 3)
+    torch.cuda.synchronize()
+    return times
+
+
 def _shm_blocks(want: int) -> int:
     avail = memory_available() - 8 * 2**30  # leave room for the pinned baseline, the tests and others
     return max(16, min(want, avail // PAGE))
@@ -241,6 +274,11 @@ def run_bench(quick: bool = False, paths: tuple[str, ...] = ("torch", "driver", 
             _say(f"[{path}] engine ready in {time.perf_counter() - t0:.1f} s: host memory {caps.host_memory.value}"
                  f"{' (' + caps.host_memory_reason + ')' if caps.host_memory_reason else ''}"
                  + (f", batched copies {caps.batched_copies} {caps.batched_reason}" if path == "driver" else ""))
+            if eng_src._sketcher is not None and "kernels_ms_per_chunk" not in result:
+                result["kernels_ms_per_chunk"] = _kernel_times(eng_src, eng_dst, min(arena_blocks, 512))
+                _say(f"[{path}] GPU time per {chunk_mib} MiB chunk, alone on the GPU: "
+                     f"{result['kernels_ms_per_chunk']} ms (the copy of a chunk at 55 GB/s: "
+                     f"{chunk_mib * 2**20 / 55e9 * 1e3:.2f} ms)")
             rows: dict[str, dict] = {}
             for n in sizes:
                 nbytes = n * PAGE

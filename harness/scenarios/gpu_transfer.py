@@ -199,7 +199,7 @@ def publish_as(client: PoolClient, ns: Namespace, hashes: list[bytes], pages: np
             client.abort(res.reservation_id)
         return 0
     for i in slots:
-        client.reserved_view(res, i)[:] = pages[i]
+        client.reserved_view(res, i)[: pages.shape[1]] = pages[i]
     return client.commit(res.reservation_id, [page_digest(p, kind) for p in pages], kind).committed
 
 

@@ -177,10 +177,10 @@ def test_engines_of_either_digest_kind_exchange_pages_and_the_scrub_agrees(path,
             consumer.drain()
         assert h.loaded == k and h.miss is None, (store_kind, load_kind, h)
         assert np.array_equal(got, host[blocks]), (store_kind, load_kind)
-        after = _scrubbed(client)
+        after = _scrubbed(client)  # this store's pages had their first scrub (the pool's counters are shared)
         if store_kind is DigestKind.SKETCH:
             assert after["scrubbed_pages"] - before["scrubbed_pages"] >= k, (before, after)
-        assert after["scrub_corrupt"] == before["scrub_corrupt"], (before, after)
+        assert len(client.lookup(ns, hashes).hits) == k, "the scrub dropped a page stored from the GPU"
 
 
 @pytest.mark.parametrize("engine_cls,held", [(TransferEngine, True), (EagerReleaseEngine, False)],
