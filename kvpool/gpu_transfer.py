@@ -95,8 +95,10 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import ctypes
 import dataclasses
 import enum
+import functools
 import itertools
 import logging
 import math
@@ -533,6 +535,26 @@ class _IndexRing:
 # -- the engine ----------------------------------------------------------------------------------
 
 
+_WIDTHS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+def _widest_views(layers_u8: Sequence[torch.Tensor], layout: KVLayout) -> tuple[int, list[torch.Tensor]]:
+    """The KV tensors as the widest integers their rows allow (the gathers and scatters
+    move 8 bytes per element instead of 1): (bytes per element, the views)."""
+    for width, dtype in _WIDTHS:
+        if any(lb.shape[-1] % width for lb in layout.layers):
+            continue
+        try:
+            return width, [t.view(dtype) for t in layers_u8]
+        except RuntimeError:  # a storage offset not aligned to the width
+            continue
+    return 1, list(layers_u8)
+
+
+def _as_width(buf: torch.Tensor, width: int) -> torch.Tensor:
+    return buf if width == 1 else buf.view(dict(_WIDTHS)[width])
+
+
 def _require_cuda(layers: Sequence[torch.Tensor]) -> torch.device:
     devices = {t.device for t in layers}
     if len(devices) != 1:
@@ -551,9 +573,34 @@ def _host_event() -> torch.cuda.Event:
     return event
 
 
+@functools.cache
+def _event_sync() -> Any:  # noqa: ANN401 - a ctypes function, or None
+    """cudaEventSynchronize of the CUDA runtime this process loaded (found in its maps),
+    called through ctypes: the GIL is released while it waits, and the wait is not one of
+    torch's (a background thread's wait is no ordering for the thread that enqueues, and
+    torch's stream sanitizer must not take it for one). None: not found (the caller polls)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "libcudart.so" in line})
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            fn = ctypes.CDLL(path).cudaEventSynchronize
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes = [ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        return fn
+    return None
+
+
 def _await_event(event: torch.cuda.Event, poll_s: float = _EVENT_POLL_S) -> None:
-    if getattr(event, "kvpool_blocking", False):
-        event.synchronize()  # torch releases the GIL while it waits
+    sync = _event_sync() if getattr(event, "kvpool_blocking", False) else None
+    if sync is not None:
+        err = sync(event.cuda_event)
+        if err != 0:
+            raise TransferError(f"cudaEventSynchronize failed: error {err}")
         return
     while not event.query():
         time.sleep(poll_s)
@@ -587,6 +634,7 @@ class TransferEngine:
             raise KVLayoutError(f"a block is {self.layout.page_bytes} bytes, the pool's pages {arena.page_size}")
         self._layers = list(layers)
         self._layers_u8 = [t.view(torch.uint8) for t in layers]
+        self._width, self._layers_w = _widest_views(self._layers_u8, self.layout)
         self._map_region(arena)
         self.reattached = 0  # times the engine moved to a new segment of its pool (a pool restart)
         self._lanes: list[PoolBackend] = list(lanes) or [backend]
@@ -907,13 +955,15 @@ class TransferEngine:
         """Blocks -> rows of `stage` in page order, on the current stream (the ring's)."""
         n = len(block_ids)
         idx = self._index(block_ids, ring)
-        d = self.layout.block_dim
-        for lb, layer in zip(self.layout.layers, self._layers_u8):
-            rows = stage[:n, lb.page_offset : lb.page_offset + lb.nbytes].view(n, *lb.shape)
+        d, w = self.layout.block_dim, self._width
+        stage_w, scratch_w = _as_width(stage, w), _as_width(scratch, w)
+        for lb, layer in zip(self.layout.layers, self._layers_w):
+            shape = (*lb.shape[:-1], lb.shape[-1] // w)
+            rows = stage_w[:n, lb.page_offset // w : (lb.page_offset + lb.nbytes) // w].view(n, *shape)
             if d == 0:  # blocks first: the selection lands in the staged rows as it is (one kernel)
                 torch.index_select(layer, 0, idx, out=rows)
                 continue
-            picked = scratch[: n * lb.nbytes].view((*lb.shape[:d], n, *lb.shape[d:]))
+            picked = scratch_w[: n * lb.nbytes // w].view((*shape[:d], n, *shape[d:]))
             torch.index_select(layer, d, idx, out=picked)
             rows.copy_(picked.movedim(d, 0))
 
@@ -931,10 +981,11 @@ class TransferEngine:
         if not n:
             return
         idx = self._index(block_ids, ring or self._load_ring)
-        stage = self._load_stage[buf] if stage is None else stage
-        d = self.layout.block_dim
-        for lb, layer in zip(self.layout.layers, self._layers_u8):
-            src = stage[:n, lb.page_offset : lb.page_offset + lb.nbytes].view(n, *lb.shape).movedim(0, d)
+        stage = _as_width(self._load_stage[buf] if stage is None else stage, self._width)
+        d, w = self.layout.block_dim, self._width
+        for lb, layer in zip(self.layout.layers, self._layers_w):
+            shape = (*lb.shape[:-1], lb.shape[-1] // w)
+            src = stage[:n, lb.page_offset // w : (lb.page_offset + lb.nbytes) // w].view(n, *shape).movedim(0, d)
             layer.index_copy_(d, idx, src)
 
     def _copy_in_direct(self, block_ids: Sequence[int], pages: Sequence[int]) -> None:
