@@ -188,6 +188,11 @@ class TransferConfig:
     # the pages as copied (and the daemon's re-verify). Loads verify each page by its own kind.
     digest: DigestKind = DigestKind.SKETCH
     load_buffers: int = 3  # staging buffers of a sketch-verified load (copies run ahead of the checks)
+    # CUDA graphs of a whole chunk's gather and scatter (one launch instead of one kernel per
+    # layer: the host's launches, not the GPU, bound the copy rate otherwise); torch path,
+    # blocks-first layouts. torch's stream sanitizer does not see inside graphs: its runs
+    # turn them off.
+    graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0 or self.commit_bytes <= 0 or self.hash_threads <= 0:
@@ -210,6 +215,7 @@ class TransferCapabilities:
     digest: str = DigestKind.XXH3.value  # how stores digest their pages
     sketch_impl: str = ""  # kv-sketch-1 on the GPU: "int8-mm" or "float64-mm" (empty: xxh3-128)
     sketch_reason: str = ""  # why not int8-mm
+    graphs: str = ""  # the CUDA graphs in use ("gather,scatter"), or why none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -754,13 +760,16 @@ class TransferEngine:
                                     for _ in range(2)]
                 self._load_ring = _IndexRing(self.device, self.load_stream, ring)
         self._sketcher: Sketcher | None = None
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # stage address -> (graph, its ids)
+        self._graphs_note = "xxh3-128 stores: none"
         if config.digest is DigestKind.SKETCH:
             self._init_sketch(layers)
+            self._graphs_note = self._init_graphs()
         self.capabilities = TransferCapabilities(
             config.path, torch.cuda.get_device_name(self.device),
             HostMemory.REGISTERED if self._registered else HostMemory.PAGEABLE, self._host_reason, batched,
             batched_reason, config.digest.value, self._sketcher.impl if self._sketcher else "",
-            self._sketcher.reason if self._sketcher else "")
+            self._sketcher.reason if self._sketcher else "", self._graphs_note)
 
     def _init_sketch(self, layers: Sequence[torch.Tensor]) -> None:
         """kv-sketch-1's resources: kernel streams (gathers, sketches, scatters run beside
@@ -800,6 +809,58 @@ class TransferEngine:
         self._load_free: list[torch.cuda.Event | None] = [None] * self.config.load_buffers
         self._load_sketched: list[torch.cuda.Event | None] = [None] * self.config.load_buffers
         torch.cuda.synchronize(dev)  # the zeroed staging rows exist before any copy writes them
+
+    def _init_graphs(self) -> str:
+        """Capture a full chunk's gather into each store staging buffer and scatter out of
+        each load staging buffer, for ids in a static tensor. Returns what is in use, or why
+        nothing is. A capture that fails leaves the eager kernels (logged)."""
+        if not self.config.graphs:
+            return "off (TransferConfig.graphs=False)"
+        if self._driver is not None:
+            return "none on the driver path"
+        if self.layout.block_dim != 0:
+            return "none for this layout (block dim not first)"
+        cp, w, dev = self._chunk_pages, self._width, self.device
+        captured = []
+        for kind, stages, stream in (("gather", self._sk_store_stage, self._store_k),
+                                     ("scatter", self._sk_load_stage, self._load_s)):
+            for stage in stages:
+                ids = torch.zeros(cp, dtype=torch.int64, device=dev)
+                views = self._layer_rows(_as_width(stage, w), cp)
+                graph = torch.cuda.CUDAGraph()
+                try:
+                    with torch.cuda.device(dev), torch.cuda.graph(graph, stream=stream,
+                                                                  capture_error_mode="thread_local"):
+                        for layer, rows in zip(self._layers_w, views):
+                            if kind == "gather":
+                                torch.index_select(layer, 0, ids, out=rows)
+                            else:
+                                layer.index_copy_(0, ids, rows)
+                except RuntimeError as exc:
+                    log.warning("kvpool GPU transfer: capturing the %s graph failed (%s); eager kernels instead",
+                                kind, exc)
+                    self._graphs = {}
+                    return f"none: the {kind} capture failed: {str(exc).splitlines()[0][:160]}"
+                self._graphs[stage.data_ptr()] = (graph, ids)
+            captured.append(kind)
+        torch.cuda.synchronize(dev)
+        return ",".join(captured)
+
+    def _layer_rows(self, stage_w: torch.Tensor, n: int) -> list[torch.Tensor]:
+        """Each layer's part of the first `n` staged rows, shaped like n of its blocks."""
+        w = self._width
+        return [stage_w[:n, lb.page_offset // w : (lb.page_offset + lb.nbytes) // w]
+                .view(n, *lb.shape[:-1], lb.shape[-1] // w) for lb in self.layout.layers]
+
+    def _replay(self, stage: torch.Tensor, idx: torch.Tensor) -> bool:
+        """Run the captured full-chunk kernels of `stage` for `idx` on the current stream."""
+        entry = self._graphs.get(stage.data_ptr())
+        if entry is None or idx.numel() != self._chunk_pages:
+            return False
+        graph, ids = entry
+        ids.copy_(idx)
+        graph.replay()
+        return True
 
     @property
     def store_read_streams(self) -> tuple[torch.cuda.Stream, ...]:
@@ -955,6 +1016,8 @@ class TransferEngine:
         """Blocks -> rows of `stage` in page order, on the current stream (the ring's)."""
         n = len(block_ids)
         idx = self._index(block_ids, ring)
+        if self._replay(stage, idx):
+            return
         d, w = self.layout.block_dim, self._width
         stage_w, scratch_w = _as_width(stage, w), _as_width(scratch, w)
         for lb, layer in zip(self.layout.layers, self._layers_w):
@@ -981,7 +1044,10 @@ class TransferEngine:
         if not n:
             return
         idx = self._index(block_ids, ring or self._load_ring)
-        stage = _as_width(self._load_stage[buf] if stage is None else stage, self._width)
+        stage = self._load_stage[buf] if stage is None else stage
+        if self._replay(stage, idx):
+            return
+        stage = _as_width(stage, self._width)
         d, w = self.layout.block_dim, self._width
         for lb, layer in zip(self.layout.layers, self._layers_w):
             shape = (*lb.shape[:-1], lb.shape[-1] // w)

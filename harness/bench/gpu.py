@@ -141,7 +141,7 @@ def _digest_ceiling(arena, pages: int, threads: int) -> dict[str, float]:  # noq
     return out
 
 
-def _kernel_times(src, dst, blocks: int, reps: int = 10) -> dict[str, float]:  # noqa: ANN001 - TransferEngines
+def _kernel_times(src, dst, blocks: int, reps: int = 10) -> dict[str, object]:  # noqa: ANN001 - TransferEngines
     """GPU milliseconds per copy chunk of the kernels a sketched transfer adds (CUDA events,
     nothing else running): the gather into staging, the sketch, the scatter out of it."""
     import torch
@@ -152,16 +152,15 @@ def _kernel_times(src, dst, blocks: int, reps: int = 10) -> dict[str, float]:  #
     ids = list(range(min(n, blocks)))
     stage = src._sk_store_stage[0]
     out = src._sk_store_dev[0]
-    stream = src._store_k
     rows = len(ids) * src._sk_rows
-    steps = {
-        "gather": lambda: src._gather(ids, stage, src._sk_store_scratch, src._sk_store_ring),
-        "sketch": lambda: src._sketcher.sketch(stage[: len(ids)].view(rows, SKETCH_ROW), out=out[:rows]),
-        "scatter": lambda: dst._scatter(ids, 0, stage, src._sk_store_ring),
+    steps = {  # each on the stream the engine runs it on
+        "gather": (src._store_k, lambda: src._gather(ids, stage, src._sk_store_scratch, src._sk_store_ring)),
+        "sketch": (src._store_k, lambda: src._sketcher.sketch(stage[: len(ids)].view(rows, SKETCH_ROW), out=out[:rows])),
+        "scatter": (dst._load_s, lambda: dst._scatter(ids, 0, dst._sk_load_stage[0], dst._sk_scatter_ring)),
     }
-    times: dict[str, float] = {}
-    with torch.cuda.stream(stream):
-        for name, fn in steps.items():
+    times: dict[str, float] = {"graphs": src.capabilities.graphs}
+    for name, (stream, fn) in steps.items():
+        with torch.cuda.stream(stream):
             fn()  # warm-up
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)

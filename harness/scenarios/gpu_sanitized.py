@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             ns = namespace(geom, f"csan-{args.mode}-{i}")
 
             def make(layers, drop, ns=ns):  # noqa: ANN001, ANN202
-                cfg = geom.config(CopyPath.TORCH)
+                cfg = geom.config(CopyPath.TORCH, graphs=False)  # the sanitizer sees no kernel inside a graph
                 if drop is None:
                     return TransferEngine(client, ns, layers, cfg)
                 return UnorderedTransferEngine(client, ns, layers, cfg, drop=drop)
