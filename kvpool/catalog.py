@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -241,7 +242,10 @@ class Catalog:
         self.tick = np.zeros(n, dtype=np.uint64)
         self.leases_on = np.zeros(n, dtype=np.uint32)
         self.key_of: list[bytes | None] = [None] * n
-        self._free: list[int] = list(range(n - 1, -1, -1))  # pop() gives page 0 first
+        # Free pages in a min-heap: a reservation gets the lowest free pages, in ascending
+        # order along its blocks, so a run published together lies in consecutive pages
+        # where it can (one copy per run instead of one per page, both ways).
+        self._free: list[int] = list(range(n))
         self._clock = itertools.count(1)
         # Eviction order: the committed pages in a doubly linked list (two int32 arrays), least
         # recently touched first; a touch moves a page to the tail, freeing unlinks it. An
@@ -471,7 +475,7 @@ class Catalog:
                 return -1
         if not self._free:
             return -1
-        return self._free.pop()
+        return heapq.heappop(self._free)
 
     def used_pages(self) -> int:
         return self.config.num_pages - len(self._free)
@@ -557,7 +561,7 @@ class Catalog:
         self.kind[page] = 0
         self.gen[page] += np.uint64(1)
         self._unlink(page)
-        self._free.append(page)
+        heapq.heappush(self._free, page)
 
     def _unindex(self, page: int) -> None:
         tid = int(self.tenant_of[page])
