@@ -20,7 +20,8 @@ Contracts:
     read), and one that has not authenticated within `hello_timeout_s` gets an
     Unauthenticated error and is closed.
   * Commit by digest kind (kvpool.digest): xxh3-128 pages are re-hashed in the thread
-    pool before they become visible (a mismatch is rejected, never visible); kv-sketch-1
+    pool before they become visible (a mismatch is rejected, never visible; with
+    `verify_commits` off they are trusted and scrubbed like kv-sketch-1 pages); kv-sketch-1
     pages (taken by a GPU over the KV it copied) are trusted at commit and scrubbed at
     rest on a thread of their own (`scrub_pages_per_round` per `scrub_interval_s`): a
     page whose bytes no longer match is dropped (stats `scrub_corrupt`; `scrubbed_pages`,
@@ -134,6 +135,9 @@ class PoolConfig:
     scrub_interval_s: float = 0.05
     scrub_pages_per_round: int = 16
     scrub_rest_pages_per_round: int = 1
+    # Re-hash xxh3-128 pages before they become visible (False: trust them as kv-sketch-1
+    # pages are trusted, and scrub them at rest; every loader verifies every page anyway).
+    verify_commits: bool = True
     # Before a successful hello a connection costs the daemon little and not for long:
     hello_timeout_s: float = 5.0  # it is closed (after a typed error) if no hello succeeds by then
     max_hello_frame: int = 4096  # its largest frame: a bigger length prefix is refused before any byte of it
@@ -725,7 +729,7 @@ class PoolDaemon:
         tp = self.pools[session.tenant]
         arena, cat = tp.arena, tp.catalog
         lengths = [int(cat.length[p]) for p in pages]
-        if not op.kind.verified_at_commit:
+        if not (op.kind.verified_at_commit and self.config.verify_commits):
             # Trusted at commit (the writer took it over the bytes it copied; every loader
             # re-takes it over what it installed); the scrub re-takes it at rest.
             res = cat.commit(op.reservation_id, list(op.digests), op.kind)

@@ -128,3 +128,32 @@ def test_an_unknown_digest_kind_is_a_typed_refusal():
     body[2]["kind"] = "crc32"
     with pytest.raises(MalformedFrame, match="crc32"):
         P.decode_request(msgspec.msgpack.encode(body))
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["verified", "trusted"])
+def test_xxh3_commits_are_verified_unless_the_pool_trusts_them(verify, test_seed):
+    """A wrong xxh3-128 digest is rejected at commit by default; a pool that trusts its
+    commits (--trust-commits) makes it visible; it is never loaded (its loader refuses it,
+    or the scrub dropped it first) and the scrub drops it."""
+    rng = np.random.default_rng(test_seed)
+    d = thread_pool(page_size=PAGE, num_pages=16, verify_commits=verify)
+    try:
+        with PoolClient(f"unix:{d.unix_path}", "default", "tok", name="trust") as c:
+            page = rng.integers(0, 256, PAGE, dtype=np.uint8)
+            hashes = block_hashes(range(16), 16)
+            res = c.reserve(NS, hashes, [PAGE])
+            c.reserved_view(res, 0)[:] = page
+            page_lie = page.copy()
+            page_lie[int(rng.integers(PAGE))] ^= 0x10
+            out = c.commit(res.reservation_id, [page_digest(page_lie)])
+            if verify:
+                assert out.committed == 0 and out.rejected == (0,), out
+                return
+            assert out.committed == 1, out
+            got = load(c, NS, hashes, lambda i: np.zeros(PAGE, np.uint8))
+            # the loader refuses it, or the scrub already dropped it: either way it is never loaded
+            assert got.loaded == 0 and got.miss.cause in (MissCause.CORRUPT, MissCause.EVICTED), got
+            stats = _until(c, lambda s: s["scrub_corrupt"] == 1)
+            assert len(c.lookup(NS, hashes).hits) == 0, stats
+    finally:
+        d.stop_thread()
