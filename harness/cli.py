@@ -64,6 +64,13 @@ def cmd_bench_live(args: argparse.Namespace) -> int:
     return run_bench(reps=args.reps, lengths=lengths, report_dir=args.report_dir)
 
 
+def cmd_bench_publish(args: argparse.Namespace) -> int:
+    from harness.bench.publish import LENGTHS, run_bench
+
+    lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else LENGTHS
+    return run_bench(pairs=args.pairs, lengths=lengths, report_dir=args.report_dir)
+
+
 def cmd_gpu_live(args: argparse.Namespace) -> int:
     from harness.scenarios.gpu_live import main as gpu_live
 
@@ -173,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--lengths", default="", help="comma-separated prefix lengths (default 1k..16k)")
     bl.add_argument("--report-dir", type=Path, default=None, help="logs and history (default: a temp dir)")
     bl.set_defaults(func=cmd_bench_live)
+
+    bpub = bench.add_parser("publish", help="the producer's next-request TTFT with publishing on and off")
+    bpub.add_argument("--pairs", type=int, default=8, help="request pairs per length (half of them publishing)")
+    bpub.add_argument("--lengths", default="", help="comma-separated prompt lengths (default 1k,4k,16k)")
+    bpub.add_argument("--report-dir", type=Path, default=None, help="logs and history (default: a temp dir)")
+    bpub.set_defaults(func=cmd_bench_publish)
 
     so = sub.add_parser("soak", help="concurrent request streams with seeded faults for minutes; leaks and losses")
     so.add_argument("--minutes", type=float, default=10.0)
