@@ -13,7 +13,12 @@ prompts:
                       (the peer stores only the first prefill chunk under the full prompt's
                       key, so its pair runs unchunked: max_num_batched_tokens >= the prompt)
 Medians and p95s; the seed's rule (p95 remote below p50 cold); ratios remote/local and
-remote/peer. The last line is one JSON object.
+remote/peer. `remote_phases_ms`: where a remote hit's TTFT goes, from the run's history
+(medians): `to_scheduler` (the client's send to the scheduler's first lookup call),
+`lookup` (that call to the pool's answer), `to_load` (the answer to the worker starting
+the load), `load` (the load itself: lease, copies, digest checks, release), `after_load`
+(the load's end to the first token: the forward pass of the rest and the sampling),
+next to the local hit's whole TTFT. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -116,6 +121,7 @@ def _measure(cluster: Cluster, peer: PeerPair, corpus: Corpus, reps: int, length
     rows = []
     for n in lengths:
         cold, local, remote, peer_hit = [], [], [], []
+        phases: list[dict[str, float]] = []
         installed = differing = 0
         for rep in range(reps if n < 16384 else max(2, reps // 2)):
             prompt = corpus.text(n - 1, rng)  # + BOS = n tokens
@@ -131,6 +137,9 @@ def _measure(cluster: Cluster, peer: PeerPair, corpus: Corpus, reps: int, length
             cold.append(c.ttft_s * 1e3)
             local.append(loc.ttft_s * 1e3)
             remote.append(rem.ttft_s * 1e3)
+            phase = _phases(cluster.history_dir, f"remote-{n}-{rep}", rem.ttft_s)
+            if phase:
+                phases.append(phase)
             peer_hit.append(ph.ttft_s * 1e3)
             h = peer.cluster.history_dir
             produced = audit_digests(h, "produced", f"peer-pub-{n}-{rep}", "PA")
@@ -142,12 +151,37 @@ def _measure(cluster: Cluster, peer: PeerPair, corpus: Corpus, reps: int, length
                              ("remote_hit_ttft_ms", remote), ("peer_hit_ttft_ms", peer_hit)):
             row[name] = round(statistics.median(values), 1)
             row[f"{name}_p95"] = round(_pct(values, 0.95), 1)
+        if phases:
+            row["remote_phases_ms"] = {k: round(statistics.median(p[k] for p in phases), 1) for k in phases[0]}
         row["peer_blocks_installed"] = installed
         row["peer_blocks_differing"] = differing
         _say(f"  {n:>6} tokens: cold {row['cold_prefill_ms']} ms, local {row['local_hit_ttft_ms']} ms, kvgate remote "
              f"{row['remote_hit_ttft_ms']} ms (p95 {row['remote_hit_ttft_ms_p95']}), peer {row['peer_hit_ttft_ms']} ms")
         rows.append(row)
     return rows
+
+
+def _phases(history_dir: Path, tag: str, ttft_s: float) -> dict[str, float] | None:
+    """A remote hit's TTFT in phases, in ms, from its history records (None: a record is
+    missing, e.g. the request loaded nothing)."""
+    from harness.checkers.history import records
+
+    invoke = records(history_dir, "invoke", tag=tag)
+    lookup = [r for r in records(history_dir, "lookup", tag=tag) if r.get("outcome") == "remote_hit"]
+    load = [r for r in records(history_dir, "load", tag=tag) if r.get("loaded")]
+    if not (invoke and lookup and load):
+        return None
+    t0, lk, ld = invoke[0]["t"], lookup[0], load[0]
+    asked = lk["t"] - lk.get("lookup_us", 0.0) / 1e6
+    load_end = ld["t"]
+    load_start = load_end - ld.get("seconds", 0.0)
+    return {
+        "to_scheduler": (asked - t0) * 1e3,
+        "lookup": lk.get("lookup_us", 0.0) / 1e3,
+        "to_load": (load_start - lk["t"]) * 1e3,
+        "load": (load_end - load_start) * 1e3,
+        "after_load": (t0 + ttft_s - load_end) * 1e3,
+    }
 
 
 class PeerPair:
