@@ -10,6 +10,8 @@ control and assert that it is caught.
   CrossedCatalog      answers a run of blocks with their pages in reverse order, each with
                       its own page's digest: a loader's digest check passes, the bytes are
                       another block's (a pool that serves other bytes).
+  StaleIndexCatalog   leaves a freed page in the segment's index (kvpool.shm_index): a
+                      probe finds blocks the pool evicted.
   EarlyCompletionCopier
                       reports a KV copy done when it is queued (the copy issued
                       without its ordering dependency).
@@ -45,12 +47,25 @@ class CrossedCatalog(Catalog):
         return super()._refs(pages[::-1])
 
 
+class StaleIndexCatalog(Catalog):
+    """Leaves a freed page's entry in the segment's index: a probe keeps finding blocks
+    the pool evicted."""
+
+    def _unindex(self, page: int) -> None:
+        shm, self._shm = self._shm, None
+        try:
+            super()._unindex(page)
+        finally:
+            self._shm = shm
+
+
 CATALOG_CONTROLS = {"forgetful": ForgetfulCatalog, "leaseless": LeaselessCatalog, "leaky": LeakyCatalog,
-                    "crossed": CrossedCatalog}
+                    "crossed": CrossedCatalog, "stale_index": StaleIndexCatalog}
 # The behaviour each known-bad catalog breaks, as a kind of finding of kvpool.testing's state
 # machine (FINDINGS): a control counts as caught only by a finding of that kind, with every
 # other kind (the page-accounting invariant first) kept from ending the run.
-CATALOG_BREAKS = {"forgetful": "miss_cause", "leaseless": "lease", "leaky": "capacity", "crossed": "bytes"}
+CATALOG_BREAKS = {"forgetful": "miss_cause", "leaseless": "lease", "leaky": "capacity", "crossed": "bytes",
+                  "stale_index": "probe"}
 
 
 class EarlyCompletionCopier:

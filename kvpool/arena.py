@@ -13,10 +13,13 @@
                                               every time the page is freed, so a reader
                                               that held page i across a reuse sees that
                                               the generation moved.
+  arena.index_entries                         the index region (kvpool.shm_index.ENTRY records).
   arena.close() / Arena.unlink(name)          unmap; remove the segment.
 
-Layout: a 4 KiB header (magic, layout version, geometry, instance id), the generation
-array (uint64 per page), then the pages, each aligned to 4 KiB. The segment lives in
+Layout: a 4 KiB header (magic, layout version, geometry, instance id, where the index is),
+the generation array (uint64 per page), the index of committed blocks
+(kvpool.shm_index: the daemon writes it, same-host clients probe it), then the pages,
+each part aligned to 4 KiB. The segment lives in
 /dev/shm, so it is shared by every process on the host and survives a crashed daemon
 (the next daemon finds it, says so, and starts clean). The daemon's own segments are
 anonymous: each tenant's lives only in the processes it was handed to, and its memory
@@ -35,13 +38,15 @@ from pathlib import Path
 import numpy as np
 
 from kvpool.errors import ArenaError
+from kvpool.shm_index import ENTRY, index_bytes
 
 SHM_DIR = Path("/dev/shm")
 MAGIC = b"KVGATE\x00\x01"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 HEADER_BYTES = 4096
 ALIGN = 4096
-_HEADER = struct.Struct("<8sIQQQQ16s")  # magic, version, page_size, num_pages, gen_off, pages_off, instance
+# magic, version, page_size, num_pages, gen_off, pages_off, instance, index_off, index_entries
+_HEADER = struct.Struct("<8sIQQQQ16sQQ")
 
 
 def _align(n: int) -> int:
@@ -101,14 +106,18 @@ class Arena:
             self._fd = fd
         else:
             os.close(fd)
-        magic, version, page_size, num_pages, gen_off, pages_off, instance = _HEADER.unpack_from(self._mmap, 0)
+        magic, version = struct.unpack_from("<8sI", self._mmap, 0)
         problem = None
         if magic != MAGIC:
             problem = f"segment {name!r} is not a kvgate arena (magic {magic!r})"
         elif version != LAYOUT_VERSION:
             problem = f"segment {name!r} has arena layout {version}, this build reads {LAYOUT_VERSION}"
-        elif pages_off + page_size * num_pages > size or gen_off + 8 * num_pages > pages_off:
-            problem = f"segment {name!r} is {size} bytes, its header claims {num_pages} pages of {page_size}"
+        else:
+            (_, _, page_size, num_pages, gen_off, pages_off, instance, index_off,
+             index_entries) = _HEADER.unpack_from(self._mmap, 0)
+            if (pages_off + page_size * num_pages > size or gen_off + 8 * num_pages > index_off
+                    or index_off + ENTRY.itemsize * index_entries > pages_off):
+                problem = f"segment {name!r} is {size} bytes, its header claims {num_pages} pages of {page_size}"
         if problem is not None:
             self._mmap.close()
             self._close_fd()
@@ -120,11 +129,12 @@ class Arena:
         self.size = size
         self._bytes = np.frombuffer(self._mmap, dtype=np.uint8)
         self._gens = np.frombuffer(self._mmap, dtype=np.uint64, count=num_pages, offset=gen_off)
+        self.index_entries = np.frombuffer(self._mmap, dtype=ENTRY, count=index_entries, offset=index_off)
 
     # -- lifecycle ---------------------------------------------------------------------
     @staticmethod
     def total_size(page_size: int, num_pages: int) -> int:
-        return HEADER_BYTES + _align(8 * num_pages) + page_size * num_pages
+        return HEADER_BYTES + _align(8 * num_pages) + _align(index_bytes(num_pages)) + page_size * num_pages
 
     @staticmethod
     def _check_geometry(page_size: int, num_pages: int) -> None:
@@ -135,8 +145,10 @@ class Arena:
 
     @staticmethod
     def _format(fd: int, page_size: int, num_pages: int) -> None:
-        header = _HEADER.pack(MAGIC, LAYOUT_VERSION, page_size, num_pages, HEADER_BYTES,
-                              HEADER_BYTES + _align(8 * num_pages), secrets.token_bytes(16))
+        index_off = HEADER_BYTES + _align(8 * num_pages)
+        pages_off = index_off + _align(index_bytes(num_pages))
+        header = _HEADER.pack(MAGIC, LAYOUT_VERSION, page_size, num_pages, HEADER_BYTES, pages_off,
+                              secrets.token_bytes(16), index_off, index_bytes(num_pages) // ENTRY.itemsize)
         os.pwrite(fd, header, 0)
 
     @classmethod
@@ -243,6 +255,7 @@ class Arena:
             return
         self._bytes = None  # type: ignore[assignment]
         self._gens = None  # type: ignore[assignment]
+        self.index_entries = None  # type: ignore[assignment]
         try:
             self._mmap.close()
         except BufferError as exc:

@@ -29,6 +29,9 @@ calls it from a single thread.
   evict(...) / set_capacity(pages)      forced eviction and capacity squeeze; leased pages
                                         are never evicted.
 
+With a `shm_index` (the daemon passes its segment's), every committed block is also
+entered in the segment's index and taken out of it before its page is freed.
+
 Every freed page has its generation bumped, so a reader that held it across a reuse
 can tell. Evicted keys leave a ghost so a later miss is EVICTED, not NEVER_PUBLISHED.
 Tenants are separate indexes: a lookup never sees another tenant's blocks, committed
@@ -51,6 +54,7 @@ from kvpool.errors import InvalidRequest, LeaseLost, MissCause
 from kvpool.keys import Namespace
 
 from kvpool.digest import DIGEST_BYTES, KINDS, DigestKind
+from kvpool.shm_index import ShmIndex, ns_fingerprint
 
 
 class PageState(enum.IntEnum):
@@ -224,7 +228,8 @@ class _Lease:
 
 
 class Catalog:
-    def __init__(self, config: CatalogConfig, generations: np.ndarray | None = None):
+    def __init__(self, config: CatalogConfig, generations: np.ndarray | None = None,
+                 shm_index: ShmIndex | None = None):
         n = config.num_pages
         if n <= 0:
             raise ValueError(f"num_pages must be positive, got {n}")
@@ -233,6 +238,10 @@ class Catalog:
         self.gen = generations if generations is not None else np.zeros(n, dtype=np.uint64)
         if self.gen.shape != (n,):
             raise ValueError(f"generations has shape {self.gen.shape}, expected ({n},)")
+        # The segment's index of committed blocks (kvpool.shm_index), kept in step with
+        # `_index`: what same-host clients probe without asking.
+        self._shm = shm_index
+        self._fps: list[int] = []  # namespace fingerprint by namespace id
         self.state = np.zeros(n, dtype=np.uint8)
         self.length = np.zeros(n, dtype=np.uint32)
         self.digest = np.zeros((n, DIGEST_BYTES), dtype=np.uint8)
@@ -292,6 +301,7 @@ class Catalog:
             nid = len(self._namespaces)
             self._namespaces.append(ns)
             self._ns_ids[ns] = nid
+            self._fps.append(ns_fingerprint(ns))
         return nid
 
     def namespace(self, ns_id: int) -> Namespace:
@@ -507,6 +517,8 @@ class Catalog:
                 index[key] = page
             else:
                 index[key] = (entry if isinstance(entry, tuple) else (entry,)) + (page,)
+            if self._shm is not None:
+                self._shm.insert(key, self._fps[res.ns], page)
             self._ghosts.pop((res.tenant, res.ns, key), None)
             committed += 1
         self.counters["commits"] += committed
@@ -567,6 +579,8 @@ class Catalog:
         tid = int(self.tenant_of[page])
         key = self.key_of[page]
         assert key is not None
+        if self._shm is not None:  # out of the index before anything else changes
+            self._shm.remove(key, self._fps[int(self.ns_of[page])], page)
         index = self._index[tid]
         entry = index[key]
         if isinstance(entry, tuple):

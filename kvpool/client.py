@@ -35,6 +35,7 @@ import dataclasses
 import itertools
 import math
 import os
+import platform
 import select
 import socket
 import threading
@@ -58,6 +59,7 @@ from kvpool.catalog import (
 )
 from kvpool.copy import Buffer, as_segments, copy_digest, copy_digest_as, digest_segments, total_size
 from kvpool.digest import DigestKind
+from kvpool.shm_index import ShmIndex, ns_fingerprint
 from kvpool.errors import (
     ArenaError,
     Busy,
@@ -137,6 +139,7 @@ MIN_CALL_S = 0.05
 
 # Requests whose repetition changes nothing: safe to resend when no reply byte arrived.
 _IDEMPOTENT = (P.Ping, P.Lookup, P.Stats, P.Metrics)
+_PROBE_ORDERED = platform.machine() in ("x86_64", "AMD64")  # kvpool.shm_index's seqlock needs x86 ordering
 
 
 class PoolClient:
@@ -157,6 +160,8 @@ class PoolClient:
         self._lock = threading.RLock()
         self._local = threading.local()  # .deadline: this thread's call_deadline, if any
         self.arena: Arena | None = None
+        self._shm_index: ShmIndex | None = None
+        self._fingerprints: dict[Namespace, int] = {}
         self.attach_error = ""  # why the arena is not mapped here, if it was offered and is not
         self.hello: P.HelloOk | None = None
         self.page_size = 0
@@ -367,6 +372,24 @@ class PoolClient:
         wait_ms = round(wait_pending_s * 1000)
         r = self._expect(P.Lookup(ns, list(hashes), wait_ms), P.LookupOk, extra_s=wait_ms / 1000)
         return LookupResult(r.hits, r.miss)
+
+    def probe(self, ns: Namespace, hashes: Sequence[bytes]) -> int | None:
+        """How many of `hashes`, from the first, the tenant's segment holds committed under
+        `ns`, read from the segment's index (kvpool.shm_index): no round trip. None: no
+        segment mapped here (another host, a proxy in between), or not an x86 host (the
+        index's seqlock relies on x86's ordering of loads and of stores); ask lookup().
+        A hit is advisory, as a lookup's is: the acquire is what leases the pages."""
+        arena = self.arena
+        entries = None if arena is None or not _PROBE_ORDERED else arena.index_entries
+        if entries is None or not entries.size:
+            return None
+        index = self._shm_index
+        if index is None or index.e is not entries:
+            index = self._shm_index = ShmIndex(entries)
+        fp = self._fingerprints.get(ns)
+        if fp is None:
+            fp = self._fingerprints[ns] = ns_fingerprint(ns)
+        return index.probe(fp, hashes)
 
     def acquire(self, ns: Namespace, hashes: Sequence[bytes]) -> AcquireResult:
         r = self._expect(P.Acquire(ns, list(hashes)), P.AcquireOk)

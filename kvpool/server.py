@@ -86,6 +86,7 @@ from kvpool import protocol as P
 from kvpool.arena import Arena, segment_label
 from kvpool.catalog import AdmissionPolicy, Catalog, CatalogConfig, LookupResult, LoadLimits, Miss
 from kvpool.digest import page_digest
+from kvpool.shm_index import ShmIndex
 from kvpool.errors import (
     Busy,
     ErrorCode,
@@ -273,7 +274,7 @@ class PoolDaemon:
                 CatalogConfig(num_pages=pages, page_size=cfg.page_size, admission=cfg.admission,
                               limits=cfg.limits, reservation_ttl_s=cfg.reservation_ttl_s,
                               lease_ttl_s=cfg.lease_ttl_s),
-                generations=arena._gens,
+                generations=arena._gens, shm_index=ShmIndex(arena.index_entries),
             )
             self.pools[tenant] = _TenantPool(tenant, arena, catalog)
 

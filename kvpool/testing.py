@@ -52,6 +52,7 @@ FINDINGS = {
     "answer": "a publish, an eviction or a lease is answered as the model says",
     "capacity": "a publish gets every page the model says is free or evictable",
     "miss_cause": "a lookup or load misses where the model says, with its cause",
+    "probe": "the segment's index (a probe without a round trip) finds the run the model says",
     "bytes": "a loaded page holds the bytes that were published for its block",
     "lease": "a held lease's pages keep their bytes until it is released",
 }
@@ -294,6 +295,9 @@ class PoolMachine(RuleBasedStateMachine):
                      f"lookup: {len(got.hits)} hits then {got.miss}, the model's {len(hits)} then {cause}")
         if cause is not None and got.miss is not None:
             self._expect("miss_cause", got.miss.fields == fields, f"lookup: fields {got.miss.fields}, the model's {fields}")
+        probed = self.client.probe(NAMESPACES[ns], [KEYS[k] for k in keys])
+        self._expect("probe", probed is None or probed == len(hits),
+                     f"probe: {probed} blocks in the segment's index, the model's {len(hits)}")
 
     @rule(ns=st.integers(0, 1), keys=st.lists(st.integers(0, N_KEYS - 1), min_size=1, max_size=4, unique=True))
     def load(self, ns: int, keys: list[int]) -> None:

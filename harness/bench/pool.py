@@ -2,7 +2,9 @@
 baseline measured in the same run, on the same machine, at the same time.
 
   1. lookup latency over the Unix socket (a 32-block lookup against a daemon in its own
-     process), p50 / p99, next to the round trip of an empty `ping` on the same socket;
+     process), p50 / p99, next to the round trip of an empty `ping` on the same socket and
+     to a probe of the same 32 blocks in the segment's index (kvpool.shm_index, no round
+     trip);
   2. load and publish throughput for 64 KiB, 1 MiB, 16 MiB and 64 MiB pages, next to a
      plain memcpy between two shared-memory buffers of the same size (load includes the
      lease, the copy, the digest check and the release; publish includes reserve, copy,
@@ -55,20 +57,26 @@ def bench_lookup(n: int) -> dict[str, float]:
             for _ in range(200):  # warm-up
                 c.lookup(NS, hs)
                 c.ping()
-            lookups, pings = [], []
-            for _ in range(n):  # interleaved so both see the same machine state
+            lookups, pings, probes = [], [], []
+            assert c.probe(NS, hs) == 32, "the segment's index must hold the published run"
+            for _ in range(n):  # interleaved so all three see the same machine state
                 t0 = time.perf_counter()
                 c.lookup(NS, hs)
                 t1 = time.perf_counter()
                 c.ping()
                 t2 = time.perf_counter()
+                c.probe(NS, hs)
+                t3 = time.perf_counter()
                 lookups.append((t1 - t0) * 1e6)
                 pings.append((t2 - t1) * 1e6)
+                probes.append((t3 - t2) * 1e6)
         return {
             "lookup_p50_us": round(_pct(lookups, 0.5), 1),
             "lookup_p99_us": round(_pct(lookups, 0.99), 1),
             "ping_p50_us": round(_pct(pings, 0.5), 1),
             "ping_p99_us": round(_pct(pings, 0.99), 1),
+            "probe_p50_us": round(_pct(probes, 0.5), 1),
+            "probe_p99_us": round(_pct(probes, 0.99), 1),
             "lookup_blocks": 32,
         }
     finally:
@@ -172,7 +180,8 @@ def run_bench(quick: bool = False, blocks: int = 1_000_000) -> int:
     _say("kvgate bench pool: lookup latency (Unix socket, daemon in its own process)")
     result.update(bench_lookup(2000 if quick else 20000))
     _say(f"  lookup p50 {result['lookup_p50_us']} us, p99 {result['lookup_p99_us']} us "
-         f"(ping p50 {result['ping_p50_us']} us, p99 {result['ping_p99_us']} us)")
+         f"(ping p50 {result['ping_p50_us']} us, p99 {result['ping_p99_us']} us); probe of the segment's index "
+         f"p50 {result['probe_p50_us']} us, p99 {result['probe_p99_us']} us")
     sizes = {}
     for label, size in PAGE_SIZES.items():
         total = 64 * 2**20 if quick else 256 * 2**20
@@ -197,6 +206,7 @@ def run_bench(quick: bool = False, blocks: int = 1_000_000) -> int:
          f"({result['alloc_large_vs_baseline']}x)")
     result["targets"] = {
         "lookup_p99_us<200": result["lookup_p99_us"] < 200,
+        "probe_p99_us<200": result["probe_p99_us"] < 200,
         "load_vs_memcpy>=0.7": result["load_vs_memcpy"] >= 0.7,
         "publish_vs_memcpy>=0.8": result["publish_vs_memcpy"] >= 0.8,
         "publish_trusted_vs_memcpy>=0.8": result["publish_trusted_vs_memcpy"] >= 0.8,
