@@ -11,11 +11,11 @@ host probe without a round trip to the daemon.
 
 Layout: buckets of SLOTS entries of 32 bytes (seq, page + 1, namespace fingerprint, the
 block hash as two 64-bit words); a block's bucket is the low bits of its hash's first 8
-bytes (block hashes are BLAKE2b: uniform). An entry with page + 1 == 0 is empty. The
+bytes (block hashes are BLAKE2b: uniform). An empty entry is all zeros but its seq. The
 daemon is the only writer, on its event loop; each entry is a seqlock: `seq` is odd while
-the daemon rewrites it, and a reader keeps an entry only if it read the same even `seq`
-before and after it (x86 keeps stores in order and loads in order; numpy's copies are
-plain loads and stores). What the probe may get wrong is bounded by what it is for: it
+the daemon rewrites it and grows by two with every rewrite, and a reader reads each entry
+twice, first word first, and keeps it only if both reads agree and `seq` is even (x86
+keeps stores in order and loads in order; numpy's copies are plain loads and stores). What the probe may get wrong is bounded by what it is for: it
 never reports a block the daemon did not commit under that namespace, but a block can be
 evicted right after the probe (as after any lookup: the load then misses and the block is
 recomputed), and a block whose bucket was full is not in the index (the probe stops
@@ -31,9 +31,11 @@ import msgspec
 import numpy as np
 
 _ODD = np.uint64(1)
-_SHIFT = np.uint64(32)
+_READS = 4
+_PROBE_VIEW = np.dtype({"names": ["head", "tail"], "formats": ["<u8", "V24"], "offsets": [0, 8], "itemsize": 32})
 ENTRY = np.dtype([("seq", "<u4"), ("page1", "<u4"), ("fp", "<u8"), ("k0", "<u8"), ("k1", "<u8")])
-SLOTS = 4
+SLOTS = 4  # a power of two
+_TWO = np.uint64(SLOTS.bit_length() - 1)  # log2(SLOTS): a bucket's first slot is its number shifted by it
 
 
 def buckets_for(num_pages: int) -> int:
@@ -58,9 +60,8 @@ class ShmIndex:
             raise ValueError(f"an index region of {entries.size} entries of {entries.dtype}")
         self.e = entries
         self.mask = np.uint64(entries.size // SLOTS - 1)
-        self.words = entries.view(np.uint64).reshape(-1, 4)  # the probe's view: (seq, page + 1), fp, k0, k1
-        self._head = self.words[:, 0]
-        self._lanes = np.arange(SLOTS, dtype=np.intp)
+        self._words = entries.view(np.uint64).reshape(-1, 4)  # seq | (page + 1) << 32, fp, k0, k1
+        self._lanes = np.arange(SLOTS, dtype=np.uint64)
         self.overflow = 0  # inserts that found their bucket full
 
     def _slots(self, key: bytes) -> tuple[int, int, int]:
@@ -89,6 +90,7 @@ class ShmIndex:
             if e["page1"][i] == page + 1 and e["k0"][i] == k0 and e["k1"][i] == k1 and e["fp"][i] == fp:
                 e["seq"][i] += 1
                 e["page1"][i] = 0
+                e["fp"][i] = e["k0"][i] = e["k1"][i] = 0  # an empty entry matches no block
                 e["seq"][i] += 1
                 return True
         return False
@@ -97,16 +99,19 @@ class ShmIndex:
         n = len(hashes)
         if not n:
             return 0
-        want = np.empty((n, 3), dtype=np.uint64)  # per block: fp, k0, k1
-        want[:, 0] = fp
-        want[:, 1:] = np.frombuffer(b"".join(hashes), dtype="<u8").reshape(n, 2)
-        slots = ((want[:, 1] & self.mask) * np.uint64(SLOTS)).astype(np.intp)
-        slots = (slots[:, None] + self._lanes).ravel()  # every slot of each block's bucket
-        words, head = self.words, self._head
-        before = head.take(slots)  # seq | (page + 1) << 32: read before and after the entry
-        got = words.take(slots, axis=0)
-        after = head.take(slots)
-        ok = (before == after) & (before & _ODD == 0) & (before >> _SHIFT != 0)
-        ok &= (got[:, 1:] == want.repeat(SLOTS, axis=0)).all(axis=1)
-        hit = ok.reshape(n, SLOTS).any(axis=1)
+        fpb = fp.to_bytes(8, "little")
+        raw = b"".join([fpb + h for h in hashes])  # per block: fp, k0, k1
+        k0 = np.frombuffer(raw, dtype="<u8")[1::3]
+        want = np.frombuffer(raw, dtype="V24")[:, None]
+        slots = (((k0 & self.mask) << _TWO)[:, None] + self._lanes).ravel()  # every slot of each block's bucket
+        for _ in range(_READS):
+            first = self._words.take(slots, axis=0)  # read twice, first word first: a batch the daemon
+            again = self._words.take(slots, axis=0)  # rewrote in between is read again
+            if first.tobytes() == again.tobytes():
+                break
+        else:
+            return 0  # the daemon kept rewriting these entries: ask it instead
+        rec = first.view(_PROBE_VIEW).reshape(n, SLOTS)
+        ok = (rec["head"] & _ODD == 0) & (rec["tail"] == want)  # an odd seq: the daemon is inside it
+        hit = ok.any(axis=1)
         return n if hit.all() else int(hit.argmin())
