@@ -28,6 +28,7 @@ import random
 import statistics
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -131,13 +132,14 @@ def _measure(cluster: Cluster, peer: PeerPair, corpus: Corpus, reps: int, length
             loc = complete(B, prompt, tag=f"local-{n}-{rep}", replica="B", max_tokens=1, load=False, publish=False,
                            cache_salt=salt + "-cold")
             complete(A, prompt, tag=f"pub-{n}-{rep}", replica="A", max_tokens=1, cache_salt=salt)
+            sent = time.time()  # the history's clock (the client's own records go to one cluster's history)
             rem = complete(B, prompt, tag=f"remote-{n}-{rep}", replica="B", max_tokens=1, cache_salt=salt)
             complete(PA, prompt, tag=f"peer-pub-{n}-{rep}", replica="PA", max_tokens=1)
             ph = complete(PB, prompt, tag=f"peer-hit-{n}-{rep}", replica="PB", max_tokens=1)
             cold.append(c.ttft_s * 1e3)
             local.append(loc.ttft_s * 1e3)
             remote.append(rem.ttft_s * 1e3)
-            phase = _phases(cluster.history_dir, f"remote-{n}-{rep}", rem.ttft_s)
+            phase = _phases(cluster.history_dir, f"remote-{n}-{rep}", sent, rem.ttft_s)
             if phase:
                 phases.append(phase)
             peer_hit.append(ph.ttft_s * 1e3)
@@ -161,17 +163,16 @@ def _measure(cluster: Cluster, peer: PeerPair, corpus: Corpus, reps: int, length
     return rows
 
 
-def _phases(history_dir: Path, tag: str, ttft_s: float) -> dict[str, float] | None:
-    """A remote hit's TTFT in phases, in ms, from its history records (None: a record is
-    missing, e.g. the request loaded nothing)."""
+def _phases(history_dir: Path, tag: str, t0: float, ttft_s: float) -> dict[str, float] | None:
+    """A remote hit's TTFT in phases, in ms, from the request's send time (`t0`, wall
+    clock) and its connector records (None: a record is missing, e.g. nothing loaded)."""
     from harness.checkers.history import records
 
-    invoke = records(history_dir, "invoke", tag=tag)
     lookup = [r for r in records(history_dir, "lookup", tag=tag) if r.get("outcome") == "remote_hit"]
     load = [r for r in records(history_dir, "load", tag=tag) if r.get("loaded")]
-    if not (invoke and lookup and load):
+    if not (lookup and load):
         return None
-    t0, lk, ld = invoke[0]["t"], lookup[0], load[0]
+    lk, ld = lookup[0], load[0]
     asked = lk["t"] - lk.get("lookup_us", 0.0) / 1e6
     load_end = ld["t"]
     load_start = load_end - ld.get("seconds", 0.0)
