@@ -57,8 +57,8 @@ from kvpool.catalog import (
     ReserveResult,
     SlotStatus,
 )
-from kvpool.copy import Buffer, as_segments, copy_digest, copy_digest_as, digest_segments, total_size
-from kvpool.digest import DigestKind
+from kvpool.copy import Buffer, as_segments, copy_digest_as, total_size
+from kvpool.digest import DigestKind, page_digest
 from kvpool.shm_index import ShmIndex, ns_fingerprint
 from kvpool.errors import (
     ArenaError,
@@ -455,9 +455,11 @@ class PoolClient:
 # -- the two high-level operations, for any PoolBackend -------------------------------------
 def publish(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes],
             blocks: Sequence[Buffer | Sequence[Buffer]], boundary: int | None = None,
-            metrics: ClientMetrics | None = None) -> PublishResult:
+            metrics: ClientMetrics | None = None, kind: DigestKind = DigestKind.XXH3) -> PublishResult:
     """Two-phase publish of `blocks[i]` (one buffer or a list of segments) under
-    `hashes[i]`. Pages become visible only after the daemon re-verified their digest; on
+    `hashes[i]`, with digests of `kind` (kvpool.digest) taken over the bytes as copied.
+    Pages become visible only after the daemon's commit (which re-verifies xxh3-128
+    digests unless it trusts its commits); on
     any error the reservation is aborted (and, if even that fails, the daemon reclaims it
     when the connection drops or the reservation's TTL passes)."""
     if len(blocks) != len(hashes):
@@ -477,12 +479,12 @@ def publish(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes],
                     continue
                 view = backend.reserved_view(res, i)
                 if view is not None:
-                    digests.append(copy_digest(segments[i], [view[: sizes[i]]]))
+                    digests.append(copy_digest_as(kind, segments[i], [view[: sizes[i]]]))
                 else:
                     data = np.concatenate(segments[i]) if len(segments[i]) > 1 else segments[i][0]
                     backend.write_page(res, i, data)
-                    digests.append(digest_segments([data]))
-            out = backend.commit(res.reservation_id, digests)
+                    digests.append(page_digest(data, kind))
+            out = backend.commit(res.reservation_id, digests, kind)
         except BaseException:
             try:
                 backend.abort(res.reservation_id)

@@ -21,8 +21,6 @@ The host reads only the sketches; the page bytes stay on the link and the GPU.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import torch
 
@@ -82,9 +80,4 @@ def digests(host_sketch: np.ndarray, page_bytes: int) -> list[bytes]:
     return [sketch_digest(flat[i], page_bytes) for i in range(flat.shape[0])]
 
 
-def expected_rows(pages: Sequence[int] | int, page_bytes: int) -> int:
-    n = pages if isinstance(pages, int) else len(pages)
-    return n * sketch_rows(page_bytes)
-
-
-__all__ = ["SKETCH_COLS", "Sketcher", "digests", "expected_rows", "staged_width"]
+__all__ = ["SKETCH_COLS", "Sketcher", "digests", "staged_width"]

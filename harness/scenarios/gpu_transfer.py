@@ -28,9 +28,8 @@ import numpy as np
 import torch
 
 from faults.gpu_controls import UnorderedTransferEngine, delay_stream
-from kvpool.catalog import SlotStatus
 from kvpool.client import PoolClient, publish
-from kvpool.digest import DigestKind, page_digest
+from kvpool.digest import DigestKind
 from kvpool.gpu_transfer import CopyPath, OrderingEdge, TransferConfig, TransferEngine
 from kvpool.keys import Namespace, block_hashes
 from harness.checkers.verdict import Verdict
@@ -194,22 +193,6 @@ def staged_at_once(geom: Geometry) -> int:
     return (geom.chunk_pages or max(1, cfg.chunk_bytes // geom.page_bytes)) * cfg.load_buffers
 
 
-def publish_as(client: PoolClient, ns: Namespace, hashes: list[bytes], pages: np.ndarray, kind: DigestKind) -> int:
-    """Publish `pages` with digests of `kind` (as a GPU engine would for kv-sketch-1);
-    returns how many committed."""
-    if kind is DigestKind.XXH3:
-        return publish(client, ns, hashes, list(pages)).committed
-    res = client.reserve(ns, hashes, [pages.shape[1]] * len(hashes))
-    slots = [i for i, slot in enumerate(res.slots) if slot.status == SlotStatus.RESERVED]
-    if len(slots) != len(hashes):
-        if res.reservation_id:
-            client.abort(res.reservation_id)
-        return 0
-    for i in slots:
-        client.reserved_view(res, i)[: pages.shape[1]] = pages[i]
-    return client.commit(res.reservation_id, [page_digest(p, kind) for p in pages], kind).committed
-
-
 def pool_pages(client: PoolClient, ns: Namespace, hashes: list[bytes]) -> np.ndarray | None:
     """The committed pages of `hashes`, read from the arena (None if any is not committed)."""
     hits = client.lookup(ns, hashes).hits
@@ -264,7 +247,7 @@ def run_scenario(scenario: Scenario, geom: Geometry, make_engine: EngineFactory,
 
     if scenario in (Scenario.LOAD_RAW, Scenario.LOAD_WAR):
         for h, p in zip(hashes, new):
-            res = publish_as(client, ns, h, p, kind)
+            res = publish(client, ns, h, list(p), kind=kind).committed
             if res != k:
                 engine.close()
                 return Verdict(None, f"could not publish the reference pages: {res} of {k} committed")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from harness.system.pool import thread_pool
-from kvpool.client import PoolClient, load
+from kvpool.client import PoolClient, load, publish
 from kvpool.digest import DigestKind, page_digest
 from kvpool.errors import MissCause
 from kvpool.keys import Namespace, block_hashes
@@ -24,11 +24,7 @@ PAGE = 32 * 1024
 
 
 def _trusted_publish(c: PoolClient, hashes, pages) -> None:  # noqa: ANN001
-    res = c.reserve(NS, hashes, [PAGE] * len(hashes))
-    for i, page in enumerate(pages):
-        c.reserved_view(res, i)[:] = page
-    out = c.commit(res.reservation_id, [page_digest(p, DigestKind.SKETCH) for p in pages], DigestKind.SKETCH)
-    assert out.committed == len(pages)
+    assert publish(c, NS, hashes, pages, kind=DigestKind.SKETCH).committed == len(pages)
 
 
 def _until(c: PoolClient, done, timeout_s: float = 20.0) -> dict[str, int]:  # noqa: ANN001
