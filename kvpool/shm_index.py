@@ -32,6 +32,7 @@ import numpy as np
 
 _ODD = np.uint64(1)
 _READS = 4
+_LOW32 = 0xFFFF_FFFF
 _PROBE_VIEW = np.dtype({"names": ["head", "tail"], "formats": ["<u8", "V24"], "offsets": [0, 8], "itemsize": 32})
 ENTRY = np.dtype([("seq", "<u4"), ("page1", "<u4"), ("fp", "<u8"), ("k0", "<u8"), ("k1", "<u8")])
 SLOTS = 4  # a power of two
@@ -70,28 +71,28 @@ class ShmIndex:
         start = (k0 & int(self.mask)) * SLOTS
         return start, k0, k1
 
+    def _write(self, i: int, head: int, fp: int, k0: int, k1: int, page1: int) -> None:
+        """Rewrite entry i: its seq odd first, then the block, then seq even with page + 1."""
+        w = self._words[i]
+        seq = head & _LOW32
+        w[0] = seq + 1  # odd: being written (page + 1 reads 0 meanwhile)
+        w[1], w[2], w[3] = fp, k0, k1
+        w[0] = ((seq + 2) & _LOW32) | page1 << 32
+
     def insert(self, key: bytes, fp: int, page: int) -> bool:
         start, k0, k1 = self._slots(key)
-        e = self.e
-        for i in range(start, start + SLOTS):
-            if e["page1"][i] == 0:
-                e["seq"][i] += 1  # odd: being written
-                e["fp"][i], e["k0"][i], e["k1"][i] = fp, k0, k1
-                e["page1"][i] = page + 1
-                e["seq"][i] += 1
+        for j, head in enumerate(self._words[start : start + SLOTS, 0].tolist()):
+            if head >> 32 == 0:
+                self._write(start + j, head, fp, k0, k1, page + 1)
                 return True
         self.overflow += 1
         return False
 
     def remove(self, key: bytes, fp: int, page: int) -> bool:
         start, k0, k1 = self._slots(key)
-        e = self.e
-        for i in range(start, start + SLOTS):
-            if e["page1"][i] == page + 1 and e["k0"][i] == k0 and e["k1"][i] == k1 and e["fp"][i] == fp:
-                e["seq"][i] += 1
-                e["page1"][i] = 0
-                e["fp"][i] = e["k0"][i] = e["k1"][i] = 0  # an empty entry matches no block
-                e["seq"][i] += 1
+        for j, (head, efp, ek0, ek1) in enumerate(self._words[start : start + SLOTS].tolist()):
+            if head >> 32 == page + 1 and (efp, ek0, ek1) == (fp, k0, k1):
+                self._write(start + j, head, 0, 0, 0, 0)  # an empty entry matches no block
                 return True
         return False
 
