@@ -797,6 +797,11 @@ class TransferEngine:
             self._sk_load_stage = [torch.zeros((cp, width), dtype=torch.uint8, device=dev) for _ in range(n)]
             self._sk_load_dev = [torch.empty((cp * self._sk_rows, SKETCH_COLS), dtype=torch.int32, device=dev)
                                  for _ in range(n)]
+            # per buffer, the host's copy of its chunk's sketches: written only on the kernel
+            # stream (in order), read by the host after that chunk's event
+            self._sk_load_host = [torch.empty((cp, self._sk_rows, SKETCH_COLS), dtype=torch.int32, pin_memory=True)
+                                  for _ in range(n)]
+            self._sk_load_host_np = [h.numpy() for h in self._sk_load_host]
             if self._driver is not None:
                 self._sk_load_scratch = torch.empty(cp * largest, dtype=torch.uint8, device=dev)
                 self._sk_gather_ring = _IndexRing(dev, self._load_k, ring)
@@ -1365,13 +1370,11 @@ class TransferEngine:
         written, never reported loaded: the engine recomputes it. `done` is recorded once
         every copy reading the pages and every kernel touching the blocks is enqueued."""
         n = len(hits)
-        pb, rows = self.layout.page_bytes, self._sk_rows
+        pb = self.layout.page_bytes
         pages = list(hits.pages)
         expected = [hits.digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES] for i in range(n)]
         chunks = [range(a, min(a + self._chunk_pages, n)) for a in range(0, n, self._chunk_pages)]
         nbuf = len(self._sk_load_stage)
-        host = torch.empty((n, rows, SKETCH_COLS), dtype=torch.int32, pin_memory=True)
-        host_np = host.numpy()
         copied: list[torch.cuda.Event] = []
         sketched: list[torch.cuda.Event] = []
         scattered = self._load_free  # per buffer: the last scatter that read it (this load's or an earlier one's)
@@ -1400,7 +1403,7 @@ class TransferEngine:
                 self._load_k.wait_event(ev)
                 if driver:
                     self._gather([ids[j] for j in chunk], stage, self._sk_load_scratch, self._sk_gather_ring)
-                self._sketch_to_host(stage, len(chunk), self._sk_load_dev[b], host[chunk.start : chunk.stop])
+                self._sketch_to_host(stage, len(chunk), self._sk_load_dev[b], self._sk_load_host[b][: len(chunk)])
                 ev2 = _host_event()
                 ev2.record(self._load_k)
                 sketched.append(ev2)
@@ -1413,7 +1416,8 @@ class TransferEngine:
         stop: Miss | None = None
         for i, chunk in enumerate(chunks):
             _await_event(sketched[i], _LOAD_POLL_S)
-            ok = self._verified(sketch_digests(host_np[chunk.start : chunk.stop], pb), expected[chunk.start : chunk.stop])
+            got = sketch_digests(self._sk_load_host_np[i % nbuf][: len(chunk)], pb)
+            ok = self._verified(got, expected[chunk.start : chunk.stop])
             if deadline_s is not None and time.monotonic() - t0 > deadline_s:
                 stop = Miss(loaded, MissCause.TIMEOUT)
                 break
