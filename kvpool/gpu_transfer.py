@@ -352,11 +352,43 @@ class _Unit:
     sketch_index: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
+class _PinnedSketches:
+    """Pinned host buffers for the sketches of stores, reused: a store's buffer returns
+    here once every commit that reads it finished. Pinned allocation costs about 0.6 ms
+    per MiB (40 ms for the sketches of 4096 pages of 4 MiB), on the store's own path.
+    Every write into a buffer is a copy on one kernel stream, so a buffer handed out
+    again is written only after the copies of its previous store."""
+
+    KEEP = 4
+
+    def __init__(self, rows: int, least: int):
+        self.rows = rows
+        self.least = least
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> torch.Tensor:
+        with self._lock:
+            fits = [b for b in self._free if b.shape[0] >= n]
+            if fits:
+                best = min(fits, key=lambda b: b.shape[0])
+                self._free.remove(best)
+                return best
+        cap = max(self.least, 1 << max(0, n - 1).bit_length())
+        return torch.empty((cap, self.rows, SKETCH_COLS), dtype=torch.int32, pin_memory=True)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+            if len(self._free) > self.KEEP:
+                self._free.remove(min(self._free, key=lambda b: b.shape[0]))
+
+
 class StoreHandle:
     """A store in flight; `result` (a Future) resolves to the StoreOutcome after the last
     commit."""
 
-    __slots__ = ("id", "block_ids", "requested", "counts", "errors", "result", "_units", "_t0")
+    __slots__ = ("id", "block_ids", "requested", "counts", "errors", "result", "_units", "_t0", "_sketch")
 
     def __init__(self, hid: int, block_ids: tuple[int, ...], t0: float):
         self.id = hid
@@ -366,6 +398,7 @@ class StoreHandle:
         self.errors: list[str] = []
         self._units: list[_Unit] = []
         self._t0 = t0
+        self._sketch: torch.Tensor | None = None  # its pinned sketch buffer, until the last commit
         self.result: cf.Future = cf.Future()
 
     def __repr__(self) -> str:
@@ -809,6 +842,7 @@ class TransferEngine:
             self._sk_scatter_ring = _IndexRing(dev, self._load_s, ring)
         if self._driver is None:
             self._load_stage = self._sk_load_stage[:2]  # loads of xxh3-128 pages stage here too
+        self._store_sketches = _PinnedSketches(self._sk_rows, cp)
         self._store_buf = 0
         self._store_free: list[torch.cuda.Event | None] = [None, None]
         self._load_free: list[torch.cuda.Event | None] = [None] * self.config.load_buffers
@@ -1093,8 +1127,7 @@ class TransferEngine:
             pending: list[tuple[int, int, _Unit]] = []  # (block id, page, unit) not yet copied
             self._kv_read: list[torch.cuda.Event] = []  # the last chunk's "KV read" events
             if self._sketcher is not None:
-                self._store_sketch = torch.empty((len(ids), self._sk_rows, SKETCH_COLS), dtype=torch.int32,
-                                                 pin_memory=True)
+                self._store_sketch = handle._sketch = self._store_sketches.take(len(ids))
                 self._store_sketched = 0
             try:
                 with torch.cuda.stream(self.store_stream):
@@ -1510,6 +1543,9 @@ class TransferEngine:
         lock = threading.Lock()
 
         def settle() -> None:
+            if isinstance(h, StoreHandle) and h._sketch is not None:  # every commit reading it finished
+                self._store_sketches.give(h._sketch)
+                h._sketch = None
             try:
                 h.result.set_result(self._outcome(h))
             except BaseException as exc:  # noqa: BLE001 - handed to whoever reads the result
