@@ -361,27 +361,26 @@ class _PinnedSketches:
 
     KEEP = 4
 
-    def __init__(self, rows: int, least: int):
+    def __init__(self, rows: int, least: int, pin: bool = True):
         self.rows = rows
         self.least = least
+        self.pin = pin
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
     def take(self, n: int) -> torch.Tensor:
         with self._lock:
-            fits = [b for b in self._free if b.shape[0] >= n]
+            fits = [i for i, b in enumerate(self._free) if b.shape[0] >= n]
             if fits:
-                best = min(fits, key=lambda b: b.shape[0])
-                self._free.remove(best)
-                return best
+                return self._free.pop(min(fits, key=lambda i: self._free[i].shape[0]))
         cap = max(self.least, 1 << max(0, n - 1).bit_length())
-        return torch.empty((cap, self.rows, SKETCH_COLS), dtype=torch.int32, pin_memory=True)
+        return torch.empty((cap, self.rows, SKETCH_COLS), dtype=torch.int32, pin_memory=self.pin)
 
     def give(self, buf: torch.Tensor) -> None:
         with self._lock:
             self._free.append(buf)
-            if len(self._free) > self.KEEP:
-                self._free.remove(min(self._free, key=lambda b: b.shape[0]))
+            if len(self._free) > self.KEEP:  # by index: == on tensors compares their elements
+                self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].shape[0]))
 
 
 class StoreHandle:
