@@ -11,7 +11,9 @@ apart by cache_salt):
   local_hit_ttft_ms   the same prompt again on B (B's own GPU prefix cache)
   remote_hit_ttft_ms  TTFT on B of the prompt A computed and published (kvgate)
   peer_hit_ttft_ms    TTFT on C of the prompt C computed and offloaded before
-Medians; ratios remote/peer and remote/local. Not a test: nothing is asserted.
+Medians; ratios remote/peer and remote/local; `remote_phases_ms`: where the remote hit's
+TTFT goes (kvgate bench live's phases: to the scheduler's lookup, the lookup, to the load,
+the load until load() returned, after it). Not a test: nothing is asserted.
 
   start_bench(report_dir, max_len) -> Cluster     builds the model, starts A, B, C
   measure(cluster, lengths, reps, deadline_s) -> dict
@@ -27,6 +29,7 @@ from pathlib import Path
 
 from fixtures.gpu_model import BENCH_SHAPE
 from harness.system.cluster import Cluster, ReplicaSpec
+from harness.bench.live import remote_phases
 from harness.scenarios.gpu_live import wait_published
 from harness.system.gpu import BLOCK_SIZE, gpu_args
 from harness.client.http import complete
@@ -73,6 +76,7 @@ def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: f
     rows = []
     for n in lengths:
         cold, local, remote, peer = [], [], [], []
+        phases: list[dict[str, float]] = []
         for rep in range(reps):
             if time.monotonic() > t_end - 30:
                 _say(f"bench gpu live: out of time before {n} tokens, rep {rep}")
@@ -85,7 +89,11 @@ def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: f
                            publish=False, cache_salt=salt + "-cold")
             complete(A, prompt, tag=f"pub-{n}-{rep}", replica="A", max_tokens=1, cache_salt=salt)
             wait_published(cluster.history_dir, "A", f"pub-{n}-{rep}", n // BLOCK_SIZE, timeout_s=60)
+            sent = time.time()
             rem = complete(B, prompt, tag=f"remote-{n}-{rep}", replica="B", max_tokens=1, cache_salt=salt)
+            phase = remote_phases(cluster.history_dir, f"remote-{n}-{rep}", sent, rem.ttft_s)
+            if phase is not None:
+                phases.append(phase)
             complete(C, prompt, tag=f"peer-pub-{n}-{rep}", replica="C", max_tokens=1, cache_salt=salt + "-peer")
             time.sleep(PEER_SETTLE_S)
             ph = complete(C, prompt, tag=f"peer-hit-{n}-{rep}", replica="C", max_tokens=1,
@@ -108,6 +116,8 @@ def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: f
             row[f"{name}_all"] = [round(v, 1) for v in values]
         row["remote_vs_peer"] = round(row["remote_hit_ttft_ms"] / row["peer_hit_ttft_ms"], 3)
         row["remote_vs_local"] = round(row["remote_hit_ttft_ms"] / row["local_hit_ttft_ms"], 3)
+        if phases:  # where the remote hit's TTFT goes (medians), from its connector records
+            row["remote_phases_ms"] = {k: round(statistics.median(p[k] for p in phases), 1) for k in phases[0]}
         rows.append(row)
     s = BENCH_SHAPE
     return {

@@ -139,7 +139,7 @@ def _measure(cluster: Cluster, peer: PeerPair, corpus: Corpus, reps: int, length
             cold.append(c.ttft_s * 1e3)
             local.append(loc.ttft_s * 1e3)
             remote.append(rem.ttft_s * 1e3)
-            phase = _phases(cluster.history_dir, f"remote-{n}-{rep}", sent, rem.ttft_s)
+            phase = remote_phases(cluster.history_dir, f"remote-{n}-{rep}", sent, rem.ttft_s)
             if phase:
                 phases.append(phase)
             peer_hit.append(ph.ttft_s * 1e3)
@@ -163,7 +163,7 @@ def _measure(cluster: Cluster, peer: PeerPair, corpus: Corpus, reps: int, length
     return rows
 
 
-def _phases(history_dir: Path, tag: str, t0: float, ttft_s: float) -> dict[str, float] | None:
+def remote_phases(history_dir: Path, tag: str, t0: float, ttft_s: float) -> dict[str, float] | None:
     """A remote hit's TTFT in phases, in ms, from the request's send time (`t0`, wall
     clock) and its connector records (None: a record is missing, e.g. nothing loaded)."""
     from harness.checkers.history import records
