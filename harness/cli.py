@@ -82,11 +82,57 @@ def cmd_gpu_live(args: argparse.Namespace) -> int:
                     exchanges=not args.no_exchanges, session_audit=args.session_audit)
 
 
+def _connector_extra(text: str | None) -> dict | None:
+    if not text:
+        return None
+    try:
+        extra = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"kvgate: --connector-config is not JSON: {exc}") from exc
+    if not isinstance(extra, dict):
+        raise SystemExit("kvgate: --connector-config must be a JSON object (the connector's extra config)")
+    return extra
+
+
+def _conformance(names: list[str], extra: dict | None, seed: int | None, report_dir: Path,
+                 scenarios: list[str] | None) -> tuple[list[dict], int]:
+    import secrets
+
+    from harness.conformance.gate import write_matrix, run_connector
+    from harness.conformance.scenarios import SCENARIOS
+
+    unknown = sorted(set(scenarios or ()) - set(SCENARIOS))
+    if unknown:
+        raise SystemExit(f"kvgate: no connector scenarios {unknown}; known: {sorted(SCENARIOS)}")
+    root = seed if seed is not None else secrets.randbits(32)
+    print(f"kvgate conformance: replay key seed={root} connectors={','.join(names)}", flush=True)
+    rows = [run_connector(n, extra, root, report_dir / n.replace(":", "_").replace("/", "_"), scenarios) for n in names]
+    paths = write_matrix(rows, report_dir, root)
+    for row in rows:
+        cells = row["cells"].values()
+        print(f"  {row['connector']:<12} " + "  ".join(f"{c['scenario']}={c['status']}" for c in cells))
+    print(f"kvgate conformance: matrix {paths['markdown']}")
+    return rows, root
+
+
 def cmd_gate(args: argparse.Namespace) -> int:
     from harness.gate import run_gate
 
+    if args.connector:
+        rows, _ = _conformance([args.connector], _connector_extra(args.connector_config), args.seed,
+                               args.report_dir, args.scenario or None)
+        failed = [c for c in rows[0]["cells"].values() if c["status"] == "fail"]
+        print(f"kvgate gate --connector {args.connector}: {'FAIL' if failed else 'PASS'} "
+              f"({len(failed)} failing cells)")
+        return 1 if failed else 0
     return run_gate(seed=args.seed, report_dir=args.report_dir, seeds=args.seeds, profile=args.profile,
                     scenarios=args.scenario or None, pool_checks=not args.no_pool_checks)
+
+
+def cmd_conformance(args: argparse.Namespace) -> int:
+    names = [n for n in args.connectors.split(",") if n]
+    _conformance(names, None, args.seed, args.report_dir, args.scenario or None)
+    return 0
 
 
 def cmd_scenarios(args: argparse.Namespace) -> int:
@@ -223,7 +269,18 @@ def build_parser() -> argparse.ArgumentParser:
                       help="fault kinds to run, comma-separated ('none': the fault-free scenarios), or 'all'")
     gate.add_argument("--scenario", action="append", default=[], help="only this scenario (repeatable)")
     gate.add_argument("--no-pool-checks", action="store_true", help="skip the pool criteria (no live system)")
+    gate.add_argument("--connector", default="",
+                      help="gate this V1 connector instead (kvpool, example, offloading, lmcache-mp, or module:Class) "
+                           "on the connector-agnostic scenarios")
+    gate.add_argument("--connector-config", default="", help="the connector's extra config, JSON (with module:Class)")
     gate.set_defaults(func=cmd_gate)
+
+    cf = sub.add_parser("conformance", help="the conformance matrix: connector x connector-agnostic scenario")
+    cf.add_argument("--connectors", default="kvpool,example,lmcache-mp,offloading")
+    cf.add_argument("--seed", type=int, default=None)
+    cf.add_argument("--scenario", action="append", default=[], help="only this scenario (repeatable)")
+    cf.add_argument("--report-dir", type=Path, default=Path("reports/runs/conformance"))
+    cf.set_defaults(func=cmd_conformance)
 
     sc = sub.add_parser("scenarios", help="list the scenario catalog (fixtures/scenarios)")
     sc.set_defaults(func=cmd_scenarios)

@@ -11,7 +11,9 @@ ExampleConnector or OffloadingConnector) does all the work; the wrapper
   scheduler side  learns, per request, which blocks the inner connector will load (from
                   get_num_new_matched_tokens / update_state_after_alloc) and which prompt
                   blocks each step completes; it sends that, next to the inner metadata,
-                  in AuditMetadata.
+                  in AuditMetadata. Each answer the inner connector gives to
+                  get_num_new_matched_tokens is an `audit_match` record (local and
+                  external tokens): what it claimed, for any connector.
   worker side     after the inner wait_for_save of a step (the step's KV is final; on GPU
                   after a full device sync) it digests
                     * "produced": every block the step completed, as the producer has it;
@@ -95,6 +97,12 @@ class AuditConnector(WrappingConnector):
             hashes = [h.hex() for h in inputs.hashes(full, B)]
             keys = [h.hex() for h in inputs.hashes(full, B, _salt_root(request))]
             self._reqs[request.request_id] = _Req(_request_tag(request), len(tokens), hashes, keys)
+        external = result[0] if isinstance(result, tuple) else result
+        if external is not None:  # what the inner connector claimed (None: it asks to be asked again)
+            self.history.write("audit_match", req=request.request_id, tag=self._reqs[request.request_id].tag,
+                               local_tokens=int(num_computed_tokens), external_tokens=int(external),
+                               load_async=bool(result[1]) if isinstance(result, tuple) else False,
+                               prompt_tokens=len(request.prompt_token_ids or []))
         return result
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):  # noqa: ANN001, ANN201

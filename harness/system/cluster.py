@@ -77,6 +77,10 @@ class ReplicaSpec:
     # socket on this host: the arena stays mapped and only the frames around the pages cross it)
     connector_extra: tuple[tuple[str, object], ...] = ()  # more kv_connector_extra_config settings
     check_params: bool = False  # kvpool.http's check in front of the server: bad kvpool params get a 400
+    # Another V1 connector instead of kvpool's ("module:Class"), with its own settings; still
+    # wrapped by the fault connector and the audit when faults_file / audit are set.
+    inner: str = ""
+    inner_extra: tuple[tuple[str, object], ...] = ()
 
 
 @dataclasses.dataclass
@@ -163,6 +167,9 @@ class Cluster:
         self.proxies[replica].configure(faults)
 
     def kv_transfer_config(self, spec: ReplicaSpec) -> dict:
+        if spec.inner:
+            extra = {"replica": spec.name, "history_dir": str(self.history_dir), **dict(spec.inner_extra)}
+            return connector_config(spec.inner, extra, spec.policy, audit=spec.audit, faults_file=spec.faults_file)
         pool = self._proxy_for(spec).address if spec.via_proxy else self.pool.unix
         extra = {"pool": pool, "token": self.pool.token, "replica": spec.name,
                  "history_dir": str(self.history_dir), "model_id": "kvgate-tiny", **dict(spec.connector_extra)}

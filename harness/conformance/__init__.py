@@ -1,0 +1,1 @@
+"""Gate any V1 connector: the connector-agnostic scenarios and the conformance matrix."""

@@ -1,0 +1,170 @@
+"""The connectors the conformance matrix gates, each with what kvgate needs to know
+about it: how to configure it on a replica, what it declares it can do (a scenario that
+needs a capability the connector does not have is "not applicable", with the reason),
+how to break a stored prompt's KV where that connector keeps it (the data fault of the
+load-failure scenarios), and the versions tested.
+
+  CONNECTORS              short name -> Profile
+  profile(name, extra)    a short name, or "module:Class" (with `extra`, its settings)
+
+Faults are injected at the data, never by raising the exception the connector expects:
+kvpool's page in the shared arena (faults.backend flips a bit of the committed page while
+the consumer's lease holds it), ExampleConnector's safetensors file on disk (removed, as
+a lost file on a shared file system would be).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from harness.system.cluster import CONNECTOR
+
+
+class ConnectorUnavailable(Exception):
+    """The connector cannot run on this machine (not installed, or needs a GPU)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Capability:
+    has: bool
+    why: str  # what the connector does, in a sentence (the reason of a "not applicable")
+
+
+@dataclasses.dataclass
+class Profile:
+    name: str
+    inner: str  # "module:Class"; kvpool's own connector is CONNECTOR
+    describe: str
+    capabilities: dict[str, Capability]
+    # per replica: settings of the inner connector (report_dir -> extra config)
+    settings: Callable[[Path], dict[str, Any]] = lambda report_dir: {}
+    # break what the consumer would load of a stored prompt; returns a record of what was done
+    break_stored: Callable[..., dict[str, Any]] | None = None
+    packages: tuple[str, ...] = ("vllm",)  # whose versions the matrix records
+    device: str = "cpu"
+
+    def versions(self) -> dict[str, str]:
+        out = {}
+        for pkg in self.packages:
+            try:
+                out[pkg] = importlib.metadata.version(pkg)
+            except importlib.metadata.PackageNotFoundError:
+                out[pkg] = "not installed"
+        return out
+
+    def check_available(self) -> None:
+        module, _, cls = self.inner.partition(":")
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as exc:
+            raise ConnectorUnavailable(f"{self.inner}: cannot import {module}: {exc}") from exc
+        if not hasattr(mod, cls):
+            raise ConnectorUnavailable(f"{self.inner}: {module} has no {cls}")
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConnectorUnavailable(f"{self.name} runs on CUDA GPUs only; this machine has none")
+
+    def needs(self, capability: str) -> str | None:
+        """None when the connector has the capability, else the reason it does not apply."""
+        cap = self.capabilities.get(capability)
+        if cap is None:
+            return f"{self.name} declares nothing about {capability!r}"
+        return None if cap.has else cap.why
+
+
+# -- kvpool ------------------------------------------------------------------------------------
+def _kvpool_break(cluster, consumer: str, **_: Any) -> dict[str, Any]:  # noqa: ANN001
+    """Arm the consumer's pool client: at its next acquire, flip one bit of block 0's
+    committed page in the arena (healed at the release)."""
+    path = cluster.faults[consumer]
+    path.write_text(json.dumps({"load": {"kind": "corrupt", "block": 0, "seed": 0}}))
+    return {"where": "the committed page of block 0 in the shared arena", "how": "one bit flipped (faults.backend)",
+            "armed": str(path)}
+
+
+# -- vLLM's ExampleConnector -------------------------------------------------------------------
+def _example_settings(report_dir: Path) -> dict[str, Any]:
+    return {"shared_storage_path": str(Path(report_dir) / "example-storage")}
+
+
+def _example_break(cluster, consumer: str, *, before: set[str], **_: Any) -> dict[str, Any]:  # noqa: ANN001
+    """Remove one layer's file of every prompt folder the producer wrote since `before`
+    (a listing of the storage taken before the producer's request)."""
+    storage = Path(cluster.report_dir) / "example-storage"
+    new = sorted(p for p in storage.iterdir() if p.is_dir() and p.name not in before)
+    removed = []
+    for folder in new:
+        files = sorted(folder.glob("*.safetensors"))
+        if files:
+            files[0].unlink()
+            removed.append(f"{folder.name}/{files[0].name}")
+    return {"where": f"{storage}", "how": "one layer's safetensors file removed from the stored prompt's folder",
+            "removed": removed}
+
+
+def storage_listing(cluster) -> set[str]:  # noqa: ANN001
+    storage = Path(cluster.report_dir) / "example-storage"
+    return {p.name for p in storage.iterdir()} if storage.exists() else set()
+
+
+def clear_storage(cluster) -> None:  # noqa: ANN001
+    storage = Path(cluster.report_dir) / "example-storage"
+    if storage.exists():
+        shutil.rmtree(storage)
+    storage.mkdir(parents=True, exist_ok=True)
+
+
+EXAMPLE = "vllm.distributed.kv_transfer.kv_connector.v1.example_connector:ExampleConnector"
+OFFLOADING = "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector:OffloadingConnector"
+LMCACHE_MP = "lmcache.integration.vllm.lmcache_mp_connector:LMCacheMPConnector"
+
+CONNECTORS: dict[str, Profile] = {
+    "kvpool": Profile(
+        "kvpool", CONNECTOR, "kvpool's connector on a shared host-memory pool",
+        {"shared_store": Capability(True, "replicas share one pool"),
+         "prefix_hits": Capability(True, "keys are a chain over complete blocks: any block-aligned prefix hits"),
+         "data_fault": Capability(True, "a bit of a committed page in the arena")},
+        break_stored=_kvpool_break, packages=("vllm",)),
+    "example": Profile(
+        "example", EXAMPLE, "vLLM's ExampleConnector (KV of whole prompts in safetensors files on a shared path)",
+        {"shared_store": Capability(True, "replicas given one shared_storage_path share its files"),
+         "prefix_hits": Capability(False, "ExampleConnector keys a folder by the hash of the whole prompt's "
+                                          "block-aligned tokens: a prompt that shares only a prefix never hits"),
+         "data_fault": Capability(True, "a layer's safetensors file of a stored prompt")},
+        settings=_example_settings, break_stored=_example_break),
+    "offloading": Profile(
+        "offloading", OFFLOADING, "vLLM's OffloadingConnector (a CPU tier of one replica)",
+        {"shared_store": Capability(False, "OffloadingConnector's CPU tier belongs to one replica: nothing is "
+                                           "shared across replicas"),
+         "prefix_hits": Capability(True, "block hashes"),
+         "data_fault": Capability(False, "its CPU tier lives inside the replica's process; no outside access")},
+        device="cuda"),
+    "lmcache-mp": Profile(
+        "lmcache-mp", LMCACHE_MP, "LMCache's LMCacheMPConnector against an `lmcache server`",
+        {"shared_store": Capability(True, "replicas share one lmcache server"),
+         "prefix_hits": Capability(True, "chunk hashes (256-token chunks)"),
+         "data_fault": Capability(False, "the server's L1 memory is inside its process")},
+        packages=("vllm", "lmcache")),
+}
+
+
+def profile(name: str, extra: dict[str, Any] | None = None) -> Profile:
+    if name in CONNECTORS:
+        return CONNECTORS[name]
+    if ":" not in name:
+        raise SystemExit(f"kvgate: unknown connector {name!r}; known: {sorted(CONNECTORS)} or module:Class")
+    settings = dict(extra or {})
+    return Profile(name, name, f"{name} (given by its class path)",
+                   {"shared_store": Capability(True, "assumed: the extra config is expected to share a store"),
+                    "prefix_hits": Capability(True, "assumed"),
+                    "data_fault": Capability(False, "kvgate does not know where this connector keeps its data")},
+                   settings=lambda report_dir: dict(settings), packages=("vllm", name.partition(".")[0]))

@@ -1,0 +1,223 @@
+"""`kvgate gate --connector NAME` and `kvgate conformance`: the connector-agnostic
+scenarios (harness.conformance.scenarios) against one V1 connector, or a matrix of them.
+
+  run_connector(name, extra, seed, report_dir, scenarios) -> dict
+      starts a pool (kvpool's rows use it; the others ignore it) and replicas A (policy
+      fail), B (recompute) and, where a scenario needs it, C (revision r2 of the tiny
+      model) with the connector wrapped by faults.connector and kvpool.audit; runs every
+      scenario (n/a where the connector lacks what it needs); a replica that died is
+      restarted before the next scenario, and its death is the failing cell's evidence.
+  write_matrix(rows, out_dir) -> paths      matrix.json and matrix.md
+
+A failing cell is a finding about that connector: its reason, its evidence, the versions
+and the command that replays it. `kvgate gate --connector X` exits 1 when a cell of X
+failed; `kvgate conformance` reports the whole matrix and exits 0 when it ran.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from harness.checkers.verdict import Checks
+from harness.client.http import RequestFailed
+from harness.conformance.connectors import ConnectorUnavailable, Profile, clear_storage, profile
+from harness.conformance.scenarios import SCENARIOS, Ctx, Scenario, ScenarioDown
+from harness.plugin import derive_seed
+from harness.provenance import provenance
+from harness.system.procs import tail
+
+STATUSES = ("pass", "fail", "n/a", "not run")
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def replay(name: str, scenario: str, seed: int) -> str:
+    return f"kvgate gate --connector {name} --scenario {scenario} --seed {seed}"
+
+
+def _specs(prof: Profile, report_dir: Path, replicas: set[str]):  # noqa: ANN202
+    from fixtures.tiny_model import build_tiny_model
+    from harness.system.cluster import DEFAULT_CHUNK, ReplicaSpec
+
+    settings = tuple(prof.settings(report_dir).items())
+    inner = "" if prof.name == "kvpool" else prof.inner
+    specs = []
+    for name, core, policy in (("A", "0", "fail"), ("B", "1", "recompute"), ("C", "0", "recompute")):
+        if name not in replicas:
+            continue
+        model = build_tiny_model(report_dir / "model" / "tiny-r2", seed=0, revision="r2") if name == "C" else None
+        specs.append(ReplicaSpec(name, core=core, policy=policy, audit=True, model_dir=model,
+                                 max_num_batched_tokens=DEFAULT_CHUNK, inner=inner, inner_extra=settings,
+                                 faults_file=str(report_dir / f"faults-{name}.json")))
+    return specs
+
+
+def _down_evidence(cluster) -> dict[str, str]:  # noqa: ANN001
+    out = {}
+    for name, r in cluster.replicas.items():
+        if r.proc.poll() is not None:
+            text = tail(r.log_path, 4000)
+            lines = [ln for ln in text.splitlines() if "Error" in ln or "error" in ln or "Traceback" in ln]
+            out[name] = "\n".join(lines[-12:]) or text[-1500:]
+    return out
+
+
+def _heal(cluster) -> list[str]:  # noqa: ANN001
+    restarted = []
+    for name, r in list(cluster.replicas.items()):
+        if r.proc.poll() is not None:
+            cluster.restart_replica(name)
+            restarted.append(name)
+    return restarted
+
+
+def _run_body(ctx: Ctx, sc: Scenario, **kw: Any) -> tuple[Checks | None, str | None, dict]:
+    """(checks, why it could not finish, evidence of a system that went down)."""
+    ctx.cluster.reset()
+    clear_storage(ctx.cluster)
+    ctx.t0 = time.time()
+    try:
+        return sc.body(ctx, **kw), None, {}
+    except ScenarioDown as exc:
+        return None, f"the system went down: {exc}", _down_evidence(ctx.cluster)
+    except (RequestFailed, AssertionError, OSError) as exc:
+        down = _down_evidence(ctx.cluster)
+        return None, f"{type(exc).__name__}: {str(exc)[:400]}", down
+
+
+def run_cell(ctx: Ctx, sc: Scenario, root: int) -> dict[str, Any]:
+    name = ctx.profile.name
+    seed = derive_seed(root, f"conformance:{sc.name}")
+    cell: dict[str, Any] = {"scenario": sc.name, "describe": sc.describe, "seed": seed,
+                            "replay": replay(name, sc.name, root)}
+    na = next((why for why in (ctx.profile.needs(n) for n in sc.needs) if why), None)
+    if na:
+        return {**cell, "status": "n/a", "reason": na}
+    if sc.body is None:
+        return {**cell, "status": "not run", "reason": sc.not_run}
+    t0 = time.monotonic()
+    ctx.seed = seed
+    checks, broke, down = _run_body(ctx, sc)
+    if checks is None:
+        restarted = _heal(ctx.cluster)
+        return {**cell, "status": "fail", "reason": broke, "evidence": {"replica_logs": down, "restarted": restarted},
+                "seconds": round(time.monotonic() - t0, 1)}
+    v = checks.verdict(sc.describe)
+    cell.update(status="pass" if v.valid else "fail", reason=v.reason[:600], evidence=v.evidence)
+    if v.valid and sc.control:
+        ctx.seed = derive_seed(seed, f"control:{sc.control}")
+        cchecks, cbroke, cdown = _run_body(ctx, sc, control=sc.control)
+        if cchecks is None:
+            control = {"name": sc.control, "caught": False, "why": f"INCONCLUSIVE: {cbroke}", "replica_logs": cdown}
+            _heal(ctx.cluster)
+        else:
+            failed = cchecks.output_failed if sc.control_oracle == "output" else cchecks.failed
+            control = {"name": sc.control, "oracle": sc.control_oracle, "caught": bool(failed),
+                       "why": (failed[0] if failed else f"the {sc.control_oracle} judgement passed under the control")[:300]}
+        ctx.cluster.reset()
+        cell["control"] = control
+        if not control["caught"]:
+            cell.update(status="fail", reason=f"negative control {sc.control} not caught: {control['why']}")
+    cell["seconds"] = round(time.monotonic() - t0, 1)
+    return cell
+
+
+def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir: Path,
+                  scenarios: list[str] | None = None) -> dict[str, Any]:
+    from harness.system.cluster import Cluster, install_sigterm_unwind
+    from harness.workload.prompts import Corpus
+
+    prof = profile(name, extra)
+    chosen = [SCENARIOS[s] for s in (scenarios or list(SCENARIOS))]
+    row: dict[str, Any] = {"connector": prof.name, "class": prof.inner, "describe": prof.describe,
+                           "versions": prof.versions(), "seed": seed, "cells": {}}
+    try:
+        prof.check_available()
+    except ConnectorUnavailable as exc:
+        for sc in chosen:
+            row["cells"][sc.name] = {"scenario": sc.name, "describe": sc.describe, "status": "n/a",
+                                     "reason": f"not run here: {exc}", "replay": replay(prof.name, sc.name, seed)}
+        return row
+    runnable = [sc for sc in chosen if sc.body is not None and not any(prof.needs(n) for n in sc.needs)]
+    replicas = {r for sc in runnable for r in sc.replicas}
+    report_dir = Path(report_dir)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    cluster = None
+    if replicas:
+        from fixtures.tiny_model import build_tiny_model
+
+        install_sigterm_unwind()
+        model = build_tiny_model(report_dir / "model" / "tiny", seed=0, revision="r1")
+        cluster = Cluster(model, report_dir, page_size=128 * 1024, pool_pages=1024)
+        _say(f"kvgate gate --connector {prof.name}: starting a pool and replicas {sorted(replicas)} ...")
+        cluster.start(_specs(prof, report_dir, replicas))
+    try:
+        corpus = Corpus(cluster.model_dir) if cluster is not None else None
+        ctx = Ctx(cluster, corpus, prof, seed)
+        for i, sc in enumerate(chosen, 1):
+            t0 = time.monotonic()
+            try:
+                cell = run_cell(ctx, sc, seed)
+            except Exception as exc:  # noqa: BLE001 - a harness defect: this cell's failure, with its traceback
+                cell = {"scenario": sc.name, "describe": sc.describe, "status": "fail",
+                        "reason": f"harness error {type(exc).__name__}: {exc}",
+                        "evidence": {"traceback": "".join(traceback.format_exception(exc))[-1500:]},
+                        "replay": replay(prof.name, sc.name, seed)}
+            row["cells"][sc.name] = cell
+            ctl = cell.get("control")
+            _say(f"[{prof.name} {i}/{len(chosen)}] {sc.name}: {cell['status']}"
+                 + (f" ({cell['reason'][:240]})" if cell["status"] != "pass" else "")
+                 + (f"; control {ctl['name']}: {'caught' if ctl['caught'] else 'NOT CAUGHT'}" if ctl else "")
+                 + f" in {time.monotonic() - t0:.0f} s")
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    return row
+
+
+def write_matrix(rows: list[dict[str, Any]], out_dir: Path, root: int) -> dict[str, Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    doc = {"provenance": provenance(), "seed": root, "scenarios": {s.name: s.describe for s in SCENARIOS.values()},
+           "rows": rows}
+    (out_dir / "matrix.json").write_text(json.dumps(doc, indent=1, default=str))
+    names = [s.name for s in SCENARIOS.values()]
+    lines = ["# kvgate conformance matrix", "",
+             f"Commit {doc['provenance']['short']}{'' if doc['provenance']['clean'] else ' (DIRTY TREE)'}; seed {root}. "
+             "Each cell: pass, fail, n/a (the connector lacks what the scenario needs: the reason is given) or "
+             "not run. A failing cell is a finding about that connector.", "",
+             "| connector | versions | " + " | ".join(names) + " |",
+             "|---|---|" + "---|" * len(names)]
+    for row in rows:
+        vers = ", ".join(f"{k} {v}" for k, v in row["versions"].items())
+        cells = [row["cells"].get(n, {}).get("status", "-") for n in names]
+        lines.append(f"| {row['connector']} | {vers} | " + " | ".join(
+            f"**{c.upper()}**" if c == "fail" else c for c in cells) + " |")
+    lines += ["", "## Cells that are not a pass", ""]
+    for row in rows:
+        for n in names:
+            cell = row["cells"].get(n)
+            if cell is None or cell["status"] == "pass":
+                continue
+            lines.append(f"- **{row['connector']} / {n}: {cell['status']}**: {cell['reason']}")
+            ev = cell.get("evidence") or {}
+            if cell["status"] == "fail":
+                logs = ev.get("replica_logs") or {}
+                for rep, text in logs.items():
+                    lines.append(f"  - replica {rep} died; its log's last errors:")
+                    lines += [f"    `{ln.strip()[:300]}`" for ln in text.splitlines()[-6:]]
+                brief = {k: v for k, v in ev.items() if k not in ("replica_logs", "output", "traceback")}
+                if brief:
+                    lines.append(f"  - evidence: `{json.dumps(brief, default=str)[:600]}`")
+                if "traceback" in ev:
+                    lines.append(f"  - traceback tail: `{ev['traceback'][-400:]}`")
+                lines.append(f"  - replay: `{cell['replay']}`")
+    (out_dir / "matrix.md").write_text("\n".join(lines) + "\n")
+    return {"json": out_dir / "matrix.json", "markdown": out_dir / "matrix.md"}

@@ -1,0 +1,311 @@
+"""The connector-agnostic scenarios: each judged only from what any V1 connector shows
+through its hooks (kvpool.audit's records: what it claimed at get_num_new_matched_tokens,
+the blocks it installed and the blocks producers computed, by token-chain hash; the
+blocks it reported failed) and from the requests' outputs. Nothing here reads kvpool's
+own records, so the same scenario gates kvpool and any other connector.
+
+  SCENARIOS   name -> Scenario (what it needs, its body)
+  Cell        one scenario's result for one connector: pass | fail | n/a | not run
+
+A scenario's body returns (ok, reason, evidence) or raises; a body that needs a capability
+the connector lacks is never run: its cell is "n/a" with the connector's reason. Every
+prompt comes from the scenario's seed. A negative (or positive) control runs where the
+scenario has one, and a control that is not caught fails the cell.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable
+from typing import Any
+
+from harness.checkers.history import audit_digests, records
+from harness.checkers.verdict import Checks
+from harness.client.http import Completion, RequestFailed, complete
+from harness.workload.prompts import Corpus, common_prefix_tails
+
+BLOCK = 128  # the tiny model's block size on the default system
+
+
+class ScenarioDown(Exception):
+    """The system went down under the scenario (a replica died)."""
+
+
+@dataclasses.dataclass
+class Ctx:
+    cluster: Any  # harness.system.cluster.Cluster
+    corpus: Corpus
+    profile: Any  # harness.conformance.connectors.Profile
+    seed: int
+    t0: float = 0.0  # wall clock at the scenario's start
+
+    @property
+    def h(self):  # noqa: ANN201
+        return self.cluster.history_dir
+
+    def url(self, replica: str) -> str:
+        return self.cluster.replicas[replica].url
+
+    def run(self, replica: str, prompt: str, tag: str, **kw: Any) -> Completion:
+        try:
+            return complete(self.url(replica), prompt, tag=tag, replica=replica, **kw)
+        except (RequestFailed, OSError) as exc:
+            gone = self.cluster.crashed()
+            if gone:
+                raise ScenarioDown(f"{replica} request {tag} failed ({type(exc).__name__}: {str(exc)[:200]}); "
+                                   f"gone: {gone}") from exc
+            raise
+
+    def match(self, replica: str, tag: str) -> dict | None:
+        """The connector's first answer to get_num_new_matched_tokens for the request."""
+        found = records(self.h, "audit_match", tag=tag, replica=replica)
+        return found[0] if found else None
+
+    def installed(self, replica: str, tag: str) -> dict[str, str]:
+        return audit_digests(self.h, "installed", tag, replica)
+
+    def produced(self, replica: str, tag: str) -> dict[str, str]:
+        return audit_digests(self.h, "produced", tag, replica)
+
+    def failed_reported(self, replica: str) -> list[int]:
+        """Block ids the connector reported failed since the scenario started."""
+        return sorted({b for r in records(self.h, "audit_load_errors", replica=replica) if r["t"] >= self.t0
+                       for b in r["block_ids"]})
+
+
+def _tag(prefix: str, seed: int) -> str:
+    return f"c{prefix}{seed % 10**8}"
+
+
+def _exact(c: Checks, ctx: Ctx, consumer: tuple[str, str], producer: tuple[str, str], least: int) -> dict[str, str]:
+    """Every block the consumer installed equals the producer's bytes; at least `least`."""
+    installed = ctx.installed(*consumer)
+    produced = ctx.produced(*producer)
+    differ = [k for k, d in installed.items() if produced.get(k) != d]
+    c.check(f"{consumer[0]} installed at least {least} blocks", len(installed) >= least, len(installed))
+    c.check(f"every block {consumer[0]} installed equals {producer[0]}'s bytes", not differ,
+            f"{len(differ)} of {len(installed)} differ")
+    c.evidence.update(installed=len(installed), produced=len(produced), installed_differ=len(differ))
+    return installed
+
+
+def cross_replica_hit(ctx: Ctx, prompt_tokens: int = 1500, control: str | None = None) -> Checks:
+    """A computes a prompt; B loads what A stored and computes the rest: the installed
+    blocks equal A's bytes, and B's output (tokens and log-probabilities) equals A's own
+    prefix-cache hit of the prompt (the same prefill partition: cached blocks, then the tail)."""
+    rng = random.Random(ctx.seed)
+    prompt = ctx.corpus.text(prompt_tokens, rng)
+    n = prompt_tokens + 1
+    tag = _tag("x", ctx.seed)
+    ctx.run("A", prompt, f"{tag}-a")
+    if control:
+        arm_control(ctx, "B", control)
+    b = ctx.run("B", prompt, f"{tag}-b")
+    a_hit = ctx.run("A", prompt, f"{tag}-ahit")
+    c = Checks()
+    m = ctx.match("B", f"{tag}-b")
+    c.check("B's connector claimed a hit", m is not None and m["external_tokens"] > 0, m)
+    _exact(c, ctx, ("B", f"{tag}-b"), ("A", f"{tag}-a"), 1)
+    c.check("B generated 16 tokens", len(b.token_ids) == 16 and b.error is None, b.error)
+    c.output("B's output equals A's prefix hit of the same prompt", b, a_hit)
+    c.evidence.update(prompt_tokens=n, claimed=m)
+    return c
+
+
+def long_prompt(ctx: Ctx) -> Checks:
+    """cross_replica_hit with a prompt of 5000 tokens: longer than the prefill chunk
+    (2048), so A stores it over three steps and B loads a run that spans them."""
+    return cross_replica_hit(ctx, prompt_tokens=5000)
+
+
+def aligned_full_hit(ctx: Ctx, blocks: int = 12) -> Checks:
+    """A block-aligned prompt (12 x 128 tokens) whose every block A computed: B may load
+    all but the last block (one prompt token is always computed), completes, and its output
+    equals A's prefix hit."""
+    rng = random.Random(ctx.seed)
+    prompt = ctx.corpus.text(blocks * BLOCK - 1, rng)  # + BOS: exactly `blocks` blocks
+    tag = _tag("f", ctx.seed)
+    ctx.run("A", prompt, f"{tag}-a")
+    b = ctx.run("B", prompt, f"{tag}-b")
+    a_hit = ctx.run("A", prompt, f"{tag}-ahit")
+    c = Checks()
+    m = ctx.match("B", f"{tag}-b")
+    c.check("B's connector claimed a hit that leaves a token to compute",
+            m is not None and 0 < m["external_tokens"] and m["local_tokens"] + m["external_tokens"] < blocks * BLOCK, m)
+    _exact(c, ctx, ("B", f"{tag}-b"), ("A", f"{tag}-a"), 1)
+    c.check("B generated 16 tokens", len(b.token_ids) == 16 and b.error is None, b.error)
+    c.output("B's output equals A's prefix hit", b, a_hit)
+    c.evidence.update(claimed=m, prompt_tokens=blocks * BLOCK)
+    return c
+
+
+def partial_hit(ctx: Ctx, common: int = 1000) -> Checks:
+    """Two prompts share a 1001-token prefix (7 complete blocks): after A computed the
+    first, B loads the 7 common blocks of the second and computes its tail; its output
+    equals A's run of the second prompt (A's own prefix cache holds the same 7 blocks)."""
+    rng = random.Random(ctx.seed)
+    t1, t2 = common_prefix_tails(ctx.corpus, rng, prefix_tokens=common, tails=2, tail_tokens=300)
+    tag = _tag("p", ctx.seed)
+    full = (common + 1) // BLOCK
+    ctx.run("A", t1.prompt, f"{tag}-a")
+    b = ctx.run("B", t2.prompt, f"{tag}-b")
+    a2 = ctx.run("A", t2.prompt, f"{tag}-a2")
+    c = Checks()
+    m = ctx.match("B", f"{tag}-b")
+    c.check(f"B's connector claimed the {full} common blocks and no more",
+            m is not None and m["external_tokens"] == full * BLOCK - m["local_tokens"], m)
+    _exact(c, ctx, ("B", f"{tag}-b"), ("A", f"{tag}-a"), full)
+    c.output("B's output equals A's run of the same prompt on its own cached prefix", b, a2)
+    c.evidence.update(common_blocks=full, claimed=m)
+    return c
+
+
+def salt_isolation(ctx: Ctx, prompt_tokens: int = 1200) -> Checks:
+    """A computes a prompt under cache_salt s1. B asks for it under s2: nothing of A's may
+    be installed. Positive control: B asks again under s1 and must hit (else the
+    isolation check could not have seen a hit at all)."""
+    rng = random.Random(ctx.seed)
+    prompt = ctx.corpus.text(prompt_tokens, rng)
+    tag = _tag("s", ctx.seed)
+    s1, s2 = f"{tag}-one", f"{tag}-two"
+    ctx.run("A", prompt, f"{tag}-a", cache_salt=s1)
+    ctx.run("B", prompt, f"{tag}-b2", cache_salt=s2)
+    c = Checks()
+    produced = ctx.produced("A", f"{tag}-a")
+    leaked = [k for k, d in ctx.installed("B", f"{tag}-b2").items() if produced.get(k) == d]
+    m2 = ctx.match("B", f"{tag}-b2")
+    c.check("B under another salt installed none of A's blocks", not leaked,
+            f"{len(leaked)} blocks of salt {s1!r} installed under {s2!r}")
+    c.check("B's connector claimed nothing under another salt", m2 is not None and m2["external_tokens"] == 0, m2)
+    ctx.run("B", prompt, f"{tag}-b1", cache_salt=s1)
+    got = [k for k, d in ctx.installed("B", f"{tag}-b1").items() if produced.get(k) == d]
+    c.check("positive control: B under the same salt installed A's blocks", len(got) > 0, len(got))
+    c.evidence.update(leaked=len(leaked), positive_control_installed=len(got))
+    return c
+
+
+def revision_isolation(ctx: Ctx, prompt_tokens: int = 1200) -> Checks:
+    """C serves another revision of the model (other weights, same tokenizer) on the same
+    store: it may not install what A (revision r1) computed; positive control: B (r1)
+    installs it."""
+    rng = random.Random(ctx.seed)
+    prompt = ctx.corpus.text(prompt_tokens, rng)
+    tag = _tag("r", ctx.seed)
+    ctx.run("A", prompt, f"{tag}-a")
+    ctx.run("C", prompt, f"{tag}-c")
+    c = Checks()
+    produced = ctx.produced("A", f"{tag}-a")
+    leaked = [k for k, d in ctx.installed("C", f"{tag}-c").items() if produced.get(k) == d]
+    m = ctx.match("C", f"{tag}-c")
+    c.check("C (revision r2) installed none of A's (r1) blocks", not leaked,
+            f"{len(leaked)} blocks computed by revision r1 installed by revision r2")
+    c.check("C's connector claimed nothing", m is not None and m["external_tokens"] == 0, m)
+    ctx.run("B", prompt, f"{tag}-b")
+    got = [k for k, d in ctx.installed("B", f"{tag}-b").items() if produced.get(k) == d]
+    c.check("positive control: B (r1) installed A's blocks", len(got) > 0, len(got))
+    c.evidence.update(leaked=len(leaked), positive_control_installed=len(got))
+    return c
+
+
+def load_failure_recompute(ctx: Ctx, prompt_tokens: int = 1500, control: str | None = None) -> Checks:
+    """A computes a prompt; its stored KV is broken where the connector keeps it (the
+    whole run: its first block, or a file of every layer's record); B (policy
+    recompute) asks for it. B must complete with A's output to the last bit (the whole
+    prompt recomputed: A's own partition), and every block it claimed and did not load
+    must have been reported failed. Negative control `hide_failures`: the failures are not
+    reported, the engine computes on what the blocks held, and the output differs."""
+    from harness.conformance.connectors import storage_listing
+
+    rng = random.Random(ctx.seed)
+    prompt = ctx.corpus.text(prompt_tokens, rng)
+    tag = _tag("l", ctx.seed)
+    before = storage_listing(ctx.cluster)
+    a = ctx.run("A", prompt, f"{tag}-a")
+    broken = ctx.profile.break_stored(ctx.cluster, "B", before=before)
+    if control:
+        arm_control(ctx, "B", control)
+    b = ctx.run("B", prompt, f"{tag}-b")
+    c = Checks()
+    m = ctx.match("B", f"{tag}-b")
+    failed = ctx.failed_reported("B")
+    claimed = 0 if m is None else m["external_tokens"] // BLOCK
+    c.check("B completed (policy recompute)", b.error is None and len(b.token_ids) == 16, b.error)
+    c.check("the broken blocks it claimed were reported failed", claimed == 0 or len(failed) > 0,
+            {"claimed_blocks": claimed, "reported_failed": len(failed)})
+    c.output("B's output equals A's (the prompt recomputed)", b, a)
+    c.evidence.update(broken=broken, claimed=m, reported_failed=len(failed))
+    return c
+
+
+def arm_control(ctx: Ctx, replica: str, control: str) -> None:
+    """Add a connector control (faults.connector) to what the replica's fault file arms."""
+    import json
+
+    path = ctx.cluster.faults[replica]
+    doc = json.loads(path.read_text() or "{}")
+    doc["connector"] = {"control": control}
+    path.write_text(json.dumps(doc))
+
+
+def load_failure_fail(ctx: Ctx, prompt_tokens: int = 1500) -> Checks:
+    """B computes a prompt; its stored KV is broken; A (policy fail) asks for it: the
+    request ends with an explicit error, and A keeps serving."""
+    from harness.conformance.connectors import storage_listing
+
+    rng = random.Random(ctx.seed)
+    prompt = ctx.corpus.text(prompt_tokens, rng)
+    tag = _tag("e", ctx.seed)
+    before = storage_listing(ctx.cluster)
+    ctx.run("B", prompt, f"{tag}-b")
+    broken = ctx.profile.break_stored(ctx.cluster, "A", before=before)
+    c = Checks()
+    try:
+        a = complete(ctx.url("A"), prompt, tag=f"{tag}-a", replica="A")
+        error = a.error
+    except RequestFailed as exc:
+        error = str(exc)
+    if ctx.cluster.crashed():
+        raise ScenarioDown(f"A died on its failed load; gone: {ctx.cluster.crashed()}")
+    c.check("A's request ended with an explicit error", error is not None, error)
+    after = ctx.run("A", ctx.corpus.text(200, rng), f"{tag}-after")
+    c.check("A keeps serving", after.error is None and len(after.token_ids) == 16, after.error)
+    c.evidence.update(broken=broken, error=(error or "")[:300])
+    return c
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    name: str
+    body: Callable[..., Checks] | None
+    needs: tuple[str, ...]
+    describe: str
+    control: str | None = None  # a negative control run with this connector control
+    control_oracle: str = ""  # "output" or "checks": which judgement must fail under the control
+    replicas: tuple[str, ...] = ("A", "B")
+    not_run: str = ""  # why kvgate does not run it yet
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    Scenario("cross_replica_hit", cross_replica_hit, ("shared_store",),
+             "installed bytes equal the producer's; output equals the producer's prefix hit",
+             control="claim_past_loaded", control_oracle="output"),
+    Scenario("long_prompt", long_prompt, ("shared_store",), "a prompt longer than the prefill chunk"),
+    Scenario("aligned_full_hit", aligned_full_hit, ("shared_store",), "a block-aligned prompt fully available"),
+    Scenario("partial_hit", partial_hit, ("shared_store", "prefix_hits"), "a shared prefix loaded, the tail recomputed"),
+    Scenario("salt_isolation", salt_isolation, ("shared_store",), "cache_salt isolation, with a positive control"),
+    Scenario("revision_isolation", revision_isolation, ("shared_store",),
+             "another model revision on the same store", replicas=("A", "B", "C")),
+    Scenario("load_failure_recompute", load_failure_recompute, ("shared_store", "data_fault"),
+             "a failed load reported block by block, then recomputed",
+             control="hide_failures", control_oracle="output"),
+    Scenario("load_failure_fail", load_failure_fail, ("shared_store", "data_fault"),
+             "a failed load under policy fail: an explicit error"),
+    Scenario("preempt_during_store", None, ("shared_store",), "preemption while a store is in flight",
+             not_run="not in kvgate's connector-agnostic catalog yet"),
+    Scenario("abort_during_load", None, ("shared_store",), "a request aborted during its load",
+             not_run="not in kvgate's connector-agnostic catalog yet"),
+    Scenario("shared_blocks_one_fails", None, ("shared_store", "data_fault"),
+             "two concurrent requests sharing blocks when one's load fails",
+             not_run="not in kvgate's connector-agnostic catalog yet"),
+)}
