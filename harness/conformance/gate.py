@@ -17,6 +17,7 @@ failed; `kvgate conformance` reports the whole matrix and exits 0 when it ran.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 import traceback
@@ -42,11 +43,11 @@ def replay(name: str, scenario: str, seed: int) -> str:
     return f"kvgate gate --connector {name} --scenario {scenario} --seed {seed}"
 
 
-def _specs(prof: Profile, report_dir: Path, replicas: set[str]):  # noqa: ANN202
+def _specs(prof: Profile, report_dir: Path, replicas: set[str], service_settings: dict):  # noqa: ANN202
     from fixtures.tiny_model import build_tiny_model
     from harness.system.cluster import DEFAULT_CHUNK, ReplicaSpec
 
-    settings = tuple(prof.settings(report_dir).items())
+    settings = tuple({**prof.settings(report_dir), **service_settings}.items())
     inner = "" if prof.name == "kvpool" else prof.inner
     specs = []
     for name, core, policy in (("A", "0", "fail"), ("B", "1", "recompute"), ("C", "0", "recompute")):
@@ -55,41 +56,69 @@ def _specs(prof: Profile, report_dir: Path, replicas: set[str]):  # noqa: ANN202
         model = build_tiny_model(report_dir / "model" / "tiny-r2", seed=0, revision="r2") if name == "C" else None
         specs.append(ReplicaSpec(name, core=core, policy=policy, audit=True, model_dir=model,
                                  max_num_batched_tokens=DEFAULT_CHUNK, inner=inner, inner_extra=settings,
-                                 faults_file=str(report_dir / f"faults-{name}.json")))
+                                 faults_file=str(report_dir / f"faults-{name}.json"), python=prof.python,
+                                 extra_env=prof.env))
     return specs
 
 
-def _down_evidence(cluster) -> dict[str, str]:  # noqa: ANN001
+_CAUSE = re.compile(r"\b\w+(Error|Exception): ")
+_NOT_ROOT = ("EngineDeadError", "Worker failed with error", "WARNING")
+
+
+def _log_errors(path: Path) -> str:
+    """The root cause of the log's last crash (its last `SomeError: ...` line that is not
+    the engine reporting its own death) first, then its last error lines."""
+    text = tail(path, 4_000_000)
+    errors = [ln for ln in text.splitlines() if " ERROR " in ln]
+    causes = [ln for ln in errors if _CAUSE.search(ln) and not any(w in ln for w in _NOT_ROOT)]
+    head = [causes[-1][causes[-1].find("]") + 1:].strip()] if causes else []
+    return "\n".join(head + errors[-6:]) or text[-1500:]
+
+
+def _casualties(cluster) -> dict[str, str]:  # noqa: ANN001
+    """Replicas that died or stopped answering (each given up to 20 s: a server whose
+    engine died shuts down by itself), with the last errors of their logs."""
+    from harness.client.http import healthy
+
     out = {}
     for name, r in cluster.replicas.items():
-        if r.proc.poll() is not None:
-            text = tail(r.log_path, 4000)
-            lines = [ln for ln in text.splitlines() if "Error" in ln or "error" in ln or "Traceback" in ln]
-            out[name] = "\n".join(lines[-12:]) or text[-1500:]
+        if r.proc.poll() is None and healthy(r.url):
+            continue
+        deadline = time.monotonic() + 20
+        while r.proc.poll() is None and not healthy(r.url) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if r.proc.poll() is None and healthy(r.url):
+            continue
+        out[name] = _log_errors(r.log_path)
     return out
 
 
-def _heal(cluster) -> list[str]:  # noqa: ANN001
-    restarted = []
-    for name, r in list(cluster.replicas.items()):
-        if r.proc.poll() is not None:
-            cluster.restart_replica(name)
-            restarted.append(name)
-    return restarted
+def _heal(cluster, names) -> list[str]:  # noqa: ANN001
+    """Restart the given replicas (killed first where the process is still there)."""
+    for name in names:
+        if cluster.replicas[name].proc.poll() is None:
+            cluster.kill_replica(name)
+        cluster.restart_replica(name)
+    return list(names)
 
 
 def _run_body(ctx: Ctx, sc: Scenario, **kw: Any) -> tuple[Checks | None, str | None, dict]:
-    """(checks, why it could not finish, evidence of a system that went down)."""
+    """(checks, why it could not finish, the replicas that went down, with their logs'
+    last errors); the replicas that went down are restarted before it returns."""
     ctx.cluster.reset()
     clear_storage(ctx.cluster)
     ctx.t0 = time.time()
+    checks, broke = None, None
     try:
-        return sc.body(ctx, **kw), None, {}
+        checks = sc.body(ctx, **kw)
     except ScenarioDown as exc:
-        return None, f"the system went down: {exc}", _down_evidence(ctx.cluster)
+        broke = f"the system went down: {exc}"
     except (RequestFailed, AssertionError, OSError) as exc:
-        down = _down_evidence(ctx.cluster)
-        return None, f"{type(exc).__name__}: {str(exc)[:400]}", down
+        broke = f"{type(exc).__name__}: {str(exc)[:400]}"
+    down = _casualties(ctx.cluster)
+    if down:
+        _heal(ctx.cluster, down)
+    return checks, broke, down
 
 
 def run_cell(ctx: Ctx, sc: Scenario, root: int) -> dict[str, Any]:
@@ -105,18 +134,23 @@ def run_cell(ctx: Ctx, sc: Scenario, root: int) -> dict[str, Any]:
     t0 = time.monotonic()
     ctx.seed = seed
     checks, broke, down = _run_body(ctx, sc)
-    if checks is None:
-        restarted = _heal(ctx.cluster)
-        return {**cell, "status": "fail", "reason": broke, "evidence": {"replica_logs": down, "restarted": restarted},
+    if down:  # a replica died under the scenario: that is the finding, whatever else was judged
+        first = {name: (text.splitlines() or [""])[0][-300:] for name, text in down.items()}
+        return {**cell, "status": "fail", "reason": f"replica {', '.join(down)} died: {first}",
+                "evidence": {"replica_logs": down, "restarted": sorted(down), "during": broke,
+                             **({"checks": checks.verdict(sc.describe).reason[:600]} if checks else {})},
                 "seconds": round(time.monotonic() - t0, 1)}
+    if checks is None:
+        return {**cell, "status": "fail", "reason": broke, "seconds": round(time.monotonic() - t0, 1)}
     v = checks.verdict(sc.describe)
     cell.update(status="pass" if v.valid else "fail", reason=v.reason[:600], evidence=v.evidence)
     if v.valid and sc.control:
         ctx.seed = derive_seed(seed, f"control:{sc.control}")
         cchecks, cbroke, cdown = _run_body(ctx, sc, control=sc.control)
-        if cchecks is None:
-            control = {"name": sc.control, "caught": False, "why": f"INCONCLUSIVE: {cbroke}", "replica_logs": cdown}
-            _heal(ctx.cluster)
+        if cchecks is None or cdown:
+            control = {"name": sc.control, "caught": False,
+                       "why": f"INCONCLUSIVE (the control run proves nothing): {cbroke or 'a replica died'}",
+                       "replica_logs": cdown}
         else:
             failed = cchecks.output_failed if sc.control_oracle == "output" else cchecks.failed
             control = {"name": sc.control, "oracle": sc.control_oracle, "caught": bool(failed),
@@ -149,16 +183,19 @@ def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir
     replicas = {r for sc in runnable for r in sc.replicas}
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
-    cluster = None
-    if replicas:
-        from fixtures.tiny_model import build_tiny_model
-
-        install_sigterm_unwind()
-        model = build_tiny_model(report_dir / "model" / "tiny", seed=0, revision="r1")
-        cluster = Cluster(model, report_dir, page_size=128 * 1024, pool_pages=1024)
-        _say(f"kvgate gate --connector {prof.name}: starting a pool and replicas {sorted(replicas)} ...")
-        cluster.start(_specs(prof, report_dir, replicas))
+    cluster = service = None
     try:
+        if replicas:
+            from fixtures.tiny_model import build_tiny_model
+
+            install_sigterm_unwind()
+            model = build_tiny_model(report_dir / "model" / "tiny", seed=0, revision="r1")
+            if prof.service is not None:
+                _say(f"kvgate gate --connector {prof.name}: starting its server ...")
+                service = prof.service(report_dir)
+            cluster = Cluster(model, report_dir, page_size=128 * 1024, pool_pages=1024)
+            _say(f"kvgate gate --connector {prof.name}: starting a pool and replicas {sorted(replicas)} ...")
+            cluster.start(_specs(prof, report_dir, replicas, service.settings if service else {}))
         corpus = Corpus(cluster.model_dir) if cluster is not None else None
         ctx = Ctx(cluster, corpus, prof, seed)
         for i, sc in enumerate(chosen, 1):
@@ -177,8 +214,12 @@ def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir
                  + (f"; control {ctl['name']}: {'caught' if ctl['caught'] else 'NOT CAUGHT'}" if ctl else "")
                  + f" in {time.monotonic() - t0:.0f} s")
     finally:
-        if cluster is not None:
-            cluster.stop()
+        try:
+            if cluster is not None:
+                cluster.stop()
+        finally:
+            if service is not None:
+                service.stop()
     return row
 
 

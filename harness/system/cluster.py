@@ -81,6 +81,7 @@ class ReplicaSpec:
     # wrapped by the fault connector and the audit when faults_file / audit are set.
     inner: str = ""
     inner_extra: tuple[tuple[str, object], ...] = ()
+    python: str = ""  # the interpreter of `vllm serve` (default: this one), e.g. a peer's own environment
 
 
 @dataclasses.dataclass
@@ -180,7 +181,7 @@ class Cluster:
     def _spawn(self, spec: ReplicaSpec) -> Replica:
         port = free_port()
         model = spec.model_dir or self.model_dir
-        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        args = [spec.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                 "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
                 "--max-model-len", str(spec.max_model_len), "--kv-cache-memory-bytes", str(spec.kv_bytes),
                 "--max-num-batched-tokens", str(spec.max_num_batched_tokens), "--dtype", "bfloat16",
