@@ -142,15 +142,18 @@ def aligned_full_hit(ctx: Ctx, blocks: int = 12) -> Checks:
 
 def partial_hit(ctx: Ctx, common: int = 1000) -> Checks:
     """Two prompts share a 1001-token prefix (7 complete blocks): after A computed the
-    first, B loads the 7 common blocks of the second and computes its tail; its output
-    equals A's run of the second prompt (A's own prefix cache holds the same 7 blocks)."""
+    first, B loads the 7 common blocks of the second and computes its tail. Its output
+    equals the same partition computed by A alone: under a cache_salt of their own, A
+    computes the first prompt, then the second on its own cached prefix (the salt keeps
+    what B stored of the second prompt out of that run)."""
     rng = random.Random(ctx.seed)
     t1, t2 = common_prefix_tails(ctx.corpus, rng, prefix_tokens=common, tails=2, tail_tokens=300)
     tag = _tag("p", ctx.seed)
     full = (common + 1) // BLOCK
     ctx.run("A", t1.prompt, f"{tag}-a")
     b = ctx.run("B", t2.prompt, f"{tag}-b")
-    a2 = ctx.run("A", t2.prompt, f"{tag}-a2")
+    ctx.run("A", t1.prompt, f"{tag}-ref1", cache_salt=f"{tag}-ref")
+    a2 = ctx.run("A", t2.prompt, f"{tag}-a2", cache_salt=f"{tag}-ref")
     c = Checks()
     m = ctx.match("B", f"{tag}-b")
     c.check(f"B's connector claimed the {full} common blocks and no more",

@@ -1,0 +1,38 @@
+"""The conformance matrix on live replicas: the connector-agnostic scenarios pass on
+kvpool with their controls caught (so they can pass, and their oracles see the defect
+each control plants), and on vLLM's ExampleConnector the harness finds what that
+connector does not do (it serves KV across cache salts), judges what it does (a
+cross-replica hit, control caught) and marks what does not apply to it (a partial hit)
+"n/a" with the reason. These tests start their own replicas, before the live suite's."""
+
+import pytest
+
+from harness.conformance.gate import run_connector
+
+pytestmark = pytest.mark.live
+
+
+def _cells(row):
+    return {name: cell for name, cell in row["cells"].items()}
+
+
+def test_kvpool_passes_the_connector_agnostic_scenarios_and_each_control_is_caught(tmp_path, test_seed):
+    scenarios = ["cross_replica_hit", "partial_hit", "salt_isolation", "load_failure_recompute"]
+    cells = _cells(run_connector("kvpool", None, test_seed, tmp_path / "kvpool", scenarios))
+    for name in scenarios:
+        assert cells[name]["status"] == "pass", (name, cells[name].get("reason"), cells[name].get("replay"))
+    for name in ("cross_replica_hit", "load_failure_recompute"):
+        assert cells[name]["control"]["caught"], cells[name]["control"]
+    assert cells["salt_isolation"]["evidence"]["positive_control_installed"] > 0
+
+
+def test_example_connector_hit_judged_salt_leak_found_partial_hit_not_applicable(tmp_path, test_seed):
+    scenarios = ["cross_replica_hit", "salt_isolation", "partial_hit"]
+    cells = _cells(run_connector("example", None, test_seed, tmp_path / "example", scenarios))
+    hit = cells["cross_replica_hit"]
+    assert hit["status"] == "pass" and hit["control"]["caught"], hit
+    leak = cells["salt_isolation"]
+    assert leak["status"] == "fail" and leak["evidence"]["leaked"] > 0, leak
+    assert "kvgate gate --connector example --scenario salt_isolation --seed" in leak["replay"]
+    na = cells["partial_hit"]
+    assert na["status"] == "n/a" and "whole prompt" in na["reason"]
