@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -304,6 +305,88 @@ def load_failure_fail(ctx: Ctx, prompt_tokens: int = 1500) -> Checks:
     return c
 
 
+def abort_during_load(ctx: Ctx, prompt_tokens: int = 3000) -> Checks:
+    """A computes a prompt; B is asked for it and the client goes away after a seeded
+    delay (10-300 ms: during the lookup, the load or the prefill after it; the report
+    says which). Whatever the moment, B keeps serving, and the same prompt asked again
+    is loaded byte-exact with A's prefix hit's output."""
+    rng = random.Random(ctx.seed)
+    prompt = ctx.corpus.text(prompt_tokens, rng)
+    delay = round(rng.uniform(0.01, 0.3), 3)
+    tag = _tag("q", ctx.seed)
+    ctx.run("A", prompt, f"{tag}-a")
+    aborted = True
+    try:
+        complete(ctx.url("B"), prompt, tag=f"{tag}-abort", replica="B", timeout_s=delay)
+        aborted = False
+    except RequestFailed:
+        pass
+    c = Checks()
+    time.sleep(1.0)  # the engine's abort of the request, and anything it set off, lands
+    if ctx.cluster.crashed():
+        raise ScenarioDown(f"B died after a request aborted at {delay} s; gone: {ctx.cluster.crashed()}")
+    before = ctx.installed("B", f"{tag}-abort")
+    produced = ctx.produced("A", f"{tag}-a")
+    c.check("every block B installed before the abort equals A's bytes",
+            all(produced.get(k) == d for k, d in before.items()), len(before))
+    loaded_before_abort = len(before)
+    b = ctx.run("B", prompt, f"{tag}-b")
+    a_hit = ctx.run("A", prompt, f"{tag}-ahit")
+    c.check("B completed the prompt asked again", b.error is None and len(b.token_ids) == 16, b.error)
+    _exact(c, ctx, ("B", f"{tag}-b"), ("A", f"{tag}-a"), 0)
+    same_output(c, ctx, "B's output equals A's prefix hit", b, a_hit)
+    c.evidence.update(abort_after_s=delay, aborted=aborted, installed_before_abort=loaded_before_abort)
+    return c
+
+
+def shared_blocks_one_fails(ctx: Ctx, common: int = 1500) -> Checks:
+    """A computes a prefix; B gets two requests at once that share it, each with its own
+    tail, and the load of exactly one of them is broken (the data fault, armed for one
+    load). Both complete with the tokens of A's own runs of the same prompts (on its own
+    cached prefix: the partitions differ from a failed load's recompute, so tokens are
+    compared, not log-probabilities)."""
+    import threading
+
+    rng = random.Random(ctx.seed)
+    t1, t2 = common_prefix_tails(ctx.corpus, rng, prefix_tokens=common, tails=2, tail_tokens=200)
+    tag = _tag("w", ctx.seed)
+    prefix = " ".join(t1.prompt.split(" ")[:common])  # the shared words (the tails follow after a space)
+    ctx.run("A", prefix, f"{tag}-a")
+    broken = ctx.profile.break_stored(ctx.cluster, "B", before=set())
+    out: dict[str, Completion | BaseException] = {}
+
+    def ask(name: str, prompt: str) -> None:
+        try:
+            out[name] = ctx.run("B", prompt, f"{tag}-{name}")
+        except (RequestFailed, ScenarioDown, OSError) as exc:
+            out[name] = exc
+
+    threads = [threading.Thread(target=ask, args=(n, p)) for n, p in (("b1", t1.prompt), ("b2", t2.prompt))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for name, v in out.items():
+        if isinstance(v, ScenarioDown):
+            raise v
+    # The references: A alone, under a cache_salt of their own (nothing B stored reaches them).
+    salt = f"{tag}-ref"
+    ctx.run("A", prefix, f"{tag}-refp", cache_salt=salt)
+    ref1 = ctx.run("A", t1.prompt, f"{tag}-ref1", cache_salt=salt)
+    ref2 = ctx.run("A", t2.prompt, f"{tag}-ref2", cache_salt=salt)
+    c = Checks()
+    failed = ctx.failed_reported("B")
+    for name, ref in (("b1", ref1), ("b2", ref2)):
+        got = out.get(name)
+        ok = isinstance(got, Completion) and got.error is None and got.token_ids == ref.token_ids
+        c.check(f"B's {name} completed with the tokens of A's run of its prompt", ok,
+                got if not isinstance(got, Completion) else got.error)
+    c.check("the broken load was reported failed", len(failed) > 0, len(failed))
+    c.evidence.update(broken=broken, reported_failed=len(failed),
+                      loaded={n: len(ctx.installed("B", f"{tag}-{n}")) for n in ("b1", "b2")})
+    return c
+
+
 @dataclasses.dataclass(frozen=True)
 class Scenario:
     name: str
@@ -333,9 +416,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              "a failed load under policy fail: an explicit error"),
     Scenario("preempt_during_store", None, ("shared_store",), "preemption while a store is in flight",
              not_run="not in kvgate's connector-agnostic catalog yet"),
-    Scenario("abort_during_load", None, ("shared_store",), "a request aborted during its load",
-             not_run="not in kvgate's connector-agnostic catalog yet"),
-    Scenario("shared_blocks_one_fails", None, ("shared_store", "data_fault"),
-             "two concurrent requests sharing blocks when one's load fails",
-             not_run="not in kvgate's connector-agnostic catalog yet"),
+    Scenario("abort_during_load", abort_during_load, ("shared_store",), "a request aborted during its load"),
+    Scenario("shared_blocks_one_fails", shared_blocks_one_fails, ("shared_store", "prefix_hits", "data_fault"),
+             "two concurrent requests sharing blocks when one's load fails"),
 )}

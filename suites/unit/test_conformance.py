@@ -20,7 +20,7 @@ def test_a_missing_capability_is_not_applicable_with_the_connectors_reason():
 
 def test_a_scenario_not_in_the_catalog_yet_is_not_run_never_a_pass():
     ctx = Ctx(cluster=None, corpus=None, profile=CONNECTORS["kvpool"], seed=0)
-    cell = run_cell(ctx, SCENARIOS["abort_during_load"], root=7)
+    cell = run_cell(ctx, SCENARIOS["preempt_during_store"], root=7)
     assert cell["status"] == "not run" and cell["reason"]
 
 
