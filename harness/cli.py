@@ -95,7 +95,7 @@ def _connector_extra(text: str | None) -> dict | None:
 
 
 def _conformance(names: list[str], extra: dict | None, seed: int | None, report_dir: Path,
-                 scenarios: list[str] | None) -> tuple[list[dict], int]:
+                 scenarios: list[str] | None) -> list[dict]:
     import secrets
 
     from harness.conformance.gate import write_matrix, run_connector
@@ -112,14 +112,14 @@ def _conformance(names: list[str], extra: dict | None, seed: int | None, report_
         cells = row["cells"].values()
         print(f"  {row['connector']:<12} " + "  ".join(f"{c['scenario']}={c['status']}" for c in cells))
     print(f"kvgate conformance: matrix {paths['markdown']}")
-    return rows, root
+    return rows
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
     from harness.gate import run_gate
 
     if args.connector:
-        rows, _ = _conformance([args.connector], _connector_extra(args.connector_config), args.seed,
+        rows = _conformance([args.connector], _connector_extra(args.connector_config), args.seed,
                                args.report_dir, args.scenario or None)
         failed = [c for c in rows[0]["cells"].values() if c["status"] == "fail"]
         print(f"kvgate gate --connector {args.connector}: {'FAIL' if failed else 'PASS'} "

@@ -48,7 +48,11 @@ def describe_difference(rec: dict[str, Any]) -> str:
     if rec.get("why"):
         return rec["why"]
     if not rec.get("tokens_equal"):
-        return f"tokens differ from position {rec['first_token_differing']}"
+        where = f"tokens differ from position {rec['first_token_differing']}"
+        if rec.get("cached_tokens"):
+            c = rec["cached_tokens"]
+            where += f"; {c['under_test']} vs {c['reference']} prompt tokens cached: the partitions differ"
+        return where
     return f"same tokens, log-probabilities differ by up to {rec['max_logprob_diff']:.3g}"
 
 
@@ -69,10 +73,13 @@ class Checks:
             self.failed.append(f"{name}" + (f" ({detail})" if detail is not None else ""))
         return ok
 
-    def output(self, name: str, got: Any, ref: Any) -> bool:
+    def output(self, name: str, got: Any, ref: Any, cached: tuple[int | None, int | None] | None = None) -> bool:
         """`got` must have the tokens and the log-probabilities (to the last bit) of `ref`,
         a run of the same prefill partition; either may be None (a request that did not
-        complete), which is a failed comparison. Duck-typed: token_ids and logprobs."""
+        complete), which is a failed comparison. Duck-typed: token_ids and logprobs.
+        `cached`: the prompt tokens each had cached (loaded or local) before its prefill;
+        where they differ the runs were partitioned differently, whose KV differs in its
+        last bits: then the tokens must be equal and the log-probabilities are reported."""
         rec: dict[str, Any] = {"check": name}
         if got is None or ref is None:
             rec.update(equal=False, why="no completion" + (" (under test)" if got is None else " (reference)"))
@@ -81,9 +88,12 @@ class Checks:
             first = next((i for i, (a, b) in enumerate(zip(got.token_ids, ref.token_ids)) if a != b),
                          None if len(got.token_ids) == len(ref.token_ids) else min(len(got.token_ids), len(ref.token_ids)))
             diffs = [abs(a - b) for a, b in zip(got.logprobs, ref.logprobs) if a is not None and b is not None]
-            rec.update(equal=tokens_equal and list(got.logprobs) == list(ref.logprobs), tokens_equal=tokens_equal,
-                       first_token_differing=first, tokens=len(got.token_ids),
+            same_partition = cached is None or cached[0] == cached[1]
+            rec.update(equal=tokens_equal and (not same_partition or list(got.logprobs) == list(ref.logprobs)),
+                       tokens_equal=tokens_equal, first_token_differing=first, tokens=len(got.token_ids),
                        max_logprob_diff=max(diffs) if diffs else None)
+            if not same_partition:
+                rec.update(partitions_differ=True, cached_tokens={"under_test": cached[0], "reference": cached[1]})
         self.outputs.append(rec)
         if not rec["equal"]:
             self.output_failed.append(f"{name} ({describe_difference(rec)})")

@@ -53,8 +53,11 @@ class Profile:
     capabilities: dict[str, Capability]
     # per replica: settings of the inner connector (report_dir -> extra config)
     settings: Callable[[Path], dict[str, Any]] = lambda report_dir: {}
-    # break what the consumer would load of a stored prompt; returns a record of what was done
+    # break what the consumer would load of what this scenario stored: (cluster, consumer) ->
+    # a record of what was done
     break_stored: Callable[..., dict[str, Any]] | None = None
+    # empty its store before each scenario (report_dir -> None), where kvgate owns it
+    reset: Callable[[Path], None] | None = None
     packages: tuple[str, ...] = ("vllm",)  # whose versions the matrix records
     device: str = "cpu"
     venv: str = ""  # its own environment (a make target builds it), relative to the repository
@@ -123,7 +126,7 @@ class Profile:
 
 
 # -- kvpool ------------------------------------------------------------------------------------
-def _kvpool_break(cluster, consumer: str, **_: Any) -> dict[str, Any]:  # noqa: ANN001
+def _kvpool_break(cluster, consumer: str) -> dict[str, Any]:  # noqa: ANN001
     """Arm the consumer's pool client: at its next acquire, flip one bit of block 0's
     committed page in the arena (healed at the release)."""
     path = cluster.faults[consumer]
@@ -133,35 +136,33 @@ def _kvpool_break(cluster, consumer: str, **_: Any) -> dict[str, Any]:  # noqa: 
 
 
 # -- vLLM's ExampleConnector -------------------------------------------------------------------
+def _example_storage(report_dir: Path) -> Path:
+    return Path(report_dir) / "example-storage"
+
+
 def _example_settings(report_dir: Path) -> dict[str, Any]:
-    return {"shared_storage_path": str(Path(report_dir) / "example-storage")}
+    return {"shared_storage_path": str(_example_storage(report_dir))}
 
 
-def _example_break(cluster, consumer: str, *, before: set[str], **_: Any) -> dict[str, Any]:  # noqa: ANN001
-    """Remove one layer's file of every prompt folder the producer wrote since `before`
-    (a listing of the storage taken before the producer's request)."""
-    storage = Path(cluster.report_dir) / "example-storage"
-    new = sorted(p for p in storage.iterdir() if p.is_dir() and p.name not in before)
+def _example_reset(report_dir: Path) -> None:
+    storage = _example_storage(report_dir)
+    if storage.exists():
+        shutil.rmtree(storage)
+    storage.mkdir(parents=True)
+
+
+def _example_break(cluster, consumer: str) -> dict[str, Any]:  # noqa: ANN001
+    """Remove one layer's file of every prompt folder stored since the scenario began
+    (the storage is emptied before each scenario)."""
+    storage = _example_storage(cluster.report_dir)
     removed = []
-    for folder in new:
+    for folder in sorted(p for p in storage.iterdir() if p.is_dir()):
         files = sorted(folder.glob("*.safetensors"))
         if files:
             files[0].unlink()
             removed.append(f"{folder.name}/{files[0].name}")
     return {"where": f"{storage}", "how": "one layer's safetensors file removed from the stored prompt's folder",
             "removed": removed}
-
-
-def storage_listing(cluster) -> set[str]:  # noqa: ANN001
-    storage = Path(cluster.report_dir) / "example-storage"
-    return {p.name for p in storage.iterdir()} if storage.exists() else set()
-
-
-def clear_storage(cluster) -> None:  # noqa: ANN001
-    storage = Path(cluster.report_dir) / "example-storage"
-    if storage.exists():
-        shutil.rmtree(storage)
-    storage.mkdir(parents=True, exist_ok=True)
 
 
 # -- LMCache: an `lmcache server` (multi-process mode), its connector in the replicas ------------
@@ -222,7 +223,7 @@ CONNECTORS: dict[str, Profile] = {
          "prefix_hits": Capability(False, "ExampleConnector keys a folder by the hash of the whole prompt's "
                                           "block-aligned tokens: a prompt that shares only a prefix never hits"),
          "data_fault": Capability(True, "a layer's safetensors file of a stored prompt")},
-        settings=_example_settings, break_stored=_example_break),
+        settings=_example_settings, break_stored=_example_break, reset=_example_reset),
     "offloading": Profile(
         "offloading", OFFLOADING, "vLLM's OffloadingConnector (a CPU tier of one replica)",
         {"shared_store": Capability(False, "OffloadingConnector's CPU tier belongs to one replica: nothing is "

@@ -26,7 +26,7 @@ from typing import Any
 
 from harness.checkers.verdict import Checks
 from harness.client.http import RequestFailed
-from harness.conformance.connectors import ConnectorUnavailable, Profile, clear_storage, profile
+from harness.conformance.connectors import ConnectorUnavailable, Profile, profile
 from harness.conformance.scenarios import SCENARIOS, Ctx, Scenario, ScenarioDown
 from harness.plugin import derive_seed
 from harness.provenance import provenance
@@ -106,7 +106,8 @@ def _run_body(ctx: Ctx, sc: Scenario, **kw: Any) -> tuple[Checks | None, str | N
     """(checks, why it could not finish, the replicas that went down, with their logs'
     last errors); the replicas that went down are restarted before it returns."""
     ctx.cluster.reset()
-    clear_storage(ctx.cluster)
+    if ctx.profile.reset is not None:
+        ctx.profile.reset(ctx.cluster.report_dir)
     ctx.t0 = time.time()
     checks, broke = None, None
     try:

@@ -69,6 +69,10 @@ class Ctx:
     def produced(self, replica: str, tag: str) -> dict[str, str]:
         return audit_digests(self.h, "produced", tag, replica)
 
+    def installed_from(self, replica: str, tag: str, produced: dict[str, str]) -> list[str]:
+        """The blocks the replica installed for `tag` that are byte for byte a producer's."""
+        return [k for k, d in self.installed(replica, tag).items() if produced.get(k) == d]
+
     def failed_reported(self, replica: str) -> list[int]:
         """Block ids the connector reported failed since the scenario started."""
         return sorted({b for r in records(self.h, "audit_load_errors", replica=replica) if r["t"] >= self.t0
@@ -76,28 +80,13 @@ class Ctx:
 
 
 def same_output(c: Checks, ctx: Ctx, name: str, got: Completion, ref: Completion) -> None:
-    """The output oracle across connectors. Where the request under test had as many
-    prompt tokens cached (loaded plus local) as its reference, it must have the
-    reference's tokens and log-probabilities to the last bit: the same prefill partition.
-    A connector that loads at another granularity (LMCache's 256-token chunks against a
-    128-token block's prefix hit) computes the rest in another partition, whose KV differs
-    in its last bits: there the tokens must be equal, and the log-probabilities are
-    reported next to the partitions."""
+    """The output oracle across connectors (Checks.output with both runs' cached prompt
+    tokens): a connector that loads at another granularity than the reference's prefix
+    hit (LMCache's 256-token chunks against 128-token blocks) computes the rest in another
+    partition, so there the tokens must be equal and the log-probabilities are reported."""
     g, r = ctx.match(got.replica, got.tag), ctx.match(ref.replica, ref.tag)
-    cached = [None if m is None else m["local_tokens"] + m["external_tokens"] for m in (g, r)]
-    if cached[0] == cached[1]:
-        c.output(name, got, ref)
-        return
-    diffs = [abs(a - b) for a, b in zip(got.logprobs, ref.logprobs) if a is not None and b is not None]
-    equal = list(got.token_ids) == list(ref.token_ids)
-    rec = {"check": name, "equal": equal, "tokens_equal": equal, "partitions_differ": True,
-           "cached_tokens": {"under_test": cached[0], "reference": cached[1]},
-           "max_logprob_diff": max(diffs) if diffs else None, "tokens": len(got.token_ids)}
-    c.outputs.append(rec)
-    if not equal:
-        first = next((i for i, (a, b) in enumerate(zip(got.token_ids, ref.token_ids)) if a != b), None)
-        c.output_failed.append(f"{name} (tokens differ from position {first}; {cached[0]} vs {cached[1]} prompt "
-                               f"tokens cached: the partitions differ)")
+    cached = tuple(None if m is None else m["local_tokens"] + m["external_tokens"] for m in (g, r))
+    c.output(name, got, ref, cached=cached)
 
 
 def _tag(prefix: str, seed: int) -> str:
@@ -204,13 +193,13 @@ def salt_isolation(ctx: Ctx, prompt_tokens: int = 1200) -> Checks:
     ctx.run("B", prompt, f"{tag}-b2", cache_salt=s2)
     c = Checks()
     produced = ctx.produced("A", f"{tag}-a")
-    leaked = [k for k, d in ctx.installed("B", f"{tag}-b2").items() if produced.get(k) == d]
+    leaked = ctx.installed_from("B", f"{tag}-b2", produced)
     m2 = ctx.match("B", f"{tag}-b2")
     c.check("B under another salt installed none of A's blocks", not leaked,
             f"{len(leaked)} blocks of salt {s1!r} installed under {s2!r}")
     c.check("B's connector claimed nothing under another salt", m2 is not None and m2["external_tokens"] == 0, m2)
     ctx.run("B", prompt, f"{tag}-b1", cache_salt=s1)
-    got = [k for k, d in ctx.installed("B", f"{tag}-b1").items() if produced.get(k) == d]
+    got = ctx.installed_from("B", f"{tag}-b1", produced)
     c.check("positive control: B under the same salt installed A's blocks", len(got) > 0, len(got))
     c.evidence.update(leaked=len(leaked), positive_control_installed=len(got))
     return c
@@ -227,13 +216,13 @@ def revision_isolation(ctx: Ctx, prompt_tokens: int = 1200) -> Checks:
     ctx.run("C", prompt, f"{tag}-c")
     c = Checks()
     produced = ctx.produced("A", f"{tag}-a")
-    leaked = [k for k, d in ctx.installed("C", f"{tag}-c").items() if produced.get(k) == d]
+    leaked = ctx.installed_from("C", f"{tag}-c", produced)
     m = ctx.match("C", f"{tag}-c")
     c.check("C (revision r2) installed none of A's (r1) blocks", not leaked,
             f"{len(leaked)} blocks computed by revision r1 installed by revision r2")
     c.check("C's connector claimed nothing", m is not None and m["external_tokens"] == 0, m)
     ctx.run("B", prompt, f"{tag}-b")
-    got = [k for k, d in ctx.installed("B", f"{tag}-b").items() if produced.get(k) == d]
+    got = ctx.installed_from("B", f"{tag}-b", produced)
     c.check("positive control: B (r1) installed A's blocks", len(got) > 0, len(got))
     c.evidence.update(leaked=len(leaked), positive_control_installed=len(got))
     return c
@@ -246,14 +235,11 @@ def load_failure_recompute(ctx: Ctx, prompt_tokens: int = 1500, control: str | N
     prompt recomputed: A's own partition), and every block it claimed and did not load
     must have been reported failed. Negative control `hide_failures`: the failures are not
     reported, the engine computes on what the blocks held, and the output differs."""
-    from harness.conformance.connectors import storage_listing
-
     rng = random.Random(ctx.seed)
     prompt = ctx.corpus.text(prompt_tokens, rng)
     tag = _tag("l", ctx.seed)
-    before = storage_listing(ctx.cluster)
     a = ctx.run("A", prompt, f"{tag}-a")
-    broken = ctx.profile.break_stored(ctx.cluster, "B", before=before)
+    broken = ctx.profile.break_stored(ctx.cluster, "B")
     if control:
         arm_control(ctx, "B", control)
     b = ctx.run("B", prompt, f"{tag}-b")
@@ -282,14 +268,11 @@ def arm_control(ctx: Ctx, replica: str, control: str) -> None:
 def load_failure_fail(ctx: Ctx, prompt_tokens: int = 1500) -> Checks:
     """B computes a prompt; its stored KV is broken; A (policy fail) asks for it: the
     request ends with an explicit error, and A keeps serving."""
-    from harness.conformance.connectors import storage_listing
-
     rng = random.Random(ctx.seed)
     prompt = ctx.corpus.text(prompt_tokens, rng)
     tag = _tag("e", ctx.seed)
-    before = storage_listing(ctx.cluster)
     ctx.run("B", prompt, f"{tag}-b")
-    broken = ctx.profile.break_stored(ctx.cluster, "A", before=before)
+    broken = ctx.profile.break_stored(ctx.cluster, "A")
     c = Checks()
     try:
         a = complete(ctx.url("A"), prompt, tag=f"{tag}-a", replica="A")
@@ -352,7 +335,7 @@ def shared_blocks_one_fails(ctx: Ctx, common: int = 1500) -> Checks:
     tag = _tag("w", ctx.seed)
     prefix = " ".join(t1.prompt.split(" ")[:common])  # the shared words (the tails follow after a space)
     ctx.run("A", prefix, f"{tag}-a")
-    broken = ctx.profile.break_stored(ctx.cluster, "B", before=set())
+    broken = ctx.profile.break_stored(ctx.cluster, "B")
     out: dict[str, Completion | BaseException] = {}
 
     def ask(name: str, prompt: str) -> None:

@@ -202,3 +202,19 @@ def test_own_checks_fail_without_the_output_and_a_run_without_comparisons_passes
     assert own_checks(v).valid is False and output(v).valid is True and output(v).not_checked
     raised = Verdict(False, "AssertionError: boom")  # a run that raised: no comparisons at all
     assert own_checks(raised).valid is False and output(raised).valid is None
+
+
+def test_output_across_partitions_requires_tokens_and_reports_the_log_probabilities():
+    from types import SimpleNamespace
+
+    from harness.checkers.verdict import Checks
+
+    ref = SimpleNamespace(token_ids=[1, 2, 3], logprobs=[-0.5, -0.25, -0.125])
+    near = SimpleNamespace(token_ids=[1, 2, 3], logprobs=[-0.5, -0.25, -0.126])
+    other = SimpleNamespace(token_ids=[1, 9, 3], logprobs=[-0.5, -0.25, -0.125])
+    c = Checks()
+    assert not c.output("same partition: to the last bit", near, ref, cached=(1280, 1280))
+    assert c.output("other partition: tokens", near, ref, cached=(1280, 1408))
+    assert c.outputs[-1]["partitions_differ"] and c.outputs[-1]["max_logprob_diff"] > 0
+    assert not c.output("other partition, other tokens", other, ref, cached=(1280, 1408))
+    assert "the partitions differ" in c.output_failed[-1] and "position 1" in c.output_failed[-1]
