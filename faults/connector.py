@@ -19,6 +19,14 @@ for any inner connector, section "connector":
         cached prompt would say), while the inner connector loads only the blocks it found.
         The tokens between are never loaded nor computed: the engine attends to whatever
         their block holds. The pages it loaded are exact; only the output shows it.
+    {"connector": {"control": "late_store"}}
+        a negative control: the stores land after the engine reused the blocks. On the
+        scheduler side every request that finishes is freed at once (request_finished
+        asks no delay, whatever the inner connector asked; its later completion reports
+        are dropped at the worker); on the worker side the inner connector's save calls
+        (save_kv_layer, wait_for_save, with the step's metadata) are held, and replayed
+        in order at the first step after the section says `"release": true` or is
+        disarmed: the inner connector then reads the blocks as they are by then.
     {"connector": {"finished_delay_ms": 500, "times": 1}}
         a delayed completion: get_finished holds the finished requests' ids back (they
         are reported at a later call, after the delay), `times` requests' worth.
@@ -46,7 +54,7 @@ from kvpool.copier import HostCopier
 from kvpool.history import HistoryWriter
 from kvpool.wrap import WrappingConnector
 
-CONTROLS = ("hide_failures", "claim_past_loaded")
+CONTROLS = ("hide_failures", "claim_past_loaded", "late_store")
 
 
 class FaultConnector(WrappingConnector):
@@ -64,6 +72,11 @@ class FaultConnector(WrappingConnector):
         self._held: list[tuple[float, set[str]]] = []  # (release time, request ids) of delayed completions
         self._stream_delay = None  # set by the copier factory on CUDA
         self._claimed: dict[str, int] = {}  # claim_past_loaded: request id -> the inner connector's own count
+        # late_store: this step's held save_kv_layer calls; the held steps (inner metadata,
+        # their calls); requests freed at once whose completion reports are dropped
+        self._saves: list[tuple[Any, ...]] = []
+        self._late: list[tuple[Any, list[tuple[Any, ...]]]] = []
+        self._freed_early: set[str] = set()
         super().__init__(vllm_config, role, kv_cache_config, extra=extra)
         self.history = HistoryWriter(self.history_dir, self.replica, f"faults-{self.role_name}")
 
@@ -124,6 +137,51 @@ class FaultConnector(WrappingConnector):
                 self._stream_delay.maybe_fire(stores)
         return super().start_load_kv(forward_context, **kwargs)
 
+    def _late_store(self) -> str | None:
+        """"hold" while late_store is armed, "release" when it says so (or is disarmed
+        with steps still held), else None."""
+        spec = self._section()
+        if spec and spec.get("control") == "late_store":
+            return "release" if spec.get("release") else "hold"
+        return "release" if self._late else None
+
+    def request_finished(self, request, block_ids):  # noqa: ANN001, ANN201
+        delay, params = super().request_finished(request, block_ids)
+        if delay and self._late_store() == "hold":
+            self.history.write("fault", site="connector", kind="copier_control", job="free",
+                               control="late_store", req=request.request_id, blocks=len(block_ids))
+            return False, params
+        return delay, params
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):  # noqa: ANN001, ANN201
+        if self._late_store() == "hold":
+            self._saves.append((layer_name, kv_layer, attn_metadata, kwargs))
+            return None
+        return super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self):  # noqa: ANN201
+        mode = self._late_store()
+        if mode == "hold":
+            meta = self.inner_metadata(self._get_connector_metadata()) if self.has_connector_metadata() else None
+            self._late.append((meta, self._saves))
+            self._saves = []
+            return None
+        if mode == "release" and self._late:
+            held, self._late = self._late, []
+            current = self._get_connector_metadata() if self.has_connector_metadata() else None
+            for meta, calls in held:  # each held step, as the inner connector would have run it
+                if meta is None:
+                    continue
+                self._inner.bind_connector_metadata(meta)
+                for layer_name, kv_layer, attn_metadata, kwargs in calls:
+                    self._inner.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+                self._inner.wait_for_save()
+            if current is not None:
+                self._inner.bind_connector_metadata(self.inner_metadata(current))
+            self.history.write("fault", site="connector", kind="copier_control", job="replay", control="late_store",
+                               steps=len(held), saves=sum(len(c) for _, c in held))
+        return super().wait_for_save()
+
     def get_block_ids_with_load_errors(self):  # noqa: ANN201
         failed = super().get_block_ids_with_load_errors()
         spec = self._section()
@@ -136,6 +194,10 @@ class FaultConnector(WrappingConnector):
     def get_finished(self, finished_req_ids):  # noqa: ANN001, ANN201
         sending, receiving = super().get_finished(finished_req_ids)
         spec = self._section()
+        if spec and spec.get("control") == "late_store":  # freed at once by the scheduler: never report them
+            self._freed_early |= set(finished_req_ids or ())  # (the ids come a step after the finish)
+        if sending and self._freed_early:
+            sending = set(sending) - self._freed_early
         now = time.monotonic()
         ms = float(spec.get("finished_delay_ms", 0)) if spec else 0.0
         with self._lock:

@@ -19,6 +19,10 @@ AuditConnector and of any wrapper built outside kvpool (fault injection, instrum
                              (kvpool.connector: how kvpool builds its pool backend and its
                              copy engine); a wrapper passes its own through `inner_kwargs`.
   A subclass overrides the hooks it watches or changes and calls the inner connector's.
+  The hooks newer vLLM versions added (FORWARDED: the worker's metadata back to the
+  scheduler, new-request and push-work notices, handshakes, ...) reach the inner connector
+  where this vLLM has them, and so does the class-level get_required_kvcache_layout
+  (the inner class is named in the same extra config, through every wrapper's key).
 Contract: a wrapper never changes what the inner connector does unless that is its job,
 and everything it does not override reaches the inner connector unchanged.
 """
@@ -141,3 +145,31 @@ class WrappingConnector(compat.KVConnectorBase_V1):
     def reset_cache(self):  # noqa: ANN201
         reset = getattr(self._inner, "reset_cache", None)
         return reset() if reset is not None else None
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config):  # noqa: ANN001, ANN206
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        inner = load_class(str(extra.get(cls.INNER_KEY, cls.DEFAULT_INNER)), cls.INNER_KEY)
+        required = getattr(inner, "get_required_kvcache_layout", None)
+        return required(vllm_config) if required is not None else None
+
+
+FORWARDED = ("on_new_request", "build_connector_worker_meta", "has_pending_push_work", "has_pending_block_frees",
+             "get_kv_connector_kv_cache_events", "get_handshake_metadata", "set_xfer_handshake_metadata",
+             "set_host_xfer_buffer_ops", "bind_kv_cache_manager", "bind_gpu_block_pool", "get_finished_count",
+             "finish_forward", "reset_capture_state", "get_transfer_results", "get_loaded_kv_cache_group_ids",
+             "get_external_cache_hit_sources", "register_finished_partial_tail", "get_mem_pool_context")
+
+
+def _forward(name: str):  # noqa: ANN202
+    def hook(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        return getattr(self._inner, name)(*args, **kwargs)
+
+    hook.__name__ = hook.__qualname__ = name
+    hook.__doc__ = f"The inner connector's {name}."
+    return hook
+
+
+for _name in FORWARDED:  # only the hooks this vLLM's connector base has
+    if hasattr(compat.KVConnectorBase_V1, _name) and _name not in WrappingConnector.__dict__:
+        setattr(WrappingConnector, _name, _forward(_name))

@@ -64,6 +64,9 @@ class Profile:
     env: tuple[tuple[str, str], ...] = ()  # for its replicas
     # the servers it needs, started before the replicas: report_dir -> Service
     service: Callable[[Path], Service] | None = None
+    # after each request: wait until what the connector stores asynchronously outside the
+    # engine has landed where another replica looks it up (report_dir -> None)
+    settle: Callable[[Path], None] | None = None
 
     @property
     def python(self) -> str:
@@ -206,6 +209,61 @@ def _lmcache_server(report_dir: Path) -> Service:
     return Service({"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}, proc, log)
 
 
+# -- vLLM's OffloadingConnector: a CPU tier, and its file-system tier on a shared path -------------
+def _offload_root(report_dir: Path) -> Path:
+    return Path(report_dir) / "offload-fs"
+
+
+def _offloading_settings(report_dir: Path) -> dict[str, Any]:
+    """The tiering spec: a CPU primary tier of 256 MiB per replica and vLLM's file-system
+    secondary tier on one root for every replica (its files are named by the block hash,
+    under a folder named by the model and its layout: another revision gets another one)."""
+    return {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 256 << 20,
+            "secondary_tiers": [{"type": "fs", "root_dir": str(_offload_root(report_dir))}]}
+
+
+def _offload_files(report_dir: Path) -> list[Path]:
+    root = _offload_root(report_dir)
+    return sorted(root.rglob("*.bin")) if root.exists() else []
+
+
+def _offloading_reset(report_dir: Path) -> None:
+    """Remove every block file (each replica's CPU tier is reset with its prefix cache)."""
+    for f in _offload_files(report_dir):
+        f.unlink()
+
+
+def _offloading_settle(report_dir: Path, quiet_s: float = 1.0, timeout_s: float = 30.0) -> None:
+    """The file-system tier writes a block's file after the request finished, from the
+    CPU tier, on its own threads: wait until no temporary file is left and the block
+    files have not changed for `quiet_s` (a write publishes with an atomic rename)."""
+    import time
+
+    root = _offload_root(report_dir)
+    deadline = time.monotonic() + timeout_s
+    last, since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        state = (len(_offload_files(report_dir)), any(root.rglob("*.tmp")) if root.exists() else False)
+        if state != last:
+            last, since = state, time.monotonic()
+        elif not state[1] and time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"the file-system tier under {root} kept writing for {timeout_s} s")
+
+
+def _offloading_break(cluster, consumer: str) -> dict[str, Any]:  # noqa: ANN001
+    """Truncate every block file stored since the scenario began (the tier was emptied
+    before it) to half its length: the file is there, its lookup hits, its read is short."""
+    cut = []
+    for f in _offload_files(cluster.report_dir):
+        size = f.stat().st_size
+        os.truncate(f, size // 2)
+        cut.append(f.name)
+    return {"where": str(_offload_root(cluster.report_dir)), "how": "each block file truncated to half its length",
+            "files": len(cut)}
+
+
 EXAMPLE = "vllm.distributed.kv_transfer.kv_connector.v1.example_connector:ExampleConnector"
 OFFLOADING = "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector:OffloadingConnector"
 LMCACHE_MP = "lmcache.integration.vllm.lmcache_mp_connector:LMCacheMPConnector"
@@ -225,12 +283,13 @@ CONNECTORS: dict[str, Profile] = {
          "data_fault": Capability(True, "a layer's safetensors file of a stored prompt")},
         settings=_example_settings, break_stored=_example_break, reset=_example_reset),
     "offloading": Profile(
-        "offloading", OFFLOADING, "vLLM's OffloadingConnector (a CPU tier of one replica)",
-        {"shared_store": Capability(False, "OffloadingConnector's CPU tier belongs to one replica: nothing is "
-                                           "shared across replicas"),
-         "prefix_hits": Capability(True, "block hashes"),
-         "data_fault": Capability(False, "its CPU tier lives inside the replica's process; no outside access")},
-        device="cuda"),
+        "offloading", OFFLOADING, "vLLM's OffloadingConnector (tiering: a CPU tier per replica, and vLLM's "
+                                  "file-system tier on one shared path)",
+        {"shared_store": Capability(True, "replicas given one file-system tier root share its block files"),
+         "prefix_hits": Capability(True, "block hashes (the engine's own, seeded alike: PYTHONHASHSEED=0)"),
+         "data_fault": Capability(True, "a block file of the file-system tier")},
+        settings=_offloading_settings, break_stored=_offloading_break, reset=_offloading_reset,
+        settle=_offloading_settle, env=(("PYTHONHASHSEED", "0"),), device="cuda"),
     "lmcache-mp": Profile(
         "lmcache-mp", LMCACHE_MP, "LMCache's LMCacheMPConnector against an `lmcache server`",
         {"shared_store": Capability(True, "replicas share one lmcache server"),

@@ -49,14 +49,19 @@ class Ctx:
         return self.cluster.replicas[replica].url
 
     def run(self, replica: str, prompt: str, tag: str, **kw: Any) -> Completion:
+        """The request, then the connector's settle hook (where it stores outside the
+        engine, asynchronously: the next request sees what this one stored)."""
         try:
-            return complete(self.url(replica), prompt, tag=tag, replica=replica, **kw)
+            out = complete(self.url(replica), prompt, tag=tag, replica=replica, **kw)
         except (RequestFailed, OSError) as exc:
             gone = self.cluster.crashed()
             if gone:
                 raise ScenarioDown(f"{replica} request {tag} failed ({type(exc).__name__}: {str(exc)[:200]}); "
                                    f"gone: {gone}") from exc
             raise
+        if self.profile.settle is not None:
+            self.profile.settle(self.cluster.report_dir)
+        return out
 
     def match(self, replica: str, tag: str) -> dict | None:
         """The connector's first answer to get_num_new_matched_tokens for the request."""
@@ -370,6 +375,108 @@ def shared_blocks_one_fails(ctx: Ctx, common: int = 1500) -> Checks:
     return c
 
 
+def _preemptions(ctx: Ctx, replica: str) -> float:
+    """The engine's own count of preempted requests (vllm:num_preemptions, /metrics)."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{ctx.url(replica)}/metrics", timeout=30).text
+    return sum(s.value for fam in text_string_to_metric_families(text) if fam.name == "vllm:num_preemptions"
+               for s in fam.samples if s.name.endswith("_total"))
+
+
+def _all_digests(ctx: Ctx, kind: str, replica: str, tag: str) -> dict[str, set[str]]:
+    """Every digest the replica's audit recorded per block (a preempted request's blocks
+    are computed again: each computation counts)."""
+    out: dict[str, set[str]] = {}
+    for r in records(ctx.h, "audit", kind=kind, tag=tag, replica=replica):
+        for k, d in zip(r["hashes"], r["digests"]):
+            out.setdefault(k, set()).add(d)
+    return out
+
+
+def preempt_during_store(ctx: Ctx, control: str | None = None, prompts: int = 3, prompt_tokens: int = 1600,
+                         decode: int = 1500) -> Checks:
+    """D has a KV cache of 64 blocks. Three requests of 1600 prompt tokens (one prefill
+    chunk each; each sent once the previous one's prefill is done, so no prompt is
+    split across steps) each decode 1500 tokens: they need 75 blocks, so the engine
+    preempts and resumes them while their prompts' KV is being stored. Then a request of
+    61 blocks reuses every block D has. B then asks for the three prompts: every block it
+    (and D, on a resume) installed must be byte for byte a computation of that block on
+    D, and D must have preempted (its vllm:num_preemptions counter). Negative control
+    `late_store`: D's stores are held until the reuse is done (the blocks freed at
+    finish, the copies later), and B installs what the blocks held by then."""
+    import json
+    import threading
+
+    from harness.scenarios.nemesis import wait_for
+
+    rng = random.Random(ctx.seed)
+    texts = [ctx.corpus.text(prompt_tokens, rng) for _ in range(prompts)]
+    reuse = ctx.corpus.text(61 * BLOCK - 200, rng)
+    tag = _tag("m", ctx.seed)
+    if control:
+        arm_control(ctx, "D", control)
+    before = _preemptions(ctx, "D")
+    out: dict[int, Completion | BaseException] = {}
+
+    def ask(i: int) -> None:
+        try:
+            out[i] = ctx.run("D", texts[i], f"{tag}-d{i}", max_tokens=decode)
+        except (RequestFailed, ScenarioDown, OSError) as exc:
+            out[i] = exc
+
+    threads = []
+    for i in range(prompts):
+        threads.append(threading.Thread(target=ask, args=(i,)))
+        threads[-1].start()
+        wait_for(lambda i=i: bool(records(ctx.h, "audit", kind="produced", tag=f"{tag}-d{i}", replica="D"))
+                 or i in out, 120, f"D's prefill of {tag}-d{i}")
+    for t in threads:
+        t.join()
+    for v in out.values():
+        if isinstance(v, ScenarioDown):
+            raise v
+    preempted = _preemptions(ctx, "D") - before
+    ctx.run("D", reuse, f"{tag}-reuse", max_tokens=1)  # takes every block the burst had
+    if control:  # the held stores land now, on what the blocks hold after the reuse
+        path = ctx.cluster.faults["D"]
+        doc = json.loads(path.read_text() or "{}")
+        doc["connector"] = {"control": control, "release": True}
+        path.write_text(json.dumps(doc))
+    ctx.run("D", ctx.corpus.text(100, rng), f"{tag}-step", max_tokens=2)
+    path = ctx.cluster.faults["D"]
+    path.write_text("{}")
+    c = Checks()
+    c.check("D preempted requests under the burst (vllm:num_preemptions)", preempted > 0, preempted)
+    for i in range(prompts):
+        got = out.get(i)
+        c.check(f"D's request {i} completed its {decode} tokens",
+                isinstance(got, Completion) and got.error is None and len(got.token_ids) == decode,
+                got if not isinstance(got, Completion) else (got.error, len(got.token_ids)))
+    b_installed = differ = 0
+    d_differ = d_installed = 0
+    for i in range(prompts):
+        computed = _all_digests(ctx, "produced", "D", f"{tag}-d{i}")
+        for k, ds in _all_digests(ctx, "installed", "D", f"{tag}-d{i}").items():  # D's own resumes
+            d_installed += 1
+            d_differ += not (ds <= computed.get(k, set()))
+        b = ctx.run("B", texts[i], f"{tag}-b{i}")
+        c.check(f"B completed prompt {i}", b.error is None and len(b.token_ids) == 16, b.error)
+        for k, d in ctx.installed("B", f"{tag}-b{i}").items():
+            b_installed += 1
+            differ += d not in computed.get(k, set())
+    c.check("every block B installed is byte for byte one D computed", not differ,
+            f"{differ} of {b_installed} differ")
+    c.check("every block D installed on a resume is one D computed", not d_differ, f"{d_differ} of {d_installed}")
+    c.check("B installed blocks D stored", b_installed > 0, b_installed)
+    fired = [r for r in records(ctx.h, "fault", replica="D") if r["t"] >= ctx.t0 and r.get("control") == "late_store"]
+    c.evidence.update(preemptions=preempted, b_installed=b_installed, b_installed_differ=differ,
+                      d_installed_on_resume=d_installed, control=control,
+                      control_fired={j: sum(r.get("job") == j for r in fired) for j in ("free", "replay")})
+    return c
+
+
 @dataclasses.dataclass(frozen=True)
 class Scenario:
     name: str
@@ -377,7 +484,7 @@ class Scenario:
     needs: tuple[str, ...]
     describe: str
     control: str | None = None  # a negative control run with this connector control
-    control_oracle: str = ""  # "output" or "checks": which judgement must fail under the control
+    control_oracle: str = ""  # "output", or the name of the check that must fail under the control
     replicas: tuple[str, ...] = ("A", "B")
     not_run: str = ""  # why kvgate does not run it yet
 
@@ -397,8 +504,10 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              control="hide_failures", control_oracle="output"),
     Scenario("load_failure_fail", load_failure_fail, ("shared_store", "data_fault"),
              "a failed load under policy fail: an explicit error"),
-    Scenario("preempt_during_store", None, ("shared_store",), "preemption while a store is in flight",
-             not_run="not in kvgate's connector-agnostic catalog yet"),
+    Scenario("preempt_during_store", preempt_during_store, ("shared_store",),
+             "preemption while a store is in flight (small KV cache, concurrent requests)",
+             control="late_store", control_oracle="every block B installed is byte for byte one D computed",
+             replicas=("B", "D")),
     Scenario("abort_during_load", abort_during_load, ("shared_store",), "a request aborted during its load"),
     Scenario("shared_blocks_one_fails", shared_blocks_one_fails, ("shared_store", "prefix_hits", "data_fault"),
              "two concurrent requests sharing blocks when one's load fails"),

@@ -4,15 +4,16 @@
 # the GPU suite (JUnit), `kvgate bench gpu` (its JSON line), and `kvgate gpu-live --bench`
 # (result.json and checklist.md), each with the tree's provenance, under OUT.
 #
-#   scripts/gpu/reports.sh OUT [suite|bench|live|timeline ...]     (default: suite bench live)
+#   scripts/gpu/reports.sh OUT [suite|bench|live|timeline|conformance ...]     (default: suite bench live)
 #
 # Extra wheels the host lacks (requests, ...) are installed from .gpu/extra/*.whl if present.
 # GPU_LIVE_ARGS: the gpu-live options (default --bench; e.g. "" for the exchanges alone,
 # "--sessions" for OFF-ON-ON-OFF). Part `timeline`: scripts/gpu/load_timeline.py, where a load's
-# time goes (TIMELINE_ARGS, default "--chunk-mib 128").
+# time goes (TIMELINE_ARGS, default "--chunk-mib 128"). Part `conformance`: the conformance matrix on
+# CUDA (CONFORMANCE_ARGS, default "--connectors kvpool,offloading"), under OUT/conformance.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${1:?usage: scripts/gpu/reports.sh OUT [suite|bench|live|timeline ...]}
+OUT=${1:?usage: scripts/gpu/reports.sh OUT [suite|bench|live|timeline|conformance ...]}
 shift || true
 PARTS=${*:-suite bench live}
 SITE=${SITE:-/tmp/site}
@@ -39,7 +40,10 @@ for part in $PARTS; do
     # shellcheck disable=SC2086
     timeline) python3 scripts/gpu/load_timeline.py ${TIMELINE_ARGS:---chunk-mib 128} > "$OUT/load-timeline.json" \
              2> "$OUT/load-timeline.log" || status=1 ;;
-    *) echo "unknown part $part (suite, bench, live, timeline)" >&2; exit 2 ;;
+    # shellcheck disable=SC2086
+    conformance) python3 -m harness.cli conformance --report-dir "$OUT/conformance" \
+             ${CONFORMANCE_ARGS:---connectors kvpool,offloading} > "$OUT/conformance.log" 2>&1 || status=1 ;;
+    *) echo "unknown part $part (suite, bench, live, timeline, conformance)" >&2; exit 2 ;;
   esac
   tail -n 3 "$OUT"/*.log 2>/dev/null | tail -n 6
 done
