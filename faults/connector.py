@@ -191,8 +191,7 @@ class FaultConnector(WrappingConnector):
             return set()
         return failed
 
-    def get_finished(self, finished_req_ids):  # noqa: ANN001, ANN201
-        sending, receiving = super().get_finished(finished_req_ids)
+    def finished_filter(self, sending, receiving, finished_req_ids):  # noqa: ANN001, ANN201
         spec = self._section()
         if spec and spec.get("control") == "late_store":  # freed at once by the scheduler: never report them
             self._freed_early |= set(finished_req_ids or ())  # (the ids come a step after the finish)

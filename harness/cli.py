@@ -95,7 +95,7 @@ def _connector_extra(text: str | None) -> dict | None:
 
 
 def _conformance(names: list[str], extra: dict | None, seed: int | None, report_dir: Path,
-                 scenarios: list[str] | None) -> list[dict]:
+                 scenarios: list[str] | None, request_timeout_s: float = 600.0) -> list[dict]:
     import secrets
 
     from harness.conformance.gate import write_matrix, run_connector
@@ -106,7 +106,8 @@ def _conformance(names: list[str], extra: dict | None, seed: int | None, report_
         raise SystemExit(f"kvgate: no connector scenarios {unknown}; known: {sorted(SCENARIOS)}")
     root = seed if seed is not None else secrets.randbits(32)
     print(f"kvgate conformance: replay key seed={root} connectors={','.join(names)}", flush=True)
-    rows = [run_connector(n, extra, root, report_dir / n.replace(":", "_").replace("/", "_"), scenarios) for n in names]
+    rows = [run_connector(n, extra, root, report_dir / n.replace(":", "_").replace("/", "_"), scenarios,
+                          request_timeout_s=request_timeout_s) for n in names]
     paths = write_matrix(rows, report_dir, root)
     for row in rows:
         cells = row["cells"].values()
@@ -120,7 +121,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
     if args.connector:
         rows = _conformance([args.connector], _connector_extra(args.connector_config), args.seed,
-                               args.report_dir, args.scenario or None)
+                            args.report_dir, args.scenario or None, args.request_timeout)
         failed = [c for c in rows[0]["cells"].values() if c["status"] == "fail"]
         print(f"kvgate gate --connector {args.connector}: {'FAIL' if failed else 'PASS'} "
               f"({len(failed)} failing cells)")
@@ -131,7 +132,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
 def cmd_conformance(args: argparse.Namespace) -> int:
     names = [n for n in args.connectors.split(",") if n]
-    _conformance(names, None, args.seed, args.report_dir, args.scenario or None)
+    _conformance(names, None, args.seed, args.report_dir, args.scenario or None, args.request_timeout)
     return 0
 
 
@@ -273,10 +274,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="gate this V1 connector instead (kvpool, example, offloading, lmcache-mp, or module:Class) "
                            "on the connector-agnostic scenarios")
     gate.add_argument("--connector-config", default="", help="the connector's extra config, JSON (with module:Class)")
+    gate.add_argument("--request-timeout", type=float, default=600.0,
+                      help="with --connector: seconds one request may take (a hung request fails its cell)")
     gate.set_defaults(func=cmd_gate)
 
     cf = sub.add_parser("conformance", help="the conformance matrix: connector x connector-agnostic scenario")
     cf.add_argument("--connectors", default="kvpool,example,lmcache-mp,offloading")
+    cf.add_argument("--request-timeout", type=float, default=600.0,
+                    help="seconds one request may take (a hung request fails its cell)")
     cf.add_argument("--seed", type=int, default=None)
     cf.add_argument("--scenario", action="append", default=[], help="only this scenario (repeatable)")
     cf.add_argument("--report-dir", type=Path, default=Path("reports/runs/conformance"))

@@ -125,7 +125,22 @@ class WrappingConnector(compat.KVConnectorBase_V1):
         return self._inner.wait_for_save()
 
     def get_finished(self, finished_req_ids):  # noqa: ANN001, ANN201
-        return self._inner.get_finished(finished_req_ids)
+        sending, receiving = self._inner.get_finished(finished_req_ids)
+        return self.finished_filter(sending, receiving, finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids):  # noqa: ANN001, ANN201
+        """vLLM 0.32's poll of completed transfers: the inner connector's own results (its
+        failed receives included), their finished sets through finished_filter."""
+        results = self._inner.get_transfer_results(finished_req_ids)
+        sending, receiving = self.finished_filter(set(results.finished_sending) or None,
+                                                  set(results.finished_recving) or None, finished_req_ids)
+        results.finished_sending, results.finished_recving = set(sending or ()), set(receiving or ())
+        return results
+
+    def finished_filter(self, sending, receiving, finished_req_ids):  # noqa: ANN001, ANN201
+        """What a wrapper changes of the inner connector's finished transfers (sending and
+        receiving ids, or None): unchanged here."""
+        return sending, receiving
 
     def get_block_ids_with_load_errors(self):  # noqa: ANN201
         return self._inner.get_block_ids_with_load_errors()
@@ -157,7 +172,7 @@ class WrappingConnector(compat.KVConnectorBase_V1):
 FORWARDED = ("on_new_request", "build_connector_worker_meta", "has_pending_push_work", "has_pending_block_frees",
              "get_kv_connector_kv_cache_events", "get_handshake_metadata", "set_xfer_handshake_metadata",
              "set_host_xfer_buffer_ops", "bind_kv_cache_manager", "bind_gpu_block_pool", "get_finished_count",
-             "finish_forward", "reset_capture_state", "get_transfer_results", "get_loaded_kv_cache_group_ids",
+             "finish_forward", "reset_capture_state", "get_loaded_kv_cache_group_ids",
              "get_external_cache_hit_sources", "register_finished_partial_tail", "get_mem_pool_context")
 
 

@@ -159,8 +159,10 @@ def run_cell(ctx: Ctx, sc: Scenario, root: int) -> dict[str, Any]:
                 "evidence": {"replica_logs": down, "restarted": sorted(down), "during": broke,
                              **({"checks": checks.verdict(sc.describe).reason[:600]} if checks else {})},
                 "seconds": round(time.monotonic() - t0, 1)}
-    if checks is None:
-        return {**cell, "status": "fail", "reason": broke, "seconds": round(time.monotonic() - t0, 1)}
+    if checks is None:  # it could not finish (a request failed or hung): what the replicas logged
+        errors = {r.spec.name: _log_errors(r.log_path) for r in ctx.cluster.replicas.values()}
+        return {**cell, "status": "fail", "reason": broke, "seconds": round(time.monotonic() - t0, 1),
+                "evidence": {"replica_errors": {k: v for k, v in errors.items() if " ERROR " in v}}}
     v = checks.verdict(sc.describe)
     cell.update(status="pass" if v.valid else "fail", reason=v.reason[:600], evidence=v.evidence)
     if v.valid and sc.control:
@@ -184,7 +186,8 @@ def run_cell(ctx: Ctx, sc: Scenario, root: int) -> dict[str, Any]:
 
 
 def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir: Path,
-                  scenarios: list[str] | None = None, device: str | None = None) -> dict[str, Any]:
+                  scenarios: list[str] | None = None, device: str | None = None,
+                  request_timeout_s: float = 600.0) -> dict[str, Any]:
     from harness.system.cluster import Cluster, install_sigterm_unwind
     from harness.workload.prompts import Corpus
 
@@ -218,7 +221,7 @@ def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir
             _say(f"kvgate gate --connector {prof.name}: starting a pool and replicas {sorted(replicas)} ...")
             cluster.start(_specs(prof, report_dir, replicas, service.settings if service else {}, device))
         corpus = Corpus(cluster.model_dir) if cluster is not None else None
-        ctx = Ctx(cluster, corpus, prof, seed)
+        ctx = Ctx(cluster, corpus, prof, seed, timeout_s=request_timeout_s)
         for i, sc in enumerate(chosen, 1):
             t0 = time.monotonic()
             try:
@@ -229,6 +232,7 @@ def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir
                         "evidence": {"traceback": "".join(traceback.format_exception(exc))[-1500:]},
                         "replay": replay(prof.name, sc.name, seed)}
             row["cells"][sc.name] = cell
+            (report_dir / "row.json").write_text(json.dumps(row, indent=1, default=str))  # so far
             ctl = cell.get("control")
             _say(f"[{prof.name} {i}/{len(chosen)}] {sc.name}: {cell['status']}"
                  + (f" ({cell['reason'][:240]})" if cell["status"] != "pass" else "")

@@ -40,6 +40,7 @@ class Ctx:
     profile: Any  # harness.conformance.connectors.Profile
     seed: int
     t0: float = 0.0  # wall clock at the scenario's start
+    timeout_s: float = 600.0  # one request's limit: a request that hangs fails its cell after it
 
     @property
     def h(self):  # noqa: ANN201
@@ -52,7 +53,7 @@ class Ctx:
         """The request, then the connector's settle hook (where it stores outside the
         engine, asynchronously: the next request sees what this one stored)."""
         try:
-            out = complete(self.url(replica), prompt, tag=tag, replica=replica, **kw)
+            out = complete(self.url(replica), prompt, tag=tag, replica=replica, **{"timeout_s": self.timeout_s, **kw})
         except (RequestFailed, OSError) as exc:
             gone = self.cluster.crashed()
             if gone:
@@ -280,7 +281,7 @@ def load_failure_fail(ctx: Ctx, prompt_tokens: int = 1500) -> Checks:
     broken = ctx.profile.break_stored(ctx.cluster, "A")
     c = Checks()
     try:
-        a = complete(ctx.url("A"), prompt, tag=f"{tag}-a", replica="A")
+        a = complete(ctx.url("A"), prompt, tag=f"{tag}-a", replica="A", timeout_s=ctx.timeout_s)
         error = a.error
     except RequestFailed as exc:
         error = str(exc)
