@@ -114,6 +114,8 @@ def complete(url: str, prompt: str, *, tag: str, replica: str = "", max_tokens: 
     except RequestFailed as exc:
         _record("fail", tag=tag, replica=replica, error=str(exc)[:300], total_s=round(time.monotonic() - t0, 3))
         raise
+    if finish == "error" and error is None:  # vLLM 0.24 ends a failed request with this finish reason alone
+        error = "finish_reason: error"
     total = time.monotonic() - t0
     _record("ok", tag=tag, replica=replica, finish_reason=finish, tokens=len(token_ids), error=error,
             ttft_s=round(ttft if ttft is not None else total, 4), total_s=round(total, 3))
