@@ -1,5 +1,5 @@
 """The conformance matrix on live replicas: the connector-agnostic scenarios pass on
-kvpool with their controls caught (so they can pass, and their oracles see the defect
+kvpool with their controls caught (preemption with its late-store control included) (so they can pass, and their oracles see the defect
 each control plants), and on vLLM's ExampleConnector the harness finds what that
 connector does not do (it serves KV across cache salts), judges what it does (a
 cross-replica hit, control caught) and marks what does not apply to it (a partial hit)
@@ -17,12 +17,13 @@ def _cells(row):
 
 
 def test_kvpool_passes_the_connector_agnostic_scenarios_and_each_control_is_caught(tmp_path, test_seed):
-    scenarios = ["cross_replica_hit", "partial_hit", "salt_isolation", "load_failure_recompute"]
+    scenarios = ["cross_replica_hit", "partial_hit", "salt_isolation", "load_failure_recompute", "preempt_during_store"]
     cells = _cells(run_connector("kvpool", None, test_seed, tmp_path / "kvpool", scenarios))
     for name in scenarios:
         assert cells[name]["status"] == "pass", (name, cells[name].get("reason"), cells[name].get("replay"))
-    for name in ("cross_replica_hit", "load_failure_recompute"):
+    for name in ("cross_replica_hit", "load_failure_recompute", "preempt_during_store"):
         assert cells[name]["control"]["caught"], cells[name]["control"]
+    assert cells["preempt_during_store"]["evidence"]["preemptions"] > 0
     assert cells["salt_isolation"]["evidence"]["positive_control_installed"] > 0
 
 
