@@ -89,10 +89,17 @@ def same_output(c: Checks, ctx: Ctx, name: str, got: Completion, ref: Completion
     """The output oracle across connectors (Checks.output with both runs' cached prompt
     tokens): a connector that loads at another granularity than the reference's prefix
     hit (LMCache's 256-token chunks against 128-token blocks) computes the rest in another
-    partition, so there the tokens must be equal and the log-probabilities are reported."""
-    g, r = ctx.match(got.replica, got.tag), ctx.match(ref.replica, ref.tag)
-    cached = tuple(None if m is None else m["local_tokens"] + m["external_tokens"] for m in (g, r))
-    c.output(name, got, ref, cached=cached)
+    partition, so there the tokens must be equal and the log-probabilities are reported.
+    The cached tokens are the engine's own cache hit plus the blocks the connector
+    installed, never its claim: a claim past what was loaded (the claim_past_loaded
+    control) does not make another partition, and is judged in full."""
+    def cached(run: Completion) -> int | None:
+        m = ctx.match(run.replica, run.tag)
+        if m is None:
+            return None
+        return m["local_tokens"] + min(m["external_tokens"], len(ctx.installed(run.replica, run.tag)) * BLOCK)
+
+    c.output(name, got, ref, cached=(cached(got), cached(ref)))
 
 
 def _tag(prefix: str, seed: int) -> str:
