@@ -108,9 +108,9 @@ class AuditConnector(WrappingConnector):
     def update_state_after_alloc(self, request, blocks, num_external_tokens):  # noqa: ANN001, ANN201
         self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
         st = self._reqs.get(request.request_id)
-        if st is not None and num_external_tokens > 0:
+        if st is not None:  # a request allocated again (its asynchronous load failed) loads nothing more
             b0 = request.num_computed_tokens // self.block_size
-            st.load = (b0, b0 + num_external_tokens // self.block_size)
+            st.load = (b0, b0 + num_external_tokens // self.block_size) if num_external_tokens > 0 else None
 
     def build_connector_meta(self, scheduler_output):  # noqa: ANN001, ANN201
         meta = AuditMetadata(inner=self._inner.build_connector_meta(scheduler_output))
@@ -119,7 +119,10 @@ class AuditConnector(WrappingConnector):
         for rid, ncomp in computed.items():
             st = self._reqs[rid]
             if st.load is not None:
-                b0, b1 = st.load
+                # What vLLM counts as computed when it schedules the request: all of a
+                # synchronous load; of an asynchronous one, the blocks before the first
+                # that failed (reported in an earlier step; the rest is recomputed now).
+                b0, b1 = st.load[0], min(st.load[1], ncomp // B)
                 meta.loaded.append(AuditBlocks(rid, st.tag, b0, st.block_ids[b0:b1], st.hashes[b0:b1],
                                                st.keys[b0:b1]))
                 st.load = None

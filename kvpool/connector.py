@@ -21,13 +21,23 @@ different processes on CPU):
                    blocks, by engine block id) and which newly completed prompt blocks to
                    publish (every chunk of a chunked prefill contributes its complete
                    blocks; the tail inside an incomplete block is never published).
+                   Loads are synchronous (the request's first step waits for its load)
+                   or asynchronous (`load_mode`: vLLM holds the request until the
+                   worker reports its load finished, and no step computes on blocks
+                   that failed). The default, "auto", loads asynchronously where the
+                   engine schedules asynchronously: there vLLM has already scheduled
+                   the request's next step when a synchronous load's failure reaches
+                   the scheduler, and that step's token, sampled on the failed blocks,
+                   is kept (vLLM 0.24 on CUDA).
   KVPoolWorker     register_kv_caches: verify the engine's KV layout against the one the
                    namespace declares (kvpool.vllm_compat); the copier is picked by device:
                    kvpool.copier.HostCopier on CPU, kvpool.gpu_copier.CudaCopier on CUDA.
                    start_load_kv: lease, copy whole blocks into the KV
                    tensors, digest the installed bytes, release; a block that cannot be
                    installed (any MissCause) is reported by get_block_ids_with_load_errors
-                   together with every block after it. wait_for_save: publish the blocks
+                   together with every block after it; an asynchronous load is reported
+                   by get_finished (finished_recving) once it is installed, its failed
+                   blocks no later than that. wait_for_save: publish the blocks
                    this step completed (two-phase, digests re-verified by the pool).
 
 Metadata is typed in both directions (KVPoolMetadata scheduler -> worker). Every lookup,
@@ -65,6 +75,9 @@ Copier = Union[HostCopier, "CudaCopier"]  # one interface (kvpool.copier's docst
 # -- settings -------------------------------------------------------------------------------
 
 
+LOAD_MODES = ("auto", "sync", "async")
+
+
 @dataclasses.dataclass(frozen=True)
 class ConnectorSettings:
     """`kv_connector_extra_config`, typed. Unknown keys are an error, not a silent default."""
@@ -78,6 +91,10 @@ class ConnectorSettings:
     load: bool = True
     publish: bool = True
     load_deadline_s: float = 10.0
+    # "sync": a load runs in the request's first step (wait_for_layer_load waits for it);
+    # "async": vLLM holds the request until the load is reported finished; "auto": async
+    # where the engine schedules asynchronously (vLLM's async_scheduling), sync otherwise.
+    load_mode: str = "auto"
     timeout_s: float = 10.0
     # A lookup whose first missing block is being published (reserved, not yet committed)
     # waits this long for its commit: a session's next turn on another replica must not
@@ -105,7 +122,15 @@ class ConnectorSettings:
             raise ValueError(f"unknown kvpool connector settings {unknown}; known: {sorted(names)}")
         if "pool" not in extra:
             raise ValueError("kv_connector_extra_config needs 'pool' (e.g. 'unix:/path/pool.sock')")
+        if extra.get("load_mode", "auto") not in LOAD_MODES:
+            raise ValueError(f"load_mode must be one of {LOAD_MODES}, got {extra['load_mode']!r}")
         return cls(**extra)
+
+    def loads_async(self, vllm_config) -> bool:  # noqa: ANN001
+        """Whether this engine's loads are asynchronous, by `load_mode`."""
+        if self.load_mode == "auto":
+            return compat.schedules_async(vllm_config)
+        return self.load_mode == "async"
 
     def resolved_token(self) -> str:
         if self.token:
@@ -200,6 +225,9 @@ BlockRun = CopyRun  # consecutive blocks of one request: engine block ids and th
 @dataclasses.dataclass
 class KVPoolMetadata(compat.KVConnectorMetadata):
     loads: list[BlockRun] = dataclasses.field(default_factory=list)
+    # loads of requests vLLM holds (WAITING_FOR_REMOTE_KVS) until get_finished reports them:
+    # no step reads these blocks before that
+    async_loads: list[BlockRun] = dataclasses.field(default_factory=list)
     stores: list[BlockRun] = dataclasses.field(default_factory=list)
     # requests preempted since the last step: their blocks are free now, so their stores
     # must finish before the next forward may write into those blocks
@@ -219,6 +247,9 @@ class _Request:
     published: int = 0  # blocks [0, published) are in the pool or on their way
     stored: bool = False  # a store was handed to the worker: free the blocks only after it
     load: tuple[int, int] | None = None  # blocks [b0, b1) to load this step
+    # an asynchronous load was handed to the worker and the request has not been scheduled
+    # since: asked to match again meanwhile, its load failed (vLLM freed its blocks)
+    loading_async: bool = False
     load_allowed: bool = True  # the request's own `load` flag (false when its params were malformed)
 
 
@@ -371,7 +402,8 @@ class KVPoolScheduler:
         self.block_size = int(vllm_config.cache_config.block_size)
         self.ns = namespace_for(vllm_config, settings)
         self.history = HistoryWriter(settings.history_dir, settings.replica, "scheduler")
-        self.history.write("namespace", ns=self.ns.as_dict())
+        self.load_async = settings.loads_async(vllm_config)
+        self.history.write("namespace", ns=self.ns.as_dict(), load_mode="async" if self.load_async else "sync")
         self.backend = backend_factory(settings, "scheduler", self.history, None)
         self._reqs: dict[str, _Request] = {}
         self._lookups: dict[str, _Lookup] = {}
@@ -406,6 +438,12 @@ class KVPoolScheduler:
         local_blocks = num_computed_tokens // B
         record: dict[str, Any] = {"req": request.request_id, "tag": st.tag, "prompt_tokens": n,
                                   "local_tokens": num_computed_tokens, "max_blocks": max_blocks}
+        if st.loading_async:  # matched again before it was scheduled: vLLM dropped its failed load
+            st.loading_async = False
+            st.load_allowed = False  # what the pool holds for it failed once: recompute the rest
+            self.history.write("lookup", **record, external_tokens=0, hit_blocks=0, outcome="skipped",
+                               reason="its asynchronous load failed: recomputed")
+            return 0, False
         if not (self.settings.load and st.load_allowed) or local_blocks >= max_blocks:
             self.history.write("lookup", **record, external_tokens=0, hit_blocks=0,
                                outcome="local_hit" if local_blocks >= max_blocks and local_blocks else "skipped")
@@ -457,8 +495,9 @@ class KVPoolScheduler:
                            outcome="remote_hit" if hit else "miss", first_block=local_blocks,
                            miss_cause=miss.cause.value if miss else None,
                            miss_index=(local_blocks + miss.index) if miss else None,
-                           miss_fields=list(miss.fields) if miss else [], **waited)
-        return hit * B, False
+                           miss_fields=list(miss.fields) if miss else [], load_async=bool(hit and self.load_async),
+                           **waited)
+        return hit * B, bool(hit and self.load_async)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:  # noqa: ANN001
         st = self._reqs.get(request.request_id)
@@ -466,13 +505,24 @@ class KVPoolScheduler:
             return
         b0 = request.num_computed_tokens // self.block_size
         st.load = (b0, b0 + num_external_tokens // self.block_size)
+        if self.load_async:  # not scheduled before its load is done: its blocks are known only here
+            st.block_ids = compat.allocated_block_ids(blocks)
 
     def build_connector_meta(self, scheduler_output) -> KVPoolMetadata:  # noqa: ANN001
         B = self.block_size
         meta = KVPoolMetadata()
         computed = compat.scheduled_requests(scheduler_output, self._reqs)
+        if self.load_async:
+            for rid, st in self._reqs.items():
+                if st.load is not None and rid not in computed:  # held by vLLM until the load is reported
+                    b0, b1 = st.load
+                    meta.async_loads.append(BlockRun(rid, st.tag, b0, st.block_ids[b0:b1], st.hashes[b0:b1]))
+                    st.published = max(st.published, b1)
+                    st.load = None
+                    st.loading_async = True
         for rid, ncomp in computed.items():
             st = self._reqs[rid]
+            st.loading_async = False
             if st.load is not None:
                 b0, b1 = st.load
                 meta.loads.append(BlockRun(rid, st.tag, b0, st.block_ids[b0:b1], st.hashes[b0:b1]))
@@ -533,6 +583,7 @@ class KVPoolWorker:
         self.copier = (copier_factory or default_copier)(settings, self.backend, self.history, self.metrics,
                                                          self.device)
         self._loading: list = []
+        self._receiving: dict[str, list] = {}  # req id -> its asynchronous loads' futures
         self._sending: dict[str, list] = {}  # req id -> its store futures
         self._finishing: dict[str, list] = {}  # finished by the scheduler, stores still running
 
@@ -581,6 +632,9 @@ class KVPoolWorker:
             self.copier.wait(self._sending.get(rid, []), self._wait_s)
         for run in meta.loads:
             self._loading.append(self.copier.load(self.ns, run, self.settings.load_deadline_s))
+        for run in meta.async_loads:
+            self._receiving.setdefault(run.req_id, []).append(
+                self.copier.load(self.ns, run, self.settings.load_deadline_s))
 
     def wait_for_load(self) -> None:
         if self._loading:
@@ -621,6 +675,15 @@ class KVPoolWorker:
         done = {rid for rid, futures in self._finishing.items() if all(f.done() for f in futures)}
         for rid in done:
             self.copier.wait(self._finishing.pop(rid), 0.0)  # all done: raises what a job raised, if any
+        return done
+
+    def finished_receiving(self) -> set[str]:
+        """Requests whose asynchronous loads are installed (or failed): vLLM may schedule
+        them. A load's failed blocks are in the copier's `.failed` before it settles, so
+        they reach get_block_ids_with_load_errors no later than the request's report."""
+        done = {rid for rid, futures in self._receiving.items() if all(self.copier.load_settled(f) for f in futures)}
+        for rid in done:
+            self.copier.wait(self._receiving.pop(rid), 0.0)  # settled: raises what a job raised, if any
         return done
 
     def take_failed(self) -> set[int]:
@@ -703,7 +766,7 @@ class KVPoolConnector(compat.KVConnectorBase_V1):
     def get_finished(self, finished_req_ids):  # noqa: ANN001, ANN201
         if self._worker is None:
             return None, None
-        return (self._worker.finished_sending(set(finished_req_ids)) or None), None
+        return (self._worker.finished_sending(set(finished_req_ids)) or None), (self._worker.finished_receiving() or None)
 
     def get_block_ids_with_load_errors(self):  # noqa: ANN201
         return self._worker.take_failed() if self._worker is not None else set()

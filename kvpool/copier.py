@@ -18,6 +18,9 @@ tensors and pool pages, asynchronously, in an order the engine can rely on.
                      lease, copy, digest and release; blocks that could not be installed
                      are added to .failed (with every block after them). The engine must
                      not read the blocks before the future is done (wait_for_layer_load).
+  .load_settled(future) -> bool
+                     whether a load is over: its blocks installed or in .failed (the
+                     connector reports an asynchronous load finished only then).
   .wait(futures, timeout_s)
                      block until every future is done. A copier's `ordered` flag says
                      whether a done future means the copy is complete (a known-bad
@@ -156,6 +159,9 @@ class HostCopier:
 
     def wait(self, futures: Sequence[Future], timeout_s: float) -> None:
         wait_all(futures, timeout_s, "KV copies")
+
+    def load_settled(self, future: Future) -> bool:
+        return future.done()  # the job adds its failed blocks before it returns
 
     def take_failed(self) -> set[int]:
         with self._failed_lock:

@@ -8,6 +8,9 @@ engine (kvpool.gpu_transfer), so the worker picks one by device and calls both a
   .load(ns, run, deadline_s) -> Future      [start_load_kv]
         resolved when it returns: the copies are enqueued, `.failed` already holds the
         blocks that cannot be installed (and every block after them).
+  .load_settled(future) -> bool             [get_finished, asynchronous loads]
+        the load's copies are complete on the device, its lease released and its stale
+        blocks (if the pool reported any) in `.failed`.
   .wait(futures, timeout_s)                 [wait_for_layer_load, and for stores]
         a load: the current stream waits for its copies (a stream wait, no host sync);
         a store: the host waits for its commit.
@@ -97,18 +100,27 @@ class CudaCopier:
             if h.miss is not None:
                 self.metrics.misses.labels(h.miss.cause.value).inc()
             self.metrics.loads.labels("hit" if not failed else ("partial" if h.loaded else "miss")).inc()
-        h.result.add_done_callback(lambda f, run=run, h=h: self._loaded(run, h, f))
         done: Future = Future()
+        done.settled = Future()  # resolved by _loaded, once the stale blocks are in .failed
+        h.result.add_done_callback(lambda f, run=run, h=h, settled=done.settled: self._loaded(run, h, f, settled))
         done.set_result(h)
         return done
 
-    def _loaded(self, run: CopyRun, h: LoadHandle, f: Future) -> None:
-        outcome: LoadOutcome = f.result()
-        if outcome.stale:  # a pool bug: a page changed under the lease; those blocks are not trusted
-            stale = list(run.block_ids[outcome.loaded:h.loaded])
-            with self._failed_lock:
-                self.failed.update(stale)
-            self.history.write("load_stale", req=run.req_id, tag=run.tag, failed_block_ids=stale)
+    def _loaded(self, run: CopyRun, h: LoadHandle, f: Future, settled: Future) -> None:
+        try:
+            outcome: LoadOutcome = f.result()
+            if outcome.stale:  # a pool bug: a page changed under the lease; those blocks are not trusted
+                stale = list(run.block_ids[outcome.loaded:h.loaded])
+                with self._failed_lock:
+                    self.failed.update(stale)
+                self.history.write("load_stale", req=run.req_id, tag=run.tag, failed_block_ids=stale)
+        finally:
+            settled.set_result(None)
+
+    def load_settled(self, future: Future) -> bool:
+        if not future.done():
+            return False
+        return future.exception() is not None or future.settled.done()
 
     def store(self, ns: Namespace, run: CopyRun, keep: Sequence[int]) -> Future:
         t0 = time.monotonic()

@@ -83,6 +83,19 @@ def device_type(vllm_config) -> str:  # noqa: ANN001
     return "cuda" if str(dev).startswith("cuda") else str(dev)
 
 
+def schedules_async(vllm_config) -> bool:  # noqa: ANN001
+    """Whether the engine schedules a step before the previous one's output is back (vLLM's
+    async_scheduling: on by default on CUDA since 0.11, forced off on CPU)."""
+    sched = getattr(vllm_config, "scheduler_config", None)
+    return bool(getattr(sched, "async_scheduling", False))
+
+
+def allocated_block_ids(blocks) -> list[int]:  # noqa: ANN001
+    """The engine block ids of a request's allocation (update_state_after_alloc's `blocks`,
+    a KVCacheBlocks), of its one KV-cache group."""
+    return list(blocks.get_block_ids()[0])
+
+
 def is_resumed(cached_reqs, i: int, req_id: str) -> bool:  # noqa: ANN001
     """Whether a cached request came back from preemption (its block list is replaced)."""
     resumed = getattr(cached_reqs, "resumed_req_ids", None)

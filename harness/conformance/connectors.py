@@ -301,8 +301,14 @@ CONNECTORS: dict[str, Profile] = {
 
 
 def profile(name: str, extra: dict[str, Any] | None = None) -> Profile:
+    """A named profile (its extra config over the profile's own settings), or a class path."""
     if name in CONNECTORS:
-        return CONNECTORS[name]
+        prof = CONNECTORS[name]
+        if not extra:
+            return prof
+        own, given = prof.settings, dict(extra)
+        return dataclasses.replace(prof, describe=f"{prof.describe}; config {json.dumps(given, sort_keys=True)}",
+                                   settings=lambda report_dir: {**own(report_dir), **given})
     if ":" not in name:
         raise SystemExit(f"kvgate: unknown connector {name!r}; known: {sorted(CONNECTORS)} or module:Class")
     settings = dict(extra or {})

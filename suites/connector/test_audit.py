@@ -55,8 +55,10 @@ def _request(rid: str, tokens: list[int]):  # noqa: ANN202
                            kv_transfer_params=None)
 
 
-def _step(rid: str, block_ids: list[int], scheduled: int):  # noqa: ANN202
-    return SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=rid, block_ids=[block_ids], num_computed_tokens=0)],
+def _step(rid: str, block_ids: list[int], scheduled: int, computed: int = 0):  # noqa: ANN202
+    """A step scheduling a new request: `computed` tokens before it (its local and external hit)."""
+    return SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=rid, block_ids=[block_ids],
+                                                               num_computed_tokens=computed)],
                            scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
                                                                  resumed_req_ids=set()),
                            num_scheduled_tokens={rid: scheduled})
@@ -99,7 +101,7 @@ def audit_mismatches(tmp_path, pool, seed: int, audit_class=AuditConnector) -> l
     consumer = _request("c", tokens)
     assert ask_matched(sched, consumer, 0) == (3 * B, False)
     sched.update_state_after_alloc(consumer, None, 3 * B)
-    _run_step(sched, worker, _step("c", [10, 11, 12, 13], 1))
+    _run_step(sched, worker, _step("c", [10, 11, 12, 13], 1, 3 * B))
     expected.update({(kind, b): _direct(layers, b) for kind in ("seen", "installed") for b in (10, 11, 12)})
 
     recs = [r for r in read_history(tmp_path / "h") if r["ev"] == "audit"]

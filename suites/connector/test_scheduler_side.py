@@ -269,3 +269,47 @@ def test_an_engine_with_several_kv_cache_groups_neither_loads_nor_publishes(pool
     assert s._reqs["g"].publish_blocks == 0
     one = KVPoolScheduler(vllm_config(tmp_path), settings, kv_cache_config=SimpleNamespace(kv_cache_groups=[object()]))
     assert ask_matched(one, request("h", tokens), 0) == (7 * B, False)  # the control
+
+
+def test_asynchronous_loads_are_handed_over_before_the_request_is_scheduled(pool, tmp_path):
+    """load_mode async: the hit is claimed asynchronously, the load goes to the worker in
+    the step after the allocation (vLLM holds the request meanwhile), the request's stores
+    start past the loaded blocks; asked to match again before it was scheduled (its load
+    failed: vLLM freed its blocks), it loads nothing more and its prompt is published anew."""
+    s = scheduler(pool, tmp_path, load_mode="async")
+    tokens = list(range(1000))  # 7 complete blocks
+    with pool_client(pool) as c:
+        ns = namespace_for(vllm_config(tmp_path), s.settings)
+        publish(c, ns, s_hashes(s, tokens)[:5], [np.zeros(128 * 1024, np.uint8)] * 5)
+    ids = list(range(40, 48))
+    blocks = SimpleNamespace(get_block_ids=lambda: (ids,))
+    r = request("r", tokens, tag="t1")
+    assert ask_matched(s, r, 0) == (5 * B, True)
+    s.update_state_after_alloc(r, blocks, 5 * B)
+    m = s.build_connector_meta(step())  # not scheduled: the load is handed over alone
+    assert [(x.first_block, x.block_ids, x.tag) for x in m.async_loads] == [(0, ids[:5], "t1")]
+    assert m.loads == [] and m.stores == []
+    assert s.build_connector_meta(step()).async_loads == []  # handed over once
+    # The load succeeded: scheduled with the loaded tokens computed, it stores the rest.
+    m = s.build_connector_meta(step(new=[("r", ids, 5 * B)], scheduled={"r": 1000 - 5 * B}))
+    assert m.loads == [] and [(x.first_block, x.block_ids) for x in m.stores] == [(5, ids[5:7])]
+
+    r2 = request("r2", tokens, tag="t2")
+    assert ask_matched(s, r2, 0) == (5 * B, True)
+    s.update_state_after_alloc(r2, blocks, 5 * B)
+    assert len(s.build_connector_meta(step()).async_loads) == 1
+    assert s.get_num_new_matched_tokens(r2, 0) == (0, False)  # its load failed: no second try
+    s.update_state_after_alloc(r2, blocks, 0)
+    m = s.build_connector_meta(step(new=[("r2", ids, 0)], scheduled={"r2": 1000}))
+    assert m.async_loads == [] and [(x.first_block, x.block_ids) for x in m.stores] == [(0, ids[:7])]
+
+
+def test_load_mode_auto_follows_the_engines_scheduling(tmp_path):
+    config = vllm_config(tmp_path)
+    auto = ConnectorSettings.from_extra({"pool": "unix:/x"})
+    assert auto.loads_async(config) is False  # no scheduler_config: synchronous, as on CPU
+    config.scheduler_config = SimpleNamespace(async_scheduling=True)
+    assert auto.loads_async(config) is True
+    assert ConnectorSettings.from_extra({"pool": "unix:/x", "load_mode": "sync"}).loads_async(config) is False
+    with pytest.raises(ValueError, match="load_mode must be one of"):
+        ConnectorSettings.from_extra({"pool": "unix:/x", "load_mode": "later"})

@@ -6,6 +6,7 @@ committed page flipped in the shared arena, caught by the loader's digest."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -90,3 +91,35 @@ def test_a_step_whose_load_failed_publishes_nothing_it_computed(pool, tmp_path, 
     assert len(found.hits) == 0 and found.miss.cause == MissCause.NEVER_PUBLISHED
     withheld = [r for r in recs if r["ev"] == "publish_withheld"]
     assert [(r["first_block"], r["blocks"]) for r in withheld] == [(4, 4)]
+
+
+@pytest.mark.parametrize("corrupt", [None, 1])
+def test_an_asynchronous_load_is_reported_once_installed_and_its_failures_no_later(pool, tmp_path, test_seed,
+                                                                                  corrupt):
+    """vLLM holds a request with an asynchronous load until get_finished names it in
+    finished_recving; its failed blocks must reach get_block_ids_with_load_errors no later
+    than that step (vLLM's contract): at the step the request is reported, every block is
+    either installed with the producer's bytes or in the failed set."""
+    w = worker(pool, tmp_path)
+    hashes = prepare(pool, w.ns, test_seed, corrupt)
+    w.start_load_kv(KVPoolMetadata(async_loads=[BlockRun("r", "t", 0, [20, 21, 22, 23], hashes[:4])]))
+    failed: set[int] = set()
+    got: set[str] = set()
+    for _ in range(3000):  # the engine's steps: get_finished, then get_block_ids_with_load_errors
+        got = w.finished_receiving()
+        failed |= w.take_failed()
+        if got:
+            break
+        time.sleep(0.005)
+    assert got == {"r"}
+    assert w.finished_receiving() == set()  # reported once
+    with PoolClient(f"unix:{pool.unix_path}", "default", "tok", name="oracle") as c:
+        pages = [bytes(c.arena.page(h.page)) for h in c.lookup(w.ns, hashes[:4]).hits]
+    kv = w.copier.block_segments
+    installed = [b"".join(bytes(s) for s in kv(b)) for b in (20, 21, 22, 23)]
+    if corrupt is None:
+        assert failed == set() and installed == pages
+    else:
+        assert failed == {21, 22, 23} and installed[0] == pages[0]
+        load = [r for r in read_history(tmp_path / "h") if r["ev"] == "load"][0]
+        assert load["miss_cause"] == MissCause.CORRUPT.value and load["loaded"] == 1
