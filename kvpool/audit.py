@@ -89,6 +89,11 @@ class AuditConnector(WrappingConnector):
     # -- scheduler side ----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens):  # noqa: ANN001, ANN201
         result = self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
+        pending = self._reqs.get(request.request_id)
+        if pending is not None and pending.load is not None:
+            # Asked again while a load it was allocated for was never scheduled: vLLM dropped
+            # that asynchronous load (it failed whole) and freed its blocks.
+            pending.load = None
         if request.request_id not in self._reqs:
             tokens = list(request.prompt_token_ids or [])
             B = self.block_size
@@ -108,9 +113,9 @@ class AuditConnector(WrappingConnector):
     def update_state_after_alloc(self, request, blocks, num_external_tokens):  # noqa: ANN001, ANN201
         self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
         st = self._reqs.get(request.request_id)
-        if st is not None:  # a request allocated again (its asynchronous load failed) loads nothing more
+        if st is not None and num_external_tokens > 0:
             b0 = request.num_computed_tokens // self.block_size
-            st.load = (b0, b0 + num_external_tokens // self.block_size) if num_external_tokens > 0 else None
+            st.load = (b0, b0 + num_external_tokens // self.block_size)
 
     def build_connector_meta(self, scheduler_output):  # noqa: ANN001, ANN201
         meta = AuditMetadata(inner=self._inner.build_connector_meta(scheduler_output))

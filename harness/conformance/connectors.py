@@ -67,6 +67,7 @@ class Profile:
     # after each request: wait until what the connector stores asynchronously outside the
     # engine has landed where another replica looks it up (report_dir -> None)
     settle: Callable[[Path], None] | None = None
+    given: str = ""  # the extra config given on the command line (JSON), over `settings`
 
     @property
     def python(self) -> str:
@@ -307,7 +308,8 @@ def profile(name: str, extra: dict[str, Any] | None = None) -> Profile:
         if not extra:
             return prof
         own, given = prof.settings, dict(extra)
-        return dataclasses.replace(prof, describe=f"{prof.describe}; config {json.dumps(given, sort_keys=True)}",
+        text = json.dumps(given, sort_keys=True)
+        return dataclasses.replace(prof, describe=f"{prof.describe}; config {text}", given=text,
                                    settings=lambda report_dir: {**own(report_dir), **given})
     if ":" not in name:
         raise SystemExit(f"kvgate: unknown connector {name!r}; known: {sorted(CONNECTORS)} or module:Class")

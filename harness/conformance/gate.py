@@ -39,8 +39,10 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def replay(name: str, scenario: str, seed: int) -> str:
-    return f"kvgate gate --connector {name} --scenario {scenario} --seed {seed}"
+def replay(name: str, scenario: str, seed: int, given: str = "") -> str:
+    """The command that replays one cell (`given`: the connector config the row ran with, JSON)."""
+    config = f" --connector-config '{given}'" if given else ""
+    return f"kvgate gate --connector {name}{config} --scenario {scenario} --seed {seed}"
 
 
 def detect_device() -> str:
@@ -74,6 +76,7 @@ def _specs(prof: Profile, report_dir: Path, replicas: set[str], service_settings
             if name == "D" else {}  # D: a KV cache of 64 blocks (the preemption scenario)
         specs.append(ReplicaSpec(name, core=core, policy=policy, audit=True, model_dir=model, **small,
                                  max_num_batched_tokens=DEFAULT_CHUNK, inner=inner, inner_extra=settings,
+                                 connector_extra=() if inner else settings,  # kvpool's own settings
                                  faults_file=str(report_dir / f"faults-{name}.json"), python=prof.python,
                                  extra_env=prof.env, extra_args=args))
     return specs
@@ -144,7 +147,7 @@ def run_cell(ctx: Ctx, sc: Scenario, root: int) -> dict[str, Any]:
     name = ctx.profile.name
     seed = derive_seed(root, f"conformance:{sc.name}")
     cell: dict[str, Any] = {"scenario": sc.name, "describe": sc.describe, "seed": seed,
-                            "replay": replay(name, sc.name, root)}
+                            "replay": replay(name, sc.name, root, ctx.profile.given)}
     na = next((why for why in (ctx.profile.needs(n) for n in sc.needs) if why), None)
     if na:
         return {**cell, "status": "n/a", "reason": na}
@@ -201,7 +204,7 @@ def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir
     except ConnectorUnavailable as exc:
         for sc in chosen:
             row["cells"][sc.name] = {"scenario": sc.name, "describe": sc.describe, "status": "n/a",
-                                     "reason": f"not run here: {exc}", "replay": replay(prof.name, sc.name, seed)}
+                                     "reason": f"not run here: {exc}", "replay": replay(prof.name, sc.name, seed, prof.given)}
         return row
     runnable = [sc for sc in chosen if sc.body is not None and not any(prof.needs(n) for n in sc.needs)]
     replicas = {r for sc in runnable for r in sc.replicas}
@@ -230,7 +233,7 @@ def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir
                 cell = {"scenario": sc.name, "describe": sc.describe, "status": "fail",
                         "reason": f"harness error {type(exc).__name__}: {exc}",
                         "evidence": {"traceback": "".join(traceback.format_exception(exc))[-1500:]},
-                        "replay": replay(prof.name, sc.name, seed)}
+                        "replay": replay(prof.name, sc.name, seed, prof.given)}
             row["cells"][sc.name] = cell
             (report_dir / "row.json").write_text(json.dumps(row, indent=1, default=str))  # so far
             ctl = cell.get("control")

@@ -4,16 +4,17 @@
 # the GPU suite (JUnit), `kvgate bench gpu` (its JSON line), and `kvgate gpu-live --bench`
 # (result.json and checklist.md), each with the tree's provenance, under OUT.
 #
-#   scripts/gpu/reports.sh OUT [suite|bench|live|timeline|conformance ...]     (default: suite bench live)
+#   scripts/gpu/reports.sh OUT [suite|bench|live|timeline|conformance|gate ...]     (default: suite bench live)
 #
 # Extra wheels the host lacks (requests, ...) are installed from .gpu/extra/*.whl if present.
 # GPU_LIVE_ARGS: the gpu-live options (default --bench; e.g. "" for the exchanges alone,
 # "--sessions" for OFF-ON-ON-OFF). Part `timeline`: scripts/gpu/load_timeline.py, where a load's
 # time goes (TIMELINE_ARGS, default "--chunk-mib 128"). Part `conformance`: the conformance matrix on
-# CUDA (CONFORMANCE_ARGS, default "--connectors kvpool,offloading"), under OUT/conformance.
+# CUDA (CONFORMANCE_ARGS, default "--connectors kvpool,offloading"), under OUT/conformance. Part `gate`:
+# `kvgate gate` with GATE_ARGS (e.g. one connector's scenarios under another config), under OUT/gate.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${1:?usage: scripts/gpu/reports.sh OUT [suite|bench|live|timeline|conformance ...]}
+OUT=${1:?usage: scripts/gpu/reports.sh OUT [suite|bench|live|timeline|conformance|gate ...]}
 shift || true
 PARTS=${*:-suite bench live}
 SITE=${SITE:-/tmp/site}
@@ -43,7 +44,9 @@ for part in $PARTS; do
     # shellcheck disable=SC2086
     conformance) python3 -m harness.cli conformance --report-dir "$OUT/conformance" \
              ${CONFORMANCE_ARGS:---connectors kvpool,offloading} > "$OUT/conformance.log" 2>&1 || status=1 ;;
-    *) echo "unknown part $part (suite, bench, live, timeline, conformance)" >&2; exit 2 ;;
+    # shellcheck disable=SC2086
+    gate)  python3 -m harness.cli gate --report-dir "$OUT/gate" ${GATE_ARGS:-} > "$OUT/gate.log" 2>&1 || status=1 ;;
+    *) echo "unknown part $part (suite, bench, live, timeline, conformance, gate)" >&2; exit 2 ;;
   esac
   tail -n 3 "$OUT"/*.log 2>/dev/null | tail -n 6
 done

@@ -27,6 +27,21 @@ def test_kvpool_passes_the_connector_agnostic_scenarios_and_each_control_is_caug
     assert cells["salt_isolation"]["evidence"]["positive_control_installed"] > 0
 
 
+def test_kvpool_asynchronous_loads_recover_from_a_failed_load_and_each_control_is_caught(tmp_path, test_seed):
+    """load_mode async (the default where vLLM schedules asynchronously, as on CUDA): the
+    request waits while its load runs, a broken page is reported failed no later than the
+    load is reported finished, and the recompute gives A's output to the last bit."""
+    scenarios = ["cross_replica_hit", "load_failure_recompute", "shared_blocks_one_fails"]
+    cells = _cells(run_connector("kvpool", {"load_mode": "async"}, test_seed, tmp_path / "kvpool-async", scenarios))
+    for name in scenarios:
+        assert cells[name]["status"] == "pass", (name, cells[name].get("reason"), cells[name].get("replay"))
+    for name in ("cross_replica_hit", "load_failure_recompute"):
+        assert cells[name]["control"]["caught"], cells[name]["control"]
+    claimed = cells["load_failure_recompute"]["evidence"]["claimed"]
+    assert claimed["load_async"] is True and claimed["external_tokens"] > 0, claimed
+    assert cells["load_failure_recompute"]["evidence"]["reported_failed"] > 0
+
+
 def test_example_connector_hit_judged_salt_leak_found_partial_hit_not_applicable(tmp_path, test_seed):
     scenarios = ["cross_replica_hit", "salt_isolation", "partial_hit"]
     cells = _cells(run_connector("example", None, test_seed, tmp_path / "example", scenarios))
