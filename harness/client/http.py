@@ -116,6 +116,10 @@ def complete(url: str, prompt: str, *, tag: str, replica: str = "", max_tokens: 
         raise
     if finish == "error" and error is None:  # vLLM 0.24 ends a failed request with this finish reason alone
         error = "finish_reason: error"
+    elif finish is None and error is None:
+        # A complete stream always ends with a finish reason: without one the engine ended the
+        # request unfinished (vLLM 0.24 so ends one whose asynchronous load failed under policy fail).
+        error = f"the stream ended without a finish_reason ({len(token_ids)} tokens)"
     total = time.monotonic() - t0
     _record("ok", tag=tag, replica=replica, finish_reason=finish, tokens=len(token_ids), error=error,
             ttft_s=round(ttft if ttft is not None else total, 4), total_s=round(total, 3))
