@@ -100,12 +100,15 @@ def _conformance(names: list[str], extra: dict | None, seed: int | None, report_
 
     from harness.conformance.gate import write_matrix, run_connector
     from harness.conformance.scenarios import SCENARIOS
+    from harness.provenance import provenance
 
     unknown = sorted(set(scenarios or ()) - set(SCENARIOS))
     if unknown:
         raise SystemExit(f"kvgate: no connector scenarios {unknown}; known: {sorted(SCENARIOS)}")
     root = seed if seed is not None else secrets.randbits(32)
-    print(f"kvgate conformance: replay key seed={root} connectors={','.join(names)}", flush=True)
+    started = provenance()  # the code that runs is the tree as it is now: the matrix records this
+    print(f"kvgate conformance: replay key seed={root} connectors={','.join(names)} commit={started['short']}"
+          f"{'' if started['clean'] else ' (dirty)'}", flush=True)
     rows = [run_connector(n, extra, root, report_dir / n.replace(":", "_").replace("/", "_"), scenarios,
                           request_timeout_s=request_timeout_s) for n in names]
     paths = write_matrix(rows, report_dir, root)

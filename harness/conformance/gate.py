@@ -130,6 +130,7 @@ def _run_body(ctx: Ctx, sc: Scenario, **kw: Any) -> tuple[Checks | None, str | N
     if ctx.profile.reset is not None:
         ctx.profile.reset(ctx.cluster.report_dir)
     ctx.t0 = time.time()
+    ctx.armed = set()
     checks, broke = None, None
     try:
         checks = sc.body(ctx, **kw)
@@ -138,8 +139,13 @@ def _run_body(ctx: Ctx, sc: Scenario, **kw: Any) -> tuple[Checks | None, str | N
     except (RequestFailed, AssertionError, OSError) as exc:
         broke = f"{type(exc).__name__}: {str(exc)[:400]}"
     down = _casualties(ctx.cluster)
-    if down:
-        _heal(ctx.cluster, down)
+    # The replicas a control was armed on first: one left busy by the control (a connector
+    # whose held stores keep its engine stepping) must not starve the restart of the others.
+    heal = [*sorted(ctx.armed - set(down)), *down]
+    for name in ctx.armed:  # they come back disarmed
+        ctx.cluster.faults[name].write_text("{}")
+    if heal:
+        _heal(ctx.cluster, heal)
     return checks, broke, down
 
 
@@ -254,8 +260,14 @@ def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir
 def write_matrix(rows: list[dict[str, Any]], out_dir: Path, root: int) -> dict[str, Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    doc = {"provenance": provenance(), "seed": root, "scenarios": {s.name: s.describe for s in SCENARIOS.values()},
+    # provenance() is the tree when the run started (cached at its first call, the replay key);
+    # a tree that changed under the run is said so
+    start, now = provenance(), provenance.__wrapped__()
+    doc = {"provenance": start, "seed": root, "scenarios": {s.name: s.describe for s in SCENARIOS.values()},
            "rows": rows}
+    if (now["commit"], now["clean"]) != (start["commit"], start["clean"]):
+        doc["provenance_at_end"] = now
+        doc["provenance"] = {**start, "clean": False}
     (out_dir / "matrix.json").write_text(json.dumps(doc, indent=1, default=str))
     names = [s.name for s in SCENARIOS.values()]
     lines = ["# kvgate conformance matrix", "",

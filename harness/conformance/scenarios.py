@@ -41,6 +41,10 @@ class Ctx:
     seed: int
     t0: float = 0.0  # wall clock at the scenario's start
     timeout_s: float = 600.0  # one request's limit: a request that hangs fails its cell after it
+    # replicas a negative control was armed on in this run: what a known-bad strategy leaves
+    # behind (held stores, blocks freed early, dropped reports) nothing promises, so the
+    # runner restarts them before the next cell
+    armed: set = dataclasses.field(default_factory=set)
 
     @property
     def h(self):  # noqa: ANN201
@@ -280,6 +284,7 @@ def arm_control(ctx: Ctx, replica: str, control: str) -> None:
     doc = json.loads(path.read_text() or "{}")
     doc["connector"] = {"control": control}
     path.write_text(json.dumps(doc))
+    ctx.armed.add(replica)
 
 
 def load_failure_fail(ctx: Ctx, prompt_tokens: int = 1500) -> Checks:
