@@ -1,16 +1,17 @@
 """Negative controls for the network tier (kvpool.tier): known-bad readers the suites must
 catch, as faults.transport_controls holds the known-bad loaders of the host pool.
 
-  BlindTier(inner)   a RedisTier whose reads skip the record's one safeguard against bytes
+  BlindTier(inner)   a RedisTier whose reads defeat the record's safeguard against bytes
                      changed at rest: the header is read and its namespace checked, but
-                     the page is handed out without comparing it with the digest taken at
-                     publish. A page corrupted in the store is returned as good; a
-                     byte-exact check must see it.
+                     the page is handed out with a digest taken over the bytes as read
+                     instead of the one taken at publish (a store that re-checksums what
+                     it returns). A page corrupted in the store is returned, and installed,
+                     as good; a byte-exact check must see it.
 """
 
 from __future__ import annotations
 
-from kvpool.digest import kind_of
+from kvpool.digest import DigestKind, page_digest
 from kvpool.keys import Namespace
 from kvpool.tier import _HEADER_DECODER, _LENGTH_PREFIX, TierIncompatible, TierPage, tier_key
 
@@ -34,4 +35,5 @@ class BlindTier:
         writer = Namespace.from_dict(dict(header.namespace))
         if writer != ns:
             raise TierIncompatible("another namespace", ns.differing_fields(writer))
-        return TierPage(blob[_LENGTH_PREFIX + n:], header.digest, kind_of(header.digest_kind))  # the defect
+        data = blob[_LENGTH_PREFIX + n:]
+        return TierPage(data, page_digest(data), DigestKind.XXH3)  # the defect: the digest of what was read

@@ -66,6 +66,8 @@ from kvpool.errors import MissCause, PoolError, PoolTimeout
 from kvpool.history import HistoryWriter
 from kvpool.keys import HASH_BYTES, ROOT_HASH, Namespace, block_hashes
 from kvpool.metrics import ClientMetrics
+from kvpool.catalog import LookupResult
+from kvpool.tier import TierError, open_tier
 
 if TYPE_CHECKING:
     from kvpool.gpu_copier import CudaCopier
@@ -110,6 +112,12 @@ class ConnectorSettings:
     lookup_poll_s: float = 0.005  # a later call's wait for the same answer (and a slow pool's first)
     pool_backoff_s: float = 1.0
     pool_backoff_max_s: float = 30.0
+    # The network tier (kvpool.tier), for blocks this host's pool lacks: a URL
+    # ("redis://HOST:PORT/DB"); empty: none. Lookups past the pool's run of hits ask the
+    # tier which blocks it holds; loads read them from it; publishes also put to it.
+    tier: str = ""
+    tier_timeout_s: float = 1.0
+    tier_publish: bool = True
     model_id: str = ""  # a stable model name for the namespace (default: the model path)
     model_revision: str = ""  # overrides the model fingerprint in the namespace
 
@@ -251,6 +259,8 @@ class _Request:
     # since: asked to match again meanwhile, its load failed (vLLM freed its blocks)
     loading_async: bool = False
     load_allowed: bool = True  # the request's own `load` flag (false when its params were malformed)
+    tier_blocks: int = 0  # of the last lookup's hit, the blocks past the pool's run that the tier holds
+    tier_from: int | None = None  # the load's first block read from the tier
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,6 +415,7 @@ class KVPoolScheduler:
         self.load_async = settings.loads_async(vllm_config)
         self.history.write("namespace", ns=self.ns.as_dict(), load_mode="async" if self.load_async else "sync")
         self.backend = backend_factory(settings, "scheduler", self.history, None)
+        self.tier = open_tier(settings.tier, settings.tier_timeout_s) if settings.tier else None
         self._reqs: dict[str, _Request] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._lookup_thread = ThreadPoolExecutor(1, thread_name_prefix="kvpool-lookup")
@@ -462,8 +473,7 @@ class KVPoolScheduler:
                                    error=f"the pool timed out: no lookups for {self._paused_until - now:.2f} s more")
                 return 0, False
             slow = any(now - x.started > self.settings.lookup_sync_s for x in self._lookups.values())
-            future = self._lookup_thread.submit(self.backend.lookup, self.ns, st.hashes[local_blocks:max_blocks],
-                                                wait_pending_s=self.settings.lookup_wait_pending_s)
+            future = self._lookup_thread.submit(self._lookup, st.hashes[local_blocks:max_blocks])
             pending = self._lookups[rid] = _Lookup(local_blocks, future, now)
             budget = self.settings.lookup_poll_s if slow else self.settings.lookup_sync_s  # slow now: barely wait
         else:
@@ -489,15 +499,32 @@ class KVPoolScheduler:
                                miss_cause=cause.value, error=f"{type(found).__name__}: {found}", **waited)
             return 0, False
         self._backoff_s = self.settings.pool_backoff_s
+        found, st.tier_blocks, tier_error = found
         hit = len(found.hits)
         miss = found.miss
-        self.history.write("lookup", **record, external_tokens=hit * B, hit_blocks=hit,
-                           outcome="remote_hit" if hit else "miss", first_block=local_blocks,
+        claim = hit + st.tier_blocks
+        extra = {} if self.tier is None else {"tier_blocks": st.tier_blocks, "tier_error": tier_error}
+        self.history.write("lookup", **record, external_tokens=claim * B, hit_blocks=hit,
+                           outcome="remote_hit" if claim else "miss", first_block=local_blocks,
                            miss_cause=miss.cause.value if miss else None,
                            miss_index=(local_blocks + miss.index) if miss else None,
-                           miss_fields=list(miss.fields) if miss else [], load_async=bool(hit and self.load_async),
-                           **waited)
-        return hit * B, bool(hit and self.load_async)
+                           miss_fields=list(miss.fields) if miss else [], load_async=bool(claim and self.load_async),
+                           **extra, **waited)
+        return claim * B, bool(claim and self.load_async)
+
+    def _lookup(self, hashes: list[bytes]) -> tuple[LookupResult, int, str | None]:
+        """On the lookup thread: the pool's run of hits, then how many of the blocks past it
+        the tier holds (where the pool never had them or evicted them; a tier that fails is
+        no hit, and says why)."""
+        found = self.backend.lookup(self.ns, hashes, wait_pending_s=self.settings.lookup_wait_pending_s)
+        hit = len(found.hits)
+        if self.tier is None or hit >= len(hashes) or (
+                found.miss is not None and found.miss.cause not in (MissCause.NEVER_PUBLISHED, MissCause.EVICTED)):
+            return found, 0, None
+        try:
+            return found, self.tier.exists(self.ns, hashes[hit:]), None
+        except TierError as exc:
+            return found, 0, f"{type(exc).__name__}: {exc}"
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:  # noqa: ANN001
         st = self._reqs.get(request.request_id)
@@ -505,6 +532,7 @@ class KVPoolScheduler:
             return
         b0 = request.num_computed_tokens // self.block_size
         st.load = (b0, b0 + num_external_tokens // self.block_size)
+        st.tier_from = max(b0, st.load[1] - st.tier_blocks) if st.tier_blocks else None
         if self.load_async:  # not scheduled before its load is done: its blocks are known only here
             st.block_ids = compat.allocated_block_ids(blocks)
 
@@ -516,7 +544,7 @@ class KVPoolScheduler:
             for rid, st in self._reqs.items():
                 if st.load is not None and rid not in computed:  # held by vLLM until the load is reported
                     b0, b1 = st.load
-                    meta.async_loads.append(BlockRun(rid, st.tag, b0, st.block_ids[b0:b1], st.hashes[b0:b1]))
+                    meta.async_loads.extend(self._load_runs(rid, st))
                     st.published = max(st.published, b1)
                     st.load = None
                     st.loading_async = True
@@ -525,7 +553,7 @@ class KVPoolScheduler:
             st.loading_async = False
             if st.load is not None:
                 b0, b1 = st.load
-                meta.loads.append(BlockRun(rid, st.tag, b0, st.block_ids[b0:b1], st.hashes[b0:b1]))
+                meta.loads.extend(self._load_runs(rid, st))
                 st.published = max(st.published, b1)
                 st.load = None
             elif ncomp < st.published * B:  # rolled back (a failed load is being recomputed)
@@ -542,6 +570,17 @@ class KVPoolScheduler:
         meta.drain = sorted(r for r in (getattr(scheduler_output, "preempted_req_ids", None) or ())
                             if r in self._reqs and self._reqs[r].stored)
         return meta
+
+    @staticmethod
+    def _load_runs(rid: str, st: _Request) -> list[BlockRun]:
+        """The request's load: the pool's blocks, then the tier's (if its lookup found any)."""
+        b0, b1 = st.load
+        split = b1 if st.tier_from is None else st.tier_from
+        runs = [BlockRun(rid, st.tag, b0, st.block_ids[b0:split], st.hashes[b0:split])] if split > b0 else []
+        if split < b1:
+            runs.append(BlockRun(rid, st.tag, split, st.block_ids[split:b1], st.hashes[split:b1], source="tier"))
+        st.tier_from = None
+        return runs
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:  # noqa: ANN001
         """A request whose blocks were handed to the copier keeps them until the worker
@@ -582,6 +621,9 @@ class KVPoolWorker:
         self.backend = backend_factory(settings, "worker", self.history, self.metrics)
         self.copier = (copier_factory or default_copier)(settings, self.backend, self.history, self.metrics,
                                                          self.device)
+        if settings.tier and self.device == "cuda":
+            raise ValueError("the network tier (setting 'tier') is served on the CPU copier only, so far")
+        self.tier = open_tier(settings.tier, settings.tier_timeout_s) if settings.tier else None
         self._loading: list = []
         self._receiving: dict[str, list] = {}  # req id -> its asynchronous loads' futures
         self._sending: dict[str, list] = {}  # req id -> its store futures
@@ -631,10 +673,16 @@ class KVPoolWorker:
         for rid in meta.drain:
             self.copier.wait(self._sending.get(rid, []), self._wait_s)
         for run in meta.loads:
-            self._loading.append(self.copier.load(self.ns, run, self.settings.load_deadline_s))
+            self._loading.append(self._load(run))
         for run in meta.async_loads:
-            self._receiving.setdefault(run.req_id, []).append(
-                self.copier.load(self.ns, run, self.settings.load_deadline_s))
+            self._receiving.setdefault(run.req_id, []).append(self._load(run))
+
+    def _load(self, run: BlockRun) -> Future:
+        if run.source == "tier":
+            if self.tier is None:
+                raise ValueError(f"a load from the tier for {run.req_id}, and no tier is configured on the worker")
+            return self.copier.tier_load(self.tier, self.ns, run, self.settings.load_deadline_s)
+        return self.copier.load(self.ns, run, self.settings.load_deadline_s)
 
     def wait_for_load(self) -> None:
         if self._loading:
@@ -664,6 +712,8 @@ class KVPoolWorker:
                 keep.append(i)
             if keep:
                 sending.append(self.copier.store(self.ns, run, keep))
+                if self.tier is not None and self.settings.tier_publish:
+                    sending.append(self.copier.tier_store(self.tier, self.ns, run, keep))
 
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         """Requests the scheduler finished (now or at an earlier call) whose stores are all

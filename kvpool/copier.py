@@ -21,6 +21,9 @@ tensors and pool pages, asynchronously, in an order the engine can rely on.
   .load_settled(future) -> bool
                      whether a load is over: its blocks installed or in .failed (the
                      connector reports an asynchronous load finished only then).
+  .tier_load(tier, ns, run, deadline_s) / .tier_store(tier, ns, run, keep) -> Future
+                     the same, from and to the network tier (kvpool.tier), on the same
+                     lanes; records `tier_load` / `tier_publish`.
   .wait(futures, timeout_s)
                      block until every future is done. A copier's `ordered` flag says
                      whether a done future means the copy is complete (a known-bad
@@ -41,7 +44,8 @@ from typing import Any
 import numpy as np
 
 from kvpool.client import PoolBackend, load, publish
-from kvpool.errors import PoolError, PoolTimeout
+from kvpool.catalog import Miss
+from kvpool.errors import MissCause, PoolError, PoolTimeout
 from kvpool.history import HistoryWriter
 from kvpool.keys import Namespace
 from kvpool.metrics import ClientMetrics
@@ -60,6 +64,21 @@ class CopyRun:
     first_block: int  # index of block_ids[0] within the request's prompt
     block_ids: Sequence[int]
     hashes: Sequence[bytes]
+    source: str = "pool"  # where a load reads: "pool" (this host's) or "tier" (kvpool.tier)
+
+
+def note_load(copier: Any, event: str, run: CopyRun, loaded: int, miss: Any, **timing: float) -> list[int]:
+    """A finished load's bookkeeping, the same for every copier: the blocks it did not
+    install join `copier.failed` (under `copier._failed_lock`), and its record (`event`)
+    goes to the history. Returns those blocks."""
+    failed = list(run.block_ids[loaded:])
+    with copier._failed_lock:
+        copier.failed.update(failed)
+    copier.history.write(event, req=run.req_id, tag=run.tag, first_block=run.first_block, blocks=len(run.block_ids),
+                         loaded=loaded, failed_block_ids=failed, miss_cause=miss.cause.value if miss else None,
+                         miss_index=(run.first_block + miss.index) if miss else None,
+                         **{k: round(v, 6) for k, v in timing.items()})
+    return failed
 
 
 def wait_all(futures: Sequence[Future], timeout_s: float, what: str) -> None:
@@ -126,21 +145,43 @@ class HostCopier:
             t0 = time.monotonic()
             left = deadline_s - (t0 - submitted)
             if left <= 0:  # the load waited past its deadline before it could start
-                res = None
-                loaded, cause, index = 0, "timeout", run.first_block
+                res, loaded, miss = None, 0, Miss(0, MissCause.TIMEOUT)
             else:
                 res = load(self.backend, ns, run.hashes,
                            lambda i, ids=run.block_ids: self.block_segments(ids[i]),
                            deadline_s=left, metrics=self.metrics)
-                loaded = res.loaded
-                cause = res.miss.cause.value if res.miss else None
-                index = (run.first_block + res.miss.index) if res.miss else None
-            failed = list(run.block_ids[loaded:])
-            with self._failed_lock:
-                self.failed.update(failed)
-            self.history.write("load", req=run.req_id, tag=run.tag, first_block=run.first_block,
-                               blocks=len(run.block_ids), loaded=loaded, failed_block_ids=failed,
-                               miss_cause=cause, miss_index=index, queued_s=round(t0 - submitted, 6),
+                loaded, miss = res.loaded, res.miss
+            note_load(self, "load", run, loaded, miss, queued_s=t0 - submitted, seconds=time.monotonic() - t0)
+            return res
+
+        return job
+
+    def tier_load_job(self, tier: Any, ns: Namespace, run: CopyRun, deadline_s: float) -> Callable[[], Any]:
+        """A load from the network tier (kvpool.tier.tier_load): its failed blocks join
+        .failed as a pool load's do; its record is `tier_load`."""
+        from kvpool.tier import tier_load
+
+        submitted = time.monotonic()
+
+        def job() -> Any:
+            t0 = time.monotonic()
+            res = tier_load(tier, ns, run.hashes, lambda i, ids=run.block_ids: self.block_segments(ids[i]),
+                            deadline_s=max(0.0, deadline_s - (t0 - submitted)))
+            note_load(self, "tier_load", run, res.loaded, res.miss, queued_s=t0 - submitted,
+                      seconds=time.monotonic() - t0)
+            return res
+
+        return job
+
+    def tier_store_job(self, tier: Any, ns: Namespace, run: CopyRun, keep: Sequence[int]) -> Callable[[], Any]:
+        from kvpool.tier import tier_publish
+
+        def job() -> Any:
+            t0 = time.monotonic()
+            res = tier_publish(tier, ns, [run.hashes[i] for i in keep],
+                               [self.block_segments(run.block_ids[i]) for i in keep])
+            self.history.write("tier_publish", req=run.req_id, tag=run.tag, first_block=run.first_block,
+                               blocks=len(keep), put=res.put, refused=res.refused, error=res.error,
                                seconds=round(time.monotonic() - t0, 6))
             return res
 
@@ -156,6 +197,12 @@ class HostCopier:
 
     def load(self, ns: Namespace, run: CopyRun, deadline_s: float) -> Future:
         return self.submit(self.load_job(ns, run, deadline_s), "load")
+
+    def tier_load(self, tier: Any, ns: Namespace, run: CopyRun, deadline_s: float) -> Future:
+        return self.submit(self.tier_load_job(tier, ns, run, deadline_s), "load")
+
+    def tier_store(self, tier: Any, ns: Namespace, run: CopyRun, keep: Sequence[int]) -> Future:
+        return self.submit(self.tier_store_job(tier, ns, run, keep), "store")
 
     def wait(self, futures: Sequence[Future], timeout_s: float) -> None:
         wait_all(futures, timeout_s, "KV copies")

@@ -35,7 +35,7 @@ from concurrent.futures import Future
 import torch
 
 from kvpool.client import PoolBackend
-from kvpool.copier import CopyRun, wait_all
+from kvpool.copier import CopyRun, note_load, wait_all
 from kvpool.gpu_transfer import (
     LoadHandle,
     LoadOutcome,
@@ -86,14 +86,7 @@ class CudaCopier:
 
     def load(self, ns: Namespace, run: CopyRun, deadline_s: float) -> Future:
         h = self._engine(ns).load(run.block_ids, run.hashes, deadline_s=deadline_s)
-        failed = list(h.failed_block_ids)
-        with self._failed_lock:
-            self.failed.update(failed)
-        self.history.write("load", req=run.req_id, tag=run.tag, first_block=run.first_block,
-                           blocks=len(run.block_ids), loaded=h.loaded, failed_block_ids=failed,
-                           miss_cause=h.miss.cause.value if h.miss else None,
-                           miss_index=(run.first_block + h.miss.index) if h.miss else None,
-                           seconds=round(time.monotonic() - h._t0, 6))
+        failed = note_load(self, "load", run, h.loaded, h.miss, seconds=time.monotonic() - h._t0)
         if self.metrics is not None:
             self.metrics.blocks_loaded.inc(h.loaded)
             self.metrics.bytes_loaded.inc(h.loaded * self.block_bytes)

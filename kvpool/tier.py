@@ -27,6 +27,14 @@ pages go to an existing distributed store through one interface:
                         reader checks the namespace field by field, the length and the
                         digest before it hands out a byte: stale or foreign bytes are never
                         installed.
+  tier_load(tier, ns, hashes, dest, deadline_s) -> LoadResult
+                        install the longest run of the tier's pages into dest(i) (as
+                        kvpool.client.load does from the host pool), digesting the bytes
+                        as installed; every failure ends the run as one miss cause
+  tier_publish(tier, ns, hashes, blocks) -> TierPublishResult
+                        put each block's bytes with their digest; best effort, counted
+  open_tier(url, timeout_s) -> Tier
+                        the backend a URL names: redis:// or unix:// (RedisTier)
   tier_key(ns, block_hash) -> str
                         the store's key: tenant, a digest of the namespace, the block's
                         chain hash. Two namespaces never share a key; the header's check
@@ -37,10 +45,16 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Protocol
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import msgspec
+import numpy as np
 
+from kvpool.catalog import Miss
+from kvpool.client import LoadResult
+from kvpool.copy import as_segments, copy_digest_as, total_size
 from kvpool.digest import DIGEST_BYTES, DigestKind, kind_of, page_digest
 from kvpool.errors import MissCause, PoolError
 from kvpool.keys import Namespace
@@ -176,3 +190,71 @@ class Tier(Protocol):
     def exists(self, ns: Namespace, hashes: list[bytes]) -> int: ...
     def remove(self, ns: Namespace, block_hash: bytes) -> None: ...
     def close(self) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class TierPublishResult:
+    requested: int
+    put: int  # stored
+    refused: int  # the store would not take them (full)
+    error: str | None = None  # the put that ended the run early, if one did
+
+
+def tier_load(tier: Tier, ns: Namespace, hashes: Sequence[bytes], dest: Callable[[int], Any],
+              deadline_s: float | None = None) -> LoadResult:
+    """Install the longest run of the tier's pages into dest(i) (the block's segments, in
+    page byte order). A missing key is `never_published` (the store cannot tell an evicted
+    one), a TierError its own cause, a run past its deadline `timeout`. The page's digest
+    is checked twice: on the record's bytes (decode_record), and on the bytes as installed."""
+    t0 = time.monotonic()
+    loaded = 0
+    miss: Miss | None = None
+    for i, h in enumerate(hashes):
+        if deadline_s is not None and time.monotonic() - t0 > deadline_s:
+            miss = Miss(i, MissCause.TIMEOUT)
+            break
+        try:
+            page = tier.get(ns, h)
+        except TierIncompatible as exc:
+            miss = Miss(i, exc.cause, exc.fields)
+            break
+        except TierError as exc:
+            miss = Miss(i, exc.cause)
+            break
+        if page is None:
+            miss = Miss(i, MissCause.NEVER_PUBLISHED)
+            break
+        target = as_segments(dest(i))
+        if total_size(target) != len(page.data):
+            miss = Miss(i, MissCause.INCOMPATIBLE, ("page_bytes",))
+            break
+        if copy_digest_as(page.kind, [np.frombuffer(page.data, dtype=np.uint8)], target) != page.digest:
+            miss = Miss(i, MissCause.CORRUPT)
+            break
+        loaded += 1
+    return LoadResult(len(hashes), loaded, miss, time.monotonic() - t0)
+
+
+def tier_publish(tier: Tier, ns: Namespace, hashes: Sequence[bytes], blocks: Sequence[Any]) -> TierPublishResult:
+    """Put each block (its segments, in page byte order) under its hash with its digest.
+    Best effort: a store that cannot be reached ends the run (the rest is not tried)."""
+    put = refused = 0
+    for h, block in zip(hashes, blocks):
+        data = b"".join(bytes(s) for s in as_segments(block))
+        try:
+            if tier.put(ns, h, data, page_digest(data)):
+                put += 1
+            else:
+                refused += 1
+        except TierError as exc:
+            return TierPublishResult(len(hashes), put, refused, f"{type(exc).__name__}: {exc}")
+    return TierPublishResult(len(hashes), put, refused)
+
+
+def open_tier(url: str, timeout_s: float = 1.0) -> Tier:
+    """The tier a URL names: "redis://HOST:PORT/DB", "rediss://..." or "unix:///path" (Redis)."""
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from kvpool.tier_redis import RedisTier
+
+        return RedisTier(url, timeout_s=timeout_s)
+    raise ValueError(f"no network tier for {url!r}: redis://HOST:PORT/DB or unix:///path")
