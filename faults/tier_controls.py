@@ -1,7 +1,7 @@
 """Negative controls for the network tier (kvpool.tier): known-bad readers the suites must
 catch, as faults.transport_controls holds the known-bad loaders of the host pool.
 
-  BlindTier(inner)   a RedisTier whose reads defeat the record's safeguard against bytes
+  BlindTier(inner)   a tier (RedisTier, MooncakeTier) whose reads defeat the record's safeguard against bytes
                      changed at rest: the header is read and its namespace checked, but
                      the page is handed out with a digest taken over the bytes as read
                      instead of the one taken at publish (a store that re-checksums what
@@ -19,7 +19,7 @@ from kvpool.tier import _HEADER_DECODER, _LENGTH_PREFIX, TierIncompatible, TierP
 class BlindTier:
     """Negative controls only."""
 
-    def __init__(self, inner):  # noqa: ANN001 - a kvpool.tier_redis.RedisTier
+    def __init__(self, inner):  # noqa: ANN001 - a RedisTier or a MooncakeTier
         self.inner = inner
         self.caps = inner.caps
 
@@ -27,8 +27,9 @@ class BlindTier:
         return getattr(self.inner, name)
 
     def get(self, ns: Namespace, block_hash: bytes) -> TierPage | None:
-        blob = self.inner._r.get(tier_key(ns, block_hash))
-        if blob is None:
+        raw = getattr(self.inner, "_r", None) or self.inner._s  # the store's own client
+        blob = raw.get(tier_key(ns, block_hash))
+        if not blob:  # Redis: None; Mooncake: b''
             return None
         n = int.from_bytes(blob[:_LENGTH_PREFIX], "big")
         header = _HEADER_DECODER.decode(blob[_LENGTH_PREFIX:_LENGTH_PREFIX + n])

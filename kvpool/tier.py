@@ -34,7 +34,8 @@ pages go to an existing distributed store through one interface:
   tier_publish(tier, ns, hashes, blocks) -> TierPublishResult
                         put each block's bytes with their digest; best effort, counted
   open_tier(url, timeout_s) -> Tier
-                        the backend a URL names: redis:// or unix:// (RedisTier)
+                        the backend a URL names: redis:// or unix:// (RedisTier), mooncake://
+                        (kvpool.tier_mooncake.MooncakeTier)
   tier_key(ns, block_hash) -> str
                         the store's key: tenant, a digest of the namespace, the block's
                         chain hash. Two namespaces never share a key; the header's check
@@ -252,9 +253,23 @@ def tier_publish(tier: Tier, ns: Namespace, hashes: Sequence[bytes], blocks: Seq
 
 
 def open_tier(url: str, timeout_s: float = 1.0) -> Tier:
-    """The tier a URL names: "redis://HOST:PORT/DB", "rediss://..." or "unix:///path" (Redis)."""
+    """The tier a URL names: "redis://HOST:PORT/DB", "rediss://..." or "unix:///path" (Redis);
+    "mooncake://MASTER_HOST:PORT?metadata=http://HOST:PORT/metadata" (Mooncake Store; also
+    `segment_bytes`, `buffer_bytes`, `protocol`, `devices`, `local_hostname`)."""
     if url.startswith(("redis://", "rediss://", "unix://")):
         from kvpool.tier_redis import RedisTier
 
         return RedisTier(url, timeout_s=timeout_s)
-    raise ValueError(f"no network tier for {url!r}: redis://HOST:PORT/DB or unix:///path")
+    if url.startswith("mooncake://"):
+        from urllib.parse import parse_qs, urlsplit
+
+        from kvpool.tier_mooncake import MooncakeTier
+
+        parts = urlsplit(url)
+        q = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        if "metadata" not in q:
+            raise ValueError(f"{url!r}: a mooncake tier needs ?metadata=http://HOST:PORT/metadata")
+        sizes = {k: int(q[k]) for k in ("segment_bytes", "buffer_bytes") if k in q}
+        return MooncakeTier(parts.netloc, q["metadata"], q.get("local_hostname", "127.0.0.1"),
+                            protocol=q.get("protocol", "tcp"), devices=q.get("devices", ""), **sizes)
+    raise ValueError(f"no network tier for {url!r}: redis://HOST:PORT/DB, unix:///path or mooncake://HOST:PORT?...")

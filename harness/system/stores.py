@@ -11,13 +11,24 @@ faults and stops (kvpool.tier's backends are clients of these).
       .client()   a redis-py client for the harness's own checks and data faults
   redis_binary() -> str | None   where redis-server is (None: not installed; `make test`
                   installs Debian's package)
+  MooncakeMaster(run_dir, lease_ms=10000)
+      .start()    `mooncake_master` on loopback with its built-in HTTP metadata server, free
+                  ports; waits until its RPC port accepts connections
+      .url        the tier URL (kvpool.tier.open_tier): mooncake://HOST:PORT?metadata=...
+      .kill() / .stop()   as RedisServer's (a restarted master comes back empty; its
+                  clients remount their segments on their own, about 1 s later)
+  mooncake_binary() -> str | None   the master of the installed mooncake package
+Mooncake's processes run with MC_TCP_BIND_ADDRESS=127.0.0.1 (set it in a client's process
+before its first store is set up: `mooncake_env()`).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 from harness.system.procs import spawn, stop_group, wait_ready
@@ -90,3 +101,73 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def mooncake_binary() -> str | None:
+    try:
+        import mooncake
+    except (ImportError, OSError):  # not installed, or its verbs library missing (make servers)
+        return None
+    path = Path(mooncake.__file__).parent / "mooncake_master"
+    return str(path) if path.exists() else shutil.which("mooncake_master")
+
+
+def mooncake_env() -> dict[str, str]:
+    """What Mooncake's processes need here: TCP bound to loopback, logs on stderr."""
+    return {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "GLOG_logtostderr": "1"}
+
+
+class MooncakeMaster:
+    def __init__(self, run_dir: Path, lease_ms: int = 10000):
+        self.run_dir = Path(run_dir)
+        self.lease_ms = lease_ms
+        self.rpc_port, self.http_port, self.metrics_port = _free_port(), _free_port(), _free_port()
+        self.proc: subprocess.Popen | None = None
+        self.log = self.run_dir / f"mooncake-master-{self.rpc_port}.log"
+
+    @property
+    def url(self) -> str:
+        return (f"mooncake://127.0.0.1:{self.rpc_port}?metadata=http://127.0.0.1:{self.http_port}/metadata"
+                f"&segment_bytes={64 * 2**20}&buffer_bytes={64 * 2**20}")
+
+    def start(self) -> MooncakeMaster:
+        binary = mooncake_binary()
+        if binary is None:
+            raise FileNotFoundError("mooncake is not installed (pip install mooncake-transfer-engine-non-cuda)")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        args = [binary, f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
+                "--enable_http_metadata_server=true", f"--http_metadata_server_port={self.http_port}",
+                "--http_metadata_server_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
+                "--metrics_host=127.0.0.1", f"--default_kv_lease_ttl={self.lease_ms}", "--rpc_thread_num=2",
+                "--logtostderr"]
+        self.proc = spawn(args, self.log, env={**os.environ, **mooncake_env()})
+
+        def accepting() -> bool | None:
+            for port in (self.rpc_port, self.http_port):
+                try:
+                    socket.create_connection(("127.0.0.1", port), 0.2).close()
+                except OSError:
+                    return None
+            return True
+
+        wait_ready(self.proc, accepting, 30.0, f"mooncake_master :{self.rpc_port}", self.log)
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(10)
+            self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_group(self.proc, grace=10.0)
+            self.proc = None
+
+    def wait_remounted(self, tier, timeout_s: float = 20.0) -> None:  # noqa: ANN001 - a MooncakeTier
+        """After a restart: until the client's health check passes (it remounts by itself)."""
+        deadline = time.monotonic() + timeout_s
+        while tier._s.health_check() != 0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"mooncake client not healthy {timeout_s} s after the master's restart")
+            time.sleep(0.25)

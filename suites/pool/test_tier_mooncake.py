@@ -1,0 +1,138 @@
+"""The network tier on Mooncake Store (kvpool.tier_mooncake), on a real `mooncake_master`
+the test starts (TCP on loopback, its built-in metadata server): pages byte-exact between
+two clients in two processes, a byte changed in a stored record is `corrupt` (with its
+negative control, a tier that re-digests what it reads, caught by the byte check), a full
+store evicts whole pages and never serves other bytes, a killed master is unavailable at
+once and comes back empty. Skipped where the mooncake package is not installed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from faults.tier_controls import BlindTier
+from harness.system.stores import MooncakeMaster, mooncake_binary, mooncake_env
+from kvpool.digest import page_digest
+from kvpool.errors import MissCause
+from kvpool.keys import Namespace, block_hashes
+from kvpool.tier import TierCorrupt, TierUnavailable, open_tier, tier_key
+
+PAGE = 128 * 1024
+NS = Namespace(model_id="tiny", model_revision="r1", tokenizer_hash="t", kv_dtype="bfloat16", kv_layout="cpu",
+               block_size=16, num_layers=2, num_kv_heads=2, head_size=64)
+
+pytestmark = pytest.mark.skipif(mooncake_binary() is None, reason="mooncake is not installed")
+
+
+def pages(seed: int, n: int) -> tuple[list[bytes], list[bytes]]:
+    rng = np.random.default_rng(seed)
+    return (block_hashes(list(rng.integers(0, 2000, n * 16)), 16),
+            [rng.integers(0, 256, PAGE, dtype=np.uint8).tobytes() for _ in range(n)])
+
+
+@pytest.fixture
+def master(tmp_path):
+    os.environ.update(mooncake_env())
+    m = MooncakeMaster(tmp_path / "mooncake", lease_ms=2000).start()
+    yield m
+    m.stop()
+
+
+READER = """
+import sys
+from kvpool.keys import Namespace
+from kvpool.tier import open_tier
+ns = Namespace.from_dict(eval(sys.argv[2]))
+t = open_tier(sys.argv[1])
+for h in sys.argv[3:]:
+    p = t.get(ns, bytes.fromhex(h))
+    print(p.data.hex()[:64] if p else "-", len(p.data) if p else 0, flush=True)
+t.close()
+"""
+
+
+def test_pages_cross_the_store_byte_exact_between_two_processes(master, test_seed):
+    hashes, data = pages(test_seed, 4)
+    t = open_tier(master.url)
+    try:
+        for h, p in zip(hashes[:3], data[:3]):
+            assert t.put(NS, h, p, page_digest(p))
+        assert t.exists(NS, hashes) == 3 and t.get(NS, hashes[3]) is None
+        out = subprocess.run([sys.executable, "-c", READER, master.url, repr(NS.as_dict()), *(h.hex() for h in hashes)],
+                             capture_output=True, text=True, timeout=60, env={**os.environ, **mooncake_env()})
+        assert out.returncode == 0, out.stderr[-2000:]
+        lines = [ln for ln in out.stdout.splitlines() if ln]
+        assert lines == [f"{p.hex()[:64]} {PAGE}" for p in data[:3]] + ["- 0"]
+        t.remove(NS, hashes[0])
+        assert t.get(NS, hashes[0]) is None and t.exists(NS, hashes) == 0
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("reader_kind", ["tier", "blind"])
+def test_a_byte_changed_in_the_store_is_corrupt_and_the_blind_reader_is_caught(master, test_seed, reader_kind):
+    hashes, data = pages(test_seed, 1)
+    t = open_tier(master.url)
+    try:
+        assert t.put(NS, hashes[0], data[0], page_digest(data[0]))
+        key = tier_key(NS, hashes[0])
+        record = bytearray(t._s.get(key))
+        at = len(record) - PAGE + int(np.random.default_rng(test_seed).integers(PAGE))
+        record[at] ^= 0x10
+        time.sleep(2.2)  # the read above holds a lease (2 s here): the store's upsert waits it out
+        assert t._s.upsert(key, bytes(record)) == 0  # the data fault: the stored bytes changed
+        reader = t if reader_kind == "tier" else BlindTier(t)
+        try:
+            got = reader.get(NS, hashes[0])
+        except TierCorrupt as exc:
+            assert reader_kind == "tier" and exc.cause is MissCause.CORRUPT
+            return
+        assert reader_kind == "blind", "the tier handed out a page it should have refused"
+        assert got is not None and got.data != data[0], "negative control not caught by the byte-exact check"
+    finally:
+        t.close()
+
+
+def test_a_full_store_evicts_whole_pages_and_never_serves_other_bytes(master, test_seed):
+    url = master.url.replace(f"segment_bytes={64 * 2**20}", f"segment_bytes={16 * 2**20}")
+    hashes, data = pages(test_seed, 200)  # 25 MiB of pages into a 16 MiB segment
+    t = open_tier(url)
+    try:
+        stored = [t.put(NS, h, p, page_digest(p)) for h, p in zip(hashes, data)]
+        got = [t.get(NS, h) if ok else None for h, ok in zip(hashes, stored)]
+        kept = [i for i, g in enumerate(got) if g is not None]
+        assert 0 < len(kept) < 200
+        assert all(got[i].data == data[i] for i in kept)
+    finally:
+        t.close()
+
+
+def test_a_killed_master_is_unavailable_at_once_and_comes_back_empty(master, test_seed):
+    hashes, data = pages(test_seed, 2)
+    t = open_tier(master.url)
+    try:
+        assert t.put(NS, hashes[0], data[0], page_digest(data[0]))
+        master.kill()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        with pytest.raises(TierUnavailable) as exc:
+            t.get(NS, hashes[0])
+        assert exc.value.cause is MissCause.TRANSPORT_ERROR
+        with pytest.raises(TierUnavailable):
+            t.put(NS, hashes[1], data[1], page_digest(data[1]))
+        assert time.monotonic() - t0 < 10
+        master.start()
+        master.wait_remounted(t)
+        deadline = time.monotonic() + 10  # the segment is mounted again shortly after the health check
+        while not t.put(NS, hashes[1], data[1], page_digest(data[1])):
+            assert time.monotonic() < deadline, "the restarted store never took a page"
+            time.sleep(0.25)
+        assert t.get(NS, hashes[0]) is None  # a master without persistence comes back empty
+        assert t.get(NS, hashes[1]).data == data[1]
+    finally:
+        t.close()
