@@ -25,7 +25,9 @@ setup: $(STAMP)
 LMC_VENV  := .venv-lmcache
 LMC_STAMP := $(LMC_VENV)/.kvgate-installed
 
-$(LMC_STAMP): $(STAMP) Makefile
+# LMCache imports Mooncake's transfer engine when the package is there (it is: extra mooncake),
+# which needs the verbs library first (order-only: make servers).
+$(LMC_STAMP): $(STAMP) Makefile | servers
 	test -x $(LMC_VENV)/bin/python || $(PYTHON) -m venv $(LMC_VENV)
 	base=$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
 	own=$$($(LMC_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
@@ -47,7 +49,7 @@ servers:
 gate: setup
 	$(BIN)/kvgate gate
 
-test: setup peers servers
+test: setup servers peers
 	$(BIN)/python -m pytest suites $(PYTEST_ARGS)
 
 test-slow: setup
