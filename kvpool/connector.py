@@ -543,19 +543,13 @@ class KVPoolScheduler:
         if self.load_async:
             for rid, st in self._reqs.items():
                 if st.load is not None and rid not in computed:  # held by vLLM until the load is reported
-                    b0, b1 = st.load
-                    meta.async_loads.extend(self._load_runs(rid, st))
-                    st.published = max(st.published, b1)
-                    st.load = None
+                    meta.async_loads.extend(self._take_load(rid, st))
                     st.loading_async = True
         for rid, ncomp in computed.items():
             st = self._reqs[rid]
             st.loading_async = False
             if st.load is not None:
-                b0, b1 = st.load
-                meta.loads.extend(self._load_runs(rid, st))
-                st.published = max(st.published, b1)
-                st.load = None
+                meta.loads.extend(self._take_load(rid, st))
             elif ncomp < st.published * B:  # rolled back (a failed load is being recomputed)
                 st.published = ncomp // B
             if not self.settings.publish:
@@ -572,14 +566,17 @@ class KVPoolScheduler:
         return meta
 
     @staticmethod
-    def _load_runs(rid: str, st: _Request) -> list[BlockRun]:
-        """The request's load: the pool's blocks, then the tier's (if its lookup found any)."""
+    def _take_load(rid: str, st: _Request) -> list[BlockRun]:
+        """Hand the request's load over: the pool's blocks, then the tier's (if its lookup
+        found any). Its blocks count as published from here: they came from the pool or the tier
+        and are not published again."""
         b0, b1 = st.load
         split = b1 if st.tier_from is None else st.tier_from
         runs = [BlockRun(rid, st.tag, b0, st.block_ids[b0:split], st.hashes[b0:split])] if split > b0 else []
         if split < b1:
             runs.append(BlockRun(rid, st.tag, split, st.block_ids[split:b1], st.hashes[split:b1], source="tier"))
-        st.tier_from = None
+        st.published = max(st.published, b1)
+        st.load = st.tier_from = None
         return runs
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:  # noqa: ANN001

@@ -31,6 +31,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from harness.system.cluster import free_port
 from harness.system.procs import spawn, stop_group, wait_ready
 
 
@@ -38,19 +39,36 @@ def redis_binary() -> str | None:
     return shutil.which("redis-server")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class _StoreProcess:
+    """A store's server process: kill() as a node that dies, stop() as a clean shutdown."""
+
+    proc: subprocess.Popen | None = None
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(10)
+            self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_group(self.proc, grace=10.0)
+            self.proc = None
+
+    def __enter__(self):  # noqa: ANN204
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
-class RedisServer:
+class RedisServer(_StoreProcess):
     def __init__(self, run_dir: Path, maxmemory: int | None = None, policy: str = "allkeys-lru",
                  port: int | None = None):
         self.run_dir = Path(run_dir)
         self.maxmemory = maxmemory
         self.policy = policy
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.proc: subprocess.Popen | None = None
         self.log = self.run_dir / f"redis-{self.port}.log"
 
@@ -85,22 +103,7 @@ class RedisServer:
         wait_ready(self.proc, answers, 30.0, f"redis-server :{self.port}", self.log)
         return self
 
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(10)
-            self.proc = None
 
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_group(self.proc, grace=10.0)
-            self.proc = None
-
-    def __enter__(self) -> RedisServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def mooncake_binary() -> str | None:
@@ -117,11 +120,11 @@ def mooncake_env() -> dict[str, str]:
     return {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "GLOG_logtostderr": "1"}
 
 
-class MooncakeMaster:
+class MooncakeMaster(_StoreProcess):
     def __init__(self, run_dir: Path, lease_ms: int = 10000):
         self.run_dir = Path(run_dir)
         self.lease_ms = lease_ms
-        self.rpc_port, self.http_port, self.metrics_port = _free_port(), _free_port(), _free_port()
+        self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.proc: subprocess.Popen | None = None
         self.log = self.run_dir / f"mooncake-master-{self.rpc_port}.log"
 
@@ -153,16 +156,6 @@ class MooncakeMaster:
         wait_ready(self.proc, accepting, 30.0, f"mooncake_master :{self.rpc_port}", self.log)
         return self
 
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(10)
-            self.proc = None
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_group(self.proc, grace=10.0)
-            self.proc = None
 
     def wait_remounted(self, tier, timeout_s: float = 20.0) -> None:  # noqa: ANN001 - a MooncakeTier
         """After a restart: until the client's health check passes (it remounts by itself)."""
