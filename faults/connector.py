@@ -31,6 +31,16 @@ for any inner connector, section "connector":
         a delayed completion: get_finished holds the finished requests' ids back (they
         are reported at a later call, after the delay), `times` requests' worth.
 
+Section "schedule" is not a fault: it takes a race out of a scenario's hands.
+
+    {"schedule": {"gather": "TAG-PREFIX", "count": 3}}
+        the scheduler keeps the requests whose tag starts with the prefix waiting (asked
+        for their external tokens, the connector answers None, "ask again", before the
+        inner connector is asked) until `count` of them have arrived; then it admits them
+        in their order of arrival, one per scheduler step. Requests sent together then run
+        together however the client's sends and the engine's steps interleave; a request
+        once admitted (a preempted one, resumed) is never held again.
+
 For kvpool's own connector (capability flag `takes_factories`), the pool backend and the
 copy engine are wrapped through kvpool's factories: faults.backend.FaultyBackend (sections
 "load", "publish", "client", "namespace"), faults.copier.FaultyCopier around the host
@@ -49,7 +59,7 @@ from typing import Any
 from faults.backend import FaultyBackend
 from faults.control import ControlFile, ControlFileError
 from faults.copier import FaultyCopier
-from kvpool.connector import ConnectorSettings, connect_backend
+from kvpool.connector import ConnectorSettings, _request_tag, connect_backend
 from kvpool.copier import HostCopier
 from kvpool.history import HistoryWriter
 from kvpool.wrap import WrappingConnector
@@ -77,6 +87,12 @@ class FaultConnector(WrappingConnector):
         self._saves: list[tuple[Any, ...]] = []
         self._late: list[tuple[Any, list[tuple[Any, ...]]]] = []
         self._freed_early: set[str] = set()
+        # schedule "gather": the spec it counts for, the arrivals in order, those admitted,
+        # and whether this step has admitted one
+        self._gather: tuple[str, int] | None = None
+        self._arrived: list[str] = []
+        self._admitted: set[str] = set()
+        self._admitted_this_step = False
         super().__init__(vllm_config, role, kv_cache_config, extra=extra)
         self.history = HistoryWriter(self.history_dir, self.replica, f"faults-{self.role_name}")
 
@@ -111,7 +127,38 @@ class FaultConnector(WrappingConnector):
                                            f"{spec.get('control')!r}; known {CONTROLS}", generation)
         return spec
 
+    def _hold(self, request) -> bool:  # noqa: ANN001
+        """The schedule section's gather: True while the request must wait."""
+        spec = self.control.section("schedule")[0] if self.control is not None else None
+        if not spec or "gather" not in spec:
+            return False
+        key = (str(spec["gather"]), int(spec.get("count", 1)))
+        if key != self._gather:
+            self._gather, self._arrived, self._admitted = key, [], set()
+        rid = request.request_id
+        if rid in self._admitted or not _request_tag(request).startswith(key[0]):
+            return False
+        if rid not in self._arrived:
+            self._arrived.append(rid)
+            self.history.write("schedule", site="connector", kind="gather", job="arrive", req=rid,
+                               arrived=len(self._arrived), count=key[1])
+        if len(self._arrived) < key[1] or self._admitted_this_step:
+            return True
+        if rid != next(r for r in self._arrived if r not in self._admitted):
+            return True  # arrival order
+        self._admitted.add(rid)
+        self._admitted_this_step = True
+        self.history.write("schedule", site="connector", kind="gather", job="admit", req=rid,
+                           admitted=len(self._admitted), count=key[1])
+        return False
+
+    def build_connector_meta(self, scheduler_output):  # noqa: ANN001, ANN201
+        self._admitted_this_step = False
+        return super().build_connector_meta(scheduler_output)
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens):  # noqa: ANN001, ANN201
+        if self._hold(request):
+            return None, False
         ext, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         spec = self._section()
         n = len(request.prompt_token_ids or [])

@@ -419,10 +419,12 @@ def _all_digests(ctx: Ctx, kind: str, replica: str, tag: str) -> dict[str, set[s
 
 def preempt_during_store(ctx: Ctx, control: str | None = None, prompts: int = 3, prompt_tokens: int = 1600,
                          decode: int = 1500) -> Checks:
-    """D has a KV cache of 64 blocks. Three requests of 1600 prompt tokens (one prefill
-    chunk each; each sent once the previous one's prefill is done, so no prompt is
-    split across steps) each decode 1500 tokens: they need 75 blocks, so the engine
-    preempts and resumes them while their prompts' KV is being stored. Then a request of
+    """D has a KV cache of 64 blocks. Three requests of 1600 prompt tokens (13 blocks)
+    each decode 1500 tokens (25 blocks in all): D's schedule gathers them (faults.connector,
+    section "schedule") and admits them one per step, so each prompt prefills in one step
+    and the three decode side by side however the sends and the steps interleave. Together
+    they need 75 blocks, so the engine preempts and resumes them while their prompts' KV
+    is being stored. Then a request of
     61 blocks reuses every block D has. B then asks for the three prompts: every block it
     (and D, on a resume) installed must be byte for byte a computation of that block on
     D, and D must have preempted (its vllm:num_preemptions counter). Negative control
@@ -431,12 +433,16 @@ def preempt_during_store(ctx: Ctx, control: str | None = None, prompts: int = 3,
     import json
     import threading
 
-    from harness.scenarios.nemesis import wait_for
+    from faults.control import write_control
 
     rng = random.Random(ctx.seed)
     texts = [ctx.corpus.text(prompt_tokens, rng) for _ in range(prompts)]
     reuse = ctx.corpus.text(61 * BLOCK - 200, rng)
     tag = _tag("m", ctx.seed)
+    path = ctx.cluster.faults["D"]
+    doc = json.loads(path.read_text() or "{}")
+    doc["schedule"] = {"gather": f"{tag}-d", "count": prompts}
+    write_control(path, doc)  # disarmed at the end, or by the next scenario's reset
     if control:
         arm_control(ctx, "D", control)
     before = _preemptions(ctx, "D")
@@ -448,12 +454,9 @@ def preempt_during_store(ctx: Ctx, control: str | None = None, prompts: int = 3,
         except (RequestFailed, ScenarioDown, OSError) as exc:
             out[i] = exc
 
-    threads = []
-    for i in range(prompts):
-        threads.append(threading.Thread(target=ask, args=(i,)))
-        threads[-1].start()
-        wait_for(lambda i=i: bool(records(ctx.h, "audit", kind="produced", tag=f"{tag}-d{i}", replica="D"))
-                 or i in out, 120, f"D's prefill of {tag}-d{i}")
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(prompts)]
+    for t in threads:
+        t.start()
     for t in threads:
         t.join()
     for v in out.values():
@@ -462,14 +465,14 @@ def preempt_during_store(ctx: Ctx, control: str | None = None, prompts: int = 3,
     preempted = _preemptions(ctx, "D") - before
     ctx.run("D", reuse, f"{tag}-reuse", max_tokens=1)  # takes every block the burst had
     if control:  # the held stores land now, on what the blocks hold after the reuse
-        path = ctx.cluster.faults["D"]
         doc = json.loads(path.read_text() or "{}")
         doc["connector"] = {"control": control, "release": True}
-        path.write_text(json.dumps(doc))
+        write_control(path, doc)
     ctx.run("D", ctx.corpus.text(100, rng), f"{tag}-step", max_tokens=2)
-    path = ctx.cluster.faults["D"]
-    path.write_text("{}")
+    write_control(path, {})
+    gathered = [r for r in records(ctx.h, "schedule", replica="D") if r["t"] >= ctx.t0 and r.get("job") == "admit"]
     c = Checks()
+    c.check("D's schedule admitted the burst together", len(gathered) == prompts, len(gathered))
     c.check("D preempted requests under the burst (vllm:num_preemptions)", preempted > 0, preempted)
     for i in range(prompts):
         got = out.get(i)
