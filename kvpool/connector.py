@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -68,6 +69,7 @@ from kvpool.keys import HASH_BYTES, ROOT_HASH, Namespace, block_hashes
 from kvpool.metrics import ClientMetrics
 from kvpool.catalog import LookupResult
 from kvpool.tier import TierError, open_tier
+from kvpool.tier_rule import KVPoolStats, TierLoadStat, TierRule
 
 if TYPE_CHECKING:
     from kvpool.gpu_copier import CudaCopier
@@ -118,6 +120,13 @@ class ConnectorSettings:
     tier: str = ""
     tier_timeout_s: float = 1.0
     tier_publish: bool = True
+    # A tier load stops at its deadline (the rest of its run is recomputed); the scheduler
+    # claims from the tier only what its measured rate moves within the deadline, and holds
+    # a failing tier off for tier_backoff_s, doubled while it keeps failing, up to
+    # tier_backoff_max_s (kvpool.tier_rule).
+    tier_deadline_s: float = 1.0
+    tier_backoff_s: float = 1.0
+    tier_backoff_max_s: float = 30.0
     model_id: str = ""  # a stable model name for the namespace (default: the model path)
     model_revision: str = ""  # overrides the model fingerprint in the namespace
 
@@ -416,6 +425,8 @@ class KVPoolScheduler:
         self.history.write("namespace", ns=self.ns.as_dict(), load_mode="async" if self.load_async else "sync")
         self.backend = backend_factory(settings, "scheduler", self.history, None)
         self.tier = open_tier(settings.tier, settings.tier_timeout_s) if settings.tier else None
+        self.tier_rule = TierRule(settings.tier_deadline_s, settings.tier_backoff_s, settings.tier_backoff_max_s) \
+            if settings.tier else None
         self._reqs: dict[str, _Request] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._lookup_thread = ThreadPoolExecutor(1, thread_name_prefix="kvpool-lookup")
@@ -499,11 +510,11 @@ class KVPoolScheduler:
                                miss_cause=cause.value, error=f"{type(found).__name__}: {found}", **waited)
             return 0, False
         self._backoff_s = self.settings.pool_backoff_s
-        found, st.tier_blocks, tier_error = found
+        found, st.tier_blocks, tier_note = found
         hit = len(found.hits)
         miss = found.miss
         claim = hit + st.tier_blocks
-        extra = {} if self.tier is None else {"tier_blocks": st.tier_blocks, "tier_error": tier_error}
+        extra = {} if self.tier is None else {"tier_blocks": st.tier_blocks, **tier_note}
         self.history.write("lookup", **record, external_tokens=claim * B, hit_blocks=hit,
                            outcome="remote_hit" if claim else "miss", first_block=local_blocks,
                            miss_cause=miss.cause.value if miss else None,
@@ -512,19 +523,40 @@ class KVPoolScheduler:
                            **extra, **waited)
         return claim * B, bool(claim and self.load_async)
 
-    def _lookup(self, hashes: list[bytes]) -> tuple[LookupResult, int, str | None]:
+    def _lookup(self, hashes: list[bytes]) -> tuple[LookupResult, int, dict[str, Any]]:
         """On the lookup thread: the pool's run of hits, then how many of the blocks past it
-        the tier holds (where the pool never had them or evicted them; a tier that fails is
-        no hit, and says why)."""
+        to read from the tier (where the pool never had them or evicted them): those it
+        holds, as far as the tier rule allows (kvpool.tier_rule). A tier that fails or is
+        held off is no hit, and the record says why."""
         found = self.backend.lookup(self.ns, hashes, wait_pending_s=self.settings.lookup_wait_pending_s)
         hit = len(found.hits)
         if self.tier is None or hit >= len(hashes) or (
                 found.miss is not None and found.miss.cause not in (MissCause.NEVER_PUBLISHED, MissCause.EVICTED)):
-            return found, 0, None
+            return found, 0, {}
+        held = self.tier_rule.allow_lookup(time.monotonic())
+        if held is not None:
+            return found, 0, {"tier_held": held}
         try:
-            return found, self.tier.exists(self.ns, hashes[hit:]), None
+            there = self.tier.exists(self.ns, hashes[hit:])
         except TierError as exc:
-            return found, 0, f"{type(exc).__name__}: {exc}"
+            why = f"{type(exc).__name__}: {exc}"
+            self.tier_rule.fail(time.monotonic(), why)
+            return found, 0, {"tier_error": why}
+        claim, limit = self.tier_rule.claim(there, time.monotonic())
+        return found, claim, {"tier_found": there, **({"tier_limit": limit} if limit else {})}
+
+    def update_connector_output(self, connector_output) -> None:  # noqa: ANN001
+        """The worker's tier loads of the last step (vLLM's connector stats) teach the tier rule."""
+        stats = getattr(connector_output, "kv_connector_stats", None)
+        if self.tier_rule is None or stats is None or not isinstance(getattr(stats, "data", None), dict):
+            return
+        now = time.monotonic()
+        for item in stats.data.get("tier_loads", ()):
+            stat = TierLoadStat.of(item)
+            self.tier_rule.observe(stat, now)
+            self.history.write("tier_rule", wanted=stat.wanted, loaded=stat.loaded, seconds=stat.seconds,
+                               cause=stat.cause, rate=self.tier_rule.rate,
+                               held_s=round(max(0.0, self.tier_rule.held_until - now), 3))
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:  # noqa: ANN001
         st = self._reqs.get(request.request_id)
@@ -621,6 +653,8 @@ class KVPoolWorker:
         if settings.tier and self.device == "cuda":
             raise ValueError("the network tier (setting 'tier') is served on the CPU copier only, so far")
         self.tier = open_tier(settings.tier, settings.tier_timeout_s) if settings.tier else None
+        self._tier_stats: list[list] = []  # this interval's tier loads (TierLoadStat.as_list)
+        self._tier_stats_lock = threading.Lock()
         self._loading: list = []
         self._receiving: dict[str, list] = {}  # req id -> its asynchronous loads' futures
         self._sending: dict[str, list] = {}  # req id -> its store futures
@@ -678,8 +712,28 @@ class KVPoolWorker:
         if run.source == "tier":
             if self.tier is None:
                 raise ValueError(f"a load from the tier for {run.req_id}, and no tier is configured on the worker")
-            return self.copier.tier_load(self.tier, self.ns, run, self.settings.load_deadline_s)
+            future = self.copier.tier_load(self.tier, self.ns, run, self.settings.tier_deadline_s)
+            future.add_done_callback(lambda f, n=len(run.block_ids): self._note_tier_load(f, n))
+            return future
         return self.copier.load(self.ns, run, self.settings.load_deadline_s)
+
+    def _note_tier_load(self, future: Future, wanted: int) -> None:
+        """A tier load's measurement, for the scheduler's tier rule (get_kv_connector_stats)."""
+        if future.cancelled():
+            return
+        exc = future.exception()
+        if exc is not None:
+            stat = TierLoadStat(wanted, 0, 0.0, MissCause.TRANSPORT_ERROR.value)
+        else:
+            res = future.result()
+            stat = TierLoadStat(wanted, res.loaded, res.seconds, res.miss.cause.value if res.miss else None)
+        with self._tier_stats_lock:
+            self._tier_stats.append(stat.as_list())
+
+    def take_stats(self) -> KVPoolStats | None:
+        with self._tier_stats_lock:
+            loads, self._tier_stats = self._tier_stats, []
+        return KVPoolStats(data={"tier_loads": loads}) if loads else None
 
     def wait_for_load(self) -> None:
         if self._loading:
@@ -817,3 +871,14 @@ class KVPoolConnector(compat.KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self):  # noqa: ANN201
         return self._worker.take_failed() if self._worker is not None else set()
+
+    def update_connector_output(self, connector_output):  # noqa: ANN001, ANN201
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
+
+    def get_kv_connector_stats(self):  # noqa: ANN201
+        return self._worker.take_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):  # noqa: ANN001, ANN206
+        return KVPoolStats(data=dict(data) if data else {"tier_loads": []})

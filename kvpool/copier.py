@@ -51,7 +51,7 @@ from kvpool.keys import Namespace
 from kvpool.metrics import ClientMetrics
 
 
-LANES = ("store", "load")
+LANES = ("store", "load", "tier")  # tier: publishes to the network tier, never ahead of the pool's
 LOAD_THREADS = 4  # loads of one step run side by side: a slow one does not spend the others' deadlines
 
 
@@ -202,7 +202,7 @@ class HostCopier:
         return self.submit(self.tier_load_job(tier, ns, run, deadline_s), "load")
 
     def tier_store(self, tier: Any, ns: Namespace, run: CopyRun, keep: Sequence[int]) -> Future:
-        return self.submit(self.tier_store_job(tier, ns, run, keep), "store")
+        return self.submit(self.tier_store_job(tier, ns, run, keep), "tier")
 
     def wait(self, futures: Sequence[Future], timeout_s: float) -> None:
         wait_all(futures, timeout_s, "KV copies")

@@ -137,3 +137,57 @@ def test_a_dead_tier_is_no_hit_and_the_pools_run_still_loads(system, tmp_path, t
     assert ask_matched(sched, request, 0) == (2 * B, False)
     lookup = [r for r in read_history(tmp_path / "h") if r["ev"] == "lookup"][0]
     assert lookup["tier_blocks"] == 0 and lookup["tier_error"].startswith("TierUnavailable")
+
+
+def _stats_of(worker, timeout_s: float = 5.0):  # noqa: ANN001, ANN202
+    """The worker's connector stats once its loads' measurements are in (a future's done
+    callbacks run just after its waiters wake)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while (stats := worker.take_stats()) is None:
+        assert time.monotonic() < deadline, "no tier load measured"
+        time.sleep(0.01)
+    return stats
+
+
+def test_a_stalled_tier_node_costs_at_most_the_deadline_and_is_then_held_off(system, tmp_path, test_seed):
+    """Redis stops answering for 0.8 s (CLIENT PAUSE: the node, not the client, is slow) while
+    a load's deadline is 0.3 s: the load installs what arrived, ends on `timeout` with the
+    rest reported failed (recomputed), and the scheduler, told through the connector stats,
+    asks the tier nothing for the next request: it recomputes at once instead of waiting."""
+    pool, redis = system
+    settings = ConnectorSettings(pool=f"unix:{pool.unix_path}", token="tok", replica="W", tier=redis.url,
+                                 tier_deadline_s=0.3, tier_backoff_s=30.0, history_dir=str(tmp_path / "h"))
+    sched, worker = KVPoolScheduler(_config(tmp_path), settings), KVPoolWorker(_config(tmp_path), settings)
+    kv = [torch.zeros(32, HEADS, B, 2 * HEAD, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    worker.register_kv_caches({f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(kv)})
+    rng = np.random.default_rng(test_seed)
+
+    def request(rid: str):  # noqa: ANN202
+        tokens = [int(x) for x in rng.integers(0, 2000, N * B + 1)]
+        r = SimpleNamespace(request_id=rid, prompt_token_ids=tokens, num_computed_tokens=0, cache_salt=None,
+                            kv_transfer_params=None)
+        chain = request_inputs(r, B)[0].hashes(tokens, B, _salt_root(r))
+        assert tier_publish(open_tier(redis.url), sched.ns, chain[:5],
+                            [rng.integers(0, 256, PAGE, dtype=np.uint8) for _ in range(5)]).put == 5
+        return r
+
+    first, second = request("r1"), request("r2")
+    assert ask_matched(sched, first, 0) == (5 * B, False)  # nothing measured yet: every tier block
+    sched.update_state_after_alloc(first, None, 5 * B)
+    ids = [10, 11, 12, 13, 14, 15, 16]
+    meta = sched.build_connector_meta(_step("r1", ids, 5 * B, N * B + 1 - 5 * B))
+    redis.client().execute_command("CLIENT", "PAUSE", 800, "ALL")
+    worker.start_load_kv(meta)
+    worker.wait_for_load()
+    assert worker.take_failed() == set(ids[1:5])  # the first page arrived late; the rest is recomputed
+    stats = _stats_of(worker)
+    assert [(s.wanted, s.loaded, s.cause) for s in stats.loads()] == [(5, 1, "timeout")]
+    assert stats.loads()[0].seconds < 0.3 + 0.8 + 0.2  # bounded by the one request in flight at the deadline
+    sched.update_connector_output(SimpleNamespace(kv_connector_stats=stats))
+    assert ask_matched(sched, second, 0) == (0, False)  # held off: recomputed at once
+    lookups = [r for r in read_history(tmp_path / "h") if r["ev"] == "lookup"]
+    assert "timeout" in lookups[-1]["tier_held"] and lookups[-1]["tier_blocks"] == 0
+    (rule,) = [r for r in read_history(tmp_path / "h") if r["ev"] == "tier_rule"]
+    assert rule["cause"] == "timeout" and rule["held_s"] > 20

@@ -66,7 +66,7 @@ def drain(copier):
     per thread of a lane can only all run once every thread has finished its earlier job."""
     if not hasattr(copier, "inner"):
         return
-    for lane, threads in zip(LANES, (1, LOAD_THREADS)):
+    for lane, threads in zip(LANES, (1, LOAD_THREADS, 1)):
         barrier = threading.Barrier(threads)
         jobs = [copier.inner.submit(lambda b=barrier: b.wait(timeout=30), lane) for _ in range(threads)]
         for job in jobs:
