@@ -82,6 +82,10 @@ class ReplicaSpec:
     inner: str = ""
     inner_extra: tuple[tuple[str, object], ...] = ()
     python: str = ""  # the interpreter of `vllm serve` (default: this one), e.g. a peer's own environment
+    # Another host (harness.system.netns): the argv prefix that runs the replica there, and
+    # the host's address it listens on (the harness reaches it through the hosts' bridge).
+    netns: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
 
 
 @dataclasses.dataclass
@@ -93,7 +97,7 @@ class Replica:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.spec.host}:{self.port}"
 
 
 class Cluster:
@@ -181,8 +185,8 @@ class Cluster:
     def _spawn(self, spec: ReplicaSpec) -> Replica:
         port = free_port()
         model = spec.model_dir or self.model_dir
-        args = [spec.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+        args = [*spec.netns, spec.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(model), "--served-model-name", "tiny", "--host", spec.host, "--port", str(port),
                 "--max-model-len", str(spec.max_model_len), "--kv-cache-memory-bytes", str(spec.kv_bytes),
                 "--max-num-batched-tokens", str(spec.max_num_batched_tokens), "--dtype", "bfloat16",
                 "--seed", "0", "--enable-prefix-caching", "--disable-uvicorn-access-log"]

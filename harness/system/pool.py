@@ -47,26 +47,27 @@ class PoolProcess:
     address: dict
     log_path: Path
     args: list[str]
+    prefix: tuple[str, ...] = ()  # the argv prefix that runs it in another host (harness.system.netns)
 
     @classmethod
     def start(cls, *, page_size: int = 64 * 1024, num_pages: int = 256, name: str | None = None,
               run_dir: Path | None = None, log_path: Path | None = None, token: str | None = None,
-              extra_args: tuple[str, ...] = (), timeout: float = 20.0) -> PoolProcess:
+              extra_args: tuple[str, ...] = (), timeout: float = 20.0, prefix: tuple[str, ...] = ()) -> PoolProcess:
         name = name or unique_name()
         run_dir = run_dir or Path(tempfile.mkdtemp(prefix=f"{name}-"))
         token = token or secrets.token_hex(8)
         log_path = log_path or run_dir / "pool.log"
         args = ["--name", name, "--run-dir", str(run_dir), "--page-size", str(page_size), "--pages", str(num_pages),
                 "--tenant", f"{DEFAULT_TENANT}={token}", *extra_args]
-        return cls._spawn(name, run_dir, token, log_path, args, timeout)
+        return cls._spawn(name, run_dir, token, log_path, args, timeout, prefix=tuple(prefix))
 
     @classmethod
     def _spawn(cls, name: str, run_dir: Path, token: str, log_path: Path, args: list[str], timeout: float,
-               catalog: str | None = None) -> PoolProcess:
+               catalog: str | None = None, prefix: tuple[str, ...] = ()) -> PoolProcess:
         (run_dir / "address.json").unlink(missing_ok=True)
         command = [sys.executable, "-m", "kvpool", "serve"] if catalog is None else \
             [sys.executable, "-m", "faults.pool", "serve", "--catalog", catalog]
-        proc = spawn([*command, *args], log_path)
+        proc = spawn([*prefix, *command, *args], log_path)
 
         def address() -> dict | None:
             try:
@@ -79,14 +80,15 @@ class PoolProcess:
             found = wait_ready(proc, address, timeout, "the pool daemon", log_path, poll_s=0.0)
         except StartError as exc:
             raise PoolStartError(str(exc)) from exc
-        return cls(name, run_dir, token, proc, found, log_path, args)
+        return cls(name, run_dir, token, proc, found, log_path, args, prefix)
 
     def restart(self, timeout: float = 20.0, catalog: str | None = None) -> PoolProcess:
         """Start a new daemon with the same arguments (after stop() or kill()); `catalog`
         names a known-bad catalog (faults.controls) for this daemon only."""
         if self.proc.poll() is None:
             raise RuntimeError("restart() needs the old daemon stopped or killed first")
-        new = self._spawn(self.name, self.run_dir, self.token, self.log_path, self.args, timeout, catalog)
+        new = self._spawn(self.name, self.run_dir, self.token, self.log_path, self.args, timeout, catalog,
+                          self.prefix)
         self.proc, self.address = new.proc, new.address
         return self
 

@@ -1,8 +1,9 @@
 """The distributed stores the network tier runs on, as real processes the harness starts,
 faults and stops (kvpool.tier's backends are clients of these).
 
-  RedisServer(run_dir, maxmemory=None, policy="allkeys-lru", port=None)
-      .start()    `redis-server` on loopback (a free port unless given), no persistence,
+  RedisServer(run_dir, maxmemory=None, policy="allkeys-lru", port=None, host="127.0.0.1", prefix=())
+      .start()    `redis-server` on `host` (loopback by default; a network namespace's
+                  address with that host's argv `prefix`), a free port unless given, no persistence,
                   its log in run_dir; waits until it answers PING
       .url        "redis://127.0.0.1:PORT/0"
       .kill()     SIGKILL, as a storage node that dies (the heal is .start(): an empty store,
@@ -64,7 +65,9 @@ class _StoreProcess:
 
 class RedisServer(_StoreProcess):
     def __init__(self, run_dir: Path, maxmemory: int | None = None, policy: str = "allkeys-lru",
-                 port: int | None = None):
+                 port: int | None = None, host: str = "127.0.0.1", prefix: tuple[str, ...] | list[str] = ()):
+        self.host = host  # where it listens (a network namespace's address, with its `prefix`)
+        self.prefix = list(prefix)  # the argv prefix that runs it in a host (harness.system.netns)
         self.run_dir = Path(run_dir)
         self.maxmemory = maxmemory
         self.policy = policy
@@ -74,7 +77,7 @@ class RedisServer(_StoreProcess):
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
 
     def client(self):  # noqa: ANN201 - redis.Redis
         import redis
@@ -86,7 +89,7 @@ class RedisServer(_StoreProcess):
         if binary is None:
             raise FileNotFoundError("redis-server is not installed (Debian: apt-get install redis-server)")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        args = [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
+        args = [*self.prefix, binary, "--bind", self.host, "--port", str(self.port), "--save", "", "--appendonly", "no",
                 "--dir", str(self.run_dir), "--protected-mode", "no"]
         if self.maxmemory is not None:
             args += ["--maxmemory", str(self.maxmemory), "--maxmemory-policy", self.policy]

@@ -1,0 +1,152 @@
+"""Several hosts on one machine: each host a network namespace (harness.system.netns) with
+its own kvpool daemon and vLLM replicas, one more host running the network tier's store
+(Redis), everything started and torn down by the harness.
+
+  MultiHost(model_dir, report_dir, replicas={"h1": ["G"], "h2": ["H"]}, settings=...)
+      .start()            the network, the store on host "store", one pool daemon per host
+                          (in that host), and the replicas (each in its host, on its host's
+                          pool, every one on the same tier)
+      .url(replica) / .host_of(replica) / .history_dir / .cluster (the replicas' Cluster)
+      .tier_url           the store's URL as the hosts reach it
+  The nemesis, each recorded in the run's history (`nemesis` events):
+      .kill_store()       SIGKILL the store's server (a storage node that dies)
+      .restart_store()    start it again, empty (no persistence: as a restarted node is)
+      .slow(host, rate)   the host's link through a token bucket (tc tbf): a slow link, or,
+                          on "store", a degraded storage node
+      .partition(host)    the host's link down: its packets vanish
+      .heal(host)         the link back, unlimited
+      .reset()            every replica's prefix cache and every host's pool emptied, the
+                          store flushed, links healed
+      .stop()             replicas, pools, the store, then the network; raises OrphanError
+                          if a namespace or link survived
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from harness.client.http import reset_prefix_cache
+from harness.system.cluster import DEFAULT_CHUNK, Cluster, OrphanError, ReplicaSpec
+from harness.system.netns import Network
+from harness.system.pool import PoolProcess
+from harness.system.stores import RedisServer
+
+STORE = "store"
+
+
+class MultiHost:
+    def __init__(self, model_dir: Path, report_dir: Path, replicas: dict[str, list[str]], *,
+                 page_size: int = 128 * 1024, pool_pages: int = 256, kv_bytes: int = 256 * 2**20,
+                 settings: dict[str, Any] | None = None, store_maxmemory: int | None = None) -> None:
+        if STORE in replicas:
+            raise ValueError(f"host name {STORE!r} is the store's")
+        self.model_dir = Path(model_dir)
+        self.report_dir = Path(report_dir)
+        self.replicas = replicas
+        self.page_size = page_size
+        self.pool_pages = pool_pages
+        self.kv_bytes = kv_bytes
+        self.settings = dict(settings or {})
+        self.store_maxmemory = store_maxmemory
+        self.cluster = Cluster(model_dir, self.report_dir / "cluster", page_size=page_size, pool_pages=16)
+        self.net = Network([*replicas, STORE], record=self._record)
+        self.store: RedisServer | None = None
+        self.pools: dict[str, PoolProcess] = {}
+
+    def _record(self, action: str, **fields: object) -> None:
+        self.cluster.nemesis(action, **fields)
+
+    @property
+    def history_dir(self) -> Path:
+        return self.cluster.history_dir
+
+    @property
+    def tier_url(self) -> str:
+        return self.store.url
+
+    def host_of(self, replica: str) -> str:
+        return next(h for h, names in self.replicas.items() if replica in names)
+
+    def url(self, replica: str) -> str:
+        return self.cluster.replicas[replica].url
+
+    def start(self, timeout: float = 600.0) -> MultiHost:
+        self.report_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.net.start()
+            self.store = RedisServer(self.report_dir / "store", maxmemory=self.store_maxmemory,
+                                     host=self.net.ip(STORE), prefix=self.net.prefix(STORE)).start()
+            for host in self.replicas:
+                self.pools[host] = PoolProcess.start(page_size=self.page_size, num_pages=self.pool_pages,
+                                                     log_path=self.report_dir / f"pool-{host}.log",
+                                                     prefix=tuple(self.net.prefix(host)))
+            specs = []
+            for i, (host, names) in enumerate((h, n) for h, ns in self.replicas.items() for n in ns):
+                pool = self.pools[host]
+                extra = {"pool": pool.unix, "token": pool.token, "tier": self.store.url, **self.settings}
+                specs.append(ReplicaSpec(names, core=str(i % 2), kv_bytes=self.kv_bytes, audit=True,
+                                         max_num_batched_tokens=DEFAULT_CHUNK, connector_extra=tuple(extra.items()),
+                                         netns=tuple(self.net.prefix(host)), host=self.net.ip(host)))
+            self.cluster.start(specs, timeout=timeout)
+            self._record("hosts_start", hosts={h: {"ip": self.net.ip(h), "replicas": n, "pool": self.pools[h].name}
+                                              for h, n in self.replicas.items()},
+                         store={"ip": self.net.ip(STORE), "url": self.store.url})
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    # -- the nemesis -------------------------------------------------------------------------
+    def kill_store(self) -> None:
+        self._record("store_kill", pid=self.store.proc.pid if self.store.proc else None)
+        self.store.kill()
+
+    def restart_store(self) -> None:
+        self.store.start()
+        self._record("store_restart", pid=self.store.proc.pid)
+
+    def slow(self, host: str, rate: str) -> None:
+        self.net.slow(host, rate)
+
+    def partition(self, host: str) -> None:
+        self.net.partition(host)
+
+    def heal(self, host: str) -> None:
+        self.net.heal(host)
+
+    def reset(self) -> None:
+        for host in self.net.hosts:
+            self.net.heal(host)
+        if self.store.proc is None:
+            self.restart_store()
+        self.store.client().flushall()
+        for pool in self.pools.values():
+            with pool.client(name="reset") as c:
+                pages = c.stats()["num_pages"]
+                c.set_capacity(0)
+                c.set_capacity(pages)
+        for r in self.cluster.replicas.values():
+            reset_prefix_cache(r.url)
+
+    def stop(self) -> None:
+        errors: list[str] = []
+        try:
+            self.cluster.stop()
+        except OrphanError as exc:
+            errors.append(str(exc))
+        for pool in self.pools.values():
+            pool.stop()
+        self.pools = {}
+        if self.store is not None:
+            self.store.stop()
+        self.net.stop()
+        errors += [f"network leftover {x}" for x in self.net.leftovers()]
+        if errors:
+            raise OrphanError("; ".join(errors))
+
+    def __enter__(self) -> MultiHost:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
