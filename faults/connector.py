@@ -27,6 +27,10 @@ for any inner connector, section "connector":
         (save_kv_layer, wait_for_save, with the step's metadata) are held, and replayed
         in order at the first step after the section says `"release": true` or is
         disarmed: the inner connector then reads the blocks as they are by then.
+    {"connector": {"control": "deaf_tier_rule"}}
+        a negative control: the scheduler never hears of the worker's tier loads (the
+        connector stats are dropped on their way to update_connector_output), so kvpool's
+        tier rule keeps sending requests to a tier whose loads time out.
     {"connector": {"finished_delay_ms": 500, "times": 1}}
         a delayed completion: get_finished holds the finished requests' ids back (they
         are reported at a later call, after the delay), `times` requests' worth.
@@ -64,7 +68,7 @@ from kvpool.copier import HostCopier
 from kvpool.history import HistoryWriter
 from kvpool.wrap import WrappingConnector
 
-CONTROLS = ("hide_failures", "claim_past_loaded", "late_store")
+CONTROLS = ("hide_failures", "claim_past_loaded", "late_store", "deaf_tier_rule")
 
 
 class FaultConnector(WrappingConnector):
@@ -228,6 +232,17 @@ class FaultConnector(WrappingConnector):
             self.history.write("fault", site="connector", kind="copier_control", job="replay", control="late_store",
                                steps=len(held), saves=sum(len(c) for _, c in held))
         return super().wait_for_save()
+
+    def update_connector_output(self, connector_output):  # noqa: ANN001, ANN201
+        spec = self._section()
+        stats = getattr(connector_output, "kv_connector_stats", None)
+        if stats is not None and spec and spec.get("control") == "deaf_tier_rule":
+            import dataclasses
+
+            self.history.write("fault", site="connector", kind="copier_control", job="stats",
+                               control="deaf_tier_rule", dropped=stats.reduce() if hasattr(stats, "reduce") else None)
+            connector_output = dataclasses.replace(connector_output, kv_connector_stats=None)
+        return super().update_connector_output(connector_output)
 
     def get_block_ids_with_load_errors(self):  # noqa: ANN201
         failed = super().get_block_ids_with_load_errors()

@@ -15,8 +15,10 @@ its own kvpool daemon and vLLM replicas, one more host running the network tier'
                           on "store", a degraded storage node
       .partition(host)    the host's link down: its packets vanish
       .heal(host)         the link back, unlimited
-      .reset()            every replica's prefix cache and every host's pool emptied, the
-                          store flushed, links healed
+      .arm(replica, section, spec)   a section of the replica's fault-control file
+                          (faults.connector: its negative controls)
+      .reset()            faults disarmed, every replica's prefix cache and every host's pool
+                          emptied, the store flushed, links healed
       .stop()             replicas, pools, the store, then the network; raises OrphanError
                           if a namespace or link survived
 """
@@ -86,6 +88,7 @@ class MultiHost:
                 pool = self.pools[host]
                 extra = {"pool": pool.unix, "token": pool.token, "tier": self.store.url, **self.settings}
                 specs.append(ReplicaSpec(names, core=str(i % 2), kv_bytes=self.kv_bytes, audit=True,
+                                         faults_file=str(self.report_dir / f"faults-{names}.json"),
                                          max_num_batched_tokens=DEFAULT_CHUNK, connector_extra=tuple(extra.items()),
                                          netns=tuple(self.net.prefix(host)), host=self.net.ip(host)))
             self.cluster.start(specs, timeout=timeout)
@@ -115,7 +118,16 @@ class MultiHost:
     def heal(self, host: str) -> None:
         self.net.heal(host)
 
+    def arm(self, replica: str, section: str, spec: dict[str, Any]) -> None:
+        """Arm a section of the replica's fault-control file (faults.connector)."""
+        from faults.control import write_control
+
+        write_control(self.cluster.faults[replica], {section: spec})
+        self._record("arm", replica=replica, section=section, spec=spec)
+
     def reset(self) -> None:
+        for path in self.cluster.faults.values():
+            path.write_text("{}")
         for host in self.net.hosts:
             self.net.heal(host)
         if self.store.proc is None:

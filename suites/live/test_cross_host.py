@@ -101,8 +101,13 @@ def test_healthy_a_replica_on_another_host_loads_the_prompt_from_the_store_host_
     assert h.error is None and h.token_ids == g_hit.token_ids and h.logprobs == g_hit.logprobs, (h.ttft_s,)
 
 
-def test_degraded_storage_node_the_replica_recomputes_instead_of_waiting(fresh, test_seed):
+@pytest.mark.parametrize("control", [False, True], ids=["rule", "control-deaf-tier-rule"])
+def test_degraded_storage_node_the_replica_recomputes_instead_of_waiting(fresh, test_seed, control):
+    """Negative control `deaf_tier_rule`: the scheduler never hears of the timed-out load,
+    and the next request is sent to the degraded node again: the held-off check must fail."""
     hosts = fresh
+    if control:
+        hosts.arm("H", "connector", {"control": "deaf_tier_rule"})
     first, second = _prompt(hosts, test_seed, "d1"), _prompt(hosts, test_seed, "d2")
     tag = f"xd{test_seed % 10**8}"
     for i, p in enumerate((first, second)):
@@ -117,7 +122,12 @@ def test_degraded_storage_node_the_replica_recomputes_instead_of_waiting(fresh, 
         hosts.heal("store")
     (load,) = records(hosts.history_dir, "tier_load", tag=f"{tag}-h1", replica="H")
     assert load["loaded"] == 0 and load["miss_cause"] in ("transport_error", "timeout"), load
-    assert "tier_held" in _lookup(hosts, f"{tag}-h2") and _lookup(hosts, f"{tag}-h2")["tier_blocks"] == 0
+    held = "tier_held" in _lookup(hosts, f"{tag}-h2") and _lookup(hosts, f"{tag}-h2")["tier_blocks"] == 0
+    if control:
+        assert any(r.get("control") == "deaf_tier_rule" for r in records(hosts.history_dir, "fault", replica="H"))
+        assert not held, "negative control not caught: the second request was held off the degraded tier"
+        return
+    assert held
     # Reading the 11 pages at this rate would take about 45 s: the load gave up on its first.
     assert load["seconds"] < 5.0, load
     for got, ref in ((h1, cold[0]), (h2, cold[1])):  # all recomputed: the cold run's partition
