@@ -47,7 +47,7 @@ servers:
 	{ command -v redis-server >/dev/null && ldconfig -p | grep -q libibverbs.so.1 && command -v tc >/dev/null; } || \
 	  { apt-get update -qq && apt-get install -y -qq redis-server libibverbs1 iproute2; }
 
-gate: setup
+gate: setup servers
 	$(BIN)/kvgate gate
 
 test: setup servers peers

@@ -28,9 +28,11 @@ for any inner connector, section "connector":
         in order at the first step after the section says `"release": true` or is
         disarmed: the inner connector then reads the blocks as they are by then.
     {"connector": {"control": "deaf_tier_rule"}}
-        a negative control: the scheduler never hears of the worker's tier loads (the
-        connector stats are dropped on their way to update_connector_output), so kvpool's
-        tier rule keeps sending requests to a tier whose loads time out.
+        a negative control: kvpool's tier rule never holds a failing tier off. The scheduler
+        never hears of the worker's tier loads (the connector stats are dropped on their way
+        to update_connector_output), and a hold its own failed lookups set is lifted before
+        each request's lookup (the wrapped kvpool scheduler's rule, reached from outside),
+        so every request is sent to a dead, cut off or too slow tier again.
     {"connector": {"finished_delay_ms": 500, "times": 1}}
         a delayed completion: get_finished holds the finished requests' ids back (they
         are reported at a later call, after the delay), `times` requests' worth.
@@ -163,8 +165,10 @@ class FaultConnector(WrappingConnector):
     def get_num_new_matched_tokens(self, request, num_computed_tokens):  # noqa: ANN001, ANN201
         if self._hold(request):
             return None, False
-        ext, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         spec = self._section()
+        if spec and spec.get("control") == "deaf_tier_rule":
+            self._lift_tier_hold(request)
+        ext, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         n = len(request.prompt_token_ids or [])
         if ext and spec and spec.get("control") == "claim_past_loaded" and num_computed_tokens + ext < n - 1:
             self._claimed[request.request_id] = ext
@@ -232,6 +236,13 @@ class FaultConnector(WrappingConnector):
             self.history.write("fault", site="connector", kind="copier_control", job="replay", control="late_store",
                                steps=len(held), saves=sum(len(c) for _, c in held))
         return super().wait_for_save()
+
+    def _lift_tier_hold(self, request) -> None:  # noqa: ANN001
+        rule = getattr(getattr(self._inner, "_scheduler", None), "tier_rule", None)
+        if rule is not None and (rule.held_until or rule._after_hold):
+            self.history.write("fault", site="connector", kind="copier_control", job="lift_hold",
+                               control="deaf_tier_rule", req=request.request_id, held_why=rule.held_why)
+            rule.held_until, rule._after_hold, rule._probe_since = 0.0, False, None
 
     def update_connector_output(self, connector_output):  # noqa: ANN001, ANN201
         spec = self._section()

@@ -42,6 +42,11 @@ KINDS: dict[str, tuple[str, str]] = {
     "stall": ("transport proxy (page frame)", "the stall ends; the next load has a fresh deadline"),
     "slow_link": ("transport proxy (every page frame)", "the throttle is lifted"),
     "evict_leased": ("pool (evict, capacity squeeze)", "the lease is released; the capacity restored"),
+    "store_kill": ("the network tier's store server (SIGKILL, on its own host)",
+                   "restart it, empty; the tier rule's hold expires and a probe trusts it again"),
+    "store_partition": ("the store host's link (down)", "the link back up; the hold expires, a probe passes"),
+    "store_degraded": ("the store host's link (tc tbf, slower than recompute)",
+                       "the rate limit lifted; the hold expires, a probe passes"),
 }
 PROFILES: dict[str, tuple[str, ...]] = {
     "transport": ("corrupt", "transport_error", "timeout", "conn_reset", "truncated_frame", "bitflip", "stall",
@@ -50,6 +55,7 @@ PROFILES: dict[str, tuple[str, ...]] = {
     "crash": ("pool_restart", "replica_crash"),
     "stream": ("stream_delay",),
     "revision": ("revision_mismatch",),
+    "hosts": ("store_kill", "store_partition", "store_degraded"),
     "all": tuple(KINDS),
 }
 

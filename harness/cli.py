@@ -3,6 +3,8 @@
   kvgate bench pool [...]   the pool benchmark (ratios against baselines of the same run)
   kvgate bench stall [...]  each connector hook's longest call against a stalled pool (SIGSTOP), next to
                             the healthy pool and a scheduler that waits for its lookups
+  kvgate bench hosts [...]  the network tier on hosts made of network namespaces: cross-host, same-host,
+                            local and cold TTFT by prefix length, and under a degraded, dead, partitioned store
   kvgate bench gpu [...]    the GPU transfer engine against a plain pinned cudaMemcpy (needs CUDA);
                             --gpus N: N GPUs loading from one pool at once
   kvgate gpu-live [...]     kvgate live on GPUs with vLLM 0.24: cross-replica hits both ways, stream delay,
@@ -62,6 +64,14 @@ def cmd_bench_live(args: argparse.Namespace) -> int:
 
     lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else LENGTHS
     return run_bench(reps=args.reps, lengths=lengths, report_dir=args.report_dir)
+
+
+def cmd_bench_hosts(args: argparse.Namespace) -> int:
+    from harness.bench.hosts import LENGTHS, run_bench
+
+    lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else LENGTHS
+    return run_bench(reps=args.reps, lengths=lengths, fault_length=args.fault_length,
+                     degraded_rate=args.degraded_rate, report_dir=args.report_dir, out=args.out)
 
 
 def cmd_bench_publish(args: argparse.Namespace) -> int:
@@ -149,7 +159,7 @@ def cmd_scenarios(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from harness.system.default import start_system
+    from harness.system.default import start_for
     from harness.scenarios.catalog import ScenarioError, find
     from harness.scenarios.runner import run_scenario
     from harness.workload.prompts import Corpus
@@ -172,7 +182,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     print(f"kvgate replay: {sc.name} --seed {args.seed} (fault {sc.fault or 'none'}; replicas {'+'.join(sc.replicas)})",
           flush=True)
     report_dir = args.report_dir or Path("reports/runs/replay") / f"{sc.name}-{args.seed}"
-    cluster, model = start_system(report_dir, set(sc.replicas))
+    cluster, model = start_for(report_dir, set(sc.replicas))
     try:
         r = run_scenario(cluster, Corpus(model), sc, args.seed)
     finally:
@@ -230,6 +240,15 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--lengths", default="", help="comma-separated prefix lengths (default 1k..16k)")
     bl.add_argument("--report-dir", type=Path, default=None, help="logs and history (default: a temp dir)")
     bl.set_defaults(func=cmd_bench_live)
+    bh = bench.add_parser("hosts", help="cross-host / same-host / local / cold TTFT on namespace hosts, and under "
+                                        "a degraded, dead and partitioned store host (needs root: ip netns)")
+    bh.add_argument("--reps", type=int, default=3, help="fresh prompts per length and per fault")
+    bh.add_argument("--lengths", default="", help="comma-separated prefix lengths (default 1k..8k)")
+    bh.add_argument("--fault-length", type=int, default=4096, help="the prefix length of the degradation table")
+    bh.add_argument("--degraded-rate", default="256kbit", help="the degraded store link's rate (tc tbf)")
+    bh.add_argument("--report-dir", type=Path, default=None, help="logs and history (default: a temp dir)")
+    bh.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    bh.set_defaults(func=cmd_bench_hosts)
 
     bpub = bench.add_parser("publish", help="the producer's next-request TTFT with publishing on and off")
     bpub.add_argument("--pairs", type=int, default=8, help="request pairs per length (half of them publishing)")

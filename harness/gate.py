@@ -80,10 +80,6 @@ def select(profile: str, names: list[str] | None = None):  # noqa: ANN201
 
 def run_gate(seed: int | None = None, seeds: int = 2, report_dir: Path = Path("reports/runs/latest"),
              profile: str = "all", scenarios: list[str] | None = None, pool_checks: bool = True) -> int:
-    from harness.scenarios.catalog import replay_command
-    from harness.scenarios.runner import run_scenario
-    from harness.workload.prompts import Corpus
-
     root = seed if seed is not None else secrets.randbits(32)
     chosen = select(profile, scenarios)
     prov = provenance()
@@ -100,9 +96,15 @@ def run_gate(seed: int | None = None, seeds: int = 2, report_dir: Path = Path("r
     install_sigterm_unwind()  # the cluster starts in a thread, where it cannot install it
     started: dict = {}
 
+    from harness.scenarios.catalog import on_hosts
+
+    on_default = [sc for sc in chosen if not on_hosts(sc)]
+    hosted = [sc for sc in chosen if on_hosts(sc)]
+
     def start() -> None:
         try:
-            started["system"] = start_system(report_dir, {r for sc in chosen for r in sc.replicas})
+            if on_default:
+                started["system"] = start_system(report_dir, {r for sc in on_default for r in sc.replicas})
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread, raised there
             started["error"] = exc
 
@@ -119,42 +121,23 @@ def run_gate(seed: int | None = None, seeds: int = 2, report_dir: Path = Path("r
     starter.join()
     if "error" in started:
         raise started["error"]
-    results = []
-    cluster, model = started["system"]
-    try:
-        corpus = Corpus(model)
-        total = sum(min(seeds, sc.seeds or seeds) for sc in chosen)
-        done = 0
-        for sc in chosen:
-            t0 = time.monotonic()
-            per = []
-            for i in range(min(seeds, sc.seeds or seeds)):
-                s = derive_seed(root, f"{sc.name}#{i}")
-                done += 1
-                _say(f"[{done}/{total}] {sc.name} (seed {s}) ...")
-                try:
-                    r = run_scenario(cluster, corpus, sc, s)
-                except Exception as exc:  # noqa: BLE001 - a harness defect: reported as this scenario's failure
-                    r = harness_failure(sc, s, exc)
-                ctl = "" if r.control is None else f"; control {r.control['name']}: " + (
-                    "caught" if r.control["caught"] else "NOT CAUGHT")
-                _say(f"[{done}/{total}] {sc.name}: {r.verdict.label} ({r.outcome}) in {r.seconds:.0f} s{ctl}"
-                     + ("" if r.verdict.valid else f" - {r.verdict.reason[:300]}\n    replay: {r.replay}"))
-                per.append(r)
-                results.append(r)
-                if r.verdict.valid is not True:
-                    path = write_schedule(report_dir, sc.name, s)
-                    _say(f"    its fault schedule: {path} (kvgate replay {sc.name} --schedule {path})")
-            n_seeds = f"{len(per)} seed" + ("s" if len(per) != 1 else "")
-            verdict = all_of([r.verdict for r in per], n_seeds)
-            if verdict.valid is True:
-                verdict = Verdict(True, f"{n_seeds}: {per[0].verdict.reason}", verdict.evidence,
-                                  verdict.not_checked)
-            failing = next((r for r in per if r.verdict.valid is not True), per[0])
-            run.criteria.append(Criterion(f"{sc.name}: {sc.description.split(':')[0].split('.')[0]}", verdict,
-                                          replay_command(sc.name, failing.seed), time.monotonic() - t0))
-    finally:
-        cluster.stop()
+    results: list = []
+    total = sum(min(seeds, sc.seeds or seeds) for sc in chosen)
+    progress = {"done": 0, "total": total}
+    if on_default:
+        cluster, model = started["system"]
+        try:
+            _run_scenarios(run, results, cluster, model, on_default, root, seeds, report_dir, progress)
+        finally:
+            cluster.stop()
+    if hosted:  # the multi-host system, once the default one is gone (two cores)
+        from harness.system.default import start_hosts_system
+
+        system, model = start_hosts_system(report_dir)
+        try:
+            _run_scenarios(run, results, system, model, hosted, root, seeds, report_dir, progress)
+        finally:
+            system.stop()
     kinds = per_kind(results)
     run.summary = {"wall_s": round(time.monotonic() - t_start, 1), "criteria": len(run.criteria),
                    "passed": sum(c.verdict.valid is True for c in run.criteria), "per_fault_kind": kinds,
@@ -171,6 +154,44 @@ def run_gate(seed: int | None = None, seeds: int = 2, report_dir: Path = Path("r
             ttft = part["evidence"].get("parts", [{}])[0].get("evidence", {}).get("ttft_median_ms_cross_turns")
             print(f"  OFF-ON-ON-OFF median TTFT of turns 2-6 (ms): {ttft}")
     return 0 if run.passed else 1
+
+
+def _run_scenarios(run: GateRun, results: list, cluster, model: Path, chosen: list, root: int,  # noqa: ANN001
+                   seeds: int, report_dir: Path, progress: dict) -> None:
+    from harness.scenarios.catalog import replay_command
+    from harness.scenarios.runner import run_scenario
+    from harness.workload.prompts import Corpus
+
+    corpus = Corpus(model)
+    total = progress["total"]
+    for sc in chosen:
+        t0 = time.monotonic()
+        per = []
+        for i in range(min(seeds, sc.seeds or seeds)):
+            s = derive_seed(root, f"{sc.name}#{i}")
+            progress["done"] += 1
+            done = progress["done"]
+            _say(f"[{done}/{total}] {sc.name} (seed {s}) ...")
+            try:
+                r = run_scenario(cluster, corpus, sc, s)
+            except Exception as exc:  # noqa: BLE001 - a harness defect: reported as this scenario's failure
+                r = harness_failure(sc, s, exc)
+            ctl = "" if r.control is None else f"; control {r.control['name']}: " + (
+                "caught" if r.control["caught"] else "NOT CAUGHT")
+            _say(f"[{done}/{total}] {sc.name}: {r.verdict.label} ({r.outcome}) in {r.seconds:.0f} s{ctl}"
+                 + ("" if r.verdict.valid else f" - {r.verdict.reason[:300]}\n    replay: {r.replay}"))
+            per.append(r)
+            results.append(r)
+            if r.verdict.valid is not True:
+                path = write_schedule(report_dir, sc.name, s)
+                _say(f"    its fault schedule: {path} (kvgate replay {sc.name} --schedule {path})")
+        n_seeds = f"{len(per)} seed" + ("s" if len(per) != 1 else "")
+        verdict = all_of([r.verdict for r in per], n_seeds)
+        if verdict.valid is True:
+            verdict = Verdict(True, f"{n_seeds}: {per[0].verdict.reason}", verdict.evidence, verdict.not_checked)
+        failing = next((r for r in per if r.verdict.valid is not True), per[0])
+        run.criteria.append(Criterion(f"{sc.name}: {sc.description.split(':')[0].split('.')[0]}", verdict,
+                                      replay_command(sc.name, failing.seed), time.monotonic() - t0))
 
 
 def write_schedule(report_dir: Path, scenario: str, seed: int) -> Path:

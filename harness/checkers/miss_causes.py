@@ -104,7 +104,7 @@ def _within(t: float, intervals: list[tuple[float, float]]) -> bool:
 
 
 def expected_causes(recs: list[dict], load_causes: tuple[str, ...], lookup_causes: tuple[str, ...]) -> Verdict:
-    loads = {r.get("miss_cause") for r in recs if r["ev"] == "load"} - {None}
+    loads = {r.get("miss_cause") for r in recs if r["ev"] in ("load", "tier_load")} - {None}  # the network tier's too
     lookups = {r.get("miss_cause") for r in recs if r["ev"] == "lookup"} - {None}
     evidence = {"load_causes": sorted(loads), "lookup_causes": sorted(lookups),
                 "expected_load_causes": sorted(load_causes), "expected_lookup_causes": sorted(lookup_causes)}

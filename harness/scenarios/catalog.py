@@ -45,7 +45,8 @@ def catalog_dir() -> Path:
     return Path(str(importlib.resources.files("fixtures") / "scenarios"))
 
 
-KNOWN_REPLICAS = {"A", "B", "C", "D"}  # C: the tiny model's revision r2; D: the small-KV replica
+KNOWN_REPLICAS = {"A", "B", "C", "D", "G", "H"}  # C: the tiny model's revision r2; D: the small-KV replica
+HOSTS_REPLICAS = {"G", "H"}  # replicas of the multi-host system (harness.system.hosts): G on h1, H on h2
 
 
 class ScenarioError(ValueError):
@@ -74,6 +75,7 @@ class Scenario:
     control: Control | None
     description: str
     seeds: int | None = None  # at most this many seeds per gate run (a costly scenario)
+    # (the system a scenario runs on follows from its replicas: G and H are the hosts')
     expect_load_causes: tuple[str, ...] = ()  # the causes its loads end with, exactly (hits aside)
     expect_lookup_causes: tuple[str, ...] = ()  # causes its lookups must include (never_published aside)
 
@@ -97,6 +99,9 @@ class Scenario:
         replicas = tuple(data.get("replicas", ("A", "B")))
         if set(replicas) - KNOWN_REPLICAS:
             raise ScenarioError(f"{path}: unknown replicas {sorted(set(replicas) - KNOWN_REPLICAS)}")
+        if set(replicas) & HOSTS_REPLICAS and set(replicas) - HOSTS_REPLICAS:
+            raise ScenarioError(f"{path}: replicas {sorted(replicas)} mix the default system's and the hosts' "
+                                f"({sorted(HOSTS_REPLICAS)})")
         control = data.get("control")
         if control is not None:
             if set(control) - {"name", "params", "oracle", "because"}:
@@ -132,6 +137,11 @@ def find(name: str, directory: Path | None = None) -> Scenario:
         names = sorted(p.stem for p in Path(directory).glob("*.json"))
         raise ScenarioError(f"no scenario {name!r}; the catalog has {names}")
     return Scenario.from_file(path)
+
+
+def on_hosts(sc: Scenario) -> bool:
+    """Whether the scenario runs on the multi-host system (harness.system.hosts)."""
+    return bool(set(sc.replicas) & HOSTS_REPLICAS)
 
 
 def replay_command(name: str, seed: int) -> str:

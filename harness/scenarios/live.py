@@ -873,6 +873,8 @@ def evict_leased(cluster: Cluster, corpus: Corpus, seed: int, *, control: str | 
                          "B's load completed byte-exact")
 
 
+from harness.scenarios.hosts import cross_host  # noqa: E402 - the multi-host runners (harness.system.hosts)
+
 RUNNERS: dict[str, Callable[..., Verdict]] = {
     "cross_replica_hit": cross_replica_hit,
     "partial_hit": partial_hit,
@@ -890,4 +892,5 @@ RUNNERS: dict[str, Callable[..., Verdict]] = {
     "replica_crash": replica_crash,
     "transport_fault": transport_fault,
     "evict_leased": evict_leased,
+    "cross_host": cross_host,
 }

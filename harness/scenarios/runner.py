@@ -87,9 +87,10 @@ def _judge(cluster: Cluster, run: _Run, sc: Scenario | None = None) -> tuple[lis
     whose causes the control changes, is judged without them)."""
 
     def pool_digest(replica: str, hashes: list[str]) -> dict[str, str]:
-        if replica not in run.namespaces or cluster.pool is None or cluster.pool.proc.poll() is not None:
+        pool = cluster.pool_for(replica) if replica in cluster.replicas else None
+        if replica not in run.namespaces or pool is None:
             return {}  # the pool is down: its copies cannot be compared (counted as unverified)
-        return BE.pool_digests(cluster.pool, Namespace.from_dict(json.loads(run.namespaces[replica])), hashes)
+        return BE.pool_digests(pool, Namespace.from_dict(json.loads(run.namespaces[replica])), hashes)
 
     be = BE.byte_exact(run.recs, pool_digest, run.namespaces)
     mc = miss_causes(run.recs)

@@ -264,6 +264,10 @@ class Cluster:
         self.nemesis("replica_restart", replica=name, pid=replica.proc.pid)
         return replica
 
+    def pool_for(self, replica: str) -> PoolProcess | None:
+        """The pool daemon a replica publishes to (None while it is down)."""
+        return self.pool if self.pool is not None and self.pool.proc.poll() is None else None
+
     def crashed(self) -> list[str]:
         """Processes of the cluster that are gone although nobody stopped or killed them."""
         out = [f"replica {r.spec.name} (exit {r.proc.returncode})" for r in self.replicas.values()

@@ -125,6 +125,28 @@ class MultiHost:
         write_control(self.cluster.faults[replica], {section: spec})
         self._record("arm", replica=replica, section=section, spec=spec)
 
+    # -- what the scenario runner asks of a system (as of harness.system.cluster.Cluster) ----
+    @property
+    def replicas(self):  # noqa: ANN201
+        return self.cluster.replicas
+
+    @property
+    def faults(self):  # noqa: ANN201
+        return self.cluster.faults
+
+    def nemesis(self, action: str, **fields: object) -> None:
+        self.cluster.nemesis(action, **fields)
+
+    def pool_for(self, replica: str) -> PoolProcess | None:
+        """The pool daemon of the replica's host (None while it is down)."""
+        pool = self.pools.get(self.host_of(replica))
+        return pool if pool is not None and pool.proc.poll() is None else None
+
+    def crashed(self) -> list[str]:
+        out = [x for x in self.cluster.crashed() if not x.startswith("pool ")]  # the cluster's own pool serves none
+        out += [f"pool of {h} (exit {p.proc.returncode})" for h, p in self.pools.items() if p.proc.poll() is not None]
+        return out
+
     def reset(self) -> None:
         for path in self.cluster.faults.values():
             path.write_text("{}")

@@ -32,6 +32,7 @@ def test_find_names_the_catalog_when_a_scenario_is_missing():
     ({"name": "x", "runner": "nope"}, "runner"),
     ({"name": "x", "runner": "partial_hit", "fault": "gremlins"}, "fault"),
     ({"name": "x", "runner": "partial_hit", "replicas": ["Z"]}, "replicas"),
+    ({"name": "x", "runner": "cross_host", "replicas": ["A", "H"]}, "mix"),
     ({"name": "x", "runner": "partial_hit", "colour": "red"}, "unknown fields"),
     ({"name": "y", "runner": "partial_hit"}, "file name"),
     ({"name": "x", "runner": "partial_hit", "control": {"name": "c"}}, "must name the oracle"),

@@ -1,0 +1,127 @@
+"""The multi-host scenarios: replicas G (host h1) and H (host h2) on their own pool
+daemons, the network tier on a third host (harness.system.hosts), faults on the store host.
+
+  cross_host(system, corpus, seed, fault=None, rate="256kbit", control=None)
+      G computes two prompts (published to h1's pool and the tier); H's cold runs of them
+      (a salt of their own: the same partition as a full recompute) are the baselines. Then
+      the fault, and H asks for both prompts:
+        None              H loads every block from the tier; its output equals G's prefix
+                          hit (the same partition); the byte-exact oracle compares the
+                          installed blocks with G's
+        "store_kill"      the store's server SIGKILLed: H's first lookup is no tier hit
+                          (transport_error), the second is held off (kvpool.tier_rule);
+                          both recomputed with the baselines' output
+        "store_partition" the store host's link down: the first lookup waits the tier's
+                          timeout, the second is held off; both recomputed
+        "store_degraded"  the store host's link at `rate` (tc tbf): a page takes longer than
+                          the tier's timeout, so reading is slower than recomputing; the
+                          first load gives up, the second request is held off; recomputed
+      Heal (the store restarted empty, the link restored), the hold expires, and the tier
+      serves again: G publishes a third prompt and H loads at least a probe of it from the
+      tier, with the tokens of its baseline.
+      Negative controls: `claim_past_loaded` (no fault; the output oracle must catch it) and
+      `deaf_tier_rule` (the faults: H's tier rule never holds the tier off; the scenario's
+      held-off check must catch it), both faults.connector's.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+from harness.checkers.history import records
+from harness.checkers.verdict import Checks, Verdict
+from harness.client.http import complete, reset_prefix_cache
+from harness.scenarios.nemesis import wait_for
+from harness.workload.prompts import Corpus
+
+B = 128
+PROMPT_TOKENS = 11 * B + 60
+FAULTS = (None, "store_kill", "store_partition", "store_degraded")
+
+
+def _tag(prefix: str, seed: int) -> str:
+    return f"{prefix}{seed % 10**8}"
+
+
+def _publish(system, prompt: str, tag: str) -> None:  # noqa: ANN001
+    complete(system.url("G"), prompt, tag=tag, replica="G", max_tokens=8)
+    wait_for(lambda: any(r.get("put") for r in records(system.history_dir, "tier_publish", tag=tag)),
+             60, f"G's blocks of {tag} in the tier")
+
+
+def _lookup(system, tag: str) -> dict:  # noqa: ANN001
+    found = records(system.history_dir, "lookup", tag=tag, replica="H")
+    return found[0] if found else {}
+
+
+def cross_host(system, corpus: Corpus, seed: int, fault: str | None = None, rate: str = "256kbit",  # noqa: ANN001
+               control: str | None = None) -> Verdict:
+    if fault not in FAULTS:
+        raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
+    rng = random.Random(seed)
+    tag = _tag("h", seed)
+    prompts = [corpus.text(PROMPT_TOKENS, rng) for _ in range(3)]
+    if control:
+        system.arm("H", "connector", {"control": control})
+    for i in range(2):
+        _publish(system, prompts[i], f"{tag}-g{i}")
+    refs = [complete(system.url("H"), p, tag=f"{tag}-cold{i}", replica="H", max_tokens=8, load=False, publish=False,
+                     cache_salt=f"cold-{tag}") for i, p in enumerate(prompts)]
+    reset_prefix_cache(system.url("H"))
+    if fault == "store_kill":
+        system.kill_store()
+    elif fault == "store_partition":
+        system.partition("store")
+    elif fault == "store_degraded":
+        system.slow("store", rate)
+    try:
+        got = []
+        for i in range(2):
+            got.append(complete(system.url("H"), prompts[i], tag=f"{tag}-h{i}", replica="H", max_tokens=8,
+                                publish=False))
+            reset_prefix_cache(system.url("H"))
+    finally:
+        system.heal("store")
+        if fault == "store_kill":
+            system.restart_store()
+    c = Checks()
+    first, second = _lookup(system, f"{tag}-h0"), _lookup(system, f"{tag}-h1")
+    c.evidence.update(lookups=[{k: lk.get(k) for k in ("tier_blocks", "tier_found", "tier_error", "tier_held",
+                                                       "lookup_us", "hit_blocks")} for lk in (first, second)],
+                      ttft_ms={"cold": [round(r.ttft_s * 1e3, 1) for r in refs[:2]],
+                               "under_fault": [round(g.ttft_s * 1e3, 1) for g in got]})
+    if fault is None:
+        g_hit = complete(system.url("G"), prompts[0], tag=f"{tag}-ghit", replica="G", max_tokens=8, publish=False)
+        c.check("H's lookup found every block in the tier, none in its own pool",
+                (first.get("hit_blocks"), first.get("tier_blocks")) == (0, PROMPT_TOKENS // B), first)
+        (load,) = records(system.history_dir, "tier_load", tag=f"{tag}-h0", replica="H") or [{}]
+        c.check("H loaded them all from the store host", load.get("loaded") == PROMPT_TOKENS // B, load)
+        c.output("H's tokens and log-probabilities equal G's prefix hit of the same prompt", got[0], g_hit)
+    else:
+        for i in range(2):  # every block recomputed: the baseline's partition, to the last bit
+            c.output(f"H's request {i} under {fault} equals its cold run", got[i], refs[i])
+        if fault == "store_kill":
+            c.check("the first lookup under the dead store is no tier hit, and says why",
+                    str(first.get("tier_error", "")).startswith("TierUnavailable"), first)
+        elif fault == "store_partition":
+            c.check("the first lookup waited the tier's timeout, not longer, and says why",
+                    str(first.get("tier_error", "")).startswith("TierUnavailable")
+                    and first.get("lookup_us", 1e9) < 5e6, first)
+        else:
+            loads = records(system.history_dir, "tier_load", tag=f"{tag}-h0", replica="H")
+            c.check("the first load gave up on the degraded store (nothing installed from it)",
+                    len(loads) == 1 and loads[0].get("loaded") == 0
+                    and loads[0].get("miss_cause") in ("transport_error", "timeout"), loads)
+        c.check("the next request was held off the failing tier (it recomputed at once)",
+                "tier_held" in second and second.get("tier_blocks") == 0, second)
+    # Healed: once the hold expires the tier serves again (a probe of one block at least).
+    time.sleep(system.settings.get("tier_backoff_max_s", 30.0) + 0.3)
+    _publish(system, prompts[2], f"{tag}-g2")
+    back = complete(system.url("H"), prompts[2], tag=f"{tag}-back", replica="H", max_tokens=8, publish=False)
+    lk = _lookup(system, f"{tag}-back")
+    c.check("healed, H reads from the tier again", lk.get("tier_blocks", 0) >= 1, lk)
+    c.check("healed, H's tokens equal its cold run's", back.error is None and back.token_ids == refs[2].token_ids,
+            back.error or back.token_ids)
+    return c.verdict(f"across hosts{' under ' + fault if fault else ''}: outputs unchanged"
+                     + ("" if fault is None else ", the failing tier held off") + ", served again once healed")
