@@ -15,6 +15,8 @@ Capabilities: no read leases, atomic puts, evicts when its maxmemory policy says
 from __future__ import annotations
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from kvpool.digest import DigestKind
 from kvpool.keys import Namespace
@@ -29,8 +31,10 @@ class RedisTier:
     def __init__(self, url: str, timeout_s: float = 1.0, ttl_s: float | None = None):
         self.url = url
         self.ttl_s = ttl_s
+        # No retries inside redis-py (its default retries a refused connection with backoff):
+        # a failed call is the tier rule's to judge (kvpool.tier_rule), at once.
         self._r = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                       retry_on_timeout=False)
+                                       retry_on_timeout=False, retry=Retry(NoBackoff(), 0))
 
     def _call(self, what: str, fn, *args, **kwargs):  # noqa: ANN001, ANN202
         try:

@@ -167,7 +167,8 @@ def _faults(system, corpus: Corpus, rng: random.Random, n: int, reps: int, rate:
             _check(got, ref, f"{state} at {n} tokens")
         out[state].append(got.ttft_s * 1e3)
         lk = records(system.history_dir, "lookup", tag=tag, replica="H")
-        notes[state].append({k: lk[0].get(k) for k in ("tier_blocks", "tier_held", "tier_error") if k in lk[0]}
+        notes[state].append({k: lk[0].get(k) for k in ("tier_blocks", "tier_held", "tier_error", "lookup_us", "deferred")
+                             if k in lk[0]}
                             if lk else None)
 
     def settle() -> None:  # heal, and let the rule's hold expire and its probe pass

@@ -45,7 +45,7 @@ class MultiHost:
             raise ValueError(f"host name {STORE!r} is the store's")
         self.model_dir = Path(model_dir)
         self.report_dir = Path(report_dir)
-        self.replicas = replicas
+        self.layout = replicas  # host -> its replicas' names
         self.page_size = page_size
         self.pool_pages = pool_pages
         self.kv_bytes = kv_bytes
@@ -68,7 +68,7 @@ class MultiHost:
         return self.store.url
 
     def host_of(self, replica: str) -> str:
-        return next(h for h, names in self.replicas.items() if replica in names)
+        return next(h for h, names in self.layout.items() if replica in names)
 
     def url(self, replica: str) -> str:
         return self.cluster.replicas[replica].url
@@ -79,12 +79,12 @@ class MultiHost:
             self.net.start()
             self.store = RedisServer(self.report_dir / "store", maxmemory=self.store_maxmemory,
                                      host=self.net.ip(STORE), prefix=self.net.prefix(STORE)).start()
-            for host in self.replicas:
+            for host in self.layout:
                 self.pools[host] = PoolProcess.start(page_size=self.page_size, num_pages=self.pool_pages,
                                                      log_path=self.report_dir / f"pool-{host}.log",
                                                      prefix=tuple(self.net.prefix(host)))
             specs = []
-            for i, (host, names) in enumerate((h, n) for h, ns in self.replicas.items() for n in ns):
+            for i, (host, names) in enumerate((h, n) for h, ns in self.layout.items() for n in ns):
                 pool = self.pools[host]
                 extra = {"pool": pool.unix, "token": pool.token, "tier": self.store.url, **self.settings}
                 specs.append(ReplicaSpec(names, core=str(i % 2), kv_bytes=self.kv_bytes, audit=True,
@@ -93,7 +93,7 @@ class MultiHost:
                                          netns=tuple(self.net.prefix(host)), host=self.net.ip(host)))
             self.cluster.start(specs, timeout=timeout)
             self._record("hosts_start", hosts={h: {"ip": self.net.ip(h), "replicas": n, "pool": self.pools[h].name}
-                                              for h, n in self.replicas.items()},
+                                              for h, n in self.layout.items()},
                          store={"ip": self.net.ip(STORE), "url": self.store.url})
         except BaseException:
             self.stop()

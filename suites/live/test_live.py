@@ -1,12 +1,12 @@
 """Live: every scenario of the catalog (fixtures/scenarios) on real `vllm serve`
-replicas sharing one pool, judged exactly as the gate judges it (harness.scenarios):
+replicas sharing one pool (the multi-host ones: suites/live/test_cross_host.py), judged exactly as the gate judges it (harness.scenarios):
 the scenario's own checks, the byte-exact, miss-cause and request checkers over its
 window of the history, and its negative control, which must be caught. A failure
 prints the command that replays the scenario with the same seed."""
 
 import pytest
 
-from harness.scenarios.catalog import load_catalog
+from harness.scenarios.catalog import load_catalog, on_hosts
 from harness.scenarios.runner import run_scenario
 from harness.workload.prompts import Corpus
 
@@ -23,7 +23,7 @@ def corpus(tiny_model):
     return Corpus(tiny_model)
 
 
-@pytest.mark.parametrize("sc", [_param(sc) for sc in load_catalog()])
+@pytest.mark.parametrize("sc", [_param(sc) for sc in load_catalog() if not on_hosts(sc)])  # hosts: test_cross_host
 def test_scenario(cluster, corpus, test_seed, sc, record_property):
     r = run_scenario(cluster, corpus, sc, test_seed)
     record_property("outcome", r.outcome)
