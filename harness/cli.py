@@ -289,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     gate.add_argument("--seeds", type=int, default=2, help="seeds per scenario (2: about 15 minutes here)")
     gate.add_argument("--report-dir", type=Path, default=Path("reports/runs/latest"))
     gate.add_argument("--profile", default="all",
-                      help="fault kinds to run, comma-separated ('none': the fault-free scenarios), or 'all'")
+                      help="fault kinds to run, comma-separated ('none': the fault-free scenarios), 'hosts' (the multi-host "
+                           "system's scenarios), or 'all'")
     gate.add_argument("--scenario", action="append", default=[], help="only this scenario (repeatable)")
     gate.add_argument("--no-pool-checks", action="store_true", help="skip the pool criteria (no live system)")
     gate.add_argument("--connector", default="",

@@ -58,8 +58,9 @@ def _pool_criteria() -> list[tuple[str, Callable[[int], Verdict]]]:
 
 
 def select(profile: str, names: list[str] | None = None):  # noqa: ANN201
-    """Scenarios of the catalog for a profile: 'all', or comma-separated fault kinds
-    ('none' for the fault-free scenarios), optionally only the named ones."""
+    """Scenarios of the catalog for a profile: 'all', 'hosts' (the multi-host system's), or
+    comma-separated fault kinds ('none' for the fault-free scenarios), optionally only the
+    named ones."""
     from faults.schedule import KINDS
     from harness.scenarios.catalog import load_catalog
 
@@ -71,6 +72,10 @@ def select(profile: str, names: list[str] | None = None):  # noqa: ANN201
         catalog = [sc for sc in catalog if sc.name in names]
     if profile == "all":
         return catalog
+    if profile == "hosts":  # everything the multi-host system runs (its fault-free scenario included)
+        from harness.scenarios.catalog import on_hosts
+
+        return [sc for sc in catalog if on_hosts(sc)]
     kinds = set(profile.split(","))
     unknown = sorted(kinds - set(KINDS) - {"none"})
     if unknown:

@@ -137,7 +137,7 @@ def run_scenario(cluster: Cluster, corpus: Corpus, sc: Scenario, seed: int) -> S
     counts = {
         "faults_fired": sum(1 for r in recs if r["ev"] == "fault"
                             or (r["ev"] == "nemesis" and not r["action"].startswith("scenario_"))),
-        "loads": sum(1 for r in recs if r["ev"] == "load"),
+        "loads": sum(1 for r in recs if r["ev"] in ("load", "tier_load")),  # the network tier's too
         "silent_corruptions": int(parts[ORACLES.index("byte-exact")].evidence.get("silent_corruptions", 0)),
         "lost_requests": int(parts[ORACLES.index("requests")].evidence.get("lost", 0)),
         "misclassified": int(parts[ORACLES.index("miss causes")].evidence.get("misclassified", 0)),
