@@ -47,6 +47,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "store_partition": ("the store host's link (down)", "the link back up; the hold expires, a probe passes"),
     "store_degraded": ("the store host's link (tc tbf, slower than recompute)",
                        "the rate limit lifted; the hold expires, a probe passes"),
+    "store_slow": ("the store host's link (tc tbf, slower, still faster than recompute)", "the rate limit lifted"),
 }
 PROFILES: dict[str, tuple[str, ...]] = {
     "transport": ("corrupt", "transport_error", "timeout", "conn_reset", "truncated_frame", "bitflip", "stall",
@@ -55,7 +56,7 @@ PROFILES: dict[str, tuple[str, ...]] = {
     "crash": ("pool_restart", "replica_crash"),
     "stream": ("stream_delay",),
     "revision": ("revision_mismatch",),
-    "hosts": ("store_kill", "store_partition", "store_degraded"),
+    "hosts": ("store_kill", "store_partition", "store_degraded", "store_slow"),
     "all": tuple(KINDS),
 }
 
