@@ -101,12 +101,20 @@ def run_bench(reps: int = 3, lengths: tuple[int, ...] = LENGTHS, fault_length: i
 
 
 def _publish(system, prompt: str, tag: str) -> None:  # noqa: ANN001
+    """G computes the prompt; returns once every complete block of it is in the tier (G's
+    tier puts run after its response, and must not run under the next measurement)."""
     from harness.checkers.history import records
     from harness.scenarios.nemesis import wait_for
 
     complete(system.url("G"), prompt, tag=tag, replica="G", max_tokens=1)
-    wait_for(lambda: any(r.get("put") for r in records(system.history_dir, "tier_publish", tag=tag)), 60,
-             f"{tag} in the tier")
+
+    def stored() -> bool:
+        recs = records(system.history_dir, "tier_publish", tag=tag)
+        (lk,) = records(system.history_dir, "lookup", tag=tag, replica="G") or [{}]
+        return bool(recs) and sum(r.get("put", 0) + r.get("refused", 0) for r in recs) >= \
+            lk.get("prompt_tokens", 0) // B and all(r.get("error") is None for r in recs)
+
+    wait_for(stored, 60, f"{tag} in the tier")
 
 
 def _length(system, corpus: Corpus, rng: random.Random, n: int, reps: int) -> dict:  # noqa: ANN001
