@@ -271,5 +271,6 @@ def open_tier(url: str, timeout_s: float = 1.0) -> Tier:
             raise ValueError(f"{url!r}: a mooncake tier needs ?metadata=http://HOST:PORT/metadata")
         sizes = {k: int(q[k]) for k in ("segment_bytes", "buffer_bytes") if k in q}
         return MooncakeTier(parts.netloc, q["metadata"], q.get("local_hostname", "127.0.0.1"),
-                            protocol=q.get("protocol", "tcp"), devices=q.get("devices", ""), **sizes)
+                            protocol=q.get("protocol", "tcp"), devices=q.get("devices", ""), timeout_s=timeout_s,
+                            **sizes)
     raise ValueError(f"no network tier for {url!r}: redis://HOST:PORT/DB, unix:///path or mooncake://HOST:PORT?...")

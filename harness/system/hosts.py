@@ -25,6 +25,7 @@ its own kvpool daemon and vLLM replicas, one more host running the network tier'
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -87,10 +88,11 @@ class MultiHost:
                                                      log_path=self.report_dir / f"pool-{host}.log",
                                                      prefix=tuple(self.net.prefix(host)))
             specs = []
-            for i, (host, names) in enumerate((h, n) for h, ns in self.layout.items() for n in ns):
+            for host, names in ((h, n) for h, ns in self.layout.items() for n in ns):
                 pool = self.pools[host]
                 extra = {"pool": pool.unix, "token": pool.token, "tier": self.store.url, **self.settings}
-                specs.append(ReplicaSpec(names, core=str(i % 2), kv_bytes=self.kv_bytes, audit=True,
+                core = str(list(self.layout).index(host) % (os.cpu_count() or 1))  # a host's replicas share its core
+                specs.append(ReplicaSpec(names, core=core, kv_bytes=self.kv_bytes, audit=True,
                                          faults_file=str(self.report_dir / f"faults-{names}.json"),
                                          max_num_batched_tokens=DEFAULT_CHUNK, connector_extra=tuple(extra.items()),
                                          netns=tuple(self.net.prefix(host)), host=self.net.ip(host),

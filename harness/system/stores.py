@@ -18,6 +18,12 @@ faults and stops (kvpool.tier's backends are clients of these).
       .url        the tier URL (kvpool.tier.open_tier): mooncake://HOST:PORT?metadata=...
       .kill() / .stop()   as RedisServer's (a restarted master comes back empty; its
                   clients remount their segments on their own, about 1 s later)
+  MooncakeNode(run_dir, master, segment_bytes=256 MiB)
+      .start()    `mooncake_client` (Mooncake's standalone client) mounting `segment_bytes`
+                  into the store: a storage node; clients whose tier URL says
+                  segment_bytes=0 (MooncakeMaster.url(segment_bytes=0)) keep every page there
+      .kill() / .stop()   as above (a restarted node comes back empty; the master still
+                  indexes what it held until it drops the dead segment)
   mooncake_binary() -> str | None   the master of the installed mooncake package
 Mooncake's processes run with MC_TCP_BIND_ADDRESS=127.0.0.1 (set it in a client's process
 before its first store is set up: `mooncake_env()`).
@@ -133,8 +139,12 @@ class MooncakeMaster(_StoreProcess):
 
     @property
     def url(self) -> str:
+        return self.url_for()
+
+    def url_for(self, segment_bytes: int = 64 * 2**20, buffer_bytes: int = 64 * 2**20) -> str:
+        """The tier URL of a client that mounts `segment_bytes` of its own memory (0: none)."""
         return (f"mooncake://127.0.0.1:{self.rpc_port}?metadata=http://127.0.0.1:{self.http_port}/metadata"
-                f"&segment_bytes={64 * 2**20}&buffer_bytes={64 * 2**20}")
+                f"&segment_bytes={segment_bytes}&buffer_bytes={buffer_bytes}")
 
     def start(self) -> MooncakeMaster:
         binary = mooncake_binary()
@@ -167,3 +177,34 @@ class MooncakeMaster(_StoreProcess):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"mooncake client not healthy {timeout_s} s after the master's restart")
             time.sleep(0.25)
+
+
+class MooncakeNode(_StoreProcess):
+    def __init__(self, run_dir: Path, master: MooncakeMaster, segment_bytes: int = 256 * 2**20):
+        self.run_dir = Path(run_dir)
+        self.master = master
+        self.segment_bytes = segment_bytes
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+        self.log = self.run_dir / f"mooncake-node-{self.port}.log"
+
+    def start(self) -> MooncakeNode:
+        binary = mooncake_binary()
+        if binary is None:
+            raise FileNotFoundError("mooncake is not installed (pip install mooncake-transfer-engine-non-cuda)")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        args = [str(Path(binary).parent / "mooncake_client"), f"--master_server_address=127.0.0.1:{self.master.rpc_port}",
+                f"--metadata_server=http://127.0.0.1:{self.master.http_port}/metadata", "--host=127.0.0.1",
+                f"--port={self.port}", f"--global_segment_size={self.segment_bytes}", "--protocol=tcp",
+                "--logtostderr"]
+        self.proc = spawn(args, self.log, env={**os.environ, **mooncake_env()})
+
+        def mounted() -> bool | None:  # its service port answers once its segment is mounted
+            try:
+                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
+            except OSError:
+                return None
+            return True
+
+        wait_ready(self.proc, mounted, 30.0, f"mooncake_client :{self.port}", self.log)
+        return self

@@ -3,7 +3,9 @@ the test starts (TCP on loopback, its built-in metadata server): pages byte-exac
 two clients in two processes, a byte changed in a stored record is `corrupt` (with its
 negative control, a tier that re-digests what it reads, caught by the byte check), a full
 store evicts whole pages and never serves other bytes, a killed master is unavailable at
-once and comes back empty. Skipped where the mooncake package is not installed."""
+once and comes back empty; with a storage node (`mooncake_client`) holding every page for
+clients that mount nothing, the node killed is `unavailable` (never a silent miss) and,
+restarted, takes pages again. Skipped where the mooncake package is not installed."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import numpy as np
 import pytest
 
 from faults.tier_controls import BlindTier
-from harness.system.stores import MooncakeMaster, mooncake_binary, mooncake_env
+from harness.system.stores import MooncakeMaster, MooncakeNode, mooncake_binary, mooncake_env
 from kvpool.digest import page_digest
 from kvpool.errors import MissCause
 from kvpool.keys import Namespace, block_hashes
@@ -136,3 +138,34 @@ def test_a_killed_master_is_unavailable_at_once_and_comes_back_empty(master, tes
         assert t.get(NS, hashes[1]).data == data[1]
     finally:
         t.close()
+
+
+def test_a_killed_storage_node_is_unavailable_not_a_miss_and_a_restarted_one_serves(master, test_seed):
+    hashes, data = pages(test_seed, 3)
+    node = MooncakeNode(master.run_dir, master, segment_bytes=64 * 2**20).start()
+    url = master.url_for(segment_bytes=0, buffer_bytes=16 * 2**20)  # clients keep nothing: the node has it all
+    writer, reader = open_tier(url), open_tier(url)
+    try:
+        assert writer.put(NS, hashes[0], data[0], page_digest(data[0]))
+        assert reader.get(NS, hashes[0]).data == data[0]
+        node.kill()
+        with pytest.raises(TierUnavailable, match="storage node") as exc:
+            reader.get(NS, hashes[0])  # indexed by the master, served by nobody
+        assert exc.value.cause is MissCause.TRANSPORT_ERROR
+        node.start()
+        deadline = time.monotonic() + 20
+        while not _put_ok(writer, hashes[1], data[1]):
+            assert time.monotonic() < deadline, "the restarted node never took a page"
+            time.sleep(0.25)
+        assert reader.get(NS, hashes[1]).data == data[1]
+    finally:
+        writer.close()
+        reader.close()
+        node.stop()
+
+
+def _put_ok(tier, h: bytes, page: bytes) -> bool:  # noqa: ANN001
+    try:
+        return tier.put(NS, h, page, page_digest(page))
+    except TierUnavailable:
+        return False
