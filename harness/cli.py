@@ -182,7 +182,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     print(f"kvgate replay: {sc.name} --seed {args.seed} (fault {sc.fault or 'none'}; replicas {'+'.join(sc.replicas)})",
           flush=True)
     report_dir = args.report_dir or Path("reports/runs/replay") / f"{sc.name}-{args.seed}"
-    cluster, model = start_for(report_dir, set(sc.replicas))
+    from harness.scenarios.catalog import store_of
+
+    cluster, model = start_for(report_dir, set(sc.replicas), store_of(sc))
     try:
         r = run_scenario(cluster, Corpus(model), sc, args.seed)
     finally:

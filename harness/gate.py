@@ -135,12 +135,15 @@ def run_gate(seed: int | None = None, seeds: int = 2, report_dir: Path = Path("r
             _run_scenarios(run, results, cluster, model, on_default, root, seeds, report_dir, progress)
         finally:
             cluster.stop()
-    if hosted:  # the multi-host system, once the default one is gone (two cores)
+    from harness.scenarios.catalog import store_of
+
+    for store in sorted({store_of(sc) for sc in hosted}):  # the multi-host system, once the default one is gone
         from harness.system.default import start_hosts_system
 
-        system, model = start_hosts_system(report_dir)
+        system, model = start_hosts_system(report_dir, store)
         try:
-            _run_scenarios(run, results, system, model, hosted, root, seeds, report_dir, progress)
+            _run_scenarios(run, results, system, model, [sc for sc in hosted if store_of(sc) == store], root, seeds,
+                           report_dir, progress)
         finally:
             system.stop()
     kinds = per_kind(results)

@@ -144,5 +144,10 @@ def on_hosts(sc: Scenario) -> bool:
     return bool(set(sc.replicas) & HOSTS_REPLICAS)
 
 
+def store_of(sc: Scenario) -> str:
+    """The multi-host system's store a hosts scenario runs on (its `store` parameter)."""
+    return str(sc.params.get("store", "redis"))
+
+
 def replay_command(name: str, seed: int) -> str:
     return f"kvgate replay {name} --seed {seed}"

@@ -5,11 +5,12 @@
       (harness.system.cluster.default_cluster), and as the scenarios need them C (revision
       r2 of the model: other weights, same tokenizer) and D (a 64-block KV cache whose
       pool traffic crosses the fault proxy over TCP). Progress goes to stderr.
-  start_hosts_system(report_dir) -> (system, model_dir)
+  start_hosts_system(report_dir, store="redis") -> (system, model_dir)
       the multi-host system (harness.system.hosts.MultiHost): G on host h1, H on host h2,
-      each with its own pool daemon, Redis on a store host; the tier settings HOSTS_SETTINGS
+      each with its own pool daemon, the store (Redis, or Mooncake's master and a storage
+      node) on a store host; the tier settings HOSTS_SETTINGS
       (short timeouts and holds, so a scenario's faults and heals fit in seconds).
-  start_for(report_dir, replicas)   whichever of the two the replicas belong to.
+  start_for(report_dir, replicas, store)   whichever of the two the replicas belong to.
 """
 
 from __future__ import annotations
@@ -41,19 +42,21 @@ def start_system(report_dir: Path, replicas: set[str]):  # noqa: ANN201
 HOSTS_SETTINGS = {"tier_timeout_s": 0.5, "tier_deadline_s": 0.5, "tier_backoff_s": 3.0, "tier_backoff_max_s": 3.0}
 
 
-def start_hosts_system(report_dir: Path):  # noqa: ANN201
+def start_hosts_system(report_dir: Path, store: str = "redis"):  # noqa: ANN201
     from fixtures.tiny_model import build_tiny_model
     from harness.system.hosts import MultiHost
 
     model = build_tiny_model(report_dir / "model" / "tiny", seed=0, revision="r1")
-    print("kvgate: starting hosts h1 (replica G, its pool), h2 (replica H, its pool) and a store host (Redis) "
+    print(f"kvgate: starting hosts h1 (replica G, its pool), h2 (replica H, its pool) and a store host ({store}) "
           "as network namespaces (one to three minutes) ...", file=sys.stderr, flush=True)
-    return MultiHost(model, report_dir / "hosts", {"h1": ["G"], "h2": ["H"]}, settings=HOSTS_SETTINGS).start(), model
+    system = MultiHost(model, report_dir / f"hosts-{store}", {"h1": ["G"], "h2": ["H"]}, settings=HOSTS_SETTINGS,
+                       store=store)
+    return system.start(), model
 
 
-def start_for(report_dir: Path, replicas: set[str]):  # noqa: ANN201
+def start_for(report_dir: Path, replicas: set[str], store: str = "redis"):  # noqa: ANN201
     from harness.scenarios.catalog import HOSTS_REPLICAS
 
     if replicas & HOSTS_REPLICAS:
-        return start_hosts_system(report_dir)
+        return start_hosts_system(report_dir, store)
     return start_system(report_dir, replicas)

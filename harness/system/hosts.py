@@ -1,15 +1,20 @@
 """Several hosts on one machine: each host a network namespace (harness.system.netns) with
-its own kvpool daemon and vLLM replicas, one more host running the network tier's store
-(Redis), everything started and torn down by the harness.
+its own kvpool daemon and vLLM replicas, one more host running the network tier's store,
+everything started and torn down by the harness.
 
-  MultiHost(model_dir, report_dir, replicas={"h1": ["G"], "h2": ["H"]}, settings=...)
+  MultiHost(model_dir, report_dir, replicas={"h1": ["G"], "h2": ["H"]}, settings=..., store="redis")
+      store "redis": redis-server on the store host; "mooncake": mooncake_master and one
+      storage node (mooncake_client, which holds every page: the replicas' clients mount
+      no memory of their own) on the store host, the replicas' clients bound to their
+      hosts' addresses
       .start()            the network, the store on host "store", one pool daemon per host
                           (in that host), and the replicas (each in its host, on its host's
                           pool, every one on the same tier)
       .url(replica) / .host_of(replica) / .history_dir / .cluster (the replicas' Cluster)
-      .tier_url           the store's URL as the hosts reach it
+      .tier_url(host)     the store's URL as a replica on that host uses it
   The nemesis, each recorded in the run's history (`nemesis` events):
-      .kill_store()       SIGKILL the store's server (a storage node that dies)
+      .kill_store()       SIGKILL the store's storage node (redis-server; Mooncake's storage
+                          node, whose pages the master still indexes)
       .restart_store()    start it again, empty (no persistence: as a restarted node is)
       .slow(host, rate)   the host's link through a token bucket (tc tbf): a slow link, or,
                           on "store", a degraded storage node
@@ -26,6 +31,8 @@ its own kvpool daemon and vLLM replicas, one more host running the network tier'
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +40,20 @@ from harness.client.http import reset_prefix_cache
 from harness.system.cluster import DEFAULT_CHUNK, Cluster, OrphanError, ReplicaSpec
 from harness.system.netns import Network
 from harness.system.pool import PoolProcess
-from harness.system.stores import RedisServer
+from harness.system.stores import MooncakeMaster, MooncakeNode, RedisServer, mooncake_env
 
 STORE = "store"
+STORES = ("redis", "mooncake")
+_MOONCAKE_FLUSH = """
+import sys
+from mooncake.store import MooncakeDistributedStore
+s = MooncakeDistributedStore()
+rc = s.setup(sys.argv[1], sys.argv[2], 0, 16 << 20, "tcp", "", sys.argv[3])
+if rc != 0:
+    sys.exit(f"setup: {rc}")
+s.remove_all()
+s.close()
+"""
 # More replicas than cores: an idle engine's OpenMP threads must sleep, not spin, or the
 # replica sharing their core computes in what is left (a cold prefill measured 0.1 to 1 s).
 IDLE_ENV = (("OMP_WAIT_POLICY", "PASSIVE"), ("KMP_BLOCKTIME", "0"))
@@ -44,9 +62,14 @@ IDLE_ENV = (("OMP_WAIT_POLICY", "PASSIVE"), ("KMP_BLOCKTIME", "0"))
 class MultiHost:
     def __init__(self, model_dir: Path, report_dir: Path, replicas: dict[str, list[str]], *,
                  page_size: int = 128 * 1024, pool_pages: int = 256, kv_bytes: int = 256 * 2**20,
-                 settings: dict[str, Any] | None = None, store_maxmemory: int | None = None) -> None:
+                 settings: dict[str, Any] | None = None, store_maxmemory: int | None = None,
+                 store: str = "redis") -> None:
         if STORE in replicas:
             raise ValueError(f"host name {STORE!r} is the store's")
+        if store not in STORES:
+            raise ValueError(f"store must be one of {STORES}, got {store!r}")
+        self.store_kind = store
+        self.master: MooncakeMaster | None = None  # Mooncake's (its storage node is .store)
         self.model_dir = Path(model_dir)
         self.report_dir = Path(report_dir)
         self.layout = replicas  # host -> its replicas' names
@@ -57,7 +80,7 @@ class MultiHost:
         self.store_maxmemory = store_maxmemory
         self.cluster = Cluster(model_dir, self.report_dir / "cluster", page_size=page_size, pool_pages=16)
         self.net = Network([*replicas, STORE], record=self._record)
-        self.store: RedisServer | None = None
+        self.store: RedisServer | MooncakeNode | None = None  # the process that holds the pages
         self.pools: dict[str, PoolProcess] = {}
 
     def _record(self, action: str, **fields: object) -> None:
@@ -67,9 +90,19 @@ class MultiHost:
     def history_dir(self) -> Path:
         return self.cluster.history_dir
 
-    @property
-    def tier_url(self) -> str:
-        return self.store.url
+    def tier_url(self, host: str) -> str:
+        """The tier URL as a replica on `host` uses it."""
+        if self.master is None:
+            return self.store.url
+        return self.master.url_for(segment_bytes=0, buffer_bytes=32 * 2**20, local_hostname=self.net.ip(host))
+
+    def _start_store(self) -> None:
+        where = {"host": self.net.ip(STORE), "prefix": self.net.prefix(STORE)}
+        if self.store_kind == "redis":
+            self.store = RedisServer(self.report_dir / "store", maxmemory=self.store_maxmemory, **where).start()
+            return
+        self.master = MooncakeMaster(self.report_dir / "store", lease_ms=1000, client_ttl_s=2, **where).start()
+        self.store = MooncakeNode(self.report_dir / "store", self.master, segment_bytes=512 * 2**20, **where).start()
 
     def host_of(self, replica: str) -> str:
         return next(h for h, names in self.layout.items() if replica in names)
@@ -81,8 +114,7 @@ class MultiHost:
         self.report_dir.mkdir(parents=True, exist_ok=True)
         try:
             self.net.start()
-            self.store = RedisServer(self.report_dir / "store", maxmemory=self.store_maxmemory,
-                                     host=self.net.ip(STORE), prefix=self.net.prefix(STORE)).start()
+            self._start_store()
             for host in self.layout:
                 self.pools[host] = PoolProcess.start(page_size=self.page_size, num_pages=self.pool_pages,
                                                      log_path=self.report_dir / f"pool-{host}.log",
@@ -90,17 +122,18 @@ class MultiHost:
             specs = []
             for host, names in ((h, n) for h, ns in self.layout.items() for n in ns):
                 pool = self.pools[host]
-                extra = {"pool": pool.unix, "token": pool.token, "tier": self.store.url, **self.settings}
+                extra = {"pool": pool.unix, "token": pool.token, "tier": self.tier_url(host), **self.settings}
+                env = IDLE_ENV + (tuple(mooncake_env(self.net.ip(host)).items()) if self.master else ())
                 core = str(list(self.layout).index(host) % (os.cpu_count() or 1))  # a host's replicas share its core
                 specs.append(ReplicaSpec(names, core=core, kv_bytes=self.kv_bytes, audit=True,
                                          faults_file=str(self.report_dir / f"faults-{names}.json"),
                                          max_num_batched_tokens=DEFAULT_CHUNK, connector_extra=tuple(extra.items()),
                                          netns=tuple(self.net.prefix(host)), host=self.net.ip(host),
-                                         extra_env=IDLE_ENV))
+                                         extra_env=env))
             self.cluster.start(specs, timeout=timeout)
             self._record("hosts_start", hosts={h: {"ip": self.net.ip(h), "replicas": n, "pool": self.pools[h].name}
                                               for h, n in self.layout.items()},
-                         store={"ip": self.net.ip(STORE), "url": self.store.url})
+                         store={"ip": self.net.ip(STORE), "kind": self.store_kind, "url": self.tier_url(STORE)})
         except BaseException:
             self.stop()
             raise
@@ -160,7 +193,7 @@ class MultiHost:
             self.net.heal(host)
         if self.store.proc is None:
             self.restart_store()
-        self.store.client().flushall()
+        self._flush()
         for pool in self.pools.values():
             with pool.client(name="reset") as c:
                 pages = c.stats()["num_pages"]
@@ -168,6 +201,18 @@ class MultiHost:
                 c.set_capacity(pages)
         for r in self.cluster.replicas.values():
             reset_prefix_cache(r.url)
+
+    def _flush(self) -> None:
+        """Empty the store (Mooncake: remove_all through a client of the store host's own)."""
+        if self.master is None:
+            self.store.client().flushall()
+            return
+        ip = self.net.ip(STORE)
+        done = subprocess.run([*self.net.prefix(STORE), sys.executable, "-c", _MOONCAKE_FLUSH, ip, self.master.metadata,
+                               f"{ip}:{self.master.rpc_port}"], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, **mooncake_env(ip)})
+        if done.returncode:
+            raise RuntimeError(f"mooncake remove_all on the store host failed: {done.stderr[-800:]}")
 
     def stop(self) -> None:
         errors: list[str] = []
@@ -178,8 +223,9 @@ class MultiHost:
         for pool in self.pools.values():
             pool.stop()
         self.pools = {}
-        if self.store is not None:
-            self.store.stop()
+        for proc in (self.store, self.master):
+            if proc is not None:
+                proc.stop()
         self.net.stop()
         errors += [f"network leftover {x}" for x in self.net.leftovers()]
         if errors:

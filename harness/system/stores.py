@@ -12,18 +12,19 @@ faults and stops (kvpool.tier's backends are clients of these).
       .client()   a redis-py client for the harness's own checks and data faults
   redis_binary() -> str | None   where redis-server is (None: not installed; `make test`
                   installs Debian's package)
-  MooncakeMaster(run_dir, lease_ms=10000)
-      .start()    `mooncake_master` on loopback with its built-in HTTP metadata server, free
-                  ports; waits until its RPC port accepts connections
+  MooncakeMaster(run_dir, lease_ms=10000, host="127.0.0.1", prefix=())
+      .start()    `mooncake_master` on `host` (loopback by default) with its built-in HTTP
+                  metadata server, free ports; waits until its RPC port accepts connections
       .url        the tier URL (kvpool.tier.open_tier): mooncake://HOST:PORT?metadata=...
       .kill() / .stop()   as RedisServer's (a restarted master comes back empty; its
                   clients remount their segments on their own, about 1 s later)
-  MooncakeNode(run_dir, master, segment_bytes=256 MiB)
+  MooncakeNode(run_dir, master, segment_bytes=256 MiB, host="127.0.0.1", prefix=())
       .start()    `mooncake_client` (Mooncake's standalone client) mounting `segment_bytes`
                   into the store: a storage node; clients whose tier URL says
                   segment_bytes=0 (MooncakeMaster.url(segment_bytes=0)) keep every page there
-      .kill() / .stop()   as above (a restarted node comes back empty; the master still
-                  indexes what it held until it drops the dead segment)
+      .kill() / .stop()   as above (a restarted node comes back empty, as a new node on a
+                  new port; the master still indexes what the dead one held until it unmounts
+                  its segment, a client TTL after its last heartbeat)
   mooncake_binary() -> str | None   the master of the installed mooncake package
 Mooncake's processes run with MC_TCP_BIND_ADDRESS=127.0.0.1 (set it in a client's process
 before its first store is set up: `mooncake_env()`).
@@ -124,15 +125,20 @@ def mooncake_binary() -> str | None:
     return str(path) if path.exists() else shutil.which("mooncake_master")
 
 
-def mooncake_env() -> dict[str, str]:
-    """What Mooncake's processes need here: TCP bound to loopback, logs on stderr."""
-    return {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "GLOG_logtostderr": "1"}
+def mooncake_env(host: str = "127.0.0.1") -> dict[str, str]:
+    """What Mooncake's processes need here: TCP bound to the host's address (loopback by
+    default), logs on stderr."""
+    return {"MC_TCP_BIND_ADDRESS": host, "GLOG_logtostderr": "1"}
 
 
 class MooncakeMaster(_StoreProcess):
-    def __init__(self, run_dir: Path, lease_ms: int = 10000):
+    def __init__(self, run_dir: Path, lease_ms: int = 10000, host: str = "127.0.0.1",
+                 prefix: tuple[str, ...] | list[str] = (), client_ttl_s: int = 10):
         self.run_dir = Path(run_dir)
         self.lease_ms = lease_ms
+        self.client_ttl_s = client_ttl_s  # a client (a storage node) silent this long is unmounted
+        self.host = host  # where it listens (a network namespace's address, with its `prefix`)
+        self.prefix = list(prefix)
         self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.proc: subprocess.Popen | None = None
         self.log = self.run_dir / f"mooncake-master-{self.rpc_port}.log"
@@ -141,27 +147,33 @@ class MooncakeMaster(_StoreProcess):
     def url(self) -> str:
         return self.url_for()
 
-    def url_for(self, segment_bytes: int = 64 * 2**20, buffer_bytes: int = 64 * 2**20) -> str:
-        """The tier URL of a client that mounts `segment_bytes` of its own memory (0: none)."""
-        return (f"mooncake://127.0.0.1:{self.rpc_port}?metadata=http://127.0.0.1:{self.http_port}/metadata"
-                f"&segment_bytes={segment_bytes}&buffer_bytes={buffer_bytes}")
+    def url_for(self, segment_bytes: int = 64 * 2**20, buffer_bytes: int = 64 * 2**20,
+                local_hostname: str = "127.0.0.1") -> str:
+        """The tier URL of a client that mounts `segment_bytes` of its own memory (0: none),
+        on a host whose address is `local_hostname`."""
+        return (f"mooncake://{self.host}:{self.rpc_port}?metadata={self.metadata}"
+                f"&segment_bytes={segment_bytes}&buffer_bytes={buffer_bytes}&local_hostname={local_hostname}")
+
+    @property
+    def metadata(self) -> str:
+        return f"http://{self.host}:{self.http_port}/metadata"
 
     def start(self) -> MooncakeMaster:
         binary = mooncake_binary()
         if binary is None:
             raise FileNotFoundError("mooncake is not installed (pip install mooncake-transfer-engine-non-cuda)")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        args = [binary, f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
+        args = [*self.prefix, binary, f"--rpc_port={self.rpc_port}", f"--rpc_address={self.host}",
                 "--enable_http_metadata_server=true", f"--http_metadata_server_port={self.http_port}",
-                "--http_metadata_server_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
-                "--metrics_host=127.0.0.1", f"--default_kv_lease_ttl={self.lease_ms}", "--rpc_thread_num=2",
-                "--logtostderr"]
-        self.proc = spawn(args, self.log, env={**os.environ, **mooncake_env()})
+                f"--http_metadata_server_host={self.host}", f"--metrics_port={self.metrics_port}",
+                f"--metrics_host={self.host}", f"--default_kv_lease_ttl={self.lease_ms}", "--rpc_thread_num=2",
+                f"--client_ttl={self.client_ttl_s}", "--logtostderr"]
+        self.proc = spawn(args, self.log, env={**os.environ, **mooncake_env(self.host)})
 
         def accepting() -> bool | None:
             for port in (self.rpc_port, self.http_port):
                 try:
-                    socket.create_connection(("127.0.0.1", port), 0.2).close()
+                    socket.create_connection((self.host, port), 0.2).close()
                 except OSError:
                     return None
             return True
@@ -180,7 +192,10 @@ class MooncakeMaster(_StoreProcess):
 
 
 class MooncakeNode(_StoreProcess):
-    def __init__(self, run_dir: Path, master: MooncakeMaster, segment_bytes: int = 256 * 2**20):
+    def __init__(self, run_dir: Path, master: MooncakeMaster, segment_bytes: int = 256 * 2**20,
+                 host: str = "127.0.0.1", prefix: tuple[str, ...] | list[str] = ()):
+        self.host = host
+        self.prefix = list(prefix)
         self.run_dir = Path(run_dir)
         self.master = master
         self.segment_bytes = segment_bytes
@@ -193,15 +208,20 @@ class MooncakeNode(_StoreProcess):
         if binary is None:
             raise FileNotFoundError("mooncake is not installed (pip install mooncake-transfer-engine-non-cuda)")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        args = [str(Path(binary).parent / "mooncake_client"), f"--master_server_address=127.0.0.1:{self.master.rpc_port}",
-                f"--metadata_server=http://127.0.0.1:{self.master.http_port}/metadata", "--host=127.0.0.1",
+        # A restart is a new node (a new port, so a new segment name): the master unmounts the
+        # dead one's segment after its client TTL instead of taking the new one for it.
+        self.port = free_port()
+        self.log = self.run_dir / f"mooncake-node-{self.port}.log"
+        args = [*self.prefix, str(Path(binary).parent / "mooncake_client"),
+                f"--master_server_address={self.master.host}:{self.master.rpc_port}",
+                f"--metadata_server={self.master.metadata}", f"--host={self.host}",
                 f"--port={self.port}", f"--global_segment_size={self.segment_bytes}", "--protocol=tcp",
                 "--logtostderr"]
-        self.proc = spawn(args, self.log, env={**os.environ, **mooncake_env()})
+        self.proc = spawn(args, self.log, env={**os.environ, **mooncake_env(self.host)})
 
         def mounted() -> bool | None:  # its service port answers once its segment is mounted
             try:
-                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
+                socket.create_connection((self.host, self.port), 0.2).close()
             except OSError:
                 return None
             return True
