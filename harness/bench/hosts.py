@@ -1,12 +1,14 @@
 """`kvgate bench hosts`: the multi-host tier measured on hosts made of network namespaces
-(harness.system.hosts): replicas G and G2 on host h1 (one pool daemon), replica H on host
-h2 (its own), Redis on a store host; every byte between hosts crosses a veth link.
+(harness.system.hosts): replica G on host h1 (its pool daemon), replica H on host h2 (its
+own), Redis on a store host; every byte between hosts crosses a veth link, and each host
+has a core of its own.
 
-Per prefix length, over fresh prompts (G computes and publishes each):
+Per prefix length, over fresh prompts (G computes and publishes each, to h1's pool and the
+tier):
   cold_prefill_ms       H, the pool and the tier bypassed (a cache salt of its own)
-  same_host_hit_ttft_ms G2: the blocks from h1's pool (shared memory)
-  local_hit_ttft_ms     G2 again: its own prefix cache
-(each measured replica is sent a 16-token request first: see _nudge)
+  same_host_hit_ttft_ms G with its own prefix cache emptied: the blocks from h1's pool
+                        (shared memory), as another replica of h1 would load them
+  local_hit_ttft_ms     G again: its own prefix cache
   cross_host_hit_ttft_ms H: the blocks from the store host (the network tier)
   tier_mb_per_s         the tier loads' bytes over their seconds (the worker's records)
 and the ratios to the same run's baselines: cross/same-host, cross/local, cross/cold, and
@@ -39,6 +41,7 @@ B = 128
 PAGE = 128 * 1024
 # The bench's own tier settings: a deadline long enough that the healthy rows measure the
 # tier, not the rule; the fault rows show what the rule does with them.
+LAYOUT = {"h1": ["G"], "h2": ["H"]}
 SETTINGS = {"tier_timeout_s": 0.5, "tier_deadline_s": 2.0, "tier_backoff_s": 5.0, "tier_backoff_max_s": 5.0}
 
 
@@ -68,20 +71,20 @@ def run_bench(reps: int = 3, lengths: tuple[int, ...] = LENGTHS, fault_length: i
     report_dir = report_dir or Path(tempfile.mkdtemp(prefix="kvgate-bench-hosts-"))
     model = build_tiny_model(report_dir / "model" / "tiny", seed=0, revision="r1")
     corpus = Corpus(model)
-    _say("kvgate bench hosts: hosts h1 (G, G2), h2 (H) and a store host (Redis) as network namespaces ...")
-    system = MultiHost(model, report_dir / "hosts", {"h1": ["G", "G2"], "h2": ["H"]}, settings=SETTINGS,
-                       pool_pages=2048, kv_bytes=512 * 2**20)
+    _say("kvgate bench hosts: hosts h1 (G), h2 (H) and a store host (Redis) as network namespaces ...")
+    system = MultiHost(model, report_dir / "hosts", LAYOUT, settings=SETTINGS, pool_pages=2048,
+                       kv_bytes=512 * 2**20)
     system.start()
     try:
         rng = random.Random(20261202)
-        for name in ("G", "G2", "H"):
+        for name in ("G", "H"):
             complete(system.url(name), corpus.text(64, rng), tag=f"warmup-{name}", replica=name, max_tokens=1)
         rows = [_length(system, corpus, rng, n, reps) for n in lengths]
         faults = _faults(system, corpus, rng, fault_length, reps, degraded_rate)
     finally:
         system.stop()
     result = {"rows": rows, "faults": faults, "settings": SETTINGS,
-              "system": {"hosts": {"h1": ["G", "G2"], "h2": ["H"]}, "store": "redis-server on its own host",
+              "system": {"hosts": LAYOUT, "store": "redis-server on its own host", "cores": "one per host",
                          "links": "veth pairs to a bridge (no rate limit unless a fault sets one)"}}
     from harness.provenance import provenance
 
@@ -118,15 +121,6 @@ def _publish(system, prompt: str, tag: str) -> None:  # noqa: ANN001
     wait_for(stored, 60, f"{tag} in the tier")
 
 
-def _nudge(system, replica: str, rng: random.Random) -> None:  # noqa: ANN001
-    """A 16-token request, neither loaded nor published, just before a measured one: three
-    replicas share two cores here (a host's replicas its core), and the first request of a
-    replica after its core-mate ran was measured 0.1 to 0.5 s slower; a real host's replicas
-    do not take cores over from each other."""
-    complete(system.url(replica), f"nudge {rng.random()}", tag=f"nudge-{replica}", replica=replica, max_tokens=1,
-             load=False, publish=False)
-
-
 def _length(system, corpus: Corpus, rng: random.Random, n: int, reps: int) -> dict:  # noqa: ANN001
     from harness.checkers.history import records
 
@@ -136,12 +130,11 @@ def _length(system, corpus: Corpus, rng: random.Random, n: int, reps: int) -> di
         prompt = corpus.text(n - 1, rng)
         tag = f"b{n}-{rep}"
         _publish(system, prompt, f"{tag}-g")
-        _nudge(system, "H", rng)
         c = complete(system.url("H"), prompt, tag=f"{tag}-cold", replica="H", max_tokens=1, load=False, publish=False,
                      cache_salt=f"cold-{tag}")
-        _nudge(system, "G2", rng)
-        s = complete(system.url("G2"), prompt, tag=f"{tag}-same", replica="G2", max_tokens=1, publish=False)
-        loc = complete(system.url("G2"), prompt, tag=f"{tag}-local", replica="G2", max_tokens=1, publish=False)
+        reset_prefix_cache(system.url("G"))  # G's next run finds the prompt in h1's pool only
+        s = complete(system.url("G"), prompt, tag=f"{tag}-same", replica="G", max_tokens=1, publish=False)
+        loc = complete(system.url("G"), prompt, tag=f"{tag}-local", replica="G", max_tokens=1, publish=False)
         x = complete(system.url("H"), prompt, tag=f"{tag}-cross", replica="H", max_tokens=1, publish=False)
         for got, what in ((s, "same-host hit"), (x, "cross-host hit"), (loc, "local hit")):
             _check(got, c, f"{what} at {n} tokens")
@@ -155,7 +148,7 @@ def _length(system, corpus: Corpus, rng: random.Random, n: int, reps: int) -> di
         (lk,) = records(system.history_dir, "lookup", tag=f"{tag}-cross", replica="H")
         claimed += lk.get("tier_blocks", 0)
         found += lk.get("tier_found", lk.get("tier_blocks", 0))
-        for name in ("G", "G2", "H"):  # the next prompt starts from cold caches everywhere
+        for name in ("G", "H"):  # the next prompt starts from cold caches everywhere
             reset_prefix_cache(system.url(name))
     row = {"prefix_tokens": n, "runs": reps, "kv_bytes": n // B * PAGE}
     for name, values in (("cold_prefill_ms", cold), ("local_hit_ttft_ms", local), ("same_host_hit_ttft_ms", same),
