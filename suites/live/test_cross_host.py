@@ -56,4 +56,5 @@ def test_scenario_across_hosts(hosts, test_seed, sc, record_property):
     record_property("evidence", r.verdict.evidence.get("parts", [{}])[0].get("evidence"))
     assert r.verdict.valid is True, f"{sc.name} ({r.outcome}): {r.verdict.reason}\n  replay: {r.replay}"
     assert r.counts["silent_corruptions"] == 0 and r.counts["lost_requests"] == 0 and r.counts["misclassified"] == 0
-    assert r.control is not None and r.control["caught"], f"negative control not caught: {r.control}\n  replay: {r.replay}"
+    if sc.control is not None:  # the slow-link scenarios have none: a slow link has no wrong answer to catch
+        assert r.control["caught"], f"negative control {sc.control.name} not caught: {r.control}\n  replay: {r.replay}"
