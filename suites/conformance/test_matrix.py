@@ -9,7 +9,10 @@ import pytest
 
 from harness.conformance.gate import run_connector
 
-pytestmark = pytest.mark.live
+# Each test starts its own replicas (two or three minutes) and restarts the ones its controls
+# were armed on: 5 to 6 minutes on an idle two-core machine, past the suites' 600 s default
+# when the machine is shared.
+pytestmark = [pytest.mark.live, pytest.mark.timeout(1500)]
 
 
 def _cells(row):
