@@ -158,8 +158,8 @@ class FaultyBackend:
     def lookup(self, ns, hashes: Sequence[bytes], wait_pending_s: float = 0.0):  # noqa: ANN001, ANN201
         return self._call(self.inner.lookup, self._ns(ns), hashes, wait_pending_s)
 
-    def probe(self, ns, hashes: Sequence[bytes]):  # noqa: ANN001, ANN201 - the same faults as a lookup
-        return self._call(self.inner.probe, self._ns(ns), hashes)
+    def probe(self, ns, hashes: Sequence[bytes], fresh_s=None):  # noqa: ANN001, ANN201 - the same faults as a lookup
+        return self._call(self.inner.probe, self._ns(ns), hashes, fresh_s)
 
     def reserve(self, ns, hashes, lengths, boundary=None):  # noqa: ANN001, ANN201
         return self.inner.reserve(self._ns(ns), hashes, lengths, boundary)

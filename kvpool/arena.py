@@ -14,9 +14,14 @@
                                               that held page i across a reuse sees that
                                               the generation moved.
   arena.index_entries                         the index region (kvpool.shm_index.ENTRY records).
+  arena.beat() / arena.heartbeat_age_s()      the daemon's heartbeat: it writes CLOCK_MONOTONIC
+                                              into the header on a short period; a
+                                              same-host client reads how old it is (a
+                                              stopped or wedged daemon stops beating).
   arena.close() / Arena.unlink(name)          unmap; remove the segment.
 
-Layout: a 4 KiB header (magic, layout version, geometry, instance id, where the index is),
+Layout: a 4 KiB header (magic, layout version, geometry, instance id, where the index is,
+and at byte 512 the heartbeat: a 64-bit CLOCK_MONOTONIC nanosecond count, 0 until the first beat),
 the generation array (uint64 per page), the index of committed blocks
 (kvpool.shm_index: the daemon writes it, same-host clients probe it), then the pages,
 each part aligned to 4 KiB. The segment lives in
@@ -33,6 +38,7 @@ import mmap
 import os
 import secrets
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +53,7 @@ HEADER_BYTES = 4096
 ALIGN = 4096
 # magic, version, page_size, num_pages, gen_off, pages_off, instance, index_off, index_entries
 _HEADER = struct.Struct("<8sIQQQQ16sQQ")
+HEARTBEAT_OFF = 512  # inside the header, past _HEADER; one aligned 64-bit word (a single store on x86)
 
 
 def _align(n: int) -> int:
@@ -130,6 +137,7 @@ class Arena:
         self._bytes = np.frombuffer(self._mmap, dtype=np.uint8)
         self._gens = np.frombuffer(self._mmap, dtype=np.uint64, count=num_pages, offset=gen_off)
         self.index_entries = np.frombuffer(self._mmap, dtype=ENTRY, count=index_entries, offset=index_off)
+        self._beat = np.frombuffer(self._mmap, dtype=np.uint64, count=1, offset=HEARTBEAT_OFF)
 
     # -- lifecycle ---------------------------------------------------------------------
     @staticmethod
@@ -256,6 +264,7 @@ class Arena:
         self._bytes = None  # type: ignore[assignment]
         self._gens = None  # type: ignore[assignment]
         self.index_entries = None  # type: ignore[assignment]
+        self._beat = None  # type: ignore[assignment]
         try:
             self._mmap.close()
         except BufferError as exc:
@@ -292,6 +301,17 @@ class Arena:
     def generation(self, page_id: int) -> int:
         self._check(page_id)
         return int(self._gens[page_id])
+
+    def beat(self, now_ns: int | None = None) -> None:
+        """The daemon: the heartbeat is now (CLOCK_MONOTONIC, the same clock in every process
+        of the host)."""
+        self._beat[0] = time.monotonic_ns() if now_ns is None else now_ns
+
+    def heartbeat_age_s(self) -> float | None:
+        """Seconds since the daemon's last beat; None if it never beat (a daemon that does
+        not beat, or a segment that is not a daemon's)."""
+        beat = int(self._beat[0])
+        return None if beat == 0 else max(0.0, (time.monotonic_ns() - beat) / 1e9)
 
     def bump_generation(self, page_id: int) -> int:
         self._check(page_id)

@@ -88,6 +88,12 @@ def serve_parser(serve: argparse.ArgumentParser) -> argparse.ArgumentParser:
     serve.add_argument("--trust-commits", action="store_true",
                        help="commit xxh3-128 pages without re-hashing them (their loaders verify every page; "
                             "the scrub re-takes them at rest), as kv-sketch-1 pages always are")
+    serve.add_argument("--heartbeat-s", type=float, default=0.02,
+                       help="seconds between the daemon's heartbeats in each segment (same-host clients probe its "
+                            "index without a round trip only while the heartbeat is fresh); 0: none")
+    serve.add_argument("--metrics", default="", metavar="HOST:PORT",
+                       help="serve the pool's Prometheus metrics over HTTP (GET /metrics) there; port 0 picks one "
+                            "(address.json says which)")
     serve.add_argument("--dumpable", action="store_true",
                        help="leave the daemon ptrace-able and its /proc/PID/fd open to its own user (debugging; "
                             "by default it is not, so that no tenant's client can take another's segment from it)")
@@ -118,7 +124,7 @@ def config_from_args(args: argparse.Namespace) -> PoolConfig:
         reservation_ttl_s=args.reservation_ttl, lease_ttl_s=args.lease_ttl, max_lookup_wait_s=args.max_lookup_wait,
         hello_timeout_s=args.hello_timeout, max_hello_frame=args.max_hello_frame,
         max_unauthenticated=args.max_unauthenticated, admins=frozenset(args.admin), quotas=_quotas(args.quota),
-        verify_commits=not args.trust_commits,
+        verify_commits=not args.trust_commits, heartbeat_s=args.heartbeat_s, metrics_addr=args.metrics,
     )
 
 

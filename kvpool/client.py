@@ -373,16 +373,22 @@ class PoolClient:
         r = self._expect(P.Lookup(ns, list(hashes), wait_ms), P.LookupOk, extra_s=wait_ms / 1000)
         return LookupResult(r.hits, r.miss)
 
-    def probe(self, ns: Namespace, hashes: Sequence[bytes]) -> int | None:
+    def probe(self, ns: Namespace, hashes: Sequence[bytes], fresh_s: float | None = None) -> int | None:
         """How many of `hashes`, from the first, the tenant's segment holds committed under
         `ns`, read from the segment's index (kvpool.shm_index): no round trip. None: no
         segment mapped here (another host, a proxy in between), or not an x86 host (the
-        index's seqlock relies on x86's ordering of loads and of stores); ask lookup().
-        A hit is advisory, as a lookup's is: the acquire is what leases the pages."""
+        index's seqlock relies on x86's ordering of loads and of stores), or (with
+        `fresh_s`) the daemon's heartbeat is older than `fresh_s` seconds or absent; ask
+        lookup(), which also says why a run stops. A hit is advisory, as a lookup's is:
+        the acquire is what leases the pages."""
         arena = self.arena
         entries = None if arena is None or not _PROBE_ORDERED else arena.index_entries
         if entries is None or not entries.size:
             return None
+        if fresh_s is not None:
+            age = arena.heartbeat_age_s()
+            if age is None or age > fresh_s:
+                return None
         index = self._shm_index
         if index is None or index.e is not entries:
             index = self._shm_index = ShmIndex(entries)

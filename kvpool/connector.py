@@ -114,6 +114,11 @@ class ConnectorSettings:
     lookup_poll_s: float = 0.005  # a later call's wait for the same answer (and a slow pool's first)
     pool_backoff_s: float = 1.0
     pool_backoff_max_s: float = 30.0
+    # A same-host scheduler first probes its tenant segment's index (PoolClient.probe: no
+    # round trip) and claims at once a run the index holds whole, while the daemon's
+    # heartbeat is at most probe_fresh_s old. A run it holds in part, or a stale heartbeat,
+    # goes to the daemon's lookup, which also says why the run stops. 0: always ask.
+    probe_fresh_s: float = 0.1
     # The network tier (kvpool.tier), for blocks this host's pool lacks: a URL
     # ("redis://HOST:PORT/DB"); empty: none. Lookups past the pool's run of hits ask the
     # tier which blocks it holds; loads read them from it; publishes also put to it.
@@ -483,6 +488,13 @@ class KVPoolScheduler:
                                    miss_cause=MissCause.TIMEOUT.value,
                                    error=f"the pool timed out: no lookups for {self._paused_until - now:.2f} s more")
                 return 0, False
+            probed = self._probe(st.hashes[local_blocks:max_blocks])
+            if probed is not None:
+                self.history.write("lookup", **record, external_tokens=probed * B, hit_blocks=probed,
+                                   outcome="remote_hit", first_block=local_blocks, miss_cause=None, miss_index=None,
+                                   miss_fields=[], load_async=self.load_async, via="probe",
+                                   lookup_us=round((time.monotonic() - now) * 1e6, 1), deferred=0)
+                return probed * B, self.load_async
             slow = any(now - x.started > self.settings.lookup_sync_s for x in self._lookups.values())
             future = self._lookup_thread.submit(self._lookup, st.hashes[local_blocks:max_blocks])
             pending = self._lookups[rid] = _Lookup(local_blocks, future, now)
@@ -522,6 +534,19 @@ class KVPoolScheduler:
                            miss_fields=list(miss.fields) if miss else [], load_async=bool(claim and self.load_async),
                            **extra, **waited)
         return claim * B, bool(claim and self.load_async)
+
+    def _probe(self, hashes: list[bytes]) -> int | None:
+        """The whole run from the segment's index, if it holds all of it and the daemon's
+        heartbeat is fresh; None: ask the daemon. Not with a tier, whose blocks past the
+        pool's run only a lookup finds."""
+        probe = getattr(self.backend, "probe", None)
+        if probe is None or self.tier is not None or self.settings.probe_fresh_s <= 0 or not hashes:
+            return None
+        try:
+            run = probe(self.ns, hashes, self.settings.probe_fresh_s)
+        except PoolError:
+            return None  # the lookup meets the same failure and records it
+        return run if run == len(hashes) else None
 
     def _lookup(self, hashes: list[bytes]) -> tuple[LookupResult, int, dict[str, Any]]:
         """On the lookup thread: the pool's run of hits, then how many of the blocks past it

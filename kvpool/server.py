@@ -81,6 +81,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import uvloop
+from prometheus_client import start_http_server
+from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvpool import protocol as P
 from kvpool.arena import Arena, segment_label
@@ -128,6 +130,14 @@ class PoolConfig:
     reservation_ttl_s: float = 30.0
     lease_ttl_s: float = 60.0
     reap_interval_s: float = 0.5
+    # The heartbeat in each tenant's segment (kvpool.arena): same-host clients trust a probe of
+    # the segment's index only while it is fresh, so a stopped daemon is noticed within a
+    # few beats without a round trip. 0: no heartbeat (clients then always ask the daemon).
+    heartbeat_s: float = 0.02
+    # "HOST:PORT" of a Prometheus HTTP endpoint (GET /metrics) serving the pool's metrics,
+    # pool-wide (an operator's scrape, not a tenant's); port 0 picks one, written to
+    # address.json as "metrics". Empty: none (admins still read them over the socket).
+    metrics_addr: str = ""
     max_lookup_wait_s: float = 2.0  # cap on a lookup's wait for a pending publish (Lookup.wait_pending_ms)
     # The scrub of pages whose digest was trusted at commit (kv-sketch-1), on its own thread
     # (never in the requests' way), one round per interval: at most `scrub_pages_per_round`
@@ -228,6 +238,8 @@ class PoolDaemon:
         self._tickets: dict[bytes, tuple[str, float]] = {}  # attach ticket -> (tenant, deadline)
         self._attaching: dict[int, asyncio.Future] = {}  # attach connections being served, oldest first
         self.tcp_port: int | None = None
+        self.metrics_port: int | None = None
+        self._metrics_http = None  # prometheus_client's WSGI server, with --metrics
         self._sessions = itertools.count(1)
         self._clients: dict[int, asyncio.StreamWriter] = {}  # authenticated connections
         self._unauthenticated: dict[int, _Connection] = {}  # connections still to say hello
@@ -305,14 +317,19 @@ class PoolDaemon:
                 self.tcp_port = srv.sockets[0].getsockname()[1]
                 self._servers.append(srv)
             attach = self._attach_socket()
+            if self.config.metrics_addr:
+                self._serve_metrics(self.config.metrics_addr)
             self._write_address()
             reaper = asyncio.create_task(self._reap())
             scrubber = asyncio.create_task(self._scrub())
+            beater = asyncio.create_task(self._heartbeat()) if self.config.heartbeat_s > 0 else None
             attacher = asyncio.create_task(self._serve_attach(attach))
             self.ready.set()
             await self._stop.wait()
             reaper.cancel()
             scrubber.cancel()
+            if beater is not None:
+                beater.cancel()
             attacher.cancel()
             attach.close()
             for srv in self._servers:
@@ -322,10 +339,42 @@ class PoolDaemon:
             for srv in self._servers:
                 await srv.wait_closed()
         finally:
+            if self._metrics_http is not None:
+                self._metrics_http.shutdown()
+                self._metrics_http.server_close()
+                self._metrics_http = None
             self._executor.shutdown(wait=True)
             self._scrub_executor.shutdown(wait=True)
             self._cleanup()
             self.ready.set()
+
+    def _serve_metrics(self, addr: str) -> None:
+        """Prometheus's HTTP server on a thread of its own. Every scrape takes the gauges on
+        the event loop (the catalog's owner), then reads the registry."""
+        host, sep, port = addr.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"metrics address {addr!r} is not HOST:PORT")
+        daemon = self
+
+        class _Scrape(Collector):
+            def collect(self):  # noqa: ANN202
+                loop = daemon._loop
+                if loop is not None and loop.is_running():
+                    asyncio.run_coroutine_threadsafe(daemon._refresh_metrics(), loop).result(timeout=5.0)
+                yield from daemon.metrics.registry.collect()
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Scrape())
+        self._metrics_http, _ = start_http_server(int(port), host or "127.0.0.1", registry=registry)
+        self.metrics_port = self._metrics_http.server_address[1]
+
+    async def _refresh_metrics(self) -> None:
+        self._refresh_gauges()
+
+    def _refresh_gauges(self) -> None:
+        self.metrics.refresh(self.pool_stats())
+        for tp in self.pools.values():
+            self.metrics.refresh_tenant(tp.tenant, tp.catalog.stats())
 
     def address(self) -> dict[str, object]:
         return {
@@ -337,6 +386,8 @@ class PoolDaemon:
             "pid": os.getpid(),
             "restarted_after_crash": self.restarted_after_crash,
             "recovery_note": self.recovery_note,
+            "metrics": f"{self.config.metrics_addr.rpartition(':')[0] or '127.0.0.1'}:{self.metrics_port}"
+            if self.metrics_port else None,
         }
 
     def _write_address(self) -> None:
@@ -398,6 +449,15 @@ class PoolDaemon:
                 self._wake_closed(tp)
             for ticket in [t for t, (_, deadline) in self._tickets.items() if deadline <= now]:
                 del self._tickets[ticket]
+
+    async def _heartbeat(self) -> None:
+        """Beat on the event loop itself: a loop that is stopped, wedged or far behind stops
+        beating, which is what a same-host prober needs to know before it skips the round trip."""
+        while True:
+            now = time.monotonic_ns()
+            for tp in self.pools.values():
+                tp.arena.beat(now)
+            await asyncio.sleep(self.config.heartbeat_s)
 
     async def _scrub(self) -> None:
         """Re-take the digest of every page committed on trust, at rest: once soon after its
@@ -616,9 +676,7 @@ class PoolDaemon:
         if isinstance(op, P.Stats):
             return P.StatsOk(self.pool_stats())
         if isinstance(op, P.Metrics):
-            self.metrics.refresh(self.pool_stats())
-            for tp_ in self.pools.values():
-                self.metrics.refresh_tenant(tp_.tenant, tp_.catalog.stats())
+            self._refresh_gauges()
             return P.MetricsOk(self.metrics.exposition())
         raise InvalidRequest(f"unhandled op {type(op).__name__}")
 

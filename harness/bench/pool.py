@@ -4,7 +4,8 @@ baseline measured in the same run, on the same machine, at the same time.
   1. lookup latency over the Unix socket (a 32-block lookup against a daemon in its own
      process), p50 / p99, next to the round trip of an empty `ping` on the same socket and
      to a probe of the same 32 blocks in the segment's index (kvpool.shm_index, no round
-     trip);
+     trip) with the connector's freshness bound on the daemon's heartbeat: what a
+     replica's scheduler pays for a lookup of a run the pool holds whole;
   2. load and publish throughput for 64 KiB, 1 MiB, 16 MiB and 64 MiB pages, next to a
      plain memcpy between two shared-memory buffers of the same size (load includes the
      lease, the copy, the digest check and the release; publish includes reserve, copy,
@@ -33,9 +34,11 @@ import numpy as np
 from harness.system.pool import PoolProcess
 from kvpool.catalog import Catalog, CatalogConfig
 from kvpool.client import load, publish
+from kvpool.connector import ConnectorSettings
 from kvpool.keys import Namespace, block_hashes
 
 NS = Namespace("bench", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
+FRESH_S = ConnectorSettings.probe_fresh_s
 PAGE_SIZES = {"64KiB": 64 * 1024, "1MiB": 2**20, "16MiB": 16 * 2**20, "64MiB": 64 * 2**20}
 
 
@@ -58,6 +61,7 @@ def bench_lookup(n: int) -> dict[str, float]:
                 c.lookup(NS, hs)
                 c.ping()
             lookups, pings, probes = [], [], []
+            stale = 0
             assert c.probe(NS, hs) == 32, "the segment's index must hold the published run"
             for _ in range(n):  # interleaved so all three see the same machine state
                 t0 = time.perf_counter()
@@ -65,8 +69,9 @@ def bench_lookup(n: int) -> dict[str, float]:
                 t1 = time.perf_counter()
                 c.ping()
                 t2 = time.perf_counter()
-                c.probe(NS, hs)
+                found = c.probe(NS, hs, fresh_s=FRESH_S)
                 t3 = time.perf_counter()
+                stale += found is None
                 lookups.append((t1 - t0) * 1e6)
                 pings.append((t2 - t1) * 1e6)
                 probes.append((t3 - t2) * 1e6)
@@ -77,6 +82,8 @@ def bench_lookup(n: int) -> dict[str, float]:
             "ping_p99_us": round(_pct(pings, 0.99), 1),
             "probe_p50_us": round(_pct(probes, 0.5), 1),
             "probe_p99_us": round(_pct(probes, 0.99), 1),
+            "probe_fresh_s": FRESH_S,
+            "probe_stale": stale,  # probes that found the heartbeat stale (the connector then asks the daemon)
             "lookup_blocks": 32,
         }
     finally:
@@ -181,7 +188,8 @@ def run_bench(quick: bool = False, blocks: int = 1_000_000) -> int:
     result.update(bench_lookup(2000 if quick else 20000))
     _say(f"  lookup p50 {result['lookup_p50_us']} us, p99 {result['lookup_p99_us']} us "
          f"(ping p50 {result['ping_p50_us']} us, p99 {result['ping_p99_us']} us); probe of the segment's index "
-         f"p50 {result['probe_p50_us']} us, p99 {result['probe_p99_us']} us")
+         f"p50 {result['probe_p50_us']} us, p99 {result['probe_p99_us']} us ({result['probe_stale']} found the "
+         f"heartbeat older than {FRESH_S} s)")
     sizes = {}
     for label, size in PAGE_SIZES.items():
         total = 64 * 2**20 if quick else 256 * 2**20

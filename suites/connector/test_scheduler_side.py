@@ -313,3 +313,38 @@ def test_load_mode_auto_follows_the_engines_scheduling(tmp_path):
     assert ConnectorSettings.from_extra({"pool": "unix:/x", "load_mode": "sync"}).loads_async(config) is False
     with pytest.raises(ValueError, match="load_mode must be one of"):
         ConnectorSettings.from_extra({"pool": "unix:/x", "load_mode": "later"})
+
+
+def _lookups(tmp_path):
+    from kvpool.history import read_history
+
+    return [x for x in read_history(tmp_path / "h") if x["ev"] == "lookup"]
+
+
+@pytest.mark.parametrize("how", ["probe", "probe_off", "no_heartbeat"])
+def test_a_whole_pooled_run_is_claimed_from_the_segment_index_while_the_daemon_beats(tmp_path, how):
+    """A run the segment's index holds whole is claimed without a round trip; with the
+    probe off, or a daemon whose heartbeat is absent (stale), the daemon's lookup answers.
+    Either way the claim is the same; the daemon counts a lookup only in the second case."""
+    d = thread_pool(page_size=128 * 1024, num_pages=64, heartbeat_s=0 if how == "no_heartbeat" else 0.02)
+    try:
+        s = scheduler(d, tmp_path, probe_fresh_s=0 if how == "probe_off" else 0.1)
+        tokens = list(range(1000))  # 7 complete blocks, of which 7 are claimable ((1000 - 1) // 128)
+        with pool_client(d) as c:
+            ns = namespace_for(vllm_config(tmp_path), s.settings)
+            publish(c, ns, s_hashes(s, tokens), [np.zeros(128 * 1024, np.uint8)] * 7)
+        r = request("r", tokens, tag="t1")
+        assert ask_matched(s, r, 0) == (7 * B, False)
+        rec = _lookups(tmp_path)[-1]
+        assert rec["outcome"] == "remote_hit" and rec["hit_blocks"] == 7
+        assert (rec.get("via") == "probe") == (how == "probe")
+        text = d.metrics.exposition()
+        asked = 'kvpool_requests_total{op="lookup",result="ok"} 1.0' in text
+        assert asked == (how != "probe"), text
+        # a partial run always goes to the daemon, which says where and why it stops
+        r2 = request("r2", tokens[:640] + [99_999] * 360, tag="t2")
+        assert ask_matched(s, r2, 0) == (5 * B, False)
+        rec = _lookups(tmp_path)[-1]
+        assert "via" not in rec and rec["miss_cause"] == "never_published" and rec["miss_index"] == 5
+    finally:
+        d.stop_thread()

@@ -352,3 +352,69 @@ def test_a_load_fault_with_a_probability_fires_where_the_schedule_says(tmp_path,
         faulty.close()
     finally:
         d.stop_thread()
+
+
+def test_a_probe_with_a_freshness_bound_trusts_only_a_beating_daemon():
+    """The heartbeat in the segment: a running daemon beats, so a bounded probe answers; a
+    stopped one (SIGSTOP: its socket still accepts) stops beating, and the same probe says
+    None (ask the daemon) within the bound, without a round trip; resumed, it answers again."""
+    import signal
+    import time
+
+    pool = PoolProcess.start(page_size=4096, num_pages=16)
+    try:
+        with pool.client() as c:
+            hs = block_hashes(range(16 * 4), 16)
+            assert publish(c, NS, hs, blocks(4)).committed == 4
+            assert c.probe(NS, hs, fresh_s=0.2) == 4
+            os.kill(pool.proc.pid, signal.SIGSTOP)
+            try:
+                time.sleep(0.3)
+                t0 = time.perf_counter()
+                assert c.probe(NS, hs, fresh_s=0.2) is None
+                assert time.perf_counter() - t0 < 0.05  # told by the segment, not by a timeout
+                assert c.probe(NS, hs) == 4  # unbounded, the index alone still answers
+            finally:
+                os.kill(pool.proc.pid, signal.SIGCONT)
+            deadline = time.monotonic() + 5
+            while c.probe(NS, hs, fresh_s=0.2) is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert c.probe(NS, hs, fresh_s=0.2) == 4
+    finally:
+        pool.stop()
+        pool.cleanup()
+
+
+def test_a_daemon_without_a_heartbeat_is_never_probed_with_a_bound():
+    pool = PoolProcess.start(page_size=4096, num_pages=16, extra_args=("--heartbeat-s", "0"))
+    try:
+        with pool.client() as c:
+            hs = block_hashes(range(16 * 2), 16)
+            assert publish(c, NS, hs, blocks(2)).committed == 2
+            assert c.probe(NS, hs) == 2 and c.probe(NS, hs, fresh_s=10.0) is None
+    finally:
+        pool.stop()
+        pool.cleanup()
+
+
+def test_the_daemon_serves_its_metrics_over_http():
+    """--metrics: a Prometheus endpoint an operator scrapes; its gauges are taken at the
+    scrape (the pages a publish committed are there at once)."""
+    import json
+    import urllib.request
+
+    pool = PoolProcess.start(page_size=4096, num_pages=16, extra_args=("--metrics", "127.0.0.1:0"))
+    try:
+        addr = json.loads((pool.run_dir / "address.json").read_text())["metrics"]
+        with pool.client() as c:
+            hs = block_hashes(range(16 * 3), 16)
+            assert publish(c, NS, hs, blocks(3)).committed == 3
+            c.lookup(NS, hs)
+        with urllib.request.urlopen(f"http://{addr}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        assert 'kvpool_pages{state="committed"} 3.0' in text
+        assert "kvpool_bytes_written_total 12288.0" in text
+        assert 'kvpool_requests_total{op="lookup",result="ok"} 1.0' in text
+    finally:
+        pool.stop()
+        pool.cleanup()
