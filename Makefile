@@ -42,10 +42,12 @@ peers: $(LMC_STAMP)
 # The distributed stores the network tier (kvpool.tier) is tested on, as real servers the
 # tests start themselves: Debian's redis-server (Valkey is a drop-in), and the verbs library
 # Mooncake's transfer engine links even over TCP (its master and client come from PyPI, in setup);
-# iproute2 for the hosts the multi-host suites make as network namespaces (ip, tc).
+# iproute2 for the hosts the multi-host suites make as network namespaces (ip, tc);
+# Chromium's headless shell, in which a test renders the HTML reports.
 servers:
-	{ command -v redis-server >/dev/null && ldconfig -p | grep -q libibverbs.so.1 && command -v tc >/dev/null; } || \
-	  { apt-get update -qq && apt-get install -y -qq redis-server libibverbs1 iproute2; }
+	{ command -v redis-server >/dev/null && ldconfig -p | grep -q libibverbs.so.1 && command -v tc >/dev/null \
+	  && command -v chromium-headless-shell >/dev/null; } || \
+	  { apt-get update -qq && apt-get install -y -qq redis-server libibverbs1 iproute2 chromium-headless-shell; }
 
 gate: setup servers
 	$(BIN)/kvgate gate

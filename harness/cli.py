@@ -12,6 +12,7 @@
   kvgate gate [...]         the main job: start the embedded default system, run the gate
   kvgate soak [...]         the default system under concurrent streams with seeded faults for minutes:
                             requests, errors, lost requests, silent corruptions, RSS / fd / shm growth
+  kvgate plan [...]         whether the pool pays per request class, from measured distributions and a mix
   kvgate scenarios          list the scenario catalog
   kvgate replay NAME --seed N   rerun one scenario with one seed, print the same verdicts
 The pool daemon itself is kvpool's: `kvpool serve` (kvpool.cli).
@@ -72,6 +73,16 @@ def cmd_bench_hosts(args: argparse.Namespace) -> int:
     lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else LENGTHS
     return run_bench(reps=args.reps, lengths=lengths, fault_length=args.fault_length,
                      degraded_rate=args.degraded_rate, report_dir=args.report_dir, out=args.out)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from harness.plan import DEFAULT_MIX, PlanInputError, run_plan
+
+    try:
+        return run_plan(args.measured, args.mix or DEFAULT_MIX, args.json, args.markdown)
+    except PlanInputError as exc:
+        print(f"kvgate plan: {exc}", file=sys.stderr)
+        return 2
 
 
 def cmd_bench_publish(args: argparse.Namespace) -> int:
@@ -257,6 +268,16 @@ def build_parser() -> argparse.ArgumentParser:
     bpub.add_argument("--lengths", default="", help="comma-separated prompt lengths (default 1k,4k,16k)")
     bpub.add_argument("--report-dir", type=Path, default=None, help="logs and history (default: a temp dir)")
     bpub.set_defaults(func=cmd_bench_publish)
+
+    pl = sub.add_parser("plan", help="whether the pool pays, per request class, from measured distributions and a mix")
+    pl.add_argument("--measured", type=Path, action="append", default=[],
+                    help="a gate run's measurements.json or a bench hosts / live / publish / pool JSON (repeatable; "
+                         "default: reports/runs/latest/measurements.json, else the newest committed bench reports)")
+    pl.add_argument("--mix", type=Path, default=None,
+                    help="the request mix: JSON or TOML classes, or a JSON-lines trace (default fixtures/plan/mix.json)")
+    pl.add_argument("--json", type=Path, default=None, help="also write the plan as JSON here")
+    pl.add_argument("--markdown", type=Path, default=None, help="also write the Markdown here")
+    pl.set_defaults(func=cmd_plan)
 
     so = sub.add_parser("soak", help="concurrent request streams with seeded faults for minutes; leaks and losses")
     so.add_argument("--minutes", type=float, default=10.0)

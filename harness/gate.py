@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from harness.measure import measure
 from harness.plugin import derive_seed
 from harness.provenance import provenance
 from harness.system.default import start_system
@@ -127,6 +128,7 @@ def run_gate(seed: int | None = None, seeds: int = 2, report_dir: Path = Path("r
     if "error" in started:
         raise started["error"]
     results: list = []
+    measured: list[dict] = []
     total = sum(min(seeds, sc.seeds or seeds) for sc in chosen)
     progress = {"done": 0, "total": total}
     if on_default:
@@ -135,6 +137,7 @@ def run_gate(seed: int | None = None, seeds: int = 2, report_dir: Path = Path("r
             _run_scenarios(run, results, cluster, model, on_default, root, seeds, report_dir, progress)
         finally:
             cluster.stop()
+            measured.append(measure(cluster.history_dir, "default"))  # before the next system's history replaces it
     from harness.scenarios.catalog import store_of
 
     for store in sorted({store_of(sc) for sc in hosted}):  # the multi-host system, once the default one is gone
@@ -146,11 +149,13 @@ def run_gate(seed: int | None = None, seeds: int = 2, report_dir: Path = Path("r
                            report_dir, progress)
         finally:
             system.stop()
+            measured.append(measure(system.history_dir, f"hosts-{store}"))
     kinds = per_kind(results)
     run.summary = {"wall_s": round(time.monotonic() - t_start, 1), "criteria": len(run.criteria),
                    "passed": sum(c.verdict.valid is True for c in run.criteria), "per_fault_kind": kinds,
                    "outcomes": dict(Counter(r.outcome for r in results))}
     paths = write_reports(report_dir, run)
+    paths.update(write_measurements(report_dir, run, measured))
     print(f"kvgate gate: {'PASS' if run.passed else 'FAIL'} - {run.summary['passed']}/{len(run.criteria)} criteria "
           f"in {run.summary['wall_s']} s; checklist {paths['markdown']}")
     for c in run.criteria:
@@ -200,6 +205,19 @@ def _run_scenarios(run: GateRun, results: list, cluster, model: Path, chosen: li
         failing = next((r for r in per if r.verdict.valid is not True), per[0])
         run.criteria.append(Criterion(f"{sc.name}: {sc.description.split(':')[0].split('.')[0]}", verdict,
                                       replay_command(sc.name, failing.seed), time.monotonic() - t0))
+
+
+def write_measurements(report_dir: Path, run: GateRun, measured: list[dict]) -> dict[str, Path]:
+    """measurements.json (harness.measure: each request's TTFT by hit kind, misses and faults
+    over time, per system) and the run's HTML report (reports.html), next to run.json."""
+    from reports.html import gate_report
+
+    path = report_dir / "measurements.json"
+    doc = {"replay_key": run.replay_key, "provenance": provenance(), "systems": measured}
+    path.write_text(json.dumps(doc, indent=None, separators=(",", ":")))
+    html = report_dir / "report.html"
+    html.write_text(gate_report(run, doc))
+    return {"measurements": path, "html": html}
 
 
 def write_schedule(report_dir: Path, scenario: str, seed: int) -> Path:
