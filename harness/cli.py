@@ -13,6 +13,7 @@
   kvgate soak [...]         the default system under concurrent streams with seeded faults for minutes:
                             requests, errors, lost requests, silent corruptions, RSS / fd / shm growth
   kvgate plan [...]         whether the pool pays per request class, from measured distributions and a mix
+  kvgate html PATH          the HTML report (plots) of a gate run, a bench JSON or a plan JSON
   kvgate scenarios          list the scenario catalog
   kvgate replay NAME --seed N   rerun one scenario with one seed, print the same verdicts
 The pool daemon itself is kvpool's: `kvpool serve` (kvpool.cli).
@@ -79,10 +80,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from harness.plan import DEFAULT_MIX, PlanInputError, run_plan
 
     try:
-        return run_plan(args.measured, args.mix or DEFAULT_MIX, args.json, args.markdown)
+        return run_plan(args.measured, args.mix or DEFAULT_MIX, args.json, args.markdown, args.html)
     except PlanInputError as exc:
         print(f"kvgate plan: {exc}", file=sys.stderr)
         return 2
+
+
+def cmd_html(args: argparse.Namespace) -> int:
+    from reports.html import render_file
+
+    if not args.path.exists():
+        print(f"kvgate html: {args.path} does not exist", file=sys.stderr)
+        return 2
+    out = args.out or (args.path / "report.html" if args.path.is_dir() else args.path.with_suffix(".html"))
+    try:
+        out.write_text(render_file(args.path))
+    except (OSError, ValueError, KeyError) as exc:  # json's errors are ValueErrors
+        print(f"kvgate html: cannot render {args.path}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
 
 
 def cmd_bench_publish(args: argparse.Namespace) -> int:
@@ -277,7 +294,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the request mix: JSON or TOML classes, or a JSON-lines trace (default fixtures/plan/mix.json)")
     pl.add_argument("--json", type=Path, default=None, help="also write the plan as JSON here")
     pl.add_argument("--markdown", type=Path, default=None, help="also write the Markdown here")
+    pl.add_argument("--html", type=Path, default=None, help="also write the HTML report (with its plot) here")
     pl.set_defaults(func=cmd_plan)
+
+    ht = sub.add_parser("html", help="the HTML report (inline SVG plots) of a gate run, a bench JSON or a plan JSON")
+    ht.add_argument("path", type=Path, help="a gate run's directory or measurements.json, a bench JSON, a plan JSON")
+    ht.add_argument("-o", "--out", type=Path, default=None, help="where (default: beside it, .html)")
+    ht.set_defaults(func=cmd_html)
 
     so = sub.add_parser("soak", help="concurrent request streams with seeded faults for minutes; leaks and losses")
     so.add_argument("--minutes", type=float, default=10.0)

@@ -620,7 +620,8 @@ def default_measured() -> list[Path]:
     return picks
 
 
-def run_plan(measured: list[Path], mix_path: Path, out_json: Path | None, out_md: Path | None) -> int:
+def run_plan(measured: list[Path], mix_path: Path, out_json: Path | None, out_md: Path | None,
+             out_html: Path | None = None) -> int:
     m = load_measured(measured or default_measured())
     mix = load_mix(mix_path)
     doc = plan(m, mix)
@@ -632,5 +633,9 @@ def run_plan(measured: list[Path], mix_path: Path, out_json: Path | None, out_md
         out_json.write_text(json.dumps(doc, indent=1))
     if out_md:
         out_md.write_text(md)
+    if out_html:
+        from reports.html import plan_report
+
+        out_html.write_text(plan_report(doc))
     print(md)
     return 0
