@@ -69,7 +69,8 @@ from kvpool.keys import HASH_BYTES, ROOT_HASH, Namespace, block_hashes
 from kvpool.metrics import ClientMetrics
 from kvpool.catalog import LookupResult
 from kvpool.tier import TierError, open_tier
-from kvpool.tier_rule import KVPoolStats, TierLoadStat, TierRule
+from kvpool.stats import KVPoolPromMetrics, KVPoolStats, StatsCollector
+from kvpool.tier_rule import TierLoadStat, TierRule
 
 if TYPE_CHECKING:
     from kvpool.gpu_copier import CudaCopier
@@ -275,6 +276,9 @@ class _Request:
     load_allowed: bool = True  # the request's own `load` flag (false when its params were malformed)
     tier_blocks: int = 0  # of the last lookup's hit, the blocks past the pool's run that the tier holds
     tier_from: int | None = None  # the load's first block read from the tier
+    attribution: dict[str, Any] | None = None  # the last lookup's outcome, for the response (request_finished)
+    load_failed: bool = False  # vLLM reported blocks of its load invalid: recomputed
+    loaded_ids: set[int] = dataclasses.field(default_factory=set)  # engine blocks its loads were handed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -433,6 +437,7 @@ class KVPoolScheduler:
         self.tier_rule = TierRule(settings.tier_deadline_s, settings.tier_backoff_s, settings.tier_backoff_max_s) \
             if settings.tier else None
         self._reqs: dict[str, _Request] = {}
+        self.stats = StatsCollector()  # this interval's lookups (vLLM's connector stats, kvpool.stats)
         self._lookups: dict[str, _Lookup] = {}
         self._lookup_thread = ThreadPoolExecutor(1, thread_name_prefix="kvpool-lookup")
         self._paused_until = 0.0  # no lookups before this: the pool timed out
@@ -468,11 +473,11 @@ class KVPoolScheduler:
         if st.loading_async:  # matched again before it was scheduled: vLLM dropped its failed load
             st.loading_async = False
             st.load_allowed = False  # what the pool holds for it failed once: recompute the rest
-            self.history.write("lookup", **record, external_tokens=0, hit_blocks=0, outcome="skipped",
+            self._note_lookup(st, **record, external_tokens=0, hit_blocks=0, outcome="skipped",
                                reason="its asynchronous load failed: recomputed")
             return 0, False
         if not (self.settings.load and st.load_allowed) or local_blocks >= max_blocks:
-            self.history.write("lookup", **record, external_tokens=0, hit_blocks=0,
+            self._note_lookup(st, **record, external_tokens=0, hit_blocks=0,
                                outcome="local_hit" if local_blocks >= max_blocks and local_blocks else "skipped")
             return 0, False
         now = time.monotonic()
@@ -484,13 +489,13 @@ class KVPoolScheduler:
             pending = None
         if pending is None:
             if now < self._paused_until:
-                self.history.write("lookup", **record, external_tokens=0, hit_blocks=0, outcome="miss",
+                self._note_lookup(st, **record, external_tokens=0, hit_blocks=0, outcome="miss",
                                    miss_cause=MissCause.TIMEOUT.value,
                                    error=f"the pool timed out: no lookups for {self._paused_until - now:.2f} s more")
                 return 0, False
             probed = self._probe(st.hashes[local_blocks:max_blocks])
             if probed is not None:
-                self.history.write("lookup", **record, external_tokens=probed * B, hit_blocks=probed,
+                self._note_lookup(st, **record, external_tokens=probed * B, hit_blocks=probed,
                                    outcome="remote_hit", first_block=local_blocks, miss_cause=None, miss_index=None,
                                    miss_fields=[], load_async=self.load_async, via="probe",
                                    lookup_us=round((time.monotonic() - now) * 1e6, 1), deferred=0)
@@ -518,7 +523,7 @@ class KVPoolScheduler:
             if cause == MissCause.TIMEOUT:
                 self._paused_until = time.monotonic() + self._backoff_s
                 self._backoff_s = min(2 * self._backoff_s, self.settings.pool_backoff_max_s)
-            self.history.write("lookup", **record, external_tokens=0, hit_blocks=0, outcome="miss",
+            self._note_lookup(st, **record, external_tokens=0, hit_blocks=0, outcome="miss",
                                miss_cause=cause.value, error=f"{type(found).__name__}: {found}", **waited)
             return 0, False
         self._backoff_s = self.settings.pool_backoff_s
@@ -527,13 +532,34 @@ class KVPoolScheduler:
         miss = found.miss
         claim = hit + st.tier_blocks
         extra = {} if self.tier is None else {"tier_blocks": st.tier_blocks, **tier_note}
-        self.history.write("lookup", **record, external_tokens=claim * B, hit_blocks=hit,
+        self._note_lookup(st, **record, external_tokens=claim * B, hit_blocks=hit,
                            outcome="remote_hit" if claim else "miss", first_block=local_blocks,
                            miss_cause=miss.cause.value if miss else None,
                            miss_index=(local_blocks + miss.index) if miss else None,
                            miss_fields=list(miss.fields) if miss else [], load_async=bool(claim and self.load_async),
                            **extra, **waited)
         return claim * B, bool(claim and self.load_async)
+
+    def _note_lookup(self, st: _Request, **fields: Any) -> None:
+        """A lookup's outcome: the history's record, the replica's counters (vLLM's connector
+        stats, kvpool.stats) and the request's attribution (returned in its response's
+        kv_transfer_params when it finishes)."""
+        self.history.write("lookup", **fields)
+        outcome = fields["outcome"]
+        if outcome == "remote_hit" and fields.get("tier_blocks") and not fields.get("hit_blocks"):
+            outcome = "tier_hit"
+        self.stats.lookup(outcome, fields.get("miss_cause"), fields.get("via") == "probe")
+        kind = {"remote_hit": "remote", "tier_hit": "tier", "local_hit": "local"}.get(outcome)
+        if kind is None:
+            kind = "local" if fields.get("local_tokens") else "cold"
+        st.attribution = {"hit_kind": kind, "prompt_tokens": fields.get("prompt_tokens"),
+                          "local_tokens": fields.get("local_tokens", 0),
+                          "loaded_blocks": fields.get("hit_blocks", 0) + int(fields.get("tier_blocks") or 0),
+                          "tier_blocks": int(fields.get("tier_blocks") or 0), "miss_cause": fields.get("miss_cause"),
+                          "via": fields.get("via", "lookup" if outcome in ("remote_hit", "tier_hit", "miss") else None)}
+
+    def take_stats(self) -> KVPoolStats | None:
+        return self.stats.take()
 
     def _probe(self, hashes: list[bytes]) -> int | None:
         """The whole run from the segment's index, if it holds all of it and the daemon's
@@ -572,6 +598,11 @@ class KVPoolScheduler:
 
     def update_connector_output(self, connector_output) -> None:  # noqa: ANN001
         """The worker's tier loads of the last step (vLLM's connector stats) teach the tier rule."""
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if invalid:  # the loads that failed: their requests were recomputed (the response says so)
+            for st in self._reqs.values():
+                if invalid.intersection(st.loaded_ids):
+                    st.load_failed = True
         stats = getattr(connector_output, "kv_connector_stats", None)
         if self.tier_rule is None or stats is None or not isinstance(getattr(stats, "data", None), dict):
             return
@@ -634,6 +665,7 @@ class KVPoolScheduler:
             runs.append(BlockRun(rid, st.tag, split, st.block_ids[split:b1], st.hashes[split:b1], source="tier"))
         st.published = max(st.published, b1)
         st.load = st.tier_from = None
+        st.loaded_ids.update(st.block_ids[b0:b1])
         return runs
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:  # noqa: ANN001
@@ -643,7 +675,13 @@ class KVPoolScheduler:
         pending = self._lookups.pop(request.request_id, None)
         if pending is not None:  # finished (aborted) while its lookup ran: nobody needs the answer
             pending.future.cancel()
-        return (st is not None and st.stored), None
+        if st is None or st.attribution is None:
+            return (st is not None and st.stored), None
+        attribution = dict(st.attribution)
+        if st.load_failed:
+            attribution.update(hit_kind="fallback", loaded_blocks=0)
+        attribution["published_blocks"] = st.published
+        return st.stored, {"kvpool": attribution}
 
 
 # -- worker side ----------------------------------------------------------------------------
@@ -678,8 +716,7 @@ class KVPoolWorker:
         if settings.tier and self.device == "cuda":
             raise ValueError("the network tier (setting 'tier') is served on the CPU copier only, so far")
         self.tier = open_tier(settings.tier, settings.tier_timeout_s) if settings.tier else None
-        self._tier_stats: list[list] = []  # this interval's tier loads (TierLoadStat.as_list)
-        self._tier_stats_lock = threading.Lock()
+        self.stats = StatsCollector()  # this interval's loads and publishes (vLLM's connector stats)
         self._loading: list = []
         self._receiving: dict[str, list] = {}  # req id -> its asynchronous loads' futures
         self._sending: dict[str, list] = {}  # req id -> its store futures
@@ -738,27 +775,36 @@ class KVPoolWorker:
             if self.tier is None:
                 raise ValueError(f"a load from the tier for {run.req_id}, and no tier is configured on the worker")
             future = self.copier.tier_load(self.tier, self.ns, run, self.settings.tier_deadline_s)
-            future.add_done_callback(lambda f, n=len(run.block_ids): self._note_tier_load(f, n))
-            return future
-        return self.copier.load(self.ns, run, self.settings.load_deadline_s)
+        else:
+            future = self.copier.load(self.ns, run, self.settings.load_deadline_s)
+        future.add_done_callback(lambda f, n=len(run.block_ids), src=run.source: self._note_load(f, n, src))
+        return future
 
-    def _note_tier_load(self, future: Future, wanted: int) -> None:
-        """A tier load's measurement, for the scheduler's tier rule (get_kv_connector_stats)."""
+    def _note_load(self, future: Future, wanted: int, source: str) -> None:
+        """A finished load's measurement, for vLLM's connector stats (kvpool.stats): the
+        replica's /metrics, and the scheduler's tier rule for tier loads."""
         if future.cancelled():
             return
         exc = future.exception()
-        if exc is not None:
-            stat = TierLoadStat(wanted, 0, 0.0, MissCause.TRANSPORT_ERROR.value)
+        res = None if exc is not None else future.result()
+        if res is None:  # raised, or its deadline passed before it started
+            loaded, seconds = 0, 0.0
+            cause = (MissCause.TRANSPORT_ERROR if exc is not None else MissCause.TIMEOUT).value
         else:
-            res = future.result()
-            stat = TierLoadStat(wanted, res.loaded, res.seconds, res.miss.cause.value if res.miss else None)
-        with self._tier_stats_lock:
-            self._tier_stats.append(stat.as_list())
+            loaded, seconds = int(res.loaded), float(getattr(res, "seconds", 0.0))
+            cause = res.miss.cause.value if res.miss else None
+        self.stats.load(source, wanted, loaded, seconds, loaded * self.copier.block_bytes, cause)
+
+    def _note_store(self, future: Future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        res = future.result()
+        committed = int(getattr(res, "committed", 0) or 0) if res is not None else 0
+        if committed:
+            self.stats.published(committed, committed * self.copier.block_bytes)
 
     def take_stats(self) -> KVPoolStats | None:
-        with self._tier_stats_lock:
-            loads, self._tier_stats = self._tier_stats, []
-        return KVPoolStats(data={"tier_loads": loads}) if loads else None
+        return self.stats.take()
 
     def wait_for_load(self) -> None:
         if self._loading:
@@ -787,7 +833,9 @@ class KVPoolWorker:
                     break
                 keep.append(i)
             if keep:
-                sending.append(self.copier.store(self.ns, run, keep))
+                store = self.copier.store(self.ns, run, keep)
+                store.add_done_callback(self._note_store)
+                sending.append(store)
                 if self.tier is not None and self.settings.tier_publish:
                     sending.append(self.copier.tier_store(self.tier, self.ns, run, keep))
 
@@ -902,8 +950,15 @@ class KVPoolConnector(compat.KVConnectorBase_V1):
             self._scheduler.update_connector_output(connector_output)
 
     def get_kv_connector_stats(self):  # noqa: ANN201
-        return self._worker.take_stats() if self._worker is not None else None
+        if self._worker is not None:
+            return self._worker.take_stats()
+        return self._scheduler.take_stats() if self._scheduler is not None else None
 
     @classmethod
     def build_kv_connector_stats(cls, data=None):  # noqa: ANN001, ANN206
-        return KVPoolStats(data=dict(data) if data else {"tier_loads": []})
+        return KVPoolStats(data=dict(data) if data else None)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):  # noqa: ANN001, ANN206
+        """kvpool's counters on the replica's own /metrics (kvpool.stats.KVPoolPromMetrics)."""
+        return KVPoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

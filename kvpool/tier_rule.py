@@ -24,7 +24,7 @@ asking a tier that fails.
     .fail(now, why) a lookup that could not reach the tier: held off.
   TierLoadStat      one tier load as the worker saw it: blocks wanted and loaded, seconds,
                     miss cause. The worker reports them through vLLM's KV-connector stats
-                    (KVPoolStats, below), which the engine hands to the scheduler's
+                    (kvpool.stats.KVPoolStats), which the engine hands to the scheduler's
                     update_connector_output; vLLM's own connector-stats channel, so it works
                     when scheduler and worker are different processes.
 """
@@ -120,37 +120,3 @@ class TierRule:
     def fail(self, now: float, why: str) -> None:
         with self._lock:
             self._hold(now, why)
-
-
-try:
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
-except ImportError:  # pragma: no cover - a vLLM without connector stats: the rule sees no loads
-    @dataclasses.dataclass
-    class KVConnectorStats:  # type: ignore[no-redef]
-        data: dict = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class KVPoolStats(KVConnectorStats):
-    """kvpool's worker measurements for one interval, in vLLM's connector-stats shape:
-    data = {"tier_loads": [[wanted, loaded, seconds, cause], ...]} (plain lists: they cross
-    process boundaries as vLLM serializes them)."""
-
-    def reset(self) -> None:
-        self.data = {"tier_loads": []}
-
-    def aggregate(self, other: KVConnectorStats) -> KVPoolStats:
-        loads = list(self.data.get("tier_loads", [])) + list((other.data or {}).get("tier_loads", []))
-        return KVPoolStats(data={"tier_loads": loads})
-
-    def reduce(self) -> dict[str, int | float]:
-        loads = [TierLoadStat.of(x) for x in self.data.get("tier_loads", [])]
-        return {"tier_loads": len(loads), "tier_blocks_loaded": sum(s.loaded for s in loads),
-                "tier_blocks_failed": sum(s.wanted - s.loaded for s in loads),
-                "tier_seconds": round(sum(s.seconds for s in loads), 6)}
-
-    def is_empty(self) -> bool:
-        return not self.data.get("tier_loads")
-
-    def loads(self) -> list[TierLoadStat]:
-        return [TierLoadStat.of(x) for x in self.data.get("tier_loads", [])]

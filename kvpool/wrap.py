@@ -162,11 +162,28 @@ class WrappingConnector(compat.KVConnectorBase_V1):
         return reset() if reset is not None else None
 
     @classmethod
-    def get_required_kvcache_layout(cls, vllm_config):  # noqa: ANN001, ANN206
+    def _inner_class(cls, vllm_config) -> type:  # noqa: ANN001
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-        inner = load_class(str(extra.get(cls.INNER_KEY, cls.DEFAULT_INNER)), cls.INNER_KEY)
-        required = getattr(inner, "get_required_kvcache_layout", None)
+        return load_class(str(extra.get(cls.INNER_KEY, cls.DEFAULT_INNER)), cls.INNER_KEY)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config):  # noqa: ANN001, ANN206
+        required = getattr(cls._inner_class(vllm_config), "get_required_kvcache_layout", None)
         return required(vllm_config) if required is not None else None
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):  # noqa: ANN001, ANN206
+        build = getattr(cls._inner_class(vllm_config), "build_prom_metrics", None)
+        return build(vllm_config, metric_types, labelnames, per_engine_labelvalues) if build is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):  # noqa: ANN001, ANN206
+        """vLLM's logger rebuilds the stats from their data alone (no config reaches it):
+        kvpool's own shape is kvpool's; any other inner connector's stats are not logged
+        through a wrapper."""
+        from kvpool.stats import KVPoolStats, is_kvpool_data
+
+        return KVPoolStats(data=dict(data)) if data and is_kvpool_data(data) else None
 
 
 FORWARDED = ("on_new_request", "build_connector_worker_meta", "has_pending_push_work", "has_pending_block_frees",

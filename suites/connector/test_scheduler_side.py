@@ -348,3 +348,31 @@ def test_a_whole_pooled_run_is_claimed_from_the_segment_index_while_the_daemon_b
         assert "via" not in rec and rec["miss_cause"] == "never_published" and rec["miss_index"] == 5
     finally:
         d.stop_thread()
+
+
+def test_a_finished_request_returns_its_attribution_and_the_scheduler_counts_its_lookups(pool, tmp_path):
+    """request_finished hands vLLM the request's kvpool attribution (the response's
+    kv_transfer_params): hit kind, blocks loaded, miss cause; a load vLLM reported invalid
+    turns it into a fallback. The lookups are counted in the scheduler's connector stats."""
+    s = scheduler(pool, tmp_path)
+    tokens = list(range(1000))
+    with pool_client(pool) as c:
+        ns = namespace_for(vllm_config(tmp_path), s.settings)
+        publish(c, ns, s_hashes(s, tokens)[:5], [np.zeros(128 * 1024, np.uint8)] * 5)
+    hit, cold, failed = request("hit", tokens), request("cold", list(range(5000, 6000))), request("bad", tokens)
+    assert ask_matched(s, hit, 0) == (5 * B, False) and ask_matched(s, cold, 0) == (0, False)
+    assert ask_matched(s, failed, 0) == (5 * B, False)
+    for r in (hit, failed):
+        s.update_state_after_alloc(r, None, 5 * B)
+    s.build_connector_meta(step(new=[("hit", list(range(8)), 5 * B), ("bad", list(range(10, 18)), 5 * B)],
+                                scheduled={"hit": 1000 - 5 * B, "bad": 1000 - 5 * B}))
+    s.update_connector_output(SimpleNamespace(invalid_block_ids={12}, kv_connector_stats=None))
+    _, params = s.request_finished(hit, list(range(8)))
+    assert params["kvpool"]["hit_kind"] == "remote" and params["kvpool"]["loaded_blocks"] == 5
+    assert params["kvpool"]["miss_cause"] == "never_published" and params["kvpool"]["published_blocks"] == 7
+    _, params = s.request_finished(cold, [])
+    assert params["kvpool"]["hit_kind"] == "cold" and params["kvpool"]["loaded_blocks"] == 0
+    _, params = s.request_finished(failed, list(range(10, 18)))
+    assert params["kvpool"]["hit_kind"] == "fallback" and params["kvpool"]["loaded_blocks"] == 0
+    stats = s.take_stats().reduce()
+    assert stats["lookups_remote_hit"] == 2 and stats["lookups_miss"] == 1 and stats["misses_never_published"] == 3

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.tier_rule import KVPoolStats, TierLoadStat, TierRule
+from kvpool.tier_rule import TierLoadStat, TierRule
 
 
 def test_nothing_measured_claims_all_then_the_rate_times_the_deadline_caps_it():
@@ -45,16 +45,6 @@ def test_a_failed_lookup_holds_the_tier_off_and_says_why():
     rule.fail(0.0, "TierUnavailable: refused")
     assert "refused" in rule.allow_lookup(0.5)
     assert rule.allow_lookup(1.5) is None
-
-
-def test_stats_aggregate_across_workers_and_reduce():
-    a = KVPoolStats(data={"tier_loads": [TierLoadStat(4, 4, 0.1).as_list()]})
-    b = KVPoolStats(data={"tier_loads": [TierLoadStat(4, 1, 1.0, "timeout").as_list()]})
-    both = a.aggregate(b)
-    assert both.reduce() == {"tier_loads": 2, "tier_blocks_loaded": 5, "tier_blocks_failed": 3, "tier_seconds": 1.1}
-    assert not both.is_empty() and KVPoolStats(data={"tier_loads": []}).is_empty()
-    both.reset()
-    assert both.is_empty()
 
 
 def test_a_deadline_must_be_positive():
