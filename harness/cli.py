@@ -14,6 +14,7 @@
                             requests, errors, lost requests, silent corruptions, RSS / fd / shm growth
   kvgate plan [...]         whether the pool pays per request class, from measured distributions and a mix
   kvgate html PATH          the HTML report (plots) of a gate run, a bench JSON or a plan JSON
+  kvgate explain --tag T | --key K   why a request or a block was not a hit (history, and the pool)
   kvgate scenarios          list the scenario catalog
   kvgate replay NAME --seed N   rerun one scenario with one seed, print the same verdicts
 The pool daemon itself is kvpool's: `kvpool serve` (kvpool.cli).
@@ -84,6 +85,40 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except PlanInputError as exc:
         print(f"kvgate plan: {exc}", file=sys.stderr)
         return 2
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    from harness.explain import ExplainError, explain_key, explain_request
+    from kvpool.errors import PoolError
+    from kvpool.history import read_history
+
+    if not args.history.is_dir():
+        print(f"kvgate explain: no history at {args.history}", file=sys.stderr)
+        return 2
+    recs = read_history(args.history)
+    try:
+        if args.tag:
+            out = explain_request(recs, args.tag, args.replica)
+        else:
+            client = None
+            if args.pool:
+                from kvpool.client import PoolClient
+
+                client = PoolClient(args.pool, args.tenant, args.token or os.environ.get("KVPOOL_TOKEN", ""),
+                                    name="kvgate-explain")
+            try:
+                out = explain_key(recs, args.key, client)
+            finally:
+                if client is not None:
+                    client.close()
+    except (ExplainError, PoolError, ValueError) as exc:
+        print(f"kvgate explain: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(out.as_dict(), indent=1, default=str) if args.json else out.text())
+    return 0
 
 
 def cmd_html(args: argparse.Namespace) -> int:
@@ -296,6 +331,19 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--markdown", type=Path, default=None, help="also write the Markdown here")
     pl.add_argument("--html", type=Path, default=None, help="also write the HTML report (with its plot) here")
     pl.set_defaults(func=cmd_plan)
+
+    ex = sub.add_parser("explain", help="why a request or a block's key was not a hit, from a run's history and the pool")
+    ex.add_argument("--history", type=Path, default=Path("reports/runs/latest/history"),
+                    help="a run's history directory (default: the latest gate run's)")
+    what = ex.add_mutually_exclusive_group(required=True)
+    what.add_argument("--tag", help="the request's tag (kv_transfer_params.kvpool.tag)")
+    what.add_argument("--key", help="a block's pool key, hex (the audit records them)")
+    ex.add_argument("--replica", default=None, help="the replica, where the tag was sent to several")
+    ex.add_argument("--pool", default="", help="unix:PATH or tcp:HOST:PORT: also ask the pool about the key now")
+    ex.add_argument("--tenant", default="default")
+    ex.add_argument("--token", default="", help="the tenant's token (or KVPOOL_TOKEN)")
+    ex.add_argument("--json", action="store_true", help="print JSON")
+    ex.set_defaults(func=cmd_explain)
 
     ht = sub.add_parser("html", help="the HTML report (inline SVG plots) of a gate run, a bench JSON or a plan JSON")
     ht.add_argument("path", type=Path, help="a gate run's directory or measurements.json, a bench JSON, a plan JSON")
