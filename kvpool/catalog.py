@@ -657,6 +657,14 @@ class Catalog:
                 out.append(EvictOutcome.EVICTED)
         return out
 
+    def set_limits(self, limits: LoadLimits) -> LoadLimits:
+        """New load limits for the leases to come (leases held now are kept). Returns the old."""
+        if limits.per_client < 0 or limits.total < 0:
+            raise InvalidRequest(f"load limits must be 0 (none) or positive, got {limits}")
+        old = self.config.limits
+        self.config = dataclasses.replace(self.config, limits=limits)
+        return old
+
     def set_capacity(self, pages: int) -> int:
         """Squeeze (or restore) the usable pages; evicts LRU down to it. Returns evictions."""
         if not 0 <= pages <= self.config.num_pages:

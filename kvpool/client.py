@@ -451,6 +451,12 @@ class PoolClient:
         """An admin's squeeze of `tenant`'s segment (by default its own) to `pages`."""
         return self._expect(P.SetCapacity(pages, tenant), P.CapacityOk).evicted
 
+    def set_load_limits(self, per_client: int, total: int, tenant: str = "") -> tuple[int, int]:
+        """An admin's load limits of `tenant` (by default its own): concurrent leases per
+        client and in all, 0 for none. Returns the limits it replaced."""
+        r = self._expect(P.SetLimits(per_client, total, tenant), P.LimitsOk)
+        return r.per_client, r.total
+
     def stats(self) -> dict[str, int]:
         return dict(self._expect(P.Stats(), P.StatsOk).stats)
 

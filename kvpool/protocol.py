@@ -117,6 +117,14 @@ class SetCapacity(msgspec.Struct, tag="capacity", forbid_unknown_fields=True, om
     tenant: str = ""
 
 
+class SetLimits(msgspec.Struct, tag="limits", forbid_unknown_fields=True, omit_defaults=True):
+    """Set one tenant's load limits (concurrent leases per client and in all; 0: none), by
+    default the caller's own: what an operator tightens during a warm-up fan-out."""
+    per_client: int
+    total: int
+    tenant: str = ""
+
+
 class Stats(msgspec.Struct, tag="stats", forbid_unknown_fields=True):
     pass
 
@@ -126,7 +134,7 @@ class Metrics(msgspec.Struct, tag="metrics", forbid_unknown_fields=True):
 
 
 Request = Union[Hello, Ping, Lookup, Acquire, Release, Reserve, WritePages, Commit, Abort,
-                ReadPages, Evict, SetCapacity, Stats, Metrics]
+                ReadPages, Evict, SetCapacity, SetLimits, Stats, Metrics]
 
 
 # -- replies ----------------------------------------------------------------------------
@@ -193,6 +201,11 @@ class CapacityOk(msgspec.Struct, tag="capacity_ok"):
     evicted: int
 
 
+class LimitsOk(msgspec.Struct, tag="limits_ok"):
+    per_client: int  # the limits before the change
+    total: int
+
+
 class StatsOk(msgspec.Struct, tag="stats_ok"):
     stats: dict[str, int]
 
@@ -207,7 +220,7 @@ class Error(msgspec.Struct, tag="error"):
 
 
 Reply = Union[HelloOk, Pong, LookupOk, AcquireOk, ReleaseOk, ReserveOk, WriteOk, CommitOk,
-              AbortOk, PagesOk, EvictOk, CapacityOk, StatsOk, MetricsOk, Error]
+              AbortOk, PagesOk, EvictOk, CapacityOk, LimitsOk, StatsOk, MetricsOk, Error]
 
 _encoder = msgspec.msgpack.Encoder()
 _envelope = msgspec.msgpack.Decoder(Envelope)

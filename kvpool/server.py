@@ -661,7 +661,7 @@ class PoolDaemon:
             outcomes = cat.evict(tenant, op.ns, op.hashes)
             self.metrics.evictions.inc(sum(o == "evicted" for o in outcomes))
             return P.EvictOk(outcomes)
-        if isinstance(op, (P.SetCapacity, P.Stats, P.Metrics)) and not self.config.is_admin(tenant):
+        if isinstance(op, (P.SetCapacity, P.SetLimits, P.Stats, P.Metrics)) and not self.config.is_admin(tenant):
             if isinstance(op, P.Stats):  # a tenant sees its own segment, never the pool's or another tenant's
                 return P.StatsOk(self._tenant_stats(tp))
             raise Unauthenticated(f"{type(op).__name__} is a pool-wide operation: tenant {tenant!r} is not an "
@@ -673,6 +673,12 @@ class PoolDaemon:
             evicted = target.catalog.set_capacity(op.pages)
             self.metrics.evictions.inc(evicted)
             return P.CapacityOk(evicted)
+        if isinstance(op, P.SetLimits):
+            target = self.pools.get(op.tenant or tenant)
+            if target is None:
+                raise InvalidRequest(f"SetLimits of tenant {op.tenant!r}: the pool has no such tenant")
+            old = target.catalog.set_limits(LoadLimits(per_client=op.per_client, total=op.total))
+            return P.LimitsOk(old.per_client, old.total)
         if isinstance(op, P.Stats):
             return P.StatsOk(self.pool_stats())
         if isinstance(op, P.Metrics):

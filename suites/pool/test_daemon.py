@@ -418,3 +418,22 @@ def test_the_daemon_serves_its_metrics_over_http():
     finally:
         pool.stop()
         pool.cleanup()
+
+
+def test_an_admin_sets_load_limits_at_run_time(daemon):
+    """SetLimits: the next acquire past the new limit is throttled; a lease held before is
+    kept; lifted, loads run again. A tenant that is not an admin may not."""
+    hs = block_hashes(range(16 * 2), 16)
+    with client(daemon) as c, client(daemon) as other:
+        assert publish(c, NS, hs, blocks(2)).committed == 2
+        held = c.acquire(NS, hs[:1])
+        assert c.set_load_limits(per_client=0, total=1) == (0, 0)
+        second = other.acquire(NS, hs[1:])
+        assert not second.hits and second.miss.cause == MissCause.THROTTLED
+        c.release(held.lease_id)
+        again = other.acquire(NS, hs[1:])
+        assert len(again.hits) == 1
+        other.release(again.lease_id)
+        assert c.set_load_limits(0, 0) == (0, 1)
+        with pytest.raises(InvalidRequest):
+            c.set_load_limits(-1, 0)
