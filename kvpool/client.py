@@ -378,8 +378,9 @@ class PoolClient:
         `ns`, read from the segment's index (kvpool.shm_index): no round trip. None: no
         segment mapped here (another host, a proxy in between), or not an x86 host (the
         index's seqlock relies on x86's ordering of loads and of stores), or (with
-        `fresh_s`) the daemon's heartbeat is older than `fresh_s` seconds or absent; ask
-        lookup(), which also says why a run stops. A hit is advisory, as a lookup's is:
+        `fresh_s`) the daemon's heartbeat is older than `fresh_s` seconds or absent, or its
+        end of this client's session is closed (a daemon that exited: known at once, not
+        after `fresh_s`); ask lookup(), which also says why a run stops. A hit is advisory, as a lookup's is:
         the acquire is what leases the pages."""
         arena = self.arena
         entries = None if arena is None or not _PROBE_ORDERED else arena.index_entries
@@ -387,7 +388,10 @@ class PoolClient:
             return None
         if fresh_s is not None:
             age = arena.heartbeat_age_s()
-            if age is None or age > fresh_s:
+            if age is None or age > fresh_s:  # stopped, wedged, or not beating
+                return None
+            sock = self._sock
+            if sock is None or self._peer_closed():  # exited: the kernel closed its end of the session
                 return None
         index = self._shm_index
         if index is None or index.e is not entries:

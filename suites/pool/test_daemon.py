@@ -380,6 +380,10 @@ def test_a_probe_with_a_freshness_bound_trusts_only_a_beating_daemon():
             while c.probe(NS, hs, fresh_s=0.2) is None and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert c.probe(NS, hs, fresh_s=0.2) == 4
+            # killed: its session is closed at once, whatever the heartbeat's age
+            os.kill(pool.proc.pid, signal.SIGKILL)
+            pool.proc.wait(10)
+            assert c.probe(NS, hs, fresh_s=60.0) is None and c.probe(NS, hs) == 4
     finally:
         pool.stop()
         pool.cleanup()
