@@ -14,6 +14,8 @@
                             requests, errors, lost requests, silent corruptions, RSS / fd / shm growth
   kvgate plan [...]         whether the pool pays per request class, from measured distributions and a mix
   kvgate html PATH          the HTML report (plots) of a gate run, a bench JSON or a plan JSON
+  kvgate sim [...]          the scale scenarios simulated at 8-64 replicas from measured distributions
+  kvgate bench scale [...]  fan-out live (a warm and three new replicas), the simulation checked against it
   kvgate explain --tag T | --key K   why a request or a block was not a hit (history, and the pool)
   kvgate scenarios          list the scenario catalog
   kvgate replay NAME --seed N   rerun one scenario with one seed, print the same verdicts
@@ -134,6 +136,34 @@ def cmd_html(args: argparse.Namespace) -> int:
         print(f"kvgate html: cannot render {args.path}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     print(out)
+    return 0
+
+
+def cmd_bench_scale(args: argparse.Namespace) -> int:
+    from harness.bench.scale import run_bench
+
+    counts = tuple(int(x) for x in args.replicas.split(",") if x)
+    return run_bench(length=args.length, reps=args.reps, sim_seeds=args.sim_seeds, replica_counts=counts,
+                     report_dir=args.report_dir, seed=args.seed)
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    import json
+
+    from harness.plan import PlanInputError, default_measured, load_measured
+    from harness.sim import run_scale
+
+    try:
+        m = load_measured(args.measured or default_measured())
+        doc = run_scale(m, tuple(int(x) for x in args.replicas.split(",") if x), args.length, args.seed)
+    except (PlanInputError, ValueError) as exc:
+        print(f"kvgate sim: {exc}", file=sys.stderr)
+        return 2
+    for r in doc["rows"]:
+        kinds = ", ".join(f"{k} {v['n']} (p50 {v['p50_ms']} ms)" for k, v in r["kinds"].items())
+        print(f"{r['replicas']:>3} replicas  {r['scenario']:<22} TTFT p50 {r['ttft_p50_ms']} ms, p95 {r['ttft_p95_ms']} ms; "
+              f"{kinds}; peak link queue {r['peak_link_queue']}", file=sys.stderr)
+    print(json.dumps(doc))
     return 0
 
 
@@ -315,6 +345,16 @@ def build_parser() -> argparse.ArgumentParser:
     bh.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     bh.set_defaults(func=cmd_bench_hosts)
 
+    bsc = bench.add_parser("scale", help="fan-out live on a warm and three new replicas, the simulation checked "
+                                          "against it, then simulated at 8-64 replicas")
+    bsc.add_argument("--length", type=int, default=4096, help="the hot prefixes' length in tokens")
+    bsc.add_argument("--reps", type=int, default=5, help="calibration prompts per kind")
+    bsc.add_argument("--sim-seeds", type=int, default=200, help="simulation runs per live scenario in the check")
+    bsc.add_argument("--replicas", default="8,16,32,64", help="replica counts of the simulated scale")
+    bsc.add_argument("--seed", type=int, default=0)
+    bsc.add_argument("--report-dir", type=Path, default=None, help="logs and history (default: a temp dir)")
+    bsc.set_defaults(func=cmd_bench_scale)
+
     bpub = bench.add_parser("publish", help="the producer's next-request TTFT with publishing on and off")
     bpub.add_argument("--pairs", type=int, default=8, help="request pairs per length (half of them publishing)")
     bpub.add_argument("--lengths", default="", help="comma-separated prompt lengths (default 1k,4k,16k)")
@@ -344,6 +384,14 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--token", default="", help="the tenant's token (or KVPOOL_TOKEN)")
     ex.add_argument("--json", action="store_true", help="print JSON")
     ex.set_defaults(func=cmd_explain)
+
+    sm = sub.add_parser("sim", help="the scale scenarios simulated (SimPy) at many replicas, from measured distributions")
+    sm.add_argument("--measured", type=Path, action="append", default=[],
+                    help="as kvgate plan's (default: the latest gate run's measurements, else the committed benches)")
+    sm.add_argument("--replicas", default="8,16,32,64")
+    sm.add_argument("--length", type=int, default=4096, help="the hot prefixes' length in tokens")
+    sm.add_argument("--seed", type=int, default=0)
+    sm.set_defaults(func=cmd_sim)
 
     ht = sub.add_parser("html", help="the HTML report (inline SVG plots) of a gate run, a bench JSON or a plan JSON")
     ht.add_argument("path", type=Path, help="a gate run's directory or measurements.json, a bench JSON, a plan JSON")

@@ -1,0 +1,196 @@
+"""`kvgate bench scale`: seed 000's scale scenarios, live at the size this machine allows,
+then simulated (harness.sim) at 8 to 64 replicas, the simulation first checked against the
+live run it is calibrated with.
+
+Live (one pool, a warm replica W and three new ones N1-N3, on the machine's cores):
+  calibration   at the prefix length, `reps` fresh prompts each: cold prefill (N1, nothing
+                reused), local hit (N1 again), remote hit (W computes, N2 loads); the link's
+                rate from the loads' own records. These are the simulation's inputs.
+  fanout        W computes 4 hot prefixes; N1-N3 (their prefix caches emptied) each get two
+                requests on them at once: six loads of the same blocks together.
+  fanout+load_limit     the same, the pool's load limit set to one lease at a time
+                        (SetLimits): the loads past it are throttled and recomputed.
+  fanout+warm_routing   the same six requests all routed to W, which holds the prefixes.
+Each request's hit kind and TTFT come from the run's history (harness.measure).
+
+Check: the simulation at the live size (4 replicas, the machine's cores shared, W warm,
+the same burst), over `sim_seeds` seeds; the live median of each scenario must lie inside
+the simulation's 95% interval of medians (and the report gives the ratio sim / live).
+
+Scale: every scenario of harness.sim at 8, 16, 32 and 64 replicas, calibrated the same way.
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from harness.client.http import complete, reset_prefix_cache
+from harness.measure import percentile, samples
+from harness.plan import Measured
+from harness.system.cluster import Cluster, ReplicaSpec
+from harness.workload.prompts import Corpus
+from kvpool.history import read_history
+
+NEW = ("N1", "N2", "N3")
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _burst(cluster: Cluster, jobs: list[tuple[str, str, str]]) -> None:
+    """Send every (replica, prompt, tag) at once; wait for all."""
+    with ThreadPoolExecutor(len(jobs)) as ex:
+        list(ex.map(lambda j: complete(cluster.replicas[j[0]].url, j[1], tag=j[2], replica=j[0], max_tokens=4), jobs))
+
+
+def _kinds(history: Path, tags: set[str]) -> list[dict]:
+    return [s.as_dict() for s in samples(read_history(history)) if s.tag in tags]
+
+
+def calibrate(cluster: Cluster, corpus: Corpus, rng: random.Random, length: int, reps: int) -> Measured:
+    tags: dict[str, set[str]] = {"cold": set(), "local": set(), "remote": set()}
+    N1, N2, W = (cluster.replicas[r].url for r in ("N1", "N2", "W"))
+    for i in range(reps):
+        p = corpus.text(length, rng)
+        complete(N1, p, tag=f"cal-cold-{i}", replica="N1", load=False, max_tokens=4)
+        complete(N1, p, tag=f"cal-local-{i}", replica="N1", max_tokens=4)
+        q = corpus.text(length, rng)
+        complete(W, q, tag=f"cal-w-{i}", replica="W", max_tokens=4)
+        time.sleep(0.3)  # W's publish commits after its response
+        complete(N2, q, tag=f"cal-remote-{i}", replica="N2", max_tokens=4)
+        tags["cold"].add(f"cal-cold-{i}")
+        tags["local"].add(f"cal-local-{i}")
+        tags["remote"].add(f"cal-remote-{i}")
+    recs = read_history(cluster.history_dir)
+    found = {s.tag: s for s in samples(recs)}
+    m = Measured(sources=["bench scale calibration"])
+    for kind, ts in tags.items():
+        vals = [found[t].ttft_ms for t in ts if t in found and found[t].kind == kind]
+        if vals:
+            m.merge_row(kind, length, statistics.median(vals), percentile(vals, 0.95), len(vals))
+    geometry = next((r for r in recs if r.get("ev") == "register"), None)
+    block_bytes = int(geometry["block_bytes"]) if geometry else 0
+    ns = next(r["ns"] for r in recs if r.get("ev") == "namespace")
+    m.block_size = int(ns["block_size"])
+    m.bytes_per_token = block_bytes / m.block_size if block_bytes else None
+    loads = [r for r in recs if r.get("ev") == "load" and r.get("tag", "").startswith("cal-remote") and r.get("loaded")]
+    rates = [r["loaded"] * block_bytes / r["seconds"] for r in loads if r.get("seconds")]
+    if rates:
+        m.throughput_Bps["remote"] = statistics.median(rates)
+    return m
+
+
+def live_fanout(cluster: Cluster, corpus: Corpus, rng: random.Random, length: int, variant: str) -> list[dict]:
+    W = cluster.replicas["W"].url
+    hot = [corpus.text(length, rng) for _ in range(4)]
+    for i, p in enumerate(hot):
+        complete(W, p, tag=f"{variant}-warm-{i}-{rng.random():.6f}", replica="W", max_tokens=4)
+    time.sleep(0.5)  # the last publish commits
+    for r in NEW:
+        reset_prefix_cache(cluster.replicas[r].url)
+    admin = None
+    if variant == "fanout+load_limit":
+        admin = cluster.pool.client(name="bench-scale-admin")
+        admin.set_load_limits(per_client=0, total=1)
+    jobs, tags = [], set()
+    for i in range(2 * len(NEW)):
+        target = "W" if variant == "fanout+warm_routing" else NEW[i % len(NEW)]
+        tag = f"{variant}-{i}-{rng.random():.6f}"
+        jobs.append((target, f"{hot[rng.randrange(4)]} {corpus.text(32, rng)}", tag))
+        tags.add(tag)
+    try:
+        _burst(cluster, jobs)
+    finally:
+        if admin is not None:
+            admin.set_load_limits(0, 0)
+            admin.close()
+    return _kinds(cluster.history_dir, tags)
+
+
+def _median(xs: list[float]) -> float | None:
+    return round(statistics.median(xs), 2) if xs else None
+
+
+def check_against_live(m: Measured, live: dict[str, list[dict]], length: int, cores: int, seeds: int) -> list[dict]:
+    from harness.sim import SimClass, SimConfig, simulate
+
+    rows = []
+    for variant, got in live.items():
+        live_p50 = _median([s["ttft_ms"] for s in got])
+        cfg = SimConfig(replicas=4, classes=(SimClass("hot", 0.0, length, hot_prefixes=4),), duration_s=0.0,
+                        warm_replicas=1, burst=2 * len(NEW), cores=cores,
+                        max_loads=1 if variant == "fanout+load_limit" else 0,
+                        warm_routing=variant == "fanout+warm_routing")
+        meds = []
+        kinds: dict[str, int] = {}
+        for seed in range(seeds):
+            doc = simulate(m, dataclasses.replace(cfg, seed=seed))
+            meds.append(doc["ttft_p50_ms"])
+            for k, v in doc["kinds"].items():
+                kinds[k] = kinds.get(k, 0) + v["n"]
+        lo, hi = percentile(meds, 0.025), percentile(meds, 0.975)
+        live_kinds: dict[str, int] = {}
+        for s in got:
+            live_kinds[s["kind"]] = live_kinds.get(s["kind"], 0) + 1
+        rows.append({"scenario": variant, "live_requests": len(got), "live_p50_ms": live_p50,
+                     "live_kinds": live_kinds, "sim_p50_ms": _median(meds),
+                     "sim_p50_interval_ms": [round(lo, 2), round(hi, 2)],
+                     "sim_kinds_per_run": {k: round(v / seeds, 2) for k, v in kinds.items()},
+                     "sim_vs_live": round(statistics.median(meds) / live_p50, 3) if live_p50 else None,
+                     "live_inside_interval": bool(live_p50 is not None and lo <= live_p50 <= hi)})
+    return rows
+
+
+def run_bench(length: int = 4096, reps: int = 5, sim_seeds: int = 200, replica_counts: tuple[int, ...] = (8, 16, 32, 64),
+              report_dir: Path | None = None, seed: int = 0) -> int:
+    from fixtures.tiny_model import build_tiny_model
+    from harness.sim import run_scale
+    from tqdm import tqdm
+
+    report_dir = report_dir or Path(tempfile.mkdtemp(prefix="kvgate-bench-scale-"))
+    model = build_tiny_model(report_dir / "model" / "tiny", seed=0, revision="r1")
+    corpus = Corpus(model)
+    rng = random.Random(seed)
+    cores = min(2, os.cpu_count() or 1)
+    specs = [ReplicaSpec(name, core=str(i % cores), max_model_len=length + 1024, kv_bytes=256 * 2**20)
+             for i, name in enumerate(("W", *NEW))]
+    cluster = Cluster(model, report_dir / "cluster", page_size=128 * 1024, pool_pages=1024)
+    _say(f"kvgate bench scale: starting a pool and {len(specs)} replicas on {cores} cores")
+    with cluster.start(specs):
+        _say(f"kvgate bench scale: calibrating at {length} tokens ({reps} prompts per kind)")
+        m = calibrate(cluster, corpus, rng, length, reps)
+        _say(f"  cold {m.by_kind.get('cold')}, local {m.by_kind.get('local')}, remote {m.by_kind.get('remote')}, "
+             f"link {m.throughput_Bps}")
+        live: dict[str, list[dict]] = {}
+        for variant in tqdm(("fanout", "fanout+load_limit", "fanout+warm_routing"), desc="live scenarios",
+                            file=sys.stderr):
+            live[variant] = live_fanout(cluster, corpus, rng, length, variant)
+    check = check_against_live(m, live, length, cores, sim_seeds)
+    for row in check:
+        _say(f"  {row['scenario']}: live p50 {row['live_p50_ms']} ms {row['live_kinds']}; simulated "
+             f"{row['sim_p50_ms']} ms, 95% of runs in {row['sim_p50_interval_ms']}: "
+             f"{'consistent' if row['live_inside_interval'] else 'OUTSIDE'}")
+    total = len(replica_counts) * 6
+    with tqdm(total=total, desc="simulated scale", file=sys.stderr) as bar:
+        scale = run_scale(m, replica_counts, prefix_tokens=length, seed=seed, progress=bar)
+    from harness.provenance import provenance
+
+    result = {"prefix_tokens": length, "cores": cores, "live_replicas": len(specs),
+              "calibration": {"by_kind": {k: {str(L): v for L, v in rows.items()} for k, rows in m.by_kind.items()},
+                              "bytes_per_token": m.bytes_per_token, "throughput_Bps": m.throughput_Bps},
+              "live": live, "check": check, "scale": scale,
+              "targets": {"sim_consistent_with_live": all(r["live_inside_interval"] for r in check)},
+              "provenance": provenance()}
+    print(json.dumps(result))
+    return 0
