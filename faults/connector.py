@@ -239,10 +239,10 @@ class FaultConnector(WrappingConnector):
 
     def _lift_tier_hold(self, request) -> None:  # noqa: ANN001
         rule = getattr(getattr(self._inner, "_scheduler", None), "tier_rule", None)
-        if rule is not None and (rule.held_until or rule._after_hold):
+        why = rule.forget() if rule is not None else None
+        if why is not None:
             self.history.write("fault", site="connector", kind="copier_control", job="lift_hold",
-                               control="deaf_tier_rule", req=request.request_id, held_why=rule.held_why)
-            rule.held_until, rule._after_hold, rule._probe_since = 0.0, False, None
+                               control="deaf_tier_rule", req=request.request_id, held_why=why)
 
     def update_connector_output(self, connector_output):  # noqa: ANN001, ANN201
         spec = self._section()

@@ -590,7 +590,7 @@ def markdown(doc: dict) -> str:
             f"- Remote loads on for: {', '.join(rec['remote_loads_on']) or 'none'}; off for: "
             f"{', '.join(rec['remote_loads_off']) or 'none'}."]
     out += [f"  - {n}: {why}" for n, why in rec["why"].items()]
-    out += [f"- Publish boundary (tokens; `publish_tokens`): "
+    out += ["- Publish boundary (tokens; `publish_tokens`): "
             + ", ".join(f"{n} {b}" for n, b in rec["publish_boundary_tokens"].items()),
             f"- Load limit: {rec['load_limit_concurrent']} concurrent loads. {rec['load_limit_note']}."]
     if "link_headroom" in rec:

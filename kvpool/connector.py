@@ -51,7 +51,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout

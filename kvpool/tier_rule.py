@@ -22,6 +22,8 @@ asking a tier that fails.
                     one block within the deadline, holds the tier off for the backoff
                     (doubled while it keeps failing, up to the maximum); a good one resets it.
     .fail(now, why) a lookup that could not reach the tier: held off.
+    .forget() -> why | None
+                    drop any hold (what a rule that never learns would do; a negative control).
   TierLoadStat      one tier load as the worker saw it: blocks wanted and loaded, seconds,
                     miss cause. The worker reports them through vLLM's KV-connector stats
                     (kvpool.stats.KVPoolStats), which the engine hands to the scheduler's
@@ -120,3 +122,13 @@ class TierRule:
     def fail(self, now: float, why: str) -> None:
         with self._lock:
             self._hold(now, why)
+
+    def forget(self) -> str | None:
+        """Drop any hold and the probe after it (the rate estimate and backoff stay); returns
+        why the tier was held, or None if it was not."""
+        with self._lock:
+            if not (self.held_until or self._after_hold):
+                return None
+            why = self.held_why
+            self.held_until, self._after_hold, self._probe_since = 0.0, False, None
+            return why

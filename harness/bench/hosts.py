@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from harness.client.http import complete, reset_prefix_cache
+from harness.scenarios.hosts import publish_on_g
 from harness.workload.prompts import Corpus
 
 LENGTHS = (1024, 2048, 4096, 8192)
@@ -104,23 +105,6 @@ def run_bench(reps: int = 3, lengths: tuple[int, ...] = LENGTHS, fault_length: i
     return 0
 
 
-def _publish(system, prompt: str, tag: str) -> None:  # noqa: ANN001
-    """G computes the prompt; returns once every complete block of it is in the tier (G's
-    tier puts run after its response, and must not run under the next measurement)."""
-    from harness.checkers.history import records
-    from harness.scenarios.nemesis import wait_for
-
-    complete(system.url("G"), prompt, tag=tag, replica="G", max_tokens=1)
-
-    def stored() -> bool:
-        recs = records(system.history_dir, "tier_publish", tag=tag)
-        (lk,) = records(system.history_dir, "lookup", tag=tag, replica="G") or [{}]
-        return bool(recs) and sum(r.get("put", 0) + r.get("refused", 0) for r in recs) >= \
-            lk.get("prompt_tokens", 0) // B and all(r.get("error") is None for r in recs)
-
-    wait_for(stored, 60, f"{tag} in the tier")
-
-
 def _length(system, corpus: Corpus, rng: random.Random, n: int, reps: int) -> dict:  # noqa: ANN001
     from harness.checkers.history import records
 
@@ -129,7 +113,7 @@ def _length(system, corpus: Corpus, rng: random.Random, n: int, reps: int) -> di
     for rep in range(reps):
         prompt = corpus.text(n - 1, rng)
         tag = f"b{n}-{rep}"
-        _publish(system, prompt, f"{tag}-g")
+        publish_on_g(system, prompt, f"{tag}-g", max_tokens=1)
         c = complete(system.url("H"), prompt, tag=f"{tag}-cold", replica="H", max_tokens=1, load=False, publish=False,
                      cache_salt=f"cold-{tag}")
         reset_prefix_cache(system.url("G"))  # G's next run finds the prompt in h1's pool only
@@ -189,7 +173,7 @@ def _faults(system, corpus: Corpus, rng: random.Random, n: int, reps: int, rate:
         time.sleep(SETTINGS["tier_backoff_max_s"] + 0.3)
         warm = corpus.text(n - 1, rng)
         for i in range(2):
-            _publish(system, warm, f"settle-{time.monotonic_ns()}-{i}")
+            publish_on_g(system, warm, f"settle-{time.monotonic_ns()}-{i}", max_tokens=1)
             complete(system.url("H"), warm, tag=f"settle-h-{time.monotonic_ns()}", replica="H", max_tokens=1,
                      publish=False)
             system.reset()
@@ -199,7 +183,7 @@ def _faults(system, corpus: Corpus, rng: random.Random, n: int, reps: int, rate:
         prompts = [corpus.text(n - 1, rng) for _ in range(2)]
         tag = f"f{n}-{rep}"
         for i, p in enumerate(prompts):
-            _publish(system, p, f"{tag}-g{i}")
+            publish_on_g(system, p, f"{tag}-g{i}", max_tokens=1)
         refs = [complete(system.url("H"), p, tag=f"{tag}-cold{i}", replica="H", max_tokens=1, load=False,
                          publish=False, cache_salt=f"cold-{tag}") for i, p in enumerate(prompts)]
         out["cold"].append(refs[0].ttft_s * 1e3)
@@ -214,7 +198,7 @@ def _faults(system, corpus: Corpus, rng: random.Random, n: int, reps: int, rate:
         settle()
         prompts = [corpus.text(n - 1, rng) for _ in range(3)]
         for i, p in enumerate(prompts):
-            _publish(system, p, f"{tag}-pg{i}")
+            publish_on_g(system, p, f"{tag}-pg{i}", max_tokens=1)
         refs = [complete(system.url("H"), p, tag=f"{tag}-pcold{i}", replica="H", max_tokens=1, load=False,
                          publish=False, cache_salt=f"cold-{tag}") for i, p in enumerate(prompts)]
         system.partition("store")
@@ -223,7 +207,7 @@ def _faults(system, corpus: Corpus, rng: random.Random, n: int, reps: int, rate:
         one("partitioned_later", prompts[1], f"{tag}-part2", refs[1])
         system.heal("store")
         settle()
-        _publish(system, prompts[2], f"{tag}-kg")
+        publish_on_g(system, prompts[2], f"{tag}-kg", max_tokens=1)
         system.kill_store()
         one("dead", prompts[2], f"{tag}-dead", refs[2])
         system.restart_store()

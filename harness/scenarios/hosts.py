@@ -49,10 +49,19 @@ def _tag(prefix: str, seed: int) -> str:
     return f"{prefix}{seed % 10**8}"
 
 
-def _publish(system, prompt: str, tag: str) -> None:  # noqa: ANN001
-    complete(system.url("G"), prompt, tag=tag, replica="G", max_tokens=8)
-    wait_for(lambda: any(r.get("put") for r in records(system.history_dir, "tier_publish", tag=tag)),
-             60, f"G's blocks of {tag} in the tier")
+def publish_on_g(system, prompt: str, tag: str, max_tokens: int = 8) -> None:  # noqa: ANN001
+    """G computes the prompt; returns once every complete block of it is in the tier (put,
+    or refused as already there), with no tier error: G's tier puts run after its response
+    and must neither race H's lookup nor run under the next measurement."""
+    complete(system.url("G"), prompt, tag=tag, replica="G", max_tokens=max_tokens)
+
+    def stored() -> bool:
+        recs = records(system.history_dir, "tier_publish", tag=tag)
+        (lk,) = records(system.history_dir, "lookup", tag=tag, replica="G") or [{}]
+        return bool(recs) and sum(r.get("put", 0) + r.get("refused", 0) for r in recs) >= \
+            lk.get("prompt_tokens", 0) // B and all(r.get("error") is None for r in recs)
+
+    wait_for(stored, 60, f"G's blocks of {tag} in the tier")
 
 
 def _lookup(system, tag: str) -> dict:  # noqa: ANN001
@@ -72,7 +81,7 @@ def cross_host(system, corpus: Corpus, seed: int, fault: str | None = None, rate
     if control:
         system.arm("H", "connector", {"control": control})
     for i in range(2):
-        _publish(system, prompts[i], f"{tag}-g{i}")
+        publish_on_g(system, prompts[i], f"{tag}-g{i}")
     refs = [complete(system.url("H"), p, tag=f"{tag}-cold{i}", replica="H", max_tokens=8, load=False, publish=False,
                      cache_salt=f"cold-{tag}") for i, p in enumerate(prompts)]
     reset_prefix_cache(system.url("H"))
@@ -132,7 +141,7 @@ def cross_host(system, corpus: Corpus, seed: int, fault: str | None = None, rate
                 "tier_held" in second and second.get("tier_blocks") == 0, second)
     # Healed: once the hold expires the tier serves again (a probe of one block at least).
     time.sleep(system.settings.get("tier_backoff_max_s", 30.0) + 0.3)
-    _publish(system, prompts[2], f"{tag}-g2")
+    publish_on_g(system, prompts[2], f"{tag}-g2")
     back = complete(system.url("H"), prompts[2], tag=f"{tag}-back", replica="H", max_tokens=8, publish=False)
     lk = _lookup(system, f"{tag}-back")
     c.check("healed, H reads from the tier again", lk.get("tier_blocks", 0) >= 1, lk)

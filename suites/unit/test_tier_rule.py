@@ -50,3 +50,12 @@ def test_a_failed_lookup_holds_the_tier_off_and_says_why():
 def test_a_deadline_must_be_positive():
     with pytest.raises(ValueError, match="tier_deadline_s"):
         TierRule(deadline_s=0)
+
+
+def test_forget_drops_a_hold_and_says_why():
+    rule = TierRule(deadline_s=1.0, backoff_s=5.0)
+    assert rule.forget() is None
+    rule.fail(0.0, "TierUnavailable: refused")
+    assert rule.allow_lookup(1.0) is not None
+    assert "refused" in rule.forget()
+    assert rule.allow_lookup(1.0) is None and rule.claim(3, 1.0)[0] == 3 and rule.forget() is None
