@@ -12,9 +12,13 @@ report (`measurements.json`); `kvgate plan` and the HTML report read them.
                fallback  a load was claimed and failed: the blocks were recomputed
         Requests of replicas whose connector writes no lookup records (another
         connector) are left out, as are requests that failed.
+        `faulted`: between its send and its end a fault fired on its replica, or the
+        nemesis acted (on the pool, a store, a host).
   timeline(recs) -> list[dict]    faults fired and nemesis actions, in time order.
+  link_rates(recs) -> {source: B/s}  the loads' own rate (bytes / seconds), medians.
   miss_events(recs) -> list[dict] every miss a lookup or a load recorded, with its cause.
-  distributions(samples) -> {kind: {prefix_tokens: {"n", "p50_ms", "p95_ms"}}}
+  distributions(samples, by_octave=False) -> {kind: {prefix_tokens: {"n", "p50_ms", "p95_ms"}}}
+                                  (by_octave: prompt lengths grouped by their nearest power of two)
   measure(history_dir, system) -> dict   all of the above for one system's history.
 """
 
@@ -42,6 +46,7 @@ class Sample:
     hit_tokens: int  # tokens the replica did not compute: its local hit plus what it loaded
     ttft_ms: float
     miss_cause: str | None  # why the lookup's run stopped, when it did
+    faulted: bool = False  # a fault fired on its replica, or the nemesis acted, while it ran
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -67,10 +72,17 @@ def _kind(lookup: dict, loads: list[dict]) -> str:
 def samples(recs: list[dict], system: str = "default") -> list[Sample]:
     lookups: dict[tuple[str, str], dict] = {}
     loads: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    sent: dict[tuple[str, str], float] = {}
+    # what can touch a request: a fault its own replica's connector or client fired, or the
+    # nemesis (which acts on the pool, the store or a host, under every replica)
+    faults = [(r["t"], r.get("replica") if r.get("ev") == "fault" else None)
+              for r in recs if r.get("ev") in ("fault", "nemesis")]
     out: list[Sample] = []
     for r in recs:  # time order: a request's last lookup before it ended is the one that counted
         ev = r.get("ev")
-        if ev == "lookup" and r.get("role") == "scheduler" and r.get("tag") is not None:
+        if ev == "request" and r.get("phase") == "invoke":
+            sent[(str(r.get("replica", "")), str(r["tag"]))] = float(r["t"])
+        elif ev == "lookup" and r.get("role") == "scheduler" and r.get("tag") is not None:
             lookups[(r["replica"], str(r["tag"]))] = r
         elif ev in ("load", "tier_load") and r.get("tag") is not None:
             loads[(r["replica"], str(r["tag"]))].append(r)
@@ -81,8 +93,10 @@ def samples(recs: list[dict], system: str = "default") -> list[Sample]:
                 continue
             kind = _kind(lk, loads.pop(key, []))
             hit = int(lk.get("local_tokens") or 0) + (int(lk.get("external_tokens") or 0) if kind != "fallback" else 0)
+            t0 = sent.pop(key, float(r["t"]) - float(r.get("total_s") or 0))
+            faulted = any(t0 <= t <= float(r["t"]) and where in (None, key[0]) for t, where in faults)
             out.append(Sample(round(float(r["t"]), 3), system, key[0], key[1], int(lk.get("prompt_tokens") or 0), kind,
-                              hit, round(float(r["ttft_s"]) * 1e3, 2), lk.get("miss_cause")))
+                              hit, round(float(r["ttft_s"]) * 1e3, 2), lk.get("miss_cause"), faulted))
     return out
 
 
@@ -103,10 +117,16 @@ def miss_events(recs: list[dict]) -> list[dict]:
             for r in recs if r.get("ev") in ("lookup", "load", "tier_load") and r.get("miss_cause")]
 
 
-def distributions(found: list[Sample]) -> dict[str, dict[int, dict[str, float]]]:
+def bucket(tokens: int) -> int:
+    """The power of two nearest to a prompt length (in log scale): a run whose prompts are
+    not of a few fixed lengths (a gate run's scenarios) is summarized by octave."""
+    return 1 << max(0, round(math.log2(max(1, tokens))))
+
+
+def distributions(found: list[Sample], by_octave: bool = False) -> dict[str, dict[int, dict[str, float]]]:
     groups: dict[tuple[str, int], list[float]] = defaultdict(list)
     for s in found:
-        groups[(s.kind, s.prompt_tokens)].append(s.ttft_ms)
+        groups[(s.kind, bucket(s.prompt_tokens) if by_octave else s.prompt_tokens)].append(s.ttft_ms)
     out: dict[str, dict[int, dict[str, float]]] = defaultdict(dict)
     for (kind, n), values in sorted(groups.items()):
         out[kind][n] = {"n": len(values), "p50_ms": round(statistics.median(values), 2),
@@ -132,8 +152,20 @@ def kv_geometry(recs: list[dict]) -> dict | None:
     return None
 
 
+def link_rates(recs: list[dict]) -> dict[str, float]:
+    """Bytes per second of the loads that installed every block they were asked for, by
+    source ("remote": this host's pool, "tier": the network tier), medians."""
+    block = {r["replica"]: int(r["block_bytes"]) for r in recs if r.get("ev") == "register" and r.get("block_bytes")}
+    rates: dict[str, list[float]] = defaultdict(list)
+    for r in recs:
+        if r.get("ev") in ("load", "tier_load") and r.get("loaded") and not r.get("miss_cause") \
+                and r.get("seconds") and r.get("replica") in block:
+            rates["tier" if r["ev"] == "tier_load" else "remote"].append(r["loaded"] * block[r["replica"]] / r["seconds"])
+    return {k: round(statistics.median(v)) for k, v in rates.items()}
+
+
 def measure(history_dir: Path, system: str) -> dict:
     recs = read_history(history_dir)
     found = samples(recs, system)
-    return {"system": system, "geometry": kv_geometry(recs), "samples": [s.as_dict() for s in found],
-            "timeline": timeline(recs), "misses": miss_events(recs)}
+    return {"system": system, "geometry": kv_geometry(recs), "link_Bps": link_rates(recs),
+            "samples": [s.as_dict() for s in found], "timeline": timeline(recs), "misses": miss_events(recs)}

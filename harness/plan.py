@@ -88,15 +88,16 @@ class Measured:
         if len(xs) == 1:
             x = xs[0]  # one point: scale with length (prefill and transfer grow at least linearly)
             return rows[x][q] * length / x, "extrapolated"
-        if xs[0] < length < xs[-1]:
-            hi = next(i for i, x in enumerate(xs) if x > length)
-            a, b = xs[hi - 1], xs[hi]
-            how = "interpolated"
-        else:
-            a, b = (xs[0], xs[1]) if length < xs[0] else (xs[-2], xs[-1])
-            how = "extrapolated"
+        if length < xs[0]:  # below the shortest: in proportion to it (a line through two points can go negative)
+            return rows[xs[0]][q] * length / xs[0], "extrapolated"
+        if length > xs[-1]:  # past the longest: the last two points' line, at least in proportion
+            a, b = xs[-2], xs[-1]
+            ya, yb = rows[a][q], rows[b][q]
+            return max(ya + (yb - ya) * (length - a) / (b - a), yb * length / b), "extrapolated"
+        hi = next(i for i, x in enumerate(xs) if x > length)
+        a, b = xs[hi - 1], xs[hi]
         ya, yb = rows[a][q], rows[b][q]
-        return max(0.0, ya + (yb - ya) * (length - a) / (b - a)), how
+        return ya + (yb - ya) * (length - a) / (b - a), "interpolated"
 
 
 def _read_json(path: Path) -> Any:
@@ -142,21 +143,24 @@ def load_measured(paths: list[Path]) -> Measured:
 
 
 def _from_gate(m: Measured, doc: dict, path: Path) -> None:
-    from harness.measure import Sample
+    from harness.measure import Sample, bucket
 
     found = [Sample(**s) for sysdoc in doc["systems"] for s in sysdoc.get("samples", [])]
-    for kind, rows in distributions(found).items():
+    healthy = [s for s in found if not s.faulted and s.kind != "fallback"]  # a gate run is mostly faults
+    for kind, rows in distributions(healthy, by_octave=True).items():  # a gate run's prompts vary in length
         for length, d in rows.items():
             m.merge_row(kind, length, d["p50_ms"], d["p95_ms"], int(d["n"]))
     for sysdoc in doc["systems"]:
         g = sysdoc.get("geometry") or {}
         if g and m.bytes_per_token is None:
             m.bytes_per_token, m.block_size = float(g["bytes_per_token"]), int(g["block_size"])
+        for source, rate in (sysdoc.get("link_Bps") or {}).items():
+            m.throughput_Bps.setdefault(source, float(rate))
     fallbacks = [s for s in found if s.kind == "fallback"]
     if fallbacks and m.stall is None:  # each fallback's TTFT against the cold median at its length
         pen = []
         for s in fallbacks:
-            cold, _ = m.at("cold", s.prompt_tokens)
+            cold, _ = m.at("cold", bucket(s.prompt_tokens))
             if cold is not None:
                 pen.append(s.ttft_ms - cold)
         if pen:

@@ -92,8 +92,10 @@ def page(title: str, provenance: dict | None, body: list[str]) -> str:
 
 
 def ttft_plot(samples: list[dict], name: str = "ttft-by-kind") -> str:
-    """Every request's TTFT against its prompt length, by hit kind; the median per length
-    as a line."""
+    """Every request's TTFT against its prompt length, by hit kind; the median per power of
+    two as a line."""
+    from harness.measure import bucket
+
     if not samples:
         return _empty(name, "no request with a hit kind was measured")
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -105,7 +107,7 @@ def ttft_plot(samples: list[dict], name: str = "ttft-by-kind") -> str:
         ax.scatter(xs, ys, s=12, alpha=0.6, color=COLORS.get(kind), label=f"{kind} ({len(pts)})")
         med = defaultdict(list)
         for x, y in pts:
-            med[x].append(y)
+            med[bucket(x)].append(y)
         mx = sorted(med)
         ax.plot(mx, [sorted(med[x])[len(med[x]) // 2] for x in mx], color=COLORS.get(kind), lw=1)
     ax.set_xscale("log", base=2)
@@ -113,7 +115,8 @@ def ttft_plot(samples: list[dict], name: str = "ttft-by-kind") -> str:
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("TTFT (ms)")
     ax.legend(fontsize=8)
-    return figure(name, "Time to first token of every request, by hit kind and prompt length (line: median)", fig)
+    return figure(name, "Time to first token of every request, by hit kind and prompt length (line: the median "
+                        "per power of two)", fig)
 
 
 def payback_plot(by_kind: dict[str, dict[int, dict[str, float]]], name: str = "payback") -> str:
@@ -214,7 +217,7 @@ def gate_report(run: Any, measured: dict) -> str:
         times = [s["t"] for s in samples] + [e["t"] for e in sysdoc.get("timeline", [])] + \
                 [m["t"] for m in sysdoc.get("misses", [])]
         t0 = min(times) if times else 0.0
-        dist = distributions([Sample(**s) for s in samples])
+        dist = distributions([Sample(**s) for s in samples], by_octave=True)
         body += [f"<h2>System {html.escape(sysdoc.get('system', ''))}</h2>",
                  f"<p>{len(samples)} requests measured; {len(sysdoc.get('timeline', []))} faults and nemesis actions; "
                  f"{len(sysdoc.get('misses', []))} misses.</p>",
@@ -223,7 +226,7 @@ def gate_report(run: Any, measured: dict) -> str:
                  misses_plot(sysdoc.get("misses", []), t0, f"miss-causes-{sysdoc.get('system')}"),
                  timeline_plot(sysdoc.get("timeline", []), samples, t0, f"fault-timeline-{sysdoc.get('system')}")]
         rows = [[k, L, d["n"], d["p50_ms"], d["p95_ms"]] for k, by in sorted(dist.items()) for L, d in sorted(by.items())]
-        body.append(_table(["hit kind", "prompt tokens", "requests", "p50 ms", "p95 ms"], rows))
+        body.append(_table(["hit kind", "prompt tokens (nearest power of two)", "requests", "p50 ms", "p95 ms"], rows))
     return page("kvgate gate run", measured.get("provenance") or doc.get("provenance"), body)
 
 

@@ -176,3 +176,14 @@ def test_a_runs_history_gives_each_requests_hit_kind_and_ttft(tmp_path):
     assert m.by_kind["remote"][1024]["p50_ms"] == 40.0 and m.bytes_per_token == 1024
     assert m.stall is not None and m.stall["penalty_ms"] == pytest.approx(140.0)  # the fallback against cold
     assert isinstance(Sample(**found["c"].as_dict()), Sample)
+
+
+def test_a_request_is_faulted_by_its_own_replicas_faults_and_by_the_nemesis_only():
+    recs = []
+    for tag, replica, t in (("x", "A", 0.0), ("y", "B", 0.0), ("z", "A", 10.0)):
+        recs.append({"ev": "request", "phase": "invoke", "replica": replica, "tag": tag, "t": t})
+        recs += _hist(tag, replica, "miss", 1024, 0.05, t=t + 0.5)
+    recs.append({"ev": "fault", "replica": "B", "t": 0.3, "kind": "corrupt"})  # while x and y ran, on B
+    recs.append({"ev": "nemesis", "replica": "harness", "t": 10.2, "action": "pool_kill"})  # while z ran
+    recs.sort(key=lambda r: r["t"])
+    assert {s.tag: s.faulted for s in samples(recs)} == {"x": False, "y": True, "z": True}
