@@ -348,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     bsc = bench.add_parser("scale", help="fan-out live on a warm and three new replicas, the simulation checked "
                                           "against it, then simulated at 8-64 replicas")
     bsc.add_argument("--length", type=int, default=4096, help="the hot prefixes' length in tokens")
-    bsc.add_argument("--reps", type=int, default=5, help="calibration prompts per kind")
+    bsc.add_argument("--reps", type=int, default=10, help="calibration prompts per kind")
     bsc.add_argument("--sim-seeds", type=int, default=200, help="simulation runs per live scenario in the check")
     bsc.add_argument("--replicas", default="8,16,32,64", help="replica counts of the simulated scale")
     bsc.add_argument("--seed", type=int, default=0)

@@ -217,6 +217,10 @@ def simulate(m: Measured, cfg: SimConfig) -> dict[str, Any]:
                 one_load = size / link_Bps  # the transfer a single load had inside its measured T_remote
                 with link.request() as stream:
                     yield stream
+                    core = None
+                    if cpu is not None:  # on shared cores the copy itself needs one (a CPU replica's copier)
+                        core = cpu.request()
+                        yield core
                     transfer = size / stream_Bps * degraded(env.now)
                     waited = env.now - t0
                     if waited + transfer > cfg.load_deadline_s:
@@ -225,6 +229,8 @@ def simulate(m: Measured, cfg: SimConfig) -> dict[str, Any]:
                     else:
                         yield env.timeout(transfer)
                         bytes_rw["read"] += size
+                    if core is not None:
+                        cpu.release(core)
                 in_flight[0] -= 1
                 if kind == "fallback":
                     yield from compute(r, cold.draw(rng, L))
@@ -319,7 +325,10 @@ def run_scale(m: Measured, replica_counts: tuple[int, ...] = (8, 16, 32, 64), pr
     rows = []
     for n in replica_counts:
         for name, cfg in scenarios(n, prefix_tokens, seed, m.bytes_per_token or 1).items():
+            if cfg.link not in m.throughput_Bps:  # no tier measured: the degraded node is this host's pool
+                cfg = dataclasses.replace(cfg, link="remote")
             rows.append({"scenario": name, **simulate(m, cfg)})
             if progress is not None:
                 progress.update(1)
-    return {"prefix_tokens": prefix_tokens, "seed": seed, "rows": rows}
+    return {"prefix_tokens": prefix_tokens, "seed": seed, "rows": rows,
+            "degraded_link": "tier" if "tier" in m.throughput_Bps else "remote"}
