@@ -29,8 +29,27 @@ from harness.system.default import start_system
 from harness.checkers.verdict import Verdict, all_of
 from reports.render import Criterion, GateRun, write_reports
 
+_BAR: list = []  # the run's progress bar (tqdm), while one is shown
+
+
 def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    """A line of the run's log on stderr, above the progress bar when there is one."""
+    if _BAR:
+        _BAR[0].write(msg, file=sys.stderr)
+    else:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _progress_bar(total: int):  # noqa: ANN202
+    """tqdm's bar of scenario runs with its ETA, on a terminal only (a log keeps the lines)."""
+    from tqdm import tqdm
+
+    _BAR.clear()  # a run that ended on an exception left its bar
+    bar = tqdm(total=total, desc="kvgate gate", unit="run", file=sys.stderr, disable=not sys.stderr.isatty(),
+               dynamic_ncols=True, leave=False)
+    if not bar.disable:
+        _BAR[:] = [bar]
+    return bar
 
 
 def _pool_criteria() -> list[tuple[str, Callable[[int], Verdict]]]:
@@ -130,7 +149,7 @@ def run_gate(seed: int | None = None, seeds: int = 2, report_dir: Path = Path("r
     results: list = []
     measured: list[dict] = []
     total = sum(min(seeds, sc.seeds or seeds) for sc in chosen)
-    progress = {"done": 0, "total": total}
+    progress = {"done": 0, "total": total, "bar": _progress_bar(total)}
     if on_default:
         cluster, model = started["system"]
         try:
@@ -150,6 +169,8 @@ def run_gate(seed: int | None = None, seeds: int = 2, report_dir: Path = Path("r
         finally:
             system.stop()
             measured.append(measure(system.history_dir, f"hosts-{store}"))
+    progress["bar"].close()
+    _BAR.clear()
     kinds = per_kind(results)
     run.summary = {"wall_s": round(time.monotonic() - t_start, 1), "criteria": len(run.criteria),
                    "passed": sum(c.verdict.valid is True for c in run.criteria), "per_fault_kind": kinds,
@@ -183,6 +204,7 @@ def _run_scenarios(run: GateRun, results: list, cluster, model: Path, chosen: li
         for i in range(min(seeds, sc.seeds or seeds)):
             s = derive_seed(root, f"{sc.name}#{i}")
             progress["done"] += 1
+            progress["bar"].update(1)
             done = progress["done"]
             _say(f"[{done}/{total}] {sc.name} (seed {s}) ...")
             try:

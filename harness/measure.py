@@ -45,7 +45,7 @@ class Sample:
     kind: str
     hit_tokens: int  # tokens the replica did not compute: its local hit plus what it loaded
     ttft_ms: float
-    miss_cause: str | None  # why the lookup's run stopped, when it did
+    miss_cause: str | None  # why the lookup's run stopped, when it did; for a fallback, why its load failed
     faulted: bool = False  # a fault fired on its replica, or the nemesis acted, while it ran
 
     def as_dict(self) -> dict:
@@ -91,12 +91,16 @@ def samples(recs: list[dict], system: str = "default") -> list[Sample]:
             lk = lookups.pop(key, None)
             if lk is None:
                 continue
-            kind = _kind(lk, loads.pop(key, []))
+            its_loads = loads.pop(key, [])
+            kind = _kind(lk, its_loads)
             hit = int(lk.get("local_tokens") or 0) + (int(lk.get("external_tokens") or 0) if kind != "fallback" else 0)
+            cause = lk.get("miss_cause")
+            if kind == "fallback":  # why its load failed, rather than where the lookup's run stopped
+                cause = next((x.get("miss_cause") for x in its_loads if x.get("miss_cause")), cause)
             t0 = sent.pop(key, float(r["t"]) - float(r.get("total_s") or 0))
             faulted = any(t0 <= t <= float(r["t"]) and where in (None, key[0]) for t, where in faults)
             out.append(Sample(round(float(r["t"]), 3), system, key[0], key[1], int(lk.get("prompt_tokens") or 0), kind,
-                              hit, round(float(r["ttft_s"]) * 1e3, 2), lk.get("miss_cause"), faulted))
+                              hit, round(float(r["ttft_s"]) * 1e3, 2), cause, faulted))
     return out
 
 

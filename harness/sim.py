@@ -6,7 +6,9 @@ The model, each part a measured input or a stated rule:
   replica      one engine (a SimPy Resource of capacity 1: prefills of one replica run one
                after another) and its own prefix cache (LRU over prefixes, `local_slots`).
   request      arrives (Poisson per class, or in a burst), is routed (round robin, or to a
-               replica that holds its prefix: `warm_routing`), then served as
+               replica that holds its prefix: `warm_routing`), waits for its replica's engine
+               (the step that schedules it looks it up and runs its load, as vLLM's
+               scheduler and a CPU replica's synchronous load do), then is served as
                  local     its replica holds the prefix: T_local(L)
                  remote    the pool holds it and remote loads are on: the load waits for the
                            link (a Resource of `link_streams` streams; a stream moves S bytes
@@ -185,72 +187,56 @@ def simulate(m: Measured, cfg: SimConfig) -> dict[str, Any]:
         rr[0] += 1
         return r
 
-    def compute(r: int, seconds):  # noqa: ANN001, ANN202 - the replica's engine, and a core if they are shared
-        """`seconds`: a duration, or a function giving it once the engine's turn has come."""
-        with engines[r].request() as turn:
-            yield turn
-            t = seconds() if callable(seconds) else seconds
-            if cpu is None:
-                yield env.timeout(t)
-                return
-            with cpu.request() as core:
-                yield core
-                yield env.timeout(t)
+    def on_core(seconds: float):  # noqa: ANN202 - time that needs a core where the replicas share them
+        if cpu is None:
+            yield env.timeout(seconds)
+            return
+        with cpu.request() as core:
+            yield core
+            yield env.timeout(seconds)
 
     def request(c: SimClass, key: str, burst: bool = False):  # noqa: ANN202 - a SimPy process
+        """As vLLM serves it: the request waits for its replica's engine; in the step that
+        schedules it the scheduler finds the engine's own prefix cache, else asks the pool
+        (the load runs inside that step), else computes the prefix and publishes it."""
         t0 = env.now
         L = c.prefix_tokens
         size = L * m.bytes_per_token
         r = route(key, burst)
-        kind = "cold"
-        if caches[r].has(key):
-            kind = "local"
-            yield from compute(r, local.draw(rng, L))
-        else:
-            pooled = cfg.remote_loads and pool.has(key)
-            if pooled and cfg.max_loads and in_flight[0] >= cfg.max_loads:
-                kind, pooled = "throttled", False
-            if pooled:
-                in_flight[0] += 1
-                peak["loads_in_flight"] = max(peak["loads_in_flight"], in_flight[0])
-                peak["link_queue"] = max(peak["link_queue"], len(link.queue))
-                one_load = size / link_Bps  # the transfer a single load had inside its measured T_remote
-                with link.request() as stream:
-                    yield stream
-                    core = None
-                    if cpu is not None:  # on shared cores the copy itself needs one (a CPU replica's copier)
-                        core = cpu.request()
-                        yield core
-                    transfer = size / stream_Bps * degraded(env.now)
-                    waited = env.now - t0
-                    if waited + transfer > cfg.load_deadline_s:
-                        yield env.timeout(max(0.0, cfg.load_deadline_s - waited))
-                        kind = "fallback"
-                    else:
-                        yield env.timeout(transfer)
-                        bytes_rw["read"] += size
-                    if core is not None:
-                        cpu.release(core)
-                in_flight[0] -= 1
-                if kind == "fallback":
-                    yield from compute(r, cold.draw(rng, L))
-                else:
-                    kind = "remote"
-                    yield from compute(r, max(1e-4, remote.draw(rng, L) - one_load))
+        with engines[r].request() as turn:
+            yield turn
+            kind = "cold"
+            if caches[r].has(key):
+                kind = "local"
+                yield from on_core(local.draw(rng, L))
             else:
-                # the engine's scheduler finds its own prefix cache when the request's turn
-                # comes: a request queued behind the first of its prefix is a local hit
-                found = []
-
-                def when_scheduled() -> float:
-                    if caches[r].has(key):
-                        found.append(True)
-                        return local.draw(rng, L)
-                    return cold.draw(rng, L)
-
-                yield from compute(r, when_scheduled)
-                if found and kind == "cold":
-                    kind = "local"
+                pooled = cfg.remote_loads and pool.has(key)
+                if pooled and cfg.max_loads and in_flight[0] >= cfg.max_loads:
+                    kind, pooled = "throttled", False  # refused at once: recomputed
+                if pooled:
+                    in_flight[0] += 1
+                    peak["loads_in_flight"] = max(peak["loads_in_flight"], in_flight[0])
+                    peak["link_queue"] = max(peak["link_queue"], len(link.queue))
+                    one_load = size / link_Bps  # the transfer a single load had inside its measured T_remote
+                    started = env.now
+                    with link.request() as stream:
+                        yield stream
+                        transfer = size / stream_Bps * degraded(env.now)
+                        waited = env.now - started
+                        if waited + transfer > cfg.load_deadline_s:  # past the load's deadline: given up there
+                            yield from on_core(max(0.0, cfg.load_deadline_s - waited))
+                            kind = "fallback"
+                        else:
+                            yield from on_core(transfer)  # a CPU replica's copier copies on a core
+                            bytes_rw["read"] += size
+                    in_flight[0] -= 1
+                    if kind == "fallback":
+                        yield from on_core(cold.draw(rng, L))
+                    else:
+                        kind = "remote"
+                        yield from on_core(max(1e-4, remote.draw(rng, L) - one_load))
+                else:
+                    yield from on_core(cold.draw(rng, L))
             caches[r].put(key, 1)
             if kind in ("cold", "throttled", "fallback"):
                 pool.put(key, size)

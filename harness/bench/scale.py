@@ -11,6 +11,8 @@ Live (one pool, a warm replica W and three new ones N1-N3, on the machine's core
   fanout+load_limit     the same, the pool's load limit set to one lease at a time
                         (SetLimits): the loads past it are throttled and recomputed.
   fanout+warm_routing   the same six requests all routed to W, which holds the prefixes.
+  spike         twelve requests at once on N1-N3, every other one on a hot prefix (loaded)
+                and the rest on prompts nobody computed (recomputed, then published).
 Each request's hit kind and TTFT come from the run's history (harness.measure).
 
 Check: the simulation at the live size (4 replicas, the machine's cores shared, W warm,
@@ -43,6 +45,8 @@ from harness.workload.prompts import Corpus
 from kvpool.history import read_history
 
 NEW = ("N1", "N2", "N3")
+SPIKE = 12  # requests of the spike, every other one on a prompt nobody computed before
+VARIANTS = ("fanout", "fanout+load_limit", "fanout+warm_routing", "spike")
 
 
 def _say(msg: str) -> None:
@@ -109,10 +113,15 @@ def live_fanout(cluster: Cluster, corpus: Corpus, rng: random.Random, length: in
         admin = cluster.pool.client(name="bench-scale-admin")
         admin.set_load_limits(per_client=0, total=1)
     jobs, tags = [], set()
-    for i in range(2 * len(NEW)):
+    n = SPIKE if variant == "spike" else 2 * len(NEW)
+    for i in range(n):
         target = "W" if variant == "fanout+warm_routing" else NEW[i % len(NEW)]
         tag = f"{variant}-{i}-{rng.random():.6f}"
-        jobs.append((target, f"{hot[rng.randrange(4)]} {corpus.text(32, rng)}", tag))
+        if variant == "spike" and i % 2:  # a prompt nobody computed before: recomputed, then published
+            prompt = corpus.text(length // 2, rng)
+        else:
+            prompt = f"{hot[rng.randrange(4)]} {corpus.text(32, rng)}"
+        jobs.append((target, prompt, tag))
         tags.add(tag)
     try:
         _burst(cluster, jobs)
@@ -133,8 +142,11 @@ def check_against_live(m: Measured, live: dict[str, list[dict]], length: int, co
     rows = []
     for variant, got in live.items():
         live_p50 = _median([s["ttft_ms"] for s in got])
-        cfg = SimConfig(replicas=4, classes=(SimClass("hot", 0.0, length, hot_prefixes=4),), duration_s=0.0,
-                        warm_replicas=1, burst=2 * len(NEW), cores=cores,
+        classes = (SimClass("hot", 0.0, length, hot_prefixes=4),)
+        if variant == "spike":
+            classes += (SimClass("unique", 0.0, length // 2, hot_prefixes=10**9, warm=False),)
+        cfg = SimConfig(replicas=4, classes=classes, duration_s=0.0,
+                        warm_replicas=1, burst=SPIKE if variant == "spike" else 2 * len(NEW), cores=cores,
                         max_loads=1 if variant == "fanout+load_limit" else 0,
                         warm_routing=variant == "fanout+warm_routing")
         meds = []
@@ -145,8 +157,9 @@ def check_against_live(m: Measured, live: dict[str, list[dict]], length: int, co
             counts.append({k: v["n"] for k, v in doc["kinds"].items()})
         lo, hi = percentile(meds, 0.025), percentile(meds, 0.975)
         live_kinds: dict[str, int] = {}
-        for s in got:
-            live_kinds[s["kind"]] = live_kinds.get(s["kind"], 0) + 1
+        for s in got:  # a load the pool's limit refused is the simulation's "throttled"
+            kind = "throttled" if s["kind"] == "fallback" and s["miss_cause"] == "throttled" else s["kind"]
+            live_kinds[kind] = live_kinds.get(kind, 0) + 1
         kinds = sorted({k for c in counts for k in c} | set(live_kinds))
         bounds = {k: [percentile([c.get(k, 0) for c in counts], 0.025), percentile([c.get(k, 0) for c in counts], 0.975)]
                   for k in kinds}
@@ -183,7 +196,7 @@ def run_bench(length: int = 4096, reps: int = 10, sim_seeds: int = 200, replica_
         _say(f"  cold {m.by_kind.get('cold')}, local {m.by_kind.get('local')}, remote {m.by_kind.get('remote')}, "
              f"link {m.throughput_Bps}")
         live: dict[str, list[dict]] = {}
-        for variant in tqdm(("fanout", "fanout+load_limit", "fanout+warm_routing"), desc="live scenarios",
+        for variant in tqdm(VARIANTS, desc="live scenarios",
                             file=sys.stderr):
             live[variant] = live_fanout(cluster, corpus, rng, length, variant)
     check = check_against_live(m, live, length, cores, sim_seeds)
