@@ -25,6 +25,9 @@ The pool daemon itself is kvpool's: `kvpool serve` (kvpool.cli).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import json
 import json
 import sys
 from pathlib import Path
@@ -296,6 +299,44 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0 if r.verdict.valid is True else 1
 
 
+class _Tee(io.TextIOBase):
+    def __init__(self, *streams: io.TextIOBase) -> None:
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for stream in self.streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for stream in self.streams:
+            stream.flush()
+
+
+def _bench_with_html(func):  # noqa: ANN001, ANN202
+    """A bench command that also writes its HTML report (reports.html) with --html FILE,
+    from the JSON object it prints last."""
+
+    def run(args: argparse.Namespace) -> int:
+        path = getattr(args, "html", None)
+        if path is None:
+            return func(args)
+        captured = io.StringIO()
+        with contextlib.redirect_stdout(_Tee(sys.stdout, captured)):
+            rc = func(args)
+        lines = [line for line in captured.getvalue().splitlines() if line.startswith("{")]
+        if not lines:
+            print(f"kvgate bench: no JSON result to draw into {path}", file=sys.stderr)
+            return rc or 1
+        from reports.html import bench_report
+
+        path.write_text(bench_report(json.loads(lines[-1]), args.bench_command))
+        print(f"kvgate bench: HTML report {path}", file=sys.stderr)
+        return rc
+
+    return run
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgate", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -462,6 +503,10 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--schedule", type=Path, help="a failing run's schedule file (reports/.../schedules/)")
     rp.add_argument("--report-dir", type=Path, default=None, help="default reports/runs/replay/SCENARIO-SEED")
     rp.set_defaults(func=cmd_replay)
+    for name, sp in bench.choices.items():  # every bench can also write its HTML report
+        if name != "gpu":
+            sp.add_argument("--html", type=Path, default=None, help="also write the HTML report (plots) here")
+            sp.set_defaults(func=_bench_with_html(sp.get_default("func")))
     return parser
 
 

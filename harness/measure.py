@@ -47,6 +47,7 @@ class Sample:
     ttft_ms: float
     miss_cause: str | None  # why the lookup's run stopped, when it did; for a fallback, why its load failed
     faulted: bool = False  # a fault fired on its replica, or the nemesis acted, while it ran
+    dispatch_ms: float | None = None  # from its send to its scheduler's first lookup call (front end, queue)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -73,6 +74,7 @@ def samples(recs: list[dict], system: str = "default") -> list[Sample]:
     lookups: dict[tuple[str, str], dict] = {}
     loads: dict[tuple[str, str], list[dict]] = defaultdict(list)
     sent: dict[tuple[str, str], float] = {}
+    first: dict[tuple[str, str], dict] = {}  # a request's first lookup record (written after the call)
     # what can touch a request: a fault its own replica's connector or client fired, or the
     # nemesis (which acts on the pool, the store or a host, under every replica)
     faults = [(r["t"], r.get("replica") if r.get("ev") == "fault" else None)
@@ -84,6 +86,7 @@ def samples(recs: list[dict], system: str = "default") -> list[Sample]:
             sent[(str(r.get("replica", "")), str(r["tag"]))] = float(r["t"])
         elif ev == "lookup" and r.get("role") == "scheduler" and r.get("tag") is not None:
             lookups[(r["replica"], str(r["tag"]))] = r
+            first.setdefault((r["replica"], str(r["tag"])), r)
         elif ev in ("load", "tier_load") and r.get("tag") is not None:
             loads[(r["replica"], str(r["tag"]))].append(r)
         elif ev == "request" and r.get("phase") == "ok" and not r.get("error") and r.get("ttft_s") is not None:
@@ -99,8 +102,13 @@ def samples(recs: list[dict], system: str = "default") -> list[Sample]:
                 cause = next((x.get("miss_cause") for x in its_loads if x.get("miss_cause")), cause)
             t0 = sent.pop(key, float(r["t"]) - float(r.get("total_s") or 0))
             faulted = any(t0 <= t <= float(r["t"]) and where in (None, key[0]) for t, where in faults)
+            seen = first.pop(key, None)
+            dispatch = None
+            if seen is not None:  # the record is written when the call returns: its start is lookup_us before
+                called = float(seen["t"]) - float(seen.get("lookup_us") or 0) / 1e6
+                dispatch = round(max(0.0, called - t0) * 1e3, 2)
             out.append(Sample(round(float(r["t"]), 3), system, key[0], key[1], int(lk.get("prompt_tokens") or 0), kind,
-                              hit, round(float(r["ttft_s"]) * 1e3, 2), cause, faulted))
+                              hit, round(float(r["ttft_s"]) * 1e3, 2), cause, faulted, dispatch))
     return out
 
 

@@ -21,6 +21,9 @@ The model, each part a measured input or a stated rule:
                  cold      otherwise: T_cold(L), then the prefix is published to the pool
                where T_x(L) is drawn from a lognormal with the measured p50 and p95 at L
                (interpolated between measured lengths, as kvgate plan does).
+  dispatch     where measured (`dispatch`: a request's send to its scheduler's first lookup),
+               each request first spends a draw of it in the front end, and the median is
+               taken out of the measured TTFTs the service times are drawn from.
   pool         LRU over prefixes by bytes, `capacity_bytes`; a publish of a prefix already
                pooled refreshes it.
   degraded     between `degrade_from_s` and `degrade_until_s` the link moves bytes
@@ -152,6 +155,9 @@ def simulate(m: Measured, cfg: SimConfig) -> dict[str, Any]:
     rng = np.random.default_rng(cfg.seed)
     env = simpy.Environment()
     cold, local = _Lognormal(m, "cold"), _Lognormal(m, "local", "cold")
+    # the front end's time before the scheduler sees a request (Tdispatch), where measured: drawn
+    # for each request before it queues for its engine, and taken out of the measured service times
+    dispatch = _Lognormal(m, "dispatch") if m.by_kind.get("dispatch") else None
     remote = _Lognormal(m, cfg.link, "remote" if cfg.link == "tier" else "tier")
     engines = [simpy.Resource(env, capacity=1) for _ in range(cfg.replicas)]
     cpu = simpy.Resource(env, capacity=cfg.cores) if cfg.cores else None
@@ -202,13 +208,21 @@ def simulate(m: Measured, cfg: SimConfig) -> dict[str, Any]:
         t0 = env.now
         L = c.prefix_tokens
         size = L * m.bytes_per_token
+        d50 = 0.0
+        if dispatch is not None:
+            d50 = dispatch.median_s(L)
+            yield env.timeout(dispatch.draw(rng, L))
         r = route(key, burst)
+
+        def service(kind_of: _Lognormal) -> float:
+            return max(1e-4, kind_of.draw(rng, L) - d50)
+
         with engines[r].request() as turn:
             yield turn
             kind = "cold"
             if caches[r].has(key):
                 kind = "local"
-                yield from on_core(local.draw(rng, L))
+                yield from on_core(service(local))
             else:
                 pooled = cfg.remote_loads and pool.has(key)
                 if pooled and cfg.max_loads and in_flight[0] >= cfg.max_loads:
@@ -231,12 +245,12 @@ def simulate(m: Measured, cfg: SimConfig) -> dict[str, Any]:
                             bytes_rw["read"] += size
                     in_flight[0] -= 1
                     if kind == "fallback":
-                        yield from on_core(cold.draw(rng, L))
+                        yield from on_core(service(cold))
                     else:
                         kind = "remote"
-                        yield from on_core(max(1e-4, remote.draw(rng, L) - one_load))
+                        yield from on_core(max(1e-4, service(remote) - one_load))
                 else:
-                    yield from on_core(cold.draw(rng, L))
+                    yield from on_core(service(cold))
             caches[r].put(key, 1)
             if kind in ("cold", "throttled", "fallback"):
                 pool.put(key, size)

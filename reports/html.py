@@ -269,6 +269,15 @@ def bench_report(doc: dict, name: str) -> str:
                         "publish trusted / memcpy": [doc["sizes"][k]["trusted"]["publish_vs_memcpy"] for k in labels],
                         "load / memcpy": [doc["sizes"][k]["load_vs_memcpy"] for k in labels]},
                        "x memcpy", "Publish and load throughput against a plain memcpy of the same pages, same run")]
+    elif "check" in doc and "scale" in doc:
+        body += _scale_sections(doc)
+    elif "phases" in doc:
+        phases = doc["phases"]
+        hooks = [h for h in phases.get("stalled", {}) if isinstance(phases["stalled"][h], dict)
+                 and "worst_call_s" in phases["stalled"][h]]
+        body.append(_bars("stall", hooks, {p: [((phases.get(p) or {}).get(h) or {}).get("worst_call_s", 0) * 1e3
+                                               for h in hooks] for p in phases},
+                          "ms (longest call)", "Each connector hook's longest call, healthy pool against a stopped one"))
     else:
         body.append(_empty("unknown", "this JSON is not a bench kvgate knows how to draw"))
     if rows:
@@ -279,6 +288,35 @@ def bench_report(doc: dict, name: str) -> str:
     if targets:
         body.append(_table(["target", "met"], [[k, "yes" if v else "no"] for k, v in targets.items()]))
     return page(f"kvgate bench {name}", doc.get("provenance"), body)
+
+
+def _scale_sections(doc: dict) -> list[str]:
+    out = ["<h2>The simulation against the live run</h2>",
+           _table(["scenario", "live p50 ms", "live kinds", "simulated p50 ms", "95% interval", "kinds interval",
+                   "consistent"],
+                  [[r["scenario"], r["live_p50_ms"], json.dumps(r["live_kinds"]), r["sim_p50_ms"],
+                    r["sim_p50_interval_ms"], json.dumps(r.get("sim_kinds_interval", {})),
+                    "yes" if r["live_inside_interval"] else "no"] for r in doc["check"]])]
+    rows = doc["scale"]["rows"]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for i, name in enumerate(sorted({r["scenario"] for r in rows})):
+        pts = sorted((r["replicas"], r["ttft_p50_ms"], r["ttft_p95_ms"]) for r in rows if r["scenario"] == name)
+        color = plt.get_cmap("tab10")(i % 10)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color, label=name)
+        ax2.plot([p[0] for p in pts], [p[2] for p in pts], marker="s", ls="--", color=color, label=name)
+    for a, what in ((ax, "p50"), (ax2, "p95")):
+        a.set_xscale("log", base=2)
+        a.set_yscale("log")
+        a.set_xlabel("replicas")
+        a.set_ylabel(f"TTFT {what} (ms)")
+    ax.legend(fontsize=7)
+    out.append("<h2>Simulated at scale</h2>")
+    out.append(figure("scale", "Simulated TTFT p50 (left) and p95 (right) of each scale scenario by replica count", fig))
+    out.append(_table(["replicas", "scenario", "requests", "p50 ms", "p95 ms", "kinds", "peak link queue"],
+                      [[r["replicas"], r["scenario"], r["requests"], r["ttft_p50_ms"], r["ttft_p95_ms"],
+                        ", ".join(f"{k} {v['n']}" for k, v in r["kinds"].items()), r["peak_link_queue"]]
+                       for r in rows]))
+    return out
 
 
 def _bars(name: str, labels: list[str], series: dict[str, list[float]], ylabel: str, caption: str) -> str:

@@ -5,7 +5,8 @@ live run it is calibrated with.
 Live (one pool, a warm replica W and three new ones N1-N3, on the machine's cores):
   calibration   at the prefix length, `reps` fresh prompts each: cold prefill (N1, nothing
                 reused), local hit (N1 again), remote hit (W computes, N2 loads); the link's
-                rate from the loads' own records. These are the simulation's inputs.
+                rate from the loads' own records; the front end's dispatch time (send to the
+                scheduler's first lookup). These are the simulation's inputs.
   fanout        W computes 4 hot prefixes; N1-N3 (their prefix caches emptied) each get two
                 requests on them at once: six loads of the same blocks together.
   fanout+load_limit     the same, the pool's load limit set to one lease at a time
@@ -88,6 +89,10 @@ def calibrate(cluster: Cluster, corpus: Corpus, rng: random.Random, length: int,
         vals = [found[t].ttft_ms for t in ts if t in found and found[t].kind == kind]
         if vals:
             m.merge_row(kind, length, statistics.median(vals), percentile(vals, 0.95), len(vals))
+    dispatch = [found[t].dispatch_ms for ts in tags.values() for t in ts
+                if t in found and found[t].dispatch_ms is not None]
+    if dispatch:  # the front end's share of every TTFT above, for the simulation's Tdispatch
+        m.merge_row("dispatch", length, statistics.median(dispatch), percentile(dispatch, 0.95), len(dispatch))
     geometry = next((r for r in recs if r.get("ev") == "register"), None)
     block_bytes = int(geometry["block_bytes"]) if geometry else 0
     ns = next(r["ns"] for r in recs if r.get("ev") == "namespace")

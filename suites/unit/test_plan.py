@@ -187,3 +187,11 @@ def test_a_request_is_faulted_by_its_own_replicas_faults_and_by_the_nemesis_only
     recs.append({"ev": "nemesis", "replica": "harness", "t": 10.2, "action": "pool_kill"})  # while z ran
     recs.sort(key=lambda r: r["t"])
     assert {s.tag: s.faulted for s in samples(recs)} == {"x": False, "y": True, "z": True}
+
+
+def test_dispatch_is_the_send_to_the_first_lookup_call():
+    recs = [{"ev": "request", "phase": "invoke", "replica": "A", "tag": "d", "t": 1.0}]
+    recs += _hist("d", "A", "miss", 1024, 0.09, t=1.05)
+    recs[1]["lookup_us"] = 10_000.0  # the call took 10 ms: it began at 1.04
+    (s,) = samples(recs)
+    assert s.dispatch_ms == pytest.approx(40.0)
