@@ -147,7 +147,7 @@ def cmd_bench_scale(args: argparse.Namespace) -> int:
 
     counts = tuple(int(x) for x in args.replicas.split(",") if x)
     return run_bench(length=args.length, reps=args.reps, sim_seeds=args.sim_seeds, replica_counts=counts,
-                     report_dir=args.report_dir, seed=args.seed)
+                     report_dir=args.report_dir, seed=args.seed, trials=args.trials)
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
@@ -390,7 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
                                           "against it, then simulated at 8-64 replicas")
     bsc.add_argument("--length", type=int, default=4096, help="the hot prefixes' length in tokens")
     bsc.add_argument("--reps", type=int, default=10, help="calibration prompts per kind")
-    bsc.add_argument("--sim-seeds", type=int, default=200, help="simulation runs per live scenario in the check")
+    bsc.add_argument("--trials", type=int, default=5, help="live runs of each scenario")
+    bsc.add_argument("--sim-seeds", type=int, default=200, help="simulated batches (of --trials runs each) per scenario")
     bsc.add_argument("--replicas", default="8,16,32,64", help="replica counts of the simulated scale")
     bsc.add_argument("--seed", type=int, default=0)
     bsc.add_argument("--report-dir", type=Path, default=None, help="logs and history (default: a temp dir)")

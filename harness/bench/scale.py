@@ -16,10 +16,12 @@ Live (one pool, a warm replica W and three new ones N1-N3, on the machine's core
                 and the rest on prompts nobody computed (recomputed, then published).
 Each request's hit kind and TTFT come from the run's history (harness.measure).
 
+Each live variant runs `trials` times (interleaved, fresh hot prefixes each time).
 Check: the simulation at the live size (4 replicas, the machine's cores shared, W warm,
-the same burst), over `sim_seeds` seeds; the live median of each scenario must lie inside
-the simulation's 95% interval of medians, and the live count of each hit kind inside the
-simulation's 95% interval of that count (the report gives the ratio sim / live).
+the same burst), in `sim_seeds` batches of `trials` runs; the live mean of the runs'
+median TTFT must lie inside the 95% interval of the batches' means, and the live total of
+each hit kind inside the interval of the batches' totals (the report gives the ratio sim
+/ live).
 
 Scale: every scenario of harness.sim at 8, 16, 32 and 64 replicas, calibrated the same way.
 The last line printed is one JSON object.
@@ -141,12 +143,27 @@ def _median(xs: list[float]) -> float | None:
     return round(statistics.median(xs), 2) if xs else None
 
 
-def check_against_live(m: Measured, live: dict[str, list[dict]], length: int, cores: int, seeds: int) -> list[dict]:
+def _kind_of(s: dict) -> str:
+    """A load the pool's limit refused (recomputed) is the simulation's "throttled"."""
+    return "throttled" if s["kind"] == "fallback" and s["miss_cause"] == "throttled" else s["kind"]
+
+
+def check_against_live(m: Measured, live: dict[str, list[list[dict]]], length: int, cores: int,
+                       batches: int) -> list[dict]:
+    """Each variant ran `trials` times live. The simulation runs the same variant
+    `batches` x `trials` times; over each batch of `trials` runs it takes the mean of the
+    runs' median TTFTs and the total of each hit kind, as the live figures are taken. The
+    live figures must lie inside the 95% interval of the batches'."""
     from harness.sim import SimClass, SimConfig, simulate
 
     rows = []
-    for variant, got in live.items():
-        live_p50 = _median([s["ttft_ms"] for s in got])
+    for variant, trials in live.items():
+        n = len(trials)
+        live_mean = statistics.mean(statistics.median(s["ttft_ms"] for s in t) for t in trials if t)
+        live_kinds: dict[str, int] = {}
+        for t in trials:
+            for s in t:
+                live_kinds[_kind_of(s)] = live_kinds.get(_kind_of(s), 0) + 1
         classes = (SimClass("hot", 0.0, length, hot_prefixes=4),)
         if variant == "spike":
             classes += (SimClass("unique", 0.0, length // 2, hot_prefixes=10**9, warm=False),)
@@ -154,34 +171,33 @@ def check_against_live(m: Measured, live: dict[str, list[dict]], length: int, co
                         warm_replicas=1, burst=SPIKE if variant == "spike" else 2 * len(NEW), cores=cores,
                         max_loads=1 if variant == "fanout+load_limit" else 0,
                         warm_routing=variant == "fanout+warm_routing")
-        meds = []
-        counts: list[dict[str, int]] = []
-        for seed in range(seeds):
-            doc = simulate(m, dataclasses.replace(cfg, seed=seed))
-            meds.append(doc["ttft_p50_ms"])
-            counts.append({k: v["n"] for k, v in doc["kinds"].items()})
-        lo, hi = percentile(meds, 0.025), percentile(meds, 0.975)
-        live_kinds: dict[str, int] = {}
-        for s in got:  # a load the pool's limit refused is the simulation's "throttled"
-            kind = "throttled" if s["kind"] == "fallback" and s["miss_cause"] == "throttled" else s["kind"]
-            live_kinds[kind] = live_kinds.get(kind, 0) + 1
-        kinds = sorted({k for c in counts for k in c} | set(live_kinds))
-        bounds = {k: [percentile([c.get(k, 0) for c in counts], 0.025), percentile([c.get(k, 0) for c in counts], 0.975)]
+        means: list[float] = []
+        totals: list[dict[str, int]] = []
+        for b in range(batches):
+            docs = [simulate(m, dataclasses.replace(cfg, seed=b * n + i)) for i in range(n)]
+            means.append(statistics.mean(d["ttft_p50_ms"] for d in docs))
+            tot: dict[str, int] = {}
+            for d in docs:
+                for k, v in d["kinds"].items():
+                    tot[k] = tot.get(k, 0) + v["n"]
+            totals.append(tot)
+        lo, hi = percentile(means, 0.025), percentile(means, 0.975)
+        kinds = sorted({k for c in totals for k in c} | set(live_kinds))
+        bounds = {k: [percentile([c.get(k, 0) for c in totals], 0.025), percentile([c.get(k, 0) for c in totals], 0.975)]
                   for k in kinds}
         kinds_inside = all(bounds[k][0] <= live_kinds.get(k, 0) <= bounds[k][1] for k in kinds)
-        p50_inside = bool(live_p50 is not None and lo <= live_p50 <= hi)
-        rows.append({"scenario": variant, "live_requests": len(got), "live_p50_ms": live_p50,
-                     "live_kinds": live_kinds, "sim_p50_ms": _median(meds),
-                     "sim_p50_interval_ms": [round(lo, 2), round(hi, 2)],
-                     "sim_kinds_interval": bounds,
-                     "sim_vs_live": round(statistics.median(meds) / live_p50, 3) if live_p50 else None,
+        p50_inside = lo <= live_mean <= hi
+        rows.append({"scenario": variant, "trials": n, "live_requests": sum(len(t) for t in trials),
+                     "live_p50_ms": round(live_mean, 2), "live_kinds": live_kinds,
+                     "sim_p50_ms": round(statistics.median(means), 2), "sim_p50_interval_ms": [round(lo, 2), round(hi, 2)],
+                     "sim_kinds_interval": bounds, "sim_vs_live": round(statistics.median(means) / live_mean, 3),
                      "p50_inside_interval": p50_inside, "kinds_inside_interval": kinds_inside,
                      "live_inside_interval": p50_inside and kinds_inside})
     return rows
 
 
 def run_bench(length: int = 4096, reps: int = 10, sim_seeds: int = 200, replica_counts: tuple[int, ...] = (8, 16, 32, 64),
-              report_dir: Path | None = None, seed: int = 0) -> int:
+              report_dir: Path | None = None, seed: int = 0, trials: int = 5) -> int:
     from fixtures.tiny_model import build_tiny_model
     from harness.sim import run_scale
     from tqdm import tqdm
@@ -200,14 +216,16 @@ def run_bench(length: int = 4096, reps: int = 10, sim_seeds: int = 200, replica_
         m = calibrate(cluster, corpus, rng, length, reps)
         _say(f"  cold {m.by_kind.get('cold')}, local {m.by_kind.get('local')}, remote {m.by_kind.get('remote')}, "
              f"link {m.throughput_Bps}")
-        live: dict[str, list[dict]] = {}
-        for variant in tqdm(VARIANTS, desc="live scenarios",
-                            file=sys.stderr):
-            live[variant] = live_fanout(cluster, corpus, rng, length, variant)
+        live: dict[str, list[list[dict]]] = {v: [] for v in VARIANTS}
+        with tqdm(total=trials * len(VARIANTS), desc="live scenarios", file=sys.stderr) as bar:
+            for _ in range(trials):  # interleaved, so every variant sees the same machine states
+                for variant in VARIANTS:
+                    live[variant].append(live_fanout(cluster, corpus, rng, length, variant))
+                    bar.update(1)
     check = check_against_live(m, live, length, cores, sim_seeds)
     for row in check:
-        _say(f"  {row['scenario']}: live p50 {row['live_p50_ms']} ms {row['live_kinds']}; simulated "
-             f"{row['sim_p50_ms']} ms, 95% of runs in {row['sim_p50_interval_ms']}, kinds in "
+        _say(f"  {row['scenario']}: live mean of {row['trials']} runs' p50 {row['live_p50_ms']} ms, kinds "
+             f"{row['live_kinds']}; simulated {row['sim_p50_ms']} ms, 95% of batches in {row['sim_p50_interval_ms']}, kinds in "
              f"{row['sim_kinds_interval']}: {'consistent' if row['live_inside_interval'] else 'OUTSIDE'}")
     total = len(replica_counts) * 6
     with tqdm(total=total, desc="simulated scale", file=sys.stderr) as bar:
