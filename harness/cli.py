@@ -389,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     bsc = bench.add_parser("scale", help="fan-out live on a warm and three new replicas, the simulation checked "
                                           "against it, then simulated at 8-64 replicas")
     bsc.add_argument("--length", type=int, default=4096, help="the hot prefixes' length in tokens")
-    bsc.add_argument("--reps", type=int, default=10, help="calibration prompts per kind")
+    bsc.add_argument("--reps", type=int, default=20, help="calibration prompts per kind")
     bsc.add_argument("--trials", type=int, default=5, help="live runs of each scenario")
     bsc.add_argument("--sim-seeds", type=int, default=200, help="simulated batches (of --trials runs each) per scenario")
     bsc.add_argument("--replicas", default="8,16,32,64", help="replica counts of the simulated scale")

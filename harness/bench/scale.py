@@ -196,7 +196,7 @@ def check_against_live(m: Measured, live: dict[str, list[list[dict]]], length: i
     return rows
 
 
-def run_bench(length: int = 4096, reps: int = 10, sim_seeds: int = 200, replica_counts: tuple[int, ...] = (8, 16, 32, 64),
+def run_bench(length: int = 4096, reps: int = 20, sim_seeds: int = 200, replica_counts: tuple[int, ...] = (8, 16, 32, 64),
               report_dir: Path | None = None, seed: int = 0, trials: int = 5) -> int:
     from fixtures.tiny_model import build_tiny_model
     from harness.sim import run_scale
