@@ -302,7 +302,7 @@ def scenarios(replicas: int, prefix_tokens: int, seed: int, bytes_per_token: flo
     fanout = SimConfig(replicas, hot, duration_s=0.0, seed=seed, warm_replicas=1, burst=2 * replicas)
     spike_classes = (SimClass("shared", 2.0, prefix_tokens, hot_prefixes=8),
                      SimClass("unique", 2.0, prefix_tokens // 2, hot_prefixes=10**9, warm=False))
-    spike = SimConfig(replicas, spike_classes, duration_s=60.0, seed=seed, warm_replicas=replicas, spike_factor=4.0,
+    spike = SimConfig(replicas, spike_classes, duration_s=60.0, seed=seed, warm_replicas=replicas // 2, spike_factor=4.0,
                       spike_from_s=20.0, spike_until_s=40.0,
                       capacity_bytes=64 * prefix_tokens * bytes_per_token)  # the shared prefixes and a few unique ones
     # a storage node's link degraded 50x for 20 s; loads cross the network tier, bounded by
