@@ -76,7 +76,7 @@ class SimConfig:
     pool_warm: bool = True  # the pool starts holding every hot prefix (published by the warm ones)
     capacity_bytes: float = 1e12
     local_slots: int = 64  # prefixes a replica's own cache holds
-    link_streams: int = 4
+    link_streams: int = 1  # loads that move bytes at once, sharing the link's measured rate
     max_loads: int = 0  # the pool's concurrent load limit (0: none)
     load_deadline_s: float = 10.0
     warm_routing: bool = False

@@ -44,6 +44,7 @@ from harness.client.http import complete, reset_prefix_cache
 from harness.measure import percentile, samples
 from harness.plan import Measured
 from harness.system.cluster import Cluster, ReplicaSpec
+from harness.system.hosts import IDLE_ENV
 from harness.workload.prompts import Corpus
 from kvpool.history import read_history
 
@@ -207,8 +208,9 @@ def run_bench(length: int = 4096, reps: int = 20, sim_seeds: int = 200, replica_
     corpus = Corpus(model)
     rng = random.Random(seed)
     cores = min(2, os.cpu_count() or 1)
-    specs = [ReplicaSpec(name, core=str(i % cores), max_model_len=length + 1024, kv_bytes=256 * 2**20)
-             for i, name in enumerate(("W", *NEW))]
+    # idle replicas' OpenMP threads sleep instead of spinning on a core another replica needs
+    specs = [ReplicaSpec(name, core=str(i % cores), max_model_len=length + 1024, kv_bytes=256 * 2**20,
+                         extra_env=IDLE_ENV) for i, name in enumerate(("W", *NEW))]
     cluster = Cluster(model, report_dir / "cluster", page_size=128 * 1024, pool_pages=1024)
     _say(f"kvgate bench scale: starting a pool and {len(specs)} replicas on {cores} cores")
     with cluster.start(specs):
