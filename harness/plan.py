@@ -100,6 +100,17 @@ class Measured:
         return ya + (yb - ya) * (length - a) / (b - a), "interpolated"
 
 
+_REPO = Path(__file__).resolve().parent.parent
+
+
+def _shown(path: Path) -> str:
+    """A path as a report shows it: relative to the repository when inside it."""
+    try:
+        return str(path.resolve().relative_to(_REPO))
+    except ValueError:
+        return str(path)
+
+
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
@@ -120,7 +131,7 @@ def load_measured(paths: list[Path]) -> Measured:
         doc = _read_json(path)
         if not isinstance(doc, dict):
             raise PlanInputError(f"{path}: not a JSON object")
-        m.sources.append(str(path))
+        m.sources.append(_shown(path))
         if "systems" in doc:
             _from_gate(m, doc, path)
         elif "rows" in doc and doc["rows"] and "cross_host_hit_ttft_ms" in doc["rows"][0]:
@@ -274,7 +285,7 @@ def _mix(path: Path, doc: dict, classes: list[RequestClass]) -> Mix:
         raise PlanInputError(f"{path}: pool.capacity_bytes is required (the pool's physical capacity)")
     return Mix(classes, float(pool["capacity_bytes"]), float(pool.get("reserved_bytes", 0)),
                float(pool.get("active_decode_bytes", 0)), pool.get("page_bytes"),
-               float(doc.get("load_fault_rate", 0.0)), dict(doc.get("warmup") or {}), str(path),
+               float(doc.get("load_fault_rate", 0.0)), dict(doc.get("warmup") or {}), _shown(path),
                int(doc["block_size"]) if doc.get("block_size") else None)
 
 
