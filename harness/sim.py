@@ -22,8 +22,9 @@ The model, each part a measured input or a stated rule:
                where T_x(L) is drawn from a lognormal with the measured p50 and p95 at L
                (interpolated between measured lengths, as kvgate plan does).
   dispatch     where measured (`dispatch`: a request's send to its scheduler's first lookup),
-               each request first spends a draw of it in the front end, and the median is
-               taken out of the measured TTFTs the service times are drawn from.
+               each request first spends a draw of it in the front end (on a core, where the
+               replicas share them), and the median is taken out of the measured TTFTs the
+               service times are drawn from.
   pool         LRU over prefixes by bytes, `capacity_bytes`; a publish of a prefix already
                pooled refreshes it.
   degraded     between `degrade_from_s` and `degrade_until_s` the link moves bytes
@@ -209,9 +210,9 @@ def simulate(m: Measured, cfg: SimConfig) -> dict[str, Any]:
         L = c.prefix_tokens
         size = L * m.bytes_per_token
         d50 = 0.0
-        if dispatch is not None:
+        if dispatch is not None:  # the front end works (HTTP, tokenizing the prompt): on a core where shared
             d50 = dispatch.median_s(L)
-            yield env.timeout(dispatch.draw(rng, L))
+            yield from on_core(dispatch.draw(rng, L))
         r = route(key, burst)
 
         def service(kind_of: _Lognormal) -> float:
