@@ -10,10 +10,12 @@ The model, each part a measured input or a stated rule:
                (the step that schedules it looks it up and runs its load, as vLLM's
                scheduler and a CPU replica's synchronous load do), then is served as
                  local     its replica holds the prefix: T_local(L)
-                 remote    the pool holds it and remote loads are on: the load waits for the
-                           link (a Resource of `link_streams` streams; a stream moves S bytes
-                           in S / (B / streams)), then the engine takes T_remote(L) minus the
-                           single-load transfer time measured into it
+                 remote    the pool holds it and remote loads are on: the load takes a lease
+                           when its copy can start (a link stream, and its replica's core where
+                           cores are shared) and moves S bytes in S x k / B, k the transfers
+                           under way as it starts (they share the measured rate B); then the
+                           engine takes T_remote(L) minus the single-load transfer time
+                           measured into it
                  throttled the pool's load limit (`max_loads` in flight) is reached: the
                            load is refused at once and the prefix recomputed (cold)
                  fallback  the load would end past `load_deadline_s`: it is abandoned there
@@ -77,7 +79,7 @@ class SimConfig:
     pool_warm: bool = True  # the pool starts holding every hot prefix (published by the warm ones)
     capacity_bytes: float = 1e12
     local_slots: int = 64  # prefixes a replica's own cache holds
-    link_streams: int = 1  # loads that move bytes at once, sharing the link's measured rate
+    link_streams: int = 64  # loads that move bytes at once (more wait), sharing the link's measured rate
     max_loads: int = 0  # the pool's concurrent load limit (0: none)
     load_deadline_s: float = 10.0
     warm_routing: bool = False
@@ -161,11 +163,15 @@ def simulate(m: Measured, cfg: SimConfig) -> dict[str, Any]:
     dispatch = _Lognormal(m, "dispatch") if m.by_kind.get("dispatch") else None
     remote = _Lognormal(m, cfg.link, "remote" if cfg.link == "tier" else "tier")
     engines = [simpy.Resource(env, capacity=1) for _ in range(cfg.replicas)]
+    # shared cores, as a small machine runs its replicas: a replica's forward passes and copies
+    # on the core its engine is bound to (replica r on core r mod cores); the front end's work
+    # on whichever core is free (its processes are not bound)
     cpu = simpy.Resource(env, capacity=cfg.cores) if cfg.cores else None
+    bound = [simpy.Resource(env, capacity=1) for _ in range(cfg.cores)]
     caches = [_LRU(cfg.local_slots) for _ in range(cfg.replicas)]
     pool = _LRU(cfg.capacity_bytes)
     link = simpy.Resource(env, capacity=cfg.link_streams)
-    stream_Bps = link_Bps / cfg.link_streams
+    moving = [0]  # transfers in progress: they share the link's rate
     in_flight = [0]
     peak = {"link_queue": 0, "loads_in_flight": 0}
     out: list[dict] = []
@@ -194,11 +200,12 @@ def simulate(m: Measured, cfg: SimConfig) -> dict[str, Any]:
         rr[0] += 1
         return r
 
-    def on_core(seconds: float):  # noqa: ANN202 - time that needs a core where the replicas share them
+    def on_core(seconds: float, r: int | None = None):  # noqa: ANN202 - time that needs a core where they are shared
         if cpu is None:
             yield env.timeout(seconds)
             return
-        with cpu.request() as core:
+        res = cpu if r is None else bound[r % cfg.cores]
+        with res.request() as core:
             yield core
             yield env.timeout(seconds)
 
@@ -223,35 +230,45 @@ def simulate(m: Measured, cfg: SimConfig) -> dict[str, Any]:
             kind = "cold"
             if caches[r].has(key):
                 kind = "local"
-                yield from on_core(service(local))
+                yield from on_core(service(local), r)
             else:
                 pooled = cfg.remote_loads and pool.has(key)
-                if pooled and cfg.max_loads and in_flight[0] >= cfg.max_loads:
-                    kind, pooled = "throttled", False  # refused at once: recomputed
                 if pooled:
-                    in_flight[0] += 1
-                    peak["loads_in_flight"] = max(peak["loads_in_flight"], in_flight[0])
-                    peak["link_queue"] = max(peak["link_queue"], len(link.queue))
                     one_load = size / link_Bps  # the transfer a single load had inside its measured T_remote
                     started = env.now
+                    peak["link_queue"] = max(peak["link_queue"], len(link.queue))
                     with link.request() as stream:
                         yield stream
-                        transfer = size / stream_Bps * degraded(env.now)
-                        waited = env.now - started
-                        if waited + transfer > cfg.load_deadline_s:  # past the load's deadline: given up there
-                            yield from on_core(max(0.0, cfg.load_deadline_s - waited))
-                            kind = "fallback"
+                        core = None
+                        if cpu is not None:  # a CPU replica's copier copies on its core
+                            core = bound[r % cfg.cores].request()
+                            yield core
+                        # the lease is taken when the copy can start, and held while it runs
+                        if cfg.max_loads and in_flight[0] >= cfg.max_loads:
+                            kind, pooled = "throttled", False  # refused at once: recomputed
                         else:
-                            yield from on_core(transfer)  # a CPU replica's copier copies on a core
-                            bytes_rw["read"] += size
-                    in_flight[0] -= 1
-                    if kind == "fallback":
-                        yield from on_core(service(cold))
-                    else:
-                        kind = "remote"
-                        yield from on_core(max(1e-4, service(remote) - one_load))
+                            in_flight[0] += 1
+                            peak["loads_in_flight"] = max(peak["loads_in_flight"], in_flight[0])
+                            moving[0] += 1  # shares the link with the transfers under way as it starts
+                            transfer = size * moving[0] / link_Bps * degraded(env.now)
+                            waited = env.now - started
+                            if waited + transfer > cfg.load_deadline_s:  # past the load's deadline: given up there
+                                yield env.timeout(max(0.0, cfg.load_deadline_s - waited))
+                                kind = "fallback"
+                            else:
+                                yield env.timeout(transfer)
+                                bytes_rw["read"] += size
+                            moving[0] -= 1
+                            in_flight[0] -= 1
+                        if core is not None:
+                            bound[r % cfg.cores].release(core)
+                if kind in ("fallback", "throttled"):
+                    yield from on_core(service(cold), r)
+                elif pooled:
+                    kind = "remote"
+                    yield from on_core(max(1e-4, service(remote) - one_load), r)
                 else:
-                    yield from on_core(service(cold))
+                    yield from on_core(service(cold), r)
             caches[r].put(key, 1)
             if kind in ("cold", "throttled", "fallback"):
                 pool.put(key, size)
