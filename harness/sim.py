@@ -26,7 +26,8 @@ The model, each part a measured input or a stated rule:
   dispatch     where measured (`dispatch`: a request's send to its scheduler's first lookup),
                each request first spends a draw of it in the front end (on a core, where the
                replicas share them), and the median is taken out of the measured TTFTs the
-               service times are drawn from.
+               service times are drawn from; a burst's requests draw from `dispatch_burst`
+               instead where it was measured (in bursts: contention included, as a delay).
   pool         LRU over prefixes by bytes, `capacity_bytes`; a publish of a prefix already
                pooled refreshes it.
   degraded     between `degrade_from_s` and `degrade_until_s` the link moves bytes
@@ -161,6 +162,9 @@ def simulate(m: Measured, cfg: SimConfig) -> dict[str, Any]:
     # the front end's time before the scheduler sees a request (Tdispatch), where measured: drawn
     # for each request before it queues for its engine, and taken out of the measured service times
     dispatch = _Lognormal(m, "dispatch") if m.by_kind.get("dispatch") else None
+    # a burst's requests, where the dispatch was also measured in bursts: that draw, as a delay
+    # (the contention of the front ends it measured is in it)
+    dispatch_burst = _Lognormal(m, "dispatch_burst") if m.by_kind.get("dispatch_burst") else None
     remote = _Lognormal(m, cfg.link, "remote" if cfg.link == "tier" else "tier")
     engines = [simpy.Resource(env, capacity=1) for _ in range(cfg.replicas)]
     # shared cores, as a small machine runs its replicas: a replica's forward passes and copies
@@ -219,7 +223,10 @@ def simulate(m: Measured, cfg: SimConfig) -> dict[str, Any]:
         d50 = 0.0
         if dispatch is not None:  # the front end works (HTTP, tokenizing the prompt): on a core where shared
             d50 = dispatch.median_s(L)
-            yield from on_core(dispatch.draw(rng, L))
+            if burst and dispatch_burst is not None:
+                yield env.timeout(dispatch_burst.draw(rng, L))
+            else:
+                yield from on_core(dispatch.draw(rng, L))
         r = route(key, burst)
 
         def service(kind_of: _Lognormal) -> float:

@@ -6,7 +6,8 @@ Live (one pool, a warm replica W and three new ones N1-N3, on the machine's core
   calibration   at the prefix length, `reps` fresh prompts each: cold prefill (N1, nothing
                 reused), local hit (N1 again), remote hit (W computes, N2 loads); the link's
                 rate from the loads' own records; the front end's dispatch time (send to the
-                scheduler's first lookup). These are the simulation's inputs.
+                scheduler's first lookup), alone and in bursts of six local hits on N1-N3.
+                These are the simulation's inputs.
   fanout        W computes 4 hot prefixes; N1-N3 (their prefix caches emptied) each get two
                 requests on them at once: six loads of the same blocks together.
   fanout+load_limit     the same, the pool's load limit set to one lease at a time
@@ -96,6 +97,26 @@ def calibrate(cluster: Cluster, corpus: Corpus, rng: random.Random, length: int,
                 if t in found and found[t].dispatch_ms is not None]
     if dispatch:  # the front end's share of every TTFT above, for the simulation's Tdispatch
         m.merge_row("dispatch", length, statistics.median(dispatch), percentile(dispatch, 0.95), len(dispatch))
+    # The front end at the concurrency the scenarios run at (the seed: measure at production
+    # concurrency, not one request at a time): bursts of local hits on the new replicas, the
+    # same prompt length, each replica's prompts cached first. Their dispatch is what a burst's
+    # requests spend before their schedulers see them, contention included.
+    burst_tags: set[str] = set()
+    for rnd in range(3):
+        prompts = {name: corpus.text(length, rng) for name in NEW}
+        for name, p in prompts.items():
+            complete(cluster.replicas[name].url, p, tag=f"cal-bwarm-{rnd}-{name}", replica=name, max_tokens=2)
+        jobs = []
+        for i in range(2 * len(NEW)):
+            name = NEW[i % len(NEW)]
+            tag = f"cal-burst-{rnd}-{i}"
+            jobs.append((name, f"{prompts[name]} {corpus.text(32, rng)}", tag))
+            burst_tags.add(tag)
+        _burst(cluster, jobs)
+    burst = [s.dispatch_ms for s in samples(read_history(cluster.history_dir))
+             if s.tag in burst_tags and s.dispatch_ms is not None]
+    if burst:
+        m.merge_row("dispatch_burst", length, statistics.median(burst), percentile(burst, 0.95), len(burst))
     geometry = next((r for r in recs if r.get("ev") == "register"), None)
     block_bytes = int(geometry["block_bytes"]) if geometry else 0
     ns = next(r["ns"] for r in recs if r.get("ev") == "namespace")
