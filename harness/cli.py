@@ -324,13 +324,16 @@ def _bench_with_html(func):  # noqa: ANN001, ANN202
         captured = io.StringIO()
         with contextlib.redirect_stdout(_Tee(sys.stdout, captured)):
             rc = func(args)
-        lines = [line for line in captured.getvalue().splitlines() if line.startswith("{")]
-        if not lines:
+        text = captured.getvalue()
+        start = text.rfind("\n{") + 1 if not text.startswith("{") else 0  # its last object: one line or indented
+        try:
+            doc = json.loads(text[start:])
+        except json.JSONDecodeError:
             print(f"kvgate bench: no JSON result to draw into {path}", file=sys.stderr)
             return rc or 1
         from reports.html import bench_report
 
-        path.write_text(bench_report(json.loads(lines[-1]), args.bench_command))
+        path.write_text(bench_report(doc, args.bench_command))
         print(f"kvgate bench: HTML report {path}", file=sys.stderr)
         return rc
 
