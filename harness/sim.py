@@ -164,7 +164,9 @@ def simulate(m: Measured, cfg: SimConfig) -> dict[str, Any]:
     dispatch = _Lognormal(m, "dispatch") if m.by_kind.get("dispatch") else None
     # a burst's requests, where the dispatch was also measured in bursts: that draw, as a delay
     # (the contention of the front ends it measured is in it)
-    dispatch_burst = _Lognormal(m, "dispatch_burst") if m.by_kind.get("dispatch_burst") else None
+    # (measured on shared cores: it applies where the simulated replicas share them too, not to a
+    # fleet whose front ends each have their own host)
+    dispatch_burst = _Lognormal(m, "dispatch_burst") if m.by_kind.get("dispatch_burst") and cfg.cores else None
     remote = _Lognormal(m, cfg.link, "remote" if cfg.link == "tier" else "tier")
     engines = [simpy.Resource(env, capacity=1) for _ in range(cfg.replicas)]
     # shared cores, as a small machine runs its replicas: a replica's forward passes and copies
