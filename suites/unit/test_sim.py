@@ -78,3 +78,14 @@ def test_every_scale_scenario_runs_at_every_size():
         (n, s) for n in (8, 16) for s in ("fanout", "fanout+load_limit", "fanout+warm_routing", "spike", "degraded",
                                          "degraded+deadline")}
     assert all(r["requests"] > 0 for r in doc["rows"])
+
+
+def test_a_burst_dispatch_measured_on_shared_cores_applies_on_shared_cores_only():
+    m = measured(link=1e15)  # transfers take no time here
+    m.merge_row("dispatch", L, 10.0, 10.0, 5)
+    m.merge_row("dispatch_burst", L, 500.0, 500.0, 5)
+    cfg = SimConfig(4, HOT, duration_s=0.0, warm_replicas=1, burst=3)
+    fleet = simulate(m, cfg)  # every replica on its own host: the single-request dispatch
+    shared = simulate(m, dataclasses.replace(cfg, cores=4))
+    assert fleet["ttft_p50_ms"] == pytest.approx(80.0)  # 10 ms dispatch + 70 ms of service (80 - 10)
+    assert shared["ttft_p50_ms"] == pytest.approx(570.0)  # 500 ms in the contended front end + 70
