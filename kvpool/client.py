@@ -390,8 +390,7 @@ class PoolClient:
             age = arena.heartbeat_age_s()
             if age is None or age > fresh_s:  # stopped, wedged, or not beating
                 return None
-            sock = self._sock
-            if sock is None or self._peer_closed():  # exited: the kernel closed its end of the session
+            if self._sock is None or self._peer_closed():  # exited: the kernel closed its end of the session
                 return None
         index = self._shm_index
         if index is None or index.e is not entries:

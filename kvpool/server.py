@@ -238,7 +238,7 @@ class PoolDaemon:
         self._tickets: dict[bytes, tuple[str, float]] = {}  # attach ticket -> (tenant, deadline)
         self._attaching: dict[int, asyncio.Future] = {}  # attach connections being served, oldest first
         self.tcp_port: int | None = None
-        self.metrics_port: int | None = None
+        self.metrics_address: str | None = None  # "HOST:PORT" the metrics endpoint listens on, with --metrics
         self._metrics_http = None  # prometheus_client's WSGI server, with --metrics
         self._sessions = itertools.count(1)
         self._clients: dict[int, asyncio.StreamWriter] = {}  # authenticated connections
@@ -365,8 +365,9 @@ class PoolDaemon:
 
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Scrape())
-        self._metrics_http, _ = start_http_server(int(port), host or "127.0.0.1", registry=registry)
-        self.metrics_port = self._metrics_http.server_address[1]
+        host = host or "127.0.0.1"
+        self._metrics_http, _ = start_http_server(int(port), host, registry=registry)
+        self.metrics_address = f"{host}:{self._metrics_http.server_address[1]}"
 
     async def _refresh_metrics(self) -> None:
         self._refresh_gauges()
@@ -386,8 +387,7 @@ class PoolDaemon:
             "pid": os.getpid(),
             "restarted_after_crash": self.restarted_after_crash,
             "recovery_note": self.recovery_note,
-            "metrics": f"{self.config.metrics_addr.rpartition(':')[0] or '127.0.0.1'}:{self.metrics_port}"
-            if self.metrics_port else None,
+            "metrics": self.metrics_address,
         }
 
     def _write_address(self) -> None:
