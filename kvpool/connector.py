@@ -278,6 +278,9 @@ class _Request:
     attribution: dict[str, Any] | None = None  # the last lookup's outcome, for the response (request_finished)
     load_failed: bool = False  # vLLM reported blocks of its load invalid: recomputed
     loaded_ids: set[int] = dataclasses.field(default_factory=set)  # engine blocks its loads were handed
+    # before its first lookup: the engine's arrival stamp (wall clock, the front end's) and the
+    # first scheduler call's own preparation (the prompt's hashes), in the lookup records
+    timing: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -447,6 +450,7 @@ class KVPoolScheduler:
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:  # noqa: ANN001
         B = self.block_size
+        called = time.monotonic()
         tokens = list(request.prompt_token_ids or [])
         n = len(tokens)
         st = self._reqs.get(request.request_id)
@@ -469,6 +473,11 @@ class KVPoolScheduler:
         local_blocks = num_computed_tokens // B
         record: dict[str, Any] = {"req": request.request_id, "tag": st.tag, "prompt_tokens": n,
                                   "local_tokens": num_computed_tokens, "max_blocks": max_blocks}
+        if not st.timing:
+            prep = time.monotonic() - called
+            st.timing = {"arrival": getattr(request, "arrival_time", None), "first_call": time.time() - prep,
+                         "prep_us": round(prep * 1e6, 1)}
+        record.update(st.timing)
         if st.loading_async:  # matched again before it was scheduled: vLLM dropped its failed load
             st.loading_async = False
             st.load_allowed = False  # what the pool holds for it failed once: recompute the rest

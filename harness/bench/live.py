@@ -17,8 +17,16 @@ remote/peer. `remote_phases_ms`: where a remote hit's TTFT goes, from the run's 
 (medians): `to_scheduler` (the client's send to the scheduler's first lookup call),
 `lookup` (that call to the pool's answer), `to_load` (the answer to the worker starting
 the load), `load` (the load itself: lease, copies, digest checks, release), `after_load`
-(the load's end to the first token: the forward pass of the rest and the sampling),
-next to the local hit's whole TTFT. The last line is one JSON object.
+(the load's end to the first token: the forward pass of the rest and the sampling);
+`to_scheduler` is split into `to_engine` (the send to the engine's arrival stamp, taken
+before tokenization), `in_engine` (the stamp to the scheduler's first call) and `prep` (that
+call's hashing of the prompt). `local_phases_ms`: the local hit's, alike up to the
+scheduler, then `after_lookup`. Every measured request follows a small primer request on
+the same replica (an idle replica's arrival-to-scheduler time varied by 10-110 ms with what
+ran before it, before any connector code). The remote hit is measured once A's stores of
+the prompt are in the pool (`store_landed_after_response_ms`: when the last one landed,
+against A's response). Replicas run with IDLE_ENV (idle OpenMP threads sleep). The last line
+is one JSON object.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from harness.system.cluster import Cluster, ReplicaSpec
+from harness.system.hosts import IDLE_ENV
 from harness.client.http import complete
 from harness.workload.prompts import Corpus
 
@@ -55,8 +64,10 @@ def run_bench(reps: int = 5, lengths: tuple[int, ...] = LENGTHS, report_dir: Pat
     model = build_tiny_model(report_dir / "model" / "tiny", seed=0, revision="r1")
     corpus = Corpus(model)
     max_len = max(lengths) + 1024
-    ours = [ReplicaSpec("A", core="0", max_model_len=max_len, kv_bytes=1 << 30),
-            ReplicaSpec("B", core="1", max_model_len=max_len, kv_bytes=1 << 30)]
+    # Four replicas on two cores: each one's idle OpenMP threads sleep instead of spinning
+    # on the core its neighbour computes on (IDLE_ENV), for both pairs alike.
+    ours = [ReplicaSpec("A", core="0", max_model_len=max_len, kv_bytes=1 << 30, extra_env=IDLE_ENV),
+            ReplicaSpec("B", core="1", max_model_len=max_len, kv_bytes=1 << 30, extra_env=IDLE_ENV)]
     peer_dir = report_dir / "peer-storage"
     peer_dir.mkdir(parents=True, exist_ok=True)
     _say("kvgate bench live: starting replicas A, B (kvgate connector) and PA, PB (ExampleConnector) ...")
@@ -112,29 +123,52 @@ def _block_bytes(cluster: Cluster) -> int:
 
 
 def _measure(cluster: Cluster, peer: PeerPair, corpus: Corpus, reps: int, lengths: tuple[int, ...]) -> list[dict]:
-    from harness.checkers.history import audit_digests
+    from harness.checkers.history import audit_digests, records
+    from harness.scenarios.live import wait_stored
 
     A, B = cluster.replicas["A"].url, cluster.replicas["B"].url
     PA, PB = peer.replicas["PA"].url, peer.replicas["PB"].url
     rng = random.Random(20261129)
     for url, name in ((A, "A"), (B, "B"), (PA, "PA"), (PB, "PB")):
         complete(url, corpus.text(64, rng), tag=f"warmup-{name}", replica=name)
+    primer = corpus.text(15, rng)
+
+    def prime(url: str, name: str) -> None:
+        # Every measured request follows a small request on the same replica: a replica that
+        # sat idle while another computed took 10-110 ms longer from its arrival stamp to
+        # the scheduler (before any connector code runs), whichever kind came first.
+        complete(url, primer, tag=f"primer-{name}", replica=name, max_tokens=1, load=False, publish=False)
+
     rows = []
     for n in lengths:
         cold, local, remote, peer_hit = [], [], [], []
         phases: list[dict[str, float]] = []
+        lphases: list[dict[str, float]] = []
+        landed: list[float] = []
         installed = differing = 0
         for rep in range(reps if n < 16384 else max(2, reps // 2)):
             prompt = corpus.text(n - 1, rng)  # + BOS = n tokens
             salt = f"bench-{n}-{rep}"
+            prime(B, "B")
             c = complete(B, prompt, tag=f"cold-{n}-{rep}", replica="B", max_tokens=1, load=False, publish=False,
                          cache_salt=salt + "-cold")
+            prime(B, "B")
+            local_sent = time.time()
             loc = complete(B, prompt, tag=f"local-{n}-{rep}", replica="B", max_tokens=1, load=False, publish=False,
                            cache_salt=salt + "-cold")
             complete(A, prompt, tag=f"pub-{n}-{rep}", replica="A", max_tokens=1, cache_salt=salt)
+            answered = time.time()
+            # A's stores and its response are independent; the peer's store runs inside PA's
+            # request. The remote hit is measured on what the pool holds, as the peer's is on
+            # its files: when A's last block landed, against A's response, is reported beside it.
+            wait_stored(cluster, f"pub-{n}-{rep}", "A")
+            landed.append((max(r["t"] for r in records(cluster.history_dir, "publish", tag=f"pub-{n}-{rep}",
+                                                           replica="A")) - answered) * 1e3)
+            prime(B, "B")
             sent = time.time()  # the history's clock (the client's own records go to one cluster's history)
             rem = complete(B, prompt, tag=f"remote-{n}-{rep}", replica="B", max_tokens=1, cache_salt=salt)
             complete(PA, prompt, tag=f"peer-pub-{n}-{rep}", replica="PA", max_tokens=1)
+            prime(PB, "PB")
             ph = complete(PB, prompt, tag=f"peer-hit-{n}-{rep}", replica="PB", max_tokens=1)
             cold.append(c.ttft_s * 1e3)
             local.append(loc.ttft_s * 1e3)
@@ -142,6 +176,9 @@ def _measure(cluster: Cluster, peer: PeerPair, corpus: Corpus, reps: int, length
             phase = remote_phases(cluster.history_dir, f"remote-{n}-{rep}", sent, rem.ttft_s)
             if phase:
                 phases.append(phase)
+            lphase = local_phases(cluster.history_dir, f"local-{n}-{rep}", local_sent, loc.ttft_s)
+            if lphase:
+                lphases.append(lphase)
             peer_hit.append(ph.ttft_s * 1e3)
             h = peer.cluster.history_dir
             produced = audit_digests(h, "produced", f"peer-pub-{n}-{rep}", "PA")
@@ -155,6 +192,9 @@ def _measure(cluster: Cluster, peer: PeerPair, corpus: Corpus, reps: int, length
             row[f"{name}_p95"] = round(_pct(values, 0.95), 1)
         if phases:
             row["remote_phases_ms"] = {k: round(statistics.median(p[k] for p in phases), 1) for k in phases[0]}
+        if lphases:
+            row["local_phases_ms"] = {k: round(statistics.median(p[k] for p in lphases), 1) for k in lphases[0]}
+        row["store_landed_after_response_ms"] = round(statistics.median(landed), 1)
         row["peer_blocks_installed"] = installed
         row["peer_blocks_differing"] = differing
         _say(f"  {n:>6} tokens: cold {row['cold_prefill_ms']} ms, local {row['local_hit_ttft_ms']} ms, kvgate remote "
@@ -165,7 +205,10 @@ def _measure(cluster: Cluster, peer: PeerPair, corpus: Corpus, reps: int, length
 
 def remote_phases(history_dir: Path, tag: str, t0: float, ttft_s: float) -> dict[str, float] | None:
     """A remote hit's TTFT in phases, in ms, from the request's send time (`t0`, wall
-    clock) and its connector records (None: a record is missing, e.g. nothing loaded)."""
+    clock) and its connector records (None: a record is missing, e.g. nothing loaded).
+    `to_scheduler` (the send to the lookup) is split where the records say more: `to_engine`
+    (the send to the engine's arrival stamp: HTTP, tokenization), `in_engine` (the arrival to
+    the scheduler's first call) and `prep` (that call's hashing of the prompt)."""
     from harness.checkers.history import records
 
     lookup = [r for r in records(history_dir, "lookup", tag=tag) if r.get("outcome") == "remote_hit"]
@@ -176,13 +219,37 @@ def remote_phases(history_dir: Path, tag: str, t0: float, ttft_s: float) -> dict
     asked = lk["t"] - lk.get("lookup_us", 0.0) / 1e6
     load_end = ld["t"]
     load_start = load_end - ld.get("seconds", 0.0)
-    return {
+    out = {
         "to_scheduler": (asked - t0) * 1e3,
         "lookup": lk.get("lookup_us", 0.0) / 1e3,
         "to_load": (load_start - lk["t"]) * 1e3,
         "load": (load_end - load_start) * 1e3,
         "after_load": (t0 + ttft_s - load_end) * 1e3,
     }
+    out.update(_arrival_phases(lk, t0))
+    return out
+
+
+def local_phases(history_dir: Path, tag: str, t0: float, ttft_s: float) -> dict[str, float] | None:
+    """A local hit's TTFT in the same phases as a remote hit's up to the scheduler's first
+    call, then `after_lookup` (its lookup record to the first token)."""
+    from harness.checkers.history import records
+
+    lookup = records(history_dir, "lookup", tag=tag)
+    if not lookup or "first_call" not in lookup[0]:
+        return None
+    lk = lookup[0]
+    out = {"to_scheduler": (lk["first_call"] - t0) * 1e3 + lk.get("prep_us", 0.0) / 1e3,
+           "after_lookup": (t0 + ttft_s - lk["t"]) * 1e3}
+    out.update(_arrival_phases(lk, t0))
+    return out
+
+
+def _arrival_phases(lk: dict, t0: float) -> dict[str, float]:
+    if lk.get("arrival") is None or "first_call" not in lk:
+        return {}
+    return {"to_engine": (lk["arrival"] - t0) * 1e3, "in_engine": (lk["first_call"] - lk["arrival"]) * 1e3,
+            "prep": lk.get("prep_us", 0.0) / 1e3}
 
 
 class PeerPair:
@@ -201,7 +268,8 @@ class PeerPair:
                                    "history_dir": str(self.cluster.history_dir)}})
 
         specs = [ReplicaSpec(name, core=core, connector=False, max_model_len=max_len, kv_bytes=1 << 30,
-                             max_num_batched_tokens=max_len, extra_args=("--kv-transfer-config", config(name)))
+                             max_num_batched_tokens=max_len, extra_args=("--kv-transfer-config", config(name)),
+                             extra_env=IDLE_ENV)
                  for name, core in (("PA", "0"), ("PB", "1"))]
         self.cluster.start(specs)
 

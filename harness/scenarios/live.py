@@ -86,7 +86,7 @@ def cross_replica_hit(cluster: Cluster, corpus: Corpus, seed: int, prompt_tokens
     n = prompt_tokens + 1
     tag = _tag("x", seed)
     a = complete(cluster.replicas["A"].url, prompt, tag=f"{tag}-a", replica="A")
-    _stored(cluster, f"{tag}-a", "A")
+    wait_stored(cluster, f"{tag}-a", "A")
     b = complete(cluster.replicas["B"].url, prompt, tag=f"{tag}-b", replica="B")
     a_hit = complete(cluster.replicas["A"].url, prompt, tag=f"{tag}-ahit", replica="A", load=False, publish=False)
     cold = complete(cluster.replicas["B"].url, prompt, tag=f"{tag}-cold", replica="B", load=False, publish=False,
@@ -123,7 +123,7 @@ def partial_hit(cluster: Cluster, corpus: Corpus, seed: int, common: int = 1000)
     t1, t2 = common_prefix_tails(corpus, rng, prefix_tokens=common, tails=2, tail_tokens=300)
     tag = _tag("p", seed)
     complete(cluster.replicas["A"].url, t1.prompt, tag=f"{tag}-a", replica="A")
-    _stored(cluster, f"{tag}-a", "A")
+    wait_stored(cluster, f"{tag}-a", "A")
     b = complete(cluster.replicas["B"].url, t2.prompt, tag=f"{tag}-b", replica="B")
     cold = complete(cluster.replicas["B"].url, t2.prompt, tag=f"{tag}-cold", replica="B", load=False, publish=False,
                     cache_salt=f"cold-{tag}")
@@ -156,7 +156,7 @@ def shared_system_prompt(cluster: Cluster, corpus: Corpus, seed: int, system_tok
     turns = workload(corpus, rng, system_tokens, questions)
     tag = _tag("s", seed)
     complete(cluster.replicas["A"].url, turns[0].prompt, tag=f"{tag}-q0", replica="A")
-    _stored(cluster, f"{tag}-q0", "A")
+    wait_stored(cluster, f"{tag}-q0", "A")
     c = Checks()
     full = (system_tokens + 1) // 128
     for i, t in enumerate(turns[1:], start=1):
@@ -171,7 +171,7 @@ def shared_system_prompt(cluster: Cluster, corpus: Corpus, seed: int, system_tok
     return c.verdict(f"the system prompt's {full} blocks were computed once and reused by every question")
 
 
-def _stored(cluster: Cluster, tag: str, replica: str, timeout_s: float = 60.0, blocks: int | None = None) -> None:
+def wait_stored(cluster: Cluster, tag: str, replica: str, timeout_s: float = 60.0, blocks: int | None = None) -> None:
     """Wait until the replica's stores of the request `tag` have ended for all its complete
     blocks (`blocks`, by default its prompt's: one publish record per prefill chunk): the
     response and the stores are independent, so a scenario whose next request expects these
@@ -199,7 +199,7 @@ def hit_kinds(cluster: Cluster, corpus: Corpus, seed: int) -> Verdict:
     complete(B, x, tag=f"{tag}-x1", replica="B")
     complete(B, x, tag=f"{tag}-x2", replica="B")
     complete(A, y, tag=f"{tag}-y1", replica="A")
-    _stored(cluster, f"{tag}-y1", "A")
+    wait_stored(cluster, f"{tag}-y1", "A")
     complete(B, y, tag=f"{tag}-y2", replica="B")
     complete(B, z, tag=f"{tag}-z", replica="B")
     with cluster.pool.client(name="hit-kinds") as pc:
@@ -254,7 +254,7 @@ def aligned_full_hit(cluster: Cluster, corpus: Corpus, seed: int, blocks: int = 
     A, Bu = cluster.replicas["A"].url, cluster.replicas["B"].url
     h = cluster.history_dir
     complete(A, prompt, tag=f"{tag}-a", replica="A", cache_salt=f"s-{tag}")
-    _stored(cluster, f"{tag}-a", "A")
+    wait_stored(cluster, f"{tag}-a", "A")
     a_hit = complete(A, prompt, tag=f"{tag}-ahit", replica="A", load=False, publish=False, cache_salt=f"s-{tag}")
     if control:
         cluster.faults["B"].write_text(json.dumps({"connector": {"control": control}}))
@@ -302,7 +302,7 @@ def load_failure(cluster: Cluster, corpus: Corpus, seed: int, kind: str, block: 
     tag = _tag(f"r{kind[:3]}", seed)
     A, B = cluster.replicas["A"].url, cluster.replicas["B"].url
     complete(A, prompt, tag=f"{tag}-a", replica="A", cache_salt=f"s-{tag}")
-    _stored(cluster, f"{tag}-a", "A")
+    wait_stored(cluster, f"{tag}-a", "A")
     t_armed = time.time()
     # BUGGIFY-style: the site is active for this run and fires on each load that reaches it
     # with the schedule's probability, by the schedule's own draw; the schedule says at which
@@ -384,7 +384,7 @@ def load_poison(cluster: Cluster, corpus: Corpus, seed: int, block: int = 5, con
     A, B = cluster.replicas["A"].url, cluster.replicas["B"].url
     h = cluster.history_dir
     complete(A, prompt, tag=f"{tag}-a", replica="A", cache_salt=f"s-{tag}", publish_tokens=10 * 128)
-    _stored(cluster, f"{tag}-a", "A", blocks=10)
+    wait_stored(cluster, f"{tag}-a", "A", blocks=10)
     doc: dict[str, object] = {"load": {"kind": "corrupt", "block": block, "seed": rng.randrange(2**32)}}
     if control:
         doc["copier"] = {"control": control}
@@ -467,7 +467,7 @@ def pool_restart(cluster: Cluster, corpus: Corpus, seed: int, control: str | Non
         cluster.nemesis("pool_restart")
     b1_cold = complete(B, p1, tag=f"{tag}-b1cold", replica="B", load=False, publish=False, cache_salt=f"cold-{tag}")
     complete(A, p2, tag=f"{tag}-a2", replica="A")
-    _stored(cluster, f"{tag}-a2", "A")
+    wait_stored(cluster, f"{tag}-a2", "A")
     b2 = complete(B, p2, tag=f"{tag}-b2", replica="B")
     up = _one(h, "lookup", tag=f"{tag}-b2")
     c = Checks()
@@ -499,7 +499,7 @@ def revision_mismatch(cluster: Cluster, corpus: Corpus, seed: int, replica: str 
     prompt = corpus.text(900, rng)
     tag = _tag("v", seed)
     complete(cluster.replicas["A"].url, prompt, tag=f"{tag}-a", replica="A")
-    _stored(cluster, f"{tag}-a", "A")
+    wait_stored(cluster, f"{tag}-a", "A")
     url = cluster.replicas[replica].url
     c_out = complete(url, prompt, tag=f"{tag}-c", replica=replica)
     cold = complete(url, prompt, tag=f"{tag}-cold", replica=replica, load=False, publish=False,
@@ -522,7 +522,7 @@ def load_failure_fail(cluster: Cluster, corpus: Corpus, seed: int, control: str 
     prompt = corpus.text(1500, rng)
     tag = _tag("f", seed)
     complete(cluster.replicas["B"].url, prompt, tag=f"{tag}-b", replica="B")
-    _stored(cluster, f"{tag}-b", "B")
+    wait_stored(cluster, f"{tag}-b", "B")
     arm(cluster, "A", control, kind="corrupt", block=0)
     a = complete(cluster.replicas["A"].url, prompt, tag=f"{tag}-a", replica="A", timeout_s=120)
     arm(cluster, "A", None)
@@ -631,7 +631,7 @@ def stream_delay_load(cluster: Cluster, corpus: Corpus, seed: int, *, control: b
     url = cluster.replicas[replica].url
     h = cluster.history_dir
     complete(cluster.replicas[producer].url, prompt, tag=f"{tag}-a", replica=producer, max_tokens=1)
-    _stored(cluster, f"{tag}-a", producer)
+    wait_stored(cluster, f"{tag}-a", producer)
     spec: dict[str, object] = {"load_delay_ms": delay, "times": 1}
     if control:
         spec["control"] = "early_completion"
@@ -767,7 +767,7 @@ def transport_fault(cluster: Cluster, corpus: Corpus, seed: int, kind: str, *, r
     url, purl = cluster.replicas[replica].url, cluster.replicas[producer].url
     h = cluster.history_dir
     complete(purl, prompt, tag=f"{tag}-a", replica=producer, cache_salt=f"s-{tag}")
-    _stored(cluster, f"{tag}-a", producer)
+    wait_stored(cluster, f"{tag}-a", producer)
     # BUGGIFY-style, from the run's fault schedule: the proxy's site is active for this run and
     # each page-read frame that reaches it fires with the schedule's probability, by the
     # schedule's own draw; the frames before the first firing pass untouched.
@@ -847,7 +847,7 @@ def evict_leased(cluster: Cluster, corpus: Corpus, seed: int, *, control: str | 
     h = cluster.history_dir
     with pool_catalog(cluster, "leaseless" if control else None):
         complete(cluster.replicas["A"].url, prompt, tag=f"{tag}-a", replica="A")
-        _stored(cluster, f"{tag}-a", "A")
+        wait_stored(cluster, f"{tag}-a", "A")
         keys = [bytes.fromhex(k) for k in audit_digests(h, "produced", f"{tag}-a", "A")]
         ns = namespace_of(h, "B")
         arm(cluster, "B", kind="hold", block=block, seconds=3)
