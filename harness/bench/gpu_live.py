@@ -3,6 +3,7 @@
 Replicas of a random-weight Llama (fixtures.gpu_model: 16 layers, hidden 2048, 8 KV heads,
 head 128, 64 KiB of KV per token) on the same GPU, vLLM 0.24, TRITON_ATTN, eager:
   A, B   kvpool's connector on one pool (pages of one 16-token block of every layer);
+  S      the same connector with load_mode sync;
   C      vLLM's own OffloadingConnector with a CPU tier (--kv-offloading-size), prefix
          caching off, so its second request of a prompt can only hit the CPU tier.
 For each prefix length, per repetition, on a fresh seeded prompt (each measurement keyed
@@ -10,6 +11,7 @@ apart by cache_salt):
   cold_prefill_ms     TTFT on B, pool and prefix cache bypassed
   local_hit_ttft_ms   the same prompt again on B (B's own GPU prefix cache)
   remote_hit_ttft_ms  TTFT on B of the prompt A computed and published (kvgate)
+  remote_sync_hit_ttft_ms  the same on S, whose connector loads synchronously (load_mode sync)
   peer_hit_ttft_ms    TTFT on C of the prompt C computed and offloaded before
 Medians; ratios remote/peer and remote/local; `remote_phases_ms` and `local_phases_ms`:
 where the remote and the local hit's TTFT go (kvgate bench live's phases). Every measured
@@ -18,7 +20,7 @@ bytes at a plain pinned host-to-device copy's rate measured in the same run
 (`pinned_h2d_GBps`), the least a load from host memory adds to the local hit;
 `floor_vs_local` is that bound as a ratio. Not a test: nothing is asserted.
 
-  start_bench(report_dir, max_len) -> Cluster     builds the model, starts A, B, C
+  start_bench(report_dir, max_len) -> Cluster     builds the model, starts A, B, S, C
   measure(cluster, lengths, reps, deadline_s) -> dict
 """
 
@@ -56,9 +58,13 @@ def start_bench(report_dir: Path, max_len: int) -> Cluster:
     _say(f"bench gpu live: model built in {time.monotonic() - t0:.0f} s")
     page = BENCH_SHAPE.kv_bytes_per_token * BLOCK_SIZE
     n_len = max_len + 1024
+    # A, B: the default load mode (asynchronous where the engine schedules asynchronously,
+    # as vLLM 0.24 does on CUDA); S: the same connector with synchronous loads (the load runs
+    # in the request's first step), its remote hit measured beside B's.
     ours = [ReplicaSpec(name, core=str(i), kv_bytes=KV_BYTES, max_model_len=n_len, max_num_batched_tokens=CHUNK,
-                        extra_args=gpu_args(0.12)) for i, name in enumerate(("A", "B"))]
-    peer = ReplicaSpec("C", core="2", connector=False, kv_bytes=KV_BYTES, max_model_len=n_len,
+                        extra_args=gpu_args(0.12), connector_extra=extra)
+            for i, (name, extra) in enumerate((("A", ()), ("B", ()), ("S", (("load_mode", "sync"),))))]
+    peer = ReplicaSpec("C", core="3", connector=False, kv_bytes=KV_BYTES, max_model_len=n_len,
                        max_num_batched_tokens=CHUNK,
                        extra_args=(*gpu_args(0.12), "--no-enable-prefix-caching", "--kv-offloading-size",
                                    str(CPU_TIER_GIB), "--kv-offloading-backend", "native"))
@@ -70,10 +76,10 @@ def start_bench(report_dir: Path, max_len: int) -> Cluster:
 
 def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: float) -> dict:
     t_end = time.monotonic() + deadline_s
-    A, B, C = (cluster.replicas[n].url for n in ("A", "B", "C"))
+    A, B, C, S = (cluster.replicas[n].url for n in ("A", "B", "C", "S"))
     corpus = Corpus(cluster.model_dir)
     rng = random.Random("bench-gpu-live:20261129")
-    for url, name in ((A, "A"), (B, "B"), (C, "C")):
+    for url, name in ((A, "A"), (B, "B"), (C, "C"), (S, "S")):
         complete(url, corpus.text(64, rng), tag=f"warmup-{name}", replica=name, max_tokens=2, load=False,
                  publish=False)
     primer = corpus.text(15, rng)
@@ -90,6 +96,10 @@ def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: f
         cold, local, remote, peer = [], [], [], []
         phases: list[dict[str, float]] = []
         lphases: list[dict[str, float]] = []
+        remote_sync: list[float] = []
+        sphases: list[dict[str, float]] = []
+        peer_moved: list[dict[str, float]] = []  # the peer's own counters over its hit: what it loaded
+        remote_via: list[str] = []
         for rep in range(reps):
             if time.monotonic() > t_end - 30:
                 _say(f"bench gpu live: out of time before {n} tokens, rep {rep}")
@@ -114,31 +124,57 @@ def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: f
             phase = remote_phases(cluster.history_dir, f"remote-{n}-{rep}", sent, rem.ttft_s)
             if phase is not None:
                 phases.append(phase)
+            prime(S, "S")
+            sent = time.time()
+            rsync = complete(S, prompt, tag=f"remote-sync-{n}-{rep}", replica="S", max_tokens=1, cache_salt=salt)
+            sphase = remote_phases(cluster.history_dir, f"remote-sync-{n}-{rep}", sent, rsync.ttft_s)
+            if sphase is not None:
+                sphases.append(sphase)
+            remote_sync.append(rsync.ttft_s * 1e3)
             complete(C, prompt, tag=f"peer-pub-{n}-{rep}", replica="C", max_tokens=1, cache_salt=salt + "-peer")
             time.sleep(PEER_SETTLE_S)
             prime(C, "C")
+            before = peer_counters(C)
             ph = complete(C, prompt, tag=f"peer-hit-{n}-{rep}", replica="C", max_tokens=1,
                           cache_salt=salt + "-peer")
+            time.sleep(0.5)  # the counters travel with the engine's outputs: let the last step's arrive
+            after = peer_counters(C)
+            peer_moved.append({k: after[k] - before[k] for k in after if k in before})
+            remote_via.extend(r.get("via", "lookup") for r in _records(cluster, "lookup", "B")
+                              if r.get("tag") == f"remote-{n}-{rep}" and r.get("outcome") == "remote_hit")
             cold.append(c.ttft_s * 1e3)
             local.append(loc.ttft_s * 1e3)
             remote.append(rem.ttft_s * 1e3)
             peer.append(ph.ttft_s * 1e3)
             _say(f"  {n:>6} rep {rep}: cold {cold[-1]:.0f} ms, local {local[-1]:.0f} ms, kvgate remote "
-                 f"{remote[-1]:.0f} ms, OffloadingConnector CPU hit {peer[-1]:.0f} ms")
+                 f"{remote[-1]:.0f} ms (sync loads {remote_sync[-1]:.0f} ms), OffloadingConnector CPU hit "
+                 f"{peer[-1]:.0f} ms")
         if not cold:
             break
         loads = [r for r in _records(cluster, "load", "B") if str(r.get("tag", "")).startswith(f"remote-{n}-")]
+        sync_loads = [r for r in _records(cluster, "load", "S")
+                      if str(r.get("tag", "")).startswith(f"remote-sync-{n}-")]
         row = {"prefix_tokens": n, "runs": len(cold), "kv_bytes": n * BENCH_SHAPE.kv_bytes_per_token,
                "remote_blocks_loaded": sum(int(r["loaded"]) for r in loads),
+               "remote_sync_blocks_loaded": sum(int(r["loaded"]) for r in sync_loads),
                "remote_blocks_expected": len(cold) * ((n - 1) // BLOCK_SIZE)}
         for name, values in (("cold_prefill_ms", cold), ("local_hit_ttft_ms", local),
-                             ("remote_hit_ttft_ms", remote), ("peer_hit_ttft_ms", peer)):
+                             ("remote_hit_ttft_ms", remote), ("remote_sync_hit_ttft_ms", remote_sync),
+                             ("peer_hit_ttft_ms", peer)):
             row[name] = round(statistics.median(values), 1)
             row[f"{name}_all"] = [round(v, 1) for v in values]
+        row["remote_lookup_via"] = remote_via
+        if peer_moved and all(peer_moved):
+            row["peer_loaded_bytes"] = statistics.median(m.get("load_bytes", 0.0) for m in peer_moved)
+            row["peer_load_seconds"] = round(statistics.median(m.get("load_seconds", 0.0) for m in peer_moved), 4)
         row["remote_vs_peer"] = round(row["remote_hit_ttft_ms"] / row["peer_hit_ttft_ms"], 3)
         row["remote_vs_local"] = round(row["remote_hit_ttft_ms"] / row["local_hit_ttft_ms"], 3)
         if phases:  # where the remote hit's TTFT goes (medians), from its connector records
             row["remote_phases_ms"] = {k: round(statistics.median(p[k] for p in phases), 1) for k in phases[0]}
+        row["remote_sync_vs_local"] = round(row["remote_sync_hit_ttft_ms"] / row["local_hit_ttft_ms"], 3)
+        row["remote_sync_vs_peer"] = round(row["remote_sync_hit_ttft_ms"] / row["peer_hit_ttft_ms"], 3)
+        if sphases:
+            row["remote_sync_phases_ms"] = {k: round(statistics.median(p[k] for p in sphases), 1) for k in sphases[0]}
         if lphases:
             row["local_phases_ms"] = {k: round(statistics.median(p[k] for p in lphases), 1) for k in lphases[0]}
         # The least any host-memory pool adds to the local hit: the prefix's bytes at the
@@ -161,6 +197,24 @@ def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: f
                     "floor_at_most_1.2x_local_at_every_length":
                     bool(rows) and all(r["floor_vs_local"] <= 1.2 for r in rows)},
     }
+
+
+PEER_COUNTERS = {"vllm:kv_offload_load_bytes": "load_bytes", "vllm:kv_offload_load_time": "load_seconds"}
+
+
+def peer_counters(url: str) -> dict[str, float]:
+    """The OffloadingConnector's own transfer counters on the replica's /metrics (vLLM 0.24:
+    bytes and seconds loaded from its CPU tier), summed over their labels; {} where absent."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{url}/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        key = PEER_COUNTERS.get(fam.name)
+        if key is not None:
+            out[key] = sum(s.value for s in fam.samples if s.name.endswith("_total"))
+    return out
 
 
 def pinned_h2d_GBps(nbytes: int = 1 << 30, reps: int = 5) -> float:
