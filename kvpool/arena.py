@@ -48,7 +48,7 @@ from kvpool.shm_index import ENTRY, index_bytes
 
 SHM_DIR = Path("/dev/shm")
 MAGIC = b"KVGATE\x00\x01"
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3  # 3: the index's blocks in either of two buckets
 HEADER_BYTES = 4096
 ALIGN = 4096
 # magic, version, page_size, num_pages, gen_off, pages_off, instance, index_off, index_entries

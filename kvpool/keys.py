@@ -132,12 +132,14 @@ def block_hashes(
     n_blocks = arr.size // block_size
     if extras is not None and len(extras) < n_blocks:
         raise ValueError(f"{len(extras)} extras for {n_blocks} complete blocks")
-    raw = arr[: n_blocks * block_size].astype("<u4").tobytes()
+    raw = memoryview(arr[: n_blocks * block_size].astype("<u4").tobytes())
     step = block_size * 4
+    keyed = hashlib.blake2b(digest_size=HASH_BYTES, key=CHAIN_SEED)  # copied per block: keyed once
     out: list[BlockHash] = []
     h = parent
     for i in range(n_blocks):
-        m = hashlib.blake2b(h, digest_size=HASH_BYTES, key=CHAIN_SEED)
+        m = keyed.copy()
+        m.update(h)
         m.update(raw[i * step : (i + 1) * step])
         if extras is not None:
             m.update(extras[i])

@@ -2,16 +2,21 @@
 host probe without a round trip to the daemon.
 
   ShmIndex(entries)              over the segment's index region (Arena.index_entries).
-  .insert(key, fp, page)         the daemon, when a page is committed (False: its bucket is
-                                 full; the block is then found by asking the daemon only).
+  .insert(key, fp, page)         the daemon, when a page is committed (False: both its
+                                 buckets are full; the block is then found by asking the
+                                 daemon only).
   .remove(key, fp, page)         the daemon, before a committed page is freed.
   .probe(fp, hashes) -> int      a client: how many of `hashes`, from the first, are
                                  committed under the namespace of fingerprint `fp`.
   ns_fingerprint(ns) -> int      64 bits of BLAKE2b over the namespace's wire encoding.
 
 Layout: buckets of SLOTS entries of 32 bytes (seq, page + 1, namespace fingerprint, the
-block hash as two 64-bit words); a block's bucket is the low bits of its hash's first 8
-bytes (block hashes are BLAKE2b: uniform). An empty entry is all zeros but its seq. The
+block hash as two 64-bit words); a block may sit in either of two buckets, the low bits of
+its hash's first 8 bytes and of its last 8 (block hashes are BLAKE2b: uniform), the less
+full one taken. With one bucket per block, a pool filled to its pages left about one
+block in fifty out of the index, and a run of thousands of blocks nearly always had one
+missing (the probe then stops and the caller asks the daemon); with two choices of four
+slots at a quarter load at most an insert practically never finds both full. An empty entry is all zeros but its seq. The
 daemon is the only writer, on its event loop; each entry is a seqlock: `seq` is odd while
 the daemon rewrites it and grows by two with every rewrite, and a reader reads each entry
 twice, first word first, and keeps it only if both reads agree and `seq` is even (x86
@@ -40,9 +45,10 @@ _TWO = np.uint64(SLOTS.bit_length() - 1)  # log2(SLOTS): a bucket's first slot i
 
 
 def buckets_for(num_pages: int) -> int:
-    """Buckets of an index for `num_pages` pages: a power of two, room for twice the pages."""
+    """Buckets of an index for `num_pages` pages: a power of two, room for four times the
+    pages (32 bytes an entry: 128 bytes a page at least, under 0.2% of 64 KiB pages)."""
     b = 1
-    while b * SLOTS < 2 * num_pages:
+    while b * SLOTS < 4 * num_pages:
         b <<= 1
     return b
 
@@ -65,11 +71,12 @@ class ShmIndex:
         self._lanes = np.arange(SLOTS, dtype=np.uint64)
         self.overflow = 0  # inserts that found their bucket full
 
-    def _slots(self, key: bytes) -> tuple[int, int, int]:
+    def _slots(self, key: bytes) -> tuple[tuple[int, int], int, int]:
+        """The first entries of a block's two buckets, and its hash's two words."""
         k0 = int.from_bytes(key[:8], "little")
         k1 = int.from_bytes(key[8:16], "little")
-        start = (k0 & int(self.mask)) * SLOTS
-        return start, k0, k1
+        mask = int(self.mask)
+        return ((k0 & mask) * SLOTS, (k1 & mask) * SLOTS), k0, k1
 
     def _write(self, i: int, head: int, fp: int, k0: int, k1: int, page1: int) -> None:
         """Rewrite entry i: its seq odd first, then the block, then seq even with page + 1."""
@@ -80,20 +87,28 @@ class ShmIndex:
         w[0] = ((seq + 2) & _LOW32) | page1 << 32
 
     def insert(self, key: bytes, fp: int, page: int) -> bool:
-        start, k0, k1 = self._slots(key)
-        for j, head in enumerate(self._words[start : start + SLOTS, 0].tolist()):
-            if head >> 32 == 0:
-                self._write(start + j, head, fp, k0, k1, page + 1)
-                return True
-        self.overflow += 1
-        return False
+        """Into the less full of the block's two buckets (the first on a tie)."""
+        starts, k0, k1 = self._slots(key)
+        best = None
+        for start in starts:
+            heads = self._words[start : start + SLOTS, 0].tolist()
+            free = [j for j, head in enumerate(heads) if head >> 32 == 0]
+            if free and (best is None or len(free) > best[0]):
+                best = (len(free), start + free[0], heads[free[0]])
+        if best is None:
+            self.overflow += 1
+            return False
+        _, i, head = best
+        self._write(i, head, fp, k0, k1, page + 1)
+        return True
 
     def remove(self, key: bytes, fp: int, page: int) -> bool:
-        start, k0, k1 = self._slots(key)
-        for j, (head, efp, ek0, ek1) in enumerate(self._words[start : start + SLOTS].tolist()):
-            if head >> 32 == page + 1 and (efp, ek0, ek1) == (fp, k0, k1):
-                self._write(start + j, head, 0, 0, 0, 0)  # an empty entry matches no block
-                return True
+        starts, k0, k1 = self._slots(key)
+        for start in starts:
+            for j, (head, efp, ek0, ek1) in enumerate(self._words[start : start + SLOTS].tolist()):
+                if head >> 32 == page + 1 and (efp, ek0, ek1) == (fp, k0, k1):
+                    self._write(start + j, head, 0, 0, 0, 0)  # an empty entry matches no block
+                    return True
         return False
 
     def probe(self, fp: int, hashes: Sequence[bytes]) -> int:
@@ -102,17 +117,19 @@ class ShmIndex:
             return 0
         fpb = fp.to_bytes(8, "little")
         raw = b"".join([fpb + h for h in hashes])  # per block: fp, k0, k1
-        k0 = np.frombuffer(raw, dtype="<u8")[1::3]
+        words = np.frombuffer(raw, dtype="<u8")
         want = np.frombuffer(raw, dtype="V24")[:, None]
-        slots = (((k0 & self.mask) << _TWO)[:, None] + self._lanes).ravel()  # every slot of each block's bucket
+        first = ((words[1::3] & self.mask) << _TWO)[:, None] + self._lanes
+        second = ((words[2::3] & self.mask) << _TWO)[:, None] + self._lanes
+        slots = np.concatenate([first, second], axis=1).ravel()  # every slot of each block's two buckets
         for _ in range(_READS):
-            first = self._words.take(slots, axis=0)  # read twice, first word first: a batch the daemon
+            got = self._words.take(slots, axis=0)  # read twice, first word first: a batch the daemon
             again = self._words.take(slots, axis=0)  # rewrote in between is read again
-            if first.tobytes() == again.tobytes():
+            if got.tobytes() == again.tobytes():
                 break
         else:
             return 0  # the daemon kept rewriting these entries: ask it instead
-        rec = first.view(_PROBE_VIEW).reshape(n, SLOTS)
+        rec = got.view(_PROBE_VIEW).reshape(n, 2 * SLOTS)
         ok = (rec["head"] & _ODD == 0) & (rec["tail"] == want)  # an odd seq: the daemon is inside it
         hit = ok.any(axis=1)
         return n if hit.all() else int(hit.argmin())

@@ -52,10 +52,10 @@ def test_a_full_bucket_leaves_the_block_to_the_daemon():
     assert ix.probe(1, hashes) == SLOTS  # stops where the index has nothing: the caller asks the daemon
 
 
-def test_the_index_region_fits_twice_the_pages():
+def test_the_index_region_fits_four_times_the_pages():
     for pages in (1, 3, 64, 1000, 262_144):
         b = buckets_for(pages)
-        assert b & (b - 1) == 0 and b * SLOTS >= 2 * pages and index_bytes(pages) == b * SLOTS * 32
+        assert b & (b - 1) == 0 and b * SLOTS >= 4 * pages and index_bytes(pages) == b * SLOTS * 32
     with pytest.raises(ValueError):
         ShmIndex(np.zeros(12, dtype=ENTRY))
 
@@ -74,3 +74,39 @@ def test_an_arena_carries_its_index():
             other.close()
     finally:
         arena.close()
+
+
+class _OneChoice(ShmIndex):
+    """The control: every block in its first bucket only (the layout before two choices)."""
+
+    def insert(self, key: bytes, fp: int, page: int) -> bool:
+        starts, k0, k1 = ShmIndex._slots(self, key)
+        for j, head in enumerate(self._words[starts[0] : starts[0] + SLOTS, 0].tolist()):
+            if head >> 32 == 0:
+                self._write(starts[0] + j, head, fp, k0, k1, page + 1)
+                return True
+        self.overflow += 1
+        return False
+
+
+@pytest.mark.parametrize("index_class, whole", [(ShmIndex, True), (_OneChoice, False)])
+def test_a_full_pool_keeps_every_block_of_a_long_run_in_the_index(index_class, whole):
+    """A pool of 8192 pages filled by runs of thousands of blocks (the GPU bench's 32k and
+    64k prompts): with two buckets per block every insert finds room and the last run is
+    probed whole; with one (the control) blocks fall out and the probe stops short."""
+    pages = 8192
+    ix = index_class(np.zeros(buckets_for(pages) * SLOTS, dtype=ENTRY))
+    fp = ns_fingerprint(NS)
+    runs = [block_hashes(range(r * 10**6, r * 10**6 + 16 * 2048), 16) for r in range(3)]
+    runs.append(block_hashes(range(9 * 10**6, 9 * 10**6 + 16 * (pages - 3 * 2048)), 16))
+    page = 0
+    for run in runs:
+        for h in run:
+            ix.insert(h, fp, page)
+            page += 1
+    assert page == pages
+    found = [ix.probe(fp, run) for run in runs]
+    if whole:
+        assert ix.overflow == 0 and found == [len(r) for r in runs]
+    else:
+        assert ix.overflow > 0 and any(f < len(r) for f, r in zip(found, runs))
