@@ -5,7 +5,9 @@ head 128, 64 KiB of KV per token) on the same GPU, vLLM 0.24, TRITON_ATTN, eager
   A, B   kvpool's connector on one pool (pages of one 16-token block of every layer);
   S      the same connector with load_mode sync;
   C      vLLM's own OffloadingConnector with a CPU tier (--kv-offloading-size), prefix
-         caching off, so its second request of a prompt can only hit the CPU tier.
+         caching off, so its second request of a prompt can only hit the CPU tier;
+  D      the same with prefix caching on, as A, B and S run, its GPU prefix cache reset
+         before the hit (POST /reset_prefix_cache), so the hit comes from the CPU tier.
 For each prefix length, per repetition, on a fresh seeded prompt (each measurement keyed
 apart by cache_salt):
   cold_prefill_ms     TTFT on B, pool and prefix cache bypassed
@@ -13,6 +15,8 @@ apart by cache_salt):
   remote_hit_ttft_ms  TTFT on B of the prompt A computed and published (kvgate)
   remote_sync_hit_ttft_ms  the same on S, whose connector loads synchronously (load_mode sync)
   peer_hit_ttft_ms    TTFT on C of the prompt C computed and offloaded before
+  peer_cached_hit_ttft_ms  the same on D; each peer's own transfer counters over its hits
+                      (`peer_loaded_bytes`, `peer_cached_loaded_bytes`) show what it loaded
 Medians; ratios remote/peer and remote/local; `remote_phases_ms` and `local_phases_ms`:
 where the remote and the local hit's TTFT go (kvgate bench live's phases). Every measured
 request follows a small primer request on the same replica. `h2d_floor_ms`: the prefix's
@@ -20,7 +24,7 @@ bytes at a plain pinned host-to-device copy's rate measured in the same run
 (`pinned_h2d_GBps`), the least a load from host memory adds to the local hit;
 `floor_vs_local` is that bound as a ratio. Not a test: nothing is asserted.
 
-  start_bench(report_dir, max_len) -> Cluster     builds the model, starts A, B, S, C
+  start_bench(report_dir, max_len) -> Cluster     builds the model, starts A, B, S, C, D
   measure(cluster, lengths, reps, deadline_s) -> dict
 """
 
@@ -68,18 +72,25 @@ def start_bench(report_dir: Path, max_len: int) -> Cluster:
                        max_num_batched_tokens=CHUNK,
                        extra_args=(*gpu_args(0.12), "--no-enable-prefix-caching", "--kv-offloading-size",
                                    str(CPU_TIER_GIB), "--kv-offloading-backend", "native"))
+    # D: the same peer with the engine's prefix caching on, as A, B and S run: its GPU prefix
+    # cache is reset (POST /reset_prefix_cache) before the hit, which then comes from the CPU
+    # tier and pays what an engine that caches prefixes pays to take loaded blocks in.
+    peer_cached = ReplicaSpec("D", core="4", connector=False, kv_bytes=KV_BYTES, max_model_len=n_len,
+                              max_num_batched_tokens=CHUNK,
+                              extra_args=(*gpu_args(0.12), "--kv-offloading-size", str(CPU_TIER_GIB),
+                                          "--kv-offloading-backend", "native"))
     cluster = Cluster(model, report_dir, page_size=page, pool_pages=(8 << 30) // page)
-    cluster.start([*ours, peer], timeout=400.0)
+    cluster.start([*ours, peer, peer_cached], timeout=400.0)
     _say(f"bench gpu live: A, B, C up after {time.monotonic() - t0:.0f} s")
     return cluster
 
 
 def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: float) -> dict:
     t_end = time.monotonic() + deadline_s
-    A, B, C, S = (cluster.replicas[n].url for n in ("A", "B", "C", "S"))
+    A, B, C, S, D = (cluster.replicas[n].url for n in ("A", "B", "C", "S", "D"))
     corpus = Corpus(cluster.model_dir)
     rng = random.Random("bench-gpu-live:20261129")
-    for url, name in ((A, "A"), (B, "B"), (C, "C"), (S, "S")):
+    for url, name in ((A, "A"), (B, "B"), (C, "C"), (S, "S"), (D, "D")):
         complete(url, corpus.text(64, rng), tag=f"warmup-{name}", replica=name, max_tokens=2, load=False,
                  publish=False)
     primer = corpus.text(15, rng)
@@ -99,6 +110,8 @@ def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: f
         remote_sync: list[float] = []
         sphases: list[dict[str, float]] = []
         peer_moved: list[dict[str, float]] = []  # the peer's own counters over its hit: what it loaded
+        peer_cached: list[float] = []
+        peer_cached_moved: list[dict[str, float]] = []
         remote_via: list[str] = []
         for rep in range(reps):
             if time.monotonic() > t_end - 30:
@@ -131,15 +144,11 @@ def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: f
             if sphase is not None:
                 sphases.append(sphase)
             remote_sync.append(rsync.ttft_s * 1e3)
-            complete(C, prompt, tag=f"peer-pub-{n}-{rep}", replica="C", max_tokens=1, cache_salt=salt + "-peer")
-            time.sleep(PEER_SETTLE_S)
-            prime(C, "C")
-            before = peer_counters(C)
-            ph = complete(C, prompt, tag=f"peer-hit-{n}-{rep}", replica="C", max_tokens=1,
-                          cache_salt=salt + "-peer")
-            time.sleep(0.5)  # the counters travel with the engine's outputs: let the last step's arrive
-            after = peer_counters(C)
-            peer_moved.append({k: after[k] - before[k] for k in after if k in before})
+            ph, moved = _peer_hit(C, "C", prompt, f"{n}-{rep}", salt + "-peer", prime, reset=False)
+            peer_moved.append(moved)
+            phc, moved = _peer_hit(D, "D", prompt, f"{n}-{rep}", salt + "-peer-cached", prime, reset=True)
+            peer_cached_moved.append(moved)
+            peer_cached.append(phc.ttft_s * 1e3)
             remote_via.extend(r.get("via", "lookup") for r in _records(cluster, "lookup", "B")
                               if r.get("tag") == f"remote-{n}-{rep}" and r.get("outcome") == "remote_hit")
             cold.append(c.ttft_s * 1e3)
@@ -148,7 +157,7 @@ def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: f
             peer.append(ph.ttft_s * 1e3)
             _say(f"  {n:>6} rep {rep}: cold {cold[-1]:.0f} ms, local {local[-1]:.0f} ms, kvgate remote "
                  f"{remote[-1]:.0f} ms (sync loads {remote_sync[-1]:.0f} ms), OffloadingConnector CPU hit "
-                 f"{peer[-1]:.0f} ms")
+                 f"{peer[-1]:.0f} ms (prefix caching on: {peer_cached[-1]:.0f} ms)")
         if not cold:
             break
         loads = [r for r in _records(cluster, "load", "B") if str(r.get("tag", "")).startswith(f"remote-{n}-")]
@@ -160,13 +169,16 @@ def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: f
                "remote_blocks_expected": len(cold) * ((n - 1) // BLOCK_SIZE)}
         for name, values in (("cold_prefill_ms", cold), ("local_hit_ttft_ms", local),
                              ("remote_hit_ttft_ms", remote), ("remote_sync_hit_ttft_ms", remote_sync),
-                             ("peer_hit_ttft_ms", peer)):
+                             ("peer_hit_ttft_ms", peer), ("peer_cached_hit_ttft_ms", peer_cached)):
             row[name] = round(statistics.median(values), 1)
             row[f"{name}_all"] = [round(v, 1) for v in values]
         row["remote_lookup_via"] = remote_via
-        if peer_moved and all(peer_moved):
-            row["peer_loaded_bytes"] = statistics.median(m.get("load_bytes", 0.0) for m in peer_moved)
-            row["peer_load_seconds"] = round(statistics.median(m.get("load_seconds", 0.0) for m in peer_moved), 4)
+        for key, moved in (("peer", peer_moved), ("peer_cached", peer_cached_moved)):
+            if moved and all(moved):
+                row[f"{key}_loaded_bytes"] = statistics.median(m.get("load_bytes", 0.0) for m in moved)
+                row[f"{key}_load_seconds"] = round(statistics.median(m.get("load_seconds", 0.0) for m in moved), 4)
+        row["remote_vs_peer_cached"] = round(row["remote_hit_ttft_ms"] / row["peer_cached_hit_ttft_ms"], 3)
+        row["remote_sync_vs_peer_cached"] = round(row["remote_sync_hit_ttft_ms"] / row["peer_cached_hit_ttft_ms"], 3)
         row["remote_vs_peer"] = round(row["remote_hit_ttft_ms"] / row["peer_hit_ttft_ms"], 3)
         row["remote_vs_local"] = round(row["remote_hit_ttft_ms"] / row["local_hit_ttft_ms"], 3)
         if phases:  # where the remote hit's TTFT goes (medians), from its connector records
@@ -197,6 +209,24 @@ def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: f
                     "floor_at_most_1.2x_local_at_every_length":
                     bool(rows) and all(r["floor_vs_local"] <= 1.2 for r in rows)},
     }
+
+
+def _peer_hit(url: str, name: str, prompt: str, key: str, salt: str, prime, reset: bool):  # noqa: ANN001, ANN202
+    """The peer computes and offloads the prompt, then serves it again from its CPU tier
+    (`reset`: after its GPU prefix cache is emptied); its transfer counters over the hit."""
+    import requests
+
+    complete(url, prompt, tag=f"peer-pub-{key}", replica=name, max_tokens=1, cache_salt=salt)
+    time.sleep(PEER_SETTLE_S)
+    if reset:
+        r = requests.post(f"{url}/reset_prefix_cache", timeout=60)
+        r.raise_for_status()
+    prime(url, name)
+    before = peer_counters(url)
+    hit = complete(url, prompt, tag=f"peer-hit-{key}", replica=name, max_tokens=1, cache_salt=salt)
+    time.sleep(0.5)  # the counters travel with the engine's outputs: let the last step's arrive
+    after = peer_counters(url)
+    return hit, {k: after[k] - before[k] for k in after if k in before}
 
 
 PEER_COUNTERS = {"vllm:kv_offload_load_bytes": "load_bytes", "vllm:kv_offload_load_time": "load_seconds"}
