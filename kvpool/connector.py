@@ -477,6 +477,9 @@ class KVPoolScheduler:
             prep = time.monotonic() - called
             st.timing = {"arrival": getattr(request, "arrival_time", None), "first_call": time.time() - prep,
                          "prep_us": round(prep * 1e6, 1)}
+            events = getattr(request, "events", None) or []  # the engine's own stamps (with its stats on)
+            if events and hasattr(events[0], "timestamp"):  # QUEUED: the engine core took the request in
+                st.timing["queued_us"] = round((called - events[0].timestamp) * 1e6, 1)
         record.update(st.timing)
         if st.loading_async:  # matched again before it was scheduled: vLLM dropped its failed load
             st.loading_async = False

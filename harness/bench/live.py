@@ -20,7 +20,8 @@ the load), `load` (the load itself: lease, copies, digest checks, release), `aft
 (the load's end to the first token: the forward pass of the rest and the sampling);
 `to_scheduler` is split into `to_engine` (the send to the engine's arrival stamp, taken
 before tokenization), `in_engine` (the stamp to the scheduler's first call) and `prep` (that
-call's hashing of the prompt). `local_phases_ms`: the local hit's, alike up to the
+call's hashing of the prompt), and of `in_engine` the time since the engine core took the
+request in (`in_scheduler_queue`, from the engine's own QUEUED stamp). `local_phases_ms`: the local hit's, alike up to the
 scheduler, then `after_lookup`. Every measured request follows a small primer request on
 the same replica (an idle replica's arrival-to-scheduler time varied by 10-110 ms with what
 ran before it, before any connector code). The remote hit is measured once A's stores of
@@ -208,7 +209,8 @@ def remote_phases(history_dir: Path, tag: str, t0: float, ttft_s: float) -> dict
     clock) and its connector records (None: a record is missing, e.g. nothing loaded).
     `to_scheduler` (the send to the lookup) is split where the records say more: `to_engine`
     (the send to the engine's arrival stamp: HTTP, tokenization), `in_engine` (the arrival to
-    the scheduler's first call) and `prep` (that call's hashing of the prompt)."""
+    the scheduler's first call) and `prep` (that call's hashing of the prompt), and of `in_engine` the time since the engine core took the
+request in (`in_scheduler_queue`, from the engine's own QUEUED stamp)."""
     from harness.checkers.history import records
 
     lookup = [r for r in records(history_dir, "lookup", tag=tag) if r.get("outcome") == "remote_hit"]
@@ -248,8 +250,11 @@ def local_phases(history_dir: Path, tag: str, t0: float, ttft_s: float) -> dict[
 def _arrival_phases(lk: dict, t0: float) -> dict[str, float]:
     if lk.get("arrival") is None or "first_call" not in lk:
         return {}
-    return {"to_engine": (lk["arrival"] - t0) * 1e3, "in_engine": (lk["first_call"] - lk["arrival"]) * 1e3,
-            "prep": lk.get("prep_us", 0.0) / 1e3}
+    out = {"to_engine": (lk["arrival"] - t0) * 1e3, "in_engine": (lk["first_call"] - lk["arrival"]) * 1e3,
+           "prep": lk.get("prep_us", 0.0) / 1e3}
+    if "queued_us" in lk:  # of in_engine, the time since the engine core took the request in
+        out["in_scheduler_queue"] = lk["queued_us"] / 1e3
+    return out
 
 
 class PeerPair:
