@@ -18,11 +18,12 @@ remote/peer. `remote_phases_ms`: where a remote hit's TTFT goes, from the run's 
 `lookup` (that call to the pool's answer), `to_load` (the answer to the worker starting
 the load), `load` (the load itself: lease, copies, digest checks, release), `after_load`
 (the load's end to the first token: the forward pass of the rest and the sampling);
-`to_scheduler` is split into `to_engine` (the send to the engine's arrival stamp, taken
-before tokenization), `in_engine` (the stamp to the scheduler's first call) and `prep` (that
-call's hashing of the prompt), and of `in_engine` the time since the engine core took the
-request in (`in_scheduler_queue`, from the engine's own QUEUED stamp). `local_phases_ms`: the local hit's, alike up to the
-scheduler, then `after_lookup`. Every measured request follows a small primer request on
+`to_scheduler` is split into `to_engine` (the send to the front end's arrival stamp, taken
+before it tokenizes), `in_engine` (the stamp to the scheduler's first call: tokenization,
+input processing, the engine core's queue), `prep` (that call's hashing of the prompt) and
+`in_scheduler_queue` (of `in_engine`, the time since the engine core took the request in,
+from its own QUEUED stamp). `local_phases_ms`: the local hit's, alike up to the scheduler,
+then `after_lookup`. Every measured request follows a small primer request on
 the same replica (an idle replica's arrival-to-scheduler time varied by 10-110 ms with what
 ran before it, before any connector code). The remote hit is measured once A's stores of
 the prompt are in the pool (`store_landed_after_response_ms`: when the last one landed,
@@ -208,9 +209,10 @@ def remote_phases(history_dir: Path, tag: str, t0: float, ttft_s: float) -> dict
     """A remote hit's TTFT in phases, in ms, from the request's send time (`t0`, wall
     clock) and its connector records (None: a record is missing, e.g. nothing loaded).
     `to_scheduler` (the send to the lookup) is split where the records say more: `to_engine`
-    (the send to the engine's arrival stamp: HTTP, tokenization), `in_engine` (the arrival to
-    the scheduler's first call) and `prep` (that call's hashing of the prompt), and of `in_engine` the time since the engine core took the
-request in (`in_scheduler_queue`, from the engine's own QUEUED stamp)."""
+    (the send to the front end's arrival stamp, taken before it tokenizes), `in_engine` (the
+    stamp to the scheduler's first call: tokenization, input processing, the engine core's
+    queue), `prep` (that call's hashing of the prompt) and `in_scheduler_queue` (of
+    `in_engine`, the time since the engine core took the request in: its QUEUED stamp)."""
     from harness.checkers.history import records
 
     lookup = [r for r in records(history_dir, "lookup", tag=tag) if r.get("outcome") == "remote_hit"]
