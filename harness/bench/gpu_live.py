@@ -101,6 +101,16 @@ def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: f
         # scheduler depends on whether it sat idle before, whichever kind came first.
         complete(url, primer, tag=f"primer-{name}", replica=name, max_tokens=1, load=False, publish=False)
 
+    def remote_hit(url: str, name: str, tag: str, prompt: str, salt: str, phases: list[dict[str, float]]):  # noqa: ANN202
+        # The hit on pages A published, after a primer; its phases (when its records hold them).
+        prime(url, name)
+        sent = time.time()
+        hit = complete(url, prompt, tag=tag, replica=name, max_tokens=1, cache_salt=salt)
+        phase = remote_phases(cluster.history_dir, tag, sent, hit.ttft_s)
+        if phase is not None:
+            phases.append(phase)
+        return hit
+
     h2d = pinned_h2d_GBps()
     rows = []
     for n in lengths:
@@ -131,18 +141,8 @@ def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: f
                 lphases.append(lphase)
             complete(A, prompt, tag=f"pub-{n}-{rep}", replica="A", max_tokens=1, cache_salt=salt)
             wait_published(cluster.history_dir, "A", f"pub-{n}-{rep}", n // BLOCK_SIZE, timeout_s=60)
-            prime(B, "B")
-            sent = time.time()
-            rem = complete(B, prompt, tag=f"remote-{n}-{rep}", replica="B", max_tokens=1, cache_salt=salt)
-            phase = remote_phases(cluster.history_dir, f"remote-{n}-{rep}", sent, rem.ttft_s)
-            if phase is not None:
-                phases.append(phase)
-            prime(S, "S")
-            sent = time.time()
-            rsync = complete(S, prompt, tag=f"remote-sync-{n}-{rep}", replica="S", max_tokens=1, cache_salt=salt)
-            sphase = remote_phases(cluster.history_dir, f"remote-sync-{n}-{rep}", sent, rsync.ttft_s)
-            if sphase is not None:
-                sphases.append(sphase)
+            rem = remote_hit(B, "B", f"remote-{n}-{rep}", prompt, salt, phases)
+            rsync = remote_hit(S, "S", f"remote-sync-{n}-{rep}", prompt, salt, sphases)
             remote_sync.append(rsync.ttft_s * 1e3)
             ph, moved = _peer_hit(C, "C", prompt, f"{n}-{rep}", salt + "-peer", prime, reset=False)
             peer_moved.append(moved)
