@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any, Union
 from kvpool import vllm_compat as compat
 from kvpool.client import PoolBackend, PoolClient
 from kvpool.copier import CopyRun, HostCopier
+from kvpool.copy import prefault
 from kvpool.errors import MissCause, PoolError, PoolTimeout
 from kvpool.history import HistoryWriter
 from kvpool.keys import HASH_BYTES, ROOT_HASH, Namespace, block_hashes
@@ -132,6 +133,9 @@ class ConnectorSettings:
     tier_deadline_s: float = 1.0
     tier_backoff_s: float = 1.0
     tier_backoff_max_s: float = 30.0
+    # On CPU: fault the engine's KV tensors in at registration (kvpool.copy.prefault), so that
+    # a load into blocks the engine never touched does not pay a page fault per 4 KiB.
+    prefault_kv: bool = True
     model_id: str = ""  # a stable model name for the namespace (default: the model path)
     model_revision: str = ""  # overrides the model fingerprint in the namespace
 
@@ -766,12 +770,17 @@ class KVPoolWorker:
             layers.append(t.view(torch.uint8).numpy())
         if len(layers) != ns.num_layers:
             raise compat.LayoutMismatch(f"{len(layers)} KV tensors registered, namespace declares {ns.num_layers} layers")
+        faulted: dict[str, Any] = {}
         if self.device == "cuda":
             self.copier.register(layers, ns=ns, block_dim=block_dim)
         else:
+            if self.settings.prefault_kv:
+                t0 = time.monotonic()
+                faulted = {"prefault": sorted({prefault(layer) for layer in layers}),
+                           "prefault_s": round(time.monotonic() - t0, 4)}
             self.copier.register(layers)
         self.history.write("register", layers=names, shape=list(kv_caches[names[0]].shape),
-                           block_bytes=self.copier.block_bytes, ns=ns.as_dict())
+                           block_bytes=self.copier.block_bytes, ns=ns.as_dict(), **faulted)
 
     def start_load_kv(self, meta: KVPoolMetadata) -> None:
         for rid in meta.drain:

@@ -8,6 +8,11 @@
                           the same, returning the digest of `kind` (kvpool.digest): for
                           kv-sketch-1 the sketch is taken over the bytes copied, after the copy.
   as_segments(x)          a block given as one buffer or a list of buffers, as uint8 views.
+  prefault(arr)           map every page of a host array writable now (madvise
+                          MADV_POPULATE_WRITE, else a write of each page's first byte back to
+                          itself), contents unchanged: a copy into memory the process never
+                          touched faults once per 4 KiB page (8 MiB of fresh KV blocks loaded
+                          in 4.8 ms against 2.0 ms into touched ones on this project's CPU box).
 
 A KV block spread over several tensors (one per layer) is a list of segments; a pool
 page is one segment. The digest equals kvpool.digest.page_digest of the concatenation.
@@ -15,6 +20,8 @@ page is one segment. The digest equals kvpool.digest.page_digest of the concaten
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from collections.abc import Sequence
 
 import numpy as np
@@ -79,3 +86,32 @@ def copy_digest_as(kind: DigestKind, src: Sequence[np.ndarray], dst: Sequence[np
         return copy_digest(src, dst)
     copy_digest(src, dst)
     return page_digest(dst[0] if len(dst) == 1 else np.concatenate(dst), kind)
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_PAGE = mmap.PAGESIZE
+
+
+def prefault(arr: np.ndarray) -> str:
+    """Fault every page of `arr` in, writable; its bytes stay as they are. Returns how:
+    "populate" (one madvise for the pages wholly inside it, and the edges touched), "touch"
+    (each page's first byte written back to itself: kernels without MADV_POPULATE_WRITE), or
+    "none" (empty)."""
+    flat = _u8(arr)
+    if not flat.size:
+        return "none"
+    start = flat.ctypes.data
+    first = -start % _PAGE  # offset of the first page boundary inside the array
+    inner = (flat.size - first) // _PAGE * _PAGE
+    how = "touch"
+    if inner > 0:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        if libc.madvise(ctypes.c_void_p(start + first), ctypes.c_size_t(inner), MADV_POPULATE_WRITE) == 0:
+            how = "populate"
+    if how == "touch":
+        flat[::_PAGE] = flat[::_PAGE]
+    else:  # the partial pages at either edge
+        flat[:1] = flat[:1]
+        flat[-1:] = flat[-1:]
+    return how
