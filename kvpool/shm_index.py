@@ -16,14 +16,15 @@ its hash's first 8 bytes and of its last 8 (block hashes are BLAKE2b: uniform), 
 full one taken. With one bucket per block, a pool filled to its pages left about one
 block in fifty out of the index, and a run of thousands of blocks nearly always had one
 missing (the probe then stops and the caller asks the daemon); with two choices of four
-slots at a quarter load at most an insert practically never finds both full. An empty entry is all zeros but its seq. The
-daemon is the only writer, on its event loop; each entry is a seqlock: `seq` is odd while
+slots at a quarter load at most an insert practically never finds both full. An empty
+entry is all zeros but its seq. The daemon is the only writer, on its event loop; each
+entry is a seqlock: `seq` is odd while
 the daemon rewrites it and grows by two with every rewrite, and a reader reads each entry
 twice, first word first, and keeps it only if both reads agree and `seq` is even (x86
 keeps stores in order and loads in order; numpy's copies are plain loads and stores). What the probe may get wrong is bounded by what it is for: it
 never reports a block the daemon did not commit under that namespace, but a block can be
 evicted right after the probe (as after any lookup: the load then misses and the block is
-recomputed), and a block whose bucket was full is not in the index (the probe stops
+recomputed), and a block whose buckets were both full is not in the index (the probe stops
 there and the caller asks the daemon).
 """
 
@@ -69,7 +70,7 @@ class ShmIndex:
         self.mask = np.uint64(entries.size // SLOTS - 1)
         self._words = entries.view(np.uint64).reshape(-1, 4)  # seq | (page + 1) << 32, fp, k0, k1
         self._lanes = np.arange(SLOTS, dtype=np.uint64)
-        self.overflow = 0  # inserts that found their bucket full
+        self.overflow = 0  # inserts that found both their buckets full
 
     def _slots(self, key: bytes) -> tuple[tuple[int, int], int, int]:
         """The first entries of a block's two buckets, and its hash's two words."""
@@ -117,11 +118,9 @@ class ShmIndex:
             return 0
         fpb = fp.to_bytes(8, "little")
         raw = b"".join([fpb + h for h in hashes])  # per block: fp, k0, k1
-        words = np.frombuffer(raw, dtype="<u8")
         want = np.frombuffer(raw, dtype="V24")[:, None]
-        first = ((words[1::3] & self.mask) << _TWO)[:, None] + self._lanes
-        second = ((words[2::3] & self.mask) << _TWO)[:, None] + self._lanes
-        slots = np.concatenate([first, second], axis=1).ravel()  # every slot of each block's two buckets
+        starts = (np.frombuffer(raw, dtype="<u8").reshape(n, 3)[:, 1:] & self.mask) << _TWO  # k0's, k1's bucket
+        slots = (starts[:, :, None] + self._lanes).ravel()  # every slot of each block's two buckets
         for _ in range(_READS):
             got = self._words.take(slots, axis=0)  # read twice, first word first: a batch the daemon
             again = self._words.take(slots, axis=0)  # rewrote in between is read again
