@@ -34,11 +34,13 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from fixtures.gpu_model import BENCH_SHAPE
 from harness.system.cluster import Cluster, ReplicaSpec
-from harness.bench.live import local_phases, remote_phases
+from harness.bench.live import local_phases, median_phases, primer, remote_phases, timed
 from harness.scenarios.gpu_live import wait_published
 from harness.system.gpu import BLOCK_SIZE, gpu_args
 from harness.client.http import complete
@@ -93,23 +95,12 @@ def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: f
     for url, name in ((A, "A"), (B, "B"), (C, "C"), (S, "S"), (D, "D")):
         complete(url, corpus.text(64, rng), tag=f"warmup-{name}", replica=name, max_tokens=2, load=False,
                  publish=False)
-    primer = corpus.text(15, rng)
+    prime = primer(corpus, rng)
 
-    def prime(url: str, name: str) -> None:
-        # Every measured request follows a small request on the same replica, as in
-        # `kvgate bench live`: the time a replica takes from its arrival stamp to the
-        # scheduler depends on whether it sat idle before, whichever kind came first.
-        complete(url, primer, tag=f"primer-{name}", replica=name, max_tokens=1, load=False, publish=False)
-
-    def remote_hit(url: str, name: str, tag: str, prompt: str, salt: str, phases: list[dict[str, float]]):  # noqa: ANN202
-        # The hit on pages A published, after a primer; its phases (when its records hold them).
-        prime(url, name)
-        sent = time.time()
-        hit = complete(url, prompt, tag=tag, replica=name, max_tokens=1, cache_salt=salt)
-        phase = remote_phases(cluster.history_dir, tag, sent, hit.ttft_s)
-        if phase is not None:
-            phases.append(phase)
-        return hit
+    def hit(url: str, name: str, tag: str, prompt: str, phases: list[dict[str, float]], phase_of: Callable,
+            **kwargs: Any) -> Any:
+        return timed(url, name, tag, prompt, prime=prime, history_dir=cluster.history_dir, phases=phases,
+                     phase_of=phase_of, **kwargs)
 
     h2d = pinned_h2d_GBps()
     rows = []
@@ -122,7 +113,6 @@ def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: f
         peer_moved: list[dict[str, float]] = []  # the peer's own counters over its hit: what it loaded
         peer_cached: list[float] = []
         peer_cached_moved: list[dict[str, float]] = []
-        remote_via: list[str] = []
         for rep in range(reps):
             if time.monotonic() > t_end - 30:
                 _say(f"bench gpu live: out of time before {n} tokens, rep {rep}")
@@ -132,25 +122,18 @@ def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: f
             prime(B, "B")
             c = complete(B, prompt, tag=f"cold-{n}-{rep}", replica="B", max_tokens=1, load=False, publish=False,
                          cache_salt=salt + "-cold")
-            prime(B, "B")
-            local_sent = time.time()
-            loc = complete(B, prompt, tag=f"local-{n}-{rep}", replica="B", max_tokens=1, load=False,
-                           publish=False, cache_salt=salt + "-cold")
-            lphase = local_phases(cluster.history_dir, f"local-{n}-{rep}", local_sent, loc.ttft_s)
-            if lphase is not None:
-                lphases.append(lphase)
+            loc = hit(B, "B", f"local-{n}-{rep}", prompt, lphases, local_phases, load=False, publish=False,
+                      cache_salt=salt + "-cold")
             complete(A, prompt, tag=f"pub-{n}-{rep}", replica="A", max_tokens=1, cache_salt=salt)
             wait_published(cluster.history_dir, "A", f"pub-{n}-{rep}", n // BLOCK_SIZE, timeout_s=60)
-            rem = remote_hit(B, "B", f"remote-{n}-{rep}", prompt, salt, phases)
-            rsync = remote_hit(S, "S", f"remote-sync-{n}-{rep}", prompt, salt, sphases)
+            rem = hit(B, "B", f"remote-{n}-{rep}", prompt, phases, remote_phases, cache_salt=salt)
+            rsync = hit(S, "S", f"remote-sync-{n}-{rep}", prompt, sphases, remote_phases, cache_salt=salt)
             remote_sync.append(rsync.ttft_s * 1e3)
             ph, moved = _peer_hit(C, "C", prompt, f"{n}-{rep}", salt + "-peer", prime, reset=False)
             peer_moved.append(moved)
             phc, moved = _peer_hit(D, "D", prompt, f"{n}-{rep}", salt + "-peer-cached", prime, reset=True)
             peer_cached_moved.append(moved)
             peer_cached.append(phc.ttft_s * 1e3)
-            remote_via.extend(r.get("via", "lookup") for r in _records(cluster, "lookup", "B")
-                              if r.get("tag") == f"remote-{n}-{rep}" and r.get("outcome") == "remote_hit")
             cold.append(c.ttft_s * 1e3)
             local.append(loc.ttft_s * 1e3)
             remote.append(rem.ttft_s * 1e3)
@@ -172,7 +155,9 @@ def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: f
                              ("peer_hit_ttft_ms", peer), ("peer_cached_hit_ttft_ms", peer_cached)):
             row[name] = round(statistics.median(values), 1)
             row[f"{name}_all"] = [round(v, 1) for v in values]
-        row["remote_lookup_via"] = remote_via
+        row["remote_lookup_via"] = [r.get("via", "lookup") for r in _records(cluster, "lookup", "B")
+                                    if str(r.get("tag", "")).startswith(f"remote-{n}-")
+                                    and r.get("outcome") == "remote_hit"]
         for key, moved in (("peer", peer_moved), ("peer_cached", peer_cached_moved)):
             if moved and all(moved):
                 row[f"{key}_loaded_bytes"] = statistics.median(m.get("load_bytes", 0.0) for m in moved)
@@ -182,13 +167,13 @@ def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: f
         row["remote_vs_peer"] = round(row["remote_hit_ttft_ms"] / row["peer_hit_ttft_ms"], 3)
         row["remote_vs_local"] = round(row["remote_hit_ttft_ms"] / row["local_hit_ttft_ms"], 3)
         if phases:  # where the remote hit's TTFT goes (medians), from its connector records
-            row["remote_phases_ms"] = {k: round(statistics.median(p[k] for p in phases), 1) for k in phases[0]}
+            row["remote_phases_ms"] = median_phases(phases)
         row["remote_sync_vs_local"] = round(row["remote_sync_hit_ttft_ms"] / row["local_hit_ttft_ms"], 3)
         row["remote_sync_vs_peer"] = round(row["remote_sync_hit_ttft_ms"] / row["peer_hit_ttft_ms"], 3)
         if sphases:
-            row["remote_sync_phases_ms"] = {k: round(statistics.median(p[k] for p in sphases), 1) for k in sphases[0]}
+            row["remote_sync_phases_ms"] = median_phases(sphases)
         if lphases:
-            row["local_phases_ms"] = {k: round(statistics.median(p[k] for p in lphases), 1) for k in lphases[0]}
+            row["local_phases_ms"] = median_phases(lphases)
         # The least any host-memory pool adds to the local hit: the prefix's bytes at the
         # pinned host-to-device rate measured in this run.
         floor_ms = row["kv_bytes"] / (h2d * 1e9) * 1e3

@@ -44,7 +44,10 @@ from pathlib import Path
 
 from harness.system.cluster import Cluster, ReplicaSpec
 from harness.system.hosts import IDLE_ENV
-from harness.client.http import complete
+from collections.abc import Callable
+from typing import Any
+
+from harness.client.http import Completion, complete
 from harness.workload.prompts import Corpus
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
@@ -133,13 +136,7 @@ def _measure(cluster: Cluster, peer: PeerPair, corpus: Corpus, reps: int, length
     rng = random.Random(20261129)
     for url, name in ((A, "A"), (B, "B"), (PA, "PA"), (PB, "PB")):
         complete(url, corpus.text(64, rng), tag=f"warmup-{name}", replica=name)
-    primer = corpus.text(15, rng)
-
-    def prime(url: str, name: str) -> None:
-        # Every measured request follows a small request on the same replica: a replica that
-        # sat idle while another computed took 10-110 ms longer from its arrival stamp to
-        # the scheduler (before any connector code runs), whichever kind came first.
-        complete(url, primer, tag=f"primer-{name}", replica=name, max_tokens=1, load=False, publish=False)
+    prime = primer(corpus, rng)
 
     rows = []
     for n in lengths:
@@ -154,10 +151,8 @@ def _measure(cluster: Cluster, peer: PeerPair, corpus: Corpus, reps: int, length
             prime(B, "B")
             c = complete(B, prompt, tag=f"cold-{n}-{rep}", replica="B", max_tokens=1, load=False, publish=False,
                          cache_salt=salt + "-cold")
-            prime(B, "B")
-            local_sent = time.time()
-            loc = complete(B, prompt, tag=f"local-{n}-{rep}", replica="B", max_tokens=1, load=False, publish=False,
-                           cache_salt=salt + "-cold")
+            loc = timed(B, "B", f"local-{n}-{rep}", prompt, prime=prime, history_dir=cluster.history_dir,
+                        phases=lphases, phase_of=local_phases, load=False, publish=False, cache_salt=salt + "-cold")
             complete(A, prompt, tag=f"pub-{n}-{rep}", replica="A", max_tokens=1, cache_salt=salt)
             answered = time.time()
             # A's stores and its response are independent; the peer's store runs inside PA's
@@ -166,21 +161,14 @@ def _measure(cluster: Cluster, peer: PeerPair, corpus: Corpus, reps: int, length
             wait_stored(cluster, f"pub-{n}-{rep}", "A")
             landed.append((max(r["t"] for r in records(cluster.history_dir, "publish", tag=f"pub-{n}-{rep}",
                                                            replica="A")) - answered) * 1e3)
-            prime(B, "B")
-            sent = time.time()  # the history's clock (the client's own records go to one cluster's history)
-            rem = complete(B, prompt, tag=f"remote-{n}-{rep}", replica="B", max_tokens=1, cache_salt=salt)
+            rem = timed(B, "B", f"remote-{n}-{rep}", prompt, prime=prime, history_dir=cluster.history_dir,
+                        phases=phases, phase_of=remote_phases, cache_salt=salt)
             complete(PA, prompt, tag=f"peer-pub-{n}-{rep}", replica="PA", max_tokens=1)
             prime(PB, "PB")
             ph = complete(PB, prompt, tag=f"peer-hit-{n}-{rep}", replica="PB", max_tokens=1)
             cold.append(c.ttft_s * 1e3)
             local.append(loc.ttft_s * 1e3)
             remote.append(rem.ttft_s * 1e3)
-            phase = remote_phases(cluster.history_dir, f"remote-{n}-{rep}", sent, rem.ttft_s)
-            if phase:
-                phases.append(phase)
-            lphase = local_phases(cluster.history_dir, f"local-{n}-{rep}", local_sent, loc.ttft_s)
-            if lphase:
-                lphases.append(lphase)
             peer_hit.append(ph.ttft_s * 1e3)
             h = peer.cluster.history_dir
             produced = audit_digests(h, "produced", f"peer-pub-{n}-{rep}", "PA")
@@ -193,9 +181,9 @@ def _measure(cluster: Cluster, peer: PeerPair, corpus: Corpus, reps: int, length
             row[name] = round(statistics.median(values), 1)
             row[f"{name}_p95"] = round(_pct(values, 0.95), 1)
         if phases:
-            row["remote_phases_ms"] = {k: round(statistics.median(p[k] for p in phases), 1) for k in phases[0]}
+            row["remote_phases_ms"] = median_phases(phases)
         if lphases:
-            row["local_phases_ms"] = {k: round(statistics.median(p[k] for p in lphases), 1) for k in lphases[0]}
+            row["local_phases_ms"] = median_phases(lphases)
         row["store_landed_after_response_ms"] = round(statistics.median(landed), 1)
         row["peer_blocks_installed"] = installed
         row["peer_blocks_differing"] = differing
@@ -203,6 +191,36 @@ def _measure(cluster: Cluster, peer: PeerPair, corpus: Corpus, reps: int, length
              f"{row['remote_hit_ttft_ms']} ms (p95 {row['remote_hit_ttft_ms_p95']}), peer {row['peer_hit_ttft_ms']} ms")
         rows.append(row)
     return rows
+
+
+def primer(corpus: Corpus, rng: random.Random) -> Callable[[str, str], None]:
+    """prime(url, name): a small request on that replica, sent before every measured one: a
+    replica that sat idle while another computed took 10-110 ms longer from its arrival
+    stamp to the scheduler (before any connector code runs), whichever kind came first."""
+    text = corpus.text(15, rng)
+
+    def prime(url: str, name: str) -> None:
+        complete(url, text, tag=f"primer-{name}", replica=name, max_tokens=1, load=False, publish=False)
+
+    return prime
+
+
+def timed(url: str, name: str, tag: str, prompt: str, *, prime: Callable[[str, str], None], history_dir: Path,
+          phases: list[dict[str, float]], phase_of: Callable, **kwargs: Any) -> Completion:
+    """One measured request after its primer; its phases (`phase_of`: remote_phases or
+    local_phases) join `phases` when its records hold them."""
+    prime(url, name)
+    sent = time.time()  # the history's clock
+    done = complete(url, prompt, tag=tag, replica=name, max_tokens=1, **kwargs)
+    phase = phase_of(history_dir, tag, sent, done.ttft_s)
+    if phase:
+        phases.append(phase)
+    return done
+
+
+def median_phases(phases: list[dict[str, float]]) -> dict[str, float]:
+    """Each phase's median over the repetitions, in ms."""
+    return {k: round(statistics.median(p[k] for p in phases), 1) for k in phases[0]}
 
 
 def remote_phases(history_dir: Path, tag: str, t0: float, ttft_s: float) -> dict[str, float] | None:

@@ -34,7 +34,10 @@ def stand_ins(monkeypatch):
         return {"load_bytes": loaded[name], "load_seconds": 0.01}
 
     posted = []
+    import harness.bench.live as live
+
     monkeypatch.setattr(bench, "complete", complete)
+    monkeypatch.setattr(live, "complete", complete)  # the primer and the timed requests it shares with bench live
     monkeypatch.setattr(bench, "remote_phases", lambda h, tag, t0, ttft: {"load": 2.0 if "sync" in tag else 1.0})
     monkeypatch.setattr(bench, "local_phases", lambda h, tag, t0, ttft: {"after_lookup": 2.0})
     monkeypatch.setattr(bench, "wait_published", lambda *a, **k: None)
