@@ -48,6 +48,9 @@ KINDS: dict[str, tuple[str, str]] = {
     "store_degraded": ("the store host's link (tc tbf, slower than recompute)",
                        "the rate limit lifted; the hold expires, a probe passes"),
     "store_slow": ("the store host's link (tc tbf, slower, still faster than recompute)", "the rate limit lifted"),
+    "hostile": ("an adversary at a boundary (a tenant's mapping, a store client, a checkpoint path, a frame, "
+                "the run directory, a restart under the probe)",
+                "the adversary stops; the pool is restarted or reset and the store flushed"),
 }
 PROFILES: dict[str, tuple[str, ...]] = {
     "transport": ("corrupt", "transport_error", "timeout", "conn_reset", "truncated_frame", "bitflip", "stall",
@@ -57,6 +60,7 @@ PROFILES: dict[str, tuple[str, ...]] = {
     "stream": ("stream_delay",),
     "revision": ("revision_mismatch",),
     "hosts": ("store_kill", "store_partition", "store_degraded", "store_slow"),
+    "hostile": ("hostile",),
     "all": tuple(KINDS),
 }
 

@@ -1,7 +1,8 @@
 """The scenario catalog: one JSON file per scenario, shipped as package data of `fixtures`
 (fixtures/scenarios/*.json), so an installed kvgate has its catalog.
 
-A scenario file (data only; `runner` names an entry of harness.scenarios.live.RUNNERS):
+A scenario file (data only; `runner` names an entry of RUNNERS: harness.scenarios.live's
+and harness.scenarios.hostile's):
 
     {"name": "load-corrupt", "runner": "load_failure", "fault": "corrupt",
      "replicas": ["A", "B"], "params": {"kind": "corrupt"},
@@ -32,7 +33,9 @@ from typing import Any
 
 from faults.schedule import KINDS
 from kvpool.errors import MissCause
-from harness.scenarios.live import RUNNERS
+from harness.scenarios import hostile, live
+
+RUNNERS = {**live.RUNNERS, **hostile.RUNNERS}  # every runner a scenario file may name
 
 
 # The parts of a scenario run's judgement, in order (harness.scenarios.runner): the

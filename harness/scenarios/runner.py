@@ -2,7 +2,7 @@
 against a live cluster and judges it from the history.
 
   run_scenario(cluster, corpus, sc, seed) -> ScenarioResult
-        resets the cluster, runs the scenario's body (harness.scenarios.live.RUNNERS), then
+        resets the cluster, runs the scenario's body (harness.scenarios.catalog.RUNNERS), then
         judges it: the scenario's own checks, the output oracle over its comparisons, and the
         checkers over the run's window of the history (byte-exact, miss causes, requests); then, if the scenario has a negative
         control, runs it the same way (its own derived seed) and requires that the oracle
@@ -29,8 +29,7 @@ from harness.checkers.requests import requests
 from harness.checkers.verdict import Verdict, all_of
 from harness.client.http import RequestFailed
 from harness.plugin import derive_seed
-from harness.scenarios.catalog import ORACLES, Control, Scenario, replay_command
-from harness.scenarios.live import RUNNERS
+from harness.scenarios.catalog import ORACLES, RUNNERS, Control, Scenario, replay_command
 from harness.system.cluster import Cluster
 from harness.workload.prompts import Corpus
 from kvpool.errors import PoolError

@@ -8,7 +8,7 @@ import pytest
 
 from faults.schedule import KINDS
 from harness.scenarios.catalog import Scenario, ScenarioError, find, load_catalog
-from harness.scenarios.live import RUNNERS
+from harness.scenarios.catalog import RUNNERS
 
 
 def test_the_catalog_loads_and_covers_every_fault_kind():

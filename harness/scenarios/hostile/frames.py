@@ -1,0 +1,9 @@
+"""Hostile scenario: frames (see harness.scenarios.hostile)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from harness.checkers.verdict import Verdict
+
+RUNNERS: dict[str, Callable[..., Verdict]] = {}
