@@ -231,10 +231,11 @@ def cmd_gate(args: argparse.Namespace) -> int:
     if args.connector:
         rows = _conformance([args.connector], _connector_extra(args.connector_config), args.seed,
                             args.report_dir, args.scenario or None, args.request_timeout)
-        failed = [c for c in rows[0]["cells"].values() if c["status"] == "fail"]
-        print(f"kvgate gate --connector {args.connector}: {'FAIL' if failed else 'PASS'} "
-              f"({len(failed)} failing cells)")
-        return 1 if failed else 0
+        from harness.conformance.gate import row_verdict
+
+        passed, why = row_verdict(rows[0])  # not run (a connector that does not import) is never a pass
+        print(f"kvgate gate --connector {args.connector}: {'PASS' if passed else 'FAIL'} ({why})")
+        return 0 if passed else 1
     return run_gate(seed=args.seed, report_dir=args.report_dir, seeds=args.seeds, profile=args.profile,
                     scenarios=args.scenario or None, pool_checks=not args.no_pool_checks)
 
@@ -482,7 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
     gate.add_argument("--no-pool-checks", action="store_true", help="skip the pool criteria (no live system)")
     gate.add_argument("--connector", default="",
                       help="gate this V1 connector instead (kvpool, example, offloading, lmcache-mp, or module:Class) "
-                           "on the connector-agnostic scenarios")
+                           "on the connector-agnostic scenarios; it fails (exit 1, the reason printed) when a cell "
+                           "failed, when the connector cannot run here (it does not import, or needs a GPU this "
+                           "machine lacks: every cell 'not run', nothing started), or when no cell passed")
     gate.add_argument("--connector-config", default="", help="the connector's extra config, JSON (with module:Class)")
     gate.add_argument("--request-timeout", type=float, default=600.0,
                       help="with --connector: seconds one request may take (a hung request fails its cell)")

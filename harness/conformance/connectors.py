@@ -98,7 +98,18 @@ class Profile:
         return out
 
     def check_available(self) -> None:
+        """Raise ConnectorUnavailable (with the reason: the import error, the hardware it
+        lacks) where the connector cannot run on this machine. Nothing is started: the gate
+        calls this before it builds a model or starts a pool or a replica."""
         module, _, cls = self.inner.partition(":")
+        if self.device == "cuda":
+            try:
+                import torch
+            except ImportError as exc:
+                raise ConnectorUnavailable(f"{self.name} runs on CUDA GPUs only; torch does not import here: "
+                                           f"{exc}") from exc
+            if not torch.cuda.is_available():
+                raise ConnectorUnavailable(f"{self.name} runs on CUDA GPUs only; this machine has none")
         if self.venv:
             if not Path(self.python).exists():
                 raise ConnectorUnavailable(f"{self.name} runs in its own environment {self.venv}, which is not built "
@@ -111,15 +122,11 @@ class Profile:
             return
         try:
             mod = importlib.import_module(module)
-        except ImportError as exc:
-            raise ConnectorUnavailable(f"{self.inner}: cannot import {module}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - whatever its import raises (a missing module, a missing shared
+            # library, an error in its own code), the connector is not there: the gate fails with this reason
+            raise ConnectorUnavailable(f"{self.inner}: cannot import {module}: {type(exc).__name__}: {exc}") from exc
         if not hasattr(mod, cls):
             raise ConnectorUnavailable(f"{self.inner}: {module} has no {cls}")
-        if self.device == "cuda":
-            import torch
-
-            if not torch.cuda.is_available():
-                raise ConnectorUnavailable(f"{self.name} runs on CUDA GPUs only; this machine has none")
 
     def needs(self, capability: str) -> str | None:
         """None when the connector has the capability, else the reason it does not apply."""

@@ -2,16 +2,26 @@
 scenarios (harness.conformance.scenarios) against one V1 connector, or a matrix of them.
 
   run_connector(name, extra, seed, report_dir, scenarios) -> dict
-      starts a pool (kvpool's rows use it; the others ignore it) and replicas A (policy
-      fail), B (recompute) and, where a scenario needs it, C (revision r2 of the tiny
-      model) with the connector wrapped by faults.connector and kvpool.audit; runs every
-      scenario (n/a where the connector lacks what it needs); a replica that died is
-      restarted before the next scenario, and its death is the failing cell's evidence.
+      first checks that the connector can run here (it imports; the hardware it needs is
+      present): where it cannot, every cell is "not run" with that reason (the import
+      error) and nothing is started. Else it starts a pool (kvpool's rows use it; the
+      others ignore it) and replicas A (policy fail), B (recompute) and, where a scenario
+      needs it, C (revision r2 of the tiny model) with the connector wrapped by
+      faults.connector and kvpool.audit; runs every scenario (n/a where the connector
+      declares it lacks what the scenario needs); a replica that died is restarted before
+      the next scenario, and its death is the failing cell's evidence.
+  row_verdict(row) -> (passed, reason)      the gate's verdict on one connector's row
   write_matrix(rows, out_dir) -> paths      matrix.json and matrix.md
 
-A failing cell is a finding about that connector: its reason, its evidence, the versions
-and the command that replays it. `kvgate gate --connector X` exits 1 when a cell of X
-failed; `kvgate conformance` reports the whole matrix and exits 0 when it ran.
+A cell is "n/a" only where the connector itself declares it lacks a capability the
+scenario needs (its reason is the connector's); it is "not run" where kvgate could not run
+it (the connector does not import, needs hardware this machine lacks, or the scenario has
+no body yet). The rule of `kvgate gate --connector X`: X passes only when no cell failed,
+no cell is "not run", and at least one cell passed; so a connector that is not there, or
+a matrix whose every cell is n/a or not run, fails (exit 1, the reason printed). Not run
+is never a pass. A failing cell is a finding about that connector: its reason, its
+evidence, the versions and the command that replays it. `kvgate conformance` reports the
+whole matrix and exits 0 when it ran.
 """
 
 from __future__ import annotations
@@ -205,12 +215,15 @@ def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir
     chosen = [SCENARIOS[s] for s in (scenarios or list(SCENARIOS))]
     row: dict[str, Any] = {"connector": prof.name, "class": prof.inner, "describe": prof.describe,
                            "versions": prof.versions(), "device": device, "seed": seed, "cells": {}}
-    try:
+    try:  # before anything is built or started: a connector that is not there runs nothing
         prof.check_available()
     except ConnectorUnavailable as exc:
+        row["unavailable"] = str(exc)
         for sc in chosen:
-            row["cells"][sc.name] = {"scenario": sc.name, "describe": sc.describe, "status": "n/a",
-                                     "reason": f"not run here: {exc}", "replay": replay(prof.name, sc.name, seed, prof.given)}
+            row["cells"][sc.name] = {"scenario": sc.name, "describe": sc.describe, "status": "not run",
+                                     "reason": f"the connector cannot run here: {exc}",
+                                     "replay": replay(prof.name, sc.name, seed, prof.given)}
+        _say(f"kvgate gate --connector {prof.name}: not run: {exc}")
         return row
     runnable = [sc for sc in chosen if sc.body is not None and not any(prof.needs(n) for n in sc.needs)]
     replicas = {r for sc in runnable for r in sc.replicas}
@@ -257,6 +270,25 @@ def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir
     return row
 
 
+def row_verdict(row: dict[str, Any]) -> tuple[bool, str]:
+    """The gate's verdict on one connector's row: passed only when no cell failed, no cell
+    is "not run", and at least one cell passed (n/a cells, which the connector declares
+    inapplicable, neither pass nor fail it, but a row of nothing else judged nothing)."""
+    cells = list(row["cells"].values())
+    by = {status: [c for c in cells if c["status"] == status] for status in STATUSES}
+    unknown = [c for c in cells if c["status"] not in STATUSES]
+    if row.get("unavailable"):
+        return False, f"not run: {row['unavailable']}"
+    if by["fail"] or by["not run"] or unknown:
+        parts = [f"{len(by['fail'])} failing cells"] if by["fail"] else []
+        parts += [f"{len(by['not run'])} cells not run ({by['not run'][0]['reason']})"] if by["not run"] else []
+        parts += [f"{len(unknown)} cells of unknown status"] if unknown else []
+        return False, "; ".join(parts)
+    if not by["pass"]:
+        return False, (f"nothing was judged: all {len(cells)} cells n/a" if cells else "no scenario was chosen")
+    return True, f"{len(by['pass'])} cells passed" + (f", {len(by['n/a'])} n/a" if by["n/a"] else "")
+
+
 def write_matrix(rows: list[dict[str, Any]], out_dir: Path, root: int) -> dict[str, Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -272,8 +304,9 @@ def write_matrix(rows: list[dict[str, Any]], out_dir: Path, root: int) -> dict[s
     names = [s.name for s in SCENARIOS.values()]
     lines = ["# kvgate conformance matrix", "",
              f"Commit {doc['provenance']['short']}{'' if doc['provenance']['clean'] else ' (DIRTY TREE)'}; seed {root}. "
-             "Each cell: pass, fail, n/a (the connector lacks what the scenario needs: the reason is given) or "
-             "not run. A failing cell is a finding about that connector.", "",
+             "Each cell: pass, fail, n/a (the connector declares it lacks what the scenario needs: the reason is "
+             "given) or not run (kvgate could not run it here: the reason is given; never a pass). A failing cell is "
+             "a finding about that connector.", "",
              "| connector | versions | " + " | ".join(names) + " |",
              "|---|---|" + "---|" * len(names)]
     for row in rows:

@@ -1,14 +1,33 @@
 """The conformance matrix's bookkeeping, without a live system: a scenario that needs what
 a connector lacks is "n/a" with the connector's own reason (never a pass), a scenario not
-in the catalog yet is "not run", a connector that cannot run here gives every cell "n/a"
-with why, and the matrix names every failing cell's finding and replay command."""
+in the catalog yet is "not run", a connector that cannot run here (it does not import, or
+needs a GPU this machine lacks) gives every cell "not run" with why and fails
+`kvgate gate --connector` before anything is started, a row of nothing but n/a fails, and
+the matrix names every failing cell's finding and replay command."""
 
 import dataclasses
 import json
 
+import pytest
+
+from harness import cli
 from harness.conformance.connectors import CONNECTORS, profile
-from harness.conformance.gate import STATUSES, run_cell, run_connector, write_matrix
+from harness.conformance.gate import STATUSES, row_verdict, run_cell, run_connector, write_matrix
 from harness.conformance.scenarios import SCENARIOS, Ctx
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch):
+    """Building the model, the pool or a replica fails the test: the availability check
+    must come before all of them."""
+    import fixtures.tiny_model
+    import harness.system.cluster
+
+    def started(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the gate started something for a connector that cannot run")
+
+    monkeypatch.setattr(harness.system.cluster, "Cluster", started)
+    monkeypatch.setattr(fixtures.tiny_model, "build_tiny_model", started)
 
 
 def test_a_missing_capability_is_not_applicable_with_the_connectors_reason():
@@ -26,11 +45,57 @@ def test_a_scenario_not_in_the_catalog_yet_is_not_run_never_a_pass():
     assert cell["status"] == "not run" and cell["reason"]
 
 
-def test_an_unavailable_connector_gets_n_a_everywhere_and_starts_nothing(tmp_path):
+def test_an_unavailable_connector_is_not_run_everywhere_and_starts_nothing(tmp_path, nothing_starts):
     row = run_connector("no_such_module_kvgate:Connector", None, 3, tmp_path / "x")
-    assert {c["status"] for c in row["cells"].values()} == {"n/a"}
+    assert {c["status"] for c in row["cells"].values()} == {"not run"}
     assert all("cannot import" in c["reason"] for c in row["cells"].values())
     assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())
+    passed, why = row_verdict(row)
+    assert not passed and "No module named 'no_such_module_kvgate'" in why
+
+
+def test_gate_connector_that_does_not_import_fails_with_the_import_error(tmp_path, nothing_starts, capsys):
+    rc = cli.main(["gate", "--connector", "nosuch.module:Foo", "--seed", "5", "--report-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    assert "kvgate gate --connector nosuch.module:Foo: FAIL" in out and "No module named 'nosuch'" in out
+    doc = json.loads((tmp_path / "matrix.json").read_text())
+    assert {c["status"] for c in doc["rows"][0]["cells"].values()} == {"not run"}
+
+
+def test_a_module_without_the_class_or_a_broken_import_is_not_run(tmp_path, nothing_starts, monkeypatch):
+    assert not row_verdict(run_connector("json:NoSuchConnector", None, 3, tmp_path / "a"))[0]
+    broken = tmp_path / "kvgate_broken_connector.py"
+    broken.write_text("raise RuntimeError('the vendor library failed to load')\nclass C: pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    row = run_connector("kvgate_broken_connector:C", None, 3, tmp_path / "b")
+    passed, why = row_verdict(row)
+    assert not passed and "RuntimeError: the vendor library failed to load" in why
+
+
+def test_a_gpu_only_connector_on_a_host_without_a_gpu_is_not_run(tmp_path, nothing_starts, monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    gpu_only = dataclasses.replace(CONNECTORS["kvpool"], name="gpu-only", device="cuda")
+    monkeypatch.setitem(CONNECTORS, "gpu-only", gpu_only)
+    row = run_connector("gpu-only", None, 3, tmp_path / "g", device="cpu")
+    passed, why = row_verdict(row)
+    assert not passed and "CUDA GPUs only" in why
+    assert {c["status"] for c in row["cells"].values()} == {"not run"}
+
+
+def _row(*statuses):  # noqa: ANN002, ANN202
+    return {"connector": "x", "cells": {f"s{i}": {"scenario": f"s{i}", "status": st, "reason": f"r{i}"}
+                                        for i, st in enumerate(statuses)}}
+
+
+def test_the_rule_n_a_is_neither_a_pass_nor_a_fail_but_nothing_judged_fails():
+    assert row_verdict(_row("pass", "n/a", "pass")) == (True, "2 cells passed, 1 n/a")
+    assert not row_verdict(_row("n/a", "n/a"))[0]  # every cell n/a: nothing was judged
+    assert "nothing was judged" in row_verdict(_row("n/a", "n/a"))[1]
+    assert not row_verdict(_row("pass", "not run"))[0]  # not run is never a pass
+    assert not row_verdict(_row("pass", "fail", "n/a"))[0]
+    assert not row_verdict(_row())[0]
 
 
 def test_every_profile_declares_every_capability_the_scenarios_need():
