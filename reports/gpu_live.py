@@ -41,7 +41,9 @@ def render_markdown(result: dict, date: str) -> str:
                   f"    - not checked: {v['not_checked']}"]
     if "error" in result:
         lines += ["", "Live part raised:", "", "```", result["error"][-1500:], "```"]
-    lines += ["", f"Overall (live exchanges): {'PASS' if result.get('passed') else 'FAIL'}", ""]
+    live = ("not run (--no-exchanges)" if result.get("exchanges_skipped")
+            else "PASS" if result.get("passed") else "FAIL")
+    lines += ["", f"Overall (live exchanges): {live}", ""]
     for s in result.get("sessions", []):
         if "skipped" in s:
             lines += [f"## OFF-ON-ON-OFF at {s['context_tokens']} tokens: not run ({s['skipped']})", ""]
@@ -88,6 +90,10 @@ def render_markdown(result: dict, date: str) -> str:
             if key in bench["targets"]:
                 met = bench["targets"][key]
                 lines += [f"- [{'x' if met else ' '}] {text} ({'met' if met else 'NOT met'})"]
+        lines += [""]
+    if "failures" in result:  # every failure the run measured, of the parts asked for (the exit status)
+        lines += [f"## Overall: {'PASS' if not result['failures'] else 'FAIL'}", ""]
+        lines += [f"- {f}" for f in result["failures"]] or ["- nothing failed of what was asked for"]
         lines += [""]
     for note in result.get("notes", []):
         lines.append(f"- {note}")

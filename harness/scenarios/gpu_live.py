@@ -38,7 +38,17 @@ of the cross-replica turns per block, and the generated tokens compared across b
   directions(names)     -> [(producer, consumer)]
   run_live(cluster, model, seed)  -> dict    the exchanges and their verdicts.
   run_session_blocks(cluster, corpus, seed, ...) -> dict   OFF-ON-ON-OFF at one context.
+  failures(result, ...)  -> [str]    every failure the run measured, of the parts it was asked for.
   reports.gpu_live.render_markdown(result, date) -> str   the checklist.
+The exit status is 0 only when `failures` is empty: an exchange whose verdict failed, a
+part that raised, a cluster that left processes behind, a session turn whose tokens differ
+between the four blocks, a session turn that errored or whose publish never landed, an
+audited session block installed with bytes other than its producer's, a bench that raised,
+a bench remote hit that loaded fewer blocks than its prompt has, and a part asked for that
+did not run (a context length or a bench length or repetition skipped for lack of time):
+not run is never a pass. The bench's speed targets are reported, not judged. Under
+`--no-exchanges` the live exchanges are "not run" and the exit status is that of the parts
+that were asked for (nothing asked for at all fails).
 The last line printed is the result as one JSON object. Each verdict says what it does not
 check. The delay is seeded only in its length; a seed cannot force a thread interleaving.
 """
@@ -524,6 +534,77 @@ def _trace(exc: BaseException) -> str:
     return "".join(traceback.format_exception(exc))[-4000:]
 
 
+def failures(result: dict, *, exchanges: bool, sessions: bool, bench: bool,
+             session_contexts: tuple[int, ...] = (), bench_lengths: tuple[int, ...] = (),
+             bench_reps: int = 1) -> list[str]:
+    """Every failure the run measured, of the parts that were asked for (see the module's
+    docstring); empty when the run passed."""
+    out: list[str] = []
+    if not (exchanges or sessions or bench):
+        return ["nothing was asked for: no exchanges, sessions or bench ran"]
+    if exchanges:
+        if result.get("error"):
+            out.append("the live exchanges raised: " + result["error"].strip().splitlines()[-1][:300])
+        bad = [f"{ex['name']} {ex.get('producer', 'A')}->{ex.get('consumer', 'B')}"
+               for ex in result.get("exchanges", []) if ex["verdict"]["valid"] is not True]
+        if bad:
+            out.append(f"live exchanges failed: {', '.join(bad)}")
+        if not result.get("exchanges") and not result.get("error"):
+            out.append("the live exchanges did not run")
+        elif not result.get("passed") and not bad and not result.get("error"):
+            out.append("the live exchanges did not pass")
+        if result.get("stop_error"):
+            out.append(f"the tiny replicas' cluster: {result['stop_error'][:300]}")
+    if sessions:
+        if result.get("sessions_error"):
+            out.append("the sessions raised: " + result["sessions_error"].strip().splitlines()[-1][:300])
+        if result.get("sessions_stop_error"):
+            out.append(f"the session replicas' cluster: {result['sessions_stop_error'][:300]}")
+        ran = {s["context_tokens"]: s for s in result.get("sessions") or []}
+        for ctx in session_contexts or tuple(ran):
+            s = ran.get(ctx)
+            if s is None:
+                if not result.get("sessions_error"):
+                    out.append(f"sessions at {ctx} tokens: not run")
+                continue
+            if "skipped" in s:
+                out.append(f"sessions at {ctx} tokens: not run ({s['skipped']})")
+                continue
+            if s.get("mismatched_turns"):
+                out.append(f"sessions at {ctx} tokens: {len(s['mismatched_turns'])} turns generated different tokens "
+                           f"across the OFF-ON-ON-OFF blocks ({', '.join(s['mismatched_turns'][:8])})")
+            for name, b in s.get("blocks", {}).items():
+                if b.get("errors"):
+                    out.append(f"sessions at {ctx} tokens, block {name}: {len(b['errors'])} requests failed "
+                               f"({str(b['errors'][0])[:200]})")
+                if b.get("settle_timeouts"):
+                    out.append(f"sessions at {ctx} tokens, block {name}: {b['settle_timeouts']} turns' publishes "
+                               f"never landed")
+            audit = s.get("audit") or {}
+            for key in sorted(audit):
+                if key.endswith(("_installed_differs_from_producer", "_seen_differs_from_installed")) and audit[key]:
+                    out.append(f"sessions at {ctx} tokens, audit: {key.replace('_', ' ')}: {audit[key]} blocks")
+    if bench:
+        if result.get("bench_error"):
+            out.append("the bench raised: " + result["bench_error"].strip().splitlines()[-1][:300])
+        if result.get("bench_stop_error"):
+            out.append(f"the bench replicas' cluster: {result['bench_stop_error'][:300]}")
+        rows = {r["prefix_tokens"]: r for r in (result.get("bench") or {}).get("rows", [])}
+        for n in bench_lengths or tuple(rows):
+            r = rows.get(n)
+            if r is None:
+                if not result.get("bench_error"):
+                    out.append(f"bench at {n} tokens: not run")
+                continue
+            if r["runs"] < bench_reps:
+                out.append(f"bench at {n} tokens: {r['runs']} of {bench_reps} repetitions ran")
+            for key in ("remote_blocks_loaded", "remote_sync_blocks_loaded"):
+                if key in r and r[key] < r["remote_blocks_expected"]:
+                    out.append(f"bench at {n} tokens: {key.replace('_', ' ')} {r[key]} of "
+                               f"{r['remote_blocks_expected']}")
+    return out
+
+
 def main(report_dir: Path, seed: int = 20261129, bench: bool = False, bench_reps: int = 1,
          bench_lengths: tuple[int, ...] = (8192, 32768, 65536), deadline_s: float = 540.0, gpus: int = 1,
          sessions: bool = False, session_contexts: tuple[int, ...] = (32768,), session_count: int = 2,
@@ -600,12 +681,16 @@ def main(report_dir: Path, seed: int = 20261129, bench: bool = False, bench_reps
             if "bench_error" in result:
                 _say(f"kvgate gpu-live: bench raised:\n{result['bench_error']}")
     result["wall_s"] = round(time.monotonic() - t0)
+    result["failures"] = failures(result, exchanges=exchanges, sessions=sessions, bench=bench,
+                                  session_contexts=session_contexts, bench_lengths=bench_lengths,
+                                  bench_reps=bench_reps)
+    result["ok"] = not result["failures"]
     from reports.gpu_live import render_markdown
 
     (report_dir / "result.json").write_text(json.dumps(result, indent=1, default=str))
     (report_dir / "checklist.md").write_text(render_markdown(result, time.strftime("%Y-%m-%d")))
     print(json.dumps(result, default=str))
-    ok = (result["passed"] or not exchanges) and not result.get("stop_error")
-    if sessions:
-        ok = ok and "sessions_error" not in result and not result.get("sessions_stop_error")
-    return 0 if ok else 1
+    for f in result["failures"]:
+        _say(f"kvgate gpu-live: FAIL: {f}")
+    _say(f"kvgate gpu-live: {'PASS' if result['ok'] else 'FAIL'}")
+    return 0 if result["ok"] else 1

@@ -5,6 +5,7 @@ must carry them, the ratios between them and the floor, whatever the replicas ar
 
 from __future__ import annotations
 
+import json
 import types
 
 import pytest
@@ -80,3 +81,118 @@ def test_the_rows_carry_every_kind_their_ratios_and_the_floor(stand_ins):
     for i, (replica, tag) in enumerate(sent):
         if tag.split("-")[0] in ("cold", "local", "remote") or tag.startswith("peer-hit"):
             assert sent[i - 1] == (replica, f"primer-{replica}"), (i, replica, tag)
+
+
+# -- `kvgate gpu-live`'s exit status, on stand-in parts ------------------------------------------
+# The clusters, the live exchanges, the sessions and the bench stand in for themselves; what
+# is exercised is how main() turns what they measured into the checklist and the exit status.
+
+import harness.scenarios.gpu_live as live_main  # noqa: E402
+
+
+def _turns(differ_at: tuple[str, int, int] | None = None) -> list[dict]:
+    """Two sessions of two turns in each of the four blocks, every turn the same tokens
+    except (block, session, turn) `differ_at`."""
+    out = []
+    for block in ("0:off", "1:on", "2:on", "3:off"):
+        for s in range(2):
+            for t in range(2):
+                tokens = [7, 8, 9] if differ_at != (block, s, t) else [7, 8, 10]
+                out.append({"block": block, "session": s, "turn": t, "replica": "AB"[t % 2], "cross": t > 0,
+                            "prompt_tokens": 100, "ttft_ms": 10.0 + t, "remote_hit_blocks": t, "local_tokens": 0,
+                            "tokens": tokens, "finish_reason": "length", "error": None})
+    return out
+
+
+def _bench_doc(lengths, runs=1, loaded=None):  # noqa: ANN001, ANN202
+    rows = [{"prefix_tokens": n, "runs": runs, "remote_blocks_loaded": loaded if loaded is not None else n // 16 - 1,
+             "remote_sync_blocks_loaded": n // 16 - 1, "remote_blocks_expected": n // 16 - 1,
+             "cold_prefill_ms": 1.0, "local_hit_ttft_ms": 1.0, "remote_hit_ttft_ms": 1.0, "peer_hit_ttft_ms": 1.0,
+             "remote_vs_peer": 1.0} for n in lengths]
+    return {"model": "stand-in", "rows": rows, "targets": {}}
+
+
+def _exchange(name: str, valid: bool) -> dict:
+    return {"name": name, "producer": "A", "consumer": "B", "expect_caught": False, "prompt_tokens": 1201,
+            "blocks_loaded_B": 75, "blocks_expected": 75, "byte_exact": {"evidence": {}},
+            "A": {"ttft_ms": 1.0}, "B_hit": {"ttft_ms": 1.0}, "B_cold": {"ttft_ms": 1.0},
+            "tokens_equal_B_hit_vs_cold": valid, "tokens_equal_A_vs_B_cold": valid,
+            "verdict": {"valid": valid, "reason": "stand-in", "not_checked": "-"}}
+
+
+@pytest.fixture
+def parts(monkeypatch):
+    """main()'s parts as stand-ins; `set` holds what each returns (or raises)."""
+    state = {"live": {"passed": True, "seed": 1, "env": {}, "exchanges": [_exchange("cross_replica_hit", True)]},
+             "sessions": lambda contexts: [], "bench": None}
+
+    class _Cluster:
+        replicas: dict = {}
+
+        def start(self, specs, timeout):  # noqa: ANN001, ANN202
+            return self
+
+    def run_sessions(cluster, seed, contexts, count, turns, deadline, audit=False):  # noqa: ANN001, ANN202
+        return state["sessions"](contexts)
+
+    def measure(cluster, lengths, reps, deadline_s):  # noqa: ANN001, ANN202
+        if isinstance(state["bench"], BaseException):
+            raise state["bench"]
+        return state["bench"] if state["bench"] is not None else _bench_doc(lengths)
+
+    monkeypatch.setattr(live_main, "tiny_cluster", lambda report_dir, gpus: (_Cluster(), [], None))
+    monkeypatch.setattr(live_main, "start_sessions", lambda *a, **k: _Cluster())
+    monkeypatch.setattr(live_main, "run_sessions", run_sessions)
+    monkeypatch.setattr(live_main, "run_live", lambda cluster, model, seed: dict(state["live"]))
+    monkeypatch.setattr(live_main, "_env", lambda: {"gpu": "stand-in", "provenance": {"short": "x", "clean": True}})
+    monkeypatch.setattr(live_main, "_stop", lambda cluster: "")
+    monkeypatch.setattr(bench, "start_bench", lambda report_dir, max_len: _Cluster())
+    monkeypatch.setattr(bench, "measure", measure)
+    return state
+
+
+def _sessions_of(turns):  # noqa: ANN001, ANN202
+    return lambda contexts: [live_main.summarize_sessions(turns, ctx, 2, 2, ["A", "B"]) for ctx in contexts]
+
+
+def test_gpu_live_passes_when_every_part_asked_for_passed(tmp_path, parts):
+    parts["sessions"] = _sessions_of(_turns())
+    rc = live_main.main(tmp_path, sessions=True, bench=True, exchanges=False, session_contexts=(1024,),
+                        bench_lengths=(1024,))
+    assert rc == 0, (tmp_path / "result.json").read_text()
+    md = (tmp_path / "checklist.md").read_text()
+    assert "Overall (live exchanges): not run (--no-exchanges)" in md and "## Overall: PASS" in md
+
+
+def test_gpu_live_fails_on_a_mismatched_session_turn(tmp_path, parts):
+    parts["sessions"] = _sessions_of(_turns(differ_at=("2:on", 1, 1)))
+    rc = live_main.main(tmp_path, sessions=True, exchanges=False, session_contexts=(1024,))
+    assert rc == 1
+    doc = json.loads((tmp_path / "result.json").read_text())
+    assert any("s1-t1" in f and "different tokens" in f for f in doc["failures"]), doc["failures"]
+    md = (tmp_path / "checklist.md").read_text()
+    assert "## Overall: FAIL" in md and "Overall (live exchanges): FAIL" not in md
+
+
+def test_gpu_live_fails_on_a_bench_error(tmp_path, parts):
+    parts["bench"] = ConnectionError("replica S went away")
+    rc = live_main.main(tmp_path, bench=True, exchanges=False, bench_lengths=(1024,))
+    assert rc == 1
+    doc = json.loads((tmp_path / "result.json").read_text())
+    assert any("the bench raised" in f and "replica S went away" in f for f in doc["failures"]), doc["failures"]
+
+
+def test_gpu_live_fails_on_a_short_remote_load_and_on_a_bench_length_not_run(tmp_path, parts):
+    parts["bench"] = _bench_doc((1024,), loaded=3)
+    assert live_main.main(tmp_path / "a", bench=True, exchanges=False, bench_lengths=(1024,)) == 1
+    parts["bench"] = _bench_doc((1024,))  # 4096 ran out of time
+    assert live_main.main(tmp_path / "b", bench=True, exchanges=False, bench_lengths=(1024, 4096)) == 1
+    doc = json.loads((tmp_path / "b" / "result.json").read_text())
+    assert doc["failures"] == ["bench at 4096 tokens: not run"]
+
+
+def test_gpu_live_fails_on_a_failed_exchange_and_when_nothing_was_asked_for(tmp_path, parts):
+    assert live_main.main(tmp_path / "ok") == 0
+    parts["live"] = {"passed": False, "seed": 1, "env": {}, "exchanges": [_exchange("stream_delay", False)]}
+    assert live_main.main(tmp_path / "bad") == 1
+    assert live_main.main(tmp_path / "none", exchanges=False) == 1  # nothing asked for: not run is not a pass
