@@ -444,7 +444,13 @@ def build_parser() -> argparse.ArgumentParser:
     ht.add_argument("-o", "--out", type=Path, default=None, help="where (default: beside it, .html)")
     ht.set_defaults(func=cmd_html)
 
-    so = sub.add_parser("soak", help="concurrent request streams with seeded faults for minutes; leaks and losses")
+    from harness.soak import bounds_text
+
+    so = sub.add_parser("soak", help="concurrent request streams with seeded faults for minutes; leaks and losses",
+                        description="The default system under concurrent request streams with seeded faults. It "
+                                    "fails (exit 1) on a silent corruption, a lost request, an oracle that failed or "
+                                    "could not judge (unknown is not a pass), a run that sent no request, and a "
+                                    f"growth bound exceeded: {bounds_text()}.")
     so.add_argument("--minutes", type=float, default=10.0)
     so.add_argument("--seed", type=int, default=0)
     so.add_argument("--streams", type=int, default=3, help="concurrent request streams")
