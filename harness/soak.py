@@ -333,9 +333,11 @@ def soak(report_dir: Path, minutes: float = 10.0, seed: int = 0, streams: int = 
 
 def _markdown(r: dict) -> str:
     c, g = r["counts"], r["growth_after_warmup"]
-    lines = [f"# kvgate soak: {'PASS' if r['pass'] else 'FAIL'}", "",
-             f"`{r['command']}` — {r['provenance'].get('commit', '?')[:12]}"
-             f"{'' if r['provenance'].get('clean') else ' (dirty tree)'}", "",
+    from harness.provenance import title_flag
+
+    flag = title_flag(r["provenance"])
+    lines = [f"# kvgate soak: {'PASS' if r['pass'] else 'FAIL'}{flag}", "",
+             f"`{r['command']}` — {r['provenance'].get('commit', '?')[:12]}{flag}", "",
              "| requests | request errors | faults armed | faults fired | prefix caches emptied | loads | loads "
              "failed | blocks loaded | blocks published | silent corruptions | lost requests | misclassified misses |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|",

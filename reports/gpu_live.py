@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from harness.provenance import title_flag
 from harness.system.gpu import BLOCK_SIZE
 from reports.render import table
 
@@ -15,7 +16,11 @@ def render_markdown(result: dict, date: str) -> str:
     where = ("two replicas of the tiny model on one GPU" if gpus <= 1 else
              f"{len(result.get('placement', {}))} replicas of the tiny model, one per GPU ("
              + ", ".join(f"{k} on GPU {v}" for k, v in result.get("placement", {}).items()) + ")")
-    lines = [f"# kvgate live on the GPU — {date}, {result.get('gpu_model', env.get('gpu', '?'))}", "",
+    prov = env.get("provenance") or {}  # a report from a dirty or unverified tree says so in its title
+    lines = [f"# kvgate live on the GPU — {date}, {result.get('gpu_model', env.get('gpu', '?'))}{title_flag(prov)}", "",
+             f"Commit {prov.get('short', 'unknown')}"
+             + (f"; not the stamped tree: {'; '.join(prov['unverified'][:5])}" if prov.get("unverified") else "")
+             + ".", "",
              f"{', '.join(env.get('gpus') or [env.get('gpu', '?')])}; vLLM {env.get('vllm')} (GPU bundle), torch "
              f"{env.get('torch')} (CUDA {env.get('cuda')}); {where} (2 layers, 2 KV heads, head 64, block "
              f"{BLOCK_SIZE}), all on one kvpool pool (one tenant: one segment of the host's pool), TRITON_ATTN, eager; "

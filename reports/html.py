@@ -81,8 +81,12 @@ class _Raw(str):
 
 def page(title: str, provenance: dict | None, body: list[str]) -> str:
     prov = provenance or {}
+    from harness.provenance import title_flag
+
+    flag = title_flag(prov)  # a report from a dirty or unverified tree says so in its title
     meta = (f"commit <code>{html.escape(str(prov.get('short', 'unknown')))}</code>, "
-            f"{'clean tree' if prov.get('clean') else 'DIRTY TREE'}")
+            f"{flag.strip(' ()') if flag else 'clean tree'}")
+    title = f"{title}{flag}"
     return ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
             f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>"
             f"<h1>{html.escape(title)}</h1><p class='meta'>{meta}</p>" + "".join(body) + "</body></html>")

@@ -76,8 +76,13 @@ def write_reports(directory: Path, run: GateRun) -> dict[str, Path]:
     ET.ElementTree(suite).write(paths["junit"], encoding="unicode", xml_declaration=True)
 
     key = run.replay_key
+    from harness.provenance import provenance, title_flag
+
+    # the title says whether the tree was dirty (the replay key's) or a carried copy that
+    # did not match its stamp (the run's provenance, taken at its start)
+    flag = title_flag({**provenance(), "clean": key.get("clean", True)})
     lines = [
-        "# kvgate gate checklist",
+        f"# kvgate gate checklist{flag}",
         "",
         f"Replay key: seed `{key.get('seed')}`, commit `{key.get('commit')}`"
         f"{'' if key.get('clean', True) else ' (made from a tree with uncommitted changes)'}, profile `{key.get('profile')}`",

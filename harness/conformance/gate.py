@@ -39,7 +39,7 @@ from harness.client.http import RequestFailed
 from harness.conformance.connectors import ConnectorUnavailable, Profile, profile
 from harness.conformance.scenarios import SCENARIOS, Ctx, Scenario, ScenarioDown
 from harness.plugin import derive_seed
-from harness.provenance import provenance
+from harness.provenance import provenance, title_flag
 from harness.system.procs import tail
 
 STATUSES = ("pass", "fail", "n/a", "not run")
@@ -302,8 +302,9 @@ def write_matrix(rows: list[dict[str, Any]], out_dir: Path, root: int) -> dict[s
         doc["provenance"] = {**start, "clean": False}
     (out_dir / "matrix.json").write_text(json.dumps(doc, indent=1, default=str))
     names = [s.name for s in SCENARIOS.values()]
-    lines = ["# kvgate conformance matrix", "",
-             f"Commit {doc['provenance']['short']}{'' if doc['provenance']['clean'] else ' (DIRTY TREE)'}; seed {root}. "
+    flag = title_flag(doc["provenance"])
+    lines = [f"# kvgate conformance matrix{flag}", "",
+             f"Commit {doc['provenance']['short']}{flag}; seed {root}. "
              "Each cell: pass, fail, n/a (the connector declares it lacks what the scenario needs: the reason is "
              "given) or not run (kvgate could not run it here: the reason is given; never a pass). A failing cell is "
              "a finding about that connector.", "",

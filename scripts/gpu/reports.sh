@@ -2,7 +2,9 @@
 # The GPU reports, on a host with an NVIDIA GPU and the offline vLLM bundle installed
 # (shared/tools/vllm-gpu-bundle, install.sh; its site folder in SITE, default /tmp/site):
 # the GPU suite (JUnit), `kvgate bench gpu` (its JSON line), and `kvgate gpu-live --bench`
-# (result.json and checklist.md), each with the tree's provenance, under OUT.
+# (result.json and checklist.md), each with the tree's provenance, under OUT. The tree is first
+# checked against its stamp (python -m harness.provenance --verify): a copy whose files changed
+# after stamping, or that has no stamp, is reported "(UNVERIFIED TREE)" and the script exits 1.
 #
 #   scripts/gpu/reports.sh OUT [suite|bench|live|timeline|conformance|gate ...]     (default: suite bench live)
 #
@@ -28,8 +30,14 @@ if compgen -G ".gpu/extra/*.whl" > /dev/null; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export KVGATE_PROVENANCE=stamp  # the commit this copy was made from (.provenance.json), not the copy's own git
-python3 -m harness.provenance > "$OUT/provenance.json"
 status=0
+# Before any report: the copy checked against its stamp (each stamped file's SHA-256, no code
+# file added). An unverified copy still runs, every report's title says "(UNVERIFIED TREE)",
+# and the script exits 1.
+if ! python3 -m harness.provenance --verify > "$OUT/provenance.json"; then
+  echo "reports.sh: the carried tree does not match its stamp (.provenance.json): its reports are UNVERIFIED" >&2
+  status=1
+fi
 for part in $PARTS; do
   case "$part" in
     suite) python3 -m pytest suites/gpu -m gpu -q -p no:cacheprovider --junitxml "$OUT/gpu-suite.junit.xml" \
