@@ -204,7 +204,7 @@ def _conformance(names: list[str], extra: dict | None, seed: int | None, report_
                  scenarios: list[str] | None, request_timeout_s: float = 600.0) -> list[dict]:
     import secrets
 
-    from harness.conformance.gate import write_matrix, run_connector
+    from harness.conformance.gate import row_verdict, run_connector, write_matrix
     from harness.conformance.scenarios import SCENARIOS
     from harness.provenance import provenance
 
@@ -220,7 +220,9 @@ def _conformance(names: list[str], extra: dict | None, seed: int | None, report_
     paths = write_matrix(rows, report_dir, root)
     for row in rows:
         cells = row["cells"].values()
-        print(f"  {row['connector']:<12} " + "  ".join(f"{c['scenario']}={c['status']}" for c in cells))
+        passed, why = row_verdict(row)
+        print(f"  {row['connector']:<12} {'PASS' if passed else 'FAIL'} ({why}): "
+              + "  ".join(f"{c['scenario']}={c['status']}" for c in cells))
     print(f"kvgate conformance: matrix {paths['markdown']}")
     return rows
 
