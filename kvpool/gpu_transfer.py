@@ -41,7 +41,12 @@ contexts) each register their own mapping of the same arena.
                        to this engine, and the host takes XXH3-128 of that.
         The pool's shared page is never what is checked: another process may write it
         between a host read and the DMA. A page whose digest does not match is never
-        installed: the load stops there with MissCause.CORRUPT.
+        installed: the load stops there with MissCause.CORRUPT. load() returns once every
+        chunk was checked (the installs may still run). Cost, one H200, 128 MiB of 512 KiB
+        pages, load to installed: kv-sketch-1 pages 6.5 ms (torch) / 19 ms (driver: one
+        device-to-device copy per layer and block); xxh3-128 pages 17 ms / 32 ms (the
+        read-back; a host read of the shared page took 12.5 / 17 ms and checked nothing
+        that arrived).
         `handle.loaded` / `handle.miss` / `handle.failed_block_ids` are final when load()
         returns (except `stale`, below).
   wait_for_load(handle)                                       [vLLM: wait_for_layer_load]
