@@ -2,8 +2,8 @@
 suite must catch, and the delay that makes them fail.
 
 Each control is a TransferEngine subclass with one deliberate defect, reached through the
-engine's hooks (`_order`, `_await_copy`, `_verified`, `_release`, `_register_host`); the engine has no testing
-branch of its own.
+engine's hooks (`_order`, `_await_copy`, `_verified`, `_arrived_digests`, `_release`,
+`_register_host`); the engine has no testing branch of its own.
 
   UnorderedTransferEngine(..., drop=edge)
       skips one stream dependency (kvpool.gpu_transfer.OrderingEdge): the copy that lost
@@ -18,6 +18,12 @@ branch of its own.
   BlindLoadEngine
       takes every sketched page for verified: a page corrupted at rest is installed and
       counted as loaded.
+  HostReadEngine
+      the check loads had before they verified what arrived: every page's digest taken
+      by the host over the pool's shared page when the load starts, before the DMA runs
+      (the torch path's xxh3-128 check beside the copy, the driver path's check before
+      it copied, and an xxh3-128 engine's check of kv-sketch-1 pages). A page whose
+      shared copy changes after that read and before the DMA is installed as loaded.
   RefusedRegistrationEngine
       cudaHostRegister "fails": not a defect but the fallback's trigger; the engine must
       report pageable host memory and keep the same ordering.
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from kvpool.digest import page_digest
 from kvpool.gpu_transfer import HostRegistrationError, OrderingEdge, TransferEngine
 
 
@@ -63,6 +70,19 @@ class TrustingReleaseEngine(TransferEngine):
 class BlindLoadEngine(TransferEngine):
     def _verified(self, got, expected):  # noqa: ANN001, ANN202
         return len(got)
+
+
+class HostReadEngine(TransferEngine):
+    def _copy_in(self, ids, hits, *args):  # noqa: ANN001, ANN002, ANN202
+        # read now, on the host, from the shared pages: before any copy of this load ran
+        self._host_digests = [page_digest(self._page_np(p), hits.kind(i)) for i, p in enumerate(hits.pages)]
+        self._host_next = 0
+        return super()._copy_in(ids, hits, *args)
+
+    def _arrived_digests(self, buf, kinds):  # noqa: ANN001, ANN202 - chunks are checked in order
+        got = self._host_digests[self._host_next : self._host_next + len(kinds)]
+        self._host_next += len(kinds)
+        return got
 
 
 class StuckSegmentEngine(TransferEngine):
@@ -105,6 +125,7 @@ def cycles_per_ms(device: torch.device | int | None = None) -> float:
 CONTROLS = {
     "unordered": UnorderedTransferEngine,
     "eager_release": EagerReleaseEngine,
+    "host_read": HostReadEngine,
     "refused_registration": RefusedRegistrationEngine,
     "refused_unordered": RefusedUnorderedEngine,
 }

@@ -6,8 +6,10 @@ engine (kvpool.gpu_transfer), so the worker picks one by device and calls both a
         the engine's CUDA KV tensors in layer order; `block_dim` is the dimension that
         indexes blocks (vLLM GPU (num_blocks, 2, B, H, D): 0; (2, num_blocks, B, H, D): 1).
   .load(ns, run, deadline_s) -> Future      [start_load_kv]
-        resolved when it returns: the copies are enqueued, `.failed` already holds the
-        blocks that cannot be installed (and every block after them).
+        resolved when it returns: every page was checked over the bytes that arrived in
+        GPU memory (kvpool.gpu_transfer: the sketch of the staged rows, or XXH3-128 of
+        them read back), the installs of the verified ones are enqueued, and `.failed`
+        already holds the blocks that will not be installed (and every block after them).
   .load_settled(future) -> bool             [get_finished, asynchronous loads]
         the load's copies are complete on the device, its lease released and its stale
         blocks (if the pool reported any) in `.failed`.

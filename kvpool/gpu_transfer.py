@@ -28,14 +28,25 @@ contexts) each register their own mapping of the same arena.
         (the daemon scrubs at rest); or xxh3-128 on the host over the page as copied, which
         the daemon re-verifies before commit.
   load(block_ids, hashes, deadline_s=None) -> LoadHandle      [vLLM: start_load_kv]
-        Leases the longest pooled run of `hashes`, verifies every page's digest by its kind,
-        and installs verified pages into the blocks, after the engine's earlier work on
-        those blocks (an event recorded on the engine's current stream at the call).
-        kv-sketch-1 pages are checked on the GPU over what arrived (torch path: the staged
-        page, before the scatter installs it; driver path: the installed blocks, gathered
-        back), the host reading only the sketches; xxh3-128 pages on the host before they
-        are copied. A page whose digest does not match is never reported loaded (torch
-        path: never installed): the load stops there with MissCause.CORRUPT.
+        Leases the longest pooled run of `hashes`, copies the pages into GPU staging
+        buffers, verifies every page's digest by its kind over the bytes that arrived
+        there, and installs the verified pages from those same staged bytes into the
+        blocks, after the engine's earlier work on those blocks (an event recorded on the
+        engine's current stream at the call). The check is ordered after the copy on the
+        check stream, and the install after the check on the host (it is enqueued only
+        once the host saw the digests match), on either copy path:
+          kv-sketch-1  the GPU sketches the staged rows; the host reads the sketches
+                       (1/256 of the bytes) and takes their XXH3-128.
+          xxh3-128     the staged rows are copied back into a pinned host buffer private
+                       to this engine, and the host takes XXH3-128 of that.
+        The pool's shared page is never what is checked: another process may write it
+        between a host read and the DMA. A page whose digest does not match is never
+        installed: the load stops there with MissCause.CORRUPT. load() returns once every
+        chunk was checked (the installs may still run). Cost, one H200, 128 MiB of 512 KiB
+        pages, load to installed: kv-sketch-1 pages 6.5 ms (torch) / 19 ms (driver: one
+        device-to-device copy per layer and block); xxh3-128 pages 17 ms / 32 ms (the
+        read-back; a host read of the shared page took 12.5 / 17 ms and checked nothing
+        that arrived).
         `handle.loaded` / `handle.miss` / `handle.failed_block_ids` are final when load()
         returns (except `stale`, below).
   wait_for_load(handle)                                       [vLLM: wait_for_layer_load]
@@ -74,10 +85,13 @@ Two copy paths, chosen by TransferConfig.path:
   torch   gather/scatter kernels (index_select / index_copy_) between the KV tensors and
           a GPU staging buffer in page order, `tensor.copy_(non_blocking=True)` between
           staging and torch views of the registered pages.
-  driver  raw pointers through cuda-python: one copy per (layer, block, contiguous run)
-          straight between the KV tensors and the pages, batched with
-          cuMemcpyBatchAsync where the driver has it (`capabilities.batched_copies`),
-          else cuMemcpyDtoHAsync / cuMemcpyHtoDAsync one by one. No torch kernels.
+  driver  raw pointers through cuda-python: stores copy once per (layer, block,
+          contiguous run) straight from the KV tensors to the pages; loads copy the pages
+          into the staging buffer (one copy per page, or per run of consecutive pages)
+          and install verified rows with one device-to-device copy per (layer, block,
+          run). Batched with cuMemcpyBatchAsync where the driver has it
+          (`capabilities.batched_copies`), else cuMemcpy{DtoH,HtoD,DtoD}Async one by one.
+          No torch kernels move KV (the check's sketch is a torch matrix product).
 
 Admission: a store is reserved and committed in units (`commit_blocks` blocks; the last
 unit absorbs a short remainder) so the pool verifies them in parallel. The pool's
@@ -86,9 +100,13 @@ pool's, and no unit of an admitted run is shorter than it. `boundary` is honoure
 `kvpool.client.publish`.
 
 The ordering edges go through one hook, `_order(edge, stream, event)`, every wait for a
-copy's completion through `_await_copy(event)`, and a sketched load's check through
-`_verified(got, expected)`, so a negative control (faults.gpu_controls) can drop exactly
-one of them.
+copy's completion through `_await_copy(event)`, a load's digests of what arrived through
+`_arrived_digests(buf, kinds)` and its comparison through `_verified(got, expected)`, so
+a negative control (faults.gpu_controls) can drop or replace exactly one of them.
+
+  check_plan(kinds) -> (sketch, read_back)      the check-stream work a chunk needs.
+  arrived_digests(kinds, sketches, readback, page_bytes)   per page, its digest by its
+        kind from what arrived (the GPU's sketches, the read-back rows); pure, no CUDA.
 """
 
 from __future__ import annotations
@@ -163,12 +181,13 @@ class HostMemory(enum.StrEnum):
 
 
 class OrderingEdge(enum.StrEnum):
-    """The four stream dependencies that make a transfer correct."""
+    """The stream dependencies that make a transfer correct."""
 
     STORE_AFTER_WRITE = "store_after_write"  # store copies read the KV after the engine wrote it
     REUSE_AFTER_STORE = "reuse_after_store"  # the engine rewrites a block after the store read it
     LOAD_AFTER_READ = "load_after_read"  # a load overwrites blocks after the engine's earlier reads
     READ_AFTER_LOAD = "read_after_load"  # the engine reads loaded blocks after the load wrote them
+    CHECK_AFTER_COPY = "check_after_copy"  # a load's check reads the staged rows after its copy wrote them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +232,7 @@ class TransferCapabilities:
     batched_copies: bool  # driver path: cuMemcpyBatchAsync in use
     batched_reason: str  # why not batched (empty when batched, or on the torch path)
     digest: str = DigestKind.XXH3.value  # how stores digest their pages
-    sketch_impl: str = ""  # kv-sketch-1 on the GPU: "int8-mm" or "float64-mm" (empty: xxh3-128)
+    sketch_impl: str = ""  # kv-sketch-1 on the GPU (stores, and loads' checks): "int8-mm" or "float64-mm"
     sketch_reason: str = ""  # why not int8-mm
     graphs: str = ""  # the CUDA graphs in use ("gather,scatter"), or why none
 
@@ -518,13 +537,18 @@ class _Driver:
                    f"cuMemcpyBatchAsync({len(sizes)} copies)")
 
     def copies(self, dsts: list[int], srcs: list[int], sizes: list[int], stream: torch.cuda.Stream,
-               to_host: bool) -> None:
+               to_host: bool | None) -> None:
+        """Copies on `stream`: device to host (to_host True), host to device (False), or
+        device to device (None)."""
         if self.batched:
             self.batch(dsts, srcs, sizes, stream)
             return
         h = self.d.CUstream(stream.cuda_stream)
         ptr = self.d.CUdeviceptr
-        if to_host:
+        if to_host is None:
+            for a, b, n in zip(dsts, srcs, sizes):
+                self.check(self.d.cuMemcpyDtoDAsync(ptr(a), ptr(b), n, h), "cuMemcpyDtoDAsync")
+        elif to_host:
             for a, b, n in zip(dsts, srcs, sizes):
                 self.check(self.d.cuMemcpyDtoHAsync(a, ptr(b), n, h), "cuMemcpyDtoHAsync")
         else:
@@ -644,11 +668,36 @@ def _await_event(event: torch.cuda.Event, poll_s: float = _EVENT_POLL_S) -> None
         time.sleep(poll_s)
 
 
-def _verified_prefix(futures: Sequence[cf.Future], expected: Sequence[bytes]) -> int:
-    for i, (f, want) in enumerate(zip(futures, expected)):
-        if f.result() != want:
-            return i
-    return len(futures)
+def check_plan(kinds: Sequence[DigestKind]) -> tuple[bool, bool]:
+    """(sketch on the GPU, read back to the host): the check-stream work a chunk of pages
+    of these kinds needs. Every page is checked over what arrived in GPU memory: a
+    kv-sketch-1 page by the GPU's sketch of its staged row, an xxh3-128 page by XXH3-128
+    over its staged row read back into private pinned memory."""
+    return DigestKind.SKETCH in kinds, DigestKind.XXH3 in kinds
+
+
+def arrived_digests(kinds: Sequence[DigestKind], sketches: np.ndarray | None, readback: np.ndarray | None,
+                    page_bytes: int, mapper=map) -> list[bytes]:  # noqa: ANN001 - map or Executor.map
+    """Per page, its digest by its kind from what arrived: `sketches` (int32 (pages, rows,
+    SKETCH_COLS), the GPU's sketches of the staged rows; needed if any page is kv-sketch-1)
+    and `readback` (uint8 (pages, >= page_bytes), the staged rows read back; needed if any
+    is xxh3-128), row i for page i. `mapper` runs the XXH3-128s (a thread pool's map)."""
+    out: list[bytes | None] = [None] * len(kinds)
+    sk = [i for i, k in enumerate(kinds) if k is DigestKind.SKETCH]
+    xx = [i for i, k in enumerate(kinds) if k is DigestKind.XXH3]
+    if len(sk) + len(xx) != len(kinds):
+        raise InvalidRequest(f"unknown digest kinds among {sorted(set(map(str, kinds)))}")
+    if sk:
+        if sketches is None or sketches.shape[0] < len(kinds):
+            raise InvalidRequest("kv-sketch-1 pages without the sketches of what arrived")
+        for i, d in zip(sk, sketch_digests(sketches[sk], page_bytes)):
+            out[i] = d
+    if xx:
+        if readback is None or readback.shape[0] < len(kinds) or readback.shape[1] < page_bytes:
+            raise InvalidRequest("xxh3-128 pages without the read-back of what arrived")
+        for i, d in zip(xx, mapper(lambda i: page_digest(readback[i, :page_bytes]), xx)):
+            out[i] = d
+    return out  # type: ignore[return-value]
 
 
 class TransferEngine:
@@ -776,9 +825,7 @@ class TransferEngine:
                 self._driver.probe_batched(self.store_stream, self.device)
                 batched, batched_reason = self._driver.batched, self._driver.batched_reason
             self._layer_ptrs = [t.data_ptr() for t in layers]
-        elif config.digest is DigestKind.SKETCH:
-            self._load_ring = _IndexRing(self.device, self.load_stream, max(4096, 4 * self._chunk_pages))
-        else:
+        elif config.digest is DigestKind.XXH3:
             # Everything the copies use is allocated here, once: an allocation issued while a
             # stream is held back can serialize streams (CUDA's implicit synchronization).
             ring = max(4096, 4 * self._chunk_pages)
@@ -787,65 +834,81 @@ class TransferEngine:
                 largest = max(lb.nbytes for lb in self.layout.layers)
                 self._gather_scratch = torch.empty(self._chunk_pages * largest, dtype=torch.uint8, device=self.device)
                 self._store_ring = _IndexRing(self.device, self.store_stream, ring)
-            with torch.cuda.device(self.device), torch.cuda.stream(self.load_stream):
-                self._load_stage = [torch.empty((self._chunk_pages, pb), dtype=torch.uint8, device=self.device)
-                                    for _ in range(2)]
-                self._load_ring = _IndexRing(self.device, self.load_stream, ring)
-        self._sketcher: Sketcher | None = None
+        self._sketcher: Sketcher | None = None  # kv-sketch-1 stores (None: xxh3-128 stores)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # stage address -> (graph, its ids)
-        self._graphs_note = "xxh3-128 stores: none"
+        self._init_load(layers)
         if config.digest is DigestKind.SKETCH:
             self._init_sketch(layers)
-            self._graphs_note = self._init_graphs()
+        self._graphs_note = self._init_graphs()
         self.capabilities = TransferCapabilities(
             config.path, torch.cuda.get_device_name(self.device),
             HostMemory.REGISTERED if self._registered else HostMemory.PAGEABLE, self._host_reason, batched,
-            batched_reason, config.digest.value, self._sketcher.impl if self._sketcher else "",
-            self._sketcher.reason if self._sketcher else "", self._graphs_note)
+            batched_reason, config.digest.value, self._sketch_gpu.impl, self._sketch_gpu.reason, self._graphs_note)
+
+    def _init_load(self, layers: Sequence[torch.Tensor]) -> None:
+        """The resources of loads (every engine, every digest kind): `load_buffers` staging
+        buffers whose rows are padded to whole sketch rows (zero, never written past the
+        page), the GPU sketcher and its device and host outputs, and per buffer a pinned
+        host buffer the staged rows of xxh3-128 pages are read back into (allocated here
+        on an engine that stores xxh3-128, on the first such page otherwise). Three
+        streams: copies (load_stream), checks (sketches, read-backs), installs."""
+        pb, cp = self.layout.page_bytes, self._chunk_pages
+        dev = self.device
+        self._sketch_gpu = Sketcher(dev)
+        self._sk_rows = sketch_rows(pb)
+        width = staged_width(pb)
+        n = self.config.load_buffers
+        with torch.cuda.device(dev):
+            self._load_k = torch.cuda.Stream(dev)  # checks of loads: sketches and read-backs of what arrived
+            self._load_s = torch.cuda.Stream(dev)  # installs of verified chunks
+        with torch.cuda.device(dev), torch.cuda.stream(self._load_k):
+            self._sk_load_stage = [torch.zeros((cp, width), dtype=torch.uint8, device=dev) for _ in range(n)]
+            self._sk_load_dev = [torch.empty((cp * self._sk_rows, SKETCH_COLS), dtype=torch.int32, device=dev)
+                                 for _ in range(n)]
+            # per buffer, the host's copy of its chunk's sketches: written only on the check
+            # stream (in order), read by the host after that chunk's event
+            self._sk_load_host = [torch.empty((cp, self._sk_rows, SKETCH_COLS), dtype=torch.int32, pin_memory=True)
+                                  for _ in range(n)]
+            self._sk_load_host_np = [h.numpy() for h in self._sk_load_host]
+        self._readback: list[torch.Tensor | None] = [None] * n
+        if self.config.digest is DigestKind.XXH3:
+            for b in range(n):
+                self._readback_buffer(b)
+        with torch.cuda.device(dev), torch.cuda.stream(self._load_s):  # the scatters' ids (torch path)
+            self._sk_scatter_ring = _IndexRing(dev, self._load_s, max(4096, 4 * cp))
+        self._load_free: list[torch.cuda.Event | None] = [None] * n  # per buffer: its last install
+        self._load_sketched: list[torch.cuda.Event | None] = [None] * n  # per buffer: its last check
+        torch.cuda.synchronize(dev)  # the zeroed staging rows exist before any copy writes them
+
+    def _readback_buffer(self, b: int) -> torch.Tensor:
+        """Staging buffer b's pinned host twin for xxh3-128 checks, allocated once."""
+        buf = self._readback[b]
+        if buf is None:
+            buf = self._readback[b] = torch.empty((self._chunk_pages, self.layout.page_bytes), dtype=torch.uint8,
+                                                  pin_memory=True)
+        return buf
 
     def _init_sketch(self, layers: Sequence[torch.Tensor]) -> None:
-        """kv-sketch-1's resources: kernel streams (gathers, sketches, scatters run beside
+        """kv-sketch-1 stores' resources: a kernel stream (gathers and sketches run beside
         the copies), staging rows padded to whole sketch rows (zero, and never written
         past the page), device and host sketch buffers."""
         pb, cp = self.layout.page_bytes, self._chunk_pages
-        self._sketcher = Sketcher(self.device)
-        self._sk_rows = sketch_rows(pb)
+        self._sketcher = self._sketch_gpu
         width = staged_width(pb)
         ring = max(4096, 4 * cp)
         largest = max(lb.nbytes for lb in self.layout.layers)
         dev = self.device
         with torch.cuda.device(dev):
             self._store_k = torch.cuda.Stream(dev)  # gathers and sketches of stores
-            self._load_k = torch.cuda.Stream(dev)  # sketches of loads (and the driver path's gathers)
-            self._load_s = torch.cuda.Stream(dev)  # scatters of verified chunks (torch path)
         with torch.cuda.device(dev), torch.cuda.stream(self._store_k):
             self._sk_store_stage = [torch.zeros((cp, width), dtype=torch.uint8, device=dev) for _ in range(2)]
             self._sk_store_dev = [torch.empty((cp * self._sk_rows, SKETCH_COLS), dtype=torch.int32, device=dev)
                                   for _ in range(2)]
             self._sk_store_scratch = torch.empty(cp * largest, dtype=torch.uint8, device=dev)
             self._sk_store_ring = _IndexRing(dev, self._store_k, ring)
-        with torch.cuda.device(dev), torch.cuda.stream(self._load_k):
-            n = self.config.load_buffers
-            self._sk_load_stage = [torch.zeros((cp, width), dtype=torch.uint8, device=dev) for _ in range(n)]
-            self._sk_load_dev = [torch.empty((cp * self._sk_rows, SKETCH_COLS), dtype=torch.int32, device=dev)
-                                 for _ in range(n)]
-            # per buffer, the host's copy of its chunk's sketches: written only on the kernel
-            # stream (in order), read by the host after that chunk's event
-            self._sk_load_host = [torch.empty((cp, self._sk_rows, SKETCH_COLS), dtype=torch.int32, pin_memory=True)
-                                  for _ in range(n)]
-            self._sk_load_host_np = [h.numpy() for h in self._sk_load_host]
-            if self._driver is not None:
-                self._sk_load_scratch = torch.empty(cp * largest, dtype=torch.uint8, device=dev)
-                self._sk_gather_ring = _IndexRing(dev, self._load_k, ring)
-        with torch.cuda.device(dev), torch.cuda.stream(self._load_s):
-            self._sk_scatter_ring = _IndexRing(dev, self._load_s, ring)
-        if self._driver is None:
-            self._load_stage = self._sk_load_stage[:2]  # loads of xxh3-128 pages stage here too
         self._store_sketches = _PinnedSketches(self._sk_rows, cp)
         self._store_buf = 0
         self._store_free: list[torch.cuda.Event | None] = [None, None]
-        self._load_free: list[torch.cuda.Event | None] = [None] * self.config.load_buffers
-        self._load_sketched: list[torch.cuda.Event | None] = [None] * self.config.load_buffers
         torch.cuda.synchronize(dev)  # the zeroed staging rows exist before any copy writes them
 
     def _init_graphs(self) -> str:
@@ -860,8 +923,10 @@ class TransferEngine:
             return "none for this layout (block dim not first)"
         cp, w, dev = self._chunk_pages, self._width, self.device
         captured = []
-        for kind, stages, stream in (("gather", self._sk_store_stage, self._store_k),
-                                     ("scatter", self._sk_load_stage, self._load_s)):
+        kinds = [("scatter", self._sk_load_stage, self._load_s)]
+        if self._sketcher is not None:
+            kinds.insert(0, ("gather", self._sk_store_stage, self._store_k))
+        for kind, stages, stream in kinds:
             for stage in stages:
                 ids = torch.zeros(cp, dtype=torch.int64, device=dev)
                 views = self._layer_rows(_as_width(stage, w), cp)
@@ -908,11 +973,15 @@ class TransferEngine:
             return (self.store_stream,)
         return (self._store_k,) if self._driver is None else (self.store_stream, self._store_k)
 
-    def load_write_stream(self, kind: DigestKind) -> torch.cuda.Stream:
-        """The stream whose work writes the blocks of a load of pages of `kind`."""
-        if kind is DigestKind.SKETCH and self._sketcher is not None and self._driver is None:
-            return self._load_s
-        return self.load_stream
+    @property
+    def load_check_stream(self) -> torch.cuda.Stream:
+        """The stream whose work reads what a load's copies delivered (sketches, read-backs)."""
+        return self._load_k
+
+    def load_write_stream(self, kind: DigestKind | None = None) -> torch.cuda.Stream:
+        """The stream whose work writes the blocks of a load (the installs of verified
+        chunks, on either path and for pages of either kind)."""
+        return self._load_s
 
     # -- the ordering edges (one hook, so a control can drop one) -----------------------------
     def _order(self, edge: OrderingEdge, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
@@ -1026,13 +1095,17 @@ class TransferEngine:
             self._host_rows(page, k).copy_(stage[row : row + k].reshape(-1), non_blocking=True)
         return read
 
-    def _stage_in(self, pages: Sequence[int], buf: int) -> None:
-        """Pages -> a load staging buffer (torch path), on the current stream."""
-        self._h2d(pages, self._load_stage[buf])
-
     def _h2d(self, pages: Sequence[int], stage: torch.Tensor) -> None:
-        """Pages -> rows of `stage` (one row per page, any row width), on the current stream."""
+        """Pages -> rows of `stage` (one row per page, any row width), on the current stream
+        (driver path: driver copies)."""
         pb = self.layout.page_bytes
+        if self._driver is not None:
+            ps, w, at = self._page_size, stage.stride(0), stage.data_ptr()
+            runs = self._runs(pages) if w == pb else [(row, page, 1) for row, page in enumerate(pages)]
+            self._driver.copies([at + row * w for row, _, _ in runs],
+                                [self._region_ptr + page * ps for _, page, _ in runs],
+                                [(k - 1) * ps + pb for _, _, k in runs], torch.cuda.current_stream(), to_host=False)
+            return
         if stage.shape[1] == pb:
             for row, page, k in self._runs(pages):
                 stage[row : row + k].reshape(-1).copy_(self._host_rows(page, k), non_blocking=True)
@@ -1072,7 +1145,7 @@ class TransferEngine:
         """The sketches of the first `n` rows of `stage` -> `host` (int32 (n, rows, cols)),
         on the current stream."""
         rows = n * self._sk_rows
-        out = self._sketcher.sketch(stage[:n].view(rows, SKETCH_ROW), out=dev_out[:rows])
+        out = self._sketch_gpu.sketch(stage[:n].view(rows, SKETCH_ROW), out=dev_out[:rows])
         host.view(rows, SKETCH_COLS).copy_(out, non_blocking=True)
 
     def _scatter(self, block_ids: Sequence[int], buf: int, stage: torch.Tensor | None = None,
@@ -1081,8 +1154,8 @@ class TransferEngine:
         n = len(block_ids)
         if not n:
             return
-        idx = self._index(block_ids, ring or self._load_ring)
-        stage = self._load_stage[buf] if stage is None else stage
+        idx = self._index(block_ids, ring or self._sk_scatter_ring)
+        stage = self._sk_load_stage[buf] if stage is None else stage
         if self._replay(stage, idx):
             return
         stage = _as_width(stage, self._width)
@@ -1092,10 +1165,50 @@ class TransferEngine:
             src = stage[:n, lb.page_offset // w : (lb.page_offset + lb.nbytes) // w].view(n, *shape).movedim(0, d)
             layer.index_copy_(d, idx, src)
 
-    def _copy_in_direct(self, block_ids: Sequence[int], pages: Sequence[int]) -> None:
-        """Pages -> blocks (driver path), on the current stream."""
-        host, dev, sizes = self._driver_lists(block_ids, pages)
-        self._driver.copies(dev, host, sizes, self.load_stream, to_host=False)
+    def _read_back(self, stage: torch.Tensor, n: int, host: torch.Tensor) -> None:
+        """The first `n` rows of `stage` (page bytes, no padding) -> `host` (pinned, (n,
+        page_bytes)), on the current stream: what arrived, for a check on the host."""
+        pb = self.layout.page_bytes
+        if stage.shape[1] == pb:
+            host[:n].copy_(stage[:n], non_blocking=True)
+            return
+        for row in range(n):
+            host[row].copy_(stage[row, :pb], non_blocking=True)
+
+    def _install(self, block_ids: Sequence[int], buf: int) -> None:
+        """Load staging buffer `buf`'s first rows -> the blocks, on the current stream (the
+        install stream): the scatter kernels (torch path) or driver copies device to device,
+        one per (layer, block, contiguous run) (driver path)."""
+        if not block_ids:
+            return
+        stage = self._sk_load_stage[buf]
+        if self._driver is None:
+            self._scatter(block_ids, buf, stage, self._sk_scatter_ring)
+            return
+        w, at = stage.stride(0), stage.data_ptr()
+        dst: list[int] = []
+        src: list[int] = []
+        sizes: list[int] = []
+        for lb, base in zip(self.layout.layers, self._layer_ptrs):
+            for row, b in enumerate(block_ids):
+                block_at = base + b * lb.block_stride
+                row_at = at + row * w + lb.page_offset
+                for off, n in lb.runs:
+                    dst.append(block_at + off)
+                    src.append(row_at)
+                    sizes.append(n)
+                    row_at += n
+        self._driver.copies(dst, src, sizes, torch.cuda.current_stream(), to_host=None)
+
+    def _arrived_digests(self, buf: int, kinds: Sequence[DigestKind]) -> list[bytes]:
+        """The digests, by each page's kind, of what arrived in staging buffer `buf` (rows
+        in chunk order), taken from the check stream's outputs once its event completed:
+        kv-sketch-1 from the sketches the GPU took of the staged rows, xxh3-128 over the
+        staged rows read back into pinned host memory. Never the pool's shared page."""
+        n = len(kinds)
+        sketches = self._sk_load_host_np[buf][:n] if DigestKind.SKETCH in kinds else None
+        readback = self._readback[buf].numpy()[:n] if DigestKind.XXH3 in kinds else None
+        return arrived_digests(kinds, sketches, readback, self.layout.page_bytes, self._hash_pool.map)
 
     # -- store ------------------------------------------------------------------------------
     def _plan_units(self, n: int, boundary: int | None) -> list[tuple[int, int, int | None]]:
@@ -1313,22 +1426,15 @@ class TransferEngine:
                 if any(n != self.layout.page_bytes for n in hits.lengths):
                     raise KVLayoutError(f"the pool holds pages of {sorted(set(hits.lengths))} bytes under this "
                                         f"namespace; a block here is {self.layout.page_bytes}")
-                sketched = self._sketcher is not None and len(hits) > 0 and len(hits.kinds) == len(hits) and \
-                    all(k == DigestKind.SKETCH.code for k in hits.kinds)
-                if sketched:
-                    loaded, stop = self._copy_in_sketched(ids, hits, t0, deadline_s, read, done)
+                if len(hits):
+                    loaded, stop = self._copy_in(ids, hits, t0, deadline_s, read, done)
                 else:
-                    if self._sketcher is not None:  # the staging buffers are shared with sketched loads
-                        self.load_stream.wait_stream(self._load_s)
-                    with torch.cuda.stream(self.load_stream):
-                        self._order(OrderingEdge.LOAD_AFTER_READ, self.load_stream, read)
-                        loaded, stop = self._copy_in(ids, hits, t0, deadline_s)
-                        done.record(self.load_stream)
+                    loaded, stop = 0, None
+                    done.record(engine)
             except BaseException:
                 self.load_stream.synchronize()  # the lease outlives every copy that reads its pages
-                if self._sketcher is not None:
-                    self._load_k.synchronize()
-                    self._load_s.synchronize()
+                self._load_k.synchronize()
+                self._load_s.synchronize()
                 self._release(lease)
                 raise
             if stop is not None:
@@ -1338,108 +1444,57 @@ class TransferEngine:
         self._watch(handle)
         return handle
 
-    def _copy_in(self, ids: tuple[int, ...], hits, t0: float, deadline_s: float | None) -> tuple[int, Miss | None]:  # noqa: ANN001
-        """Verify and install the leased pages; (blocks installed, why it stopped early)."""
+    def _copy_in(self, ids: tuple[int, ...], hits, t0: float, deadline_s: float | None,  # noqa: ANN001
+                 read: torch.cuda.Event, done: torch.cuda.Event) -> tuple[int, Miss | None]:
+        """Install leased pages, each verified over the bytes that arrived in GPU memory;
+        (blocks installed, why it stopped early). Per chunk: the copy stream brings the
+        pages into a staging buffer (torch copies, or driver copies on the driver path);
+        the check stream, after that copy, sketches the staged rows (kv-sketch-1 pages)
+        and reads the staged rows back into pinned host memory (xxh3-128 pages); the host
+        waits for that, digests what arrived by each page's kind, and compares; only then
+        the install stream writes the verified prefix from the same staged rows into the
+        blocks (scatter kernels, or driver copies). A staged row is written only by its
+        chunk's copy, so the bytes installed are the bytes checked; the pool's shared
+        page, which other processes can write, is never read by the host here.
+        `load_buffers` staging buffers: copies run that many chunks ahead of the checks.
+        `done` is recorded once every copy reading the pages and every kernel or copy
+        touching the staged rows and the blocks is enqueued."""
         n = len(hits)
         pages = list(hits.pages)
-        expected = [hits.digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES] for i in range(n)]
-        futures = [self._hash_pool.submit(self._digest, p, hits.kind(i)) for i, p in enumerate(pages)]
-        chunks = [range(a, min(a + self._chunk_pages, n)) for a in range(0, n, self._chunk_pages)]
-        loaded = 0
-        stop: Miss | None = None
-        try:
-            if self._driver is not None:  # verify first, then copy straight into the blocks
-                for chunk in chunks:
-                    ok = _verified_prefix(futures[chunk.start : chunk.stop], expected[chunk.start : chunk.stop])
-                    if deadline_s is not None and time.monotonic() - t0 > deadline_s:
-                        return loaded, Miss(loaded, MissCause.TIMEOUT)
-                    sel = range(chunk.start, chunk.start + ok)
-                    if ok:
-                        self._copy_in_direct([ids[i] for i in sel], [pages[i] for i in sel])
-                    loaded += ok
-                    if ok < len(chunk):
-                        return loaded, Miss(loaded, MissCause.CORRUPT)
-                return loaded, None
-            # torch path: pages go to staging at once; a chunk is scattered into the blocks only
-            # after its digests matched. Two staging buffers: a buffer is refilled only after
-            # the scatter that reads it was enqueued (same stream: it runs first).
-            staged: deque[tuple[range, int]] = deque()
-            nxt = 0
-            while nxt < len(chunks) and len(staged) < 2:
-                self._stage_in([pages[i] for i in chunks[nxt]], nxt % 2)
-                staged.append((chunks[nxt], nxt % 2))
-                nxt += 1
-            while staged:
-                chunk, buf = staged.popleft()
-                ok = _verified_prefix(futures[chunk.start : chunk.stop], expected[chunk.start : chunk.stop])
-                if deadline_s is not None and time.monotonic() - t0 > deadline_s:
-                    stop = Miss(loaded, MissCause.TIMEOUT)
-                    break
-                self._scatter([ids[i] for i in range(chunk.start, chunk.start + ok)], buf)
-                loaded += ok
-                if ok < len(chunk):
-                    stop = Miss(loaded, MissCause.CORRUPT)
-                    break
-                if nxt < len(chunks):
-                    self._stage_in([pages[i] for i in chunks[nxt]], buf)
-                    staged.append((chunks[nxt], buf))
-                    nxt += 1
-            return loaded, stop
-        finally:
-            for f in futures:
-                f.cancel()
-
-    def _copy_in_sketched(self, ids: tuple[int, ...], hits, t0: float, deadline_s: float | None,  # noqa: ANN001
-                          read: torch.cuda.Event, done: torch.cuda.Event) -> tuple[int, Miss | None]:
-        """Install leased kv-sketch-1 pages, verified on the GPU; (blocks installed, why it
-        stopped early). Per chunk: the copy stream brings the pages over (into a staging
-        buffer; on the driver path straight into the blocks), the kernel stream sketches
-        what arrived (the driver path gathers the installed blocks back in page order
-        first) and copies the sketches to the host, the host checks them against the
-        pages' digests, and only then (torch path) the scatter stream installs the
-        verified prefix. `load_buffers` staging buffers: copies run that many chunks ahead
-        of the checks. On the driver path a block of a chunk that fails its check was
-        written, never reported loaded: the engine recomputes it. `done` is recorded once
-        every copy reading the pages and every kernel touching the blocks is enqueued."""
-        n = len(hits)
-        pb = self.layout.page_bytes
-        pages = list(hits.pages)
+        kinds = [hits.kind(i) for i in range(n)]
         expected = [hits.digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES] for i in range(n)]
         chunks = [range(a, min(a + self._chunk_pages, n)) for a in range(0, n, self._chunk_pages)]
         nbuf = len(self._sk_load_stage)
         copied: list[torch.cuda.Event] = []
-        sketched: list[torch.cuda.Event] = []
-        scattered = self._load_free  # per buffer: the last scatter that read it (this load's or an earlier one's)
-        sketch_read = self._load_sketched  # per buffer: the last sketch (or gather) that used it
-        driver = self._driver is not None
-        if driver:  # the copies write the blocks themselves
-            self._order(OrderingEdge.LOAD_AFTER_READ, self.load_stream, read)
-        else:
-            self._order(OrderingEdge.LOAD_AFTER_READ, self._load_s, read)
+        checked: list[torch.cuda.Event] = []
+        installed = self._load_free  # per buffer: the last install that read it (this load's or an earlier one's)
+        check_read = self._load_sketched  # per buffer: the last check (sketch, read-back) that read it
+        self._order(OrderingEdge.LOAD_AFTER_READ, self._load_s, read)  # the installs write the blocks
 
         def issue(i: int) -> None:
             chunk, b = chunks[i], i % nbuf
             stage = self._sk_load_stage[b]
+            m = len(chunk)
+            sketch, read_back = check_plan([kinds[j] for j in chunk])
+            host_rows = self._readback_buffer(b) if read_back else None
             with torch.cuda.stream(self.load_stream):
-                for reader in (scattered[b], sketch_read[b]):  # the buffer's last scatter and sketch read it
+                for reader in (installed[b], check_read[b]):  # the buffer's last install and check read it
                     if reader is not None:
                         self.load_stream.wait_event(reader)
-                if driver:
-                    self._copy_in_direct([ids[j] for j in chunk], [pages[j] for j in chunk])
-                else:
-                    self._h2d([pages[j] for j in chunk], stage)
+                self._h2d([pages[j] for j in chunk], stage)
                 ev = torch.cuda.Event()
                 ev.record(self.load_stream)
                 copied.append(ev)
             with torch.cuda.stream(self._load_k):
-                self._load_k.wait_event(ev)
-                if driver:
-                    self._gather([ids[j] for j in chunk], stage, self._sk_load_scratch, self._sk_gather_ring)
-                self._sketch_to_host(stage, len(chunk), self._sk_load_dev[b], self._sk_load_host[b][: len(chunk)])
+                self._order(OrderingEdge.CHECK_AFTER_COPY, self._load_k, ev)  # the check reads what the copy delivered
+                if sketch:
+                    self._sketch_to_host(stage, m, self._sk_load_dev[b], self._sk_load_host[b][:m])
+                if read_back:
+                    self._read_back(stage, m, host_rows)
                 ev2 = _host_event()
                 ev2.record(self._load_k)
-                sketched.append(ev2)
-                sketch_read[b] = ev2
+                checked.append(ev2)
+                check_read[b] = ev2
 
         issued = min(nbuf, len(chunks))
         for i in range(issued):
@@ -1447,21 +1502,20 @@ class TransferEngine:
         loaded = 0
         stop: Miss | None = None
         for i, chunk in enumerate(chunks):
-            _await_event(sketched[i], _LOAD_POLL_S)
-            got = sketch_digests(self._sk_load_host_np[i % nbuf][: len(chunk)], pb)
+            _await_event(checked[i], _LOAD_POLL_S)
+            b = i % nbuf
+            got = self._arrived_digests(b, [kinds[j] for j in chunk])
             ok = self._verified(got, expected[chunk.start : chunk.stop])
             if deadline_s is not None and time.monotonic() - t0 > deadline_s:
                 stop = Miss(loaded, MissCause.TIMEOUT)
                 break
-            if not driver and ok:
-                b = i % nbuf
+            if ok:
                 with torch.cuda.stream(self._load_s):
                     self._load_s.wait_event(copied[i])
-                    self._scatter([ids[j] for j in range(chunk.start, chunk.start + ok)], b,
-                                  self._sk_load_stage[b], self._sk_scatter_ring)
+                    self._install([ids[j] for j in range(chunk.start, chunk.start + ok)], b)
                     ev = torch.cuda.Event()
                     ev.record(self._load_s)
-                    scattered[b] = ev
+                    installed[b] = ev
             loaded += ok
             if ok < len(chunk):
                 stop = Miss(loaded, MissCause.CORRUPT)
@@ -1469,8 +1523,8 @@ class TransferEngine:
             if issued < len(chunks):
                 issue(issued)
                 issued += 1
-        self._load_s.wait_event(copied[-1])  # every copy reading the pages (and writing blocks) ...
-        self._load_s.wait_event(sketched[-1])  # ... and every gather reading the blocks, in stream order
+        self._load_s.wait_event(copied[-1])  # every copy reading the pages (and writing staged rows) ...
+        self._load_s.wait_event(checked[-1])  # ... and every check reading the staged rows, in stream order
         done.record(self._load_s)
         return loaded, stop
 
@@ -1594,10 +1648,10 @@ class TransferEngine:
             self._release_exec.shutdown(wait=True)
             self.store_stream.synchronize()
             self.load_stream.synchronize()
+            self._load_k.synchronize()
+            self._load_s.synchronize()
             if self._sketcher is not None:
                 self._store_k.synchronize()
-                self._load_k.synchronize()
-                self._load_s.synchronize()
             if self._registered:
                 self._registered = False
                 _unregister(self._region_ptr)

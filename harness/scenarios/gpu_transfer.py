@@ -237,13 +237,10 @@ def run_scenario(scenario: Scenario, geom: Geometry, make_engine: EngineFactory,
     warm_idx = torch.tensor(warm, dtype=torch.int64, device=device)
     warm_hashes = block_hashes(range(base + 9_000_000, base + 9_000_016), 16)
     engine = make_engine(layers, scenario.edge if drop else None)
-    # The reference pages of a load carry the engine's own digest kind, except for the
-    # driver path's read-after-load: a sketched driver load checks the installed blocks
-    # before load() returns (its copies are complete by then, there is no race to force),
-    # so that scenario loads xxh3-128 pages, checked on the host before the copies.
+    # The reference pages of a load carry the engine's own digest kind (every load, on
+    # either path, installs from staging after its check: the installs are what a
+    # read-after-load race can overtake).
     kind = DigestKind(engine.config.digest)
-    if scenario == Scenario.LOAD_RAW and engine.config.path == CopyPath.DRIVER:
-        kind = DigestKind.XXH3
 
     if scenario in (Scenario.LOAD_RAW, Scenario.LOAD_WAR):
         for h, p in zip(hashes, new):

@@ -104,7 +104,7 @@ def _scrubbed(client, timeout_s: float = 60.0) -> dict:  # noqa: ANN001
 def test_a_sketched_page_corrupted_at_rest_is_refused_on_the_gpu(engine_cls, checks, path, client, test_seed, tag):
     """The engine stores blocks (digested on the GPU, kv-sketch-1, trusted at commit); one
     committed page is corrupted in the arena; another engine's load must stop there as
-    corrupt (torch path: the page never installed) while the pages before it load
+    corrupt (the page never installed, on either path) while the pages before it load
     byte-exact. The control takes every sketched page for verified: the corrupt page is
     installed and counted, and the byte check sees it."""
     geom = GEOMETRIES["flash-128k"]
@@ -140,8 +140,7 @@ def test_a_sketched_page_corrupted_at_rest_is_refused_on_the_gpu(engine_cls, che
     if checks:
         assert (h.loaded, h.miss.index, h.miss.cause) == (bad, bad, MissCause.CORRUPT), h
         assert h.failed_block_ids == tuple(targets[bad:])
-        if path == CopyPath.TORCH:
-            assert np.array_equal(got[bad:], old[targets[bad:]]), "the corrupt page and the later ones are not installed"
+        assert np.array_equal(got[bad:], old[targets[bad:]]), "the corrupt page and the later ones are not installed"
     else:
         assert h.loaded == k, h
         assert not np.array_equal(got[bad], host[blocks[bad]]), "negative control NOT caught: the corrupt page " \
@@ -186,8 +185,9 @@ def test_engines_of_either_digest_kind_exchange_pages_and_the_scrub_agrees(path,
 @pytest.mark.parametrize("engine_cls,held", [(TransferEngine, True), (EagerReleaseEngine, False)],
                          ids=["engine", "control-eager-release"])
 def test_lease_is_held_until_the_copy_completed(engine_cls, held, client, cycles_per_ms, test_seed, tag):
-    """While a delayed load's copy has not run, its pages are leased (eviction refused).
-    The control releases at once; the check must see those pages evictable."""
+    """While a delayed load has not finished (load() returns once its copies were checked;
+    its installs are held back here), its pages are leased (eviction refused). The control
+    releases at once; the check must see those pages evictable."""
     geom = GEOMETRIES["nfirst-512k"]
     ns = namespace(geom, tag + engine_cls.__name__)
     rng = np.random.default_rng(test_seed)
@@ -200,7 +200,7 @@ def test_lease_is_held_until_the_copy_completed(engine_cls, held, client, cycles
         # synchronize the device), which would wait out the delay before the check.
         engine.load(list(range(k)), hashes)
         engine.drain()
-        delay_stream(engine.load_stream, int(400 * cycles_per_ms))
+        delay_stream(engine.load_write_stream(), int(400 * cycles_per_ms))
         h = engine.load(list(range(k)), hashes)
         assert h.loaded == k
         time.sleep(0.1)  # the control's release worker has long run by now
