@@ -364,8 +364,10 @@ def _pool_keys(h: Path, tag: str, replica: str) -> tuple[list[bytes], dict[bytes
     produced: dict[bytes, str] = {}
     for r in recs:
         for key, digest in zip(r["keys"], r["digests"]):
-            keys.append(bytes.fromhex(key))
-            produced[bytes.fromhex(key)] = digest
+            k = bytes.fromhex(key)
+            if k not in produced:
+                keys.append(k)
+            produced[k] = digest
     return keys, produced
 
 
@@ -469,8 +471,9 @@ def tenant_scribble(cluster: Cluster, corpus: Corpus, seed: int, *, control: str
     c.evidence.update(attempts=attempts, scribbled_bytes=scribbled, p3_exact=exact, p3_caught=caught,
                       p3_published=_published(h, f"{tag}-a3", "A"), load_p1=load1.get("miss_cause"),
                       pool_level=at_pool.evidence)
+    tried = sum(1 for a in attempts if "pages segment" not in a["try"])
     return c.verdict(f"a tenant scribbled its {scribbled} mapped bytes and tried the daemon's private state "
-                     f"{len(attempts)} ways: refused; B's load caught the scribbled pages as corrupt, its probe "
+                     f"{tried} ways: refused; B's load caught the scribbled pages as corrupt, its probe "
                      "claimed nothing the pool does not hold, outputs unchanged")
 
 
