@@ -1,38 +1,64 @@
-"""The data plane: a POSIX shared-memory arena of fixed-size pages.
+"""The data plane of one tenant: two shared-memory segments, its pages and the daemon's
+private state (the layout, the generations, the index of committed blocks, the heartbeat).
 
-  Arena.create(name, page_size, num_pages)   a named segment in /dev/shm (O_EXCL).
-  Arena.attach(name)                          a process on the same host maps it by name.
   Arena.anonymous(label, page_size, num_pages)
-                                              a sealed memfd: no name anyone can open, its
-                                              size fixed (a mapper cannot shrink it under
-                                              the daemon); the daemon hands its descriptor
-                                              (arena.fileno()) to one tenant's clients only.
-  Arena.from_fd(fd, label)                    a client maps a segment it was handed.
+        the daemon's: two memfds nobody can open by name, their sizes sealed (a mapper
+        cannot shrink them under the daemon): the page segment (`label`) and the private
+        segment (`label:private`). The daemon maps both read-write, then seals the private
+        one with F_SEAL_FUTURE_WRITE (Linux >= 5.1): the daemon's mapping keeps writing,
+        and nobody can write it any other way from then on (a writable shared mapping,
+        mprotect to PROT_WRITE, write(2), a hole punched: EPERM / EACCES).
+  arena.handout_fds() -> (private, pages)
+        the descriptors the daemon hands one tenant's clients (SCM_RIGHTS, kvpool.server).
+  Arena.from_fds(private_fd, pages_fd, label)
+        a client maps them (this call owns and closes both): the private segment
+        PROT_READ, the pages read-write. Refused unless both are sealed against shrinking.
+  Arena.create(name, page_size, num_pages) / Arena.attach(name)
+        the same two segments by name in /dev/shm (NAME and NAME.private, mode 0600, O_EXCL),
+        for tests and tools on one host; attach maps the private one read-only, but a named
+        file has no seal: any process of its owner may open it for writing. The daemon
+        uses anonymous segments only.
   arena.page(i)                               a writable numpy view of page i (zero-copy).
   arena.generation(i) / bump_generation(i)    a counter per page, bumped by the daemon
                                               every time the page is freed, so a reader
                                               that held page i across a reuse sees that
                                               the generation moved.
-  arena.index_entries                         the index region (kvpool.shm_index.ENTRY records).
+  arena.generations                           the generation array (read-only in a client).
+  arena.index_entries                         the index region (kvpool.shm_index.ENTRY
+                                              records; read-only in a client).
   arena.beat() / arena.heartbeat_age_s()      the daemon's heartbeat: it writes CLOCK_MONOTONIC
-                                              into the header on a short period; a
+                                              into the private header on a short period; a
                                               same-host client reads how old it is (a
                                               stopped or wedged daemon stops beating).
-  arena.close() / Arena.unlink(name)          unmap; remove the segment.
+  arena.private_writable                      whether this mapping of the private segment
+                                              is writable (the daemon's, or a named segment's
+                                              creator).
+  read_layout(buf, private_size, pages_size, name) -> Layout
+                                              a private header, checked against the sizes
+                                              of the two segments (ArenaError if it does not fit).
+  arena.close() / Arena.unlink(name)          unmap; remove named segments.
 
-Layout: a 4 KiB header (magic, layout version, geometry, instance id, where the index is,
-and at byte 512 the heartbeat: a 64-bit CLOCK_MONOTONIC nanosecond count, 0 until the first beat),
-the generation array (uint64 per page), the index of committed blocks
-(kvpool.shm_index: the daemon writes it, same-host clients probe it), then the pages,
-each part aligned to 4 KiB. The segment lives in
-/dev/shm, so it is shared by every process on the host and survives a crashed daemon
-(the next daemon finds it, says so, and starts clean). The daemon's own segments are
-anonymous: each tenant's lives only in the processes it was handed to, and its memory
-goes back to the kernel when the last of them unmaps it (a crashed daemon leaves none).
+Layout (version 4). The private segment: a 4 KiB header (magic, layout version, page size,
+number of pages, where the generations, the index and the pages are, the instance id, and
+at byte 512 the heartbeat: a 64-bit CLOCK_MONOTONIC nanosecond count, 0 until the first
+beat), the generation array (uint64 per page), the index of committed blocks
+(kvpool.shm_index: the daemon writes it, same-host clients probe it), each part aligned to
+4 KiB. The page segment: the pages, from the header's `pages_off` (0: nothing else is in it).
+
+What is trusted where: every byte of the page segment can be written by every client of
+the tenant (a client writes the pages it publishes, and could write any other), so nothing
+in it is trusted: every loader checks a page against the digest the daemon recorded at
+commit (and the scrub re-checks pages at rest). What a client trusts without a digest
+(where the pages are, which blocks are committed, the generations, the heartbeat) is in
+the private segment, which only the daemon can write. Until layout 3 all of it sat in the
+one segment every client mapped read-write: one client could plant index entries that
+other replicas' probes trusted, freeze generations (blinding the stale check and the
+scrub) or fake a live daemon.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import mmap
 import os
@@ -48,12 +74,18 @@ from kvpool.shm_index import ENTRY, index_bytes
 
 SHM_DIR = Path("/dev/shm")
 MAGIC = b"KVGATE\x00\x01"
-LAYOUT_VERSION = 3  # 3: the index's blocks in either of two buckets
+LAYOUT_VERSION = 4  # 4: the private state in a segment of its own, read-only to clients; 3: two index buckets
 HEADER_BYTES = 4096
 ALIGN = 4096
-# magic, version, page_size, num_pages, gen_off, pages_off, instance, index_off, index_entries
-_HEADER = struct.Struct("<8sIQQQQ16sQQ")
+# magic, version, page_size, num_pages, gen_off, index_off, index_entries, pages_off, instance
+_HEADER = struct.Struct("<8sIQQQQQQ16s")
 HEARTBEAT_OFF = 512  # inside the header, past _HEADER; one aligned 64-bit word (a single store on x86)
+# Linux >= 5.1 (include/uapi/linux/fcntl.h); Python's fcntl module does not name it.
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+PRIVATE_SEALS = SIZE_SEALS | F_SEAL_FUTURE_WRITE  # what the daemon puts on the private segment
+PRIVATE_SUFFIX = ":private"  # an anonymous private segment's label: the page segment's plus this
+_NAMED_PRIVATE = ".private"  # a named private segment: the page segment's name plus this
 
 
 def _align(n: int) -> int:
@@ -67,7 +99,8 @@ def segment_path(name: str) -> Path:
 
 
 def segment_label(pool: str, tenant: str) -> str:
-    """The label of a daemon's anonymous segment for `tenant` (seen in /proc/PID/maps)."""
+    """The label of a daemon's anonymous page segment for `tenant` (seen in /proc/PID/maps);
+    its private segment's is this plus PRIVATE_SUFFIX."""
     return f"kvgate:{pool}:{tenant}"
 
 
@@ -98,73 +131,129 @@ def memory_available() -> int:
     raise ArenaError("/proc/meminfo has no MemAvailable line")
 
 
-class Arena:
-    """A mapped arena. Not thread-safe by itself; the daemon's catalog arbitrates pages."""
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where everything is: offsets into the private segment (generations, index) and into
+    the page segment (pages)."""
 
-    def __init__(self, name: str, fd: int, size: int, keep_fd: bool = False):
+    page_size: int
+    num_pages: int
+    gen_off: int
+    index_off: int
+    index_entries: int
+    pages_off: int
+    instance: bytes
+
+    @classmethod
+    def new(cls, page_size: int, num_pages: int, pages_off: int = 0) -> Layout:
+        """A fresh layout (a new instance id); `pages_off`: where the pages start in the page segment."""
+        index_off = HEADER_BYTES + _align(8 * num_pages)
+        return cls(page_size, num_pages, HEADER_BYTES, index_off, index_bytes(num_pages) // ENTRY.itemsize,
+                   pages_off, secrets.token_bytes(16))
+
+    @property
+    def private_size(self) -> int:
+        return self.index_off + _align(self.index_entries * ENTRY.itemsize)
+
+    @property
+    def pages_end(self) -> int:
+        return self.pages_off + self.page_size * self.num_pages
+
+    def header(self) -> bytes:
+        return _HEADER.pack(MAGIC, LAYOUT_VERSION, self.page_size, self.num_pages, self.gen_off, self.index_off,
+                            self.index_entries, self.pages_off, self.instance)
+
+
+def read_layout(buf, private_size: int, pages_size: int, name: str) -> Layout:  # noqa: ANN001 - a buffer
+    """The layout a private segment's header describes, checked against the two segments' sizes."""
+    if private_size < HEADER_BYTES:
+        raise ArenaError(f"segment {name!r}: its private segment is too small ({private_size} bytes)")
+    magic, version = struct.unpack_from("<8sI", buf, 0)
+    if magic != MAGIC:
+        raise ArenaError(f"segment {name!r} is not a kvgate arena (magic {magic!r})")
+    if version != LAYOUT_VERSION:
+        raise ArenaError(f"segment {name!r} has arena layout {version}, this build reads {LAYOUT_VERSION}")
+    _, _, *fields = _HEADER.unpack_from(buf, 0)
+    layout = Layout(*fields)
+    if (layout.page_size <= 0 or layout.num_pages <= 0 or layout.gen_off < HEADER_BYTES
+            or layout.gen_off + 8 * layout.num_pages > layout.index_off
+            or layout.index_off + ENTRY.itemsize * layout.index_entries > private_size
+            or layout.pages_off % ALIGN or layout.pages_end > pages_size):
+        raise ArenaError(f"segment {name!r}: its header claims {layout.num_pages} pages of {layout.page_size} "
+                         f"at {layout.pages_off} of a page segment of {pages_size} bytes, an index of "
+                         f"{layout.index_entries} entries in a private segment of {private_size}")
+    return layout
+
+
+def _seals(fd: int) -> int:
+    return fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+
+
+class Arena:
+    """A mapped arena. Not thread-safe by itself; the daemon's catalog arbitrates pages.
+
+    Arena(name, private_fd, pages_fd, writable=, keep_fds=) maps what it is given (and
+    closes the descriptors unless `keep_fds`); the classmethods are how one is made."""
+
+    def __init__(self, name: str, private_fd: int, pages_fd: int, *, writable: bool, keep_fds: bool = False):
         self.name = name
-        self._fd: int | None = None
+        self._fds: tuple[int, int] | None = (private_fd, pages_fd)
+        self._pmap: mmap.mmap | None = None
+        self._mmap: mmap.mmap | None = None
         try:
-            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except (OSError, ValueError) as exc:
-            os.close(fd)
-            raise ArenaError(f"cannot map segment {name!r} ({size} bytes): {exc}") from exc
-        if keep_fd:
-            self._fd = fd
-        else:
-            os.close(fd)
-        magic, version = struct.unpack_from("<8sI", self._mmap, 0)
-        problem = None
-        if magic != MAGIC:
-            problem = f"segment {name!r} is not a kvgate arena (magic {magic!r})"
-        elif version != LAYOUT_VERSION:
-            problem = f"segment {name!r} has arena layout {version}, this build reads {LAYOUT_VERSION}"
-        else:
-            (_, _, page_size, num_pages, gen_off, pages_off, instance, index_off,
-             index_entries) = _HEADER.unpack_from(self._mmap, 0)
-            if (pages_off + page_size * num_pages > size or gen_off + 8 * num_pages > index_off
-                    or index_off + ENTRY.itemsize * index_entries > pages_off):
-                problem = f"segment {name!r} is {size} bytes, its header claims {num_pages} pages of {page_size}"
-        if problem is not None:
-            self._mmap.close()
-            self._close_fd()
-            raise ArenaError(problem)
-        self.page_size: int = page_size
-        self.num_pages: int = num_pages
-        self.instance: bytes = instance
-        self._pages_off = pages_off
-        self.size = size
+            private_size = os.fstat(private_fd).st_size
+            pages_size = os.fstat(pages_fd).st_size
+            if private_size < HEADER_BYTES or pages_size <= 0:
+                raise ArenaError(f"segment {name!r}: a private segment of {private_size} bytes and a page "
+                                 f"segment of {pages_size} bytes cannot be an arena")
+            prot = mmap.PROT_READ | mmap.PROT_WRITE if writable else mmap.PROT_READ
+            self._pmap = mmap.mmap(private_fd, private_size, flags=mmap.MAP_SHARED, prot=prot)
+            layout = read_layout(self._pmap, private_size, pages_size, name)
+            self._mmap = mmap.mmap(pages_fd, pages_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError, ArenaError) as exc:
+            for m in (self._pmap, self._mmap):
+                if m is not None:
+                    m.close()
+            self._close_fds()
+            if isinstance(exc, ArenaError):
+                raise
+            raise ArenaError(f"cannot map segment {name!r}: {exc}") from exc
+        if not keep_fds:
+            self._close_fds()
+        self.layout = layout
+        self.private_writable = writable
+        self.page_size: int = layout.page_size
+        self.num_pages: int = layout.num_pages
+        self.instance: bytes = layout.instance
+        self._pages_off = layout.pages_off
+        self.size = private_size + pages_size
         self._bytes = np.frombuffer(self._mmap, dtype=np.uint8)
-        self._gens = np.frombuffer(self._mmap, dtype=np.uint64, count=num_pages, offset=gen_off)
-        self.index_entries = np.frombuffer(self._mmap, dtype=ENTRY, count=index_entries, offset=index_off)
-        self._beat = np.frombuffer(self._mmap, dtype=np.uint64, count=1, offset=HEARTBEAT_OFF)
+        self._private = np.frombuffer(self._pmap, dtype=np.uint8)
+        self.generations = np.frombuffer(self._pmap, dtype=np.uint64, count=layout.num_pages, offset=layout.gen_off)
+        self.index_entries = np.frombuffer(self._pmap, dtype=ENTRY, count=layout.index_entries,
+                                           offset=layout.index_off)
+        self._beat = np.frombuffer(self._pmap, dtype=np.uint64, count=1, offset=HEARTBEAT_OFF)
 
     # -- lifecycle ---------------------------------------------------------------------
     @staticmethod
-    def total_size(page_size: int, num_pages: int) -> int:
-        return HEADER_BYTES + _align(8 * num_pages) + _align(index_bytes(num_pages)) + page_size * num_pages
+    def private_size(num_pages: int) -> int:
+        return Layout.new(1, num_pages).private_size
 
     @staticmethod
-    def _check_geometry(page_size: int, num_pages: int) -> None:
+    def total_size(page_size: int, num_pages: int) -> int:
+        """Bytes of both segments together."""
+        return Arena.private_size(num_pages) + page_size * num_pages
+
+    @staticmethod
+    def check_geometry(page_size: int, num_pages: int) -> None:
         if page_size <= 0 or page_size % 64:
             raise ArenaError(f"page_size must be a positive multiple of 64, got {page_size}")
         if num_pages <= 0:
             raise ArenaError(f"num_pages must be positive, got {num_pages}")
 
     @staticmethod
-    def _format(fd: int, page_size: int, num_pages: int) -> None:
-        index_off = HEADER_BYTES + _align(8 * num_pages)
-        pages_off = index_off + _align(index_bytes(num_pages))
-        header = _HEADER.pack(MAGIC, LAYOUT_VERSION, page_size, num_pages, HEADER_BYTES, pages_off,
-                              secrets.token_bytes(16), index_off, index_bytes(num_pages) // ENTRY.itemsize)
-        os.pwrite(fd, header, 0)
-
-    @classmethod
-    def anonymous(cls, label: str, page_size: int, num_pages: int) -> Arena:
-        """A segment nobody can open by name: a memfd, its size sealed once set. The
-        arena keeps its descriptor (fileno()) to hand to the processes meant to map it."""
-        cls._check_geometry(page_size, num_pages)
-        size = cls.total_size(page_size, num_pages)
+    def memfd(label: str, size: int) -> int:
+        """A sealable memfd of `size` bytes, its memory allocated (ArenaError if it cannot be)."""
         try:
             fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as exc:
@@ -172,76 +261,105 @@ class Arena:
         try:
             os.ftruncate(fd, size)
             os.posix_fallocate(fd, 0, size)
-            cls._format(fd, page_size, num_pages)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         except OSError as exc:
             os.close(fd)
-            raise ArenaError(f"cannot size and seal the segment of {label!r} ({size} bytes): {exc}") from exc
-        return cls(label, fd, size, keep_fd=True)
+            raise ArenaError(f"cannot size the segment of {label!r} to {size} bytes: {exc}") from exc
+        return fd
 
     @classmethod
-    def from_fd(cls, fd: int, label: str) -> Arena:
-        """Map a segment handed over as a descriptor (which this call owns and closes).
-        Refused unless it is sealed against shrinking: a segment its other mappers could
-        shrink would fault this process on its next access."""
+    def anonymous(cls, label: str, page_size: int, num_pages: int) -> Arena:
+        """The daemon's two segments (see the module's docstring); the arena keeps their
+        descriptors (handout_fds()) to hand to the processes meant to map them."""
+        cls.check_geometry(page_size, num_pages)
+        layout = Layout.new(page_size, num_pages)
+        pages_fd = cls.memfd(label, page_size * num_pages)
         try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-            size = os.fstat(fd).st_size
+            private_fd = cls.memfd(label + PRIVATE_SUFFIX, layout.private_size)
+        except ArenaError:
+            os.close(pages_fd)
+            raise
+        try:
+            os.pwrite(private_fd, layout.header(), 0)
+            fcntl.fcntl(pages_fd, fcntl.F_ADD_SEALS, SIZE_SEALS)
         except OSError as exc:
-            os.close(fd)
+            os.close(private_fd)
+            os.close(pages_fd)
+            raise ArenaError(f"cannot format and seal the segments of {label!r}: {exc}") from exc
+        arena = cls(label, private_fd, pages_fd, writable=True, keep_fds=True)
+        try:  # after the daemon's own writable mapping: the only one there will ever be
+            fcntl.fcntl(private_fd, fcntl.F_ADD_SEALS, PRIVATE_SEALS)
+        except OSError as exc:
+            arena.close()
+            raise ArenaError(f"cannot seal the private segment of {label!r} against writing by its clients "
+                             f"(F_SEAL_FUTURE_WRITE needs Linux >= 5.1): {exc}") from exc
+        return arena
+
+    @classmethod
+    def from_fds(cls, private_fd: int, pages_fd: int, label: str) -> Arena:
+        """Map segments handed over as descriptors (which this call owns and closes): the
+        private one read-only. Refused unless both are sealed against shrinking: a segment
+        its other mappers could shrink would fault this process on its next access."""
+        try:
+            seals = (_seals(private_fd), _seals(pages_fd))
+        except OSError as exc:
+            for fd in {private_fd, pages_fd}:
+                os.close(fd)
             raise ArenaError(f"segment {label!r} handed over is not a sealed memfd: {exc}") from exc
-        if not seals & fcntl.F_SEAL_SHRINK or size < HEADER_BYTES:
-            os.close(fd)
-            raise ArenaError(f"segment {label!r} handed over is not sealed against shrinking or too small "
-                             f"({size} bytes, seals {seals:#x})")
-        return cls(label, fd, size)
+        if not all(s & fcntl.F_SEAL_SHRINK for s in seals):
+            for fd in {private_fd, pages_fd}:
+                os.close(fd)
+            raise ArenaError(f"segment {label!r} handed over is not sealed against shrinking "
+                             f"(seals {seals[0]:#x} private, {seals[1]:#x} pages)")
+        return cls(label, private_fd, pages_fd, writable=False)
 
-    def fileno(self) -> int:
-        """The segment's descriptor, kept by an arena made with `anonymous`."""
-        if self._fd is None:
-            raise ArenaError(f"arena {self.name!r} keeps no descriptor")
-        return self._fd
+    def handout_fds(self) -> tuple[int, int]:
+        """The descriptors of the private and the page segment, kept by an arena made with
+        `anonymous`: what the daemon hands a client (the private one sealed read-only)."""
+        if self._fds is None:
+            raise ArenaError(f"arena {self.name!r} keeps no descriptors")
+        return self._fds
 
-    def _close_fd(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+    def _close_fds(self) -> None:
+        if self._fds is not None:
+            for fd in set(self._fds):
+                os.close(fd)
+            self._fds = None
 
     @classmethod
     def create(cls, name: str, page_size: int, num_pages: int) -> Arena:
-        cls._check_geometry(page_size, num_pages)
-        path = segment_path(name)
-        size = cls.total_size(page_size, num_pages)
+        cls.check_geometry(page_size, num_pages)
+        layout = Layout.new(page_size, num_pages)
+        paths = (segment_path(name + _NAMED_PRIVATE), segment_path(name))
+        fds: list[int] = []
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError as exc:
-            raise ArenaExists(f"shared-memory segment {name!r} already exists") from exc
+            for path, size in zip(paths, (layout.private_size, layout.pages_end)):
+                fds.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+                os.ftruncate(fds[-1], size)
+                os.posix_fallocate(fds[-1], 0, size)
+            os.pwrite(fds[0], layout.header(), 0)
         except OSError as exc:
+            for fd in fds:
+                os.close(fd)
+            for path in paths[: len(fds)]:
+                path.unlink(missing_ok=True)
+            if isinstance(exc, FileExistsError):
+                raise ArenaExists(f"shared-memory segment {name!r} already exists") from exc
             raise ArenaError(f"cannot create shared-memory segment {name!r}: {exc}") from exc
-        try:
-            os.ftruncate(fd, size)
-            os.posix_fallocate(fd, 0, size)
-        except OSError as exc:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            raise ArenaError(f"cannot size segment {name!r} to {size} bytes: {exc}") from exc
-        cls._format(fd, page_size, num_pages)
-        return cls(name, fd, size)
+        return cls(name, fds[0], fds[1], writable=True)
 
     @classmethod
     def attach(cls, name: str) -> Arena:
-        path = segment_path(name)
+        fds: list[int] = []
         try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError as exc:
-            raise ArenaError(f"shared-memory segment {name!r} does not exist") from exc
+            fds.append(os.open(segment_path(name + _NAMED_PRIVATE), os.O_RDONLY))
+            fds.append(os.open(segment_path(name), os.O_RDWR))
         except OSError as exc:
+            for fd in fds:
+                os.close(fd)
+            if isinstance(exc, FileNotFoundError):
+                raise ArenaError(f"shared-memory segment {name!r} does not exist") from exc
             raise ArenaError(f"cannot open shared-memory segment {name!r}: {exc}") from exc
-        size = os.fstat(fd).st_size
-        if size < HEADER_BYTES:
-            os.close(fd)
-            raise ArenaError(f"segment {name!r} is too small ({size} bytes) to be an arena")
-        return cls(name, fd, size)
+        return cls(name, fds[0], fds[1], writable=False)
 
     @staticmethod
     def exists(name: str) -> bool:
@@ -249,26 +367,31 @@ class Arena:
 
     @staticmethod
     def unlink(name: str) -> bool:
-        """Remove the segment; True if there was one."""
-        try:
-            segment_path(name).unlink()
-        except FileNotFoundError:
-            return False
-        return True
+        """Remove the named segments; True if there was one."""
+        found = False
+        for path in (segment_path(name), segment_path(name + _NAMED_PRIVATE)):
+            try:
+                path.unlink()
+                found = True
+            except FileNotFoundError:
+                pass
+        return found
 
     def close(self) -> None:
-        """Unmap (and close a kept descriptor). Views handed out by `page()` must be dropped first."""
-        self._close_fd()
-        if self._mmap.closed:
+        """Unmap (and close kept descriptors). Views handed out by `page()` must be dropped first."""
+        self._close_fds()
+        if self._mmap.closed and self._pmap.closed:
             return
-        self._bytes = None  # type: ignore[assignment]
-        self._gens = None  # type: ignore[assignment]
-        self.index_entries = None  # type: ignore[assignment]
-        self._beat = None  # type: ignore[assignment]
-        try:
-            self._mmap.close()
-        except BufferError as exc:
-            raise ArenaError(f"arena {self.name!r} still has views in use: {exc}") from exc
+        self._bytes = self._private = None  # type: ignore[assignment]
+        self.generations = self.index_entries = self._beat = None  # type: ignore[assignment]
+        held = []
+        for m in (self._mmap, self._pmap):
+            try:
+                m.close()
+            except BufferError as exc:
+                held.append(str(exc))
+        if held:
+            raise ArenaError(f"arena {self.name!r} still has views in use: {'; '.join(held)}")
 
     @property
     def closed(self) -> bool:
@@ -298,9 +421,10 @@ class Arena:
         """All pages as one view (what a GPU host-registers)."""
         return self._bytes[self._pages_off : self._pages_off + self.page_size * self.num_pages]
 
+    # -- the private state -------------------------------------------------------------
     def generation(self, page_id: int) -> int:
         self._check(page_id)
-        return int(self._gens[page_id])
+        return int(self.generations[page_id])
 
     def beat(self, now_ns: int | None = None) -> None:
         """The daemon: the heartbeat is now (CLOCK_MONOTONIC, the same clock in every process
@@ -315,8 +439,8 @@ class Arena:
 
     def bump_generation(self, page_id: int) -> int:
         self._check(page_id)
-        self._gens[page_id] += np.uint64(1)
-        return int(self._gens[page_id])
+        self.generations[page_id] += np.uint64(1)
+        return int(self.generations[page_id])
 
 
 class ArenaExists(ArenaError):

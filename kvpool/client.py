@@ -4,8 +4,9 @@
                      injectors and audit wrap a PoolBackend and are PoolBackends themselves.
   PoolClient         the real one: a blocking socket client (Unix or TCP) with typed errors.
                      On the daemon's host it maps the arena and copies page bytes directly
-                     (zero-copy: no page byte crosses the socket); elsewhere page bytes
-                     travel in WritePages / ReadPages frames.
+                     (zero-copy: no page byte crosses the socket; the daemon's private
+                     state, which probe() reads, is mapped read-only); elsewhere page
+                     bytes travel in WritePages / ReadPages frames.
   lookup(ns, hashes, wait_pending_s=w)
                      w > 0: the daemon waits up to w seconds (capped by its
                      max_lookup_wait_s) for a publish in flight of the first missing
@@ -203,23 +204,25 @@ class PoolClient:
             arena.close()  # a segment that is not this daemon's
 
     def _fetch_arena(self, hello: P.HelloOk) -> Arena | None:
-        """Trade the hello's ticket for the tenant's segment at the daemon's attach socket."""
+        """Trade the hello's ticket for the tenant's segments at the daemon's attach socket:
+        the daemon's private state (mapped read-only: kvpool.arena) and the pages."""
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
                 sock.settimeout(self.timeout_s)
                 sock.connect(hello.arena)
                 sock.sendall(hello.ticket)
-                answer, fds, _, _ = socket.recv_fds(sock, 1, 1)
+                answer, fds, _, _ = socket.recv_fds(sock, 1, 2)
         except (OSError, ValueError) as exc:  # no attach socket here (another host, a proxy in between)
             self.attach_error = f"attach socket {hello.arena!r}: {exc}"
             return None
-        if answer != b"\x00" or len(fds) != 1:
+        if answer != b"\x00" or len(fds) != 2:
             for fd in fds:
                 os.close(fd)
-            self.attach_error = f"attach socket {hello.arena!r} refused the ticket (answer {answer!r})"
+            self.attach_error = (f"attach socket {hello.arena!r} refused the ticket (answer {answer!r}, "
+                                 f"{len(fds)} descriptors)")
             return None
         try:
-            return Arena.from_fd(fds[0], f"{self.address}:{self.tenant}")
+            return Arena.from_fds(fds[0], fds[1], f"{self.address}:{self.tenant}")
         except ArenaError as exc:
             self.attach_error = str(exc)
             return None

@@ -48,11 +48,14 @@ Contracts:
     there share the rest of `num_pages` evenly) and its own catalog, so its pages, page
     ids, eviction, ghosts, lease and reservation ids, lookup waits and stats are its own
     and another tenant's load cannot evict them. No segment has a name in /dev/shm: a
-    client on the daemon's host gets its tenant's segment as a file descriptor over the
-    attach socket (run_dir/attach.sock), in exchange for the single-use ticket of its
-    hello (valid for `hello_timeout_s`; at most `max_unauthenticated` attach connections
-    at once, the oldest closed past it). A client elsewhere (or refused the descriptor)
-    moves page bytes in frames.
+    client on the daemon's host gets its tenant's two segments (kvpool.arena: the pages,
+    and the daemon's private state sealed read-only) as file descriptors over the attach
+    socket (run_dir/attach.sock), in exchange for the single-use ticket of its hello
+    (valid for `hello_timeout_s`; at most `max_unauthenticated` attach connections at
+    once, the oldest closed past it). A client elsewhere (or refused the descriptors)
+    moves page bytes in frames. The index a probe reads, the generations and the
+    heartbeat are written by the daemon only: its clients can map them read-only and in
+    no other way (`arena_factory` makes the segments: kvpool.arena.Arena.anonymous).
   * Start-up finds what a crashed daemon left (pid file, sockets), removes it and says so
     (its segments went with its last mapping); graceful shutdown removes the sockets and
     the pid file.
@@ -76,7 +79,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -130,7 +133,7 @@ class PoolConfig:
     reservation_ttl_s: float = 30.0
     lease_ttl_s: float = 60.0
     reap_interval_s: float = 0.5
-    # The heartbeat in each tenant's segment (kvpool.arena): same-host clients trust a probe of
+    # The heartbeat in each tenant's private segment (kvpool.arena): same-host clients trust a probe of
     # the segment's index only while it is fresh, so a stopped daemon is noticed within a
     # few beats without a round trip. 0: no heartbeat (clients then always ask the daemon).
     heartbeat_s: float = 0.02
@@ -221,13 +224,18 @@ class InsecureRunDir(PoolError):
     """The run dir is another user's: the daemon will not put its sockets there."""
 
 
+ArenaFactory = Callable[[str, int, int], Arena]  # (label, page_size, num_pages) -> a tenant's segments
+
+
 class PoolDaemon:
-    def __init__(self, config: PoolConfig, catalog_factory: type[Catalog] = Catalog):
+    def __init__(self, config: PoolConfig, catalog_factory: type[Catalog] = Catalog,
+                 arena_factory: ArenaFactory = Arena.anonymous):
         if not config.tenants:
             raise InvalidRequest("a pool needs at least one tenant token (PoolConfig.tenants)")
         self.config = config
         self._quota = config.tenant_pages()
         self._catalog_factory = catalog_factory
+        self._arena_factory = arena_factory
         self.run_dir = config.resolved_run_dir()
         self.metrics = PoolMetrics()
         self.restarted_after_crash = False
@@ -281,12 +289,12 @@ class PoolDaemon:
         pid_file.write_text(str(os.getpid()))
         cfg = self.config
         for tenant, pages in self._quota.items():
-            arena = Arena.anonymous(segment_label(cfg.name, tenant), cfg.page_size, pages)
+            arena = self._arena_factory(segment_label(cfg.name, tenant), cfg.page_size, pages)
             catalog = self._catalog_factory(
                 CatalogConfig(num_pages=pages, page_size=cfg.page_size, admission=cfg.admission,
                               limits=cfg.limits, reservation_ttl_s=cfg.reservation_ttl_s,
                               lease_ttl_s=cfg.lease_ttl_s),
-                generations=arena._gens, shm_index=ShmIndex(arena.index_entries),
+                generations=arena.generations, shm_index=ShmIndex(arena.index_entries),
             )
             self.pools[tenant] = _TenantPool(tenant, arena, catalog)
 
@@ -535,7 +543,8 @@ class PoolDaemon:
 
     async def _attach_one(self, conn: socket.socket) -> None:
         """Read a ticket (16 bytes, within the hello timeout); answer b"\x00" with the
-        ticket's tenant's segment attached (SCM_RIGHTS), or b"\x01" and nothing."""
+        ticket's tenant's two segments attached (SCM_RIGHTS: the private one, sealed
+        read-only, then the pages), or b"\x01" and nothing."""
         loop = self._loop
         result = "ok"
         try:
@@ -551,7 +560,7 @@ class PoolDaemon:
                 result = ErrorCode.UNAUTHENTICATED.value
                 await loop.sock_sendall(conn, b"\x01")
                 return
-            socket.send_fds(conn, [b"\x00"], [self.pools[entry[0]].arena.fileno()])
+            socket.send_fds(conn, [b"\x00"], list(self.pools[entry[0]].arena.handout_fds()))
         except TimeoutError:
             result = "timeout"
         except OSError:  # the peer went away or did not read: it gets nothing, nobody else is touched

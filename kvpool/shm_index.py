@@ -1,7 +1,9 @@
-"""The index of a tenant's committed blocks, in its own segment, that clients on the same
-host probe without a round trip to the daemon.
+"""The index of a tenant's committed blocks, in the tenant's private segment
+(kvpool.arena: the daemon's mapping is the only writable one, clients map it read-only),
+that clients on the same host probe without a round trip to the daemon.
 
-  ShmIndex(entries)              over the segment's index region (Arena.index_entries).
+  ShmIndex(entries)              over the segment's index region (Arena.index_entries;
+                                 read-only entries serve probe() only).
   .insert(key, fp, page)         the daemon, when a page is committed (False: both its
                                  buckets are full; the block is then found by asking the
                                  daemon only).

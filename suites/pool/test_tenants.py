@@ -45,12 +45,13 @@ def hashes(start: int, n: int) -> list[bytes]:
 
 
 def trade(path: str, ticket: bytes) -> tuple[bytes, list[int]]:
-    """What the attach socket answers to `ticket`: (answer byte, descriptors)."""
+    """What the attach socket answers to `ticket`: (answer byte, descriptors: the private
+    segment's, the pages')."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(5)
         s.connect(path)
         s.sendall(ticket)
-        answer, fds, _, _ = socket.recv_fds(s, 1, 1)
+        answer, fds, _, _ = socket.recv_fds(s, 1, 4)
     return answer, fds
 
 
@@ -70,7 +71,7 @@ def test_each_tenant_maps_its_own_segment_and_no_byte_of_another(two_tenants):
         assert a.arena.num_pages == b.arena.num_pages == 8  # 16 pages shared evenly: each its own half
         assert publish(a, ns("a"), hashes(0, 3), secret).committed == 3
         # Nowhere in what b has mapped is there a byte string of a's pages.
-        mine = bytes(b.arena._bytes)
+        mine = bytes(b.arena._bytes) + bytes(b.arena._private)  # the pages and the private state
         assert all(blk[:256].tobytes() not in mine for blk in secret)
         # b may scribble over all of its segment: a's pages are elsewhere and load byte-exact.
         b.arena.pages_region[:] = 0xA5
@@ -88,9 +89,9 @@ def test_a_ticket_buys_one_descriptor_of_its_own_tenant_only(two_tenants):
         path, ticket = a.hello.arena, a.hello.ticket
         assert trade(path, os.urandom(16)) == (b"\x01", [])  # a forged ticket: nothing
         answer, fds = trade(path, ticket)
-        assert answer == b"\x00" and len(fds) == 1
+        assert answer == b"\x00" and len(fds) == 2
         assert trade(path, ticket) == (b"\x01", [])  # used once: never again
-        arena = Arena.from_fd(fds[0], "a, by hand")
+        arena = Arena.from_fds(fds[0], fds[1], "a, by hand")
         try:
             assert arena.instance == a.hello.arena_instance != b.arena.instance
         finally:
@@ -109,19 +110,27 @@ def test_a_ticket_expires_with_the_hello_timeout():
 
 def test_a_handed_segment_is_sealed_against_resizing(two_tenants):
     with client(two_tenants, "a", zero_copy=False) as a:
-        _, (fd,) = trade(a.hello.arena, a.hello.ticket)
+        _, fds = trade(a.hello.arena, a.hello.ticket)
         try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-            assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW and seals & fcntl.F_SEAL_SEAL
-            with pytest.raises(PermissionError):
-                os.ftruncate(fd, 4096)  # would fault the daemon's next access to the pages past it
+            for fd in fds:  # the private segment and the pages
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+                assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW and seals & fcntl.F_SEAL_SEAL
+                with pytest.raises(PermissionError):
+                    os.ftruncate(fd, 4096)  # would fault the daemon's next access to the pages past it
         finally:
-            os.close(fd)
-    # And a client refuses a segment that is not sealed (its other mappers could shrink it).
+            for fd in fds:
+                os.close(fd)
+    # And a client refuses segments that are not sealed (their other mappers could shrink them).
+    with client(two_tenants, "b", zero_copy=False) as b:
+        _, (private, pages) = trade(b.hello.arena, b.hello.ticket)
     fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
     os.ftruncate(fd, Arena.total_size(PAGE, 2))
     with pytest.raises(ArenaError, match="not sealed"):
-        Arena.from_fd(fd, "unsealed")
+        Arena.from_fds(private, fd, "unsealed pages")
+    fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    os.ftruncate(fd, Arena.private_size(2))
+    with pytest.raises(ArenaError, match="not sealed"):
+        Arena.from_fds(fd, pages, "unsealed private segment")
 
 
 def test_a_tenant_cannot_evict_another_or_see_its_activity(two_tenants):

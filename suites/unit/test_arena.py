@@ -73,8 +73,9 @@ def test_close_refuses_while_a_view_is_held(arena):
 
 def test_attach_rejects_a_foreign_segment(tmp_path):
     name = unique_name("kvgf")
-    with open(f"/dev/shm/{name}", "wb") as f:
-        f.write(b"x" * 8192)
+    for path in (f"/dev/shm/{name}", f"/dev/shm/{name}.private"):  # the pages, and where the header is
+        with open(path, "wb") as f:
+            f.write(b"x" * 8192)
     try:
         with pytest.raises(ArenaError, match="not a kvgate arena"):
             Arena.attach(name)

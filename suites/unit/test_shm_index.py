@@ -61,14 +61,18 @@ def test_the_index_region_fits_four_times_the_pages():
 
 
 def test_an_arena_carries_its_index():
+    """The daemon's arena writes its index; a client's mapping of it (read-only) probes it."""
+    import os
+
     from kvpool.arena import Arena
 
     arena = Arena.anonymous("kvgate:test-index", 4096, 100)
     try:
         assert arena.index_entries.size == buckets_for(100) * SLOTS and not arena.index_entries["page1"].any()
         ShmIndex(arena.index_entries).insert(b"k" * 16, 5, 42)
-        other = Arena.from_fd(__import__("os").dup(arena.fileno()), "kvgate:test-index")
+        other = Arena.from_fds(*(os.dup(fd) for fd in arena.handout_fds()), "kvgate:test-index")
         try:
+            assert not other.index_entries.flags.writeable
             assert ShmIndex(other.index_entries).probe(5, [b"k" * 16]) == 1
         finally:
             other.close()
