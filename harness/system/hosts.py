@@ -159,7 +159,8 @@ class MultiHost:
             self.cluster.start(specs, timeout=timeout)
             self._record("hosts_start", hosts={h: {"ip": self.net.ip(h), "replicas": n, "pool": self.pools[h].name}
                                               for h, n in self.layout.items()},
-                         store={"ip": self.net.ip(STORE), "kind": self.store_kind, "url": redact_url(self.tier_url(STORE))})
+                         store={"ip": self.net.ip(STORE), "kind": self.store_kind,
+                                "url": redact_url(self.tier_url(STORE))})
         except BaseException:
             self.stop()
             raise

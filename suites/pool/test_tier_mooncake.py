@@ -71,7 +71,8 @@ def test_pages_cross_the_store_byte_exact_between_two_processes(master, test_see
         for h, p in zip(hashes[:3], data[:3]):
             assert t.put(NS, h, p, page_digest(p))
         assert t.exists(NS, hashes) == 3 and t.get(NS, hashes[3]) is None
-        out = subprocess.run([sys.executable, "-c", READER, master.url, repr(NS.as_dict()), SECRET, *(h.hex() for h in hashes)],
+        out = subprocess.run([sys.executable, "-c", READER, master.url, repr(NS.as_dict()), SECRET,
+                              *(h.hex() for h in hashes)],
                              capture_output=True, text=True, timeout=60, env={**os.environ, **mooncake_env()})
         assert out.returncode == 0, out.stderr[-2000:]
         lines = [ln for ln in out.stdout.splitlines() if ln]
