@@ -58,9 +58,12 @@ replay and rewrite records, and list keys; they never see the tenant's tier secr
                         secret is corrupt), then that the header names its own namespace
                         and block (a genuine record moved under another block's key, or
                         replayed from another namespace, is corrupt), then the length and
-                        the digest: no byte is handed out before all of it holds. HMAC over
-                        1 MiB is a fraction of one Redis GET of it (hashlib's OpenSSL
-                        SHA-256 runs at memory speed where the CPU has SHA instructions).
+                        the digest: no byte is handed out before all of it holds. The cost,
+                        measured on a 1 MiB page (a two-core EPYC): HMAC-SHA256 0.6 ms (keyed
+                        BLAKE2b 1.5 ms; OpenSSL's SHA-256 uses the CPU's SHA instructions),
+                        the whole decode 0.7 ms, a Redis GET of the record over loopback
+                        4-8 ms. A record of version 1 (before records were authenticated) is
+                        corrupt to this reader: the tier's pages are recomputed once.
   split_record(blob) -> (tag, header, page)
                         a record's parts, unauthenticated: for tools that inspect a store;
                         nothing it returns may be installed.
