@@ -24,6 +24,11 @@ HostCopier of a replica whose `faults_file` is set. Armed through that fault-con
                    served (what kvpool.connector's save must never do). Its stores are
                    copied synchronously at save time, so the bytes published are the
                    step's, whatever the recompute does next.
+  unauthenticated_tier
+                   a negative control (faults.tier_controls.UnauthenticatedTier): the
+                   worker's loads from the network tier read records as they were read
+                   before records were authenticated and bound to their key: a record a
+                   store client moved or forged is installed as good.
 (hide_failures, the control that keeps failed blocks from the engine, acts at the
 connector API: faults.connector.)
 Every delayed job and every job under the control is written to the history (`fault`
@@ -41,11 +46,12 @@ from typing import Any
 
 from faults.control import ControlFile, ControlFileError
 from faults.controls import EarlyCompletionCopier
+from faults.tier_controls import UNAUTHENTICATED_TIER, UnauthenticatedTier
 from kvpool.copier import CopyRun, HostCopier
 from kvpool.history import HistoryWriter
 from kvpool.keys import Namespace
 
-CONTROLS = ("early_completion", "publish_after_failed_load")
+CONTROLS = ("early_completion", "publish_after_failed_load", UNAUTHENTICATED_TIER)
 
 
 class FaultyCopier:
@@ -122,6 +128,15 @@ class FaultyCopier:
     def load(self, ns: Namespace, run: CopyRun, deadline_s: float) -> Future:
         job, spec = self._wrap("load", run, self.inner.load_job(ns, run, deadline_s))
         return self._engine(spec).submit(job, "load")
+
+    def tier_load(self, tier: Any, ns: Namespace, run: CopyRun, deadline_s: float) -> Future:
+        spec = self._spec()
+        if spec and spec.get("control") == UNAUTHENTICATED_TIER:
+            self.history.write("fault", site="copier", kind="copier_control", job="tier_load", req=run.req_id,
+                               tag=run.tag, first_block=run.first_block, blocks=len(run.block_ids),
+                               control=UNAUTHENTICATED_TIER)
+            tier = UnauthenticatedTier(tier)
+        return self.inner.tier_load(tier, ns, run, deadline_s)
 
     def wait(self, futures: Sequence[Future], timeout_s: float) -> None:
         self.inner.wait(futures, timeout_s)

@@ -68,7 +68,7 @@ from kvpool.history import HistoryWriter
 from kvpool.keys import HASH_BYTES, ROOT_HASH, Namespace, block_hashes
 from kvpool.metrics import ClientMetrics
 from kvpool.catalog import LookupResult
-from kvpool.tier import TierError, open_tier
+from kvpool.tier import TierAuth, TierError, open_tier
 from kvpool.stats import KVPoolPromMetrics, KVPoolStats, StatsCollector
 from kvpool.tier_rule import TierLoadStat, TierRule
 
@@ -124,6 +124,12 @@ class ConnectorSettings:
     # ("redis://HOST:PORT/DB"); empty: none. Lookups past the pool's run of hits ask the
     # tier which blocks it holds; loads read them from it; publishes also put to it.
     tier: str = ""
+    # The tenant's tier secret (16 bytes or more; the same for its replicas on every host;
+    # never given to the store): its records are authenticated, and its store keys made
+    # opaque, with keys derived from it (kvpool.tier.TierAuth). tier_secret_file: JSON
+    # {tenant: secret}, used when tier_secret is empty. A tier needs one.
+    tier_secret: str = ""
+    tier_secret_file: str = ""
     tier_timeout_s: float = 1.0
     tier_publish: bool = True
     # A tier load stops at its deadline (the rest of its run is recomputed); the scheduler
@@ -164,6 +170,15 @@ class ConnectorSettings:
         if self.token_file:
             return json.loads(Path(self.token_file).read_text())[self.tenant]
         raise ValueError(f"no token for tenant {self.tenant!r}: set 'token' or 'token_file'")
+
+    def tier_auth(self) -> TierAuth:
+        """The tenant's tier keys (kvpool.tier.TierAuth), from tier_secret or tier_secret_file."""
+        secret = self.tier_secret or (json.loads(Path(self.tier_secret_file).read_text()).get(self.tenant, "")
+                                      if self.tier_secret_file else "")
+        if not secret:
+            raise ValueError(f"a network tier needs tenant {self.tenant!r}'s tier secret ('tier_secret' or "
+                             "'tier_secret_file'): its records are authenticated with it")
+        return TierAuth.from_secret(self.tenant, secret)
 
 
 # -- namespace ------------------------------------------------------------------------------
@@ -439,7 +454,7 @@ class KVPoolScheduler:
         self.load_async = settings.loads_async(vllm_config)
         self.history.write("namespace", ns=self.ns.as_dict(), load_mode="async" if self.load_async else "sync")
         self.backend = backend_factory(settings, "scheduler", self.history, None)
-        self.tier = open_tier(settings.tier, settings.tier_timeout_s) if settings.tier else None
+        self.tier = open_tier(settings.tier, settings.tier_auth(), settings.tier_timeout_s) if settings.tier else None
         self.tier_rule = TierRule(settings.tier_deadline_s, settings.tier_backoff_s, settings.tier_backoff_max_s) \
             if settings.tier else None
         self._reqs: dict[str, _Request] = {}
@@ -730,7 +745,7 @@ class KVPoolWorker:
                                                          self.device)
         if settings.tier and self.device == "cuda":
             raise ValueError("the network tier (setting 'tier') is served on the CPU copier only, so far")
-        self.tier = open_tier(settings.tier, settings.tier_timeout_s) if settings.tier else None
+        self.tier = open_tier(settings.tier, settings.tier_auth(), settings.tier_timeout_s) if settings.tier else None
         self.stats = StatsCollector()  # this interval's loads and publishes (vLLM's connector stats)
         self._loading: list = []
         self._receiving: dict[str, list] = {}  # req id -> its asynchronous loads' futures

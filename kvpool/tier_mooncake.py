@@ -2,8 +2,8 @@
 (`mooncake.store.MooncakeDistributedStore`, package mooncake-transfer-engine-non-cuda or
 mooncake-transfer-engine), over TCP or RDMA.
 
-  MooncakeTier(master, metadata, local_hostname="127.0.0.1", segment_bytes=..., buffer_bytes=...,
-               protocol="tcp", devices="", timeout_s=1.0)
+  MooncakeTier(master, metadata, auth, local_hostname="127.0.0.1", segment_bytes=...,
+               buffer_bytes=..., protocol="tcp", devices="", timeout_s=1.0)
         master: "HOST:PORT" of `mooncake_master`; metadata: its HTTP metadata server
         ("http://HOST:PORT/metadata"). The client mounts `segment_bytes` of this process's
         memory into the store (0: none, a pure client of storage nodes such as
@@ -11,12 +11,18 @@ mooncake-transfer-engine), over TCP or RDMA.
         `buffer_bytes` (it must hold a whole page). Mooncake's calls take no timeout: each
         runs on a helper thread and is waited for `timeout_s` at most; past it the call is
         TierUnavailable (the helper finishes or fails on its own, into its own buffer).
+        Mooncake has no access control: any client of the master reads, writes and removes
+        any key. The tenant's keys (auth.key: its prefix, then an opaque keyed hash) hide
+        which blocks it holds, and the records' MAC (kvpool.tier.decode_record) is what
+        keeps a written, moved or replayed record from being installed.
   .put  `upsert` of the whole record (a plain `put` on an existing key keeps the old bytes);
         the store answers complete-or-invisible; "no space" is False
   .get  `get_size` first: a missing key (-704) is None; then `get`. An empty `get` of a
         key the master still indexes is a storage node that cannot serve it (dead or cut
-        off): TierUnavailable; a key gone between the two calls is None. Reads hold a lease on the master's side (default 10 s), so
-        a page being read is not evicted or removed under the reader.
+        off): TierUnavailable; a key gone between the two calls is None. Then
+        kvpool.tier.decode_record. Reads hold a lease on the master's side (default 10 s),
+        so a page being read is not evicted or removed under the reader.
+  .get_record  the same reads, the raw record unchecked
   .exists  one `batch_is_exist`, counted from the first
   .remove  `remove(force=True)` (a lease held by a reader would otherwise refuse it)
 Every call first asks the client's `health_check()`, which answers at once when the master
@@ -33,7 +39,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from kvpool.digest import DigestKind
 from kvpool.keys import Namespace
-from kvpool.tier import TierCaps, TierError, TierPage, TierUnavailable, decode_record, encode_record, tier_key
+from kvpool.tier import TierAuth, TierCaps, TierError, TierPage, TierUnavailable, decode_record, encode_record
 
 CAPS = TierCaps("mooncake", read_leases=True, atomic_put=True, evicts=True)
 
@@ -49,12 +55,13 @@ _HEALTHY = 0
 class MooncakeTier:
     caps = CAPS
 
-    def __init__(self, master: str, metadata: str, local_hostname: str = "127.0.0.1",
+    def __init__(self, master: str, metadata: str, auth: TierAuth, local_hostname: str = "127.0.0.1",
                  segment_bytes: int = 64 * 2**20, buffer_bytes: int = 64 * 2**20, protocol: str = "tcp",
                  devices: str = "", timeout_s: float = 1.0):
         from mooncake.store import MooncakeDistributedStore
 
         self.master = master
+        self.auth = auth
         self.timeout_s = timeout_s
         # A call past its timeout keeps its thread until Mooncake gives up: a few threads, so
         # one hung call does not hold the next back (each is still bounded by timeout_s).
@@ -87,13 +94,17 @@ class MooncakeTier:
     def put(self, ns: Namespace, block_hash: bytes, page: bytes | memoryview, digest: bytes,
             kind: DigestKind = DigestKind.XXH3) -> bool:
         self._alive("put")
-        record = encode_record(ns, page, digest, kind)
-        rc = self._check("upsert", self._call("upsert", self._s.upsert, tier_key(ns, block_hash), record))
+        record = encode_record(self.auth, ns, block_hash, page, digest, kind)
+        rc = self._check("upsert", self._call("upsert", self._s.upsert, self.auth.key(ns, block_hash), record))
         return rc == 0
 
     def get(self, ns: Namespace, block_hash: bytes) -> TierPage | None:
+        blob = self.get_record(ns, block_hash)
+        return None if blob is None else decode_record(self.auth, ns, block_hash, blob)
+
+    def get_record(self, ns: Namespace, block_hash: bytes) -> bytes | None:
         self._alive("get")
-        key = tier_key(ns, block_hash)
+        key = self.auth.key(ns, block_hash)
         if self._check("get_size", self._call("get_size", self._s.get_size, key)) == OBJECT_NOT_FOUND:
             return None
         blob = self._call("get", self._s.get, key)
@@ -103,12 +114,12 @@ class MooncakeTier:
                 raise TierUnavailable(f"mooncake get at {self.master}: the master indexes the key, and the "
                                       "storage node holding it does not serve it")
             return None
-        return decode_record(ns, blob)
+        return bytes(blob)
 
     def exists(self, ns: Namespace, hashes: list[bytes]) -> int:
         self._alive("exists")
         n = 0
-        for rc in self._call("batch_is_exist", self._s.batch_is_exist, [tier_key(ns, h) for h in hashes]):
+        for rc in self._call("batch_is_exist", self._s.batch_is_exist, [self.auth.key(ns, h) for h in hashes]):
             if self._check("batch_is_exist", rc) != 1:
                 break
             n += 1
@@ -116,7 +127,7 @@ class MooncakeTier:
 
     def remove(self, ns: Namespace, block_hash: bytes) -> None:
         self._alive("remove")
-        self._check("remove", self._call("remove", self._s.remove, tier_key(ns, block_hash), True))
+        self._check("remove", self._call("remove", self._s.remove, self.auth.key(ns, block_hash), True))
 
     def close(self) -> None:
         self._s.close()

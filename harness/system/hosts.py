@@ -3,7 +3,10 @@ its own kvpool daemon and vLLM replicas, one more host running the network tier'
 everything started and torn down by the harness.
 
   MultiHost(model_dir, report_dir, replicas={"h1": ["G"], "h2": ["H"]}, settings=..., store="redis")
-      store "redis": redis-server on the store host; "mooncake": mooncake_master and one
+      store "redis": redis-server on the store host, its access control on: the replicas'
+      tenant has an ACL user restricted to its own keys, and the replicas' tier URL carries
+      its credentials (the default user's admin password is the harness's, .store_client());
+      "mooncake": mooncake_master and one
       storage node (mooncake_client, which holds every page: the replicas' clients mount
       no memory of their own) on the store host, the replicas' clients bound to their
       hosts' addresses
@@ -12,6 +15,10 @@ everything started and torn down by the harness.
                           pool, every one on the same tier)
       .url(replica) / .host_of(replica) / .history_dir / .cluster (the replicas' Cluster)
       .tier_url(host)     the store's URL as a replica on that host uses it
+      .tier_secret        the replicas' tenant's tier secret (kvpool.tier.TierAuth; every
+                          host's replicas are given it, in a 0600 file; the store never is)
+      .store_client()     a Redis client of the store with every right and no tier secret (the
+                          store's operator: what a hostile client of the store can do)
   The nemesis, each recorded in the run's history (`nemesis` events):
       .kill_store()       SIGKILL the store's storage node (redis-server; Mooncake's storage
                           node, whose pages the master still indexes)
@@ -30,7 +37,9 @@ everything started and torn down by the harness.
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -39,8 +48,9 @@ from typing import Any
 from harness.client.http import reset_prefix_cache
 from harness.system.cluster import DEFAULT_CHUNK, Cluster, OrphanError, ReplicaSpec
 from harness.system.netns import Network
-from harness.system.pool import PoolProcess
+from harness.system.pool import DEFAULT_TENANT, PoolProcess
 from harness.system.stores import MooncakeMaster, MooncakeNode, RedisServer, mooncake_env
+from kvpool.tier import redact_url
 
 STORE = "store"
 STORES = ("redis", "mooncake")
@@ -82,6 +92,7 @@ class MultiHost:
         self.net = Network([*replicas, STORE], record=self._record)
         self.store: RedisServer | MooncakeNode | None = None  # the process that holds the pages
         self.pools: dict[str, PoolProcess] = {}
+        self.tier_secret = secrets.token_hex(16)  # a credential, not a test's random choice
 
     def _record(self, action: str, **fields: object) -> None:
         self.cluster.nemesis(action, **fields)
@@ -93,16 +104,29 @@ class MultiHost:
     def tier_url(self, host: str) -> str:
         """The tier URL as a replica on `host` uses it."""
         if self.master is None:
-            return self.store.url
+            return self.store.tenant_url(DEFAULT_TENANT)
         return self.master.url_for(segment_bytes=0, buffer_bytes=32 * 2**20, local_hostname=self.net.ip(host))
 
     def _start_store(self) -> None:
         where = {"host": self.net.ip(STORE), "prefix": self.net.prefix(STORE)}
         if self.store_kind == "redis":
-            self.store = RedisServer(self.report_dir / "store", maxmemory=self.store_maxmemory, **where).start()
+            self.store = RedisServer(self.report_dir / "store", maxmemory=self.store_maxmemory,
+                                     tenants=(DEFAULT_TENANT,), **where).start()
             return
         self.master = MooncakeMaster(self.report_dir / "store", lease_ms=1000, client_ttl_s=2, **where).start()
         self.store = MooncakeNode(self.report_dir / "store", self.master, segment_bytes=512 * 2**20, **where).start()
+
+    def store_client(self):  # noqa: ANN201 - redis.Redis
+        if self.store_kind != "redis":
+            raise ValueError(f"store_client is a Redis client; the store is {self.store_kind}")
+        return self.store.client()
+
+    def _secret_file(self) -> Path:
+        path = self.report_dir / "tier-secrets.json"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({DEFAULT_TENANT: self.tier_secret}, f)
+        return path
 
     def host_of(self, replica: str) -> str:
         return next(h for h, names in self.layout.items() if replica in names)
@@ -120,9 +144,11 @@ class MultiHost:
                                                      log_path=self.report_dir / f"pool-{host}.log",
                                                      prefix=tuple(self.net.prefix(host)))
             specs = []
+            secret_file = str(self._secret_file())
             for host, names in ((h, n) for h, ns in self.layout.items() for n in ns):
                 pool = self.pools[host]
-                extra = {"pool": pool.unix, "token": pool.token, "tier": self.tier_url(host), **self.settings}
+                extra = {"pool": pool.unix, "token": pool.token, "tier": self.tier_url(host),
+                         "tier_secret_file": secret_file, **self.settings}
                 env = IDLE_ENV + (tuple(mooncake_env(self.net.ip(host)).items()) if self.master else ())
                 core = str(list(self.layout).index(host) % (os.cpu_count() or 1))  # a host's replicas share its core
                 specs.append(ReplicaSpec(names, core=core, kv_bytes=self.kv_bytes, audit=True,
@@ -133,7 +159,8 @@ class MultiHost:
             self.cluster.start(specs, timeout=timeout)
             self._record("hosts_start", hosts={h: {"ip": self.net.ip(h), "replicas": n, "pool": self.pools[h].name}
                                               for h, n in self.layout.items()},
-                         store={"ip": self.net.ip(STORE), "kind": self.store_kind, "url": self.tier_url(STORE)})
+                         store={"ip": self.net.ip(STORE), "kind": self.store_kind,
+                                "url": redact_url(self.tier_url(STORE))})
         except BaseException:
             self.stop()
             raise

@@ -1,11 +1,20 @@
 """The distributed stores the network tier runs on, as real processes the harness starts,
 faults and stops (kvpool.tier's backends are clients of these).
 
-  RedisServer(run_dir, maxmemory=None, policy="allkeys-lru", port=None, host="127.0.0.1", prefix=())
+  RedisServer(run_dir, maxmemory=None, policy="allkeys-lru", port=None, host="127.0.0.1", prefix=(),
+              tenants=())
       .start()    `redis-server` on `host` (loopback by default; a network namespace's
                   address with that host's argv `prefix`), a free port unless given, no persistence,
                   its log in run_dir; waits until it answers PING
-      .url        "redis://127.0.0.1:PORT/0"
+      tenants     with tenants, the server's access control is on (an ACL file, mode 0600,
+                  in run_dir): the default user needs the admin password (`.url` carries
+                  it), and each tenant has an ACL user `kvpool-TENANT` (acl_user) with a
+                  random password, restricted to its own keys (kvpool.tier.tier_prefix:
+                  `~kvpool:TENANT:*`) and to the tier's commands (GET, SET, EXISTS, DEL,
+                  PING: no SCAN or KEYS, which ACL key patterns do not filter, no FLUSHALL).
+                  Without tenants, no access control (any client reaches every key).
+      .url        "redis://127.0.0.1:PORT/0" (with tenants: "redis://default:ADMIN@...")
+      .tenant_url(tenant)   the tenant's tier URL: "redis://kvpool-TENANT:PASSWORD@HOST:PORT/0"
       .kill()     SIGKILL, as a storage node that dies (the heal is .start(): an empty store,
                   as a restarted node without persistence is)
       .stop()     SIGTERM, then what is left of its process group
@@ -33,6 +42,7 @@ before its first store is set up: `mooncake_env()`).
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -41,6 +51,13 @@ from pathlib import Path
 
 from harness.system.cluster import free_port
 from harness.system.procs import spawn, stop_group, wait_ready
+from kvpool.tier import tier_prefix
+
+TENANT_COMMANDS = ("get", "set", "exists", "del", "ping")  # what kvpool.tier_redis runs, and no more
+
+
+def acl_user(tenant: str) -> str:
+    return f"kvpool-{tenant}"
 
 
 def redis_binary() -> str | None:
@@ -72,7 +89,8 @@ class _StoreProcess:
 
 class RedisServer(_StoreProcess):
     def __init__(self, run_dir: Path, maxmemory: int | None = None, policy: str = "allkeys-lru",
-                 port: int | None = None, host: str = "127.0.0.1", prefix: tuple[str, ...] | list[str] = ()):
+                 port: int | None = None, host: str = "127.0.0.1", prefix: tuple[str, ...] | list[str] = (),
+                 tenants: tuple[str, ...] | list[str] = ()):
         self.host = host  # where it listens (a network namespace's address, with its `prefix`)
         self.prefix = list(prefix)  # the argv prefix that runs it in a host (harness.system.netns)
         self.run_dir = Path(run_dir)
@@ -81,10 +99,29 @@ class RedisServer(_StoreProcess):
         self.port = port or free_port()
         self.proc: subprocess.Popen | None = None
         self.log = self.run_dir / f"redis-{self.port}.log"
+        # Credentials (not a test's random choice: unseeded, as the pool's tokens are)
+        self.admin_password = secrets.token_hex(16) if tenants else None
+        self.passwords = {t: secrets.token_hex(16) for t in tenants}  # tenant -> its ACL user's password
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        auth = f"default:{self.admin_password}@" if self.admin_password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
+
+    def tenant_url(self, tenant: str) -> str:
+        return f"redis://{acl_user(tenant)}:{self.passwords[tenant]}@{self.host}:{self.port}/0"
+
+    def _acl_file(self) -> Path:
+        lines = [f"user default on >{self.admin_password} ~* &* +@all"]
+        cmds = " ".join(f"+{c}" for c in TENANT_COMMANDS)
+        for tenant, password in self.passwords.items():
+            lines.append(f"user {acl_user(tenant)} on >{password} resetkeys ~{tier_prefix(tenant)}* resetchannels "
+                         f"-@all {cmds}")
+        path = self.run_dir / f"redis-{self.port}.acl"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        return path
 
     def client(self):  # noqa: ANN201 - redis.Redis
         import redis
@@ -98,6 +135,8 @@ class RedisServer(_StoreProcess):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         args = [*self.prefix, binary, "--bind", self.host, "--port", str(self.port), "--save", "", "--appendonly", "no",
                 "--dir", str(self.run_dir), "--protected-mode", "no"]
+        if self.admin_password:
+            args += ["--aclfile", str(self._acl_file())]
         if self.maxmemory is not None:
             args += ["--maxmemory", str(self.maxmemory), "--maxmemory-policy", self.policy]
         self.proc = spawn(args, self.log)

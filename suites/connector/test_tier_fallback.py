@@ -21,13 +21,15 @@ from harness.system.pool import thread_pool
 from harness.system.stores import RedisServer, redis_binary
 from kvpool.client import PoolClient, publish
 from kvpool.connector import ConnectorSettings, KVPoolScheduler, KVPoolWorker, _salt_root, request_inputs
-from kvpool.tier import open_tier, tier_key, tier_publish
+from kvpool.tier import TierAuth, open_tier, tier_key, tier_publish
 from suites.connector.engine_calls import ask_matched, finished
 
 B, LAYERS, HEADS, HEAD = 16, 2, 2, 64
 PAGE = LAYERS * HEADS * B * 2 * HEAD * 2
 N = 6  # prompt blocks: 2 in this host's pool, 3 more in the tier only
 
+SECRET = "the default tenant's tier secret"
+AUTH = TierAuth.from_secret("default", SECRET)
 pytestmark = pytest.mark.skipif(redis_binary() is None, reason="redis-server is not installed (make test installs it)")
 
 
@@ -59,7 +61,7 @@ def _step(rid: str, block_ids: list[int], computed: int, scheduled: int):  # noq
 def _run(tmp_path, pool, redis, seed: int, corrupt: int | None = None, control: bool = False):  # noqa: ANN001, ANN202
     """(what the consumer's KV blocks hold afterwards, the producer's pages, failed block ids, history)."""
     settings = ConnectorSettings(pool=f"unix:{pool.unix_path}", token="tok", replica="W", tier=redis.url,
-                                 history_dir=str(tmp_path / "h"))
+                                 tier_secret=SECRET, history_dir=str(tmp_path / "h"))
     sched = KVPoolScheduler(_config(tmp_path), settings)
     worker = KVPoolWorker(_config(tmp_path), settings)
     if control:
@@ -74,10 +76,10 @@ def _run(tmp_path, pool, redis, seed: int, corrupt: int | None = None, control: 
     producer = [rng.integers(0, 256, PAGE, dtype=np.uint8) for _ in range(N)]
     with PoolClient(f"unix:{pool.unix_path}", "default", "tok", name="this-host") as c:  # this host: 2 blocks
         assert publish(c, sched.ns, chain[:2], producer[:2]).committed == 2
-    tier = open_tier(redis.url)  # another host: blocks 0-4 in the tier
+    tier = open_tier(redis.url, AUTH)  # another host: blocks 0-4 in the tier
     assert tier_publish(tier, sched.ns, chain[:5], producer[:5]).put == 5
     if corrupt is not None:
-        raw, key = redis.client(), tier_key(sched.ns, chain[corrupt])
+        raw, key = redis.client(), tier_key(AUTH, sched.ns, chain[corrupt])
         at = len(raw.get(key)) - PAGE + int(rng.integers(PAGE))
         raw.setrange(key, at, bytes([raw.get(key)[at] ^ 0x01]))
 
@@ -125,7 +127,7 @@ def test_a_byte_changed_in_a_tier_record_is_a_corrupt_load_and_the_control_is_ca
 def test_a_dead_tier_is_no_hit_and_the_pools_run_still_loads(system, tmp_path, test_seed):
     pool, redis = system
     settings = ConnectorSettings(pool=f"unix:{pool.unix_path}", token="tok", replica="W", tier=redis.url,
-                                 tier_timeout_s=0.3, history_dir=str(tmp_path / "h"))
+                                 tier_secret=SECRET, tier_timeout_s=0.3, history_dir=str(tmp_path / "h"))
     sched = KVPoolScheduler(_config(tmp_path), settings)
     tokens = list(range(N * B + 1))
     request = SimpleNamespace(request_id="r", prompt_token_ids=tokens, num_computed_tokens=0, cache_salt=None,
@@ -158,7 +160,8 @@ def test_a_stalled_tier_node_costs_at_most_the_deadline_and_is_then_held_off(sys
     asks the tier nothing for the next request: it recomputes at once instead of waiting."""
     pool, redis = system
     settings = ConnectorSettings(pool=f"unix:{pool.unix_path}", token="tok", replica="W", tier=redis.url,
-                                 tier_deadline_s=0.3, tier_backoff_s=30.0, history_dir=str(tmp_path / "h"))
+                                 tier_secret=SECRET, tier_deadline_s=0.3, tier_backoff_s=30.0,
+                                 history_dir=str(tmp_path / "h"))
     sched, worker = KVPoolScheduler(_config(tmp_path), settings), KVPoolWorker(_config(tmp_path), settings)
     kv = [torch.zeros(32, HEADS, B, 2 * HEAD, dtype=torch.bfloat16) for _ in range(LAYERS)]
     worker.register_kv_caches({f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(kv)})
@@ -169,7 +172,7 @@ def test_a_stalled_tier_node_costs_at_most_the_deadline_and_is_then_held_off(sys
         r = SimpleNamespace(request_id=rid, prompt_token_ids=tokens, num_computed_tokens=0, cache_salt=None,
                             kv_transfer_params=None)
         chain = request_inputs(r, B)[0].hashes(tokens, B, _salt_root(r))
-        assert tier_publish(open_tier(redis.url), sched.ns, chain[:5],
+        assert tier_publish(open_tier(redis.url, AUTH), sched.ns, chain[:5],
                             [rng.integers(0, 256, PAGE, dtype=np.uint8) for _ in range(5)]).put == 5
         return r
 

@@ -7,6 +7,7 @@ log-probabilities of G's own prefix hit of the prompt (the same prefill partitio
 from __future__ import annotations
 
 import random
+import secrets
 
 import pytest
 
@@ -30,10 +31,10 @@ def two_hosts(live_report_dir):
 
     root = live_report_dir / "tier"
     model = build_tiny_model(root / "tiny", seed=0, revision="r1")
-    redis = RedisServer(root / "redis").start()
+    redis = RedisServer(root / "redis", tenants=("default",)).start()  # the tenant's ACL user, its keys only
     other = PoolProcess.start(page_size=128 * 1024, num_pages=256, log_path=root / "pool-host2.log")
     cluster = Cluster(model, root / "cluster", page_size=128 * 1024, pool_pages=256)
-    tier = (("tier", redis.url),)
+    tier = (("tier", redis.tenant_url("default")), ("tier_secret", secrets.token_hex(16)))  # one secret, both hosts
     specs = [ReplicaSpec("G", core="0", kv_bytes=256 * 2**20, audit=True, max_num_batched_tokens=DEFAULT_CHUNK,
                          connector_extra=tier),
              ReplicaSpec("H", core="1", kv_bytes=256 * 2**20, audit=True, max_num_batched_tokens=DEFAULT_CHUNK,

@@ -1,6 +1,7 @@
 """The network tier (kvpool.tier) on a real Redis server the test starts: pages cross it
-byte-exact with their namespace and digest in a header, and whatever comes back stale,
-foreign or damaged is a typed miss, never installed. Faults are at the data and the node:
+byte-exact with their namespace, block and digest in an authenticated header, and whatever
+comes back stale, foreign or damaged is a typed miss, never installed. (What a hostile
+client of the store tries: suites/pool/test_tier_hostile.py.) Faults are at the data and the node:
 a byte of a stored record changed in the store, a record of another namespace under the
 key, a store that evicts, a node killed and restarted. The corruption test runs its
 negative control (a reader that skips the digest), which its byte-exact check must catch.
@@ -22,13 +23,14 @@ from harness.system.stores import RedisServer, redis_binary
 from kvpool.digest import page_digest
 from kvpool.errors import MissCause
 from kvpool.keys import Namespace, block_hashes
-from kvpool.tier import (TierCorrupt, TierError, TierIncompatible, TierRecordError, TierUnavailable, decode_record,
+from kvpool.tier import (TierAuth, TierCorrupt, TierError, TierRecordError, TierUnavailable, decode_record,
                          encode_record, tier_key)
 
 PAGE = 128 * 1024
 NS = Namespace(model_id="tiny", model_revision="r1", tokenizer_hash="t", kv_dtype="bfloat16", kv_layout="cpu",
                block_size=16, num_layers=2, num_kv_heads=2, head_size=64)
 
+AUTH = TierAuth.from_secret("default", "the default tenant's tier secret")
 needs_redis = pytest.mark.skipif(redis_binary() is None, reason="redis-server is not installed (make test installs it)")
 
 
@@ -41,21 +43,20 @@ def pages(seed: int, n: int, size: int = PAGE) -> tuple[list[bytes], list[bytes]
 # -- records, no server -----------------------------------------------------------------------
 
 def test_a_record_round_trips_and_says_why_when_it_cannot(test_seed):
-    _, (page,) = pages(test_seed, 1)
-    record = encode_record(NS, page, page_digest(page))
-    got = decode_record(NS, record)
+    (h,), (page,) = pages(test_seed, 1)
+    record = encode_record(AUTH, NS, h, page, page_digest(page))
+    got = decode_record(AUTH, NS, h, record)
     assert got.data == page and got.digest == page_digest(page)
-    with pytest.raises(TierIncompatible) as exc:
-        decode_record(NS.replace(model_revision="r2"), record)
-    assert exc.value.fields == ("model_revision",) and exc.value.cause is MissCause.INCOMPATIBLE
-    with pytest.raises(TierIncompatible) as exc:
-        decode_record(NS.replace(tenant="other"), record)
-    assert exc.value.fields == ("tenant",)
+    with pytest.raises(TierCorrupt, match="model_revision") as exc:
+        decode_record(AUTH, NS.replace(model_revision="r2"), h, record)
+    assert exc.value.cause is MissCause.CORRUPT
+    with pytest.raises(ValueError, match="tenant"):
+        decode_record(AUTH, NS.replace(tenant="other"), h, record)  # a tier reads its own tenant's pages only
     with pytest.raises(TierCorrupt):
-        decode_record(NS, record[:-1])  # truncated
+        decode_record(AUTH, NS, h, record[:-1])  # truncated
     with pytest.raises(TierRecordError):
-        decode_record(NS, b"\x00\x00\x00\x05hello" + page)
-    assert tier_key(NS, b"\x01" * 16) != tier_key(NS.replace(model_revision="r2"), b"\x01" * 16)
+        decode_record(AUTH, NS, h, b"\x00\x00\x00\x05hello" + page)
+    assert tier_key(AUTH, NS, b"\x01" * 16) != tier_key(AUTH, NS.replace(model_revision="r2"), b"\x01" * 16)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -63,15 +64,15 @@ def test_a_record_round_trips_and_says_why_when_it_cannot(test_seed):
 def test_a_damaged_record_is_a_typed_miss_never_other_bytes(data, test_seed):
     """Any one byte of a record changed, or any prefix of it kept: the reader raises one of
     the tier's typed errors, or (a change the header tolerates) returns the page intact."""
-    _, (page,) = pages(test_seed, 1, size=4096)
-    record = bytearray(encode_record(NS, page, page_digest(page)))
+    (h,), (page,) = pages(test_seed, 1, size=4096)
+    record = bytearray(encode_record(AUTH, NS, h, page, page_digest(page)))
     if data.draw(st.booleans(), label="truncate"):
         record = record[: data.draw(st.integers(0, len(record) - 1), label="keep")]
     else:
         i = data.draw(st.integers(0, len(record) - 1), label="at")
         record[i] ^= data.draw(st.integers(1, 255), label="xor")
     try:
-        got = decode_record(NS, bytes(record))
+        got = decode_record(AUTH, NS, h, bytes(record))
     except TierError:
         return
     assert got.data == page
@@ -91,7 +92,7 @@ def redis_server(tmp_path):
 def tier(server: RedisServer, timeout_s: float = 1.0):  # noqa: ANN201
     from kvpool.tier_redis import RedisTier
 
-    return RedisTier(server.url, timeout_s=timeout_s)
+    return RedisTier(server.url, AUTH, timeout_s=timeout_s)
 
 
 @needs_redis
@@ -119,7 +120,7 @@ def test_a_byte_changed_in_the_store_is_corrupt_and_the_blind_reader_is_caught(r
     writer = tier(redis_server)
     assert writer.put(NS, hashes[0], data[0], page_digest(data[0]))
     raw = redis_server.client()
-    key = tier_key(NS, hashes[0])
+    key = tier_key(AUTH, NS, hashes[0])
     stored = raw.get(key)
     at = len(stored) - PAGE + int(np.random.default_rng(test_seed).integers(PAGE))
     raw.setrange(key, at, bytes([stored[at] ^ 0x20]))
@@ -135,15 +136,16 @@ def test_a_byte_changed_in_the_store_is_corrupt_and_the_blind_reader_is_caught(r
 
 
 @needs_redis
-def test_a_record_of_another_namespace_under_the_key_is_incompatible(redis_server, test_seed):
-    """A stale or buggy writer left a record of revision r1 under r2's key: r2's reader
-    refuses it and names the field."""
+def test_a_record_of_another_namespace_under_the_key_is_corrupt(redis_server, test_seed):
+    """A record of revision r1 under r2's key (keys are keyed hashes of the namespace: no
+    writer puts it there; it was moved): r2's reader refuses it as corrupt, naming the field."""
     hashes, data = pages(test_seed, 1)
     r2 = NS.replace(model_revision="r2")
-    redis_server.client().set(tier_key(r2, hashes[0]), encode_record(NS, data[0], page_digest(data[0])))
-    with pytest.raises(TierIncompatible) as exc:
+    redis_server.client().set(tier_key(AUTH, r2, hashes[0]),
+                              encode_record(AUTH, NS, hashes[0], data[0], page_digest(data[0])))
+    with pytest.raises(TierCorrupt, match="model_revision") as exc:
         tier(redis_server).get(r2, hashes[0])
-    assert exc.value.fields == ("model_revision",)
+    assert exc.value.cause is MissCause.CORRUPT
 
 
 @needs_redis

@@ -5,7 +5,11 @@ negative control, a tier that re-digests what it reads, caught by the byte check
 store evicts whole pages and never serves other bytes, a killed master is unavailable at
 once and comes back empty; with a storage node (`mooncake_client`) holding every page for
 clients that mount nothing, the node killed is `unavailable` (never a silent miss) and,
-restarted, takes pages again. Skipped where the mooncake package is not installed."""
+restarted, takes pages again. Mooncake has no access control: a client of the store without
+the tenant's tier secret moves a record under another block's key and rewrites a page with
+its plain digest recomputed; both are `corrupt` (the records' MAC), and the control, the
+reader before records were authenticated, installs both and is caught by the byte check.
+Skipped where the mooncake package is not installed."""
 
 from __future__ import annotations
 
@@ -17,17 +21,19 @@ import time
 import numpy as np
 import pytest
 
-from faults.tier_controls import BlindTier
+from faults.tier_controls import BlindTier, UnauthenticatedTier, forge_record
 from harness.system.stores import MooncakeMaster, MooncakeNode, mooncake_binary, mooncake_env
 from kvpool.digest import page_digest
 from kvpool.errors import MissCause
 from kvpool.keys import Namespace, block_hashes
-from kvpool.tier import TierCorrupt, TierUnavailable, open_tier, tier_key
+from kvpool.tier import TierAuth, TierCorrupt, TierUnavailable, open_tier, tier_key
 
 PAGE = 128 * 1024
 NS = Namespace(model_id="tiny", model_revision="r1", tokenizer_hash="t", kv_dtype="bfloat16", kv_layout="cpu",
                block_size=16, num_layers=2, num_kv_heads=2, head_size=64)
 
+SECRET = "the default tenant's tier secret"
+AUTH = TierAuth.from_secret("default", SECRET)
 pytestmark = pytest.mark.skipif(mooncake_binary() is None, reason="mooncake is not installed")
 
 
@@ -48,10 +54,10 @@ def master(tmp_path):
 READER = """
 import sys
 from kvpool.keys import Namespace
-from kvpool.tier import open_tier
+from kvpool.tier import TierAuth, open_tier
 ns = Namespace.from_dict(eval(sys.argv[2]))
-t = open_tier(sys.argv[1])
-for h in sys.argv[3:]:
+t = open_tier(sys.argv[1], TierAuth.from_secret(ns.tenant, sys.argv[3]))
+for h in sys.argv[4:]:
     p = t.get(ns, bytes.fromhex(h))
     print(p.data.hex()[:64] if p else "-", len(p.data) if p else 0, flush=True)
 t.close()
@@ -60,12 +66,13 @@ t.close()
 
 def test_pages_cross_the_store_byte_exact_between_two_processes(master, test_seed):
     hashes, data = pages(test_seed, 4)
-    t = open_tier(master.url)
+    t = open_tier(master.url, AUTH)
     try:
         for h, p in zip(hashes[:3], data[:3]):
             assert t.put(NS, h, p, page_digest(p))
         assert t.exists(NS, hashes) == 3 and t.get(NS, hashes[3]) is None
-        out = subprocess.run([sys.executable, "-c", READER, master.url, repr(NS.as_dict()), *(h.hex() for h in hashes)],
+        out = subprocess.run([sys.executable, "-c", READER, master.url, repr(NS.as_dict()), SECRET,
+                              *(h.hex() for h in hashes)],
                              capture_output=True, text=True, timeout=60, env={**os.environ, **mooncake_env()})
         assert out.returncode == 0, out.stderr[-2000:]
         lines = [ln for ln in out.stdout.splitlines() if ln]
@@ -79,10 +86,10 @@ def test_pages_cross_the_store_byte_exact_between_two_processes(master, test_see
 @pytest.mark.parametrize("reader_kind", ["tier", "blind"])
 def test_a_byte_changed_in_the_store_is_corrupt_and_the_blind_reader_is_caught(master, test_seed, reader_kind):
     hashes, data = pages(test_seed, 1)
-    t = open_tier(master.url)
+    t = open_tier(master.url, AUTH)
     try:
         assert t.put(NS, hashes[0], data[0], page_digest(data[0]))
-        key = tier_key(NS, hashes[0])
+        key = tier_key(AUTH, NS, hashes[0])
         record = bytearray(t._s.get(key))
         at = len(record) - PAGE + int(np.random.default_rng(test_seed).integers(PAGE))
         record[at] ^= 0x10
@@ -100,10 +107,39 @@ def test_a_byte_changed_in_the_store_is_corrupt_and_the_blind_reader_is_caught(m
         t.close()
 
 
+@pytest.mark.parametrize("reader_kind", ["tier", "control-unauthenticated"])
+def test_a_moved_or_forged_record_is_corrupt_and_the_unauthenticated_reader_is_caught(master, test_seed,
+                                                                                      reader_kind):
+    hashes, data = pages(test_seed, 3)
+    forged_page = np.random.default_rng(test_seed + 1).integers(0, 256, PAGE, dtype=np.uint8).tobytes()
+    t = open_tier(master.url, AUTH)
+    try:
+        for h, p in zip(hashes, data):
+            assert t.put(NS, h, p, page_digest(p))
+        # A client of the store, no secret (the tier's own store client, used raw): the keys as
+        # it saw them written; block 0's record copied under block 1's key, block 2's page rewritten.
+        raw, keys = t._s, [tier_key(AUTH, NS, h) for h in hashes]
+        moved, rewritten = bytes(raw.get(keys[0])), forge_record(bytes(raw.get(keys[2])), page=forged_page)
+        time.sleep(2.2)  # the reads above hold a lease (2 s here): the store's upsert waits it out
+        assert raw.upsert(keys[1], moved) == 0 and raw.upsert(keys[2], rewritten) == 0
+        reader = t if reader_kind == "tier" else UnauthenticatedTier(t)
+        for i in (1, 2):
+            try:
+                got = reader.get(NS, hashes[i])
+            except TierCorrupt as exc:
+                assert reader_kind == "tier" and exc.cause is MissCause.CORRUPT
+                continue
+            assert reader_kind != "tier", f"the tier handed out the attacker's record of block {i}"
+            assert got is not None and got.data != data[i], "negative control not caught by the byte-exact check"
+        assert t.get(NS, hashes[0]).data == data[0]  # the untouched record still serves
+    finally:
+        t.close()
+
+
 def test_a_full_store_evicts_whole_pages_and_never_serves_other_bytes(master, test_seed):
     url = master.url.replace(f"segment_bytes={64 * 2**20}", f"segment_bytes={16 * 2**20}")
     hashes, data = pages(test_seed, 200)  # 25 MiB of pages into a 16 MiB segment
-    t = open_tier(url)
+    t = open_tier(url, AUTH)
     try:
         stored = [t.put(NS, h, p, page_digest(p)) for h, p in zip(hashes, data)]
         got = [t.get(NS, h) if ok else None for h, ok in zip(hashes, stored)]
@@ -116,7 +152,7 @@ def test_a_full_store_evicts_whole_pages_and_never_serves_other_bytes(master, te
 
 def test_a_killed_master_is_unavailable_at_once_and_comes_back_empty(master, test_seed):
     hashes, data = pages(test_seed, 2)
-    t = open_tier(master.url)
+    t = open_tier(master.url, AUTH)
     try:
         assert t.put(NS, hashes[0], data[0], page_digest(data[0]))
         master.kill()
@@ -144,7 +180,7 @@ def test_a_killed_storage_node_is_unavailable_not_a_miss_and_a_restarted_one_ser
     hashes, data = pages(test_seed, 3)
     node = MooncakeNode(master.run_dir, master, segment_bytes=64 * 2**20).start()
     url = master.url_for(segment_bytes=0, buffer_bytes=16 * 2**20)  # clients keep nothing: the node has it all
-    writer, reader = open_tier(url), open_tier(url)
+    writer, reader = open_tier(url, AUTH), open_tier(url, AUTH)
     try:
         assert writer.put(NS, hashes[0], data[0], page_digest(data[0]))
         assert reader.get(NS, hashes[0]).data == data[0]
