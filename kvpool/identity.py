@@ -15,8 +15,12 @@
       a worker's connector can start before vLLM has downloaded the weights. Neither
       (not a path, not in the cache): the model name and revision, with a warning that
       the namespace then names no weights (set `model_revision`).
-  file_digest(path, *, cache_dir=None) -> (digest, bytes_hashed)
-      one file's content digest, from the cache when it is valid there.
+  checkpoint_manifest(model, revision=None, *, cache_dir=None) -> dict
+      what the identity is a digest of, and `bytes_read`: the weight bytes this call read
+      (0 on a restart with unchanged files).
+  file_digest(path, *, cache, progress=None) -> (digest, bytes_read)
+      one file's content digest, from the cache (a directory, or None: no cache) when it
+      holds an entry of this version of the file.
 
 Content digests are XXH3-128 (xxhash, the library kvpool's page digests already use),
 streamed in 1 MiB reads (with POSIX_FADV_SEQUENTIAL): ~20 GB/s of CPU here, so a first start is bound by the disk,
