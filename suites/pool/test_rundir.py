@@ -141,3 +141,24 @@ def test_hostile_rundir_attempt_and_its_control(legacy):
     else:
         assert v.valid is False and out["token_received"], out
         assert any("received nothing of the tenant's token" in f for f in v.evidence["checks_failed"])
+
+
+@root_only
+def test_client_keeps_its_attach_ticket_from_another_users_socket(base, tmp_path):
+    """The daemon is genuine but its attach socket has been replaced by another user's (the
+    ticket it would send is the tenant's segment, once): the client sends nothing there,
+    and moves its pages in frames."""
+    daemon = start(tmp_path / "pool")
+    try:
+        pid, listener = as_other_user(_listen, str(base / "theirs"), 2.0)
+        try:
+            assert listener.readline().strip() == "ready"
+            os.replace(base / "theirs" / "pool.sock", daemon.attach_path)
+            with PoolClient(f"unix:{daemon.unix_path}", "default", "tok", timeout_s=1.0) as c:
+                assert c.arena is None and f"uid {OTHER_UID}" in c.attach_error, c.attach_error
+                c.ping()
+        finally:
+            got = _wait(pid, listener, "socket")
+    finally:
+        daemon.stop_thread()
+    assert got.strip() == ""  # the ticket never left
