@@ -21,5 +21,10 @@ Modules, one job each:
             the CUDA stream-ordered transfer engine between KV tensors and the
             registered arena, and the same copier interface on top of it.
   audit     a V1 connector that wraps any other and records digests of the KV bytes.
+  identity  which checkpoint a namespace names: a digest of every weight file's content,
+            cached per file version (realpath, inode, size, mtime, ctime).
+  private_dir
+            directories only their user can change, checked from / (the run directory,
+            the identity's cache).
   testing   the reference model and the Hypothesis state machine that checks a pool.
 """

@@ -10,7 +10,9 @@
                          negative control, reuses them)
   config_from_args(args) the PoolConfig those options describe
 With no tenant given, one tenant 'default' is created and its token written (mode 0600)
-to the run directory's tokens.json. A bad size or tenant is a usage error (exit 2).
+to the run directory's tokens.json (created or checked first, with every directory above it:
+kvpool.private_dir). A bad size or tenant, or a run directory another user can change, is a
+usage error (exit 2).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import sys
 from pathlib import Path
 
 from kvpool.catalog import AdmissionPolicy, LoadLimits
-from kvpool.server import PoolConfig, default_run_dir, main_serve
+from kvpool.private_dir import ensure_private_dir
+from kvpool.server import InsecureRunDir, PoolConfig, default_run_dir, main_serve
 
 _UNITS = {"k": 1024, "m": 1024**2, "g": 1024**3}
 
@@ -50,9 +53,13 @@ def _tenants(pairs: list[str], token_file: Path | None, run_dir: Path) -> dict[s
         tenants[name] = token
     if not tenants:
         tenants = {"default": secrets.token_hex(16)}
-        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:  # the token is only as private as every directory above it
+            run_dir = ensure_private_dir(run_dir, error=InsecureRunDir)
+        except InsecureRunDir as exc:
+            print(f"kvpool serve: {exc}", file=sys.stderr)
+            raise SystemExit(2) from exc
         path = run_dir / "tokens.json"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(tenants, f)
         print(f"kvpool: no tenant given; token of tenant 'default' written to {path}", file=sys.stderr)

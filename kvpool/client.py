@@ -26,7 +26,10 @@
                      MissCause (including the loader-side ones: corrupt, transport_error,
                      timeout).
 
-Addresses: "unix:/path/to/pool.sock" or "tcp:HOST:PORT".
+Addresses: "unix:/path/to/pool.sock" or "tcp:HOST:PORT". On a Unix socket (the pool's and
+the attach socket) the client sends nothing, not the hello with its token nor an attach
+ticket, until the kernel's credentials of the listening process (SO_PEERCRED) name one of
+`pool_uids` (default: this user and root); otherwise UntrustedPool (a TransportError).
 """
 
 from __future__ import annotations
@@ -39,9 +42,10 @@ import os
 import platform
 import select
 import socket
+import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -72,6 +76,7 @@ from kvpool.errors import (
     PoolError,
     PoolTimeout,
     TransportError,
+    UntrustedPool,
     error_from_code,
 )
 from kvpool.keys import Namespace
@@ -140,6 +145,7 @@ MIN_CALL_S = 0.05
 
 # Requests whose repetition changes nothing: safe to resend when no reply byte arrived.
 _IDEMPOTENT = (P.Ping, P.Lookup, P.Stats, P.Metrics)
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _PROBE_ORDERED = platform.machine() in ("x86_64", "AMD64")  # kvpool.shm_index's seqlock needs x86 ordering
 
 
@@ -147,8 +153,11 @@ class PoolClient:
     """A connection to one pool daemon. Thread-safe (one request in flight at a time)."""
 
     def __init__(self, address: str, tenant: str, token: str, *, name: str = "",
-                 timeout_s: float = 5.0, zero_copy: bool = True, metrics: ClientMetrics | None = None):
+                 timeout_s: float = 5.0, zero_copy: bool = True, metrics: ClientMetrics | None = None,
+                 pool_uids: Collection[int] | None = None):
         self.address = address
+        # Who may listen at a Unix address (SO_PEERCRED): this user and root unless told otherwise.
+        self.pool_uids = frozenset(pool_uids) if pool_uids is not None else frozenset({os.geteuid(), 0})
         self.tenant = tenant
         self._token = token
         self.name = name
@@ -182,6 +191,12 @@ class PoolClient:
                 raise TransportError(f"cannot connect to pool at {self.address}: {exc}") from exc
             if self._family != socket.AF_UNIX:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            else:
+                try:
+                    self._verify_peer(sock, self.address)
+                except UntrustedPool:
+                    sock.close()
+                    raise
             self._sock = sock
             hello = self._call(P.Hello(self.tenant, self._token, self.name), retry=False)
             assert isinstance(hello, P.HelloOk)
@@ -189,6 +204,14 @@ class PoolClient:
             self.page_size = hello.page_size
             self._attach(hello)
             return hello
+
+    def _verify_peer(self, sock: socket.socket, what: str) -> None:
+        """Before a byte is sent on a Unix socket: the kernel's word (SO_PEERCRED) on who
+        listens there must be one of `pool_uids`, whatever the path's directories are."""
+        pid, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        if uid not in self.pool_uids:
+            raise UntrustedPool(f"{what}: the process listening there (pid {pid}) runs as uid {uid}, not as "
+                                f"{' or '.join(map(str, sorted(self.pool_uids)))}: nothing was sent to it")
 
     def _attach(self, hello: P.HelloOk) -> None:
         if self.arena is not None and (self.arena.instance != hello.arena_instance or self.arena.closed):
@@ -210,10 +233,14 @@ class PoolClient:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
                 sock.settimeout(self.timeout_s)
                 sock.connect(hello.arena)
+                self._verify_peer(sock, f"attach socket {hello.arena!r}")
                 sock.sendall(hello.ticket)
                 answer, fds, _, _ = socket.recv_fds(sock, 1, 2)
         except (OSError, ValueError) as exc:  # no attach socket here (another host, a proxy in between)
             self.attach_error = f"attach socket {hello.arena!r}: {exc}"
+            return None
+        except UntrustedPool as exc:  # another user's socket: the ticket stays here, pages go in frames
+            self.attach_error = str(exc)
             return None
         if answer != b"\x00" or len(fds) != 2:
             for fd in fds:

@@ -65,6 +65,7 @@ from kvpool.copier import CopyRun, HostCopier
 from kvpool.copy import prefault
 from kvpool.errors import MissCause, PoolError, PoolTimeout
 from kvpool.history import HistoryWriter
+from kvpool.identity import model_identity
 from kvpool.keys import HASH_BYTES, ROOT_HASH, Namespace, block_hashes
 from kvpool.metrics import ClientMetrics
 from kvpool.catalog import LookupResult
@@ -185,28 +186,6 @@ class ConnectorSettings:
 
 
 @lru_cache(maxsize=8)
-def _model_fingerprint(path: str) -> str:
-    """A digest of a local checkpoint: config plus weights (whole files up to 64 MiB,
-    the safetensors header and size beyond)."""
-    root = Path(path)
-    if not root.is_dir():
-        return ""
-    h = hashlib.sha256()
-    for f in sorted(root.iterdir()):
-        if f.name == "config.json" or f.suffix in (".safetensors", ".bin"):
-            h.update(f.name.encode())
-            size = f.stat().st_size
-            h.update(size.to_bytes(8, "little"))
-            with open(f, "rb") as fh:
-                if size <= 64 * 2**20:
-                    h.update(fh.read())
-                else:
-                    head = fh.read(8)
-                    h.update(fh.read(min(int.from_bytes(head, "little"), 16 * 2**20)))
-    return h.hexdigest()[:16]
-
-
-@lru_cache(maxsize=8)
 def _tokenizer_fingerprint(path: str) -> str:
     root = Path(path)
     if not root.is_dir():
@@ -224,7 +203,7 @@ def _tokenizer_fingerprint(path: str) -> str:
 def namespace_for(vllm_config, settings: ConnectorSettings, tp_rank: int = 0) -> Namespace:  # noqa: ANN001
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     kv_dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(mc.dtype).removeprefix("torch.")
-    revision = settings.model_revision or mc.revision or _model_fingerprint(str(mc.model))
+    revision = settings.model_revision or model_identity(str(mc.model), mc.revision)  # every weight (kvpool.identity)
     return Namespace(
         model_id=settings.model_id or str(mc.model),
         model_revision=str(revision),

@@ -118,3 +118,8 @@ _BY_CODE: dict[ErrorCode, type[PoolError]] = {
 def error_from_code(code: ErrorCode | str, message: str) -> PoolError:
     """The exception a client raises for a daemon's error reply."""
     return _BY_CODE[ErrorCode(code)](message)
+
+
+class UntrustedPool(TransportError):
+    """Client side: the process listening at a pool's Unix socket runs as a user the
+    client does not trust (SO_PEERCRED); nothing, not the hello's token, was sent to it."""

@@ -56,6 +56,11 @@ Contracts:
     moves page bytes in frames. The index a probe reads, the generations and the
     heartbeat are written by the daemon only: its clients can map them read-only and in
     no other way (`arena_factory` makes the segments: kvpool.arena.Arena.anonymous).
+  * The run dir (default $XDG_RUNTIME_DIR/NAME, else /tmp/kvgate-$UID/NAME) is created or
+    checked with every directory above it (kvpool.private_dir.ensure_private_dir): each
+    owned by the daemon's user or root, none writable by another user (but sticky /tmp),
+    no link another user owns, the run dir itself the daemon's and mode 0700; otherwise
+    start-up is refused (InsecureRunDir naming the directory and why).
   * Start-up finds what a crashed daemon left (pid file, sockets), removes it and says so
     (its segments went with its last mapping); graceful shutdown removes the sockets and
     the pid file.
@@ -103,6 +108,7 @@ from kvpool.errors import (
     Unauthenticated,
 )
 from kvpool.metrics import PoolMetrics
+from kvpool.private_dir import InsecureDirectory, ensure_private_dir
 
 log = logging.getLogger("kvpool.server")
 SERVER_NAME = "kvgate-pool/0.1"
@@ -220,8 +226,11 @@ class PoolAlreadyRunning(PoolError):
     """Another live daemon owns this name."""
 
 
-class InsecureRunDir(PoolError):
-    """The run dir is another user's: the daemon will not put its sockets there."""
+class InsecureRunDir(InsecureDirectory):
+    """The run dir, or a directory above it, can be changed by another user (its owner, a
+    group, a link it planted): the daemon will not put its sockets there."""
+
+    what = "run directory"
 
 
 ArenaFactory = Callable[[str, int, int], Arena]  # (label, page_size, num_pages) -> a tenant's segments
@@ -259,17 +268,14 @@ class PoolDaemon:
         self.ready = threading.Event()
 
     # -- start-up and recovery -----------------------------------------------------------
+    def _make_run_dir(self) -> Path:
+        """The run dir, created or checked with every directory above it (kvpool.private_dir):
+        the sockets are only as private as each of them."""
+        return ensure_private_dir(self.run_dir, error=InsecureRunDir)
+
     def _recover_and_create(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.run_dir = self._make_run_dir()
         notes = []
-        st = self.run_dir.stat()
-        if st.st_uid != os.getuid():
-            raise InsecureRunDir(f"run dir {self.run_dir} belongs to uid {st.st_uid}, not to this daemon's "
-                                 f"({os.getuid()}): its owner could replace the sockets")
-        if st.st_mode & 0o077:  # the sockets are only as private as the directory they are in
-            os.chmod(self.run_dir, 0o700)
-            log.warning("kvgate pool %s: run dir %s was mode %o; made 0700", self.config.name, self.run_dir,
-                        st.st_mode & 0o777)
         pid_file = self.run_dir / "pid"
         if pid_file.exists():
             old = _read_pid(pid_file)
