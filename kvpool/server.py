@@ -238,6 +238,11 @@ class PoolDaemon:
     def __init__(self, config: PoolConfig, catalog_factory: type[Catalog] = Catalog):
         if not config.tenants:
             raise InvalidRequest("a pool needs at least one tenant token (PoolConfig.tenants)")
+        if not (config.scrub_interval_s > 0 and config.scrub_pages_per_round >= 0
+                and config.scrub_rest_pages_per_round >= 0):
+            raise InvalidRequest(f"the scrub needs an interval > 0 and pages per round >= 0, got "
+                                 f"{config.scrub_interval_s}, {config.scrub_pages_per_round}, "
+                                 f"{config.scrub_rest_pages_per_round}")
         self.config = config
         self._quota = config.tenant_pages()
         self._catalog_factory = catalog_factory

@@ -235,3 +235,39 @@ def test_the_scrub_queue_stays_within_its_bound_under_churn(control, test_seed):
         assert peak <= pages and stats["scrub_queued"] <= pages, (peak, stats)
     else:
         assert peak > 10 * pages, f"negative control {control} not caught: the queue peaked at {peak}"
+
+
+def test_the_workers_load_reports_what_it_refused(tmp_path, test_seed):
+    """The replica's worker (kvpool.copier.HostCopier, the connector's CPU copy engine):
+    its load of a run with a page corrupted at rest stops there as corrupt, and its report
+    takes the page out of the pool for every replica: a second worker's load (another
+    connection) stops there as evicted, not corrupt."""
+    from kvpool.copier import CopyRun, HostCopier
+    from kvpool.history import HistoryWriter, read_history
+
+    rng = np.random.default_rng(test_seed)
+    layers, blocks, half = 2, 4, PAGE // 2  # a page = one block of both layers
+    bad = int(rng.integers(blocks))
+    d = _daemon(num_pages=8, scrub_interval_s=HELD_OFF)
+    copiers = []
+    try:
+        with _client(d, "producer") as c:
+            hashes = block_hashes(range(16 * blocks), 16)
+            assert publish(c, NS, hashes, _pages(rng, blocks)).committed == blocks
+            _flip(c, c.lookup(NS, hashes).hits[bad].page, rng)
+            for name in ("w1", "w2"):
+                copier = HostCopier(_client(d, name), HistoryWriter(tmp_path / name, name, "worker"))
+                copier.register([np.zeros((blocks, half), np.uint8) for _ in range(layers)])
+                copiers.append(copier)
+                run = CopyRun(f"req-{name}", name, 0, list(range(blocks)), hashes)
+                copier.load(NS, run, deadline_s=10.0).result(timeout=30)
+            stats = c.stats()
+    finally:
+        for copier in copiers:
+            copier.close()
+            copier.backend.close()
+        d.stop_thread()
+    loads = [[r for r in read_history(tmp_path / name) if r["ev"] == "load"][0] for name in ("w1", "w2")]
+    assert [r["loaded"] for r in loads] == [bad, bad], loads
+    assert [r["miss_cause"] for r in loads] == ["corrupt", "evicted"], loads
+    assert stats["report_dropped"] == 1, stats
