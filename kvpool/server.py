@@ -29,10 +29,11 @@ Contracts:
     yet scrubbed (the fresh queue: at most one entry per page of the segment, an evicted
     page's entry removed with it), then the next `scrub_rest_pages_per_round` committed
     pages of a cyclic cursor over the page ids (every page of every digest kind, O(1)
-    memory). With the defaults, 320 fresh pages/s and 320 pages/s at rest per segment
-    (20 MiB/s each at 64 KiB pages): a page corrupted at rest is found within one cycle,
-    num_pages / 320 s (12.8 s for 4,096 pages). A page whose bytes no longer match its
-    digest is dropped (Catalog.discard). Stats: `scrub_queued` (fresh entries, at most
+    memory; by default `scrub_rest_bytes_per_s`, 8 MiB/s, worth of pages a round, at least
+    one). With the defaults, at 64 KiB pages: 320 fresh pages/s, and 6 pages a round at
+    rest, 120 pages/s: a page corrupted at rest is found within one cycle, num_pages / 120
+    s (34 s for 4,096 pages); at 512 KiB pages, 1 page a round, 20 pages/s. A page whose
+    bytes no longer match its digest is dropped (Catalog.discard). Stats: `scrub_queued` (fresh entries, at most
     `scrub_queue_bound`, the segment's pages), `scrubbed_pages`, `scrub_corrupt`,
     `scrub_gone` (freed before their turn), `scrub_cycles`.
   * A loader whose digest check refuses a leased page reports it (ReportCorrupt: indexes
@@ -155,12 +156,15 @@ class PoolConfig:
     max_lookup_wait_s: float = 2.0  # cap on a lookup's wait for a pending publish (Lookup.wait_pending_ms)
     # The scrub at rest, on its own thread (never in the requests' way), one round per interval
     # and tenant segment: at most `scrub_pages_per_round` commits taken on trust and not yet
-    # scrubbed (the fresh queue, at most one entry per page), then the next
-    # `scrub_rest_pages_per_round` committed pages of the cyclic pass over every page (0: no
-    # pass at rest). Rates: per_round / interval pages/s each (320 and 320 by default).
+    # scrubbed (the fresh queue, at most one entry per page: 320 pages/s by default), then the
+    # next committed pages of the cyclic pass over every page: `scrub_rest_pages_per_round`
+    # (0: no pass at rest), or by default `scrub_rest_bytes_per_s` worth of pages a round, at
+    # least one (8 MiB/s: xxh3-128 costs well under 1% of a core at that rate, kv-sketch-1's
+    # host reference some 7-25%).
     scrub_interval_s: float = 0.05
     scrub_pages_per_round: int = 16
-    scrub_rest_pages_per_round: int = 16
+    scrub_rest_pages_per_round: int | None = None
+    scrub_rest_bytes_per_s: int = 8 * 1024 * 1024
     # Re-hash xxh3-128 pages before they become visible (False: trust them as kv-sketch-1
     # pages are trusted, and scrub them at rest; every loader verifies every page anyway).
     verify_commits: bool = True
@@ -194,6 +198,12 @@ class PoolConfig:
             raise InvalidRequest(f"{self.num_pages} pages leave {rest} for the {len(others)} tenants without a "
                                  f"quota: less than one page each")
         return {t: self.quotas.get(t, share) for t in self.tenants}
+
+    def scrub_rest_pages(self) -> int:
+        """Pages of the scrub's pass at rest per round and tenant segment."""
+        if self.scrub_rest_pages_per_round is not None:
+            return self.scrub_rest_pages_per_round
+        return max(1, round(self.scrub_rest_bytes_per_s * self.scrub_interval_s / self.page_size))
 
     def resolved_run_dir(self) -> Path:
         return self.run_dir if self.run_dir is not None else default_run_dir(self.name)
@@ -239,10 +249,10 @@ class PoolDaemon:
         if not config.tenants:
             raise InvalidRequest("a pool needs at least one tenant token (PoolConfig.tenants)")
         if not (config.scrub_interval_s > 0 and config.scrub_pages_per_round >= 0
-                and config.scrub_rest_pages_per_round >= 0):
-            raise InvalidRequest(f"the scrub needs an interval > 0 and pages per round >= 0, got "
-                                 f"{config.scrub_interval_s}, {config.scrub_pages_per_round}, "
-                                 f"{config.scrub_rest_pages_per_round}")
+                and config.scrub_rest_bytes_per_s >= 0 and config.scrub_rest_pages() >= 0):
+            raise InvalidRequest(f"the scrub needs an interval > 0 and rates >= 0, got interval "
+                                 f"{config.scrub_interval_s} s, {config.scrub_pages_per_round} fresh pages a round, "
+                                 f"{config.scrub_rest_pages()} pages a round at rest")
         self.config = config
         self._quota = config.tenant_pages()
         self._catalog_factory = catalog_factory
@@ -492,7 +502,7 @@ class PoolDaemon:
 
     def _scrub_targets(self, tp: _TenantPool) -> list[tuple[int, int]]:
         """This round's pages of the pass at rest."""
-        return tp.catalog.scrub_cycle(self.config.scrub_rest_pages_per_round)
+        return tp.catalog.scrub_cycle(self.config.scrub_rest_pages())
 
     async def _scrub_pages(self, tp: _TenantPool, targets: list[tuple[int, int]], fresh: int) -> None:
         """Hash `targets` (page, generation) in one trip to the scrub's thread; the first
