@@ -133,13 +133,17 @@ class Metrics(msgspec.Struct, tag="metrics", forbid_unknown_fields=True):
     pass
 
 
+MAX_REPORT_INDEXES = 65536  # a lease's pages at most (the blocks of one Acquire)
+
+
 class ReportCorrupt(msgspec.Struct, tag="report_corrupt", forbid_unknown_fields=True):
     """The loader's digest check refused these pages of its lease (indexes into the lease's
     pages, each at most once; the lease still held). The daemon re-hashes each at rest and
-    drops those whose bytes there do not match; it never drops a page on the word alone."""
+    drops those whose bytes there do not match; it never drops a page on the word alone.
+    A longer list than MAX_REPORT_INDEXES is MALFORMED before its elements are read."""
 
     lease_id: int
-    indexes: list[int]
+    indexes: Annotated[list[int], msgspec.Meta(max_length=MAX_REPORT_INDEXES)]
 
 
 Request = Union[Hello, Ping, Lookup, Acquire, Release, Reserve, WritePages, Commit, Abort,

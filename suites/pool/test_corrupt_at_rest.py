@@ -271,3 +271,13 @@ def test_the_workers_load_reports_what_it_refused(tmp_path, test_seed):
     assert [r["loaded"] for r in loads] == [bad, bad], loads
     assert [r["miss_cause"] for r in loads] == ["corrupt", "evicted"], loads
     assert stats["report_dropped"] == 1, stats
+
+
+def test_a_report_longer_than_any_lease_is_refused_by_the_decoder():
+    from kvpool import protocol as P
+    from kvpool.errors import MalformedFrame
+
+    ok = P.encode_request(3, P.ReportCorrupt(1, list(range(P.MAX_REPORT_INDEXES))))
+    assert len(P.decode_request(ok[4:])[1].indexes) == P.MAX_REPORT_INDEXES
+    with pytest.raises(MalformedFrame, match="length"):
+        P.decode_request(P.encode_request(3, P.ReportCorrupt(1, [0] * (P.MAX_REPORT_INDEXES + 1)))[4:])
