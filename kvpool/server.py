@@ -33,9 +33,9 @@ Contracts:
     one). With the defaults, at 64 KiB pages: 320 fresh pages/s, and 6 pages a round at
     rest, 120 pages/s: a page corrupted at rest is found within one cycle, num_pages / 120
     s (34 s for 4,096 pages); at 512 KiB pages, 1 page a round, 20 pages/s. A page whose
-    bytes no longer match its digest is dropped (Catalog.discard). Stats: `scrub_queued` (fresh entries, at most
-    `scrub_queue_bound`, the segment's pages), `scrubbed_pages`, `scrub_corrupt`,
-    `scrub_gone` (freed before their turn), `scrub_cycles`.
+    bytes no longer match its digest is dropped (Catalog.discard). Stats: `scrub_queued`
+    (fresh entries, at most `scrub_queue_bound`, the segment's pages), `scrubbed_pages`,
+    `scrub_corrupt`, `scrub_gone` (freed before their turn), `scrub_cycles`.
   * A loader whose digest check refuses a leased page reports it (ReportCorrupt: indexes
     of its own lease, each at most once). The daemon does not take its word: it re-hashes
     the page at rest in the thread pool and, only if the bytes there do not match, drops
