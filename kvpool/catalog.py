@@ -23,7 +23,16 @@ calls it from a single thread.
                                         the daemon's verify failed: that page is freed); `kind`
                                         (kvpool.digest.DigestKind) is recorded with each page.
   committed_as(page, generation)        the page's kind if it still holds that commit, else None.
-  discard(page, generation)             drop a committed page found corrupt at rest (the scrub).
+  discard(page, generation)             drop a committed page found corrupt at rest (by the scrub, or
+                                        on a loader's report the daemon confirmed): out of the index
+                                        (and the segment's) at once, so no lookup, probe or acquire
+                                        finds it again; its page is freed at once, or, while loaders
+                                        hold it (state DROPPED), when the last of them releases it.
+  scrub_fresh(n) / scrub_cycle(n)       the scrub's next pages (page, generation): the oldest commits
+                                        taken on trust and not yet scrubbed (commit(..., scrub_first=
+                                        True)); and the next committed pages of a cyclic cursor over
+                                        the page ids (every kind, every committed page in turn).
+  scrubbed(page, generation)            the page's first scrub is done (it leaves the fresh queue).
   abort(res_id) / drop_client(client)   an abandoned or crashed publish returns its pages.
   reap(now)                             expire reservations and leases past their deadline.
   evict(...) / set_capacity(pages)      forced eviction and capacity squeeze; leased pages
@@ -31,6 +40,10 @@ calls it from a single thread.
 
 With a `shm_index` (the daemon passes its segment's), every committed block is also
 entered in the segment's index and taken out of it before its page is freed.
+
+The scrub's state is bounded by the pages, whatever the churn: the fresh queue holds at
+most one entry per page (a page's new commit replaces its entry; freeing a page removes
+it, O(1)), and the at-rest pass is a cursor (one int) plus a count of completed cycles.
 
 Every freed page has its generation bumped, so a reader that held it across a reuse
 can tell. Evicted keys leave a ghost so a later miss is EVICTED, not NEVER_PUBLISHED.
@@ -61,6 +74,14 @@ class PageState(enum.IntEnum):
     FREE = 0
     RESERVED = 1
     COMMITTED = 2
+    DROPPED = 3  # found corrupt while leased: out of the index, freed when its last lease is released
+
+
+class CorruptOutcome(enum.StrEnum):
+    """The daemon's answer to a loader's report of a corrupt page (after its own check)."""
+
+    DROPPED = "dropped"  # the page's bytes at rest do not match its digest: out of the pool
+    INTACT = "intact"  # they match: the loader's copy went wrong on its way, the page stays
 
 
 class SlotStatus(enum.StrEnum):
@@ -279,10 +300,14 @@ class Catalog:
         self._leases: dict[int, _Lease] = {}
         self._leases_by_client: dict[int, int] = {}
         self._ids = itertools.count(1)
+        # The scrub (see the module docstring): page -> generation of commits taken on trust
+        # and not yet scrubbed, oldest first (at most one entry per page); the at-rest cursor.
+        self._unscrubbed: OrderedDict[int, int] = OrderedDict()
+        self._scrub_cursor = 0
         self.counters: dict[str, int] = {
             "hits": 0, "hit_blocks": 0, "evictions": 0, "commits": 0, "aborted_pages": 0,
             "rejected_pages": 0, "expired_reservations": 0, "expired_leases": 0,
-            "discarded_corrupt": 0,
+            "discarded_corrupt": 0, "scrub_cycles": 0,
         }
         self.miss_counters: dict[MissCause, int] = {c: 0 for c in MissCause}
 
@@ -401,13 +426,17 @@ class Catalog:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             raise LeaseLost(f"lease {lease_id} is not held (released, expired, or never granted)")
-        self._unpin(lease)
+        # Taken before the unpin, which frees a page dropped under this lease: what the lease
+        # read was not reused while it held it.
         stale = tuple(p for p, g in zip(lease.pages, lease.generations) if int(self.gen[p]) != g)
+        self._unpin(lease)
         return ReleaseResult(stale)
 
     def _unpin(self, lease: _Lease) -> None:
         for p in lease.pages:
             self.leases_on[p] -= 1
+            if self.leases_on[p] == 0 and self.state[p] == PageState.DROPPED:
+                self._free_page(p)
         left = self._leases_by_client[lease.client] - 1
         if left:
             self._leases_by_client[lease.client] = left
@@ -491,7 +520,9 @@ class Catalog:
         return self.config.num_pages - len(self._free)
 
     def commit(self, reservation_id: int, digests: Sequence[bytes | None],
-               kind: DigestKind = DigestKind.XXH3) -> CommitResult:
+               kind: DigestKind = DigestKind.XXH3, scrub_first: bool = False) -> CommitResult:
+        """`scrub_first`: the digests were taken on trust (not re-hashed by the daemon): each
+        committed page joins the scrub's fresh queue, ahead of the at-rest cycle."""
         res = self._reservations.pop(reservation_id, None)
         if res is None:
             raise InvalidRequest(f"reservation {reservation_id} is not open (committed, aborted or expired)")
@@ -520,6 +551,8 @@ class Catalog:
             if self._shm is not None:
                 self._shm.insert(key, self._fps[res.ns], page)
             self._ghosts.pop((res.tenant, res.ns, key), None)
+            if scrub_first:
+                self._unscrubbed[page] = int(self.gen[page])  # a freed page's entry went with it
             committed += 1
         self.counters["commits"] += committed
         return CommitResult(committed, tuple(rejected))
@@ -531,17 +564,61 @@ class Catalog:
         return KINDS[int(self.kind[page])]
 
     def discard(self, page: int, generation: int) -> bool | None:
-        """Drop a committed page whose bytes no longer match its digest (found at rest). True:
-        dropped; False: a loader holds it (it verifies on its own; try again later); None:
-        the page no longer holds that commit (evicted or reused since)."""
+        """Drop a committed page whose bytes no longer match its digest (found at rest by the
+        scrub, or by the daemon's check of a loader's report). It leaves the index and the
+        segment's index at once (a later lookup of its block misses as `evicted`: a ghost,
+        as an eviction leaves; the pool no longer has it, a network tier may). An unleased
+        page is freed at once; a leased one is DROPPED, freed when its last lease is released
+        (a loader holding it re-checks its digest itself). True: dropped; None: the page no
+        longer holds that commit (evicted, dropped or reused since)."""
         if self.committed_as(page, generation) is None:
             return None
-        if not self._may_evict(page):
-            return False
         self._unindex(page)
-        self._free_page(page)
+        self._unscrubbed.pop(page, None)
         self.counters["discarded_corrupt"] += 1
+        if self._may_evict(page):
+            self._free_page(page)
+        else:
+            self.state[page] = PageState.DROPPED
+            self._unlink(page)  # never an eviction candidate again; _unpin frees it
         return True
+
+    # -- the scrub's queue and cursor --------------------------------------------------
+    def scrub_fresh(self, n: int) -> list[tuple[int, int]]:
+        """Up to `n` of the oldest commits taken on trust and not yet scrubbed, as (page,
+        generation); they stay queued until scrubbed() or until their page is freed."""
+        return list(itertools.islice(self._unscrubbed.items(), max(0, n)))
+
+    def scrubbed(self, page: int, generation: int) -> None:
+        """The first scrub of that commit is over (whatever it found)."""
+        if self._unscrubbed.get(page) == generation:
+            del self._unscrubbed[page]
+
+    def scrub_queued(self) -> int:
+        """Entries of the fresh queue: at most num_pages, whatever the churn."""
+        return len(self._unscrubbed)
+
+    def scrub_cycle(self, n: int) -> list[tuple[int, int]]:
+        """The next `n` committed pages (page, generation) of the at-rest pass, a cursor over
+        the page ids that wraps around (counted in `scrub_cycles`): every committed page, of
+        every digest kind, is visited once per cycle of at most num_pages / n calls. O(1)
+        memory; one vectorised scan of the states per call."""
+        if n <= 0:
+            return []
+        total = self.config.num_pages
+        start = self._scrub_cursor
+        picked = np.flatnonzero(self.state[start:] == PageState.COMMITTED)[:n] + start
+        if len(picked) < n:  # past the last page: the cycle is over, the next begins at page 0
+            self.counters["scrub_cycles"] += 1
+            more = np.flatnonzero(self.state[:start] == PageState.COMMITTED)[: n - len(picked)]
+            picked = np.concatenate([picked, more])
+            self._scrub_cursor = int(more[-1]) + 1 if len(more) else 0
+        else:
+            self._scrub_cursor = int(picked[-1]) + 1
+        if self._scrub_cursor >= total:
+            self._scrub_cursor = 0
+            self.counters["scrub_cycles"] += 1
+        return [(int(p), int(self.gen[p])) for p in picked]
 
     def abort(self, reservation_id: int) -> int:
         res = self._reservations.pop(reservation_id, None)
@@ -564,6 +641,7 @@ class Catalog:
 
     # -- freeing and eviction ----------------------------------------------------------
     def _free_page(self, page: int) -> None:
+        self._unscrubbed.pop(page, None)
         self.state[page] = PageState.FREE
         self.length[page] = 0
         self.ns_of[page] = -1
@@ -722,6 +800,7 @@ class Catalog:
             "open_reservations": len(self._reservations),
             "open_leases": len(self._leases),
             "ghosts": len(self._ghosts),
+            "dropped_pages": int(np.count_nonzero(self.state == PageState.DROPPED)),
             "entries": sum(len(ix) for ix in self._index),
             **self.counters,
             **{f"miss_{c.value}": n for c, n in self.miss_counters.items()},

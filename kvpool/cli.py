@@ -95,6 +95,16 @@ def serve_parser(serve: argparse.ArgumentParser) -> argparse.ArgumentParser:
     serve.add_argument("--trust-commits", action="store_true",
                        help="commit xxh3-128 pages without re-hashing them (their loaders verify every page; "
                             "the scrub re-takes them at rest), as kv-sketch-1 pages always are")
+    serve.add_argument("--scrub-interval", type=float, default=0.05,
+                       help="seconds between the scrub's rounds (each tenant segment, each round: the fresh "
+                            "pages, then the pass at rest)")
+    serve.add_argument("--scrub-fresh-pages", type=int, default=16,
+                       help="per round: commits taken on trust, first scrub (default 320 pages/s)")
+    serve.add_argument("--scrub-rest-rate", type=parse_size, default="8MiB",
+                       help="bytes per second of the cyclic pass at rest over every committed page of every "
+                            "digest kind, per tenant segment (at least one page a round)")
+    serve.add_argument("--scrub-rest-pages", type=int, default=None,
+                       help="per round: pages of the pass at rest (overrides --scrub-rest-rate); 0: no pass")
     serve.add_argument("--heartbeat-s", type=float, default=0.02,
                        help="seconds between the daemon's heartbeats in each segment (same-host clients probe its "
                             "index without a round trip only while the heartbeat is fresh); 0: none")
@@ -132,6 +142,8 @@ def config_from_args(args: argparse.Namespace) -> PoolConfig:
         hello_timeout_s=args.hello_timeout, max_hello_frame=args.max_hello_frame,
         max_unauthenticated=args.max_unauthenticated, admins=frozenset(args.admin), quotas=_quotas(args.quota),
         verify_commits=not args.trust_commits, heartbeat_s=args.heartbeat_s, metrics_addr=args.metrics,
+        scrub_interval_s=args.scrub_interval, scrub_pages_per_round=args.scrub_fresh_pages,
+        scrub_rest_pages_per_round=args.scrub_rest_pages, scrub_rest_bytes_per_s=args.scrub_rest_rate,
     )
 
 

@@ -15,7 +15,9 @@
                      client's timeout plus w. w = 0 (the default): answer at once.
   publish(...)       reserve -> write -> commit, with digests; returns what became visible.
   load(...)          acquire (lease) -> copy each page into the caller's buffer -> digest
-                     the installed bytes -> release (generation re-check). With a
+                     the installed bytes -> (a page that fails the check: reported with
+                     report_corrupt, where the backend has it, while the lease holds it)
+                     -> release (generation re-check). With a
                      deadline, every pool call of the load (and the wait for the client's
                      lock behind another thread's call) ends by it: a stalled pool costs
                      the load its deadline, not the client's timeout per call.
@@ -55,6 +57,7 @@ from kvpool.arena import Arena
 from kvpool.catalog import (
     AcquireResult,
     CommitResult,
+    CorruptOutcome,
     EvictOutcome,
     LookupResult,
     Miss,
@@ -493,6 +496,12 @@ class PoolClient:
     def stats(self) -> dict[str, int]:
         return dict(self._expect(P.Stats(), P.StatsOk).stats)
 
+    def report_corrupt(self, lease_id: int, indexes: Sequence[int]) -> list[CorruptOutcome]:
+        """Tell the daemon that these pages of a lease still held failed the loader's digest
+        check. It re-hashes them at rest and drops those that are corrupt there (dropped);
+        a page whose bytes at rest match stays (intact: the copy went wrong on this side)."""
+        return list(self._expect(P.ReportCorrupt(lease_id, [int(i) for i in indexes]), P.ReportOk).outcomes)
+
     def metrics_text(self) -> str:
         return self._expect(P.Metrics(), P.MetricsOk).text
 
@@ -562,6 +571,7 @@ def _load(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes], dest: De
     loaded = 0
     miss: Miss | None = None
     lease: AcquireResult | None = None
+    refused = -1  # the lease's index of a page that failed the digest check
     try:
         lease = backend.acquire(ns, hashes)
         miss = lease.miss
@@ -576,6 +586,7 @@ def _load(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes], dest: De
             loaded += 1
     except CorruptPage:
         miss = Miss(loaded, MissCause.CORRUPT)
+        refused = loaded
     except PoolTimeout:
         miss = Miss(loaded, MissCause.TIMEOUT)
     except Busy:  # the daemon had no room for this client (a reconnect past max_clients) or its request
@@ -586,6 +597,8 @@ def _load(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes], dest: De
         miss = Miss(loaded, MissCause.TRANSPORT_ERROR)
     finally:
         if lease is not None and lease.lease_id:
+            if refused >= 0:
+                _report_corrupt(backend, lease, refused, metrics)
             try:
                 stale = set(backend.release(lease.lease_id).stale)
             except (PoolTimeout, TransportError, LeaseLost, MalformedFrame):
@@ -608,3 +621,22 @@ def _load(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes], dest: De
             metrics.misses.labels(miss.cause.value).inc()
         metrics.loads.labels("hit" if loaded == requested else ("partial" if loaded else "miss")).inc()
     return LoadResult(requested, loaded, miss, seconds)
+
+
+def _report_corrupt(backend: PoolBackend, lease: AcquireResult, index: int, metrics: ClientMetrics | None) -> None:
+    """Report a page the load refused, its lease still held (the daemon re-checks it at rest
+    and drops it if it is corrupt there, so the next request does not load it again). The
+    load's outcome is the same either way: a report that fails is counted
+    (loads{result="report_failed"}), not raised. A backend without report_corrupt (a
+    wrapper that hides it) reports nothing."""
+    report = getattr(backend, "report_corrupt", None)
+    if report is None:
+        return
+    try:
+        outcomes = report(lease.lease_id, [index])
+    except PoolError:
+        if metrics is not None:
+            metrics.loads.labels("report_failed").inc()
+        return
+    if metrics is not None:
+        metrics.loads.labels(f"report_{outcomes[0].value}" if outcomes else "report_failed").inc()

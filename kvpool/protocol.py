@@ -23,7 +23,7 @@ from typing import Annotated, Union
 
 import msgspec
 
-from kvpool.catalog import EvictOutcome, Hits, Miss, Slot
+from kvpool.catalog import CorruptOutcome, EvictOutcome, Hits, Miss, Slot
 from kvpool.digest import DigestKind
 from kvpool.errors import ErrorCode, MalformedFrame, WrongVersion
 from kvpool.keys import Namespace
@@ -133,8 +133,21 @@ class Metrics(msgspec.Struct, tag="metrics", forbid_unknown_fields=True):
     pass
 
 
+MAX_REPORT_INDEXES = 65536  # a lease's pages at most (the blocks of one Acquire)
+
+
+class ReportCorrupt(msgspec.Struct, tag="report_corrupt", forbid_unknown_fields=True):
+    """The loader's digest check refused these pages of its lease (indexes into the lease's
+    pages, each at most once; the lease still held). The daemon re-hashes each at rest and
+    drops those whose bytes there do not match; it never drops a page on the word alone.
+    A longer list than MAX_REPORT_INDEXES is MALFORMED before its elements are read."""
+
+    lease_id: int
+    indexes: Annotated[list[int], msgspec.Meta(max_length=MAX_REPORT_INDEXES)]
+
+
 Request = Union[Hello, Ping, Lookup, Acquire, Release, Reserve, WritePages, Commit, Abort,
-                ReadPages, Evict, SetCapacity, SetLimits, Stats, Metrics]
+                ReadPages, Evict, SetCapacity, SetLimits, Stats, Metrics, ReportCorrupt]
 
 
 # -- replies ----------------------------------------------------------------------------
@@ -219,8 +232,12 @@ class Error(msgspec.Struct, tag="error"):
     message: str
 
 
+class ReportOk(msgspec.Struct, tag="report_ok"):
+    outcomes: list[CorruptOutcome]  # per reported index: dropped (corrupt at rest) or intact
+
+
 Reply = Union[HelloOk, Pong, LookupOk, AcquireOk, ReleaseOk, ReserveOk, WriteOk, CommitOk,
-              AbortOk, PagesOk, EvictOk, CapacityOk, LimitsOk, StatsOk, MetricsOk, Error]
+              AbortOk, PagesOk, EvictOk, CapacityOk, LimitsOk, StatsOk, MetricsOk, Error, ReportOk]
 
 _encoder = msgspec.msgpack.Encoder()
 _envelope = msgspec.msgpack.Decoder(Envelope)

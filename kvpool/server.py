@@ -21,13 +21,29 @@ Contracts:
     Unauthenticated error and is closed.
   * Commit by digest kind (kvpool.digest): xxh3-128 pages are re-hashed in the thread
     pool before they become visible (a mismatch is rejected, never visible; with
-    `verify_commits` off they are trusted and scrubbed like kv-sketch-1 pages); kv-sketch-1
-    pages (taken by a GPU over the KV it copied) are trusted at commit and scrubbed at
-    rest on a thread of their own (`scrub_pages_per_round` per `scrub_interval_s`): a
-    page whose bytes no longer match is dropped (stats `scrub_corrupt`; `scrubbed_pages`,
-    `scrub_gone` for pages evicted before their turn, `scrub_queued` for those not yet
-    scrubbed once; scrubbed pages are re-taken in a slow cycle). Loaders verify
-    every page they install whatever its kind.
+    `verify_commits` off they are trusted like kv-sketch-1 pages); kv-sketch-1 pages
+    (taken by a GPU over the KV it copied) are trusted at commit. Loaders verify every
+    page they install whatever its kind.
+  * The scrub, at rest, on a thread of its own, one round per `scrub_interval_s` per
+    tenant segment: first up to `scrub_pages_per_round` commits taken on trust and not
+    yet scrubbed (the fresh queue: at most one entry per page of the segment, an evicted
+    page's entry removed with it), then the next `scrub_rest_pages_per_round` committed
+    pages of a cyclic cursor over the page ids (every page of every digest kind, O(1)
+    memory; by default `scrub_rest_bytes_per_s`, 8 MiB/s, worth of pages a round, at least
+    one). With the defaults, at 64 KiB pages: 320 fresh pages/s, and 6 pages a round at
+    rest, 120 pages/s: a page corrupted at rest is found within one cycle, num_pages / 120
+    s (34 s for 4,096 pages); at 512 KiB pages, 1 page a round, 20 pages/s. A page whose
+    bytes no longer match its digest is dropped (Catalog.discard). Stats: `scrub_queued`
+    (fresh entries, at most `scrub_queue_bound`, the segment's pages), `scrubbed_pages`,
+    `scrub_corrupt`, `scrub_gone` (freed before their turn), `scrub_cycles`.
+  * A loader whose digest check refuses a leased page reports it (ReportCorrupt: indexes
+    of its own lease, each at most once). The daemon does not take its word: it re-hashes
+    the page at rest in the thread pool and, only if the bytes there do not match, drops
+    the page and its index entry at once (a later lookup misses as `evicted`); bytes that
+    match mean the copy went wrong on the loader's side, and the page stays (a buggy or
+    hostile loader cannot empty its tenant's pool of good pages this way, nor cost the
+    daemon more than a read of the pages it already leases). Stats `report_dropped`,
+    `report_intact`.
   * A client's open reservations and leases are dropped when its connection closes,
     and expire after their TTL in any case (an abandoned publish is reclaimed).
   * A lookup with `wait_pending_ms` whose first missing block is being published (an
@@ -69,7 +85,6 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import hmac
@@ -94,7 +109,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvpool import protocol as P
 from kvpool.arena import Arena, segment_label
-from kvpool.catalog import AdmissionPolicy, Catalog, CatalogConfig, LookupResult, LoadLimits, Miss
+from kvpool.catalog import AdmissionPolicy, Catalog, CatalogConfig, CorruptOutcome, LookupResult, LoadLimits, Miss
 from kvpool.digest import page_digest
 from kvpool.shm_index import ShmIndex
 from kvpool.errors import (
@@ -148,13 +163,17 @@ class PoolConfig:
     # address.json as "metrics". Empty: none (admins still read them over the socket).
     metrics_addr: str = ""
     max_lookup_wait_s: float = 2.0  # cap on a lookup's wait for a pending publish (Lookup.wait_pending_ms)
-    # The scrub of pages whose digest was trusted at commit (kv-sketch-1), on its own thread
-    # (never in the requests' way), one round per interval: at most `scrub_pages_per_round`
-    # pages not yet scrubbed, then `scrub_rest_pages_per_round` of the scrubbed ones again
-    # (a slow cycle over the pages at rest; 0: each page is scrubbed once).
+    # The scrub at rest, on its own thread (never in the requests' way), one round per interval
+    # and tenant segment: at most `scrub_pages_per_round` commits taken on trust and not yet
+    # scrubbed (the fresh queue, at most one entry per page: 320 pages/s by default), then the
+    # next committed pages of the cyclic pass over every page: `scrub_rest_pages_per_round`
+    # (0: no pass at rest), or by default `scrub_rest_bytes_per_s` worth of pages a round, at
+    # least one (8 MiB/s: xxh3-128 costs well under 1% of a core at that rate, kv-sketch-1's
+    # host reference some 7-25%).
     scrub_interval_s: float = 0.05
     scrub_pages_per_round: int = 16
-    scrub_rest_pages_per_round: int = 1
+    scrub_rest_pages_per_round: int | None = None
+    scrub_rest_bytes_per_s: int = 8 * 1024 * 1024
     # Re-hash xxh3-128 pages before they become visible (False: trust them as kv-sketch-1
     # pages are trusted, and scrub them at rest; every loader verifies every page anyway).
     verify_commits: bool = True
@@ -189,6 +208,12 @@ class PoolConfig:
                                  f"quota: less than one page each")
         return {t: self.quotas.get(t, share) for t in self.tenants}
 
+    def scrub_rest_pages(self) -> int:
+        """Pages of the scrub's pass at rest per round and tenant segment."""
+        if self.scrub_rest_pages_per_round is not None:
+            return self.scrub_rest_pages_per_round
+        return max(1, round(self.scrub_rest_bytes_per_s * self.scrub_interval_s / self.page_size))
+
     def resolved_run_dir(self) -> Path:
         return self.run_dir if self.run_dir is not None else default_run_dir(self.name)
 
@@ -214,12 +239,10 @@ class _TenantPool:
     lease_started: dict[int, float] = dataclasses.field(default_factory=dict)
     waits: dict[str, int] = dataclasses.field(
         default_factory=lambda: {"lookup_waits": 0, "lookup_wait_us": 0, "lookup_waiting": 0})
-    # (page, generation) of commits trusted at commit and not yet scrubbed, oldest first;
-    # then the scrubbed ones, re-taken in turn while they stay committed
-    scrub: collections.deque[tuple[int, int]] = dataclasses.field(default_factory=collections.deque)
-    scrub_rest: collections.deque[tuple[int, int]] = dataclasses.field(default_factory=collections.deque)
+    # the scrub's and the loaders' reports' outcomes (the queue and cursor are the catalog's)
     scrubbed: dict[str, int] = dataclasses.field(
-        default_factory=lambda: {"scrubbed_pages": 0, "scrub_corrupt": 0, "scrub_gone": 0})
+        default_factory=lambda: {"scrubbed_pages": 0, "scrub_corrupt": 0, "scrub_gone": 0,
+                                 "report_dropped": 0, "report_intact": 0})
 
 
 class PoolAlreadyRunning(PoolError):
@@ -241,6 +264,11 @@ class PoolDaemon:
                  arena_factory: ArenaFactory = Arena.anonymous):
         if not config.tenants:
             raise InvalidRequest("a pool needs at least one tenant token (PoolConfig.tenants)")
+        if not (config.scrub_interval_s > 0 and config.scrub_pages_per_round >= 0
+                and config.scrub_rest_bytes_per_s >= 0 and config.scrub_rest_pages() >= 0):
+            raise InvalidRequest(f"the scrub needs an interval > 0 and rates >= 0, got interval "
+                                 f"{config.scrub_interval_s} s, {config.scrub_pages_per_round} fresh pages a round, "
+                                 f"{config.scrub_rest_pages()} pages a round at rest")
         self.config = config
         self._quota = config.tenant_pages()
         self._catalog_factory = catalog_factory
@@ -474,46 +502,86 @@ class PoolDaemon:
             await asyncio.sleep(self.config.heartbeat_s)
 
     async def _scrub(self) -> None:
-        """Re-take the digest of every page committed on trust, at rest: once soon after its
-        commit, then in a slow cycle. A page that no longer holds that commit is skipped
-        (`scrub_gone`); one whose bytes do not match is dropped from the pool
-        (`scrub_corrupt`; while a loader holds it, it re-checks it itself, and the page is
-        looked at again after the release)."""
+        """Re-take the digest of committed pages at rest, one round per interval and tenant
+        segment: the fresh commits taken on trust first, then the cyclic pass over every
+        committed page. A page that no longer holds that commit is skipped (`scrub_gone`);
+        one whose bytes do not match is dropped from the pool (`scrub_corrupt`; a loader
+        holding it re-checks it itself, and its page is freed at the release)."""
         cfg = self.config
         while True:
             await asyncio.sleep(cfg.scrub_interval_s)
             for tp in self.pools.values():
-                for _ in range(min(cfg.scrub_pages_per_round, len(tp.scrub))):
-                    page, gen = tp.scrub[0]  # still queued (in the stats) until its outcome is counted
-                    await self._scrub_page(tp, page, gen)
-                    tp.scrub.popleft()
-                for _ in range(min(cfg.scrub_rest_pages_per_round, len(tp.scrub_rest))):
-                    page, gen = tp.scrub_rest.popleft()
-                    await self._scrub_page(tp, page, gen)
+                fresh = tp.catalog.scrub_fresh(cfg.scrub_pages_per_round)
+                await self._scrub_pages(tp, fresh + self._scrub_targets(tp), len(fresh))
 
-    async def _scrub_page(self, tp: _TenantPool, page: int, gen: int) -> None:
+    def _scrub_targets(self, tp: _TenantPool) -> list[tuple[int, int]]:
+        """This round's pages of the pass at rest."""
+        return tp.catalog.scrub_cycle(self.config.scrub_rest_pages())
+
+    async def _scrub_pages(self, tp: _TenantPool, targets: list[tuple[int, int]], fresh: int) -> None:
+        """Hash `targets` (page, generation) in one trip to the scrub's thread; the first
+        `fresh` of them leave the fresh queue once their outcome is counted."""
         cat = tp.catalog
-        kind = cat.committed_as(page, gen)
-        if kind is None:
-            tp.scrubbed["scrub_gone"] += 1
-            return
-        want = cat.digest[page].tobytes()
-        view = tp.arena.page(page, int(cat.length[page]))
-        got = await self._loop.run_in_executor(self._scrub_executor, page_digest, view, kind)
-        if cat.committed_as(page, gen) is None:  # freed or reused while it was hashed
-            tp.scrubbed["scrub_gone"] += 1
-            return
-        if hmac.compare_digest(got, want):
-            tp.scrubbed["scrubbed_pages"] += 1
-            tp.scrub_rest.append((page, gen))  # its next turn at rest
-            return
-        dropped = cat.discard(page, gen)
-        if dropped is False:  # leased: its loader verifies it; look again after the release
-            tp.scrub.append((page, gen))
-            return
-        tp.scrubbed["scrub_corrupt"] += 1
-        log.warning("kvgate pool %s: tenant %s page %d (generation %d) no longer matches its %s digest at rest: "
-                    "dropped", self.config.name, tp.tenant, page, gen, kind.value)
+        jobs = []
+        for page, gen in targets:
+            kind = cat.committed_as(page, gen)
+            if kind is not None:
+                jobs.append((page, gen, kind, cat.digest[page].tobytes(), tp.arena.page(page, int(cat.length[page]))))
+        if jobs:
+            got = await self._loop.run_in_executor(
+                self._scrub_executor, lambda: [page_digest(view, kind) for _, _, kind, _, view in jobs])
+        else:
+            got = []
+        hashed = {(page, gen): (kind, want, digest) for (page, gen, kind, want, _), digest in zip(jobs, got)}
+        for i, (page, gen) in enumerate(targets):
+            found = hashed.get((page, gen))
+            if found is None or cat.committed_as(page, gen) is None:  # freed or reused (maybe while hashed)
+                tp.scrubbed["scrub_gone"] += 1
+            elif hmac.compare_digest(found[2], found[1]):
+                tp.scrubbed["scrubbed_pages"] += 1
+            else:
+                cat.discard(page, gen)
+                tp.scrubbed["scrub_corrupt"] += 1
+                log.warning("kvgate pool %s: tenant %s page %d (generation %d) no longer matches its %s digest at "
+                            "rest: dropped", self.config.name, tp.tenant, page, gen, found[0].value)
+            if i < fresh:
+                cat.scrubbed(page, gen)
+
+    async def _report_corrupt(self, session: _Session, op: P.ReportCorrupt) -> P.ReportOk:
+        """A loader's digest check refused these pages of its lease: re-hash each at rest
+        and drop the ones whose bytes there do not match (see the module docstring)."""
+        tp = self.pools[session.tenant]
+        cat = tp.catalog
+        pages = self._own_lease(session, op.lease_id)
+        if len(op.indexes) > len(pages) or len(set(op.indexes)) != len(op.indexes):
+            raise InvalidRequest(f"{len(op.indexes)} indexes for a lease of {len(pages)} pages: each at most once")
+        generations = cat._leases[op.lease_id].generations  # noqa: SLF001 - the daemon owns the catalog
+        targets = []
+        for i in op.indexes:
+            if not 0 <= i < len(pages):
+                raise InvalidRequest(f"index {i} outside lease of {len(pages)} pages")
+            targets.append((pages[i], generations[i]))
+        jobs = []
+        for page, gen in targets:
+            kind = cat.committed_as(page, gen)  # None: dropped already (a leased page is never reused)
+            if kind is not None:
+                jobs.append((page, gen, kind, cat.digest[page].tobytes(), tp.arena.page(page, int(cat.length[page]))))
+        got = await self._offload(lambda: [page_digest(view, kind) for _, _, kind, _, view in jobs])
+        hashed = {(page, gen): (kind, want, digest) for (page, gen, kind, want, _), digest in zip(jobs, got)}
+        outcomes = []
+        for page, gen in targets:
+            found = hashed.get((page, gen))
+            if found is None or cat.committed_as(page, gen) is None or not hmac.compare_digest(found[2], found[1]):
+                if cat.discard(page, gen):
+                    tp.scrubbed["report_dropped"] += 1
+                    log.warning("kvgate pool %s: tenant %s page %d (generation %d), reported corrupt by client %d, "
+                                "no longer matches its %s digest at rest: dropped", self.config.name, tp.tenant,
+                                page, gen, session.client, found[0].value if found else "?")
+                outcomes.append(CorruptOutcome.DROPPED)
+            else:
+                tp.scrubbed["report_intact"] += 1
+                outcomes.append(CorruptOutcome.INTACT)
+        return P.ReportOk(outcomes)
 
     # -- handing a tenant its segment --------------------------------------------------------
     def _attach_socket(self) -> socket.socket:
@@ -699,11 +767,14 @@ class PoolDaemon:
         if isinstance(op, P.Metrics):
             self._refresh_gauges()
             return P.MetricsOk(self.metrics.exposition())
+        if isinstance(op, P.ReportCorrupt):
+            return self._report_corrupt(session, op)
         raise InvalidRequest(f"unhandled op {type(op).__name__}")
 
     @staticmethod
     def _tenant_stats(tp: _TenantPool) -> dict[str, int]:
-        stats = {**tp.catalog.stats(), **tp.waits, **tp.scrubbed, "scrub_queued": len(tp.scrub)}
+        stats = {**tp.catalog.stats(), **tp.waits, **tp.scrubbed, "scrub_queued": tp.catalog.scrub_queued(),
+                 "scrub_queue_bound": tp.catalog.config.num_pages}
         own = tp.catalog.tenant_stats(tp.tenant)
         return {**stats, **own}
 
@@ -812,11 +883,8 @@ class PoolDaemon:
         if not (op.kind.verified_at_commit and self.config.verify_commits):
             # Trusted at commit (the writer took it over the bytes it copied; every loader
             # re-takes it over what it installed); the scrub re-takes it at rest.
-            res = cat.commit(op.reservation_id, list(op.digests), op.kind)
+            res = cat.commit(op.reservation_id, list(op.digests), op.kind, scrub_first=True)
             self._wake_closed(tp)
-            for p in pages:
-                if cat.committed_as(p, int(cat.gen[p])) is not None:
-                    tp.scrub.append((p, int(cat.gen[p])))
             self.metrics.bytes_written.inc(sum(n for n, p in zip(lengths, pages) if cat.state[p]))
             return P.CommitOk(res.committed, list(res.rejected))
 

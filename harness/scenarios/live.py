@@ -370,7 +370,9 @@ def load_poison(cluster: Cluster, corpus: Corpus, seed: int, block: int = 5, con
     nothing: blocks 0-9 A's run from the start under another salt (nothing pooled there),
     blocks 10-29 B's own run of the prompt on its prefix cache of the first k blocks (B
     computes them first as a prompt of their own), which starts computing at block k as
-    B's recompute did. The producer's own bytes are no reference here: in the poisoned case
+    B's recompute did. Block k itself is B's too: B's loader reported it corrupt and the
+    pool, finding it corrupt at rest (the flip is healed only at the release), dropped it;
+    B's recompute published it again. The producer's own bytes are no reference here: in the poisoned case
     they are the wrong bytes. The output is held to the fault-free run that loads the k
     verified blocks from the pool (`fault_free_reference`).
 
@@ -406,15 +408,17 @@ def load_poison(cluster: Cluster, corpus: Corpus, seed: int, block: int = 5, con
             key_of.update(zip(r["hashes"], r["keys"]))
             index_of.update((x, r["first_block"] + j) for j, x in enumerate(r["hashes"]))
     # The clean computations, by replicas that load nothing, each in the partition of the
-    # pooled copy it is held to: blocks 0-9 were published by A (its prompt computed from the
-    # start: A's run under the reference salt, where nothing was pooled), 10-29 by B's
-    # recompute (from block k on): B's own run on its prefix cache of the first k blocks.
+    # pooled copy it is held to: blocks 0-9 but k were published by A (its prompt computed from
+    # the start: A's run under the reference salt, where nothing was pooled), k (dropped by the
+    # pool on B's report) and 10-29 by B's recompute (from block k on): B's own run on its
+    # prefix cache of the first k blocks.
     clean_a = audit_digests(h, "produced", f"{tag}-refa", "A")
     clean_b = audit_digests(h, "produced", f"{tag}-lf", "B")
     refa_lookup, lf_lookup = _one(h, "lookup", tag=f"{tag}-refa"), _one(h, "lookup", tag=f"{tag}-lf")
     pooled = pool_digests(cluster.pool, namespace_of(h, "B"), list(key_of.values()))
     hash_of = {v: k for k, v in key_of.items()}
-    want = {x: (clean_a if index_of[x] < 10 else clean_b).get(x) for x in (hash_of[k] for k in pooled)}
+    want = {x: (clean_a if index_of[x] < 10 and index_of[x] != block else clean_b).get(x)
+            for x in (hash_of[k] for k in pooled)}
     compared = [x for x, d in want.items() if d is not None]
     differ = sorted(index_of[x] for x in compared if pooled[key_of[x]] != want[x])
     withheld = records(h, "publish_withheld", tag=f"{tag}-b", replica="B")

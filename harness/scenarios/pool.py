@@ -95,7 +95,9 @@ def miss_causes(seed: int) -> Verdict:
     """Each cause injected once, in a seeded order; each must be reported as itself."""
     rng = random.Random(seed)
     page = 4096
-    pool = PoolProcess.start(page_size=page, num_pages=32, extra_args=("--max-loads-per-client", "1"))
+    # no scrub pass at rest: the corrupt probe's page is met by its loader, not dropped first
+    pool = PoolProcess.start(page_size=page, num_pages=32,
+                             extra_args=("--max-loads-per-client", "1", "--scrub-rest-pages", "0"))
     observed: dict[str, str] = {}
     try:
         c = pool.client(name="probe")

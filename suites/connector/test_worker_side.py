@@ -27,7 +27,8 @@ PAGE = LAYERS * HEADS * B * 2 * HEAD * 2  # one block of every layer, bf16
 
 @pytest.fixture
 def pool():
-    d = thread_pool(page_size=PAGE, num_pages=64)
+    # no scrub pass at rest: a page corrupted in prepare() is met by the worker's load
+    d = thread_pool(page_size=PAGE, num_pages=64, scrub_rest_pages_per_round=0)
     yield d
     d.stop_thread()
 

@@ -24,7 +24,9 @@ from harness.system.pool import PoolProcess
 def gpu_pool(tmp_path_factory):
     from harness.scenarios.gpu_transfer import POOL_PAGE
 
-    pool = PoolProcess.start(page_size=POOL_PAGE, num_pages=512, run_dir=tmp_path_factory.mktemp("gpu-pool"))
+    # no scrub pass at rest: a page the tests corrupt at rest is met by the engine's load
+    pool = PoolProcess.start(page_size=POOL_PAGE, num_pages=512, run_dir=tmp_path_factory.mktemp("gpu-pool"),
+                             extra_args=("--scrub-rest-pages", "0"))
     try:
         yield pool
         assert pool.stop() == 0

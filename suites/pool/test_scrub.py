@@ -85,9 +85,9 @@ def test_a_page_corrupted_at_rest_is_dropped_by_the_scrub(scrub, test_seed):
 
 def test_a_trusted_commit_is_not_rehashed_but_a_lying_one_is_caught_by_its_loader(test_seed):
     """The daemon commits a kv-sketch-1 digest of other bytes as it is (no re-hash at
-    commit); the loader's check refuses the page (corrupt; the scrub, held off here so
-    that the loader meets the page first, would drop it); the same lie as xxh3-128 is
-    rejected at commit."""
+    commit); the loader's check refuses the page (corrupt) and reports it, and the daemon,
+    finding the bytes at rest do not match either, drops it (the scrub is held off here so
+    that the loader meets the page first); the same lie as xxh3-128 is rejected at commit."""
     rng = np.random.default_rng(test_seed)
     d = thread_pool(page_size=PAGE, num_pages=16, scrub_interval_s=3600.0)
     try:
@@ -107,7 +107,9 @@ def test_a_trusted_commit_is_not_rehashed_but_a_lying_one_is_caught_by_its_loade
                 got = load(c, NS, hashes, lambda i: np.zeros(PAGE, np.uint8))
                 assert got.loaded == 0 and got.miss.cause == MissCause.CORRUPT, got
                 stats = c.stats()
-                assert stats["scrub_queued"] == 1 and stats["scrubbed_pages"] == 0, stats
+                assert stats["report_dropped"] == 1 and stats["scrubbed_pages"] == 0, stats
+                assert stats["scrub_queued"] == 0 and stats["committed_pages"] == 0, stats
+                assert c.lookup(NS, hashes).miss.cause == MissCause.EVICTED
     finally:
         d.stop_thread()
 
@@ -130,7 +132,8 @@ def test_an_unknown_digest_kind_is_a_typed_refusal():
 def test_xxh3_commits_are_verified_unless_the_pool_trusts_them(verify, test_seed):
     """A wrong xxh3-128 digest is rejected at commit by default; a pool that trusts its
     commits (--trust-commits) makes it visible; it is never loaded (its loader refuses it,
-    or the scrub dropped it first) and the scrub drops it."""
+    or the scrub dropped it first) and it is dropped (by the scrub, or on the loader's
+    report, whichever comes first)."""
     rng = np.random.default_rng(test_seed)
     d = thread_pool(page_size=PAGE, num_pages=16, verify_commits=verify)
     try:
@@ -149,7 +152,7 @@ def test_xxh3_commits_are_verified_unless_the_pool_trusts_them(verify, test_seed
             got = load(c, NS, hashes, lambda i: np.zeros(PAGE, np.uint8))
             # the loader refuses it, or the scrub already dropped it: either way it is never loaded
             assert got.loaded == 0 and got.miss.cause in (MissCause.CORRUPT, MissCause.EVICTED), got
-            stats = _until(c, lambda s: s["scrub_corrupt"] == 1)
+            stats = _until(c, lambda s: s["scrub_corrupt"] + s["report_dropped"] == 1)
             assert len(c.lookup(NS, hashes).hits) == 0, stats
     finally:
         d.stop_thread()
