@@ -602,15 +602,18 @@ class Catalog:
         """The next `n` committed pages (page, generation) of the at-rest pass, a cursor over
         the page ids that wraps around (counted in `scrub_cycles`): every committed page, of
         every digest kind, is visited once per cycle of at most num_pages / n calls. O(1)
-        memory; one vectorised scan of the states per call."""
+        memory; one vectorised scan of the states per call. A page under a lease is passed
+        over: its loaders check it and report it (ReportCorrupt), so what a loader meets is
+        judged by the loader's report, not by when the cursor happens to pass."""
         if n <= 0:
             return []
         total = self.config.num_pages
         start = self._scrub_cursor
-        picked = np.flatnonzero(self.state[start:] == PageState.COMMITTED)[:n] + start
+        at_rest = (self.state == PageState.COMMITTED) & (self.leases_on == 0)
+        picked = np.flatnonzero(at_rest[start:])[:n] + start
         if len(picked) < n:  # past the last page: the cycle is over, the next begins at page 0
             self.counters["scrub_cycles"] += 1
-            more = np.flatnonzero(self.state[:start] == PageState.COMMITTED)[: n - len(picked)]
+            more = np.flatnonzero(at_rest[:start])[: n - len(picked)]
             picked = np.concatenate([picked, more])
             self._scrub_cursor = int(more[-1]) + 1 if len(more) else 0
         else:

@@ -9,13 +9,15 @@ and harness.scenarios.hostile's):
      "control": {"name": "hide_failures", "params": {...},       (optional)
                  "oracle": "byte-exact", "because": "words of its reason"},
      "seeds": 3,                                                  (optional cap)
-     "expect": {"load_causes": ["corrupt"], "lookup_causes": []},
+     "expect": {"load_causes": ["corrupt"], "lookup_causes": [],
+                "load_causes_allowed": []},                       (optional)
      "description": "..."}
 
 A scenario is data: its workload and nemesis (the runner and its params; the fault kind,
 whose site and heal step faults.schedule names), the miss causes its run must show
-(`expect`: exactly these load causes besides hits; at least these lookup causes besides
-never_published), its negative control and the oracle that must catch that control.
+(`expect`: exactly these load causes besides hits, and at most the allowed ones where an
+adversary's timing decides whether a load meets its attempt; at least these lookup causes
+besides never_published), its negative control and the oracle that must catch that control.
 
   catalog_dir()          where the catalog's files are (the installed package data)
   load_catalog(dir)      every scenario, sorted by name; a bad file is an error (ScenarioError).
@@ -81,6 +83,7 @@ class Scenario:
     # (the system a scenario runs on follows from its replicas: G and H are the hosts')
     expect_load_causes: tuple[str, ...] = ()  # the causes its loads end with, exactly (hits aside)
     expect_lookup_causes: tuple[str, ...] = ()  # causes its lookups must include (never_published aside)
+    allow_load_causes: tuple[str, ...] = ()  # causes its loads may also end with (an adversary's timing decides)
 
     @classmethod
     def from_file(cls, path: Path) -> Scenario:
@@ -116,13 +119,15 @@ class Scenario:
                               str(control.get("because", "")))
         expect = data.get("expect", {})
         causes = {c.value for c in MissCause}
-        if not isinstance(expect, dict) or set(expect) - {"load_causes", "lookup_causes"} or any(
-                c not in causes for c in [*expect.get("load_causes", []), *expect.get("lookup_causes", [])]):
-            raise ScenarioError(f"{path}: expect takes load_causes and lookup_causes, lists of {sorted(causes)}; "
+        if not isinstance(expect, dict) or set(expect) - {"load_causes", "lookup_causes", "load_causes_allowed"} or any(
+                c not in causes for c in [*expect.get("load_causes", []), *expect.get("lookup_causes", []),
+                                          *expect.get("load_causes_allowed", [])]):
+            raise ScenarioError(f"{path}: expect takes load_causes, lookup_causes and load_causes_allowed, lists of "
+                                f"{sorted(causes)}; "
                                 f"got {expect!r}")
         return cls(data["name"], data["runner"], fault, replicas, dict(data.get("params", {})), control,
                    str(data.get("description", "")), data.get("seeds"), tuple(expect.get("load_causes", ())),
-                   tuple(expect.get("lookup_causes", ())))
+                   tuple(expect.get("lookup_causes", ())), tuple(expect.get("load_causes_allowed", ())))
 
 
 def load_catalog(directory: Path | None = None) -> list[Scenario]:

@@ -94,7 +94,7 @@ def _judge(cluster: Cluster, run: _Run, sc: Scenario | None = None) -> tuple[lis
     be = BE.byte_exact(run.recs, pool_digest, run.namespaces)
     mc = miss_causes(run.recs)
     if sc is not None:
-        ex = expected_causes(run.recs, sc.expect_load_causes, sc.expect_lookup_causes)
+        ex = expected_causes(run.recs, sc.expect_load_causes, sc.expect_lookup_causes, sc.allow_load_causes)
         reason = mc.reason if ex.valid else (ex.reason + ("; " + mc.reason if mc.valid is False else ""))
         mc = Verdict(mc.valid if ex.valid else False, reason, {**mc.evidence, "declared": ex.evidence}, mc.not_checked)
     policies = {name: r.spec.policy for name, r in cluster.replicas.items()}
