@@ -50,8 +50,8 @@ class _Reader:
     def __getattr__(self, name: str):  # noqa: ANN204 - put, exists, remove, close, auth, get_record
         return getattr(self.inner, name)
 
-    def _parts(self, ns: Namespace, block_hash: bytes):  # noqa: ANN202
-        blob = self.inner.get_record(ns, block_hash)
+    def _parts(self, ns: Namespace, block_hash: bytes, max_page_bytes: int | None = None):  # noqa: ANN202
+        blob = self.inner.get_record(ns, block_hash, max_page_bytes)
         if not blob:  # Redis: None; Mooncake: b''
             return None
         _tag, header, data = split_record(blob)  # the defect: the tag is never checked
@@ -64,8 +64,8 @@ class _Reader:
 class BlindTier(_Reader):
     """Negative controls only."""
 
-    def get(self, ns: Namespace, block_hash: bytes) -> TierPage | None:
-        parts = self._parts(ns, block_hash)
+    def get(self, ns: Namespace, block_hash: bytes, max_page_bytes: int | None = None) -> TierPage | None:
+        parts = self._parts(ns, block_hash, max_page_bytes)
         if parts is None:
             return None
         _header, data = parts
@@ -75,8 +75,8 @@ class BlindTier(_Reader):
 class UnauthenticatedTier(_Reader):
     """Negative controls only."""
 
-    def get(self, ns: Namespace, block_hash: bytes) -> TierPage | None:
-        parts = self._parts(ns, block_hash)
+    def get(self, ns: Namespace, block_hash: bytes, max_page_bytes: int | None = None) -> TierPage | None:
+        parts = self._parts(ns, block_hash, max_page_bytes)
         if parts is None:
             return None
         header, data = parts  # the defect: header.block_hash is never compared with block_hash

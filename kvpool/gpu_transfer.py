@@ -130,7 +130,7 @@ import numpy as np
 import torch
 
 from kvpool.catalog import AcquireResult, Miss, ReserveResult, SlotStatus
-from kvpool.client import PoolBackend
+from kvpool.client import PoolBackend, _report_corrupt
 from kvpool.digest import DIGEST_BYTES, SKETCH_COLS, SKETCH_ROW, DigestKind, page_digest, sketch_rows
 from kvpool.gpu_sketch import Sketcher, digests as sketch_digests, staged_width
 from kvpool.errors import (
@@ -1552,6 +1552,12 @@ class TransferEngine:
     def _finish_load(self, handle: LoadHandle, lease: AcquireResult) -> tuple[tuple[int, ...], tuple[str, ...],
                                                                              MissCause | None]:
         self._await_copy(handle._done)
+        miss = handle.miss
+        if miss is not None and miss.cause is MissCause.CORRUPT and lease.lease_id \
+                and miss.index < len(lease.hits.pages):
+            # the page that failed its check on the GPU, its lease still held: the daemon
+            # re-checks it at rest and drops it if it is corrupt there (kvpool.client)
+            _report_corrupt(self.backend, lease, miss.index, None)
         stale_pages, error, unverified = self._release(lease)
         moved = set(stale_pages)
         stale = tuple(i for i in range(handle.loaded) if lease.hits.pages[i] in moved)

@@ -8,12 +8,15 @@ pages go to an existing distributed store through one interface:
     .put(ns, block_hash, page, digest) -> bool
                         store one page (complete or invisible: a reader never sees part of
                         one); False when the store refused it (full, or not admitted)
-    .get(ns, block_hash) -> TierPage | None
+    .get(ns, block_hash, max_page_bytes=None) -> TierPage | None
                         the page as stored, authenticated and checked (below); None when the
                         store has no such key (never stored, or evicted: the store cannot
-                        tell which)
-    .get_record(ns, block_hash) -> bytes | None
-                        the raw record under the block's key, unchecked (what .get decodes)
+                        tell which). With `max_page_bytes`, a record longer than
+                        record_bound(max_page_bytes) is TierCorrupt and is never read whole
+                        (a store client cannot make a reader allocate more than one page)
+    .get_record(ns, block_hash, max_page_bytes=None) -> bytes | None
+                        the raw record under the block's key, unchecked (what .get decodes),
+                        bounded as .get is
     .exists(ns, hashes) -> int
                         how many of `hashes`, from the first, the store holds (advisory, as
                         a host-pool lookup is: the get is what counts)
@@ -240,6 +243,19 @@ _HEADER_ENCODER = msgspec.msgpack.Encoder()
 _HEADER_DECODER = msgspec.msgpack.Decoder(RecordHeader)
 
 
+MAX_HEADER_BYTES = 4096  # a record's header (the writer's namespace, the block, its digest): a few hundred bytes
+
+
+def record_bound(max_page_bytes: int) -> int:
+    """The most bytes a record of a page of at most `max_page_bytes` can have."""
+    return TAG_BYTES + _LENGTH_PREFIX + MAX_HEADER_BYTES + int(max_page_bytes)
+
+
+def record_too_long(size: int, max_page_bytes: int) -> TierCorrupt:
+    return TierCorrupt(f"a record of {size}+ bytes under this key; a page here has at most {max_page_bytes} "
+                       f"(a record is at most {record_bound(max_page_bytes)}): not read")
+
+
 def namespace_digest(ns: Namespace) -> str:
     return hashlib.blake2b(msgspec.msgpack.encode(ns), digest_size=12).hexdigest()
 
@@ -333,8 +349,8 @@ class Tier(Protocol):
 
     def put(self, ns: Namespace, block_hash: bytes, page: bytes | memoryview, digest: bytes,
             kind: DigestKind = DigestKind.XXH3) -> bool: ...
-    def get(self, ns: Namespace, block_hash: bytes) -> TierPage | None: ...
-    def get_record(self, ns: Namespace, block_hash: bytes) -> bytes | None: ...
+    def get(self, ns: Namespace, block_hash: bytes, max_page_bytes: int | None = None) -> TierPage | None: ...
+    def get_record(self, ns: Namespace, block_hash: bytes, max_page_bytes: int | None = None) -> bytes | None: ...
     def exists(self, ns: Namespace, hashes: list[bytes]) -> int: ...
     def remove(self, ns: Namespace, block_hash: bytes) -> None: ...
     def close(self) -> None: ...
@@ -363,8 +379,9 @@ def tier_load(tier: Tier, ns: Namespace, hashes: Sequence[bytes], dest: Callable
         if deadline_s is not None and time.monotonic() - t0 > deadline_s:
             miss = Miss(i, MissCause.TIMEOUT)
             break
+        target = as_segments(dest(i))
         try:
-            page = tier.get(ns, h)
+            page = tier.get(ns, h, max_page_bytes=total_size(target))
         except TierIncompatible as exc:
             miss = Miss(i, exc.cause, exc.fields)
             break
@@ -374,7 +391,6 @@ def tier_load(tier: Tier, ns: Namespace, hashes: Sequence[bytes], dest: Callable
         if page is None:
             miss = Miss(i, MissCause.NEVER_PUBLISHED)
             break
-        target = as_segments(dest(i))
         if total_size(target) != len(page.data):
             miss = Miss(i, MissCause.INCOMPATIBLE, ("page_bytes",))
             break

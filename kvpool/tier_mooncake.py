@@ -39,7 +39,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from kvpool.digest import DigestKind
 from kvpool.keys import Namespace
-from kvpool.tier import TierAuth, TierCaps, TierError, TierPage, TierUnavailable, decode_record, encode_record
+from kvpool.tier import (TierAuth, TierCaps, TierError, TierPage, TierUnavailable, decode_record, encode_record,
+                         record_bound, record_too_long)
 
 CAPS = TierCaps("mooncake", read_leases=True, atomic_put=True, evicts=True)
 
@@ -98,15 +99,18 @@ class MooncakeTier:
         rc = self._check("upsert", self._call("upsert", self._s.upsert, self.auth.key(ns, block_hash), record))
         return rc == 0
 
-    def get(self, ns: Namespace, block_hash: bytes) -> TierPage | None:
-        blob = self.get_record(ns, block_hash)
+    def get(self, ns: Namespace, block_hash: bytes, max_page_bytes: int | None = None) -> TierPage | None:
+        blob = self.get_record(ns, block_hash, max_page_bytes)
         return None if blob is None else decode_record(self.auth, ns, block_hash, blob)
 
-    def get_record(self, ns: Namespace, block_hash: bytes) -> bytes | None:
+    def get_record(self, ns: Namespace, block_hash: bytes, max_page_bytes: int | None = None) -> bytes | None:
         self._alive("get")
         key = self.auth.key(ns, block_hash)
-        if self._check("get_size", self._call("get_size", self._s.get_size, key)) == OBJECT_NOT_FOUND:
+        size = self._check("get_size", self._call("get_size", self._s.get_size, key))
+        if size == OBJECT_NOT_FOUND:
             return None
+        if max_page_bytes is not None and size > record_bound(max_page_bytes):  # any client may put any size
+            raise record_too_long(size, max_page_bytes)
         blob = self._call("get", self._s.get, key)
         if not blob:  # removed or evicted since get_size, the master gone, or the node holding it
             self._alive("get")

@@ -28,7 +28,8 @@ from redis.retry import Retry
 
 from kvpool.digest import DigestKind
 from kvpool.keys import Namespace
-from kvpool.tier import TierAuth, TierCaps, TierPage, TierUnavailable, decode_record, encode_record, redact_url
+from kvpool.tier import (TierAuth, TierCaps, TierPage, TierUnavailable, decode_record, encode_record, record_bound,
+                         record_too_long, redact_url)
 
 CAPS = TierCaps("redis", read_leases=False, atomic_put=True, evicts=True)
 
@@ -64,11 +65,20 @@ class RedisTier:
         except redis.ResponseError as exc:
             raise TierUnavailable(f"redis SET at {self.url} refused: {exc}") from exc
 
-    def get_record(self, ns: Namespace, block_hash: bytes) -> bytes | None:
-        return self._call("GET", self._r.get, self.auth.key(ns, block_hash))
+    def get_record(self, ns: Namespace, block_hash: bytes, max_page_bytes: int | None = None) -> bytes | None:
+        key = self.auth.key(ns, block_hash)
+        if max_page_bytes is None:
+            return self._call("GET", self._r.get, key)
+        bound = record_bound(max_page_bytes)
+        blob = self._call("GETRANGE", self._r.getrange, key, 0, bound)  # at most bound + 1 bytes
+        if not blob:  # no such key (a record is never empty)
+            return None
+        if len(blob) > bound:
+            raise record_too_long(len(blob), max_page_bytes)
+        return blob
 
-    def get(self, ns: Namespace, block_hash: bytes) -> TierPage | None:
-        blob = self.get_record(ns, block_hash)
+    def get(self, ns: Namespace, block_hash: bytes, max_page_bytes: int | None = None) -> TierPage | None:
+        blob = self.get_record(ns, block_hash, max_page_bytes)
         return None if blob is None else decode_record(self.auth, ns, block_hash, blob)
 
     def exists(self, ns: Namespace, hashes: list[bytes]) -> int:

@@ -53,7 +53,7 @@ from harness.system.cluster import free_port
 from harness.system.procs import spawn, stop_group, wait_ready
 from kvpool.tier import tier_prefix
 
-TENANT_COMMANDS = ("get", "set", "exists", "del", "ping")  # what kvpool.tier_redis runs, and no more
+TENANT_COMMANDS = ("get", "getrange", "set", "exists", "del", "ping")  # what kvpool.tier_redis runs, and no more
 
 
 def acl_user(tenant: str) -> str:

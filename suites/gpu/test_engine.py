@@ -105,7 +105,8 @@ def test_a_sketched_page_corrupted_at_rest_is_refused_on_the_gpu(engine_cls, che
     """The engine stores blocks (digested on the GPU, kv-sketch-1, trusted at commit); one
     committed page is corrupted in the arena; another engine's load must stop there as
     corrupt (the page never installed, on either path) while the pages before it load
-    byte-exact. The control takes every sketched page for verified: the corrupt page is
+    byte-exact, and the engine reports it, so the daemon drops it (the next lookup stops
+    there, evicted). The control takes every sketched page for verified: the corrupt page is
     installed and counted, and the byte check sees it."""
     geom = GEOMETRIES["flash-128k"]
     ns = namespace(geom, tag + engine_cls.__name__ + path.value)
@@ -141,6 +142,8 @@ def test_a_sketched_page_corrupted_at_rest_is_refused_on_the_gpu(engine_cls, che
         assert (h.loaded, h.miss.index, h.miss.cause) == (bad, bad, MissCause.CORRUPT), h
         assert h.failed_block_ids == tuple(targets[bad:])
         assert np.array_equal(got[bad:], old[targets[bad:]]), "the corrupt page and the later ones are not installed"
+        after = client.lookup(ns, hashes)  # the engine reported it under its lease: the daemon dropped it
+        assert len(after.hits) == bad and after.miss.cause == MissCause.EVICTED, after
     else:
         assert h.loaded == k, h
         assert not np.array_equal(got[bad], host[blocks[bad]]), "negative control NOT caught: the corrupt page " \

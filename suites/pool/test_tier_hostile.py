@@ -184,3 +184,27 @@ def test_keys_are_opaque_and_tenants_keys_differ_under_one_secret():
     with pytest.raises(ValueError, match="key prefix"):
         TierAuth.from_secret("alice:*", same)  # a glob in an ACL pattern
     assert repr(ALICE) == "TierAuth(tenant='alice')"  # the keys stay out of logs
+
+
+def test_a_record_ballooned_by_a_store_client_is_never_read_whole(store, test_seed):
+    """The store's operator (or anyone on a Redis without access control) replaces one of
+    alice's records by 32 MiB: the reader, which knows a page here is PAGE bytes, takes at
+    most one record's bound from the store (counted by the store itself: its output bytes)
+    and calls it corrupt, so a store client cannot make a replica allocate without bound."""
+    from kvpool.tier import record_bound
+
+    rng = np.random.default_rng(test_seed)
+    hashes = block_hashes([int(x) for x in rng.integers(0, 2000, N * 16)], 16)
+    keys = _publish(store, ALICE, NS, hashes, _pages(rng, N))
+    op = store.client()
+    op.set(keys[1], op.get(keys[1]) + bytes(32 * 2**20))
+    tier = RedisTier(store.tenant_url("alice"), ALICE)
+    sent = op.info("stats")["total_net_output_bytes"]
+    dest = [np.zeros(PAGE, np.uint8) for _ in range(N)]
+    res = tier_load(tier, NS, hashes, lambda i: dest[i])
+    sent = op.info("stats")["total_net_output_bytes"] - sent
+    assert (res.loaded, res.miss.index, res.miss.cause) == (1, 1, MissCause.CORRUPT), res
+    assert sent < 3 * record_bound(PAGE), f"the store sent {sent} bytes for two pages' records"
+    with pytest.raises(TierCorrupt, match="not read"):
+        tier.get(NS, hashes[1], max_page_bytes=PAGE)
+    tier.close()

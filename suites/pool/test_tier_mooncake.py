@@ -136,6 +136,40 @@ def test_a_moved_or_forged_record_is_corrupt_and_the_unauthenticated_reader_is_c
         t.close()
 
 
+def test_a_ballooned_record_is_corrupt_and_never_fetched(master, test_seed):
+    """Any client of a Mooncake store (it has no access control) puts 8 MiB under one of the
+    tenant's keys: a reader that knows a page here is PAGE bytes sees its size first and
+    calls it corrupt without fetching it (the client's get is never called for it)."""
+    hashes, data = pages(test_seed, 2)
+    t = open_tier(master.url, AUTH)
+    try:
+        for h, p in zip(hashes, data):
+            assert t.put(NS, h, p, page_digest(p))
+        raw, key = t._s, tier_key(AUTH, NS, hashes[1])
+        time.sleep(2.2)  # no lease held: the upsert goes through
+        assert raw.upsert(key, bytes(t._s.get(tier_key(AUTH, NS, hashes[0]))) + bytes(8 * 2**20)) == 0
+        fetched: list[str] = []
+
+        class Counting:  # the tier's store client, every fetch counted
+            def __getattr__(self, name):  # noqa: ANN001, ANN204
+                return getattr(raw, name)
+
+            def get(self, k):  # noqa: ANN001, ANN201
+                fetched.append(k)
+                return raw.get(k)
+
+        t._s = Counting()
+        try:
+            assert t.get(NS, hashes[0], max_page_bytes=PAGE).data == data[0]
+            with pytest.raises(TierCorrupt, match="not read") as exc:
+                t.get(NS, hashes[1], max_page_bytes=PAGE)
+            assert exc.value.cause is MissCause.CORRUPT and fetched == [tier_key(AUTH, NS, hashes[0])]
+        finally:
+            t._s = raw
+    finally:
+        t.close()
+
+
 def test_a_full_store_evicts_whole_pages_and_never_serves_other_bytes(master, test_seed):
     url = master.url.replace(f"segment_bytes={64 * 2**20}", f"segment_bytes={16 * 2**20}")
     hashes, data = pages(test_seed, 200)  # 25 MiB of pages into a 16 MiB segment
