@@ -291,7 +291,10 @@ def pool_level(seed: int, *, arena: str | None = None, pages: int = 32, page_siz
     name = unique_name("kvgs")
     run_dir = Path(tempfile.mkdtemp(prefix=f"{name}-"))
     config = PoolConfig(name=name, page_size=page_size, num_pages=pages, run_dir=run_dir,
-                        tenants={_TENANT: token}, heartbeat_s=0.0)  # a daemon that never beats
+                        tenants={_TENANT: token}, heartbeat_s=0.0,  # a daemon that never beats
+                        # nor scrubs at rest: what B's loads meet is the scribble, not when the
+                        # scrub's cursor happened to drop a scribbled page (the live run keeps it)
+                        scrub_rest_pages_per_round=0)
     d = PoolDaemon(config, arena_factory=factory).start_thread()
     c = Checks()
     ns = _ns()
