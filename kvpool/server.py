@@ -92,6 +92,7 @@ from kvpool.shm_index import ShmIndex
 from kvpool.errors import (
     Busy,
     ErrorCode,
+    InternalError,
     InvalidRequest,
     LeaseLost,
     MissCause,
@@ -121,7 +122,9 @@ class PoolConfig:
     tcp_host: str | None = "127.0.0.1"
     tcp_port: int = 0  # 0: pick a free port (written to address.json)
     tenants: Mapping[str, str] = dataclasses.field(default_factory=dict)  # tenant -> token
-    max_frame: int = P.DEFAULT_MAX_FRAME
+    # The largest frame after a hello, either way (requests and replies); 0: derived from the
+    # page size, kvpool.protocol.frame_limit (16 pages and 4 MiB for everything else).
+    max_frame: int = 0
     max_clients: int = 256
     max_queue: int = 64
     io_threads: int = 2
@@ -158,6 +161,11 @@ class PoolConfig:
     admins: frozenset[str] = frozenset()
     # Pages of each tenant's own segment; the tenants not named share the rest of num_pages.
     quotas: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def frame_limit(self) -> int:
+        """The largest frame after a hello (bytes, without its length prefix)."""
+        return self.max_frame or P.frame_limit(self.page_size)
 
     def is_admin(self, tenant: str) -> bool:
         if self.admins:
@@ -579,8 +587,7 @@ class PoolDaemon:
             result = self._apply(session, op)
             if inspect.isawaitable(result):
                 return self._finish(request_id, op_name, result)
-            self.metrics.requests.labels(op_name, "ok").inc()
-            return P.encode_reply(request_id, result)
+            return self._reply(request_id, op_name, result)
         except PoolError as err:
             return self._error(getattr(err, "request_id", request_id), op_name, err)
 
@@ -589,8 +596,19 @@ class PoolDaemon:
             result = await pending
         except PoolError as err:
             return self._error(request_id, op_name, err)
+        return self._reply(request_id, op_name, result)
+
+    def _reply(self, request_id: int, op_name: str, result: P.Reply) -> bytes:
+        """The encoded reply, at most the frame limit: the bounds of kvpool.protocol and the
+        handlers' checks keep every reply under it, and one that is not is a daemon bug,
+        answered as one rather than sent."""
+        data = P.encode_reply(request_id, result)
+        if len(data) - P.LENGTH.size > self.config.frame_limit:
+            return self._error(request_id, op_name, InternalError(
+                f"{type(result).__name__} of {len(data) - P.LENGTH.size} bytes exceeds the frame limit of "
+                f"{self.config.frame_limit}: not sent"))
         self.metrics.requests.labels(op_name, "ok").inc()
-        return P.encode_reply(request_id, result)
+        return data
 
     def _error(self, request_id: int, op_name: str, err: PoolError) -> bytes:
         self.metrics.requests.labels(op_name, err.code.value).inc()
@@ -615,6 +633,7 @@ class PoolDaemon:
             return P.Pong()
         if isinstance(op, P.Lookup):
             self._check_tenant(op.ns, tenant)
+            _check_blocks(op)
             res = cat.lookup(tenant, op.ns, op.hashes)
             wait_s = min(op.wait_pending_ms / 1000, self.config.max_lookup_wait_s)
             if res.pending and wait_s > 0:
@@ -623,6 +642,7 @@ class PoolDaemon:
             return P.LookupOk(res.hits, res.miss)
         if isinstance(op, P.Acquire):
             self._check_tenant(op.ns, tenant)
+            _check_blocks(op)
             acq = cat.acquire(session.client, tenant, op.ns, op.hashes, now)
             if acq.lease_id:
                 tp.lease_started[acq.lease_id] = now
@@ -641,6 +661,7 @@ class PoolDaemon:
             return P.ReleaseOk(list(rel.stale))
         if isinstance(op, P.Reserve):
             self._check_tenant(op.ns, tenant)
+            _check_blocks(op)
             evictions = cat.counters["evictions"]
             res = cat.reserve(session.client, tenant, op.ns, op.hashes, op.lengths, now, op.boundary)
             self.metrics.evictions.inc(cat.counters["evictions"] - evictions)
@@ -658,6 +679,7 @@ class PoolDaemon:
             return self._read_pages(session, op)
         if isinstance(op, P.Evict):
             self._check_tenant(op.ns, tenant)
+            _check_blocks(op)
             outcomes = cat.evict(tenant, op.ns, op.hashes)
             self.metrics.evictions.inc(sum(o == "evicted" for o in outcomes))
             return P.EvictOk(outcomes)
@@ -820,6 +842,7 @@ class PoolDaemon:
         pages = self._own_reservation(session, op.reservation_id)
         if len(op.slots) != len(op.data):
             raise InvalidRequest(f"{len(op.slots)} slots but {len(op.data)} payloads")
+        _check_distinct("slot", op.slots)
         tp = self.pools[session.tenant]
         targets = []
         for slot, data in zip(op.slots, op.data):
@@ -839,7 +862,10 @@ class PoolDaemon:
         return P.WriteOk(await self._offload(write))
 
     async def _read_pages(self, session: _Session, op: P.ReadPages) -> P.PagesOk:
+        """The bytes of distinct pages of the session's lease: at most the lease's pages and
+        MAX_PAGES_PER_FRAME (protocol), so the reply is at most that many pages."""
         pages = self._own_lease(session, op.lease_id)
+        _check_distinct("index", op.indexes)
         tp = self.pools[session.tenant]
         targets = []
         for i in op.indexes:
@@ -848,6 +874,31 @@ class PoolDaemon:
             targets.append((pages[i], int(tp.catalog.length[pages[i]])))
         arena = tp.arena
         return P.PagesOk(await self._offload(lambda: [arena.page(p, n).tobytes() for p, n in targets]))
+
+
+MAX_NAMESPACE_FIELD_CHARS = 1024  # each text field of a namespace (a model id, a revision, ...)
+
+
+def _check_distinct(what: str, items: list) -> None:
+    """InvalidRequest unless every item is distinct (one frame names each block, page or
+    slot at most once: a repeat would only repeat the work and the reply)."""
+    if len(set(items)) != len(items):
+        seen: set = set()
+        first = next(x for x in items if x in seen or seen.add(x))
+        raise InvalidRequest(f"{what} {first!r} named more than once in one frame "
+                             f"({len(items) - len(set(items))} repeats)")
+
+
+def _check_blocks(op: P.Lookup | P.Acquire | P.Reserve | P.Evict) -> None:
+    """A frame naming blocks: distinct hashes (a chain never repeats one), a namespace whose
+    text fields are at most MAX_NAMESPACE_FIELD_CHARS each (a namespace is interned for as
+    long as the pool has pages of it). The count and the hashes' size the decoder checked."""
+    for name in op.ns.__struct_fields__:
+        value = getattr(op.ns, name)
+        if isinstance(value, str) and len(value) > MAX_NAMESPACE_FIELD_CHARS:
+            raise InvalidRequest(f"namespace field {name} of {len(value)} characters (at most "
+                                 f"{MAX_NAMESPACE_FIELD_CHARS})")
+    _check_distinct("block hash", op.hashes)
 
 
 def _set_dumpable(on: bool) -> None:
@@ -950,7 +1001,7 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
-        if self.pending is not None and len(self.buf) > self.daemon.config.max_frame + P.LENGTH.size:
+        if self.pending is not None and len(self.buf) > self.daemon.config.frame_limit + P.LENGTH.size:
             self.transport.pause_reading()  # pipelined behind a parked lookup: bound the buffer
         self._pump()
 
@@ -961,7 +1012,7 @@ class _Connection(asyncio.Protocol):
                 return
             (n,) = P.LENGTH.unpack_from(self.buf)
             pre_auth = self.session.tenant is None
-            limit = d.config.max_hello_frame if pre_auth else d.config.max_frame
+            limit = d.config.max_hello_frame if pre_auth else d.config.frame_limit
             if n > limit:
                 err = OversizedFrame(f"frame of {n} bytes exceeds the limit of {limit}"
                                      + (" before a successful hello" if pre_auth else ""))
