@@ -19,6 +19,14 @@ Contracts:
     larger length prefix is answered and the connection closed before its bytes are
     read), and one that has not authenticated within `hello_timeout_s` gets an
     Unauthenticated error and is closed.
+  * Bounded per frame: after a hello a frame, either way, is at most `frame_limit` bytes
+    (by default kvpool.protocol.frame_limit(page_size): 16 pages and 4 MiB for the rest);
+    every list a request carries has a static bound (kvpool.protocol: 65536 blocks, 16
+    pages) checked by the decoder before its elements are read, and names each block hash,
+    lease index or reservation slot at most once, within what the session holds (indexes
+    within its lease, slots within its reservation, one digest per reserved page); a
+    namespace's text fields are at most 1024 characters. Anything else is MALFORMED or
+    INVALID and does nothing; no reply over the frame limit is sent (INTERNAL instead).
   * Commit by digest kind (kvpool.digest): xxh3-128 pages are re-hashed in the thread
     pool before they become visible (a mismatch is rejected, never visible; with
     `verify_commits` off they are trusted and scrubbed like kv-sketch-1 pages); kv-sketch-1
@@ -625,6 +633,7 @@ class PoolDaemon:
                              arena.num_pages, SERVER_NAME, self.restarted_after_crash, self._ticket(op.tenant))
         if session.tenant is None:
             raise Unauthenticated(f"{type(op).__name__} before a successful hello")
+        self._check_bounds(op)
         tenant = session.tenant
         tp = self.pools[tenant]
         cat = tp.catalog
@@ -633,7 +642,6 @@ class PoolDaemon:
             return P.Pong()
         if isinstance(op, P.Lookup):
             self._check_tenant(op.ns, tenant)
-            _check_blocks(op)
             res = cat.lookup(tenant, op.ns, op.hashes)
             wait_s = min(op.wait_pending_ms / 1000, self.config.max_lookup_wait_s)
             if res.pending and wait_s > 0:
@@ -642,7 +650,6 @@ class PoolDaemon:
             return P.LookupOk(res.hits, res.miss)
         if isinstance(op, P.Acquire):
             self._check_tenant(op.ns, tenant)
-            _check_blocks(op)
             acq = cat.acquire(session.client, tenant, op.ns, op.hashes, now)
             if acq.lease_id:
                 tp.lease_started[acq.lease_id] = now
@@ -661,7 +668,6 @@ class PoolDaemon:
             return P.ReleaseOk(list(rel.stale))
         if isinstance(op, P.Reserve):
             self._check_tenant(op.ns, tenant)
-            _check_blocks(op)
             evictions = cat.counters["evictions"]
             res = cat.reserve(session.client, tenant, op.ns, op.hashes, op.lengths, now, op.boundary)
             self.metrics.evictions.inc(cat.counters["evictions"] - evictions)
@@ -679,7 +685,6 @@ class PoolDaemon:
             return self._read_pages(session, op)
         if isinstance(op, P.Evict):
             self._check_tenant(op.ns, tenant)
-            _check_blocks(op)
             outcomes = cat.evict(tenant, op.ns, op.hashes)
             self.metrics.evictions.inc(sum(o == "evicted" for o in outcomes))
             return P.EvictOk(outcomes)
@@ -707,6 +712,26 @@ class PoolDaemon:
             self._refresh_gauges()
             return P.MetricsOk(self.metrics.exposition())
         raise InvalidRequest(f"unhandled op {type(op).__name__}")
+
+    def _check_bounds(self, op: P.Request) -> None:
+        """What one frame may name, beyond the decoder's static bounds (kvpool.protocol):
+        each block hash, lease index and reservation slot at most once (a repeat would only
+        repeat the work and the reply), and a namespace whose text fields are at most
+        MAX_NAMESPACE_FIELD_CHARS each (a namespace is interned while the pool has pages of
+        it). The handlers check what the session holds: indexes within its lease, slots
+        within its reservation, one digest per reserved page, payloads of the reserved
+        length. InvalidRequest otherwise; nothing of the frame is done."""
+        if isinstance(op, (P.Lookup, P.Acquire, P.Reserve, P.Evict)):
+            for name in op.ns.__struct_fields__:
+                value = getattr(op.ns, name)
+                if isinstance(value, str) and len(value) > MAX_NAMESPACE_FIELD_CHARS:
+                    raise InvalidRequest(f"namespace field {name} of {len(value)} characters (at most "
+                                         f"{MAX_NAMESPACE_FIELD_CHARS})")
+            _check_distinct("block hash", op.hashes)
+        elif isinstance(op, P.ReadPages):
+            _check_distinct("lease index", op.indexes)
+        elif isinstance(op, P.WritePages):
+            _check_distinct("reservation slot", op.slots)
 
     @staticmethod
     def _tenant_stats(tp: _TenantPool) -> dict[str, int]:
@@ -842,7 +867,6 @@ class PoolDaemon:
         pages = self._own_reservation(session, op.reservation_id)
         if len(op.slots) != len(op.data):
             raise InvalidRequest(f"{len(op.slots)} slots but {len(op.data)} payloads")
-        _check_distinct("slot", op.slots)
         tp = self.pools[session.tenant]
         targets = []
         for slot, data in zip(op.slots, op.data):
@@ -865,7 +889,6 @@ class PoolDaemon:
         """The bytes of distinct pages of the session's lease: at most the lease's pages and
         MAX_PAGES_PER_FRAME (protocol), so the reply is at most that many pages."""
         pages = self._own_lease(session, op.lease_id)
-        _check_distinct("index", op.indexes)
         tp = self.pools[session.tenant]
         targets = []
         for i in op.indexes:
@@ -884,21 +907,9 @@ def _check_distinct(what: str, items: list) -> None:
     slot at most once: a repeat would only repeat the work and the reply)."""
     if len(set(items)) != len(items):
         seen: set = set()
-        first = next(x for x in items if x in seen or seen.add(x))
+        first = next(x for x in items if x in seen or seen.add(x))  # add() is None: falsy
         raise InvalidRequest(f"{what} {first!r} named more than once in one frame "
                              f"({len(items) - len(set(items))} repeats)")
-
-
-def _check_blocks(op: P.Lookup | P.Acquire | P.Reserve | P.Evict) -> None:
-    """A frame naming blocks: distinct hashes (a chain never repeats one), a namespace whose
-    text fields are at most MAX_NAMESPACE_FIELD_CHARS each (a namespace is interned for as
-    long as the pool has pages of it). The count and the hashes' size the decoder checked."""
-    for name in op.ns.__struct_fields__:
-        value = getattr(op.ns, name)
-        if isinstance(value, str) and len(value) > MAX_NAMESPACE_FIELD_CHARS:
-            raise InvalidRequest(f"namespace field {name} of {len(value)} characters (at most "
-                                 f"{MAX_NAMESPACE_FIELD_CHARS})")
-    _check_distinct("block hash", op.hashes)
 
 
 def _set_dumpable(on: bool) -> None:
