@@ -201,3 +201,50 @@ def test_decoder_refuses_a_long_list_before_reading_its_elements():
 def test_frame_limit_is_stated_from_the_page_size():
     assert P.frame_limit(PAGE) == P.MAX_PAGES_PER_FRAME * PAGE + P.CONTROL_FRAME_BYTES == 5 * 2**20
     assert P.frame_limit(2**20) == 20 * 2**20
+
+
+# -- the live runner's wiring, on stand-in replicas ---------------------------------------------
+class _Cluster:
+    """The part of harness.system.cluster.Cluster the runner uses besides the replicas' hit."""
+
+    def __init__(self, pool: PoolProcess):
+        self.pool = pool
+        self.events: list[tuple[str, dict]] = []
+
+    def pool_for(self, replica: str) -> PoolProcess:
+        return self.pool
+
+    def nemesis(self, action: str, **fields: object) -> None:
+        self.events.append((action, fields))
+
+
+def _hit(*args, **kwargs):  # noqa: ANN002, ANN003 - live.cross_replica_hit's stand-in: a passing hit
+    from types import SimpleNamespace
+
+    c = Checks()
+    run = SimpleNamespace(token_ids=[1, 2, 3], logprobs=[-0.5, -0.25, -0.125])
+    c.output("B's tokens and log-probabilities equal A's prefix hit of the same prompt", run, run)
+    c.evidence["blocks"] = 23
+    return c.verdict("hit")
+
+
+@pytest.mark.parametrize("control", [None, "unbounded_frames"])
+def test_frame_flood_runner_judges_the_flood_and_its_control(pool, test_seed, monkeypatch, control):
+    from harness.scenarios import live
+    from harness.scenarios.catalog import RUNNERS, find
+
+    sc = find("hostile-frame-flood")
+    monkeypatch.setattr(live, "cross_replica_hit", _hit)
+    cluster = _Cluster(pool)
+    params = {**sc.params, **(sc.control.params if control else {})}
+    v = RUNNERS[sc.runner](cluster, None, test_seed, **params)
+    assert [a for a, _ in cluster.events] == ["frame_flood"]
+    assert v.evidence["output"] and v.evidence["cross_replica_hit"]["blocks"] == 23
+    if control is None:
+        assert v.valid is True, v.reason
+        assert v.evidence["flood"]["growth_mib"] <= v.evidence["flood"]["bound_mib"]
+        assert cluster.events[0][1]["pid"] == pool.proc.pid
+    else:  # caught by the scenario's own checks, for the reason the scenario file names
+        assert v.valid is False and sc.control.oracle == "scenario" and sc.control.because in v.reason, v.reason
+        assert cluster.events[0][1]["pid"] != pool.proc.pid  # the control's own pool, now stopped
+        assert pool.proc.poll() is None
