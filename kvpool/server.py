@@ -26,7 +26,8 @@ Contracts:
     lease index or reservation slot at most once, within what the session holds (indexes
     within its lease, slots within its reservation, one digest per reserved page); a
     namespace's text fields are at most 1024 characters. Anything else is MALFORMED or
-    INVALID and does nothing; no reply over the frame limit is sent (INTERNAL instead).
+    INVALID and does nothing; no reply over the frame limit is sent (INTERNAL instead). A
+    connection says hello once (each hello mints an attach ticket): a second is INVALID.
   * Commit by digest kind (kvpool.digest): xxh3-128 pages are re-hashed in the thread
     pool before they become visible (a mismatch is rejected, never visible; with
     `verify_commits` off they are trusted and scrubbed like kv-sketch-1 pages); kv-sketch-1
@@ -627,6 +628,9 @@ class PoolDaemon:
             expected = self.config.tenants.get(op.tenant)
             if expected is None or not hmac.compare_digest(expected.encode(), op.token.encode()):
                 raise Unauthenticated(f"unknown tenant or bad token for tenant {op.tenant!r}")
+            if session.tenant is not None:  # each hello mints an attach ticket; a session has one
+                raise InvalidRequest(f"this connection is already authenticated (tenant {session.tenant!r}): a "
+                                     "connection says hello once")
             session.tenant, session.name = op.tenant, op.client_name
             arena = self.pools[op.tenant].arena
             return P.HelloOk(session.client, str(self.attach_path), arena.instance, arena.page_size,

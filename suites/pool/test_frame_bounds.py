@@ -68,7 +68,7 @@ def test_flood_of_maximal_frames_stays_within_the_rss_bound(pool, test_seed):
     judge_flood(report, c)
     assert not c.failed, (c.failed, report.as_evidence())
     assert report.bound_kib == rss_bound_kib(PAGE) == 104 * 1024
-    assert report.frames == 2 * 19 + 1
+    assert report.frames == 2 * 20 + 1
     _well_behaved(pool, test_seed)
 
 
@@ -125,6 +125,17 @@ def _op(f: dict, lease: int, reservation: int, own: bytes) -> P.Request:
 
 def test_generated_frames_get_a_typed_or_bounded_answer_and_rss_stays_bounded(pool, test_seed):
     s = HostileSession(pool.address["unix"], "default", pool.token)
+
+    def _over_limit(frame: bytes) -> str:
+        other = HostileSession(pool.address["unix"], "default", pool.token)
+        try:
+            try:
+                other.sock.sendall(frame)
+            except OSError:  # closed before the rest of it was read: the answer is already here
+                pass
+            return other.answer().kind
+        finally:
+            other.close()
     own = random.Random(test_seed).randbytes(HASH_BYTES)
     data = random.Random(test_seed + 1).randbytes(PAGE)
     res = s.ask(P.Reserve(NS, [own], [PAGE])).reply
@@ -143,7 +154,11 @@ def test_generated_frames_get_a_typed_or_bounded_answer_and_rss_stays_bounded(po
     @example(f={"op": "read", "hashes": 0, "pages": 4096, "repeat": True, "own_id": True, "size": 0, "salt": 0})
     def one(f: dict) -> None:
         op = _op(f, lease, spare, own)
-        answer = s.ask(op)
+        frame = P.encode_request(1, op)
+        if len(frame) - P.LENGTH.size > s.limit:  # refused at its length prefix, its connection closed
+            assert _over_limit(frame) == "error:oversized", f
+            return
+        answer = s.send(frame)
         growth = watch.growth_kib()
         assert growth <= rss_bound_kib(PAGE), f"RSS grew {growth // 1024} MiB after {f}"
         assert answer.nbytes <= s.limit, (f, answer.kind, answer.nbytes)
@@ -255,3 +270,15 @@ def test_frame_flood_runner_judges_the_flood_and_its_control(pool, test_seed, mo
         assert v.valid is False and sc.control.oracle == "scenario" and sc.control.because in v.reason, v.reason
         assert cluster.events[0][1]["pid"] != pool.proc.pid  # the control's own pool, now stopped
         assert pool.proc.poll() is None
+
+
+def test_a_connection_says_hello_once(pool):
+    """Each hello mints an attach ticket: a second one on an authenticated connection is refused
+    (a bad token still reads as unauthenticated), and the session goes on as it was."""
+    s = HostileSession(pool.address["unix"], "default", pool.token)
+    try:
+        assert s.ask(P.Hello("default", pool.token, "again")).kind == "error:invalid"
+        assert s.ask(P.Hello("default", "wrong", "again")).kind == "error:unauthenticated"
+        assert s.ask(P.Ping()).kind == "Pong"
+    finally:
+        s.close()

@@ -225,6 +225,7 @@ def _frames(s: HostileSession, ns: Namespace, lease: int, own: bytes, reservatio
         ("write: a payload one byte over the page", True, P.WritePages(reservation, [0], [page + b"x"])),
         (f"commit: {blocks + 1} digests", True, P.Commit(reservation, [bytes(16)] * (blocks + 1))),
         ("hello: a client name of 1 MiB", True, P.Hello(tenant, token, "n" * (1 << 20))),
+        ("hello: again, on the authenticated connection", True, P.Hello(tenant, token, "again")),
         ("lookup: a namespace of 2 MiB", True, P.Lookup(big_ns, [own])),
         ("reserve: under a new namespace of 2 MiB", True, P.Reserve(big_ns, [distinct[1]], [s.page_size])),
     ]
