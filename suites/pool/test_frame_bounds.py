@@ -243,6 +243,7 @@ class _Cluster:
 def _hit(*args, **kwargs):  # noqa: ANN002, ANN003 - live.cross_replica_hit's stand-in: a passing hit
     from types import SimpleNamespace
 
+    time.sleep(1.0)  # the replicas' requests take a while: the flood goes on meanwhile
     c = Checks()
     run = SimpleNamespace(token_ids=[1, 2, 3], logprobs=[-0.5, -0.25, -0.125])
     c.output("B's tokens and log-probabilities equal A's prefix hit of the same prompt", run, run)
@@ -265,6 +266,7 @@ def test_frame_flood_runner_judges_the_flood_and_its_control(pool, test_seed, mo
     if control is None:
         assert v.valid is True, v.reason
         assert v.evidence["flood"]["growth_mib"] <= v.evidence["flood"]["bound_mib"]
+        assert v.evidence["flood"]["rounds"] > sc.params["rounds"], v.evidence["flood"]  # for as long as the hit ran
         assert cluster.events[0][1]["pid"] == pool.proc.pid
     else:  # caught by the scenario's own checks, for the reason the scenario file names
         assert v.valid is False and sc.control.oracle == "scenario" and sc.control.because in v.reason, v.reason

@@ -16,8 +16,10 @@ the limit) while replicas A and B keep serving a cross-replica hit.
   flood(address, tenant, token, pid, seed, rounds, repeats) -> FloodReport
                             the flood: a one-page lease and a one-page reservation of the
                             tenant's own (under a namespace of its own, so no replica's page is
-                            touched), `rounds` rounds of every maximal frame, then one frame
-                            over the limit on a connection of its own; stops early once the
+                            touched), `rounds` rounds of every maximal frame (and more, 100 ms
+                            apart, until `until` is set: the live runner floods for as long as
+                            the replicas' hit runs), then one frame over the limit on a
+                            connection of its own; stops early once the
                             daemon's growth passes the bound. The report says how each frame
                             was answered, the growth, and whether the session still reads its
                             own page byte-exact.
@@ -40,7 +42,6 @@ import random
 import socket
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -182,6 +183,7 @@ class FloodReport:
     bound_kib: int
     growth_kib: int = 0
     frames: int = 0
+    rounds: int = 0
     answers: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)  # label -> kind -> count
     over_limit: list[str] = dataclasses.field(default_factory=list)  # labels answered over the frame limit
     not_refused: list[str] = dataclasses.field(default_factory=list)  # must-refuse labels that were not
@@ -191,7 +193,7 @@ class FloodReport:
 
     def as_evidence(self) -> dict[str, object]:
         return {"growth_mib": round(self.growth_kib / MIB, 1), "bound_mib": round(self.bound_kib / MIB, 1),
-                "frames": self.frames, "frame_limit": self.frame_limit, "answers": self.answers,
+                "frames": self.frames, "rounds": self.rounds, "frame_limit": self.frame_limit, "answers": self.answers,
                 "over_limit": sorted(set(self.over_limit))[:8], "not_refused": sorted(set(self.not_refused))[:8],
                 "stopped_early": self.stopped_early, "still_served": self.still_served, "error": self.error}
 
@@ -256,7 +258,10 @@ def _over_limit(address: str, tenant: str, token: str) -> Answer:
 
 
 def flood(address: str, tenant: str, token: str, pid: int, seed: int, rounds: int = 2, repeats: int = 4096,
-          watch: RssWatch | None = None) -> FloodReport:
+          watch: RssWatch | None = None, until: threading.Event | None = None, max_rounds: int = 400,
+          pause_s: float = 0.1) -> FloodReport:
+    """`rounds` rounds of the maximal frames, then more (up to `max_rounds`, `pause_s` apart)
+    until `until` is set, if given: a flood for as long as something else runs beside it."""
     rng = random.Random(f"frames:{seed}")
     s = HostileSession(address, tenant, token)
     report = FloodReport(s.page_size, s.limit, rss_bound_kib(s.page_size))
@@ -275,7 +280,9 @@ def flood(address: str, tenant: str, token: str, pid: int, seed: int, rounds: in
             raise RuntimeError(f"the flood's own page was not leased: {lease}")
         spare = s.ask(P.Reserve(ns, [mine], [s.page_size])).reply
         reservation = spare.reservation_id if isinstance(spare, P.ReserveOk) else 0
-        for _ in range(rounds):
+        done = 0
+        while done < rounds or (until is not None and not until.wait(pause_s) and done < max_rounds):
+            done += 1
             for label, refuse, op in _frames(s, ns, lease.lease_id, own, reservation, rng, repeats, tenant, token):
                 answer = s.ask(op)
                 _undo(s, answer)
@@ -292,6 +299,7 @@ def flood(address: str, tenant: str, token: str, pid: int, seed: int, rounds: in
                     break
             if report.stopped_early:
                 break
+        report.rounds = done
         if not report.stopped_early:
             answer = _over_limit(address, tenant, token)
             report.frames += 1
@@ -372,18 +380,22 @@ def frame_flood(cluster, corpus, seed: int, *, control: str | None = None, round
     cluster.nemesis("frame_flood", control=control, pid=target.proc.pid)
     done: list[FloodReport] = []
     failed: list[str] = []
+    hit_over = threading.Event()
 
     def run() -> None:
         try:
             done.append(flood(target.address["unix"], DEFAULT_TENANT, target.token, target.proc.pid, seed,
-                              rounds=rounds, repeats=repeats))
+                              rounds=rounds, repeats=repeats, until=hit_over))
         except Exception as exc:  # noqa: BLE001 - judged below: a flood that could not run is a failed check
             failed.append(f"{type(exc).__name__}: {exc}"[:300])
 
     thread = threading.Thread(target=run, name="frame-flood", daemon=True)
     try:
         thread.start()
-        hit = live.cross_replica_hit(cluster, corpus, seed, prompt_tokens=prompt_tokens)
+        try:
+            hit = live.cross_replica_hit(cluster, corpus, seed, prompt_tokens=prompt_tokens)
+        finally:
+            hit_over.set()
         thread.join(timeout=300)
     finally:
         if own is not None:
