@@ -320,7 +320,7 @@ class Catalog:
         if len(self._ns_ids) >= self.config.max_namespaces:
             self._forget_namespaces()
             if len(self._ns_ids) >= self.config.max_namespaces:
-                raise InvalidRequest(f"{len(self._ns_ids)} namespaces hold pages, publishes or ghosts in this pool "
+                raise InvalidRequest(f"{len(self._ns_ids)} namespaces hold pages or open publishes in this pool "
                                      f"(at most {self.config.max_namespaces}): no new one until some are evicted")
         if self._free_ns:
             nid = self._free_ns.pop()
