@@ -45,6 +45,11 @@ The scrub's state is bounded by the pages, whatever the churn: the fresh queue h
 most one entry per page (a page's new commit replaces its entry; freeing a page removes
 it, O(1)), and the at-rest pass is a cursor (one int) plus a count of completed cycles.
 
+Bounded state per client and per frame: a client's leases pin at most
+`max_leased_pages_per_client` pages in all (default 4 x num_pages; past it an acquire is
+THROTTLED), and at most `max_namespaces` namespaces are interned (a full table forgets
+those without pages or open publishes, then refuses a new one).
+
 Every freed page has its generation bumped, so a reader that held it across a reuse
 can tell. Evicted keys leave a ghost so a later miss is EVICTED, not NEVER_PUBLISHED.
 Tenants are separate indexes: a lookup never sees another tenant's blocks, committed
@@ -127,6 +132,15 @@ class CatalogConfig:
     admission: AdmissionPolicy = AdmissionPolicy()
     limits: LoadLimits = LoadLimits()
     ghost_capacity: int | None = None  # default: num_pages
+    # Pages one client's leases pin in all (a page leased twice counts twice): an acquire past
+    # it is THROTTLED. Default: 4 x num_pages. Each lease costs the daemon memory per page
+    # until it is released or expires, so a client cannot pile up leases without bound.
+    max_leased_pages_per_client: int | None = None
+    # Namespaces the catalog holds at once (a namespace is interned at its first reserve); a
+    # reserve under a new one past it first forgets the namespaces that hold no page and no
+    # open publish (with their ghosts and second-hit offers), then, if the table is still
+    # full, is refused (InvalidRequest).
+    max_namespaces: int = 4096
     reservation_ttl_s: float = 30.0
     lease_ttl_s: float = 60.0
 
@@ -299,6 +313,10 @@ class Catalog:
         self._reservations: dict[int, _Reservation] = {}
         self._leases: dict[int, _Lease] = {}
         self._leases_by_client: dict[int, int] = {}
+        self._leased_pages_by_client: dict[int, int] = {}
+        self._leased_pages_cap = (4 * n if config.max_leased_pages_per_client is None
+                                  else config.max_leased_pages_per_client)
+        self._free_ns: list[int] = []  # ids of forgotten namespaces, for reuse
         self._ids = itertools.count(1)
         # The scrub (see the module docstring): page -> generation of commits taken on trust
         # and not yet scrubbed, oldest first (at most one entry per page); the at-rest cursor.
@@ -322,12 +340,39 @@ class Catalog:
 
     def _ns_id(self, ns: Namespace) -> int:
         nid = self._ns_ids.get(ns)
-        if nid is None:
+        if nid is not None:
+            return nid
+        if len(self._ns_ids) >= self.config.max_namespaces:
+            self._forget_namespaces()
+            if len(self._ns_ids) >= self.config.max_namespaces:
+                raise InvalidRequest(f"{len(self._ns_ids)} namespaces hold pages or open publishes in this pool "
+                                     f"(at most {self.config.max_namespaces}): no new one until some are evicted")
+        if self._free_ns:
+            nid = self._free_ns.pop()
+            self._namespaces[nid], self._fps[nid] = ns, ns_fingerprint(ns)
+        else:
             nid = len(self._namespaces)
             self._namespaces.append(ns)
-            self._ns_ids[ns] = nid
             self._fps.append(ns_fingerprint(ns))
+        self._ns_ids[ns] = nid
         return nid
+
+    def _forget_namespaces(self) -> int:
+        """Forget the namespaces that hold no page and no open publish, with their ghosts and
+        second-hit offers: O(pages + ghosts + offers), only when the table is full."""
+        live = {int(x) for x in np.unique(self.ns_of[self.ns_of >= 0])}
+        live.update(r.ns for r in self._reservations.values())
+        dead = [nid for nid in self._ns_ids.values() if nid not in live]
+        if not dead:
+            return 0
+        gone = set(dead)
+        for table in (self._ghosts, self._seen):
+            for key in [k for k in table if k[1] in gone]:
+                del table[key]
+        for nid in dead:
+            del self._ns_ids[self._namespaces[nid]]
+            self._free_ns.append(nid)
+        return len(dead)
 
     def namespace(self, ns_id: int) -> Namespace:
         return self._namespaces[ns_id]
@@ -403,12 +448,12 @@ class Catalog:
                 self.miss_counters[found.miss.cause] += 1
             return AcquireResult(0, Hits(), found.miss)
         limits = self.config.limits
+        pages = list(found.hits.pages)
         if (limits.per_client and self._leases_by_client.get(client, 0) >= limits.per_client) or (
             limits.total and len(self._leases) >= limits.total
-        ):
+        ) or self._leased_pages_by_client.get(client, 0) + len(pages) > self._leased_pages_cap:
             self.miss_counters[MissCause.THROTTLED] += 1
             return AcquireResult(0, Hits(), Miss(0, MissCause.THROTTLED))
-        pages = list(found.hits.pages)
         for p in pages:
             self.leases_on[p] += 1
             self._touch(p)
@@ -416,6 +461,7 @@ class Catalog:
         self._leases[lease_id] = _Lease(client, pages, list(found.hits.generations),
                                         now + self.config.lease_ttl_s)
         self._leases_by_client[client] = self._leases_by_client.get(client, 0) + 1
+        self._leased_pages_by_client[client] = self._leased_pages_by_client.get(client, 0) + len(pages)
         self.counters["hits"] += 1
         self.counters["hit_blocks"] += len(pages)
         if found.miss is not None:
@@ -442,6 +488,11 @@ class Catalog:
             self._leases_by_client[lease.client] = left
         else:
             del self._leases_by_client[lease.client]
+        held = self._leased_pages_by_client[lease.client] - len(lease.pages)
+        if held:
+            self._leased_pages_by_client[lease.client] = held
+        else:
+            del self._leased_pages_by_client[lease.client]
 
     # -- publishing --------------------------------------------------------------------
     def reserve(self, client: int, tenant: str, ns: Namespace, hashes: Sequence[bytes],

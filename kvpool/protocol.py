@@ -14,6 +14,20 @@ before (e.g. `Lookup.wait_pending_ms`).
   encode_request / decode_request   client -> daemon
   encode_reply / decode_reply       daemon -> client
   read_frame / frame                length-prefixed framing with a size limit
+
+Bounds (what one frame may make the daemon do; checked before any work):
+  * every block hash is HASH_BYTES (16) bytes; a hash list (Lookup, Acquire, Reserve,
+    Evict) and Reserve's lengths hold at most MAX_BLOCKS_PER_FRAME entries, a Commit at
+    most that many digests of at most DIGEST_BYTES each (checked by the decoder: a longer
+    list is MALFORMED before its elements are read);
+  * page bytes travel at most MAX_PAGES_PER_FRAME pages a frame (WritePages' slots and
+    data, ReadPages' indexes and so its PagesOk);
+  * Hello's tenant and client name are at most MAX_NAME_CHARS characters, its token
+    MAX_TOKEN_CHARS;
+  * after a hello a frame (either way) is at most `frame_limit(page_size)` bytes:
+    MAX_PAGES_PER_FRAME pages and CONTROL_FRAME_BYTES for everything else. What only the
+    session's state bounds (indexes within the lease and distinct, slots within the
+    reservation and distinct, hashes distinct) the daemon checks (kvpool.server).
 """
 
 from __future__ import annotations
@@ -24,13 +38,35 @@ from typing import Annotated, Union
 import msgspec
 
 from kvpool.catalog import CorruptOutcome, EvictOutcome, Hits, Miss, Slot
-from kvpool.digest import DigestKind
+from kvpool.digest import DIGEST_BYTES, DigestKind
 from kvpool.errors import ErrorCode, MalformedFrame, WrongVersion
-from kvpool.keys import Namespace
+from kvpool.keys import HASH_BYTES, Namespace
 
 PROTOCOL_VERSION = 1
-DEFAULT_MAX_FRAME = 64 * 1024 * 1024 + 4096
+DEFAULT_MAX_FRAME = 64 * 1024 * 1024 + 4096  # a relay's limit when it does not know the page size
 LENGTH = struct.Struct(">I")
+
+MAX_BLOCKS_PER_FRAME = 65536  # blocks named in one frame: a prompt of 1M tokens at block size 16
+MAX_PAGES_PER_FRAME = 16  # pages of bytes in one WritePages or PagesOk (the client moves one at a time)
+MAX_NAME_CHARS = 256  # a tenant's or a client's name
+MAX_TOKEN_CHARS = 1024  # a tenant's token
+# Every frame other than page bytes: a maximal Reserve (65536 hashes and lengths) is 1.5 MiB,
+# its ReserveOk, a maximal LookupOk / AcquireOk (65536 hits) 2.3 MiB, Metrics' text well under.
+CONTROL_FRAME_BYTES = 4 * 1024 * 1024
+
+
+def frame_limit(page_size: int) -> int:
+    """The largest frame after a hello, either way, for pages of `page_size` bytes."""
+    return MAX_PAGES_PER_FRAME * page_size + CONTROL_FRAME_BYTES
+
+
+BlockHash = Annotated[bytes, msgspec.Meta(min_length=HASH_BYTES, max_length=HASH_BYTES)]
+Hashes = Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_BLOCKS_PER_FRAME)]
+Lengths = Annotated[list[int], msgspec.Meta(max_length=MAX_BLOCKS_PER_FRAME)]
+Digests = Annotated[list[Annotated[bytes, msgspec.Meta(max_length=DIGEST_BYTES)]],
+                    msgspec.Meta(max_length=MAX_BLOCKS_PER_FRAME)]
+PageIndexes = Annotated[list[int], msgspec.Meta(max_length=MAX_PAGES_PER_FRAME)]
+PageData = Annotated[list[bytes], msgspec.Meta(max_length=MAX_PAGES_PER_FRAME)]
 
 
 class Envelope(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -41,9 +77,9 @@ class Envelope(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
 # -- requests ---------------------------------------------------------------------------
 class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
-    tenant: str
-    token: str
-    client_name: str = ""
+    tenant: Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
+    token: Annotated[str, msgspec.Meta(max_length=MAX_TOKEN_CHARS)]
+    client_name: Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)] = ""
 
 
 class Ping(msgspec.Struct, tag="ping", forbid_unknown_fields=True):
@@ -57,13 +93,13 @@ class Lookup(msgspec.Struct, tag="lookup", forbid_unknown_fields=True, omit_defa
     runs out answers MissCause.IN_FLIGHT. 0: answer at once (pending reads as missing)."""
 
     ns: Namespace
-    hashes: list[bytes]
+    hashes: Hashes
     wait_pending_ms: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class Acquire(msgspec.Struct, tag="acquire", forbid_unknown_fields=True):
     ns: Namespace
-    hashes: list[bytes]
+    hashes: Hashes
 
 
 class Release(msgspec.Struct, tag="release", forbid_unknown_fields=True):
@@ -72,8 +108,8 @@ class Release(msgspec.Struct, tag="release", forbid_unknown_fields=True):
 
 class Reserve(msgspec.Struct, tag="reserve", forbid_unknown_fields=True):
     ns: Namespace
-    hashes: list[bytes]
-    lengths: list[int]
+    hashes: Hashes
+    lengths: Lengths
     boundary: int | None = None
 
 
@@ -81,8 +117,8 @@ class WritePages(msgspec.Struct, tag="write", forbid_unknown_fields=True):
     """Page bytes sent over the socket, for a client that cannot map the arena."""
 
     reservation_id: int
-    slots: list[int]  # indexes into the reservation's pages
-    data: list[bytes]
+    slots: PageIndexes  # indexes into the reservation's pages, distinct
+    data: PageData
 
 
 class Commit(msgspec.Struct, tag="commit", forbid_unknown_fields=True, omit_defaults=True):
@@ -90,7 +126,7 @@ class Commit(msgspec.Struct, tag="commit", forbid_unknown_fields=True, omit_defa
     before the pages become visible; kv-sketch-1 digests (a GPU's) are trusted at commit,
     checked end to end by every loader and scrubbed at rest by the daemon."""
     reservation_id: int
-    digests: list[bytes]  # the publisher's digest of each reserved page, in order
+    digests: Digests  # the publisher's digest of each reserved page, in order
     kind: DigestKind = DigestKind.XXH3
 
 
@@ -102,12 +138,12 @@ class ReadPages(msgspec.Struct, tag="read", forbid_unknown_fields=True):
     """Leased page bytes sent over the socket, for a client that cannot map the arena."""
 
     lease_id: int
-    indexes: list[int]  # indexes into the lease's pages
+    indexes: PageIndexes  # indexes into the lease's pages, distinct
 
 
 class Evict(msgspec.Struct, tag="evict", forbid_unknown_fields=True):
     ns: Namespace
-    hashes: list[bytes]
+    hashes: Hashes
 
 
 class SetCapacity(msgspec.Struct, tag="capacity", forbid_unknown_fields=True, omit_defaults=True):

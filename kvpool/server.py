@@ -19,6 +19,15 @@ Contracts:
     larger length prefix is answered and the connection closed before its bytes are
     read), and one that has not authenticated within `hello_timeout_s` gets an
     Unauthenticated error and is closed.
+  * Bounded per frame: after a hello a frame, either way, is at most `frame_limit` bytes
+    (by default kvpool.protocol.frame_limit(page_size): 16 pages and 4 MiB for the rest);
+    every list a request carries has a static bound (kvpool.protocol: 65536 blocks, 16
+    pages) checked by the decoder before its elements are read, and names each block hash,
+    lease index or reservation slot at most once, within what the session holds (indexes
+    within its lease, slots within its reservation, one digest per reserved page); a
+    namespace's text fields are at most 1024 characters. Anything else is MALFORMED or
+    INVALID and does nothing; no reply over the frame limit is sent (INTERNAL instead). A
+    connection says hello once (each hello mints an attach ticket): a second is INVALID.
   * Commit by digest kind (kvpool.digest): xxh3-128 pages are re-hashed in the thread
     pool before they become visible (a mismatch is rejected, never visible; with
     `verify_commits` off they are trusted like kv-sketch-1 pages); kv-sketch-1 pages
@@ -115,6 +124,7 @@ from kvpool.shm_index import ShmIndex
 from kvpool.errors import (
     Busy,
     ErrorCode,
+    InternalError,
     InvalidRequest,
     LeaseLost,
     MissCause,
@@ -145,7 +155,9 @@ class PoolConfig:
     tcp_host: str | None = "127.0.0.1"
     tcp_port: int = 0  # 0: pick a free port (written to address.json)
     tenants: Mapping[str, str] = dataclasses.field(default_factory=dict)  # tenant -> token
-    max_frame: int = P.DEFAULT_MAX_FRAME
+    # The largest frame after a hello, either way (requests and replies); 0: derived from the
+    # page size, kvpool.protocol.frame_limit (16 pages and 4 MiB for everything else).
+    max_frame: int = 0
     max_clients: int = 256
     max_queue: int = 64
     io_threads: int = 2
@@ -186,6 +198,11 @@ class PoolConfig:
     admins: frozenset[str] = frozenset()
     # Pages of each tenant's own segment; the tenants not named share the rest of num_pages.
     quotas: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def frame_limit(self) -> int:
+        """The largest frame after a hello (bytes, without its length prefix)."""
+        return self.max_frame or P.frame_limit(self.page_size)
 
     def is_admin(self, tenant: str) -> bool:
         if self.admins:
@@ -662,8 +679,7 @@ class PoolDaemon:
             result = self._apply(session, op)
             if inspect.isawaitable(result):
                 return self._finish(request_id, op_name, result)
-            self.metrics.requests.labels(op_name, "ok").inc()
-            return P.encode_reply(request_id, result)
+            return self._reply(request_id, op_name, result)
         except PoolError as err:
             return self._error(getattr(err, "request_id", request_id), op_name, err)
 
@@ -672,8 +688,19 @@ class PoolDaemon:
             result = await pending
         except PoolError as err:
             return self._error(request_id, op_name, err)
+        return self._reply(request_id, op_name, result)
+
+    def _reply(self, request_id: int, op_name: str, result: P.Reply) -> bytes:
+        """The encoded reply, at most the frame limit: the bounds of kvpool.protocol and the
+        handlers' checks keep every reply under it, and one that is not is a daemon bug,
+        answered as one rather than sent."""
+        data = P.encode_reply(request_id, result)
+        if len(data) - P.LENGTH.size > self.config.frame_limit:
+            return self._error(request_id, op_name, InternalError(
+                f"{type(result).__name__} of {len(data) - P.LENGTH.size} bytes exceeds the frame limit of "
+                f"{self.config.frame_limit}: not sent"))
         self.metrics.requests.labels(op_name, "ok").inc()
-        return P.encode_reply(request_id, result)
+        return data
 
     def _error(self, request_id: int, op_name: str, err: PoolError) -> bytes:
         self.metrics.requests.labels(op_name, err.code.value).inc()
@@ -684,12 +711,16 @@ class PoolDaemon:
             expected = self.config.tenants.get(op.tenant)
             if expected is None or not hmac.compare_digest(expected.encode(), op.token.encode()):
                 raise Unauthenticated(f"unknown tenant or bad token for tenant {op.tenant!r}")
+            if session.tenant is not None:  # each hello mints an attach ticket; a session has one
+                raise InvalidRequest(f"this connection is already authenticated (tenant {session.tenant!r}): a "
+                                     "connection says hello once")
             session.tenant, session.name = op.tenant, op.client_name
             arena = self.pools[op.tenant].arena
             return P.HelloOk(session.client, str(self.attach_path), arena.instance, arena.page_size,
                              arena.num_pages, SERVER_NAME, self.restarted_after_crash, self._ticket(op.tenant))
         if session.tenant is None:
             raise Unauthenticated(f"{type(op).__name__} before a successful hello")
+        self._check_bounds(op)
         tenant = session.tenant
         tp = self.pools[tenant]
         cat = tp.catalog
@@ -770,6 +801,26 @@ class PoolDaemon:
         if isinstance(op, P.ReportCorrupt):
             return self._report_corrupt(session, op)
         raise InvalidRequest(f"unhandled op {type(op).__name__}")
+
+    def _check_bounds(self, op: P.Request) -> None:
+        """What one frame may name, beyond the decoder's static bounds (kvpool.protocol):
+        each block hash, lease index and reservation slot at most once (a repeat would only
+        repeat the work and the reply), and a namespace whose text fields are at most
+        MAX_NAMESPACE_FIELD_CHARS each (a namespace is interned while the pool has pages of
+        it). The handlers check what the session holds: indexes within its lease, slots
+        within its reservation, one digest per reserved page, payloads of the reserved
+        length. InvalidRequest otherwise; nothing of the frame is done."""
+        if isinstance(op, (P.Lookup, P.Acquire, P.Reserve, P.Evict)):
+            for name in op.ns.__struct_fields__:
+                value = getattr(op.ns, name)
+                if isinstance(value, str) and len(value) > MAX_NAMESPACE_FIELD_CHARS:
+                    raise InvalidRequest(f"namespace field {name} of {len(value)} characters (at most "
+                                         f"{MAX_NAMESPACE_FIELD_CHARS})")
+            _check_distinct("block hash", op.hashes)
+        elif isinstance(op, P.ReadPages):
+            _check_distinct("lease index", op.indexes)
+        elif isinstance(op, P.WritePages):
+            _check_distinct("reservation slot", op.slots)
 
     @staticmethod
     def _tenant_stats(tp: _TenantPool) -> dict[str, int]:
@@ -922,6 +973,8 @@ class PoolDaemon:
         return P.WriteOk(await self._offload(write))
 
     async def _read_pages(self, session: _Session, op: P.ReadPages) -> P.PagesOk:
+        """The bytes of distinct pages of the session's lease: at most the lease's pages and
+        MAX_PAGES_PER_FRAME (protocol), so the reply is at most that many pages."""
         pages = self._own_lease(session, op.lease_id)
         tp = self.pools[session.tenant]
         targets = []
@@ -931,6 +984,19 @@ class PoolDaemon:
             targets.append((pages[i], int(tp.catalog.length[pages[i]])))
         arena = tp.arena
         return P.PagesOk(await self._offload(lambda: [arena.page(p, n).tobytes() for p, n in targets]))
+
+
+MAX_NAMESPACE_FIELD_CHARS = 1024  # each text field of a namespace (a model id, a revision, ...)
+
+
+def _check_distinct(what: str, items: list) -> None:
+    """InvalidRequest unless every item is distinct (one frame names each block, page or
+    slot at most once: a repeat would only repeat the work and the reply)."""
+    if len(set(items)) != len(items):
+        seen: set = set()
+        first = next(x for x in items if x in seen or seen.add(x))  # add() is None: falsy
+        raise InvalidRequest(f"{what} {first!r} named more than once in one frame "
+                             f"({len(items) - len(set(items))} repeats)")
 
 
 def _set_dumpable(on: bool) -> None:
@@ -1033,7 +1099,7 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
-        if self.pending is not None and len(self.buf) > self.daemon.config.max_frame + P.LENGTH.size:
+        if self.pending is not None and len(self.buf) > self.daemon.config.frame_limit + P.LENGTH.size:
             self.transport.pause_reading()  # pipelined behind a parked lookup: bound the buffer
         self._pump()
 
@@ -1044,7 +1110,7 @@ class _Connection(asyncio.Protocol):
                 return
             (n,) = P.LENGTH.unpack_from(self.buf)
             pre_auth = self.session.tenant is None
-            limit = d.config.max_hello_frame if pre_auth else d.config.max_frame
+            limit = d.config.max_hello_frame if pre_auth else d.config.frame_limit
             if n > limit:
                 err = OversizedFrame(f"frame of {n} bytes exceeds the limit of {limit}"
                                      + (" before a successful hello" if pre_auth else ""))

@@ -136,7 +136,7 @@ def test_connection_drop_reclaims_reservations_and_leases(daemon):
 def test_oversized_frame_closes_only_that_connection(daemon):
     with client(daemon) as good:
         s = raw(daemon)
-        s.sendall(P.LENGTH.pack(daemon.config.max_frame + 1))
+        s.sendall(P.LENGTH.pack(daemon.config.frame_limit + 1))
         n = P.LENGTH.unpack(s.recv(4, socket.MSG_WAITALL))[0]
         _, reply = P.decode_reply(s.recv(n, socket.MSG_WAITALL))
         assert reply.code == ErrorCode.OVERSIZED
