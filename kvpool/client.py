@@ -142,6 +142,42 @@ _IDEMPOTENT = (P.Ping, P.Lookup, P.Stats, P.Metrics)
 _PROBE_ORDERED = platform.machine() in ("x86_64", "AMD64")  # kvpool.shm_index's seqlock needs x86 ordering
 
 
+def _peer_closed(sock: socket.socket) -> bool:
+    """Between requests nothing may arrive: a readable idle socket is at EOF, reset, or
+    out of step, and is not reused. One zero-timeout poll, no blocking."""
+    readable, _, _ = select.select([sock], [], [], 0)
+    if not readable:
+        return False
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+    return True
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _ProbeView:
+    """What a probe reads, as one snapshot: the live session's socket, the segment of the
+    daemon at its other end, and that segment's index (None: the index region the segment
+    declares is not one an index can be: the probe answers None, the lookup asks)."""
+
+    sock: socket.socket
+    arena: Arena
+    index: ShmIndex | None
+
+    @classmethod
+    def of(cls, sock: socket.socket, arena: Arena, client: PoolClient) -> _ProbeView:
+        entries = arena.index_entries
+        try:
+            index = ShmIndex(entries, num_pages=arena.num_pages) if entries is not None and entries.size else None
+        except ValueError as exc:  # the segment's header declares an index of another shape
+            client.attach_error = f"the segment's index is not probed: {exc}"
+            index = None
+        return cls(sock, arena, index)
+
+
 class PoolClient:
     """A connection to one pool daemon. Thread-safe (one request in flight at a time)."""
 
@@ -159,8 +195,14 @@ class PoolClient:
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._local = threading.local()  # .deadline: this thread's call_deadline, if any
+        # Guards what a connect or a restart swaps (the socket, the mapped segment, the probe's
+        # view of them, the pages each lease and reservation was granted in). Held only for
+        # those assignments and for a probe's read of the index, never across a call to the
+        # daemon: the scheduler's probe never waits on the pool.
+        self._state = threading.Lock()
         self.arena: Arena | None = None
-        self._shm_index: ShmIndex | None = None
+        self._probe_view: _ProbeView | None = None
+        self._granted: dict[tuple[str, int], Arena | None] = {}  # ("lease" | "res", id) -> segment it was granted in
         self._fingerprints: dict[Namespace, int] = {}
         self.attach_error = ""  # why the arena is not mapped here, if it was offered and is not
         self.hello: P.HelloOk | None = None
@@ -176,12 +218,15 @@ class PoolClient:
                 sock.settimeout(self.timeout_s)
                 sock.connect(self._sockaddr)
             except TimeoutError as exc:
+                sock.close()
                 raise PoolTimeout(f"connect to {self.address} timed out after {self.timeout_s}s") from exc
             except OSError as exc:
+                sock.close()
                 raise TransportError(f"cannot connect to pool at {self.address}: {exc}") from exc
             if self._family != socket.AF_UNIX:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock = sock
+            with self._state:
+                self._sock = sock
             hello = self._call(P.Hello(self.tenant, self._token, self.name), retry=False)
             assert isinstance(hello, P.HelloOk)
             self.hello = hello
@@ -190,17 +235,22 @@ class PoolClient:
             return hello
 
     def _attach(self, hello: P.HelloOk) -> None:
+        """Map the segment of the daemon this session's hello came from (or keep the one
+        mapped, if it is that daemon's), and only then let the probe read it together with
+        this session's socket (the caller holds self._lock)."""
         if self.arena is not None and (self.arena.instance != hello.arena_instance or self.arena.closed):
             self._close_arena()
-        if not self.zero_copy or self.arena is not None or not hello.ticket:
-            return
-        arena = self._fetch_arena(hello)
-        if arena is None:
-            return  # another host, or refused: page bytes go over the socket
-        if arena.instance == hello.arena_instance:
-            self.arena = arena
-        else:
-            arena.close()  # a segment that is not this daemon's
+        if self.zero_copy and self.arena is None and hello.ticket:
+            arena = self._fetch_arena(hello)  # I/O: without self._state
+            if arena is not None and arena.instance != hello.arena_instance:
+                arena.close()  # a segment that is not this daemon's
+                arena = None
+            if arena is not None:
+                with self._state:
+                    self.arena = arena
+        with self._state:
+            if self.arena is not None and self._sock is not None:
+                self._probe_view = _ProbeView.of(self._sock, self.arena, self)
 
     def _fetch_arena(self, hello: P.HelloOk) -> Arena | None:
         """Trade the hello's ticket for the tenant's segment at the daemon's attach socket."""
@@ -225,19 +275,24 @@ class PoolClient:
             return None
 
     def _close_arena(self) -> None:
-        if self.arena is not None:
-            try:
-                self.arena.close()
-            except ArenaError:
-                pass  # a caller still holds a page view; the mapping goes when it drops it
-            self.arena = None
+        with self._state:
+            arena, self.arena = self.arena, None
+            self._probe_view = None
+            # Every lease and reservation was granted in that segment: none is read or written
+            # in the next one (its page numbers name other blocks' pages there).
+            self._granted.clear()
+            if arena is not None:
+                try:
+                    arena.close()
+                except ArenaError:
+                    pass  # a caller still holds a page view; the mapping goes when it drops it
 
     def _drop_socket(self) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.close()
-            finally:
-                self._sock = None
+        with self._state:
+            sock, self._sock = self._sock, None
+            self._probe_view = None  # a probe reads the segment only beside a live session
+            if sock is not None:
+                sock.close()
 
     def close(self) -> None:
         with self._lock:
@@ -264,19 +319,8 @@ class PoolClient:
         return bytes(buf)
 
     def _peer_closed(self) -> bool:
-        """Between requests nothing may arrive: a readable idle socket is at EOF, reset, or
-        out of step, and is not reused. One zero-timeout poll, no blocking."""
         assert self._sock is not None
-        readable, _, _ = select.select([self._sock], [], [], 0)
-        if not readable:
-            return False
-        try:
-            self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
-            return True
-        return True
+        return _peer_closed(self._sock)
 
     @contextlib.contextmanager
     def call_deadline(self, seconds: float):  # noqa: ANN201
@@ -377,47 +421,97 @@ class PoolClient:
         """How many of `hashes`, from the first, the tenant's segment holds committed under
         `ns`, read from the segment's index (kvpool.shm_index): no round trip. None: no
         segment mapped here (another host, a proxy in between), or not an x86 host (the
-        index's seqlock relies on x86's ordering of loads and of stores), or (with
-        `fresh_s`) the daemon's heartbeat is older than `fresh_s` seconds or absent, or its
-        end of this client's session is closed (a daemon that exited: known at once, not
-        after `fresh_s`); ask lookup(), which also says why a run stops. A hit is advisory, as a lookup's is:
-        the acquire is what leases the pages."""
-        arena = self.arena
-        entries = None if arena is None or not _PROBE_ORDERED else arena.index_entries
-        if entries is None or not entries.size:
+        index's seqlock relies on x86's ordering of loads and of stores), or the segment is
+        not the one of the daemon at the other end of this client's live session (between a
+        restart's new connection and its new mapping), or (with `fresh_s`) the daemon's
+        heartbeat is older than `fresh_s` seconds or absent, or its end of this client's
+        session is closed (a daemon that exited: known at once, not after `fresh_s`); ask
+        lookup(), which also says why a run stops. A hit is advisory, as a lookup's is:
+        the acquire is what leases the pages.
+
+        Safe beside another thread's reconnect: the socket, the segment and its index are
+        read as one snapshot under self._state, which every swap of them takes too (and
+        which no call to the daemon holds), so the probe never sees a socket being dropped
+        or a segment being unmapped; what it reads from the shared index is validated
+        (kvpool.shm_index), so a torn or scribbled entry is a block not held. Nothing the
+        pool or its segment holds makes it raise (hashes that are not 16 bytes do: the
+        caller's mistake)."""
+        if not _PROBE_ORDERED:
             return None
-        if fresh_s is not None:
-            age = arena.heartbeat_age_s()
-            if age is None or age > fresh_s:  # stopped, wedged, or not beating
-                return None
-            if self._sock is None or self._peer_closed():  # exited: the kernel closed its end of the session
-                return None
-        index = self._shm_index
-        if index is None or index.e is not entries:
-            index = self._shm_index = ShmIndex(entries)
         fp = self._fingerprints.get(ns)
         if fp is None:
             fp = self._fingerprints[ns] = ns_fingerprint(ns)
-        return index.probe(fp, hashes)
+        with self._state:
+            view = self._probe_view
+            if view is None or view.index is None:
+                return None
+            if fresh_s is not None:
+                age = view.arena.heartbeat_age_s()
+                if age is None or age > fresh_s:  # stopped, wedged, or not beating
+                    return None
+                if _peer_closed(view.sock):  # exited: the kernel closed its end of the session
+                    return None
+            return view.index.probe(fp, hashes)
+
+    def _call_granting(self, op: P.Request, kind: type, what: str, grant_id: Callable[[object], int]) -> object:
+        """A call that grants pages (an acquire's lease, a reserve's reservation): the
+        segment they were granted in is noted with the grant, under the call's own lock
+        (no swap of the segment can come between the reply and the note)."""
+        if not self._lock.acquire(timeout=self._call_timeout(0.0)):
+            raise PoolTimeout(f"{type(op).__name__} to {self.address}: the connection stayed busy with another "
+                              f"thread's call past this call's timeout")
+        try:
+            reply = self._call_locked(op, True, 0.0)
+            if not isinstance(reply, kind):
+                raise MalformedFrame(f"{type(op).__name__} answered with {type(reply).__name__}")
+            gid = grant_id(reply)
+            if gid:
+                with self._state:
+                    self._granted[(what, gid)] = self.arena
+            return reply
+        finally:
+            self._lock.release()
+
+    def _granted_arena(self, what: str, gid: int) -> Arena | None:
+        """The segment a lease's or a reservation's pages are in, if it is still this
+        client's mapping; None where it was granted without one (page bytes then travel on
+        the socket). TransportError if the pool's segment changed since (a restart): the
+        page numbers name other pages in the new one."""
+        with self._state:
+            if (what, gid) not in self._granted:
+                if self.arena is None:
+                    return None
+                raise TransportError(f"{what} {gid} was not granted in the pool's current segment (a restart)")
+            arena = self._granted[(what, gid)]
+            if arena is not None and arena is not self.arena:
+                raise TransportError(f"{what} {gid}: the pool's segment changed under it (a restart)")
+            return arena
+
+    def _forget_grant(self, what: str, gid: int) -> None:
+        with self._state:
+            self._granted.pop((what, gid), None)
 
     def acquire(self, ns: Namespace, hashes: Sequence[bytes]) -> AcquireResult:
-        r = self._expect(P.Acquire(ns, list(hashes)), P.AcquireOk)
+        r = self._call_granting(P.Acquire(ns, list(hashes)), P.AcquireOk, "lease", lambda x: x.lease_id)
         return AcquireResult(r.lease_id, r.hits, r.miss)
 
     def release(self, lease_id: int) -> ReleaseResult:
+        self._forget_grant("lease", lease_id)
         r = self._expect(P.Release(lease_id), P.ReleaseOk)
         return ReleaseResult(tuple(r.stale))
 
     def read_page(self, lease: AcquireResult, index: int) -> np.ndarray | bytes:
         ref = lease.hits[index]
-        if self.arena is not None:
-            return self.arena.page(ref.page, ref.length)
+        arena = self._granted_arena("lease", lease.lease_id)
+        if arena is not None:
+            return arena.page(ref.page, ref.length)
         r = self._expect(P.ReadPages(lease.lease_id, [index]), P.PagesOk)
         return r.data[0]
 
     def reserve(self, ns: Namespace, hashes: Sequence[bytes], lengths: Sequence[int],
                 boundary: int | None = None) -> ReserveResult:
-        r = self._expect(P.Reserve(ns, list(hashes), [int(n) for n in lengths], boundary), P.ReserveOk)
+        r = self._call_granting(P.Reserve(ns, list(hashes), [int(n) for n in lengths], boundary), P.ReserveOk,
+                                "reservation", lambda x: x.reservation_id)
         return ReserveResult(r.reservation_id, tuple(r.slots))
 
     def reserved_view(self, reservation: ReserveResult, slot: int) -> np.ndarray | None:
@@ -425,15 +519,17 @@ class PoolClient:
         s = reservation.slots[slot]
         if s.status != SlotStatus.RESERVED:
             raise InvalidRequest(f"slot {slot} is {s.status.value}, not reserved")
-        return None if self.arena is None else self.arena.page(s.page)
+        arena = self._granted_arena("reservation", reservation.reservation_id)
+        return None if arena is None else arena.page(s.page)
 
     def write_page(self, reservation: ReserveResult, slot: int, data: np.ndarray | bytes) -> None:
         s = reservation.slots[slot]
         if s.status != SlotStatus.RESERVED:
             raise InvalidRequest(f"slot {slot} is {s.status.value}, not reserved")
-        if self.arena is not None:
+        arena = self._granted_arena("reservation", reservation.reservation_id)
+        if arena is not None:
             src = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
-            self.arena.page(s.page, src.size)[:] = src
+            arena.page(s.page, src.size)[:] = src
             return
         res_slot = sum(1 for x in reservation.slots[:slot] if x.status == SlotStatus.RESERVED)
         payload = data.tobytes() if isinstance(data, np.ndarray) else bytes(data)
@@ -441,10 +537,12 @@ class PoolClient:
 
     def commit(self, reservation_id: int, digests: Sequence[bytes],
                kind: DigestKind = DigestKind.XXH3) -> CommitResult:
+        self._forget_grant("reservation", reservation_id)
         r = self._expect(P.Commit(reservation_id, list(digests), DigestKind(kind)), P.CommitOk)
         return CommitResult(r.committed, tuple(r.rejected))
 
     def abort(self, reservation_id: int) -> int:
+        self._forget_grant("reservation", reservation_id)
         return self._expect(P.Abort(reservation_id), P.AbortOk).freed
 
     def evict(self, ns: Namespace, hashes: Sequence[bytes]) -> list[EvictOutcome]:
