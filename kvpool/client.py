@@ -99,6 +99,7 @@ class LoadResult:
     loaded: int  # leading blocks installed and verified
     miss: Miss | None  # why the run stopped before `requested` (None if it did not)
     seconds: float
+    error: str = ""  # what stopped it, where something failed (a miss of the pool's own answer has none)
 
 
 class PoolBackend(Protocol):
@@ -506,6 +507,8 @@ class PoolClient:
         if arena is not None:
             return arena.page(ref.page, ref.length)
         r = self._expect(P.ReadPages(lease.lease_id, [index]), P.PagesOk)
+        if len(r.data) != 1:
+            raise MalformedFrame(f"ReadPages of one page answered with {len(r.data)}")
         return r.data[0]
 
     def reserve(self, ns: Namespace, hashes: Sequence[bytes], lengths: Sequence[int],
@@ -580,6 +583,8 @@ def publish(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes],
     segments = [as_segments(b) for b in blocks]
     sizes = [total_size(s) for s in segments]
     res = backend.reserve(ns, hashes, sizes, boundary)
+    if len(res.slots) != len(hashes):
+        raise MalformedFrame(f"a reserve of {len(hashes)} blocks answered with {len(res.slots)} slots")
     count = {s: 0 for s in SlotStatus}
     for slot in res.slots:
         count[slot.status] += 1
@@ -591,6 +596,8 @@ def publish(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes],
                 if slot.status != SlotStatus.RESERVED:
                     continue
                 view = backend.reserved_view(res, i)
+                if view is not None and view.size < sizes[i]:
+                    raise ArenaError(f"slot {i}: a reserved page of {view.size} bytes for a block of {sizes[i]}")
                 if view is not None:
                     digests.append(copy_digest_as(kind, segments[i], [view[: sizes[i]]]))
                 else:
@@ -614,10 +621,14 @@ def publish(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes],
 def load(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes], dest: Destination,
          deadline_s: float | None = None, metrics: ClientMetrics | None = None) -> LoadResult:
     """Install the longest run of pooled blocks into `dest(i)`; classify any shortfall.
-    Every pool error ends the load as exactly one miss cause, never as an exception (the
-    caller waits for it on vLLM's hot path): BUSY is `throttled`; any other failure of the
-    pool or the path to it is `transport_error`. Only InvalidRequest (the caller's own
-    destination is wrong) is raised."""
+    Nothing the pool holds and no failure of the pool ends the load as an exception (the
+    caller waits for it on vLLM's hot path, where an exception ends the engine): each is
+    exactly one miss cause, and the result's `error` says what stopped it. A page whose
+    length is not the destination's (a block of another layout pooled under this key) or
+    whose bytes do not match its digest is `corrupt`; BUSY is `throttled`; a deadline
+    passed is `timeout`; any other failure of the pool or the path to it (the daemon's
+    error replies included) is `transport_error`. What is not the pool's raises: a
+    destination that is not a buffer (the caller's own mistake)."""
     bound = getattr(backend, "call_deadline", None)  # a PoolClient, or a wrapper that passes it on
     with bound(deadline_s) if bound is not None and deadline_s is not None else contextlib.nullcontext():
         return _load(backend, ns, hashes, dest, deadline_s, metrics)
@@ -629,6 +640,7 @@ def _load(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes], dest: De
     requested = len(hashes)
     loaded = 0
     miss: Miss | None = None
+    error = ""
     lease: AcquireResult | None = None
     try:
         lease = backend.acquire(ns, hashes)
@@ -638,34 +650,40 @@ def _load(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes], dest: De
                 raise PoolTimeout(f"load passed its deadline of {deadline_s}s at block {i}")
             target = as_segments(dest(i))
             if total_size(target) != ref.length:
-                raise InvalidRequest(f"block {i}: destination of {total_size(target)} bytes for a page of {ref.length}")
-            if copy_digest_as(ref.kind, as_segments(backend.read_page(lease, i)), target) != ref.digest:
+                raise CorruptPage(f"block {i} (page {ref.page}): the pool holds a page of {ref.length} bytes "
+                                  f"for a block of {total_size(target)}")
+            source = as_segments(backend.read_page(lease, i))
+            if total_size(source) != ref.length:
+                raise CorruptPage(f"block {i} (page {ref.page}): {total_size(source)} bytes read of a page "
+                                  f"of {ref.length}")
+            if copy_digest_as(ref.kind, source, target) != ref.digest:
                 raise CorruptPage(f"block {i} (page {ref.page}): installed bytes do not match the published digest")
             loaded += 1
-    except CorruptPage:
-        miss = Miss(loaded, MissCause.CORRUPT)
-    except PoolTimeout:
-        miss = Miss(loaded, MissCause.TIMEOUT)
-    except Busy:  # the daemon had no room for this client (a reconnect past max_clients) or its request
-        miss = Miss(loaded, MissCause.THROTTLED)
-    except InvalidRequest:
-        raise  # the caller's own mistake (a destination of the wrong size): not a miss of the pool
-    except PoolError:  # TransportError, LeaseLost, MalformedFrame, WrongVersion, Unauthenticated, ...
-        miss = Miss(loaded, MissCause.TRANSPORT_ERROR)
+    except CorruptPage as exc:
+        miss, error = Miss(loaded, MissCause.CORRUPT), f"{type(exc).__name__}: {exc}"
+    except PoolTimeout as exc:
+        miss, error = Miss(loaded, MissCause.TIMEOUT), f"{type(exc).__name__}: {exc}"
+    except Busy as exc:  # the daemon had no room for this client (a reconnect past max_clients) or its request
+        miss, error = Miss(loaded, MissCause.THROTTLED), f"{type(exc).__name__}: {exc}"
+    except PoolError as exc:  # TransportError, LeaseLost, MalformedFrame, ArenaError, an error reply, ...
+        miss, error = Miss(loaded, MissCause.TRANSPORT_ERROR), f"{type(exc).__name__}: {exc}"
     finally:
         if lease is not None and lease.lease_id:
             try:
                 stale = set(backend.release(lease.lease_id).stale)
-            except (PoolTimeout, TransportError, LeaseLost, MalformedFrame):
-                # The connection (and with it the lease) is gone; the daemon unpins the
-                # pages itself. Blocks already verified by digest stand.
+            except PoolError as exc:
+                # The connection (and with it the lease) is gone, or the daemon refused the
+                # release; it unpins the pages itself (at the disconnect or the lease's TTL).
+                # Blocks already verified by digest stand.
                 stale = set()
+                error = error or f"release: {type(exc).__name__}: {exc}"
                 if metrics is not None:
                     metrics.loads.labels("release_failed").inc()
             stale_at = [i for i, h in enumerate(lease.hits[:loaded]) if h.page in stale]
             if stale_at:  # a page's generation moved under the lease: do not trust it
                 loaded = stale_at[0]
                 miss = Miss(loaded, MissCause.CORRUPT)
+                error = f"page {lease.hits[loaded].page} was reused under the lease"
     seconds = time.monotonic() - t0
     if metrics is not None:
         metrics.load_seconds.observe(seconds)
@@ -675,4 +693,4 @@ def _load(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes], dest: De
         if miss is not None:
             metrics.misses.labels(miss.cause.value).inc()
         metrics.loads.labels("hit" if loaded == requested else ("partial" if loaded else "miss")).inc()
-    return LoadResult(requested, loaded, miss, seconds)
+    return LoadResult(requested, loaded, miss, seconds, error)

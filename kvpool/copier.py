@@ -67,16 +67,19 @@ class CopyRun:
     source: str = "pool"  # where a load reads: "pool" (this host's) or "tier" (kvpool.tier)
 
 
-def note_load(copier: Any, event: str, run: CopyRun, loaded: int, miss: Any, **timing: float) -> list[int]:
+def note_load(copier: Any, event: str, run: CopyRun, loaded: int, miss: Any, error: str = "",
+              **timing: float) -> list[int]:
     """A finished load's bookkeeping, the same for every copier: the blocks it did not
     install join `copier.failed` (under `copier._failed_lock`), and its record (`event`)
-    goes to the history. Returns those blocks."""
+    goes to the history, with `error` (what stopped it) where something failed. Returns
+    those blocks."""
     failed = list(run.block_ids[loaded:])
     with copier._failed_lock:
         copier.failed.update(failed)
+    extra = {"error": error[:400]} if error else {}
     copier.history.write(event, req=run.req_id, tag=run.tag, first_block=run.first_block, blocks=len(run.block_ids),
                          loaded=loaded, failed_block_ids=failed, miss_cause=miss.cause.value if miss else None,
-                         miss_index=(run.first_block + miss.index) if miss else None,
+                         miss_index=(run.first_block + miss.index) if miss else None, **extra,
                          **{k: round(v, 6) for k, v in timing.items()})
     return failed
 
@@ -145,13 +148,15 @@ class HostCopier:
             t0 = time.monotonic()
             left = deadline_s - (t0 - submitted)
             if left <= 0:  # the load waited past its deadline before it could start
-                res, loaded, miss = None, 0, Miss(0, MissCause.TIMEOUT)
+                res, loaded, miss, error = None, 0, Miss(0, MissCause.TIMEOUT), "queued past its deadline"
             else:
+                # load() ends every failure the pool or its pages can cause as a miss
+                # (kvpool.client.load): what it raises is this process's own mistake
                 res = load(self.backend, ns, run.hashes,
                            lambda i, ids=run.block_ids: self.block_segments(ids[i]),
                            deadline_s=left, metrics=self.metrics)
-                loaded, miss = res.loaded, res.miss
-            note_load(self, "load", run, loaded, miss, queued_s=t0 - submitted, seconds=time.monotonic() - t0)
+                loaded, miss, error = res.loaded, res.miss, res.error
+            note_load(self, "load", run, loaded, miss, error, queued_s=t0 - submitted, seconds=time.monotonic() - t0)
             return res
 
         return job

@@ -147,3 +147,104 @@ def test_a_scribbled_index_raises_nothing_and_claims_no_page_outside_the_segment
         assert 0 <= got <= len(hashes)
     with pytest.raises(ValueError):  # a region of no index's shape is refused when it is mapped, not probed
         ShmIndex(np.zeros(0, dtype=ENTRY))
+
+
+# -- the worker's loads: what the pool holds or fails at is a failed load, never an exception --
+
+from types import SimpleNamespace  # noqa: E402
+
+import torch  # noqa: E402
+
+from harness.checkers.history import read_history  # noqa: E402
+from kvpool.client import load  # noqa: E402
+from kvpool.connector import BlockRun, ConnectorSettings, KVPoolMetadata, KVPoolWorker  # noqa: E402
+from kvpool.errors import MissCause  # noqa: E402
+
+B, LAYERS, HEADS, HEAD = 16, 2, 2, 64
+BLOCK = LAYERS * HEADS * B * 2 * HEAD * 2  # one block of every layer, bf16
+
+
+@pytest.fixture
+def pool():
+    d = thread_pool(page_size=BLOCK, num_pages=64)
+    yield d
+    d.stop_thread()
+
+
+def _worker(pool, tmp_path) -> KVPoolWorker:  # noqa: ANN001
+    mc = SimpleNamespace(model=str(tmp_path), revision="r1", tokenizer=str(tmp_path), dtype="torch.bfloat16",
+                         get_num_layers=lambda pc: LAYERS, get_num_kv_heads=lambda pc: HEADS,
+                         get_head_size=lambda: HEAD)
+    config = SimpleNamespace(model_config=mc, cache_config=SimpleNamespace(cache_dtype="auto", block_size=B),
+                             parallel_config=SimpleNamespace(tensor_parallel_size=1),
+                             device_config=SimpleNamespace(device_type="cpu"))
+    w = KVPoolWorker(config, ConnectorSettings(pool=f"unix:{pool.unix_path}", token="tok", replica="W",
+                                               history_dir=str(tmp_path / "h")))
+    w.register_kv_caches({f"model.layers.{i}.self_attn.attn": torch.zeros(32, HEADS, B, 2 * HEAD,
+                                                                             dtype=torch.bfloat16)
+                          for i in range(LAYERS)})
+    return w
+
+
+def _publish_with_a_short_page(pool, ns, seed: int, short: int) -> list[bytes]:  # noqa: ANN001
+    """Another replica of the tenant pools blocks 0-3 under this namespace's keys, block
+    `short` a page of half a block (the layout it computed with is not this one's)."""
+    rng = np.random.default_rng(seed)
+    hashes = block_hashes(list(rng.integers(0, 2000, 4 * B)), B)
+    pages = [rng.integers(0, 256, BLOCK // 2 if i == short else BLOCK, dtype=np.uint8) for i in range(4)]
+    with PoolClient(f"unix:{pool.unix_path}", "default", "tok", name="other-layout") as c:
+        assert publish(c, ns, hashes, pages).committed == 4
+    return hashes
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_pooled_page_of_the_wrong_length_is_a_corrupt_miss_not_an_exception(pool, tmp_path, test_seed, mode):
+    """wait_for_layer_load (a synchronous load) and get_finished (an asynchronous one) once
+    raised InvalidRequest here, which ends vLLM's engine core."""
+    w = _worker(pool, tmp_path)
+    hashes = _publish_with_a_short_page(pool, w.ns, test_seed, short=2)
+    run = BlockRun("r", "t", 0, [10, 11, 12, 13], hashes)
+    if mode == "sync":
+        w.start_load_kv(KVPoolMetadata(loads=[run]))
+        w.wait_for_load()  # the hook wait_for_layer_load
+    else:
+        w.start_load_kv(KVPoolMetadata(async_loads=[run]))
+        deadline = time.monotonic() + 30
+        while not w.finished_receiving() and time.monotonic() < deadline:  # the hook get_finished
+            time.sleep(0.005)
+    assert w.take_failed() == {12, 13}  # get_block_ids_with_load_errors: the short page and every block after it
+    rec = [r for r in read_history(tmp_path / "h") if r["ev"] == "load"][0]
+    assert rec["miss_cause"] == MissCause.CORRUPT.value and rec["loaded"] == 2 and rec["failed_block_ids"] == [12, 13]
+    assert "bytes" in rec["error"], rec
+    stats = w.take_stats()
+    assert stats is not None and stats.data["misses"].get(MissCause.CORRUPT.value) == 1, stats.data
+
+
+def test_a_restart_under_a_load_is_a_transport_error_never_the_new_segments_pages(test_seed):
+    """The lease was granted in the old daemon's segment; another thread's call reconnects
+    to the restarted daemon (the segment swapped) between two pages of the load. The load
+    stops there as transport_error: the lease's page numbers name other pages (or none) in
+    the new segment, and reading them there would install other blocks' bytes."""
+    rng = np.random.default_rng(test_seed)
+    hashes = block_hashes(list(rng.integers(0, 2000, 4 * B)), B)
+    daemons = [thread_pool(page_size=BLOCK, num_pages=64)]
+    name, run_dir, address = daemons[0].config.name, daemons[0].config.run_dir, f"unix:{daemons[0].unix_path}"
+    try:
+        with PoolClient(address, "default", "tok") as c:
+            assert publish(c, NS, hashes, [rng.integers(0, 256, BLOCK, dtype=np.uint8) for _ in range(4)]).committed == 4
+
+            def dest(i: int) -> np.ndarray:
+                if i == 2 and len(daemons) == 1:  # between pages 1 and 2: the pool restarts, another call reconnects
+                    daemons[0].stop_thread()
+                    daemons.append(thread_pool(page_size=BLOCK, num_pages=64, name=name, run_dir=run_dir))
+                    with PoolClient(address, "default", "tok") as p:  # the new pool holds other blocks
+                        publish(p, NS, block_hashes(list(range(4 * B)), B),
+                                [rng.integers(0, 256, BLOCK, dtype=np.uint8) for _ in range(4)])
+                    c.ping()
+                return np.zeros(BLOCK, np.uint8)
+
+            res = load(c, NS, hashes, dest)
+    finally:
+        daemons[-1].stop_thread()
+    assert res.loaded == 2 and res.miss is not None and res.miss.cause == MissCause.TRANSPORT_ERROR, res
+    assert "restart" in res.error, res
