@@ -2,19 +2,23 @@
 restart-under-probe race (suites/unit/test_hook_safety.py, the hostile `restart` scenario)
 must catch.
 
-  unguarded_probe(client, ns, hashes, fresh_s)
+  unguarded_probe(client, ns, hashes, fresh_s, pause_s=0.0)
         PoolClient.probe as it was before the probe took its snapshot: it reads the
         client's socket and mapped segment as attributes, one at a time, while the lookup
         thread's reconnect drops the one and swaps the other, and it trusts whatever the
         index region holds. A restart under it raises (AssertionError, ValueError,
         TypeError, AttributeError) on the scheduler thread, or answers from the old
         daemon's segment beside the new daemon's session (a run the pool does not hold).
+        `pause_s`: it sleeps that long between its reads of the segment and of the socket
+        (the window a scheduler thread busy with a step leaves the lookup thread), so that
+        a live cluster, whose restarts are rare, meets the race within a few of them.
   UnguardedProbeClient
         a PoolClient whose probe is unguarded_probe.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from kvpool.client import _PROBE_ORDERED, PoolClient
@@ -23,18 +27,24 @@ from kvpool.shm_index import ShmIndex, ns_fingerprint
 
 
 def unguarded_probe(client: PoolClient, ns: Namespace, hashes: Sequence[bytes],
-                    fresh_s: float | None = None) -> int | None:
+                    fresh_s: float | None = None, pause_s: float = 0.0) -> int | None:
     """Negative control only: the probe without a snapshot (the defect is the reading of
     `client.arena` and `client._sock` one attribute at a time, with no lock)."""
     arena = client.arena
     entries = None if arena is None or not _PROBE_ORDERED else arena.index_entries
     if entries is None or not entries.size:
         return None
+    if pause_s > 0:
+        time.sleep(pause_s)
     if fresh_s is not None:
         age = arena.heartbeat_age_s()
         if age is None or age > fresh_s:
             return None
-        if client._sock is None or client._peer_closed():
+        if client._sock is None:
+            return None
+        if pause_s > 0:
+            time.sleep(pause_s)
+        if client._peer_closed():
             return None
     index = getattr(client, "_unguarded_index", None)
     if index is None or index.e is not entries:
