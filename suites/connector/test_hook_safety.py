@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import itertools
+import json
 import random
 import sys
 import tempfile
@@ -21,12 +23,15 @@ import threading
 import time
 from pathlib import Path
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 from faults.hook_controls import UnguardedProbeClient
 from harness.system.pool import thread_pool, unique_name
 from kvpool.client import PoolClient, publish
+from kvpool.connector import ConnectorSettings
 from kvpool.keys import Namespace, block_hashes
 from kvpool.shm_index import ENTRY, SLOTS, ShmIndex, buckets_for, ns_fingerprint
 
@@ -35,31 +40,38 @@ PAGE = 4096
 RUN = 4  # blocks a generation of the daemon publishes (a run no other generation holds)
 
 
+def _tokens_of(generation: int) -> list[int]:
+    return [generation * 1_000_003 + t for t in range(16 * RUN + 1)]  # RUN whole blocks and one token
+
+
 def _run_of(generation: int) -> list[bytes]:
-    return block_hashes([generation * 1_000_003 + t for t in range(16 * RUN)], 16)
+    return block_hashes(_tokens_of(generation)[: 16 * RUN], 16)
 
 
-def restart_race(client_class: type[PoolClient], seed: int, restarts: int, *, fresh_s: float = 5.0,
-                 stop_when_caught: bool = False) -> dict:
-    """Restart a thread daemon `restarts` times under a client that the scheduler thread
-    (this one) probes without pause while the restarting thread reconnects it. Returns what
-    the probe did wrong: `raised` (exception type names), `wrong_claims` (a run claimed
-    that only a daemon stopped before the probe began held), and `probes`, `hits`."""
+def restart_race(make, seed: int, restarts: int, *, stop_when_caught: bool = False) -> dict:  # noqa: ANN001
+    """Restart a thread daemon `restarts` times; each generation g publishes its own run of
+    blocks. `make(address)` gives (ns, probe, call, close): `probe(g)` is what the
+    scheduler thread (this one) asks without pause, how many blocks of generation g's run
+    are held (None: it cannot say); `call(g)` is a call of the lookup thread's on the same
+    client, which the restarting thread makes after each restart (it reconnects: the
+    socket dropped, the segment swapped). Returns what the probe did wrong: `raised`
+    (exception type names), `wrong_claims` (a run claimed that only a daemon stopped before
+    the probe began held), and `probes`, `hits`."""
     rng = random.Random(seed)
     name = unique_name("kvhr")
     run_dir = Path(tempfile.mkdtemp(prefix=f"{name}-"))
     life: dict[int, list[float]] = {}  # generation -> [published at, stopped at (inf while it runs)]
     daemon = thread_pool(page_size=PAGE, num_pages=64, name=name, run_dir=run_dir)
     address = f"unix:{daemon.unix_path}"
+    ns = None
 
     def serve(generation: int) -> None:
         with PoolClient(address, "default", "tok") as pub:
-            hs = _run_of(generation)
-            publish(pub, NS, hs, [np.full(PAGE, generation % 251, np.uint8)] * RUN)
+            publish(pub, ns, _run_of(generation), [np.full(PAGE, generation % 251, np.uint8)] * RUN)
         life[generation] = [time.monotonic(), float("inf")]
 
+    ns, probe, call, close = make(address)
     serve(0)
-    client = client_class(address, "default", "tok", name="scheduler", timeout_s=2.0)
     found = {"raised": [], "wrong_claims": [], "probes": 0, "hits": 0}
     done = threading.Event()
     failure: list[BaseException] = []
@@ -75,7 +87,7 @@ def restart_race(client_class: type[PoolClient], seed: int, restarts: int, *, fr
                 daemon = thread_pool(page_size=PAGE, num_pages=64, name=name, run_dir=run_dir)
                 serve(g)
                 for _ in range(3):  # the lookup thread's calls: the first reconnects and swaps the segment
-                    client.lookup(NS, _run_of(g))
+                    call(g)
                     time.sleep(rng.uniform(0, 0.004))
         except BaseException as exc:  # noqa: BLE001 - handed to the test thread, re-raised there
             failure.append(exc)
@@ -91,7 +103,7 @@ def restart_race(client_class: type[PoolClient], seed: int, restarts: int, *, fr
             g = rng.choice(sorted(life))
             t0 = time.monotonic()
             try:
-                got = client.probe(NS, _run_of(g), fresh_s=fresh_s)
+                got = probe(g)
             except Exception as exc:  # noqa: BLE001 - what the test looks for: anything raised
                 found["raised"].append(f"{type(exc).__name__}: {exc}")
                 continue
@@ -104,15 +116,64 @@ def restart_race(client_class: type[PoolClient], seed: int, restarts: int, *, fr
     finally:
         sys.setswitchinterval(old_interval)
         thread.join()
-        client.close()
+        close()
         daemon.stop_thread()
     if failure:
         raise failure[0]
     return found
 
 
+def client_prober(client_class: type[PoolClient], fresh_s: float = 5.0):  # noqa: ANN201
+    """The race on the pool client itself: PoolClient.probe (or a known-bad one)."""
+
+    def make(address: str):  # noqa: ANN202
+        client = client_class(address, "default", "tok", name="scheduler", timeout_s=2.0)
+        return (NS, lambda g: client.probe(NS, _run_of(g), fresh_s=fresh_s),
+                lambda g: client.lookup(NS, _run_of(g)), client.close)
+
+    return make
+
+
+def scheduler_prober(tmp_path: Path, control: str | None = None, pause_ms: float = 0.0):  # noqa: ANN201
+    """The race through the vLLM hook: KVPoolScheduler.get_num_new_matched_tokens, a new
+    request each time (each one probes), on a scheduler whose pool backend is wrapped by
+    faults.backend (with `control`, the replica's client control: "unguarded_probe")."""
+    from faults.backend import FaultyBackend
+    from kvpool.connector import KVPoolScheduler, connect_backend
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    faults = tmp_path / "faults.json"
+    faults.write_text(json.dumps({"client": {"control": control, "pause_ms": pause_ms}} if control else {}))
+
+    def factory(settings, role, history, metrics):  # noqa: ANN001, ANN202
+        return FaultyBackend(connect_backend(settings, role, history, metrics), faults, history)
+
+    def make(address: str):  # noqa: ANN202
+        mc = SimpleNamespace(model=str(tmp_path), revision="r1", tokenizer=str(tmp_path), dtype="torch.bfloat16",
+                             get_num_layers=lambda pc: 2, get_num_kv_heads=lambda pc: 2, get_head_size=lambda: 64)
+        config = SimpleNamespace(model_config=mc, cache_config=SimpleNamespace(cache_dtype="auto", block_size=16),
+                                 parallel_config=SimpleNamespace(tensor_parallel_size=1),
+                                 device_config=SimpleNamespace(device_type="cpu"))
+        settings = ConnectorSettings(pool=address, token="tok", history_dir=str(tmp_path / "h"),
+                                     lookup_sync_s=0.0, lookup_poll_s=0.0)
+        s = KVPoolScheduler(config, settings, factory)
+        ids = itertools.count()
+
+        def probe(g: int) -> int | None:
+            rid = f"r{next(ids)}"
+            request = SimpleNamespace(request_id=rid, prompt_token_ids=_tokens_of(g), num_computed_tokens=0,
+                                      cache_salt=None, kv_transfer_params=None)
+            tokens, _ = s.get_num_new_matched_tokens(request, 0)  # the hook
+            s.request_finished(request, [])
+            return None if tokens is None else tokens // 16
+
+        return s.ns, probe, lambda g: s.backend.lookup(s.ns, _run_of(g)), lambda: s.backend.close()
+
+    return make
+
+
 def test_a_restart_under_the_probe_never_raises_nor_claims_what_the_pool_lost(test_seed):
-    found = restart_race(PoolClient, test_seed, restarts=25)
+    found = restart_race(client_prober(PoolClient), test_seed, restarts=25)
     assert found["probes"] > 1000 and found["hits"] > 0, found  # the probe ran throughout, and found runs
     assert found["raised"] == [], found["raised"][:5]
     assert found["wrong_claims"] == [], found["wrong_claims"][:5]
@@ -121,8 +182,20 @@ def test_a_restart_under_the_probe_never_raises_nor_claims_what_the_pool_lost(te
 def test_the_unguarded_probe_is_caught_by_the_restart_race(test_seed):
     """The negative control: the probe that reads the socket and the segment one attribute
     at a time raises, or answers from the old segment beside the new session."""
-    found = restart_race(UnguardedProbeClient, test_seed, restarts=60, stop_when_caught=True)
+    found = restart_race(client_prober(UnguardedProbeClient), test_seed, restarts=60, stop_when_caught=True)
     assert found["raised"] or found["wrong_claims"], found
+
+
+def test_get_num_new_matched_tokens_survives_restarts_under_its_probe(test_seed, tmp_path):
+    """The same race through the scheduler hook (its lookup thread and the restarting
+    thread reconnect the client it probes); the unguarded probe plugged in through the
+    replica's fault control (the live scenario's control) is caught there too."""
+    found = restart_race(scheduler_prober(tmp_path), test_seed, restarts=15)
+    assert found["probes"] > 100 and found["hits"] > 0, found
+    assert found["raised"] == [] and found["wrong_claims"] == [], (found["raised"][:5], found["wrong_claims"][:5])
+    control = restart_race(scheduler_prober(tmp_path / "control", "unguarded_probe", pause_ms=0.2), test_seed,
+                           restarts=60, stop_when_caught=True)
+    assert control["raised"] or control["wrong_claims"], control
 
 
 def test_a_scribbled_index_raises_nothing_and_claims_no_page_outside_the_segment(test_seed):
@@ -151,13 +224,11 @@ def test_a_scribbled_index_raises_nothing_and_claims_no_page_outside_the_segment
 
 # -- the worker's loads: what the pool holds or fails at is a failed load, never an exception --
 
-from types import SimpleNamespace  # noqa: E402
-
 import torch  # noqa: E402
 
 from harness.checkers.history import read_history  # noqa: E402
 from kvpool.client import load  # noqa: E402
-from kvpool.connector import BlockRun, ConnectorSettings, KVPoolMetadata, KVPoolWorker  # noqa: E402
+from kvpool.connector import BlockRun, KVPoolMetadata, KVPoolWorker  # noqa: E402
 from kvpool.errors import MissCause  # noqa: E402
 
 B, LAYERS, HEADS, HEAD = 16, 2, 2, 64
