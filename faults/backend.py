@@ -60,7 +60,8 @@ its probe share the client):
 
     {"lookup": {"delay_ms": 300}}
 
-  every lookup of the replica waits `delay_ms` before it is sent.
+  every lookup of the replica waits `delay_ms` before it is sent (recorded as
+  `lookup_delay`: no load is expected to end by it).
 
 A negative control for the namespace (the key), in the same file:
 
@@ -175,9 +176,8 @@ class FaultyBackend:
     def lookup(self, ns, hashes: Sequence[bytes], wait_pending_s: float = 0.0):  # noqa: ANN001, ANN201
         ns = self._ns(ns)
         delay = float((self._spec.get("lookup") or {}).get("delay_ms", 0)) / 1000
-        if delay > 0:
-            self.history.write("fault", site="pool_client.lookup", kind="lookup_delay", seconds=delay,
-                               blocks=len(hashes))
+        if delay > 0:  # a slow pool, not a fault a load must answer for: its own record
+            self.history.write("lookup_delay", site="pool_client.lookup", seconds=delay, blocks=len(hashes))
             time.sleep(delay)
         return self._call(self.inner.lookup, ns, hashes, wait_pending_s)
 
