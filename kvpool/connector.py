@@ -784,11 +784,26 @@ class KVPoolWorker:
 
     def start_load_kv(self, meta: KVPoolMetadata) -> None:
         for rid in meta.drain:
-            self.copier.wait(self._sending.get(rid, []), self._wait_s)
+            self._drain(rid)
         for run in meta.loads:
             self._loading.append(self._load(run))
         for run in meta.async_loads:
             self._receiving.setdefault(run.req_id, []).append(self._load(run))
+
+    def _drain(self, rid: str) -> None:
+        """A preempted request's blocks are free: its stores must be over before the next
+        forward writes into them. Those still queued are cancelled (they never read the
+        blocks; on a stalled pool they would queue behind other requests' stores past the
+        backstop, and the wait would end the engine); the one running is waited for, its
+        calls bounded by the client's timeouts."""
+        sending = self._sending.get(rid, [])
+        drop = getattr(self.copier, "drop_unstarted", None)  # the host copier's; the CUDA copier's are ordered
+        dropped = drop(sending) if drop is not None and sending else []
+        if dropped:
+            sending = self._sending[rid] = [f for f in sending if not f.cancelled()]
+            self.history.write("publish_dropped", req=rid, stores=len(dropped),
+                               reason="preempted before its store started: its blocks are free")
+        self.copier.wait(sending, self._wait_s)
 
     def _load(self, run: BlockRun) -> Future:
         if run.source == "tier":

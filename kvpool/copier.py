@@ -24,6 +24,11 @@ tensors and pool pages, asynchronously, in an order the engine can rely on.
   .tier_load(tier, ns, run, deadline_s) / .tier_store(tier, ns, run, keep) -> Future
                      the same, from and to the network tier (kvpool.tier), on the same
                      lanes; records `tier_load` / `tier_publish`.
+  .drop_unstarted(futures) -> list[Future]
+                     cancel those of `futures` whose copy has not started (a preempted
+                     request's stores queued behind others on a stalled pool: its blocks
+                     are free, so they must never run, and nothing need wait for them);
+                     returns the cancelled ones.
   .wait(futures, timeout_s)
                      block until every future is done. A copier's `ordered` flag says
                      whether a done future means the copy is complete (a known-bad
@@ -208,6 +213,9 @@ class HostCopier:
 
     def tier_store(self, tier: Any, ns: Namespace, run: CopyRun, keep: Sequence[int]) -> Future:
         return self.submit(self.tier_store_job(tier, ns, run, keep), "tier")
+
+    def drop_unstarted(self, futures: Sequence[Future]) -> list[Future]:
+        return [f for f in futures if f.cancel()]  # only a job still queued can be cancelled
 
     def wait(self, futures: Sequence[Future], timeout_s: float) -> None:
         wait_all(futures, timeout_s, "KV copies")

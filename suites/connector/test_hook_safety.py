@@ -319,3 +319,49 @@ def test_a_restart_under_a_load_is_a_transport_error_never_the_new_segments_page
         daemons[-1].stop_thread()
     assert res.loaded == 2 and res.miss is not None and res.miss.cause == MissCause.TRANSPORT_ERROR, res
     assert "restart" in res.error, res
+
+
+def test_a_preempted_requests_stores_queued_on_a_stalled_pool_do_not_end_the_step(tmp_path, test_seed):
+    """start_load_kv drains a preempted request's stores before the next forward may write
+    into its freed blocks. With the pool stalled (SIGSTOP) every store of the lane takes
+    its client's timeout, and the drained request's store queued behind seven others once
+    outlived the worker's backstop: PoolTimeout out of start_load_kv, the engine's end.
+    Now the queued store is cancelled (it never reads the blocks) and the step goes on."""
+    import os
+    import signal
+
+    from harness.system.pool import PoolProcess
+    from suites.connector.engine_calls import finished
+
+    pool = PoolProcess.start(page_size=BLOCK, num_pages=64, token="tok")
+    try:
+        mc = SimpleNamespace(model=str(tmp_path), revision="r1", tokenizer=str(tmp_path), dtype="torch.bfloat16",
+                             get_num_layers=lambda pc: LAYERS, get_num_kv_heads=lambda pc: HEADS,
+                             get_head_size=lambda: HEAD)
+        config = SimpleNamespace(model_config=mc, cache_config=SimpleNamespace(cache_dtype="auto", block_size=B),
+                                 parallel_config=SimpleNamespace(tensor_parallel_size=1),
+                                 device_config=SimpleNamespace(device_type="cpu"))
+        w = KVPoolWorker(config, ConnectorSettings(pool=pool.unix, token="tok", replica="W", timeout_s=0.3,
+                                                   load_deadline_s=0.3, history_dir=str(tmp_path / "h")))
+        w.register_kv_caches({f"model.layers.{i}.self_attn.attn": torch.zeros(32, HEADS, B, 2 * HEAD,
+                                                                                 dtype=torch.bfloat16)
+                              for i in range(LAYERS)})
+        rng = np.random.default_rng(test_seed)
+        runs = [BlockRun(f"r{i}", f"t{i}", 0, [i], block_hashes(list(rng.integers(0, 2000, B)), B))
+                for i in range(8)]
+        os.kill(pool.proc.pid, signal.SIGSTOP)
+        try:
+            w.save(KVPoolMetadata(stores=runs))  # eight stores on the store lane, each stalls for its timeout
+            t0 = time.monotonic()
+            w.start_load_kv(KVPoolMetadata(drain=["r7"]))  # the last one's request was preempted
+            drained_s = time.monotonic() - t0
+        finally:
+            os.kill(pool.proc.pid, signal.SIGCONT)
+        assert drained_s < w._wait_s, drained_s
+        dropped = [r for r in read_history(tmp_path / "h") if r["ev"] == "publish_dropped"]
+        assert [(r["req"], r["stores"]) for r in dropped] == [("r7", 1)]
+        ids = {f"r{i}" for i in range(8)}
+        assert finished(w, ids) == ids  # every request is reported, r7 with its store dropped
+        w.copier.close()
+    finally:
+        pool.cleanup()
