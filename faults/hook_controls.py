@@ -14,6 +14,10 @@ must catch.
         a live cluster, whose restarts are rare, meets the race within a few of them.
   UnguardedProbeClient
         a PoolClient whose probe is unguarded_probe.
+  OverlongCatalog
+        a daemon's catalog that answers a lookup or an acquire with a run longer than the
+        blocks asked for (each hit twice): a scheduler that believed it would claim tokens
+        past the prompt, a loader would install blocks past its run.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from kvpool.catalog import Catalog, Hits
 from kvpool.client import _PROBE_ORDERED, PoolClient
 from kvpool.keys import Namespace
 from kvpool.shm_index import ShmIndex, ns_fingerprint
@@ -59,3 +64,10 @@ class UnguardedProbeClient(PoolClient):
 
     def probe(self, ns: Namespace, hashes: Sequence[bytes], fresh_s: float | None = None) -> int | None:
         return unguarded_probe(self, ns, hashes, fresh_s)
+
+
+class OverlongCatalog(Catalog):
+    """Negative control only: every run of hits it answers names each page twice."""
+
+    def _refs(self, pages: list[int]) -> Hits:
+        return super()._refs([p for p in pages for _ in range(2)])

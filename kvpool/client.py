@@ -143,6 +143,13 @@ _IDEMPOTENT = (P.Ping, P.Lookup, P.Stats, P.Metrics)
 _PROBE_ORDERED = platform.machine() in ("x86_64", "AMD64")  # kvpool.shm_index's seqlock needs x86 ordering
 
 
+def _check_run(hits: object, asked: int, op: str) -> None:
+    """A run of hits answers the blocks asked for, from the first: never more of them (the
+    caller would install, or claim to vLLM, blocks past its own)."""
+    if len(hits) > asked:
+        raise MalformedFrame(f"{op} of {asked} blocks answered with a run of {len(hits)}")
+
+
 def _peer_closed(sock: socket.socket) -> bool:
     """Between requests nothing may arrive: a readable idle socket is at EOF, reset, or
     out of step, and is not reused. One zero-timeout poll, no blocking."""
@@ -416,6 +423,7 @@ class PoolClient:
             raise InvalidRequest(f"wait_pending_s must be >= 0, got {wait_pending_s}")
         wait_ms = round(wait_pending_s * 1000)
         r = self._expect(P.Lookup(ns, list(hashes), wait_ms), P.LookupOk, extra_s=wait_ms / 1000)
+        _check_run(r.hits, len(hashes), "Lookup")
         return LookupResult(r.hits, r.miss)
 
     def probe(self, ns: Namespace, hashes: Sequence[bytes], fresh_s: float | None = None) -> int | None:
@@ -494,6 +502,13 @@ class PoolClient:
 
     def acquire(self, ns: Namespace, hashes: Sequence[bytes]) -> AcquireResult:
         r = self._call_granting(P.Acquire(ns, list(hashes)), P.AcquireOk, "lease", lambda x: x.lease_id)
+        if len(r.hits) > len(hashes) and r.lease_id:  # not kept: the answer is not one to this request
+            self._forget_grant("lease", r.lease_id)
+            try:
+                self._call(P.Release(r.lease_id))
+            except PoolError:
+                pass  # the daemon reclaims it at the lease's TTL or when the connection drops
+        _check_run(r.hits, len(hashes), "Acquire")
         return AcquireResult(r.lease_id, r.hits, r.miss)
 
     def release(self, lease_id: int) -> ReleaseResult:

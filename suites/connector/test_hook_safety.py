@@ -365,3 +365,39 @@ def test_a_preempted_requests_stores_queued_on_a_stalled_pool_do_not_end_the_ste
         w.copier.close()
     finally:
         pool.cleanup()
+
+
+def test_a_run_longer_than_asked_is_a_miss_not_a_claim_past_the_prompt(tmp_path, test_seed):
+    """A daemon (faults.hook_controls.OverlongCatalog) answers every lookup and acquire with
+    each hit twice. The scheduler once claimed twice the blocks it asked for (tokens past
+    the prompt, which vLLM's scheduler refuses by ending the engine) and the loader ran
+    past its run's block ids (IndexError out of wait_for_layer_load). Both are a
+    transport_error miss now: the answer does not answer the request."""
+    from faults.hook_controls import OverlongCatalog
+    from kvpool.connector import KVPoolScheduler
+
+    daemon = thread_pool(page_size=BLOCK, num_pages=64, catalog_factory=OverlongCatalog)
+    try:
+        w = _worker(daemon, tmp_path)
+        rng = np.random.default_rng(test_seed)
+        tokens = [int(t) for t in rng.integers(0, 2000, 3 * B + 1)]  # three blocks to look up, two pooled
+        hashes = block_hashes(tokens[: 3 * B], B)
+        with PoolClient(f"unix:{daemon.unix_path}", "default", "tok") as c:
+            assert publish(c, w.ns, hashes[:2], [rng.integers(0, 256, BLOCK, dtype=np.uint8)] * 2).committed == 2
+        s = KVPoolScheduler(w.vllm_config, w.settings)
+        request = SimpleNamespace(request_id="q", prompt_token_ids=tokens, num_computed_tokens=0, cache_salt=None,
+                                  kv_transfer_params=None)
+        deadline = time.monotonic() + 30
+        while (got := s.get_num_new_matched_tokens(request, 0))[0] is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert got == (0, False), got
+        lookups = [r for r in read_history(tmp_path / "h") if r["ev"] == "lookup"]
+        assert lookups[-1]["miss_cause"] == MissCause.TRANSPORT_ERROR.value, lookups[-1]
+        w.start_load_kv(KVPoolMetadata(loads=[BlockRun("q", "t", 0, [3, 4], hashes[:2])]))
+        w.wait_for_load()  # the hook wait_for_layer_load
+        assert w.take_failed() == {3, 4}
+        rec = [r for r in read_history(tmp_path / "h") if r["ev"] == "load"][-1]
+        assert rec["miss_cause"] == MissCause.TRANSPORT_ERROR.value and "run of 4" in rec["error"], rec
+        w.copier.close()
+    finally:
+        daemon.stop_thread()
