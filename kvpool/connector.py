@@ -40,6 +40,17 @@ different processes on CPU):
                    blocks no later than that. wait_for_save: publish the blocks
                    this step completed (two-phase, digests re-verified by the pool).
 
+Nothing the pool holds and no failure of the pool raises out of a hook (an exception in
+one ends vLLM's engine core): the probe reads one snapshot of the client's session and
+segment and validates what it reads (kvpool.client.PoolClient.probe); a lookup that fails
+is a miss with its cause; a load that cannot install a block (a page of another length,
+bad bytes, a page outside the segment, a pool that failed or restarted under it) is a
+failed load of that block and every block after it, reported by
+get_block_ids_with_load_errors, counted as a miss with its cause and recorded
+(kvpool.client.load, kvpool.copier, kvpool.gpu_copier); a store that fails is recorded and
+the request is reported finished; a preempted request's stores still queued are dropped,
+not waited for. What still raises is this process's own mistake (a programming error).
+
 Metadata is typed in both directions (KVPoolMetadata scheduler -> worker). Every lookup,
 load and publish is appended to the history (kvpool.history) when `history_dir` is set,
 with the request's tag (`kv_transfer_params={"kvpool": {"tag": ...}}`) so a test or the
