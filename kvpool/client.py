@@ -210,7 +210,7 @@ class PoolClient:
         self._state = threading.Lock()
         self.arena: Arena | None = None
         self._probe_view: _ProbeView | None = None
-        self._granted: dict[tuple[str, int], Arena | None] = {}  # ("lease" | "res", id) -> segment it was granted in
+        self._granted: dict[tuple[str, int], Arena | None] = {}  # ("lease" | "reservation", id) -> segment it was granted in
         self._fingerprints: dict[Namespace, int] = {}
         self.attach_error = ""  # why the arena is not mapped here, if it was offered and is not
         self.hello: P.HelloOk | None = None
