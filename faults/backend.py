@@ -47,6 +47,22 @@ A negative control for reconnection:
   fails the same way: a client that never replaces a dead connection (after a pool
   restart, sharing never resumes).
 
+    {"client": {"control": "unguarded_probe", "pause_ms": 5}}
+
+  the scheduler's same-host probe is faults.hook_controls.unguarded_probe: it reads the
+  client's socket and segment one attribute at a time, without the client's snapshot,
+  pausing `pause_ms` between its reads (the window a busy scheduler thread leaves another
+  thread); a restart reconnecting the client meanwhile makes it raise on the scheduler
+  thread (which ends vLLM's engine core) or answer from the old segment.
+
+A slow pool, as the scheduler's lookups see it (the window in which its lookup thread and
+its probe share the client):
+
+    {"lookup": {"delay_ms": 300}}
+
+  every lookup of the replica waits `delay_ms` before it is sent (recorded as
+  `lookup_delay`: no load is expected to end by it).
+
 A negative control for the namespace (the key), in the same file:
 
     {"namespace": {"drop": ["model_revision"]}}
@@ -67,6 +83,7 @@ from pathlib import Path
 import numpy as np
 
 from faults.control import ControlFile, ControlFileError
+from faults.hook_controls import unguarded_probe
 from faults.schedule import fires
 from kvpool.catalog import AcquireResult
 from kvpool.client import PoolBackend
@@ -74,6 +91,7 @@ from kvpool.errors import TransportError
 from kvpool.history import HistoryWriter
 
 KINDS = ("timeout", "corrupt", "evict", "hold")
+CLIENT_CONTROLS = (None, "no_reconnect", "unguarded_probe")
 
 
 class FaultyBackend:
@@ -120,14 +138,14 @@ class FaultyBackend:
 
     def _call(self, fn, *args):  # noqa: ANN001, ANN202
         control = (self._spec.get("client") or {}).get("control")
-        if control not in (None, "no_reconnect"):
-            raise ControlFileError(f"{self.control.path}: unknown client control {control!r}; known ('no_reconnect',)")
-        if control and self._dead:
+        if control not in CLIENT_CONTROLS:
+            raise ControlFileError(f"{self.control.path}: unknown client control {control!r}; known {CLIENT_CONTROLS}")
+        if control == "no_reconnect" and self._dead:
             raise TransportError("control no_reconnect: the connection failed before and was never replaced")
         try:
             return fn(*args)
         except TransportError:
-            self._dead = bool(control)
+            self._dead = control == "no_reconnect"
             raise
 
     def _ns(self, ns):  # noqa: ANN001, ANN202
@@ -156,10 +174,20 @@ class FaultyBackend:
         return self.inner.commit(reservation_id, digests, *args, **kw)
 
     def lookup(self, ns, hashes: Sequence[bytes], wait_pending_s: float = 0.0):  # noqa: ANN001, ANN201
-        return self._call(self.inner.lookup, self._ns(ns), hashes, wait_pending_s)
+        ns = self._ns(ns)
+        delay = float((self._spec.get("lookup") or {}).get("delay_ms", 0)) / 1000
+        if delay > 0:  # a slow pool, not a fault a load must answer for: its own record
+            self.history.write("lookup_delay", site="pool_client.lookup", seconds=delay, blocks=len(hashes))
+            time.sleep(delay)
+        return self._call(self.inner.lookup, ns, hashes, wait_pending_s)
 
     def probe(self, ns, hashes: Sequence[bytes], fresh_s=None):  # noqa: ANN001, ANN201 - the same faults as a lookup
-        return self._call(self.inner.probe, self._ns(ns), hashes, fresh_s)
+        ns = self._ns(ns)
+        client = self._spec.get("client") or {}
+        if client.get("control") == "unguarded_probe":
+            pause = float(client.get("pause_ms", 0)) / 1000
+            return self._call(unguarded_probe, self.inner, ns, hashes, fresh_s, pause)
+        return self._call(self.inner.probe, ns, hashes, fresh_s)
 
     def reserve(self, ns, hashes, lengths, boundary=None):  # noqa: ANN001, ANN201
         return self.inner.reserve(self._ns(ns), hashes, lengths, boundary)

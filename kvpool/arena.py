@@ -37,6 +37,7 @@ private state (the layout, the generations, the index of committed blocks, the h
                                               a private header, checked against the sizes
                                               of the two segments (ArenaError if it does not fit).
   arena.close() / Arena.unlink(name)          unmap; remove named segments.
+  arena.closed                                whether it was unmapped.
 
 Layout (version 4). The private segment: a 4 KiB header (magic, layout version, page size,
 number of pages, where the generations, the index and the pages are, the instance id, and
@@ -376,6 +377,11 @@ class Arena:
             except FileNotFoundError:
                 pass
         return found
+
+    @property
+    def closed(self) -> bool:
+        """Whether either mapping is gone (closed: nothing of it may be read)."""
+        return self._mmap.closed or self._pmap.closed
 
     def close(self) -> None:
         """Unmap (and close kept descriptors). Views handed out by `page()` must be dropped first."""

@@ -108,6 +108,7 @@ class LoadResult:
     loaded: int  # leading blocks installed and verified
     miss: Miss | None  # why the run stopped before `requested` (None if it did not)
     seconds: float
+    error: str = ""  # what stopped it, where something failed (a miss of the pool's own answer has none)
 
 
 class PoolBackend(Protocol):
@@ -152,6 +153,49 @@ _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _PROBE_ORDERED = platform.machine() in ("x86_64", "AMD64")  # kvpool.shm_index's seqlock needs x86 ordering
 
 
+def _check_run(hits: object, asked: int, op: str) -> None:
+    """A run of hits answers the blocks asked for, from the first: never more of them (the
+    caller would install, or claim to vLLM, blocks past its own)."""
+    if len(hits) > asked:
+        raise MalformedFrame(f"{op} of {asked} blocks answered with a run of {len(hits)}")
+
+
+def _peer_closed(sock: socket.socket) -> bool:
+    """Between requests nothing may arrive: a readable idle socket is at EOF, reset, or
+    out of step, and is not reused. One zero-timeout poll, no blocking."""
+    readable, _, _ = select.select([sock], [], [], 0)
+    if not readable:
+        return False
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+    return True
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _ProbeView:
+    """What a probe reads, as one snapshot: the live session's socket, the segment of the
+    daemon at its other end, and that segment's index (None: the index region the segment
+    declares is not one an index can be: the probe answers None, the lookup asks)."""
+
+    sock: socket.socket
+    arena: Arena
+    index: ShmIndex | None
+
+    @classmethod
+    def of(cls, sock: socket.socket, arena: Arena, client: PoolClient) -> _ProbeView:
+        entries = arena.index_entries
+        try:
+            index = ShmIndex(entries, num_pages=arena.num_pages) if entries is not None and entries.size else None
+        except ValueError as exc:  # the segment's header declares an index of another shape
+            client.attach_error = f"the segment's index is not probed: {exc}"
+            index = None
+        return cls(sock, arena, index)
+
+
 class PoolClient:
     """A connection to one pool daemon. Thread-safe (one request in flight at a time)."""
 
@@ -172,8 +216,14 @@ class PoolClient:
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._local = threading.local()  # .deadline: this thread's call_deadline, if any
+        # Guards what a connect or a restart swaps (the socket, the mapped segment, the probe's
+        # view of them, the pages each lease and reservation was granted in). Held only for
+        # those assignments and for a probe's read of the index, never across a call to the
+        # daemon: the scheduler's probe never waits on the pool.
+        self._state = threading.Lock()
         self.arena: Arena | None = None
-        self._shm_index: ShmIndex | None = None
+        self._probe_view: _ProbeView | None = None
+        self._granted: dict[tuple[str, int], Arena | None] = {}  # ("lease" | "reservation", id) -> segment it was granted in
         self._fingerprints: dict[Namespace, int] = {}
         self.attach_error = ""  # why the arena is not mapped here, if it was offered and is not
         self.hello: P.HelloOk | None = None
@@ -189,8 +239,10 @@ class PoolClient:
                 sock.settimeout(self.timeout_s)
                 sock.connect(self._sockaddr)
             except TimeoutError as exc:
+                sock.close()
                 raise PoolTimeout(f"connect to {self.address} timed out after {self.timeout_s}s") from exc
             except OSError as exc:
+                sock.close()
                 raise TransportError(f"cannot connect to pool at {self.address}: {exc}") from exc
             if self._family != socket.AF_UNIX:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -200,7 +252,8 @@ class PoolClient:
                 except UntrustedPool:
                     sock.close()
                     raise
-            self._sock = sock
+            with self._state:
+                self._sock = sock
             hello = self._call(P.Hello(self.tenant, self._token, self.name), retry=False)
             assert isinstance(hello, P.HelloOk)
             self.hello = hello
@@ -217,17 +270,22 @@ class PoolClient:
                                 f"{' or '.join(map(str, sorted(self.pool_uids)))}: nothing was sent to it")
 
     def _attach(self, hello: P.HelloOk) -> None:
+        """Map the segment of the daemon this session's hello came from (or keep the one
+        mapped, if it is that daemon's), and only then let the probe read it together with
+        this session's socket (the caller holds self._lock)."""
         if self.arena is not None and (self.arena.instance != hello.arena_instance or self.arena.closed):
             self._close_arena()
-        if not self.zero_copy or self.arena is not None or not hello.ticket:
-            return
-        arena = self._fetch_arena(hello)
-        if arena is None:
-            return  # another host, or refused: page bytes go over the socket
-        if arena.instance == hello.arena_instance:
-            self.arena = arena
-        else:
-            arena.close()  # a segment that is not this daemon's
+        if self.zero_copy and self.arena is None and hello.ticket:
+            arena = self._fetch_arena(hello)  # I/O: without self._state
+            if arena is not None and arena.instance != hello.arena_instance:
+                arena.close()  # a segment that is not this daemon's
+                arena = None
+            if arena is not None:
+                with self._state:
+                    self.arena = arena
+        with self._state:
+            if self.arena is not None and self._sock is not None:
+                self._probe_view = _ProbeView.of(self._sock, self.arena, self)
 
     def _fetch_arena(self, hello: P.HelloOk) -> Arena | None:
         """Trade the hello's ticket for the tenant's segments at the daemon's attach socket:
@@ -258,19 +316,24 @@ class PoolClient:
             return None
 
     def _close_arena(self) -> None:
-        if self.arena is not None:
-            try:
-                self.arena.close()
-            except ArenaError:
-                pass  # a caller still holds a page view; the mapping goes when it drops it
-            self.arena = None
+        with self._state:
+            arena, self.arena = self.arena, None
+            self._probe_view = None
+            # Every lease and reservation was granted in that segment: none is read or written
+            # in the next one (its page numbers name other blocks' pages there).
+            self._granted.clear()
+            if arena is not None:
+                try:
+                    arena.close()
+                except ArenaError:
+                    pass  # a caller still holds a page view; the mapping goes when it drops it
 
     def _drop_socket(self) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.close()
-            finally:
-                self._sock = None
+        with self._state:
+            sock, self._sock = self._sock, None
+            self._probe_view = None  # a probe reads the segment only beside a live session
+            if sock is not None:
+                sock.close()
 
     def close(self) -> None:
         with self._lock:
@@ -297,19 +360,8 @@ class PoolClient:
         return bytes(buf)
 
     def _peer_closed(self) -> bool:
-        """Between requests nothing may arrive: a readable idle socket is at EOF, reset, or
-        out of step, and is not reused. One zero-timeout poll, no blocking."""
         assert self._sock is not None
-        readable, _, _ = select.select([self._sock], [], [], 0)
-        if not readable:
-            return False
-        try:
-            self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
-            return True
-        return True
+        return _peer_closed(self._sock)
 
     @contextlib.contextmanager
     def call_deadline(self, seconds: float):  # noqa: ANN201
@@ -404,53 +456,113 @@ class PoolClient:
             raise InvalidRequest(f"wait_pending_s must be >= 0, got {wait_pending_s}")
         wait_ms = round(wait_pending_s * 1000)
         r = self._expect(P.Lookup(ns, list(hashes), wait_ms), P.LookupOk, extra_s=wait_ms / 1000)
+        _check_run(r.hits, len(hashes), "Lookup")
         return LookupResult(r.hits, r.miss)
 
     def probe(self, ns: Namespace, hashes: Sequence[bytes], fresh_s: float | None = None) -> int | None:
         """How many of `hashes`, from the first, the tenant's segment holds committed under
         `ns`, read from the segment's index (kvpool.shm_index): no round trip. None: no
         segment mapped here (another host, a proxy in between), or not an x86 host (the
-        index's seqlock relies on x86's ordering of loads and of stores), or (with
-        `fresh_s`) the daemon's heartbeat is older than `fresh_s` seconds or absent, or its
-        end of this client's session is closed (a daemon that exited: known at once, not
-        after `fresh_s`); ask lookup(), which also says why a run stops. A hit is advisory, as a lookup's is:
-        the acquire is what leases the pages."""
-        arena = self.arena
-        entries = None if arena is None or not _PROBE_ORDERED else arena.index_entries
-        if entries is None or not entries.size:
+        index's seqlock relies on x86's ordering of loads and of stores), or the segment is
+        not the one of the daemon at the other end of this client's live session (between a
+        restart's new connection and its new mapping), or (with `fresh_s`) the daemon's
+        heartbeat is older than `fresh_s` seconds or absent, or its end of this client's
+        session is closed (a daemon that exited: known at once, not after `fresh_s`); ask
+        lookup(), which also says why a run stops. A hit is advisory, as a lookup's is:
+        the acquire is what leases the pages.
+
+        Safe beside another thread's reconnect: the socket, the segment and its index are
+        read as one snapshot under self._state, which every swap of them takes too (and
+        which no call to the daemon holds), so the probe never sees a socket being dropped
+        or a segment being unmapped; what it reads from the shared index is validated
+        (kvpool.shm_index), so a torn or scribbled entry is a block not held. Nothing the
+        pool or its segment holds makes it raise (hashes that are not 16 bytes do: the
+        caller's mistake)."""
+        if not _PROBE_ORDERED:
             return None
-        if fresh_s is not None:
-            age = arena.heartbeat_age_s()
-            if age is None or age > fresh_s:  # stopped, wedged, or not beating
-                return None
-            if self._sock is None or self._peer_closed():  # exited: the kernel closed its end of the session
-                return None
-        index = self._shm_index
-        if index is None or index.e is not entries:
-            index = self._shm_index = ShmIndex(entries)
         fp = self._fingerprints.get(ns)
         if fp is None:
             fp = self._fingerprints[ns] = ns_fingerprint(ns)
-        return index.probe(fp, hashes)
+        with self._state:
+            view = self._probe_view
+            if view is None or view.index is None:
+                return None
+            if fresh_s is not None:
+                age = view.arena.heartbeat_age_s()
+                if age is None or age > fresh_s:  # stopped, wedged, or not beating
+                    return None
+                if _peer_closed(view.sock):  # exited: the kernel closed its end of the session
+                    return None
+            return view.index.probe(fp, hashes)
+
+    def _call_granting(self, op: P.Request, kind: type, what: str, grant_id: Callable[[object], int]) -> object:
+        """A call that grants pages (an acquire's lease, a reserve's reservation): the
+        segment they were granted in is noted with the grant, under the call's own lock
+        (no swap of the segment can come between the reply and the note)."""
+        if not self._lock.acquire(timeout=self._call_timeout(0.0)):
+            raise PoolTimeout(f"{type(op).__name__} to {self.address}: the connection stayed busy with another "
+                              f"thread's call past this call's timeout")
+        try:
+            reply = self._call_locked(op, True, 0.0)
+            if not isinstance(reply, kind):
+                raise MalformedFrame(f"{type(op).__name__} answered with {type(reply).__name__}")
+            gid = grant_id(reply)
+            if gid:
+                with self._state:
+                    self._granted[(what, gid)] = self.arena
+            return reply
+        finally:
+            self._lock.release()
+
+    def _granted_arena(self, what: str, gid: int) -> Arena | None:
+        """The segment a lease's or a reservation's pages are in, if it is still this
+        client's mapping; None where it was granted without one (page bytes then travel on
+        the socket). TransportError if the pool's segment changed since (a restart): the
+        page numbers name other pages in the new one."""
+        with self._state:
+            if (what, gid) not in self._granted:
+                if self.arena is None:
+                    return None
+                raise TransportError(f"{what} {gid} was not granted in the pool's current segment (a restart)")
+            arena = self._granted[(what, gid)]
+            if arena is not None and arena is not self.arena:
+                raise TransportError(f"{what} {gid}: the pool's segment changed under it (a restart)")
+            return arena
+
+    def _forget_grant(self, what: str, gid: int) -> None:
+        with self._state:
+            self._granted.pop((what, gid), None)
 
     def acquire(self, ns: Namespace, hashes: Sequence[bytes]) -> AcquireResult:
-        r = self._expect(P.Acquire(ns, list(hashes)), P.AcquireOk)
+        r = self._call_granting(P.Acquire(ns, list(hashes)), P.AcquireOk, "lease", lambda x: x.lease_id)
+        if len(r.hits) > len(hashes) and r.lease_id:  # not kept: the answer is not one to this request
+            self._forget_grant("lease", r.lease_id)
+            try:
+                self._call(P.Release(r.lease_id))
+            except PoolError:
+                pass  # the daemon reclaims it at the lease's TTL or when the connection drops
+        _check_run(r.hits, len(hashes), "Acquire")
         return AcquireResult(r.lease_id, r.hits, r.miss)
 
     def release(self, lease_id: int) -> ReleaseResult:
+        self._forget_grant("lease", lease_id)
         r = self._expect(P.Release(lease_id), P.ReleaseOk)
         return ReleaseResult(tuple(r.stale))
 
     def read_page(self, lease: AcquireResult, index: int) -> np.ndarray | bytes:
         ref = lease.hits[index]
-        if self.arena is not None:
-            return self.arena.page(ref.page, ref.length)
+        arena = self._granted_arena("lease", lease.lease_id)
+        if arena is not None:
+            return arena.page(ref.page, ref.length)
         r = self._expect(P.ReadPages(lease.lease_id, [index]), P.PagesOk)
+        if len(r.data) != 1:
+            raise MalformedFrame(f"ReadPages of one page answered with {len(r.data)}")
         return r.data[0]
 
     def reserve(self, ns: Namespace, hashes: Sequence[bytes], lengths: Sequence[int],
                 boundary: int | None = None) -> ReserveResult:
-        r = self._expect(P.Reserve(ns, list(hashes), [int(n) for n in lengths], boundary), P.ReserveOk)
+        r = self._call_granting(P.Reserve(ns, list(hashes), [int(n) for n in lengths], boundary), P.ReserveOk,
+                                "reservation", lambda x: x.reservation_id)
         return ReserveResult(r.reservation_id, tuple(r.slots))
 
     def reserved_view(self, reservation: ReserveResult, slot: int) -> np.ndarray | None:
@@ -458,15 +570,17 @@ class PoolClient:
         s = reservation.slots[slot]
         if s.status != SlotStatus.RESERVED:
             raise InvalidRequest(f"slot {slot} is {s.status.value}, not reserved")
-        return None if self.arena is None else self.arena.page(s.page)
+        arena = self._granted_arena("reservation", reservation.reservation_id)
+        return None if arena is None else arena.page(s.page)
 
     def write_page(self, reservation: ReserveResult, slot: int, data: np.ndarray | bytes) -> None:
         s = reservation.slots[slot]
         if s.status != SlotStatus.RESERVED:
             raise InvalidRequest(f"slot {slot} is {s.status.value}, not reserved")
-        if self.arena is not None:
+        arena = self._granted_arena("reservation", reservation.reservation_id)
+        if arena is not None:
             src = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
-            self.arena.page(s.page, src.size)[:] = src
+            arena.page(s.page, src.size)[:] = src
             return
         res_slot = sum(1 for x in reservation.slots[:slot] if x.status == SlotStatus.RESERVED)
         payload = data.tobytes() if isinstance(data, np.ndarray) else bytes(data)
@@ -474,10 +588,12 @@ class PoolClient:
 
     def commit(self, reservation_id: int, digests: Sequence[bytes],
                kind: DigestKind = DigestKind.XXH3) -> CommitResult:
+        self._forget_grant("reservation", reservation_id)
         r = self._expect(P.Commit(reservation_id, list(digests), DigestKind(kind)), P.CommitOk)
         return CommitResult(r.committed, tuple(r.rejected))
 
     def abort(self, reservation_id: int) -> int:
+        self._forget_grant("reservation", reservation_id)
         return self._expect(P.Abort(reservation_id), P.AbortOk).freed
 
     def evict(self, ns: Namespace, hashes: Sequence[bytes]) -> list[EvictOutcome]:
@@ -521,6 +637,8 @@ def publish(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes],
     segments = [as_segments(b) for b in blocks]
     sizes = [total_size(s) for s in segments]
     res = backend.reserve(ns, hashes, sizes, boundary)
+    if len(res.slots) != len(hashes):
+        raise MalformedFrame(f"a reserve of {len(hashes)} blocks answered with {len(res.slots)} slots")
     count = {s: 0 for s in SlotStatus}
     for slot in res.slots:
         count[slot.status] += 1
@@ -532,6 +650,8 @@ def publish(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes],
                 if slot.status != SlotStatus.RESERVED:
                     continue
                 view = backend.reserved_view(res, i)
+                if view is not None and view.size < sizes[i]:
+                    raise ArenaError(f"slot {i}: a reserved page of {view.size} bytes for a block of {sizes[i]}")
                 if view is not None:
                     digests.append(copy_digest_as(kind, segments[i], [view[: sizes[i]]]))
                 else:
@@ -555,10 +675,14 @@ def publish(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes],
 def load(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes], dest: Destination,
          deadline_s: float | None = None, metrics: ClientMetrics | None = None) -> LoadResult:
     """Install the longest run of pooled blocks into `dest(i)`; classify any shortfall.
-    Every pool error ends the load as exactly one miss cause, never as an exception (the
-    caller waits for it on vLLM's hot path): BUSY is `throttled`; any other failure of the
-    pool or the path to it is `transport_error`. Only InvalidRequest (the caller's own
-    destination is wrong) is raised."""
+    Nothing the pool holds and no failure of the pool ends the load as an exception (the
+    caller waits for it on vLLM's hot path, where an exception ends the engine): each is
+    exactly one miss cause, and the result's `error` says what stopped it. A page whose
+    length is not the destination's (a block of another layout pooled under this key) or
+    whose bytes do not match its digest is `corrupt`; BUSY is `throttled`; a deadline
+    passed is `timeout`; any other failure of the pool or the path to it (the daemon's
+    error replies included) is `transport_error`. What is not the pool's raises: a
+    destination that is not a buffer (the caller's own mistake)."""
     bound = getattr(backend, "call_deadline", None)  # a PoolClient, or a wrapper that passes it on
     with bound(deadline_s) if bound is not None and deadline_s is not None else contextlib.nullcontext():
         return _load(backend, ns, hashes, dest, deadline_s, metrics)
@@ -570,6 +694,7 @@ def _load(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes], dest: De
     requested = len(hashes)
     loaded = 0
     miss: Miss | None = None
+    error = ""
     lease: AcquireResult | None = None
     refused = -1  # the lease's index of a page that failed the digest check
     try:
@@ -580,37 +705,43 @@ def _load(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes], dest: De
                 raise PoolTimeout(f"load passed its deadline of {deadline_s}s at block {i}")
             target = as_segments(dest(i))
             if total_size(target) != ref.length:
-                raise InvalidRequest(f"block {i}: destination of {total_size(target)} bytes for a page of {ref.length}")
-            if copy_digest_as(ref.kind, as_segments(backend.read_page(lease, i)), target) != ref.digest:
+                raise CorruptPage(f"block {i} (page {ref.page}): the pool holds a page of {ref.length} bytes "
+                                  f"for a block of {total_size(target)}")
+            source = as_segments(backend.read_page(lease, i))
+            if total_size(source) != ref.length:
+                raise CorruptPage(f"block {i} (page {ref.page}): {total_size(source)} bytes read of a page "
+                                  f"of {ref.length}")
+            if copy_digest_as(ref.kind, source, target) != ref.digest:
                 raise CorruptPage(f"block {i} (page {ref.page}): installed bytes do not match the published digest")
             loaded += 1
-    except CorruptPage:
-        miss = Miss(loaded, MissCause.CORRUPT)
+    except CorruptPage as exc:
+        miss, error = Miss(loaded, MissCause.CORRUPT), f"{type(exc).__name__}: {exc}"
         refused = loaded
-    except PoolTimeout:
-        miss = Miss(loaded, MissCause.TIMEOUT)
-    except Busy:  # the daemon had no room for this client (a reconnect past max_clients) or its request
-        miss = Miss(loaded, MissCause.THROTTLED)
-    except InvalidRequest:
-        raise  # the caller's own mistake (a destination of the wrong size): not a miss of the pool
-    except PoolError:  # TransportError, LeaseLost, MalformedFrame, WrongVersion, Unauthenticated, ...
-        miss = Miss(loaded, MissCause.TRANSPORT_ERROR)
+    except PoolTimeout as exc:
+        miss, error = Miss(loaded, MissCause.TIMEOUT), f"{type(exc).__name__}: {exc}"
+    except Busy as exc:  # the daemon had no room for this client (a reconnect past max_clients) or its request
+        miss, error = Miss(loaded, MissCause.THROTTLED), f"{type(exc).__name__}: {exc}"
+    except PoolError as exc:  # TransportError, LeaseLost, MalformedFrame, ArenaError, an error reply, ...
+        miss, error = Miss(loaded, MissCause.TRANSPORT_ERROR), f"{type(exc).__name__}: {exc}"
     finally:
         if lease is not None and lease.lease_id:
             if refused >= 0:
                 _report_corrupt(backend, lease, refused, metrics)
             try:
                 stale = set(backend.release(lease.lease_id).stale)
-            except (PoolTimeout, TransportError, LeaseLost, MalformedFrame):
-                # The connection (and with it the lease) is gone; the daemon unpins the
-                # pages itself. Blocks already verified by digest stand.
+            except PoolError as exc:
+                # The connection (and with it the lease) is gone, or the daemon refused the
+                # release; it unpins the pages itself (at the disconnect or the lease's TTL).
+                # Blocks already verified by digest stand.
                 stale = set()
+                error = error or f"release: {type(exc).__name__}: {exc}"
                 if metrics is not None:
                     metrics.loads.labels("release_failed").inc()
             stale_at = [i for i, h in enumerate(lease.hits[:loaded]) if h.page in stale]
             if stale_at:  # a page's generation moved under the lease: do not trust it
                 loaded = stale_at[0]
                 miss = Miss(loaded, MissCause.CORRUPT)
+                error = f"page {lease.hits[loaded].page} was reused under the lease"
     seconds = time.monotonic() - t0
     if metrics is not None:
         metrics.load_seconds.observe(seconds)
@@ -620,7 +751,7 @@ def _load(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes], dest: De
         if miss is not None:
             metrics.misses.labels(miss.cause.value).inc()
         metrics.loads.labels("hit" if loaded == requested else ("partial" if loaded else "miss")).inc()
-    return LoadResult(requested, loaded, miss, seconds)
+    return LoadResult(requested, loaded, miss, seconds, error)
 
 
 def _report_corrupt(backend: PoolBackend, lease: AcquireResult, index: int, metrics: ClientMetrics | None) -> None:

@@ -40,6 +40,17 @@ different processes on CPU):
                    blocks no later than that. wait_for_save: publish the blocks
                    this step completed (two-phase, digests re-verified by the pool).
 
+Nothing the pool holds and no failure of the pool raises out of a hook (an exception in
+one ends vLLM's engine core): the probe reads one snapshot of the client's session and
+segment and validates what it reads (kvpool.client.PoolClient.probe); a lookup that fails
+is a miss with its cause; a load that cannot install a block (a page of another length,
+bad bytes, a page outside the segment, a pool that failed or restarted under it) is a
+failed load of that block and every block after it, reported by
+get_block_ids_with_load_errors, counted as a miss with its cause and recorded
+(kvpool.client.load, kvpool.copier, kvpool.gpu_copier); a store that fails is recorded and
+the request is reported finished; a preempted request's stores still queued are dropped,
+not waited for. What still raises is this process's own mistake (a programming error).
+
 Metadata is typed in both directions (KVPoolMetadata scheduler -> worker). Every lookup,
 load and publish is appended to the history (kvpool.history) when `history_dir` is set,
 with the request's tag (`kv_transfer_params={"kvpool": {"tag": ...}}`) so a test or the
@@ -778,11 +789,26 @@ class KVPoolWorker:
 
     def start_load_kv(self, meta: KVPoolMetadata) -> None:
         for rid in meta.drain:
-            self.copier.wait(self._sending.get(rid, []), self._wait_s)
+            self._drain(rid)
         for run in meta.loads:
             self._loading.append(self._load(run))
         for run in meta.async_loads:
             self._receiving.setdefault(run.req_id, []).append(self._load(run))
+
+    def _drain(self, rid: str) -> None:
+        """A preempted request's blocks are free: its stores must be over before the next
+        forward writes into them. Those still queued are cancelled (they never read the
+        blocks; on a stalled pool they would queue behind other requests' stores past the
+        backstop, and the wait would end the engine); the one running is waited for, its
+        calls bounded by the client's timeouts."""
+        sending = self._sending.get(rid, [])
+        drop = getattr(self.copier, "drop_unstarted", None)  # the host copier's; the CUDA copier's are ordered
+        dropped = drop(sending) if drop is not None and sending else []
+        if dropped:
+            sending = self._sending[rid] = [f for f in sending if not f.cancelled()]
+            self.history.write("publish_dropped", req=rid, stores=len(dropped),
+                               reason="preempted before its store started: its blocks are free")
+        self.copier.wait(sending, self._wait_s)
 
     def _load(self, run: BlockRun) -> Future:
         if run.source == "tier":

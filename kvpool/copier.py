@@ -24,6 +24,11 @@ tensors and pool pages, asynchronously, in an order the engine can rely on.
   .tier_load(tier, ns, run, deadline_s) / .tier_store(tier, ns, run, keep) -> Future
                      the same, from and to the network tier (kvpool.tier), on the same
                      lanes; records `tier_load` / `tier_publish`.
+  .drop_unstarted(futures) -> list[Future]
+                     cancel those of `futures` whose copy has not started (a preempted
+                     request's stores queued behind others on a stalled pool: its blocks
+                     are free, so they must never run, and nothing need wait for them);
+                     returns the cancelled ones.
   .wait(futures, timeout_s)
                      block until every future is done. A copier's `ordered` flag says
                      whether a done future means the copy is complete (a known-bad
@@ -67,16 +72,19 @@ class CopyRun:
     source: str = "pool"  # where a load reads: "pool" (this host's) or "tier" (kvpool.tier)
 
 
-def note_load(copier: Any, event: str, run: CopyRun, loaded: int, miss: Any, **timing: float) -> list[int]:
+def note_load(copier: Any, event: str, run: CopyRun, loaded: int, miss: Any, error: str = "",
+              **timing: float) -> list[int]:
     """A finished load's bookkeeping, the same for every copier: the blocks it did not
     install join `copier.failed` (under `copier._failed_lock`), and its record (`event`)
-    goes to the history. Returns those blocks."""
+    goes to the history, with `error` (what stopped it) where something failed. Returns
+    those blocks."""
     failed = list(run.block_ids[loaded:])
     with copier._failed_lock:
         copier.failed.update(failed)
+    extra = {"error": error[:400]} if error else {}
     copier.history.write(event, req=run.req_id, tag=run.tag, first_block=run.first_block, blocks=len(run.block_ids),
                          loaded=loaded, failed_block_ids=failed, miss_cause=miss.cause.value if miss else None,
-                         miss_index=(run.first_block + miss.index) if miss else None,
+                         miss_index=(run.first_block + miss.index) if miss else None, **extra,
                          **{k: round(v, 6) for k, v in timing.items()})
     return failed
 
@@ -145,13 +153,15 @@ class HostCopier:
             t0 = time.monotonic()
             left = deadline_s - (t0 - submitted)
             if left <= 0:  # the load waited past its deadline before it could start
-                res, loaded, miss = None, 0, Miss(0, MissCause.TIMEOUT)
+                res, loaded, miss, error = None, 0, Miss(0, MissCause.TIMEOUT), "queued past its deadline"
             else:
+                # load() ends every failure the pool or its pages can cause as a miss
+                # (kvpool.client.load): what it raises is this process's own mistake
                 res = load(self.backend, ns, run.hashes,
                            lambda i, ids=run.block_ids: self.block_segments(ids[i]),
                            deadline_s=left, metrics=self.metrics)
-                loaded, miss = res.loaded, res.miss
-            note_load(self, "load", run, loaded, miss, queued_s=t0 - submitted, seconds=time.monotonic() - t0)
+                loaded, miss, error = res.loaded, res.miss, res.error
+            note_load(self, "load", run, loaded, miss, error, queued_s=t0 - submitted, seconds=time.monotonic() - t0)
             return res
 
         return job
@@ -203,6 +213,9 @@ class HostCopier:
 
     def tier_store(self, tier: Any, ns: Namespace, run: CopyRun, keep: Sequence[int]) -> Future:
         return self.submit(self.tier_store_job(tier, ns, run, keep), "tier")
+
+    def drop_unstarted(self, futures: Sequence[Future]) -> list[Future]:
+        return [f for f in futures if f.cancel()]  # only a job still queued can be cancelled
 
     def wait(self, futures: Sequence[Future], timeout_s: float) -> None:
         wait_all(futures, timeout_s, "KV copies")

@@ -10,6 +10,10 @@ engine (kvpool.gpu_transfer), so the worker picks one by device and calls both a
         GPU memory (kvpool.gpu_transfer: the sketch of the staged rows, or XXH3-128 of
         them read back), the installs of the verified ones are enqueued, and `.failed`
         already holds the blocks that will not be installed (and every block after them).
+        Nothing the pool holds or fails at raises out of it: a load the engine cannot start
+        on the pool's pages (pages of another length, a restarted pool's smaller pages, a
+        pool error) is a failed load of the whole run with its cause (corrupt for pages the
+        layout cannot take; transport_error, timeout, throttled for the pool's failures).
   .load_settled(future) -> bool             [get_finished, asynchronous loads]
         the load's copies are complete on the device, its lease released and its stale
         blocks (if the pool reported any) in `.failed`.
@@ -20,6 +24,8 @@ engine (kvpool.gpu_transfer), so the worker picks one by device and calls both a
         the copies are ordered after the engine's KV writes, and the engine's later
         writes after the copies' reads (stream waits enqueued before store returns), so
         the caller may reuse the blocks at once; the future resolves after the commit.
+        A store the pool's state keeps from starting is a failed store (its `publish`
+        record says why), never an exception.
   .failed / take_failed() / block_bytes / close()   as HostCopier's.
 History records: `load` when a load is enqueued (what will be installed), `load_stale`
 if the pool later reports a page reused under the lease (its blocks join `.failed`),
@@ -36,9 +42,28 @@ from concurrent.futures import Future
 
 import torch
 
+from kvpool.catalog import Miss
 from kvpool.client import PoolBackend
 from kvpool.copier import CopyRun, note_load, wait_all
+from kvpool.errors import (
+    ArenaError,
+    Busy,
+    CorruptPage,
+    InternalError,
+    InvalidRequest,
+    LeaseLost,
+    MalformedFrame,
+    MissCause,
+    NoCapacity,
+    OversizedFrame,
+    PoolError,
+    PoolTimeout,
+    TransportError,
+    Unauthenticated,
+    WrongVersion,
+)
 from kvpool.gpu_transfer import (
+    KVLayoutError,
     LoadHandle,
     LoadOutcome,
     StoreOutcome,
@@ -49,6 +74,27 @@ from kvpool.gpu_transfer import (
 from kvpool.history import HistoryWriter
 from kvpool.keys import Namespace
 from kvpool.metrics import ClientMetrics
+
+
+# What the pool or its pages can make the transfer engine raise, each a failed load or
+# store of the run instead: the pool's failures and error replies (InvalidRequest included:
+# the engine raises it for the caller's block ids too, and those are checked before the
+# call, so what is left is the daemon's reply), a page outside the segment (ArenaError) and
+# pages the engine cannot take (KVLayoutError: pooled pages of another length, a restarted
+# pool's smaller pages). TransferError itself is the device's, and raises.
+_POOL_CAUSED = (KVLayoutError, ArenaError, Busy, CorruptPage, InternalError, InvalidRequest, LeaseLost,
+                MalformedFrame, NoCapacity, OversizedFrame, PoolTimeout, TransportError, Unauthenticated,
+                WrongVersion)
+
+
+def _cause_of(exc: PoolError) -> MissCause:
+    if isinstance(exc, (KVLayoutError, ArenaError, CorruptPage)):
+        return MissCause.CORRUPT  # the pool holds pages this engine's layout cannot take
+    if isinstance(exc, PoolTimeout):
+        return MissCause.TIMEOUT
+    if isinstance(exc, Busy):
+        return MissCause.THROTTLED
+    return MissCause.TRANSPORT_ERROR
 
 
 class CudaCopier:
@@ -87,7 +133,13 @@ class CudaCopier:
         return self.engine
 
     def load(self, ns: Namespace, run: CopyRun, deadline_s: float) -> Future:
-        h = self._engine(ns).load(run.block_ids, run.hashes, deadline_s=deadline_s)
+        engine = self._engine(ns)
+        engine._check_ids(run.block_ids, run.hashes)  # the caller's own mistakes raise, before the pool is asked
+        t0 = time.monotonic()
+        try:
+            h = engine.load(run.block_ids, run.hashes, deadline_s=deadline_s)
+        except _POOL_CAUSED as exc:  # the pool or its pages: a failed load of the whole run, never an exception
+            return self._failed_load(run, exc, t0)
         failed = note_load(self, "load", run, h.loaded, h.miss, seconds=time.monotonic() - h._t0)
         if self.metrics is not None:
             self.metrics.blocks_loaded.inc(h.loaded)
@@ -99,6 +151,21 @@ class CudaCopier:
         done.settled = Future()  # resolved by _loaded, once the stale blocks are in .failed
         h.result.add_done_callback(lambda f, run=run, h=h, settled=done.settled: self._loaded(run, h, f, settled))
         done.set_result(h)
+        return done
+
+    def _failed_load(self, run: CopyRun, exc: PoolError, t0: float) -> Future:
+        """A load the engine could not start on what the pool holds: every block of the run
+        joins .failed, counted as a miss with its cause and recorded as any failed load."""
+        cause = _cause_of(exc)
+        note_load(self, "load", run, 0, Miss(0, cause), f"{type(exc).__name__}: {exc}",
+                  seconds=time.monotonic() - t0)
+        if self.metrics is not None:
+            self.metrics.misses.labels(cause.value).inc()
+            self.metrics.loads.labels("miss").inc()
+        done: Future = Future()
+        done.settled = Future()
+        done.settled.set_result(None)
+        done.set_result(None)  # no copy was enqueued: nothing for the engine's stream to wait for
         return done
 
     def _loaded(self, run: CopyRun, h: LoadHandle, f: Future, settled: Future) -> None:
@@ -119,7 +186,18 @@ class CudaCopier:
 
     def store(self, ns: Namespace, run: CopyRun, keep: Sequence[int]) -> Future:
         t0 = time.monotonic()
-        h = self._engine(ns).store([run.block_ids[i] for i in keep], [run.hashes[i] for i in keep])
+        engine = self._engine(ns)
+        ids, hashes = [run.block_ids[i] for i in keep], [run.hashes[i] for i in keep]
+        engine._check_ids(ids, hashes)  # the caller's own mistakes raise, before the pool is asked
+        try:
+            h = engine.store(ids, hashes)
+        except _POOL_CAUSED as exc:  # a restarted pool whose pages do not fit, say: a failed store
+            self.history.write("publish", req=run.req_id, tag=run.tag, first_block=run.first_block, blocks=len(keep),
+                               error=f"{type(exc).__name__}: {exc}"[:400], committed=0,
+                               seconds=round(time.monotonic() - t0, 6))
+            failed: Future = Future()
+            failed.set_result(None)
+            return failed
 
         def record(f: Future) -> None:
             o: StoreOutcome = f.result()

@@ -10,6 +10,10 @@ that clients on the same host probe without a round trip to the daemon.
   .remove(key, fp, page)         the daemon, before a committed page is freed.
   .probe(fp, hashes) -> int      a client: how many of `hashes`, from the first, are
                                  committed under the namespace of fingerprint `fp`.
+                                 Whatever the region holds (torn, scribbled, garbage), it
+                                 raises nothing: an entry that is not one the daemon wrote
+                                 whole (odd seq, no page, a page past the segment's
+                                 `num_pages`) is a block not held.
   ns_fingerprint(ns) -> int      64 bits of BLAKE2b over the namespace's wire encoding.
 
 Layout: buckets of SLOTS entries of 32 bytes (seq, page + 1, namespace fingerprint, the
@@ -65,10 +69,13 @@ def ns_fingerprint(ns) -> int:  # noqa: ANN001 - a kvpool.keys.Namespace
 
 
 class ShmIndex:
-    def __init__(self, entries: np.ndarray):
-        if entries.dtype != ENTRY or entries.size % SLOTS or entries.size & (entries.size - 1):
+    def __init__(self, entries: np.ndarray, num_pages: int | None = None):
+        if entries.dtype != ENTRY or not entries.size or entries.size % SLOTS or entries.size & (entries.size - 1):
             raise ValueError(f"an index region of {entries.size} entries of {entries.dtype}")
         self.e = entries
+        # a reader's bound on an entry's page + 1 (the segment's page count): an entry naming
+        # no page of the segment is garbage, never a hit (2**32 - 1: any)
+        self._max_page1 = np.uint64(_LOW32 if num_pages is None else min(num_pages, _LOW32))
         self.mask = np.uint64(entries.size // SLOTS - 1)
         self._words = entries.view(np.uint64).reshape(-1, 4)  # seq | (page + 1) << 32, fp, k0, k1
         self._lanes = np.arange(SLOTS, dtype=np.uint64)
@@ -131,6 +138,10 @@ class ShmIndex:
         else:
             return 0  # the daemon kept rewriting these entries: ask it instead
         rec = got.view(_PROBE_VIEW).reshape(n, 2 * SLOTS)
-        ok = (rec["head"] & _ODD == 0) & (rec["tail"] == want)  # an odd seq: the daemon is inside it
+        head = rec["head"]
+        page1 = head >> np.uint64(32)
+        # an odd seq: the daemon is inside it; a page + 1 of 0 (empty) or past the segment's
+        # pages: not an entry the daemon wrote whole, whatever its block words say
+        ok = (head & _ODD == 0) & (page1 != 0) & (page1 <= self._max_page1) & (rec["tail"] == want)
         hit = ok.any(axis=1)
         return n if hit.all() else int(hit.argmin())
