@@ -455,6 +455,7 @@ class PoolClient:
         if not (wait_pending_s >= 0 and math.isfinite(wait_pending_s)):
             raise InvalidRequest(f"wait_pending_s must be >= 0, got {wait_pending_s}")
         wait_ms = round(wait_pending_s * 1000)
+        hashes = hashes[:P.MAX_BLOCKS_PER_FRAME]  # one frame's worth: a run past it is recomputed
         r = self._expect(P.Lookup(ns, list(hashes), wait_ms), P.LookupOk, extra_s=wait_ms / 1000)
         _check_run(r.hits, len(hashes), "Lookup")
         return LookupResult(r.hits, r.miss)
@@ -534,6 +535,7 @@ class PoolClient:
             self._granted.pop((what, gid), None)
 
     def acquire(self, ns: Namespace, hashes: Sequence[bytes]) -> AcquireResult:
+        hashes = hashes[:P.MAX_BLOCKS_PER_FRAME]  # one frame's worth (as lookup)
         r = self._call_granting(P.Acquire(ns, list(hashes)), P.AcquireOk, "lease", lambda x: x.lease_id)
         if len(r.hits) > len(hashes) and r.lease_id:  # not kept: the answer is not one to this request
             self._forget_grant("lease", r.lease_id)

@@ -284,3 +284,21 @@ def test_a_connection_says_hello_once(pool):
         assert s.ask(P.Ping()).kind == "Pong"
     finally:
         s.close()
+
+
+def test_a_prompt_longer_than_one_frame_is_looked_up_and_leased_in_its_first_frame(pool, test_seed):
+    """A lookup or an acquire of more blocks than a frame may name (a prompt past a million
+    tokens) asks for the first MAX_BLOCKS_PER_FRAME of them: the run is counted from the
+    start as always, the rest recomputed; never a MALFORMED answer to a well-behaved client
+    (which would read as a broken pool)."""
+    base = test_seed % 1000
+    hs = block_hashes(range(base * 16, (base + P.MAX_BLOCKS_PER_FRAME + 10) * 16), 16)
+    data = [np.random.default_rng(test_seed + i).integers(0, 256, PAGE, dtype=np.uint8) for i in range(2)]
+    with pool.client() as c:
+        publish(c, NS, hs[:2], data)
+        found = c.lookup(NS, hs)
+        assert len(found.hits) == 2 and found.miss is not None
+        lease = c.acquire(NS, hs)
+        assert len(lease.hits) == 2
+        c.release(lease.lease_id)
+        c.evict(NS, hs[:2])
