@@ -63,10 +63,17 @@ class PoolProcess:
 
     @classmethod
     def _spawn(cls, name: str, run_dir: Path, token: str, log_path: Path, args: list[str], timeout: float,
-               catalog: str | None = None, prefix: tuple[str, ...] = ()) -> PoolProcess:
+               catalog: str | None = None, prefix: tuple[str, ...] = (), module: str | None = None,
+               what: str = "the pool daemon") -> PoolProcess:
+        """`module`: another daemon's entry point (`python -m MODULE serve ARGS`: a known-bad
+        daemon of faults/), instead of kvpool's (or faults.pool's with `catalog`)."""
         (run_dir / "address.json").unlink(missing_ok=True)
-        command = [sys.executable, "-m", "kvpool", "serve"] if catalog is None else \
-            [sys.executable, "-m", "faults.pool", "serve", "--catalog", catalog]
+        if module is not None:
+            command = [sys.executable, "-m", module, "serve"]
+        elif catalog is None:
+            command = [sys.executable, "-m", "kvpool", "serve"]
+        else:
+            command = [sys.executable, "-m", "faults.pool", "serve", "--catalog", catalog]
         proc = spawn([*prefix, *command, *args], log_path)
 
         def address() -> dict | None:
@@ -77,7 +84,7 @@ class PoolProcess:
             return found if found.get("pid") == proc.pid else None
 
         try:
-            found = wait_ready(proc, address, timeout, "the pool daemon", log_path, poll_s=0.0)
+            found = wait_ready(proc, address, timeout, what, log_path, poll_s=0.0)
         except StartError as exc:
             raise PoolStartError(str(exc)) from exc
         return cls(name, run_dir, token, proc, found, log_path, args, prefix)

@@ -48,13 +48,11 @@ from pathlib import Path
 import msgspec
 
 from harness.checkers.verdict import Checks, Verdict, describe_difference
-from harness.system.pool import DEFAULT_TENANT, PoolProcess, PoolStartError, unique_name
-from harness.system.procs import StartError, spawn, wait_ready
+from harness.system.pool import DEFAULT_TENANT, PoolProcess, unique_name
 from kvpool import protocol as P
 from kvpool.digest import page_digest
 from kvpool.errors import ErrorCode, MalformedFrame, WrongVersion
 from kvpool.keys import HASH_BYTES, Namespace
-from kvpool.server import read_address
 
 MIB = 1024
 SAMPLE_S = 0.002
@@ -340,7 +338,6 @@ CONTROLS = ("unbounded_frames",)
 def start_control_pool(page_size: int = 64 * 1024, num_pages: int = 64, timeout: float = 20.0) -> PoolProcess:
     """faults.frame_controls' daemon (no per-frame bounds) as a pool process of its own."""
     import secrets
-    import sys
 
     name = unique_name("kvg-frames")
     run_dir = Path(tempfile.mkdtemp(prefix=f"{name}-"))
@@ -348,20 +345,8 @@ def start_control_pool(page_size: int = 64 * 1024, num_pages: int = 64, timeout:
     log_path = run_dir / "pool.log"
     args = ["--name", name, "--run-dir", str(run_dir), "--page-size", str(page_size), "--pages", str(num_pages),
             "--tenant", f"{DEFAULT_TENANT}={token}"]
-    proc = spawn([sys.executable, "-m", "faults.frame_controls", "serve", *args], log_path)
-
-    def address() -> dict | None:
-        try:
-            found = read_address(run_dir, timeout=0.2)
-        except TimeoutError:
-            return None
-        return found if found.get("pid") == proc.pid else None
-
-    try:
-        found = wait_ready(proc, address, timeout, "the unbounded-frames pool", log_path, poll_s=0.0)
-    except StartError as exc:
-        raise PoolStartError(str(exc)) from exc
-    return PoolProcess(name, run_dir, token, proc, found, log_path, args)
+    return PoolProcess._spawn(name, run_dir, token, log_path, args, timeout, module="faults.frame_controls",
+                              what="the unbounded-frames pool")
 
 
 def frame_flood(cluster, corpus, seed: int, *, control: str | None = None, rounds: int = 2,  # noqa: ANN001
