@@ -39,7 +39,7 @@ of the cross-replica turns per block, and the generated tokens compared across b
   run_live(cluster, model, seed)  -> dict    the exchanges and their verdicts.
   run_session_blocks(cluster, corpus, seed, ...) -> dict   OFF-ON-ON-OFF at one context.
   failures(result, ...)  -> [str]    every failure the run measured, of the parts it was asked for.
-  reports.gpu_live.render_markdown(result, date) -> str   the checklist.
+  harness.report.gpu_live.render_markdown(result, date) -> str   the checklist.
 The exit status is 0 only when `failures` is empty: an exchange whose verdict failed, a
 part that raised, a cluster that left processes behind, a session turn whose tokens differ
 between the four blocks, a session turn that errored or whose publish never landed, an
@@ -685,7 +685,7 @@ def main(report_dir: Path, seed: int = 20261129, bench: bool = False, bench_reps
                                   session_contexts=session_contexts, bench_lengths=bench_lengths,
                                   bench_reps=bench_reps)
     result["ok"] = not result["failures"]
-    from reports.gpu_live import render_markdown
+    from harness.report.gpu_live import render_markdown
 
     (report_dir / "result.json").write_text(json.dumps(result, indent=1, default=str))
     (report_dir / "checklist.md").write_text(render_markdown(result, time.strftime("%Y-%m-%d")))

@@ -55,8 +55,8 @@ def test_the_walk_sees_imports_inside_functions_and_by_name(tmp_path):
     pkg.mkdir()
     (pkg / "a.py").write_text("import harness.gate\n")
     (pkg / "b.py").write_text("def f():\n    from faults.backend import FaultyBackend\n")
-    (pkg / "c.py").write_text("import importlib\nimportlib.import_module('reports.render')\n")
+    (pkg / "c.py").write_text("import importlib\nimportlib.import_module('harness.report.render')\n")
     (pkg / "d.py").write_text("from kvpool import keys\nimport fixturesque\n")
     assert violations("kvpool", RULES["kvpool"], tmp_path) == [
         "kvpool/a.py:1 imports harness.gate", "kvpool/b.py:2 imports faults.backend",
-        "kvpool/c.py:2 imports reports.render"]
+        "kvpool/c.py:2 imports harness.report.render"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from harness.provenance import title_flag
 from harness.system.gpu import BLOCK_SIZE
-from reports.render import table
+from harness.report.render import table
 
 
 def render_markdown(result: dict, date: str) -> str:
