@@ -178,7 +178,7 @@ def cmd_bench_publish(args: argparse.Namespace) -> int:
 
 
 def cmd_gpu_live(args: argparse.Namespace) -> int:
-    from harness.scenarios.gpu_live import main as gpu_live
+    from harness.gpu_live import main as gpu_live
 
     lengths = tuple(int(x) for x in args.bench_lengths.split(",") if x)
     contexts = tuple(int(x) for x in args.session_contexts.split(",") if x)
