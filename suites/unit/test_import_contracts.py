@@ -43,9 +43,6 @@ NAMES = {  # contract id -> the name lint-imports reports it by (pyproject.toml)
     "harness-layers": "the harness's rooms, each importing only those below it",
 }
 
-pytest.importorskip("importlinter", reason="import-linter is a dev dependency")
-
-
 def lint_imports(tree: Path) -> tuple[int, str]:
     """Run lint-imports on `tree` (its pyproject.toml, its packages first on the path)."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
