@@ -1,4 +1,5 @@
-"""Rendering a `kvgate gpu-live` result (harness.scenarios.gpu_live) as a Markdown checklist.
+"""Rendering a `kvgate gpu-live` result (harness.gpu_live, from the parts in harness.scenarios.gpu_live) as a
+Markdown checklist.
 
   render_markdown(result, date) -> str
 """
