@@ -61,7 +61,7 @@ class StaleIndexCatalog(Catalog):
 
 CATALOG_CONTROLS = {"forgetful": ForgetfulCatalog, "leaseless": LeaselessCatalog, "leaky": LeakyCatalog,
                     "crossed": CrossedCatalog, "stale_index": StaleIndexCatalog}
-# The behaviour each known-bad catalog breaks, as a kind of finding of kvpool.testing's state
+# The behaviour each known-bad catalog breaks, as a kind of finding of harness.scenarios.pool_machine's state
 # machine (FINDINGS): a control counts as caught only by a finding of that kind, with every
 # other kind (the page-accounting invariant first) kept from ending the run.
 CATALOG_BREAKS = {"forgetful": "miss_cause", "leaseless": "lease", "leaky": "capacity", "crossed": "bytes",

@@ -127,7 +127,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_html(args: argparse.Namespace) -> int:
-    from reports.html import render_file
+    from harness.report.html import render_file
 
     if not args.path.exists():
         print(f"kvgate html: {args.path} does not exist", file=sys.stderr)
@@ -178,7 +178,7 @@ def cmd_bench_publish(args: argparse.Namespace) -> int:
 
 
 def cmd_gpu_live(args: argparse.Namespace) -> int:
-    from harness.scenarios.gpu_live import main as gpu_live
+    from harness.gpu_live import main as gpu_live
 
     lengths = tuple(int(x) for x in args.bench_lengths.split(",") if x)
     contexts = tuple(int(x) for x in args.session_contexts.split(",") if x)
@@ -317,7 +317,7 @@ class _Tee(io.TextIOBase):
 
 
 def _bench_with_html(func):  # noqa: ANN001, ANN202
-    """A bench command that also writes its HTML report (reports.html) with --html FILE,
+    """A bench command that also writes its HTML report (harness.report.html) with --html FILE,
     from the JSON object it prints last."""
 
     def run(args: argparse.Namespace) -> int:
@@ -334,7 +334,7 @@ def _bench_with_html(func):  # noqa: ANN001, ANN202
         except json.JSONDecodeError:
             print(f"kvgate bench: no JSON result to draw into {path}", file=sys.stderr)
             return rc or 1
-        from reports.html import bench_report
+        from harness.report.html import bench_report
 
         path.write_text(bench_report(doc, args.bench_command))
         print(f"kvgate bench: HTML report {path}", file=sys.stderr)

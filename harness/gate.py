@@ -27,7 +27,7 @@ from harness.plugin import derive_seed
 from harness.provenance import provenance
 from harness.system.default import start_system
 from harness.checkers.verdict import Verdict, all_of
-from reports.render import Criterion, GateRun, write_reports
+from harness.report.render import Criterion, GateRun, write_reports
 
 _BAR: list = []  # the run's progress bar (tqdm), while one is shown
 
@@ -231,8 +231,8 @@ def _run_scenarios(run: GateRun, results: list, cluster, model: Path, chosen: li
 
 def write_measurements(report_dir: Path, run: GateRun, measured: list[dict]) -> dict[str, Path]:
     """measurements.json (harness.measure: each request's TTFT by hit kind, misses and faults
-    over time, per system) and the run's HTML report (reports.html), next to run.json."""
-    from reports.html import gate_report
+    over time, per system) and the run's HTML report (harness.report.html), next to run.json."""
+    from harness.report.html import gate_report
 
     path = report_dir / "measurements.json"
     doc = {"replay_key": run.replay_key, "provenance": provenance(), "systems": measured}

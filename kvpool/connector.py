@@ -80,7 +80,8 @@ from kvpool.identity import model_identity
 from kvpool.keys import HASH_BYTES, ROOT_HASH, Namespace, block_hashes
 from kvpool.metrics import ClientMetrics
 from kvpool.catalog import LookupResult
-from kvpool.tier import TierAuth, TierError, open_tier
+from kvpool.tier import TierAuth, TierError
+from kvpool.tier_registry import open_tier
 from kvpool.stats import KVPoolPromMetrics, KVPoolStats, StatsCollector
 from kvpool.tier_rule import TierLoadStat, TierRule
 

@@ -76,11 +76,10 @@ replay and rewrite records, and list keys; they never see the tenant's tier secr
                         as installed; every failure ends the run as one miss cause
   tier_publish(tier, ns, hashes, blocks) -> TierPublishResult
                         put each block's bytes with their digest; best effort, counted
-  open_tier(url, auth, timeout_s) -> Tier
-                        the backend a URL names: redis:// or unix:// (RedisTier; credentials
-                        in the URL, redis://USER:PASSWORD@HOST:PORT/DB), mooncake://
-                        (kvpool.tier_mooncake.MooncakeTier, which has no access control:
-                        the MAC is all there is)
+  redact_url(url) -> str
+                        the URL with its password replaced (for messages and records).
+The backends (kvpool.tier_redis, kvpool.tier_mooncake) import this module; it imports no
+backend. The backend a URL names is chosen by kvpool.tier_registry.open_tier.
 """
 
 from __future__ import annotations
@@ -415,35 +414,6 @@ def tier_publish(tier: Tier, ns: Namespace, hashes: Sequence[bytes], blocks: Seq
         except TierError as exc:
             return TierPublishResult(len(hashes), put, refused, f"{type(exc).__name__}: {exc}")
     return TierPublishResult(len(hashes), put, refused)
-
-
-def open_tier(url: str, auth: TierAuth, timeout_s: float = 1.0) -> Tier:
-    """The tier a URL names, for the tenant `auth` holds the keys of:
-    "redis://[USER:PASSWORD@]HOST:PORT/DB", "rediss://..." or "unix:///path" (Redis; the
-    credentials of the tenant's ACL user, restricted to its prefix);
-    "mooncake://MASTER_HOST:PORT?metadata=http://HOST:PORT/metadata" (Mooncake Store; also
-    `segment_bytes`, `buffer_bytes`, `protocol`, `devices`, `local_hostname`)."""
-    if not isinstance(auth, TierAuth):
-        raise TypeError(f"open_tier needs the tenant's TierAuth, got {type(auth).__name__}")
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        from kvpool.tier_redis import RedisTier
-
-        return RedisTier(url, auth, timeout_s=timeout_s)
-    if url.startswith("mooncake://"):
-        from urllib.parse import parse_qs, urlsplit
-
-        from kvpool.tier_mooncake import MooncakeTier
-
-        parts = urlsplit(url)
-        q = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-        if "metadata" not in q:
-            raise ValueError(f"{url!r}: a mooncake tier needs ?metadata=http://HOST:PORT/metadata")
-        sizes = {k: int(q[k]) for k in ("segment_bytes", "buffer_bytes") if k in q}
-        return MooncakeTier(parts.netloc, q["metadata"], auth, q.get("local_hostname", "127.0.0.1"),
-                            protocol=q.get("protocol", "tcp"), devices=q.get("devices", ""), timeout_s=timeout_s,
-                            **sizes)
-    raise ValueError(f"no network tier for {redact_url(url)!r}: redis://HOST:PORT/DB, unix:///path or "
-                     "mooncake://HOST:PORT?...")
 
 
 def redact_url(url: str) -> str:

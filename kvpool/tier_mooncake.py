@@ -15,6 +15,10 @@ mooncake-transfer-engine), over TCP or RDMA.
         any key. The tenant's keys (auth.key: its prefix, then an opaque keyed hash) hide
         which blocks it holds, and the records' MAC (kvpool.tier.decode_record) is what
         keeps a written, moved or replayed record from being installed.
+  MooncakeTier.from_url(url, auth, timeout_s=1.0)
+        the same from "mooncake://MASTER_HOST:PORT?metadata=http://HOST:PORT/metadata"
+        (also `segment_bytes`, `buffer_bytes`, `protocol`, `devices`, `local_hostname` in
+        the query); a URL without `metadata` is a ValueError.
   .put  `upsert` of the whole record (a plain `put` on an existing key keeps the old bytes);
         the store answers complete-or-invisible; "no space" is False
   .get  `get_size` first: a missing key (-704) is None; then `get`. An empty `get` of a
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from urllib.parse import parse_qs, urlsplit
 
 from kvpool.digest import DigestKind
 from kvpool.keys import Namespace
@@ -71,6 +76,16 @@ class MooncakeTier:
         rc = self._s.setup(local_hostname, metadata, int(segment_bytes), int(buffer_bytes), protocol, devices, master)
         if rc != 0:
             raise TierUnavailable(f"mooncake setup against master {master} (metadata {metadata}) failed: {rc}")
+
+    @classmethod
+    def from_url(cls, url: str, auth: TierAuth, timeout_s: float = 1.0) -> MooncakeTier:
+        parts = urlsplit(url)
+        q = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        if "metadata" not in q:
+            raise ValueError(f"{url!r}: a mooncake tier needs ?metadata=http://HOST:PORT/metadata")
+        sizes = {k: int(q[k]) for k in ("segment_bytes", "buffer_bytes") if k in q}
+        return cls(parts.netloc, q["metadata"], auth, q.get("local_hostname", "127.0.0.1"),
+                   protocol=q.get("protocol", "tcp"), devices=q.get("devices", ""), timeout_s=timeout_s, **sizes)
 
     def _call(self, what: str, fn, *args):  # noqa: ANN001, ANN202
         future = self._calls.submit(fn, *args)

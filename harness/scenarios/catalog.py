@@ -36,6 +36,7 @@ from typing import Any
 from faults.schedule import KINDS
 from kvpool.errors import MissCause
 from harness.scenarios import hostile, live
+from harness.system.default import HOSTS_REPLICAS
 
 RUNNERS = {**live.RUNNERS, **hostile.RUNNERS}  # every runner a scenario file may name
 
@@ -51,7 +52,6 @@ def catalog_dir() -> Path:
 
 
 KNOWN_REPLICAS = {"A", "B", "C", "D", "G", "H"}  # C: the tiny model's revision r2; D: the small-KV replica
-HOSTS_REPLICAS = {"G", "H"}  # replicas of the multi-host system (harness.system.hosts): G on h1, H on h2
 
 
 class ScenarioError(ValueError):

@@ -1,4 +1,4 @@
-"""`kvgate gpu-live`: kvgate live on GPUs with vLLM 0.24 (the GPU bundle).
+"""The parts of `kvgate gpu-live` (harness.gpu_live): kvgate live on GPUs with vLLM 0.24 (the GPU bundle).
 
 Placement (`--gpus N`): with N <= 1, two replicas (A, B) of the tiny model share one GPU;
 with N >= 2, one replica per GPU (A on GPU 0, B on GPU 1, C on GPU 2, ...; each started
@@ -37,20 +37,24 @@ of the cross-replica turns per block, and the generated tokens compared across b
   placement(gpus)       -> [(replica, CUDA_VISIBLE_DEVICES or None)]
   directions(names)     -> [(producer, consumer)]
   run_live(cluster, model, seed)  -> dict    the exchanges and their verdicts.
+  environment() -> dict  the GPUs, vLLM, torch and CUDA versions and the tree's provenance.
   run_session_blocks(cluster, corpus, seed, ...) -> dict   OFF-ON-ON-OFF at one context.
-  failures(result, ...)  -> [str]    every failure the run measured, of the parts it was asked for.
-  reports.gpu_live.render_markdown(result, date) -> str   the checklist.
-The exit status is 0 only when `failures` is empty: an exchange whose verdict failed, a
-part that raised, a cluster that left processes behind, a session turn whose tokens differ
-between the four blocks, a session turn that errored or whose publish never landed, an
-audited session block installed with bytes other than its producer's, a bench that raised,
-a bench remote hit that loaded fewer blocks than its prompt has, and a part asked for that
-did not run (a context length or a bench length or repetition skipped for lack of time):
-not run is never a pass. The bench's speed targets are reported, not judged. Under
-`--no-exchanges` the live exchanges are "not run" and the exit status is that of the parts
-that were asked for (nothing asked for at all fails).
-The last line printed is the result as one JSON object. Each verdict says what it does not
-check. The delay is seeded only in its length; a seed cannot force a thread interleaving.
+  failures(result, ...)  -> [str]    every failure the run measured, of the parts it was asked for:
+                        an exchange whose verdict failed, a part that raised, a cluster that
+                        left processes behind, a session turn whose tokens differ between the
+                        four blocks, a session turn that errored or whose publish never
+                        landed, an audited session block installed with bytes other than its
+                        producer's, a bench that raised, a bench remote hit that loaded fewer
+                        blocks than its prompt has, and a part asked for that did not run (a
+                        context length or a bench length or repetition skipped for lack of
+                        time): not run is never a pass. The bench's speed targets are
+                        reported, not judged.
+  wait_published(history_dir, replica, tag, blocks)   a replica's publish records of a
+                        request covering `blocks` blocks (the bench waits on it too).
+The command that runs these parts with the bench (harness.bench.gpu_live) and writes the
+checklist is harness.gpu_live; this module imports nothing of the bench.
+Each verdict says what it does not check. The delay is seeded only in its length; a seed
+cannot force a thread interleaving.
 """
 
 from __future__ import annotations
@@ -62,7 +66,6 @@ import random
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
 from harness.checkers.byte_exact import exchange_exact, pool_digests
@@ -228,7 +231,7 @@ def run_exchange(cluster: GpuCluster, corpus: Corpus, ex: Exchange, rng: random.
     return out
 
 
-def _env() -> dict:
+def environment() -> dict:
     import torch
 
     from harness.provenance import provenance
@@ -272,7 +275,7 @@ def run_live(cluster: GpuCluster, model: Path, seed: int) -> dict:
     reg = records(cluster.history_dir, "register")
     gpu = records(cluster.history_dir, "gpu_transfer")
     return {
-        "seed": seed, "env": _env(), "exchanges": results, "directions": [f"{p}->{c}" for p, c in pairs],
+        "seed": seed, "env": environment(), "exchanges": results, "directions": [f"{p}->{c}" for p, c in pairs],
         "placement": {r.spec.name: dict(r.spec.extra_env).get("CUDA_VISIBLE_DEVICES", "inherited")
                       for r in cluster.replicas.values()},
         "register": [{k: r.get(k) for k in ("replica", "shape", "block_bytes")} for r in reg],
@@ -515,23 +518,8 @@ def run_sessions(cluster: Cluster, seed: int, contexts: tuple[int, ...], session
     return out
 
 
-def _stop(cluster: Cluster) -> str:
-    """Stop a cluster; an OrphanError is returned for the result (and fails the run)."""
-    from harness.system.cluster import OrphanError
-
-    try:
-        cluster.stop()
-    except OrphanError as exc:
-        return str(exc)
-    return ""
-
-
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def _trace(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(exc))[-4000:]
 
 
 def failures(result: dict, *, exchanges: bool, sessions: bool, bench: bool,
@@ -603,94 +591,3 @@ def failures(result: dict, *, exchanges: bool, sessions: bool, bench: bool,
                     out.append(f"bench at {n} tokens: {key.replace('_', ' ')} {r[key]} of "
                                f"{r['remote_blocks_expected']}")
     return out
-
-
-def main(report_dir: Path, seed: int = 20261129, bench: bool = False, bench_reps: int = 1,
-         bench_lengths: tuple[int, ...] = (8192, 32768, 65536), deadline_s: float = 540.0, gpus: int = 1,
-         sessions: bool = False, session_contexts: tuple[int, ...] = (32768,), session_count: int = 2,
-         turns: int = 6, exchanges: bool = True, session_audit: bool = False) -> int:
-    """Start the tiny replicas (and, with `sessions`, the session replicas; with `bench`, the
-    bench trio) at the same time, run the live exchanges, then the sessions, then the bench
-    rows while time is left; write live.json (and the rest) under report_dir as each part
-    finishes."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    t0 = time.monotonic()
-    deadline = t0 + deadline_s
-    report_dir.mkdir(parents=True, exist_ok=True)
-    cluster, specs, model = tiny_cluster(report_dir / "live", gpus)
-    bench_f = sess_f = None
-    result: dict = {"passed": False, "gpus": gpus}
-    with ThreadPoolExecutor(3) as ex:
-        live_f = ex.submit(cluster.start, specs, 400.0) if exchanges else None
-        if sessions:
-            sess_f = ex.submit(start_sessions, report_dir / "sessions", gpus, max(session_contexts), turns,
-                               session_audit)
-        if bench:
-            from harness.bench.gpu_live import start_bench
-
-            bench_f = ex.submit(start_bench, report_dir / "bench", max(bench_lengths))
-        if live_f is not None:
-            try:
-                live_f.result()
-                _say(f"kvgate gpu-live: tiny replicas {list(cluster.replicas)} up after {time.monotonic() - t0:.0f} s")
-                result.update(run_live(cluster, model, seed))
-            except Exception as exc:  # recorded in the result and the exit code; the other parts still run
-                result["error"] = _trace(exc)
-                _say(f"kvgate gpu-live: live part raised:\n{result['error']}")
-            finally:
-                result["stop_error"] = _stop(cluster)
-            (report_dir / "live.json").write_text(json.dumps(result, indent=1, default=str))
-            _say(f"kvgate gpu-live: live part {'PASS' if result['passed'] else 'FAIL'} after "
-                 f"{time.monotonic() - t0:.0f} s")
-        else:
-            result.update(seed=seed, env=_env(), exchanges_skipped=True)
-        if sess_f is not None:
-            try:
-                sess_cluster = sess_f.result()
-            except Exception as exc:
-                result["sessions_error"] = _trace(exc)
-                sess_cluster = None
-            if sess_cluster is not None:
-                try:
-                    result["sessions"] = run_sessions(sess_cluster, seed, session_contexts, session_count, turns,
-                                                      deadline - 30, audit=session_audit)
-                except Exception as exc:
-                    result["sessions_error"] = _trace(exc)
-                finally:
-                    result["sessions_stop_error"] = _stop(sess_cluster)
-            if "sessions_error" in result:
-                _say(f"kvgate gpu-live: sessions raised:\n{result['sessions_error']}")
-            (report_dir / "sessions.json").write_text(json.dumps(result.get("sessions"), indent=1, default=str))
-        if bench_f is not None:
-            from harness.bench.gpu_live import measure
-
-            try:
-                bench_cluster = bench_f.result()
-            except Exception as exc:
-                result["bench_error"] = _trace(exc)
-                bench_cluster = None
-            if bench_cluster is not None:
-                try:
-                    result["bench"] = measure(bench_cluster, bench_lengths, bench_reps,
-                                              deadline_s=deadline - time.monotonic())
-                except Exception as exc:
-                    result["bench_error"] = _trace(exc)
-                finally:
-                    result["bench_stop_error"] = _stop(bench_cluster)
-            if "bench_error" in result:
-                _say(f"kvgate gpu-live: bench raised:\n{result['bench_error']}")
-    result["wall_s"] = round(time.monotonic() - t0)
-    result["failures"] = failures(result, exchanges=exchanges, sessions=sessions, bench=bench,
-                                  session_contexts=session_contexts, bench_lengths=bench_lengths,
-                                  bench_reps=bench_reps)
-    result["ok"] = not result["failures"]
-    from reports.gpu_live import render_markdown
-
-    (report_dir / "result.json").write_text(json.dumps(result, indent=1, default=str))
-    (report_dir / "checklist.md").write_text(render_markdown(result, time.strftime("%Y-%m-%d")))
-    print(json.dumps(result, default=str))
-    for f in result["failures"]:
-        _say(f"kvgate gpu-live: FAIL: {f}")
-    _say(f"kvgate gpu-live: {'PASS' if result['ok'] else 'FAIL'}")
-    return 0 if result["ok"] else 1

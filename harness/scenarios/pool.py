@@ -11,7 +11,7 @@
       SIGKILL the daemon with pages committed and a lease open; the next daemon must
       find the leftovers, say so, and start empty; a graceful stop must leave nothing.
   state_machine(seed, examples)
-      kvpool.testing.PoolMachine, seeded.
+      harness.scenarios.pool_machine.PoolMachine, seeded.
   catalog_controls(seed)
       each known-bad catalog (faults.controls) through the state machine, caught only by
       the kind of finding it breaks, within CONTROL_BUDGET programs.
@@ -241,7 +241,7 @@ def crash_and_restart(seed: int) -> Verdict:
 def state_machine(seed: int, examples: int = 25, steps: int = 30, catalog_factory: type | None = None,
                   shrink: bool = True, judged: frozenset[str] | None = None) -> Verdict:
     """`catalog_factory` plugs a negative control (faults.controls) into the daemon;
-    `judged` limits the kinds of finding that end a run (kvpool.testing.FINDINGS), so a
+    `judged` limits the kinds of finding that end a run (harness.scenarios.pool_machine.FINDINGS), so a
     control is caught by the behaviour it breaks; `shrink=False` reports the first failing
     program as found (controls need no minimal example, only the fact that they fail).
     The evidence says how many programs ran (for a control: how many it took to catch)."""
@@ -249,7 +249,7 @@ def state_machine(seed: int, examples: int = 25, steps: int = 30, catalog_factor
     from hypothesis import seed as hseed
     from hypothesis.stateful import run_state_machine_as_test
 
-    from kvpool.testing import PoolMachine
+    from harness.scenarios.pool_machine import PoolMachine
 
     attrs: dict = {"examples_run": 0}
     if catalog_factory is not None:
@@ -272,7 +272,7 @@ def state_machine(seed: int, examples: int = 25, steps: int = 30, catalog_factor
 
 
 def _finding(exc: BaseException) -> str | None:
-    """The kind of finding ("[kind] ..." from kvpool.testing) that ended a run, if any."""
+    """The kind of finding ("[kind] ..." from harness.scenarios.pool_machine) that ended a run, if any."""
     import re
 
     m = re.match(r"\[(\w+)\]", str(exc))

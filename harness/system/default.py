@@ -10,7 +10,8 @@
       each with its own pool daemon, the store (Redis, or Mooncake's master and a storage
       node) on a store host; the tier settings HOSTS_SETTINGS
       (short timeouts and holds, so a scenario's faults and heals fit in seconds).
-  start_for(report_dir, replicas, store)   whichever of the two the replicas belong to.
+  start_for(report_dir, replicas, store)   whichever of the two the replicas belong to
+      (HOSTS_REPLICAS: the multi-host system's; the scenario catalog reads it from here).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def start_system(report_dir: Path, replicas: set[str]):  # noqa: ANN201
     return cluster.start(specs), model
 
 
+HOSTS_REPLICAS = frozenset({"G", "H"})  # the multi-host system's replicas: G on host h1, H on host h2
 HOSTS_SETTINGS = {"tier_timeout_s": 0.5, "tier_deadline_s": 0.5, "tier_backoff_s": 3.0, "tier_backoff_max_s": 3.0}
 
 
@@ -55,8 +57,6 @@ def start_hosts_system(report_dir: Path, store: str = "redis"):  # noqa: ANN201
 
 
 def start_for(report_dir: Path, replicas: set[str], store: str = "redis"):  # noqa: ANN201
-    from harness.scenarios.catalog import HOSTS_REPLICAS
-
     if replicas & HOSTS_REPLICAS:
         return start_hosts_system(report_dir, store)
     return start_system(report_dir, replicas)

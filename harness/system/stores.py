@@ -24,7 +24,7 @@ faults and stops (kvpool.tier's backends are clients of these).
   MooncakeMaster(run_dir, lease_ms=10000, host="127.0.0.1", prefix=())
       .start()    `mooncake_master` on `host` (loopback by default) with its built-in HTTP
                   metadata server, free ports; waits until its RPC port accepts connections
-      .url        the tier URL (kvpool.tier.open_tier): mooncake://HOST:PORT?metadata=...
+      .url        the tier URL (kvpool.tier_registry.open_tier): mooncake://HOST:PORT?metadata=...
       .kill() / .stop()   as RedisServer's (a restarted master comes back empty; its
                   clients remount their segments on their own, about 1 s later)
   MooncakeNode(run_dir, master, segment_bytes=256 MiB, host="127.0.0.1", prefix=())

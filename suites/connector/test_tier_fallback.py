@@ -21,7 +21,8 @@ from harness.system.pool import thread_pool
 from harness.system.stores import RedisServer, redis_binary
 from kvpool.client import PoolClient, publish
 from kvpool.connector import ConnectorSettings, KVPoolScheduler, KVPoolWorker, _salt_root, request_inputs
-from kvpool.tier import TierAuth, open_tier, tier_key, tier_publish
+from kvpool.tier import TierAuth, tier_key, tier_publish
+from kvpool.tier_registry import open_tier
 from suites.connector.engine_calls import ask_matched, finished
 
 B, LAYERS, HEADS, HEAD = 16, 2, 2, 64

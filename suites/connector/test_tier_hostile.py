@@ -25,7 +25,8 @@ from harness.system.pool import DEFAULT_TENANT, thread_pool
 from harness.system.stores import RedisServer, redis_binary
 from kvpool.connector import ConnectorSettings, KVPoolScheduler, KVPoolWorker, _salt_root, request_inputs
 from kvpool.history import HistoryWriter
-from kvpool.tier import TierAuth, open_tier, tier_publish
+from kvpool.tier import TierAuth, tier_publish
+from kvpool.tier_registry import open_tier
 from suites.connector.engine_calls import ask_matched
 from suites.connector.test_tier_fallback import HEAD, HEADS, LAYERS, PAGE, B, _config, _step
 

@@ -1,4 +1,4 @@
-"""The pool daemon against the reference model, step by step (kvpool.testing).
+"""The pool daemon against the reference model, step by step (harness.scenarios.pool_machine).
 
 Seeded from --kv-seed (per test), so a failure replays. CI runs a bounded number of
 examples; `--slow` runs many more, with longer programs.

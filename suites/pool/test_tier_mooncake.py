@@ -26,7 +26,8 @@ from harness.system.stores import MooncakeMaster, MooncakeNode, mooncake_binary,
 from kvpool.digest import page_digest
 from kvpool.errors import MissCause
 from kvpool.keys import Namespace, block_hashes
-from kvpool.tier import TierAuth, TierCorrupt, TierUnavailable, open_tier, tier_key
+from kvpool.tier import TierAuth, TierCorrupt, TierUnavailable, tier_key
+from kvpool.tier_registry import open_tier
 
 PAGE = 128 * 1024
 NS = Namespace(model_id="tiny", model_revision="r1", tokenizer_hash="t", kv_dtype="bfloat16", kv_layout="cpu",
@@ -54,7 +55,8 @@ def master(tmp_path):
 READER = """
 import sys
 from kvpool.keys import Namespace
-from kvpool.tier import TierAuth, open_tier
+from kvpool.tier import TierAuth
+from kvpool.tier_registry import open_tier
 ns = Namespace.from_dict(eval(sys.argv[2]))
 t = open_tier(sys.argv[1], TierAuth.from_secret(ns.tenant, sys.argv[3]))
 for h in sys.argv[4:]:

@@ -87,6 +87,7 @@ def test_the_rows_carry_every_kind_their_ratios_and_the_floor(stand_ins):
 # The clusters, the live exchanges, the sessions and the bench stand in for themselves; what
 # is exercised is how main() turns what they measured into the checklist and the exit status.
 
+import harness.gpu_live as command  # noqa: E402
 import harness.scenarios.gpu_live as live_main  # noqa: E402
 
 
@@ -144,8 +145,8 @@ def parts(monkeypatch):
     monkeypatch.setattr(live_main, "start_sessions", lambda *a, **k: _Cluster())
     monkeypatch.setattr(live_main, "run_sessions", run_sessions)
     monkeypatch.setattr(live_main, "run_live", lambda cluster, model, seed: dict(state["live"]))
-    monkeypatch.setattr(live_main, "_env", lambda: {"gpu": "stand-in", "provenance": {"short": "x", "clean": True}})
-    monkeypatch.setattr(live_main, "_stop", lambda cluster: "")
+    monkeypatch.setattr(live_main, "environment", lambda: {"gpu": "stand-in", "provenance": {"short": "x", "clean": True}})
+    monkeypatch.setattr(command, "_stop", lambda cluster: "")
     monkeypatch.setattr(bench, "start_bench", lambda report_dir, max_len: _Cluster())
     monkeypatch.setattr(bench, "measure", measure)
     return state
@@ -157,7 +158,7 @@ def _sessions_of(turns):  # noqa: ANN001, ANN202
 
 def test_gpu_live_passes_when_every_part_asked_for_passed(tmp_path, parts):
     parts["sessions"] = _sessions_of(_turns())
-    rc = live_main.main(tmp_path, sessions=True, bench=True, exchanges=False, session_contexts=(1024,),
+    rc = command.main(tmp_path, sessions=True, bench=True, exchanges=False, session_contexts=(1024,),
                         bench_lengths=(1024,))
     assert rc == 0, (tmp_path / "result.json").read_text()
     md = (tmp_path / "checklist.md").read_text()
@@ -166,7 +167,7 @@ def test_gpu_live_passes_when_every_part_asked_for_passed(tmp_path, parts):
 
 def test_gpu_live_fails_on_a_mismatched_session_turn(tmp_path, parts):
     parts["sessions"] = _sessions_of(_turns(differ_at=("2:on", 1, 1)))
-    rc = live_main.main(tmp_path, sessions=True, exchanges=False, session_contexts=(1024,))
+    rc = command.main(tmp_path, sessions=True, exchanges=False, session_contexts=(1024,))
     assert rc == 1
     doc = json.loads((tmp_path / "result.json").read_text())
     assert any("s1-t1" in f and "different tokens" in f for f in doc["failures"]), doc["failures"]
@@ -176,7 +177,7 @@ def test_gpu_live_fails_on_a_mismatched_session_turn(tmp_path, parts):
 
 def test_gpu_live_fails_on_a_bench_error(tmp_path, parts):
     parts["bench"] = ConnectionError("replica S went away")
-    rc = live_main.main(tmp_path, bench=True, exchanges=False, bench_lengths=(1024,))
+    rc = command.main(tmp_path, bench=True, exchanges=False, bench_lengths=(1024,))
     assert rc == 1
     doc = json.loads((tmp_path / "result.json").read_text())
     assert any("the bench raised" in f and "replica S went away" in f for f in doc["failures"]), doc["failures"]
@@ -184,15 +185,15 @@ def test_gpu_live_fails_on_a_bench_error(tmp_path, parts):
 
 def test_gpu_live_fails_on_a_short_remote_load_and_on_a_bench_length_not_run(tmp_path, parts):
     parts["bench"] = _bench_doc((1024,), loaded=3)
-    assert live_main.main(tmp_path / "a", bench=True, exchanges=False, bench_lengths=(1024,)) == 1
+    assert command.main(tmp_path / "a", bench=True, exchanges=False, bench_lengths=(1024,)) == 1
     parts["bench"] = _bench_doc((1024,))  # 4096 ran out of time
-    assert live_main.main(tmp_path / "b", bench=True, exchanges=False, bench_lengths=(1024, 4096)) == 1
+    assert command.main(tmp_path / "b", bench=True, exchanges=False, bench_lengths=(1024, 4096)) == 1
     doc = json.loads((tmp_path / "b" / "result.json").read_text())
     assert doc["failures"] == ["bench at 4096 tokens: not run"]
 
 
 def test_gpu_live_fails_on_a_failed_exchange_and_when_nothing_was_asked_for(tmp_path, parts):
-    assert live_main.main(tmp_path / "ok") == 0
+    assert command.main(tmp_path / "ok") == 0
     parts["live"] = {"passed": False, "seed": 1, "env": {}, "exchanges": [_exchange("stream_delay", False)]}
-    assert live_main.main(tmp_path / "bad") == 1
-    assert live_main.main(tmp_path / "none", exchanges=False) == 1  # nothing asked for: not run is not a pass
+    assert command.main(tmp_path / "bad") == 1
+    assert command.main(tmp_path / "none", exchanges=False) == 1  # nothing asked for: not run is not a pass

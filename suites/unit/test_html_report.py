@@ -1,4 +1,4 @@
-"""The HTML reports (reports.html) rendered in a real headless browser (Chromium's headless
+"""The HTML reports (harness.report.html) rendered in a real headless browser (Chromium's headless
 shell): the page loads, every plot the report promises is in the rendered DOM as an SVG
 with marks in it, and the screenshot is not blank. The check itself is tested on a page
 whose plots are missing: it must say so."""
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from reports.html import bench_report, gate_report, plan_report
+from harness.report.html import bench_report, gate_report, plan_report
 
 BROWSER = shutil.which("chromium-headless-shell") or shutil.which("chromium")
 REPO = Path(__file__).resolve().parents[2]

@@ -10,7 +10,8 @@ import math
 import pytest
 
 from harness.measure import Sample, distributions, samples
-from harness.plan import Measured, Mix, PlanInputError, RequestClass, load_measured, load_mix, markdown, plan
+from harness.plan import Measured, Mix, PlanInputError, RequestClass, load_measured, load_mix, plan
+from harness.report.plan import markdown
 
 MiB = 2**20
 

@@ -106,7 +106,7 @@ def test_a_dirty_stamped_tree_is_verified_but_dirty(carried, monkeypatch):
 
 def test_the_reports_titles_carry_the_flag(carried, tmp_path):
     from harness.conformance.gate import write_matrix
-    from reports.gpu_live import render_markdown
+    from harness.report.gpu_live import render_markdown
 
     (carried / "kvpool" / "arena.py").write_text("PAGE = 8192\n")
     prov = P.provenance()

@@ -1,5 +1,7 @@
 """A plain reference model of the pool and a Hypothesis state machine that drives a real
-pool daemon beside it. Shipped in the package so every backend can be checked with it.
+pool daemon beside it (zarr's testing/stateful.py is the model). It is test code: it lives
+in the harness, which the pool criteria (harness.scenarios.pool.state_machine) run it from,
+and kvpool never imports it (nor Hypothesis).
 
   PoolModel        dicts and lists, no cleverness: what the pool must answer.
   PoolMachine      a RuleBasedStateMachine over a real daemon (real sockets, real shared

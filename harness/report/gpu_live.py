@@ -1,4 +1,5 @@
-"""Rendering a `kvgate gpu-live` result (harness.scenarios.gpu_live) as a Markdown checklist.
+"""Rendering a `kvgate gpu-live` result (harness.gpu_live, from the parts in harness.scenarios.gpu_live) as a
+Markdown checklist.
 
   render_markdown(result, date) -> str
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 from harness.provenance import title_flag
 from harness.system.gpu import BLOCK_SIZE
-from reports.render import table
+from harness.report.render import table
 
 
 def render_markdown(result: dict, date: str) -> str:

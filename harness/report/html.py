@@ -30,6 +30,8 @@ import matplotlib
 matplotlib.use("Agg")  # no display: render to SVG only
 import matplotlib.pyplot as plt  # noqa: E402
 
+from harness.report.plan import markdown  # noqa: E402
+
 plt.rcParams.update({"svg.fonttype": "none", "font.size": 9, "figure.dpi": 96, "axes.grid": True,
                      "grid.alpha": 0.3})
 
@@ -207,7 +209,7 @@ def _criteria_table(criteria: list[dict]) -> str:
 
 
 def gate_report(run: Any, measured: dict) -> str:
-    """`run`: a reports.render.GateRun, or the dict of its run.json."""
+    """`run`: a harness.report.render.GateRun, or the dict of its run.json."""
     from harness.measure import Sample, distributions
 
     doc = run if isinstance(run, dict) else _run_dict(run)
@@ -360,8 +362,6 @@ def plan_report(doc: dict) -> str:
     ax.set_ylabel("ms per request")
     ax.legend(fontsize=8)
     body = [figure("plan-benefit", "Each class's expected benefit per request and its terms", fig)]
-    from harness.plan import markdown
-
     body.append("<pre>" + html.escape(markdown(doc)) + "</pre>")
     return page("kvgate plan", doc.get("provenance"), body)
 

@@ -1,0 +1,132 @@
+"""`kvgate gpu-live`: kvgate live on GPUs with vLLM 0.24 (the GPU bundle), its parts run
+together and judged as one.
+
+  main(report_dir, seed, bench, sessions, exchanges, ...) -> int
+      starts the tiny replicas (the live exchanges), the session replicas (`sessions`) and
+      the bench replicas (`bench`) at the same time, runs the exchanges
+      (harness.scenarios.gpu_live.run_live), then the OFF-ON-ON-OFF sessions
+      (harness.scenarios.gpu_live.run_sessions), then the bench rows
+      (harness.bench.gpu_live.measure) while time is left; writes live.json,
+      sessions.json, result.json and checklist.md (harness.report.gpu_live) under
+      report_dir as each part finishes.
+The exit status is 0 only when harness.scenarios.gpu_live.failures finds nothing: a part
+asked for that failed, raised or did not run fails the run. Under `--no-exchanges` the
+live exchanges are "not run" and the exit status is that of the parts that were asked for
+(nothing asked for at all fails). The last line printed is the result as one JSON object.
+
+This module sits above both the scenarios and the bench it composes; neither imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from harness.bench import gpu_live as bench_live
+from harness.report.gpu_live import render_markdown
+from harness.scenarios import gpu_live as live
+from harness.system.cluster import Cluster, OrphanError
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _trace(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc))[-4000:]
+
+
+def _stop(cluster: Cluster) -> str:
+    """Stop a cluster; an OrphanError is returned for the result (and fails the run)."""
+    try:
+        cluster.stop()
+    except OrphanError as exc:
+        return str(exc)
+    return ""
+
+
+def main(report_dir: Path, seed: int = 20261129, bench: bool = False, bench_reps: int = 1,
+         bench_lengths: tuple[int, ...] = (8192, 32768, 65536), deadline_s: float = 540.0, gpus: int = 1,
+         sessions: bool = False, session_contexts: tuple[int, ...] = (32768,), session_count: int = 2,
+         turns: int = 6, exchanges: bool = True, session_audit: bool = False) -> int:
+    """Start the tiny replicas (and, with `sessions`, the session replicas; with `bench`, the
+    bench trio) at the same time, run the live exchanges, then the sessions, then the bench
+    rows while time is left; write live.json (and the rest) under report_dir as each part
+    finishes."""
+    t0 = time.monotonic()
+    deadline = t0 + deadline_s
+    report_dir.mkdir(parents=True, exist_ok=True)
+    cluster, specs, model = live.tiny_cluster(report_dir / "live", gpus)
+    bench_f = sess_f = None
+    result: dict = {"passed": False, "gpus": gpus}
+    with ThreadPoolExecutor(3) as ex:
+        live_f = ex.submit(cluster.start, specs, 400.0) if exchanges else None
+        if sessions:
+            sess_f = ex.submit(live.start_sessions, report_dir / "sessions", gpus, max(session_contexts), turns,
+                               session_audit)
+        if bench:
+            bench_f = ex.submit(bench_live.start_bench, report_dir / "bench", max(bench_lengths))
+        if live_f is not None:
+            try:
+                live_f.result()
+                _say(f"kvgate gpu-live: tiny replicas {list(cluster.replicas)} up after {time.monotonic() - t0:.0f} s")
+                result.update(live.run_live(cluster, model, seed))
+            except Exception as exc:  # recorded in the result and the exit code; the other parts still run
+                result["error"] = _trace(exc)
+                _say(f"kvgate gpu-live: live part raised:\n{result['error']}")
+            finally:
+                result["stop_error"] = _stop(cluster)
+            (report_dir / "live.json").write_text(json.dumps(result, indent=1, default=str))
+            _say(f"kvgate gpu-live: live part {'PASS' if result['passed'] else 'FAIL'} after "
+                 f"{time.monotonic() - t0:.0f} s")
+        else:
+            result.update(seed=seed, env=live.environment(), exchanges_skipped=True)
+        if sess_f is not None:
+            try:
+                sess_cluster = sess_f.result()
+            except Exception as exc:
+                result["sessions_error"] = _trace(exc)
+                sess_cluster = None
+            if sess_cluster is not None:
+                try:
+                    result["sessions"] = live.run_sessions(sess_cluster, seed, session_contexts, session_count, turns,
+                                                      deadline - 30, audit=session_audit)
+                except Exception as exc:
+                    result["sessions_error"] = _trace(exc)
+                finally:
+                    result["sessions_stop_error"] = _stop(sess_cluster)
+            if "sessions_error" in result:
+                _say(f"kvgate gpu-live: sessions raised:\n{result['sessions_error']}")
+            (report_dir / "sessions.json").write_text(json.dumps(result.get("sessions"), indent=1, default=str))
+        if bench_f is not None:
+            try:
+                bench_cluster = bench_f.result()
+            except Exception as exc:
+                result["bench_error"] = _trace(exc)
+                bench_cluster = None
+            if bench_cluster is not None:
+                try:
+                    result["bench"] = bench_live.measure(bench_cluster, bench_lengths, bench_reps,
+                                              deadline_s=deadline - time.monotonic())
+                except Exception as exc:
+                    result["bench_error"] = _trace(exc)
+                finally:
+                    result["bench_stop_error"] = _stop(bench_cluster)
+            if "bench_error" in result:
+                _say(f"kvgate gpu-live: bench raised:\n{result['bench_error']}")
+    result["wall_s"] = round(time.monotonic() - t0)
+    result["failures"] = live.failures(result, exchanges=exchanges, sessions=sessions, bench=bench,
+                                  session_contexts=session_contexts, bench_lengths=bench_lengths,
+                                  bench_reps=bench_reps)
+    result["ok"] = not result["failures"]
+    (report_dir / "result.json").write_text(json.dumps(result, indent=1, default=str))
+    (report_dir / "checklist.md").write_text(render_markdown(result, time.strftime("%Y-%m-%d")))
+    print(json.dumps(result, default=str))
+    for f in result["failures"]:
+        _say(f"kvgate gpu-live: FAIL: {f}")
+    _say(f"kvgate gpu-live: {'PASS' if result['ok'] else 'FAIL'}")
+    return 0 if result["ok"] else 1

@@ -1,1 +1,0 @@
-"""Report rendering: JSON, JUnit XML and the Markdown gate checklist."""
