@@ -93,7 +93,7 @@ class RedisServer(_StoreProcess):
                  tenants: tuple[str, ...] | list[str] = ()):
         self.host = host  # where it listens (a network namespace's address, with its `prefix`)
         self.prefix = list(prefix)  # the argv prefix that runs it in a host (harness.system.netns)
-        self.run_dir = Path(run_dir)
+        self.run_dir = Path(run_dir).resolve()  # absolute: a server may chdir before reading a file named here
         self.maxmemory = maxmemory
         self.policy = policy
         self.port = port or free_port()
@@ -173,7 +173,7 @@ def mooncake_env(host: str = "127.0.0.1") -> dict[str, str]:
 class MooncakeMaster(_StoreProcess):
     def __init__(self, run_dir: Path, lease_ms: int = 10000, host: str = "127.0.0.1",
                  prefix: tuple[str, ...] | list[str] = (), client_ttl_s: int = 10):
-        self.run_dir = Path(run_dir)
+        self.run_dir = Path(run_dir).resolve()  # absolute: a server may chdir before reading a file named here
         self.lease_ms = lease_ms
         self.client_ttl_s = client_ttl_s  # a client (a storage node) silent this long is unmounted
         self.host = host  # where it listens (a network namespace's address, with its `prefix`)
@@ -235,7 +235,7 @@ class MooncakeNode(_StoreProcess):
                  host: str = "127.0.0.1", prefix: tuple[str, ...] | list[str] = ()):
         self.host = host
         self.prefix = list(prefix)
-        self.run_dir = Path(run_dir)
+        self.run_dir = Path(run_dir).resolve()  # absolute: a server may chdir before reading a file named here
         self.master = master
         self.segment_bytes = segment_bytes
         self.port = free_port()

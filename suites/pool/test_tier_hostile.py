@@ -208,3 +208,15 @@ def test_a_record_ballooned_by_a_store_client_is_never_read_whole(store, test_se
     with pytest.raises(TierCorrupt, match="not read"):
         tier.get(NS, hashes[1], max_page_bytes=PAGE)
     tier.close()
+
+
+def test_a_store_with_its_access_control_starts_from_a_relative_directory(tmp_path, monkeypatch):
+    """The gate hands the store a directory relative to the working directory (its report
+    directory); redis changes to its --dir before it reads the ACL file, so the file must be
+    named absolutely or the store never starts."""
+    monkeypatch.chdir(tmp_path)
+    server = RedisServer(tmp_path.relative_to(tmp_path) / "reports" / "store", tenants=("alice",)).start()
+    try:
+        assert RedisTier(server.tenant_url("alice"), ALICE).exists(NS, [bytes(16)]) == 0
+    finally:
+        server.stop()
