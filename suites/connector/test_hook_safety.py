@@ -231,8 +231,8 @@ from kvpool.client import load  # noqa: E402
 from kvpool.connector import BlockRun, KVPoolMetadata, KVPoolWorker  # noqa: E402
 from kvpool.errors import MissCause  # noqa: E402
 
-B, LAYERS, HEADS, HEAD = 16, 2, 2, 64
-BLOCK = LAYERS * HEADS * B * 2 * HEAD * 2  # one block of every layer, bf16
+from suites.connector.cpu_worker import HEAD, HEADS, LAYERS, B, cpu_worker  # noqa: E402
+from suites.connector.cpu_worker import PAGE as BLOCK  # noqa: E402
 
 
 @pytest.fixture
@@ -240,21 +240,6 @@ def pool():
     d = thread_pool(page_size=BLOCK, num_pages=64)
     yield d
     d.stop_thread()
-
-
-def _worker(pool, tmp_path) -> KVPoolWorker:  # noqa: ANN001
-    mc = SimpleNamespace(model=str(tmp_path), revision="r1", tokenizer=str(tmp_path), dtype="torch.bfloat16",
-                         get_num_layers=lambda pc: LAYERS, get_num_kv_heads=lambda pc: HEADS,
-                         get_head_size=lambda: HEAD)
-    config = SimpleNamespace(model_config=mc, cache_config=SimpleNamespace(cache_dtype="auto", block_size=B),
-                             parallel_config=SimpleNamespace(tensor_parallel_size=1),
-                             device_config=SimpleNamespace(device_type="cpu"))
-    w = KVPoolWorker(config, ConnectorSettings(pool=f"unix:{pool.unix_path}", token="tok", replica="W",
-                                               history_dir=str(tmp_path / "h")))
-    w.register_kv_caches({f"model.layers.{i}.self_attn.attn": torch.zeros(32, HEADS, B, 2 * HEAD,
-                                                                             dtype=torch.bfloat16)
-                          for i in range(LAYERS)})
-    return w
 
 
 def _publish_with_a_short_page(pool, ns, seed: int, short: int) -> list[bytes]:  # noqa: ANN001
@@ -272,7 +257,7 @@ def _publish_with_a_short_page(pool, ns, seed: int, short: int) -> list[bytes]: 
 def test_a_pooled_page_of_the_wrong_length_is_a_corrupt_miss_not_an_exception(pool, tmp_path, test_seed, mode):
     """wait_for_layer_load (a synchronous load) and get_finished (an asynchronous one) once
     raised InvalidRequest here, which ends vLLM's engine core."""
-    w = _worker(pool, tmp_path)
+    w = cpu_worker(pool, tmp_path)
     hashes = _publish_with_a_short_page(pool, w.ns, test_seed, short=2)
     run = BlockRun("r", "t", 0, [10, 11, 12, 13], hashes)
     if mode == "sync":
@@ -378,7 +363,7 @@ def test_a_run_longer_than_asked_is_a_miss_not_a_claim_past_the_prompt(tmp_path,
 
     daemon = thread_pool(page_size=BLOCK, num_pages=64, catalog_factory=OverlongCatalog)
     try:
-        w = _worker(daemon, tmp_path)
+        w = cpu_worker(daemon, tmp_path)
         rng = np.random.default_rng(test_seed)
         tokens = [int(t) for t in rng.integers(0, 2000, 3 * B + 1)]  # three blocks to look up, two pooled
         hashes = block_hashes(tokens[: 3 * B], B)

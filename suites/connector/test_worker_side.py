@@ -7,22 +7,19 @@ committed page flipped in the shared arena, caught by the loader's digest."""
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 
+from suites.connector.cpu_worker import PAGE, B, cpu_worker
 from suites.connector.engine_calls import finished
 from harness.checkers.history import read_history
 from harness.system.pool import thread_pool
 from kvpool.client import PoolClient, publish
-from kvpool.connector import BlockRun, ConnectorSettings, KVPoolMetadata, KVPoolWorker
+from kvpool.connector import BlockRun, KVPoolMetadata, KVPoolWorker
 from kvpool.errors import MissCause
 from kvpool.keys import block_hashes
 
-B, LAYERS, HEADS, HEAD = 16, 2, 2, 64
-PAGE = LAYERS * HEADS * B * 2 * HEAD * 2  # one block of every layer, bf16
 
 
 @pytest.fixture
@@ -31,21 +28,6 @@ def pool():
     d = thread_pool(page_size=PAGE, num_pages=64, scrub_rest_pages_per_round=0)
     yield d
     d.stop_thread()
-
-
-def worker(pool, tmp_path) -> KVPoolWorker:  # noqa: ANN001
-    mc = SimpleNamespace(model=str(tmp_path), revision="r1", tokenizer=str(tmp_path), dtype="torch.bfloat16",
-                         get_num_layers=lambda pc: LAYERS, get_num_kv_heads=lambda pc: HEADS,
-                         get_head_size=lambda: HEAD)
-    config = SimpleNamespace(model_config=mc, cache_config=SimpleNamespace(cache_dtype="auto", block_size=B),
-                             parallel_config=SimpleNamespace(tensor_parallel_size=1),
-                             device_config=SimpleNamespace(device_type="cpu"))
-    w = KVPoolWorker(config, ConnectorSettings(pool=f"unix:{pool.unix_path}", token="tok", replica="W",
-                                               history_dir=str(tmp_path / "h")))
-    w.register_kv_caches({f"model.layers.{i}.self_attn.attn": torch.zeros(32, HEADS, B, 2 * HEAD,
-                                                                             dtype=torch.bfloat16)
-                          for i in range(LAYERS)})
-    return w
 
 
 def step(w: KVPoolWorker, hashes: list[bytes]) -> None:
@@ -76,7 +58,7 @@ def prepare(pool, ns, seed: int, corrupt_block: int | None):  # noqa: ANN001, AN
 
 @pytest.mark.parametrize("corrupt", [None, 2])
 def test_a_step_whose_load_failed_publishes_nothing_it_computed(pool, tmp_path, test_seed, corrupt):
-    w = worker(pool, tmp_path)
+    w = cpu_worker(pool, tmp_path)
     hashes = prepare(pool, w.ns, test_seed, corrupt)
     step(w, hashes)
     failed = w.take_failed()
@@ -101,7 +83,7 @@ def test_an_asynchronous_load_is_reported_once_installed_and_its_failures_no_lat
     finished_recving; its failed blocks must reach get_block_ids_with_load_errors no later
     than that step (vLLM's contract): at the step the request is reported, every block is
     either installed with the producer's bytes or in the failed set."""
-    w = worker(pool, tmp_path)
+    w = cpu_worker(pool, tmp_path)
     hashes = prepare(pool, w.ns, test_seed, corrupt)
     w.start_load_kv(KVPoolMetadata(async_loads=[BlockRun("r", "t", 0, [20, 21, 22, 23], hashes[:4])]))
     failed: set[int] = set()
