@@ -49,6 +49,27 @@ def _stop(cluster: Cluster) -> str:
     return ""
 
 
+def _run_part(result: dict, name: str, started, body) -> None:  # noqa: ANN001 - a Future, Cluster -> value
+    """One part on its own cluster, once `started` (its start's future) resolves: body's value
+    under result[name]; an exception of the start or of the body under result[name_error]
+    (recorded, and it fails the run; the other parts still run); the cluster stopped either
+    way (an orphan under result[name_stop_error])."""
+    try:
+        cluster = started.result()
+    except Exception as exc:  # recorded in the result and the exit code
+        result[f"{name}_error"] = _trace(exc)
+        cluster = None
+    if cluster is not None:
+        try:
+            result[name] = body(cluster)
+        except Exception as exc:  # recorded in the result and the exit code
+            result[f"{name}_error"] = _trace(exc)
+        finally:
+            result[f"{name}_stop_error"] = _stop(cluster)
+    if f"{name}_error" in result:
+        _say(f"kvgate gpu-live: {name} raised:\n{result[f'{name}_error']}")
+
+
 def main(report_dir: Path, seed: int = 20261129, bench: bool = False, bench_reps: int = 1,
          bench_lengths: tuple[int, ...] = (8192, 32768, 65536), deadline_s: float = 540.0, gpus: int = 1,
          sessions: bool = False, session_contexts: tuple[int, ...] = (32768,), session_count: int = 2,
@@ -86,38 +107,14 @@ def main(report_dir: Path, seed: int = 20261129, bench: bool = False, bench_reps
         else:
             result.update(seed=seed, env=live.environment(), exchanges_skipped=True)
         if sess_f is not None:
-            try:
-                sess_cluster = sess_f.result()
-            except Exception as exc:
-                result["sessions_error"] = _trace(exc)
-                sess_cluster = None
-            if sess_cluster is not None:
-                try:
-                    result["sessions"] = live.run_sessions(sess_cluster, seed, session_contexts, session_count, turns,
-                                                      deadline - 30, audit=session_audit)
-                except Exception as exc:
-                    result["sessions_error"] = _trace(exc)
-                finally:
-                    result["sessions_stop_error"] = _stop(sess_cluster)
-            if "sessions_error" in result:
-                _say(f"kvgate gpu-live: sessions raised:\n{result['sessions_error']}")
+            _run_part(result, "sessions", sess_f,
+                      lambda c: live.run_sessions(c, seed, session_contexts, session_count, turns, deadline - 30,
+                                                  audit=session_audit))
             (report_dir / "sessions.json").write_text(json.dumps(result.get("sessions"), indent=1, default=str))
         if bench_f is not None:
-            try:
-                bench_cluster = bench_f.result()
-            except Exception as exc:
-                result["bench_error"] = _trace(exc)
-                bench_cluster = None
-            if bench_cluster is not None:
-                try:
-                    result["bench"] = bench_live.measure(bench_cluster, bench_lengths, bench_reps,
-                                              deadline_s=deadline - time.monotonic())
-                except Exception as exc:
-                    result["bench_error"] = _trace(exc)
-                finally:
-                    result["bench_stop_error"] = _stop(bench_cluster)
-            if "bench_error" in result:
-                _say(f"kvgate gpu-live: bench raised:\n{result['bench_error']}")
+            _run_part(result, "bench", bench_f,
+                      lambda c: bench_live.measure(c, bench_lengths, bench_reps,
+                                                   deadline_s=deadline - time.monotonic()))
     result["wall_s"] = round(time.monotonic() - t0)
     result["failures"] = live.failures(result, exchanges=exchanges, sessions=sessions, bench=bench,
                                   session_contexts=session_contexts, bench_lengths=bench_lengths,
