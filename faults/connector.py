@@ -1,13 +1,13 @@
 """The fault-injecting V1 connector: wraps any V1 connector from outside, as
-kvpool.audit.AuditConnector does, and injects faults through the connector API.
+kvpool.connector.audit.AuditConnector does, and injects faults through the connector API.
 
-    kv_connector="FaultConnector", kv_connector_module_path="faults.connector",
+    kv_connector="FaultConnector", kv_connector_module_path="kvgate.faults.connector",
     kv_connector_extra_config={"fault_inner": "module:Class" (default kvpool's connector),
                                "faults_file": PATH, <the inner connector's settings>}
-Put the audit outside it (audit_inner="faults.connector:FaultConnector") so the audit
+Put the audit outside it (audit_inner="kvgate.faults.connector:FaultConnector") so the audit
 records what the engine was told, after the faults.
 
-The fault-control file (faults.control) is re-read when it changes. At the connector API,
+The fault-control file (kvgate.faults.control) is re-read when it changes. At the connector API,
 for any inner connector, section "connector":
 
     {"connector": {"control": "hide_failures"}}
@@ -48,9 +48,9 @@ Section "schedule" is not a fault: it takes a race out of a scenario's hands.
         once admitted (a preempted one, resumed) is never held again.
 
 For kvpool's own connector (capability flag `takes_factories`), the pool backend and the
-copy engine are wrapped through kvpool's factories: faults.backend.FaultyBackend (sections
-"load", "publish", "client", "namespace"), faults.copier.FaultyCopier around the host
-copier (section "copier"), and on CUDA faults.gpu_live.ControlledCudaCopier (section
+copy engine are wrapped through kvpool's factories: kvgate.faults.backend.FaultyBackend (sections
+"load", "publish", "client", "namespace"), kvgate.faults.copier.FaultyCopier around the host
+copier (section "copier"), and on CUDA kvgate.faults.gpu_live.ControlledCudaCopier (section
 "gpu": the unordered-transfer control) plus the stream delay before a step that publishes
 blocks (section "gpu", `stream_delay_ms`). Every firing is written to the history
 (`fault` events) with what it did; disarming a section heals it.
@@ -62,13 +62,14 @@ import threading
 import time
 from typing import Any
 
-from faults.backend import FaultyBackend
-from faults.control import ControlFile, ControlFileError
-from faults.copier import FaultyCopier
-from kvpool.connector import ConnectorSettings, _request_tag, connect_backend
-from kvpool.copier import HostCopier
-from kvpool.history import HistoryWriter
-from kvpool.wrap import WrappingConnector
+from kvgate.faults.backend import FaultyBackend
+from kvgate.faults.control import ControlFile, ControlFileError
+from kvgate.faults.copier import FaultyCopier
+from kvpool.connector.settings import ConnectorSettings, connect_backend
+from kvpool.connector.params import request_tag
+from kvpool.connector.copier import HostCopier
+from kvpool.connector.history import HistoryWriter
+from kvpool.connector.wrap import WrappingConnector
 
 CONTROLS = ("hide_failures", "claim_past_loaded", "late_store", "deaf_tier_rule")
 
@@ -114,7 +115,7 @@ class FaultConnector(WrappingConnector):
 
     def _copier(self, settings: ConnectorSettings, backend, history: HistoryWriter, metrics, device: str):  # noqa: ANN001, ANN202
         if device == "cuda":
-            from faults.gpu_live import ControlledCudaCopier, StreamDelay
+            from kvgate.faults.gpu_live import ControlledCudaCopier, StreamDelay
 
             self._stream_delay = StreamDelay(self.control, history)
             return ControlledCudaCopier(backend, history, metrics, control=self.control)
@@ -142,7 +143,7 @@ class FaultConnector(WrappingConnector):
         if key != self._gather:
             self._gather, self._arrived, self._admitted = key, [], set()
         rid = request.request_id
-        if rid in self._admitted or not _request_tag(request).startswith(key[0]):
+        if rid in self._admitted or not request_tag(request).startswith(key[0]):
             return False
         if rid not in self._arrived:
             self._arrived.append(rid)

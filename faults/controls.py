@@ -10,7 +10,7 @@ control and assert that it is caught.
   CrossedCatalog      answers a run of blocks with their pages in reverse order, each with
                       its own page's digest: a loader's digest check passes, the bytes are
                       another block's (a pool that serves other bytes).
-  StaleIndexCatalog   leaves a freed page in the segment's index (kvpool.shm_index): a
+  StaleIndexCatalog   leaves a freed page in the segment's index (kvpool.pool.index): a
                       probe finds blocks the pool evicted.
   EarlyCompletionCopier
                       reports a KV copy done when it is queued (the copy issued
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from kvpool.catalog import Catalog, Hits
+from kvpool.pool.catalog import Catalog, Hits
 
 
 class ForgetfulCatalog(Catalog):
@@ -61,7 +61,7 @@ class StaleIndexCatalog(Catalog):
 
 CATALOG_CONTROLS = {"forgetful": ForgetfulCatalog, "leaseless": LeaselessCatalog, "leaky": LeakyCatalog,
                     "crossed": CrossedCatalog, "stale_index": StaleIndexCatalog}
-# The behaviour each known-bad catalog breaks, as a kind of finding of harness.scenarios.pool_machine's state
+# The behaviour each known-bad catalog breaks, as a kind of finding of kvgate.harness.scenarios.pool_machine's state
 # machine (FINDINGS): a control counts as caught only by a finding of that kind, with every
 # other kind (the page-accounting invariant first) kept from ending the run.
 CATALOG_BREAKS = {"forgetful": "miss_cause", "leaseless": "lease", "leaky": "capacity", "crossed": "bytes",
@@ -76,7 +76,7 @@ class EarlyCompletionCopier:
 
     ordered = False
 
-    def __init__(self, inner):  # noqa: ANN001 - a kvpool.copier.HostCopier
+    def __init__(self, inner):  # noqa: ANN001 - a kvpool.connector.copier.HostCopier
         self.inner = inner
 
     def submit(self, job, lane):  # noqa: ANN001, ANN201

@@ -1,8 +1,8 @@
-"""A fault-injecting copy engine: wraps a replica worker's copier (kvpool.copier).
+"""A fault-injecting copy engine: wraps a replica worker's copier (kvpool.connector.copier).
 
-faults.connector.FaultConnector builds it, through kvpool's copier factory, around the
+kvgate.faults.connector.FaultConnector builds it, through kvpool's copier factory, around the
 HostCopier of a replica whose `faults_file` is set. Armed through that fault-control file
-(faults.control), section "copier":
+(kvgate.faults.control), section "copier":
 
     {"copier": {"store_delay_ms": 3000,    # each store job starts this late
                 "load_delay_ms": 1000,     # each load job starts this late
@@ -13,7 +13,7 @@ HostCopier of a replica whose `faults_file` is set. Armed through that fault-con
                    stream: the copy job waits on the copy thread while the engine moves
                    on (frees and reuses blocks, or reads the blocks being loaded). An
                    ordered copier still gives exact bytes; only slower.
-  early_completion a negative control (faults.controls.EarlyCompletionCopier): the
+  early_completion a negative control (kvgate.faults.controls.EarlyCompletionCopier): the
                    copier reports each job done when it is queued, so the engine frees
                    blocks that are still to be read, and reads blocks still to be written.
   publish_after_failed_load
@@ -25,12 +25,12 @@ HostCopier of a replica whose `faults_file` is set. Armed through that fault-con
                    copied synchronously at save time, so the bytes published are the
                    step's, whatever the recompute does next.
   unauthenticated_tier
-                   a negative control (faults.tier_controls.UnauthenticatedTier): the
+                   a negative control (kvgate.faults.tier_controls.UnauthenticatedTier): the
                    worker's loads from the network tier read records as they were read
                    before records were authenticated and bound to their key: a record a
                    store client moved or forged is installed as good.
 (hide_failures, the control that keeps failed blocks from the engine, acts at the
-connector API: faults.connector.)
+connector API: kvgate.faults.connector.)
 Every delayed job and every job under the control is written to the history (`fault`
 events, site "copier").
 """
@@ -44,12 +44,12 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from faults.control import ControlFile, ControlFileError
-from faults.controls import EarlyCompletionCopier
-from faults.tier_controls import UNAUTHENTICATED_TIER, UnauthenticatedTier
-from kvpool.copier import CopyRun, HostCopier
-from kvpool.history import HistoryWriter
-from kvpool.keys import Namespace
+from kvgate.faults.control import ControlFile, ControlFileError
+from kvgate.faults.controls import EarlyCompletionCopier
+from kvgate.faults.tier_controls import UNAUTHENTICATED_TIER, UnauthenticatedTier
+from kvpool.connector.copier import CopyRun, HostCopier
+from kvpool.connector.history import HistoryWriter
+from kvpool.pool.keys import Namespace
 
 CONTROLS = ("early_completion", "publish_after_failed_load", UNAUTHENTICATED_TIER)
 

@@ -4,7 +4,7 @@ today's behaviour of one part, or one deliberate defect of it; the suites run ea
 assert that the oracle it validates catches it (suites/pool/test_corrupt_at_rest.py).
 
   SilentLoader(backend)     a loader that finds a page corrupt and tells nobody: the
-                            backend without report_corrupt (kvpool.client.load then has
+                            backend without report_corrupt (kvpool.client.transfer.load then has
                             nobody to tell). The corrupt page stays, and every request
                             over it loads it again.
   DeafDaemon                a daemon that answers every report "intact" without looking
@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import collections
 
-from kvpool import protocol as P
-from kvpool.catalog import Catalog, CorruptOutcome
-from kvpool.server import PoolDaemon
+from kvpool.pool import protocol as P
+from kvpool.pool.catalog import Catalog, CorruptOutcome
+from kvpool.pool.daemon import PoolDaemon
 
 
 class SilentLoader:
     """Everything of the wrapped backend except report_corrupt."""
 
-    def __init__(self, inner):  # noqa: ANN001 - a kvpool.client.PoolBackend
+    def __init__(self, inner):  # noqa: ANN001 - a kvpool.client.backend.PoolBackend
         self.inner = inner
 
     @property
@@ -43,7 +43,7 @@ class SilentLoader:
 
 
 class DeafDaemon(PoolDaemon):
-    async def _report_corrupt(self, session, op: P.ReportCorrupt) -> P.ReportOk:  # noqa: ANN001
+    async def report_corrupt(self, session, op: P.ReportCorrupt) -> P.ReportOk:  # noqa: ANN001
         self._own_lease(session, op.lease_id)
         return P.ReportOk([CorruptOutcome.INTACT] * len(op.indexes))
 

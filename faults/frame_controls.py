@@ -1,4 +1,4 @@
-"""Negative control of the daemon's per-frame bounds (kvpool.server, kvpool.protocol): the
+"""Negative control of the daemon's per-frame bounds (kvpool.pool.daemon, kvpool.pool.protocol): the
 pool's frame handling before it was bounded. Never the production daemon.
 
   UnboundedFramesDaemon   a PoolDaemon that decodes requests without the protocol's static
@@ -7,8 +7,8 @@ pool's frame handling before it was bounded. Never the production daemon.
                           frames of up to 64 MiB after a hello whatever the page size, and
                           sends replies of any size. A ReadPages of 4096 repeats of one leased
                           page's index makes it build a reply of 4096 pages.
-  python -m faults.frame_controls serve <kvpool serve options>
-                          that daemon with `kvpool serve`'s options (kvpool.cli); it says on
+  python -m kvgate.faults.frame_controls serve <kvpool serve options>
+                          that daemon with `kvpool serve`'s options (kvpool.pool.cli); it says on
                           stderr that it is a negative control.
 """
 
@@ -22,12 +22,12 @@ import sys
 
 import msgspec
 
-from kvpool import protocol as P
-from kvpool.cli import config_from_args, serve_parser
-from kvpool.digest import DigestKind
+from kvpool.pool import protocol as P
+from kvpool.pool.cli import config_from_args, serve_parser
+from kvpool.pool.digest import DigestKind
 from kvpool.errors import InvalidRequest, MalformedFrame, PoolError
-from kvpool.keys import Namespace
-from kvpool.server import InsecureRunDir, PoolAlreadyRunning, PoolConfig, PoolDaemon
+from kvpool.pool.keys import Namespace
+from kvpool.pool.daemon import InsecureRunDir, PoolAlreadyRunning, PoolConfig, PoolDaemon
 
 _BY_TAG: dict[str, type] = {cls.__struct_config__.tag: cls for cls in P.Request.__args__}
 
@@ -78,17 +78,17 @@ class UnboundedFramesDaemon(PoolDaemon):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m faults.frame_controls", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvgate.faults.frame_controls", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     serve_parser(sub.add_parser("serve", help="run the daemon without its per-frame bounds"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
-    print("faults.frame_controls: NEGATIVE CONTROL: a daemon without its per-frame bounds", file=sys.stderr,
+    print("kvgate.faults.frame_controls: NEGATIVE CONTROL: a daemon without its per-frame bounds", file=sys.stderr,
           flush=True)
     try:
         UnboundedFramesDaemon(config_from_args(args)).run(dumpable=args.dumpable)
     except (PoolAlreadyRunning, InsecureRunDir, InvalidRequest) as exc:
-        print(f"faults.frame_controls: {exc}", file=sys.stderr)
+        print(f"kvgate.faults.frame_controls: {exc}", file=sys.stderr)
         return 2
     return 0
 

@@ -6,7 +6,7 @@ engine's hooks (`_order`, `_await_copy`, `_verified`, `_arrived_digests`, `_rele
 `_register_host`); the engine has no testing branch of its own.
 
   UnorderedTransferEngine(..., drop=edge)
-      skips one stream dependency (kvpool.gpu_transfer.OrderingEdge): the copy that lost
+      skips one stream dependency (kvpool.gpu.transfer.OrderingEdge): the copy that lost
       its dependency on the engine's current stream (seed 003). Counts what it skipped.
   EagerReleaseEngine
       releases a load's lease as soon as the copies are enqueued, before they ran: the
@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import torch
 
-from kvpool.digest import page_digest
-from kvpool.gpu_transfer import HostRegistrationError, OrderingEdge, TransferEngine
+from kvpool.pool.digest import page_digest
+from kvpool.gpu.transfer import HostRegistrationError, OrderingEdge, TransferEngine
 
 
 class UnorderedTransferEngine(TransferEngine):
@@ -97,7 +97,7 @@ class StuckSegmentEngine(TransferEngine):
 
 class RefusedRegistrationEngine(TransferEngine):
     def _register_host(self, ptr: int, size: int) -> None:
-        raise HostRegistrationError(f"cudaHostRegister({size} bytes) refused by faults.gpu_controls")
+        raise HostRegistrationError(f"cudaHostRegister({size} bytes) refused by kvgate.faults.gpu_controls")
 
 
 class RefusedUnorderedEngine(RefusedRegistrationEngine, UnorderedTransferEngine):

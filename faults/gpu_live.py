@@ -1,7 +1,7 @@
 """The stream-delay fault and its negative control on a live vLLM replica on a GPU.
 
-faults.connector.FaultConnector uses both around kvpool's connector on CUDA. Armed through
-the replica's fault-control file (faults.control), section "gpu":
+kvgate.faults.connector.FaultConnector uses both around kvpool's connector on CUDA. Armed through
+the replica's fault-control file (kvgate.faults.control), section "gpu":
 
     {"gpu": {"stream_delay_ms": 300,   # torch.cuda._sleep on the engine's stream
              "times": 1,               # how many steps are delayed (then it heals)
@@ -14,9 +14,9 @@ the replica's fault-control file (faults.control), section "gpu":
                          runs behind it. The store issued in wait_for_save must wait for
                          those writes; a copy that lost its dependency on the engine's
                          stream reads the blocks before they are written (stale KV).
-  ControlledCudaCopier   kvpool.gpu_copier.CudaCopier whose transfer engine
+  ControlledCudaCopier   kvpool.connector.gpu_copier.CudaCopier whose transfer engine
                          (SwitchableTransferEngine) drops one stream dependency
-                         (kvpool.gpu_transfer.OrderingEdge) while the control is armed:
+                         (kvpool.gpu.transfer.OrderingEdge) while the control is armed:
                          the seed-003 bug, switched on and off at run time without a
                          restart.
 Every delay and every dropped edge is written to the history (`fault` events, sites
@@ -32,15 +32,15 @@ from pathlib import Path
 
 import torch
 
-from faults.control import ControlFile, ControlFileError
-from faults.gpu_controls import cycles_per_ms, delay_stream
-from kvpool.client import PoolBackend
-from kvpool.copier import CopyRun
-from kvpool.gpu_copier import CudaCopier
-from kvpool.gpu_transfer import OrderingEdge, TransferConfig, TransferEngine
-from kvpool.history import HistoryWriter
-from kvpool.keys import Namespace
-from kvpool.metrics import ClientMetrics
+from kvgate.faults.control import ControlFile, ControlFileError
+from kvgate.faults.gpu_controls import cycles_per_ms, delay_stream
+from kvpool.client.backend import PoolBackend
+from kvpool.connector.copier import CopyRun
+from kvpool.connector.gpu_copier import CudaCopier
+from kvpool.gpu.transfer import OrderingEdge, TransferConfig, TransferEngine
+from kvpool.connector.history import HistoryWriter
+from kvpool.pool.keys import Namespace
+from kvpool.pool.metrics import ClientMetrics
 
 SECTION = "gpu"
 CONTROLS = ("unordered",)

@@ -25,10 +25,10 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from kvpool.catalog import Catalog, Hits
-from kvpool.client import _PROBE_ORDERED, PoolClient
-from kvpool.keys import Namespace
-from kvpool.shm_index import ShmIndex, ns_fingerprint
+from kvpool.pool.catalog import Catalog, Hits
+from kvpool.client.pool_client import PROBE_ORDERED, PoolClient
+from kvpool.pool.keys import Namespace
+from kvpool.pool.index import ShmIndex, ns_fingerprint
 
 
 def unguarded_probe(client: PoolClient, ns: Namespace, hashes: Sequence[bytes],
@@ -36,7 +36,7 @@ def unguarded_probe(client: PoolClient, ns: Namespace, hashes: Sequence[bytes],
     """Negative control only: the probe without a snapshot (the defect is the reading of
     `client.arena` and `client._sock` one attribute at a time, with no lock)."""
     arena = client.arena
-    entries = None if arena is None or not _PROBE_ORDERED else arena.index_entries
+    entries = None if arena is None or not PROBE_ORDERED else arena.index_entries
     if entries is None or not entries.size:
         return None
     if pause_s > 0:

@@ -1,6 +1,6 @@
 """Negative controls of the pool's identities: which checkpoint a namespace names, and
 whose run directory and socket a daemon and a client trust. Each is the behaviour before
-that boundary was closed; the hostile scenarios (harness.scenarios.hostile.checkpoint,
+that boundary was closed; the hostile scenarios (kvgate.harness.scenarios.hostile.checkpoint,
 .rundir) and their suites run each and require that it is caught.
 
   header_only_fingerprint(path)
@@ -22,8 +22,8 @@ import os
 import socket
 from pathlib import Path
 
-from kvpool.client import PoolClient
-from kvpool.server import InsecureRunDir, PoolDaemon
+from kvpool.client.pool_client import PoolClient
+from kvpool.pool.daemon import InsecureRunDir, PoolDaemon
 
 
 def header_only_fingerprint(path: str) -> str:

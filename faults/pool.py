@@ -1,8 +1,8 @@
 """kvpool's daemon on a known-bad catalog, for the negative controls that need a pool which
-breaks one of its guarantees (faults.controls). Never the production daemon.
+breaks one of its guarantees (kvgate.faults.controls). Never the production daemon.
 
-  python -m faults.pool serve --catalog forgetful|leaseless|leaky <kvpool serve options>
-      the same daemon and options as `kvpool serve` (kvpool.cli), with the named catalog;
+  python -m kvgate.faults.pool serve --catalog forgetful|leaseless|leaky <kvpool serve options>
+      the same daemon and options as `kvpool serve` (kvpool.pool.cli), with the named catalog;
       it says on stderr that it is a negative control.
 """
 
@@ -11,18 +11,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from faults.controls import CATALOG_CONTROLS
-from kvpool.cli import serve, serve_parser
+from kvgate.faults.controls import CATALOG_CONTROLS
+from kvpool.pool.cli import serve, serve_parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m faults.pool", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvgate.faults.pool", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     cmd = serve_parser(sub.add_parser("serve", help="run the daemon on a known-bad catalog"))
     cmd.add_argument("--catalog", required=True, choices=sorted(CATALOG_CONTROLS),
-                     help="the known-bad catalog (faults.controls)")
+                     help="the known-bad catalog (kvgate.faults.controls)")
     args = parser.parse_args(argv)
-    print(f"faults.pool: NEGATIVE CONTROL: known-bad catalog {args.catalog!r}", file=sys.stderr, flush=True)
+    print(f"kvgate.faults.pool: NEGATIVE CONTROL: known-bad catalog {args.catalog!r}", file=sys.stderr, flush=True)
     return serve(args, catalog_factory=CATALOG_CONTROLS[args.catalog])
 
 

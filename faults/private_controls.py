@@ -1,4 +1,4 @@
-"""Negative controls of the daemon's private state (kvpool.arena): the layout before it had
+"""Negative controls of the daemon's private state (kvpool.pool.arena): the layout before it had
 a segment of its own. Never the production daemon.
 
   SharedPrivateArena.anonymous(label, page_size, num_pages)
@@ -18,7 +18,7 @@ from __future__ import annotations
 import fcntl
 import os
 
-from kvpool.arena import ALIGN, SIZE_SEALS, Arena, Layout
+from kvpool.pool.arena import ALIGN, SIZE_SEALS, Arena, Layout
 from kvpool.errors import ArenaError
 
 

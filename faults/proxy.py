@@ -9,10 +9,10 @@
       exactly. `.start()` / `.stop()` (its own thread and event loop), `.address` (a
       PoolClient address), `.configure(faults)` / `.heal()`, `.fired()`, `.stats()`,
       `.records()` (every fired fault, as written to the history).
-  python -m faults.proxy --upstream ADDR --listen ADDR --control FILE --seed N
+  python -m kvgate.faults.proxy --upstream ADDR --listen ADDR --control FILE --seed N
       the same proxy as a process, for live replicas: point the connector's `pool`
-      setting at the proxy's address (harness.system.proxy.ProxyProcess starts it).
-  TrustingLoader (faults.transport_controls) is the negative control these faults need.
+      setting at the proxy's address (kvgate.harness.system.proxy.ProxyProcess starts it).
+  TrustingLoader (kvgate.faults.transport_controls) is the negative control these faults need.
 
 Control file: JSON `{kind: {param: value, ...}, ...}`, off by default; re-read when it
 changes (checked on every frame and every 10 ms); `{}` or no file heals. Every kind takes
@@ -27,7 +27,7 @@ changes (checked on every frame and every 10 ms); `{}` or no file heals. Every k
              control version), so a scenario replays its draws from its own seed
   schedule_seed, schedule_kind
              BUGGIFY-style: whether the n-th matching frame (after `after`) fires is the
-             run's fault schedule's decision, faults.schedule.fires(schedule_seed,
+             run's fault schedule's decision, kvgate.faults.schedule.fires(schedule_seed,
              schedule_kind, n, p), the same answer the schedule gives the scenario
 
 and the kinds, applied to a frame in this order:
@@ -80,11 +80,11 @@ from typing import Any
 
 import msgspec
 
-from faults import control
-from faults.schedule import fires as schedule_fires
-from kvpool import protocol as P
-from kvpool.client import parse_address
-from kvpool.history import HistoryWriter
+from kvgate.faults import control
+from kvgate.faults.schedule import fires as schedule_fires
+from kvpool.pool import protocol as P
+from kvpool.client.backend import parse_address
+from kvpool.connector.history import HistoryWriter
 
 KINDS = ("reset", "truncate", "drop_reply", "stall", "bitflip", "slow")  # application order
 DIRECTIONS = ("request", "reply")
@@ -125,7 +125,7 @@ class LinkFault:
     bytes_per_s: float | None = None  # slow
     latency_s: float = 0.0  # slow
     seed: int | None = None  # this fault's own draws (else the proxy's seed and the control version)
-    schedule_seed: int | None = None  # the decision to fire is the fault schedule's (faults.schedule.fires)
+    schedule_seed: int | None = None  # the decision to fire is the fault schedule's (kvgate.faults.schedule.fires)
     schedule_kind: str | None = None  # the schedule's kind for it (default: this kind)
 
     def __post_init__(self) -> None:
@@ -186,7 +186,7 @@ def parse_control(data: object) -> dict[str, LinkFault]:
 
 
 def write_control(path: str | Path, faults: Mapping[str, Mapping[str, Any]]) -> None:
-    """Validate and write a control file atomically (faults.control.write_control)."""
+    """Validate and write a control file atomically (kvgate.faults.control.write_control)."""
     parse_control(json.loads(json.dumps(faults)))
     control.write_control(path, dict(faults))
 
@@ -783,7 +783,7 @@ class FaultProxy:
 
 # -- as a process ---------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m faults.proxy", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvgate.faults.proxy", description=__doc__.split("\n\n")[0])
     parser.add_argument("--upstream", required=True, help="the pool daemon: unix:PATH or tcp:HOST:PORT")
     parser.add_argument("--listen", required=True, help="where clients connect: unix:PATH or tcp:HOST:PORT (port 0: any)")
     parser.add_argument("--control", required=True, help="the JSON control file (missing or {}: no faults)")

@@ -14,7 +14,7 @@
                      whether the site fires on its n-th opportunity, decided by the schedule
                      alone (same seed, same answers); a seed cannot force thread
                      interleavings, and reports say so. The live injectors take the same
-                     decision with `fires(seed, kind, attempt, p)` (faults.backend: a load
+                     decision with `fires(seed, kind, attempt, p)` (kvgate.faults.backend: a load
                      fault armed with "p" and "schedule_seed").
 """
 
@@ -25,8 +25,8 @@ import json
 import random
 from typing import Any
 
-# kind -> (site it strikes, heal step). The live injectors: faults.backend, faults.copier,
-# faults.connector, faults.proxy, and the harness's own actions on the pool and replicas.
+# kind -> (site it strikes, heal step). The live injectors: kvgate.faults.backend, kvgate.faults.copier,
+# kvgate.faults.connector, kvgate.faults.proxy, and the harness's own actions on the pool and replicas.
 KINDS: dict[str, tuple[str, str]] = {
     "corrupt": ("pool arena (a committed page under a lease)", "the bit is flipped back when the lease is released"),
     "transport_error": ("transport proxy (the acquire's reply)", "the client reconnects on its next request"),

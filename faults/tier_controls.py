@@ -1,5 +1,5 @@
-"""Negative controls for the network tier (kvpool.tier): known-bad readers the suites must
-catch, as faults.transport_controls holds the known-bad loaders of the host pool; and what
+"""Negative controls for the network tier (kvpool.tier.record): known-bad readers the suites must
+catch, as kvgate.faults.transport_controls holds the known-bad loaders of the host pool; and what
 a client of the store who lacks the tenant's tier secret can do to records.
 
   BlindTier(inner)   a tier (RedisTier, MooncakeTier) whose reads defeat the record's safeguards against bytes
@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import msgspec
 
-from kvpool.digest import DigestKind, kind_of, page_digest
-from kvpool.keys import Namespace
-from kvpool.tier import _HEADER_ENCODER, _LENGTH_PREFIX, TierCorrupt, TierIncompatible, TierPage, split_record
+from kvpool.pool.digest import DigestKind, kind_of, page_digest
+from kvpool.pool.keys import Namespace
+from kvpool.tier.record import HEADER_ENCODER, LENGTH_PREFIX, TierCorrupt, TierIncompatible, TierPage, split_record
 
 UNAUTHENTICATED_TIER = "unauthenticated_tier"
 
@@ -93,8 +93,8 @@ def forge_record(blob: bytes, page: bytes | None = None, **fields: object) -> by
     if page is not None:
         data = bytes(page)
         fields = {**fields, "digest": page_digest(data, kind_of(header.digest_kind)), "length": len(data)}
-    raw = _HEADER_ENCODER.encode(msgspec.structs.replace(header, **fields))
-    return tag + len(raw).to_bytes(_LENGTH_PREFIX, "big") + raw + data
+    raw = HEADER_ENCODER.encode(msgspec.structs.replace(header, **fields))
+    return tag + len(raw).to_bytes(LENGTH_PREFIX, "big") + raw + data
 
 
 def records_under(client, prefix: str) -> dict[str, bytes]:  # noqa: ANN001 - a redis.Redis

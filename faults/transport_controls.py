@@ -1,7 +1,7 @@
-"""Negative controls for the transport faults (faults.proxy): known-bad loaders the
-suites must catch, as faults.controls holds the known-bad catalogs.
+"""Negative controls for the transport faults (kvgate.faults.proxy): known-bad loaders the
+suites must catch, as kvgate.faults.controls holds the known-bad catalogs.
 
-  TrustingLoader   kvpool.client.load without its one safeguard: the bytes a lease's
+  TrustingLoader   kvpool.client.transfer.load without its one safeguard: the bytes a lease's
                    pages arrive with are installed and counted as loaded without being
                    compared with the digest taken at publish. Under the proxy's bitflip
                    it installs a corrupted page as good; a byte-exact check must see it.
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvpool.client import Destination, LoadResult, PoolBackend
-from kvpool.copy import as_segments, copy_digest, total_size
+from kvpool.client.backend import Destination, LoadResult, PoolBackend
+from kvpool.pool.copy import as_segments, copy_digest, total_size
 from kvpool.errors import InvalidRequest
-from kvpool.keys import Namespace
+from kvpool.pool.keys import Namespace
 
 
 class TrustingLoader:

@@ -19,7 +19,7 @@
   kvgate explain --tag T | --key K   why a request or a block was not a hit (history, and the pool)
   kvgate scenarios          list the scenario catalog
   kvgate replay NAME --seed N   rerun one scenario with one seed, print the same verdicts
-The pool daemon itself is kvpool's: `kvpool serve` (kvpool.cli).
+The pool daemon itself is kvpool's: `kvpool serve` (kvpool.pool.cli).
 """
 
 from __future__ import annotations
@@ -34,20 +34,20 @@ from pathlib import Path
 
 
 def cmd_bench_pool(args: argparse.Namespace) -> int:
-    from harness.bench.pool import run_bench
+    from kvgate.harness.bench.pool import run_bench
 
     return run_bench(quick=args.quick, blocks=args.catalog_blocks)
 
 
 def cmd_bench_gpu(args: argparse.Namespace) -> int:
-    from harness.bench.gpu import run_bench
+    from kvgate.harness.bench.gpu import run_bench
 
     paths = tuple(p for p in args.paths.split(",") if p)
     if not args.gpus:
         return run_bench(quick=args.quick, paths=paths, reps=args.reps, max_blocks=args.max_blocks,
                          lanes=args.lanes, hash_threads=args.hash_threads, io_threads=args.pool_io_threads,
                          chunk_mib=args.chunk_mib, commit_mib=args.commit_mib, seed=args.seed)
-    from harness.bench.gpu import run_concurrent
+    from kvgate.harness.bench.gpu import run_concurrent
 
     sizes = tuple(int(x) for x in args.concurrent_blocks.split(",") if x)
     return run_concurrent(gpus=args.gpus, sizes=sizes, reps=args.reps, lanes=args.lanes,
@@ -56,26 +56,26 @@ def cmd_bench_gpu(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_stall(args: argparse.Namespace) -> int:
-    from harness.bench.stall import main
+    from kvgate.harness.bench.stall import main
 
     return main(args.out)
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
-    from harness.soak import soak
+    from kvgate.harness.soak import soak
 
     return soak(args.report_dir, minutes=args.minutes, seed=args.seed, streams=args.streams, sample_s=args.sample)
 
 
 def cmd_bench_live(args: argparse.Namespace) -> int:
-    from harness.bench.live import LENGTHS, run_bench
+    from kvgate.harness.bench.live import LENGTHS, run_bench
 
     lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else LENGTHS
     return run_bench(reps=args.reps, lengths=lengths, report_dir=args.report_dir)
 
 
 def cmd_bench_hosts(args: argparse.Namespace) -> int:
-    from harness.bench.hosts import LENGTHS, run_bench
+    from kvgate.harness.bench.hosts import LENGTHS, run_bench
 
     lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else LENGTHS
     return run_bench(reps=args.reps, lengths=lengths, fault_length=args.fault_length,
@@ -83,7 +83,7 @@ def cmd_bench_hosts(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from harness.plan import DEFAULT_MIX, PlanInputError, run_plan
+    from kvgate.harness.plan import DEFAULT_MIX, PlanInputError, run_plan
 
     try:
         return run_plan(args.measured, args.mix or DEFAULT_MIX, args.json, args.markdown, args.html)
@@ -96,9 +96,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
     import json
     import os
 
-    from harness.explain import ExplainError, explain_key, explain_request
+    from kvgate.harness.explain import ExplainError, explain_key, explain_request
     from kvpool.errors import PoolError
-    from kvpool.history import read_history
+    from kvpool.connector.history import read_history
 
     if not args.history.is_dir():
         print(f"kvgate explain: no history at {args.history}", file=sys.stderr)
@@ -110,7 +110,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         else:
             client = None
             if args.pool:
-                from kvpool.client import PoolClient
+                from kvpool.client.pool_client import PoolClient
 
                 client = PoolClient(args.pool, args.tenant, args.token or os.environ.get("KVPOOL_TOKEN", ""),
                                     name="kvgate-explain")
@@ -127,7 +127,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_html(args: argparse.Namespace) -> int:
-    from harness.report.html import render_file
+    from kvgate.harness.report.html import render_file
 
     if not args.path.exists():
         print(f"kvgate html: {args.path} does not exist", file=sys.stderr)
@@ -143,7 +143,7 @@ def cmd_html(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_scale(args: argparse.Namespace) -> int:
-    from harness.bench.scale import run_bench
+    from kvgate.harness.bench.scale import run_bench
 
     counts = tuple(int(x) for x in args.replicas.split(",") if x)
     return run_bench(length=args.length, reps=args.reps, sim_seeds=args.sim_seeds, replica_counts=counts,
@@ -153,8 +153,8 @@ def cmd_bench_scale(args: argparse.Namespace) -> int:
 def cmd_sim(args: argparse.Namespace) -> int:
     import json
 
-    from harness.plan import PlanInputError, default_measured, load_measured
-    from harness.sim import run_scale
+    from kvgate.harness.plan import PlanInputError, default_measured, load_measured
+    from kvgate.harness.sim import run_scale
 
     try:
         m = load_measured(args.measured or default_measured())
@@ -171,14 +171,14 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_publish(args: argparse.Namespace) -> int:
-    from harness.bench.publish import LENGTHS, run_bench
+    from kvgate.harness.bench.publish import LENGTHS, run_bench
 
     lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else LENGTHS
     return run_bench(pairs=args.pairs, lengths=lengths, report_dir=args.report_dir)
 
 
 def cmd_gpu_live(args: argparse.Namespace) -> int:
-    from harness.gpu_live import main as gpu_live
+    from kvgate.harness.gpu_live import main as gpu_live
 
     lengths = tuple(int(x) for x in args.bench_lengths.split(",") if x)
     contexts = tuple(int(x) for x in args.session_contexts.split(",") if x)
@@ -204,9 +204,9 @@ def _conformance(names: list[str], extra: dict | None, seed: int | None, report_
                  scenarios: list[str] | None, request_timeout_s: float = 600.0) -> list[dict]:
     import secrets
 
-    from harness.conformance.gate import row_verdict, run_connector, write_matrix
-    from harness.conformance.scenarios import SCENARIOS
-    from harness.provenance import provenance
+    from kvgate.harness.conformance.gate import row_verdict, run_connector, write_matrix
+    from kvgate.harness.conformance.scenarios import SCENARIOS
+    from kvgate.harness.provenance import provenance
 
     unknown = sorted(set(scenarios or ()) - set(SCENARIOS))
     if unknown:
@@ -228,12 +228,12 @@ def _conformance(names: list[str], extra: dict | None, seed: int | None, report_
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
-    from harness.gate import run_gate
+    from kvgate.harness.gate import run_gate
 
     if args.connector:
         rows = _conformance([args.connector], _connector_extra(args.connector_config), args.seed,
                             args.report_dir, args.scenario or None, args.request_timeout)
-        from harness.conformance.gate import row_verdict
+        from kvgate.harness.conformance.gate import row_verdict
 
         passed, why = row_verdict(rows[0])  # not run (a connector that does not import) is never a pass
         print(f"kvgate gate --connector {args.connector}: {'PASS' if passed else 'FAIL'} ({why})")
@@ -249,7 +249,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
 
 
 def cmd_scenarios(args: argparse.Namespace) -> int:
-    from harness.scenarios.catalog import load_catalog
+    from kvgate.harness.scenarios.catalog import load_catalog
 
     for sc in load_catalog():
         control = f" [control: {sc.control.name}]" if sc.control else ""
@@ -258,10 +258,10 @@ def cmd_scenarios(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from harness.system.default import start_for
-    from harness.scenarios.catalog import ScenarioError, find
-    from harness.scenarios.runner import run_scenario
-    from harness.workload.prompts import Corpus
+    from kvgate.harness.system.default import start_for
+    from kvgate.harness.scenarios.catalog import ScenarioError, find
+    from kvgate.harness.scenarios.runner import run_scenario
+    from kvgate.harness.workload.prompts import Corpus
 
     try:
         sc = find(args.scenario)
@@ -272,7 +272,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         if doc.get("scenario") not in (None, sc.name):
             raise SystemExit(f"kvgate replay: {args.schedule} is the schedule of {doc['scenario']!r}, not {sc.name!r}")
         args.seed = int(doc["seed"])
-        from faults.schedule import FaultSchedule, pin
+        from kvgate.faults.schedule import FaultSchedule, pin
 
         try:  # its parameters as written (an edited file replays its edits), not drawn again from the seed
             pin(FaultSchedule.from_json(json.dumps({k: v for k, v in doc.items() if k != "scenario"})))
@@ -281,7 +281,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     print(f"kvgate replay: {sc.name} --seed {args.seed} (fault {sc.fault or 'none'}; replicas {'+'.join(sc.replicas)})",
           flush=True)
     report_dir = args.report_dir or Path("reports/runs/replay") / f"{sc.name}-{args.seed}"
-    from harness.scenarios.catalog import store_of
+    from kvgate.harness.scenarios.catalog import store_of
 
     cluster, model = start_for(report_dir, set(sc.replicas), store_of(sc))
     try:
@@ -317,7 +317,7 @@ class _Tee(io.TextIOBase):
 
 
 def _bench_with_html(func):  # noqa: ANN001, ANN202
-    """A bench command that also writes its HTML report (harness.report.html) with --html FILE,
+    """A bench command that also writes its HTML report (kvgate.harness.report.html) with --html FILE,
     from the JSON object it prints last."""
 
     def run(args: argparse.Namespace) -> int:
@@ -334,7 +334,7 @@ def _bench_with_html(func):  # noqa: ANN001, ANN202
         except json.JSONDecodeError:
             print(f"kvgate bench: no JSON result to draw into {path}", file=sys.stderr)
             return rc or 1
-        from harness.report.html import bench_report
+        from kvgate.harness.report.html import bench_report
 
         path.write_text(bench_report(doc, args.bench_command))
         print(f"kvgate bench: HTML report {path}", file=sys.stderr)
@@ -446,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     ht.add_argument("-o", "--out", type=Path, default=None, help="where (default: beside it, .html)")
     ht.set_defaults(func=cmd_html)
 
-    from harness.soak import bounds_text
+    from kvgate.harness.soak import bounds_text
 
     so = sub.add_parser("soak", help="concurrent request streams with seeded faults for minutes; leaks and losses",
                         description="The default system under concurrent request streams with seeded faults. It "
@@ -476,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     gl.add_argument("--turns", type=int, default=6, help="turns per session")
     gl.add_argument("--no-exchanges", action="store_true", help="skip the tiny replicas' exchanges (sessions only)")
     gl.add_argument("--session-audit", action="store_true",
-                    help="audit the session replicas (kvpool.audit): loaded blocks against their producer's bytes, "
+                    help="audit the session replicas (kvpool.connector.audit): loaded blocks against their producer's bytes, "
                          "and the KV bytes of the OFF blocks and of the ON blocks compared with each other")
     gl.set_defaults(func=cmd_gpu_live)
 

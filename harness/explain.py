@@ -183,7 +183,7 @@ def explain_key(recs: list[dict], key: str, client: Any = None) -> Explanation:
 
 
 def _namespace_of(recs: list[dict], replica: str):  # noqa: ANN202
-    from kvpool.keys import Namespace
+    from kvpool.pool.keys import Namespace
 
     for r in recs:
         if r.get("ev") == "namespace" and r.get("replica") == replica and isinstance(r.get("ns"), dict):

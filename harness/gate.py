@@ -1,7 +1,7 @@
 """The gate: one command, one report, pass/fail per criterion.
 
 `run_gate(seed, seeds, report_dir, profile)` prints the replay key first, runs the
-pool criteria and then every scenario of the catalog (fixtures/scenarios; harness.scenarios)
+pool criteria and then every scenario of the catalog (fixtures/scenarios; kvgate.harness.scenarios)
 that the profile selects, for each derived seed, with progress on stderr; each scenario
 run is judged by its own checks, the history checkers and its negative control. It
 writes run.json, junit.xml and checklist.md under `report_dir` (with a table per fault
@@ -22,12 +22,12 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from harness.measure import measure
-from harness.plugin import derive_seed
-from harness.provenance import provenance
-from harness.system.default import start_system
-from harness.checkers.verdict import Verdict, all_of
-from harness.report.render import Criterion, GateRun, write_reports
+from kvgate.harness.measure import measure
+from kvgate.harness.plugin import derive_seed
+from kvgate.harness.provenance import provenance
+from kvgate.harness.system.default import start_system
+from kvgate.harness.checkers.verdict import Verdict, all_of
+from kvgate.harness.report.render import Criterion, GateRun, write_reports
 
 _BAR: list = []  # the run's progress bar (tqdm), while one is shown
 
@@ -53,8 +53,8 @@ def _progress_bar(total: int):  # noqa: ANN202
 
 
 def _pool_criteria() -> list[tuple[str, Callable[[int], Verdict]]]:
-    from harness.scenarios import pool as pool_checks
-    from harness.system.pool import PoolProcess
+    from kvgate.harness.scenarios import pool as pool_checks
+    from kvgate.harness.system.pool import PoolProcess
 
     def exchange(seed: int) -> Verdict:
         out = Path(tempfile.mkdtemp(prefix="kvgate-exchange-"))
@@ -81,8 +81,8 @@ def select(profile: str, names: list[str] | None = None):  # noqa: ANN201
     """Scenarios of the catalog for a profile: 'all', 'hosts' (the multi-host system's), or
     comma-separated fault kinds ('none' for the fault-free scenarios), optionally only the
     named ones."""
-    from faults.schedule import KINDS
-    from harness.scenarios.catalog import load_catalog
+    from kvgate.faults.schedule import KINDS
+    from kvgate.harness.scenarios.catalog import load_catalog
 
     catalog = load_catalog()
     if names:
@@ -93,7 +93,7 @@ def select(profile: str, names: list[str] | None = None):  # noqa: ANN201
     if profile == "all":
         return catalog
     if profile == "hosts":  # everything the multi-host system runs (its fault-free scenario included)
-        from harness.scenarios.catalog import on_hosts
+        from kvgate.harness.scenarios.catalog import on_hosts
 
         return [sc for sc in catalog if on_hosts(sc)]
     kinds = set(profile.split(","))
@@ -116,12 +116,12 @@ def run_gate(seed: int | None = None, seeds: int = 2, report_dir: Path = Path("r
     run = GateRun(replay_key=key)
     t_start = time.monotonic()
     # The replicas take minutes to start: start them while the pool criteria run.
-    from harness.system.cluster import install_sigterm_unwind
+    from kvgate.harness.system.cluster import install_sigterm_unwind
 
     install_sigterm_unwind()  # the cluster starts in a thread, where it cannot install it
     started: dict = {}
 
-    from harness.scenarios.catalog import on_hosts
+    from kvgate.harness.scenarios.catalog import on_hosts
 
     on_default = [sc for sc in chosen if not on_hosts(sc)]
     hosted = [sc for sc in chosen if on_hosts(sc)]
@@ -157,10 +157,10 @@ def run_gate(seed: int | None = None, seeds: int = 2, report_dir: Path = Path("r
         finally:
             cluster.stop()
             measured.append(measure(cluster.history_dir, "default"))  # before the next system's history replaces it
-    from harness.scenarios.catalog import store_of
+    from kvgate.harness.scenarios.catalog import store_of
 
     for store in sorted({store_of(sc) for sc in hosted}):  # the multi-host system, once the default one is gone
-        from harness.system.default import start_hosts_system
+        from kvgate.harness.system.default import start_hosts_system
 
         system, model = start_hosts_system(report_dir, store)
         try:
@@ -192,9 +192,9 @@ def run_gate(seed: int | None = None, seeds: int = 2, report_dir: Path = Path("r
 
 def _run_scenarios(run: GateRun, results: list, cluster, model: Path, chosen: list, root: int,  # noqa: ANN001
                    seeds: int, report_dir: Path, progress: dict) -> None:
-    from harness.scenarios.catalog import replay_command
-    from harness.scenarios.runner import run_scenario
-    from harness.workload.prompts import Corpus
+    from kvgate.harness.scenarios.catalog import replay_command
+    from kvgate.harness.scenarios.runner import run_scenario
+    from kvgate.harness.workload.prompts import Corpus
 
     corpus = Corpus(model)
     total = progress["total"]
@@ -230,9 +230,9 @@ def _run_scenarios(run: GateRun, results: list, cluster, model: Path, chosen: li
 
 
 def write_measurements(report_dir: Path, run: GateRun, measured: list[dict]) -> dict[str, Path]:
-    """measurements.json (harness.measure: each request's TTFT by hit kind, misses and faults
-    over time, per system) and the run's HTML report (harness.report.html), next to run.json."""
-    from harness.report.html import gate_report
+    """measurements.json (kvgate.harness.measure: each request's TTFT by hit kind, misses and faults
+    over time, per system) and the run's HTML report (kvgate.harness.report.html), next to run.json."""
+    from kvgate.harness.report.html import gate_report
 
     path = report_dir / "measurements.json"
     doc = {"replay_key": run.replay_key, "provenance": provenance(), "systems": measured}
@@ -243,9 +243,9 @@ def write_measurements(report_dir: Path, run: GateRun, measured: list[dict]) -> 
 
 
 def write_schedule(report_dir: Path, scenario: str, seed: int) -> Path:
-    """A failing run's fault schedule (faults.schedule: every site, its drawn parameters
+    """A failing run's fault schedule (kvgate.faults.schedule: every site, its drawn parameters
     and heal step), next to the report; `kvgate replay SCENARIO --schedule FILE` replays it."""
-    from faults.schedule import draw_schedule
+    from kvgate.faults.schedule import draw_schedule
 
     path = Path(report_dir) / "schedules" / f"{scenario}-{seed}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -259,8 +259,8 @@ def harness_failure(sc, seed: int, exc: BaseException):  # noqa: ANN001, ANN201
     carries the traceback (the gate goes on with the next one)."""
     import traceback
 
-    from harness.scenarios.catalog import replay_command
-    from harness.scenarios.runner import ScenarioResult
+    from kvgate.harness.scenarios.catalog import replay_command
+    from kvgate.harness.scenarios.runner import ScenarioResult
 
     text = "".join(traceback.format_exception(exc))[-1500:]
     return ScenarioResult(sc.name, sc.fault, seed, Verdict(False, f"harness error {type(exc).__name__}: {exc}",

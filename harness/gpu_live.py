@@ -4,12 +4,12 @@ together and judged as one.
   main(report_dir, seed, bench, sessions, exchanges, ...) -> int
       starts the tiny replicas (the live exchanges), the session replicas (`sessions`) and
       the bench replicas (`bench`) at the same time, runs the exchanges
-      (harness.scenarios.gpu_live.run_live), then the OFF-ON-ON-OFF sessions
-      (harness.scenarios.gpu_live.run_sessions), then the bench rows
-      (harness.bench.gpu_live.measure) while time is left; writes live.json,
-      sessions.json, result.json and checklist.md (harness.report.gpu_live) under
+      (kvgate.harness.scenarios.gpu_live.run_live), then the OFF-ON-ON-OFF sessions
+      (kvgate.harness.scenarios.gpu_live.run_sessions), then the bench rows
+      (kvgate.harness.bench.gpu_live.measure) while time is left; writes live.json,
+      sessions.json, result.json and checklist.md (kvgate.harness.report.gpu_live) under
       report_dir as each part finishes.
-The exit status is 0 only when harness.scenarios.gpu_live.failures finds nothing: a part
+The exit status is 0 only when kvgate.harness.scenarios.gpu_live.failures finds nothing: a part
 asked for that failed, raised or did not run fails the run. Under `--no-exchanges` the
 live exchanges are "not run" and the exit status is that of the parts that were asked for
 (nothing asked for at all fails). The last line printed is the result as one JSON object.
@@ -26,10 +26,10 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from harness.bench import gpu_live as bench_live
-from harness.report.gpu_live import render_markdown
-from harness.scenarios import gpu_live as live
-from harness.system.cluster import Cluster, OrphanError
+from kvgate.harness.bench import gpu_live as bench_live
+from kvgate.harness.report.gpu_live import render_markdown
+from kvgate.harness.scenarios import gpu_live as live
+from kvgate.harness.system.cluster import Cluster, OrphanError
 
 
 def _say(msg: str) -> None:

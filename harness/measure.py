@@ -30,7 +30,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from kvpool.history import read_history
+from kvpool.connector.history import read_history
 
 KINDS = ("cold", "local", "remote", "tier", "fallback")
 

@@ -14,7 +14,7 @@ R_total against the measured throughput, the rule "p95 remote < p50 cold" per me
 prefix length, the effective capacity and each class's reuse distance against it, the
 warm-up cost N x W / dt against the measured throughput, and a recommendation (remote loads
 on or off per class, the publish boundary, load limits). JSON, and Markdown by
-harness.report.plan.markdown (which reads the document and imports nothing of this module).
+kvgate.harness.report.plan.markdown (which reads the document and imports nothing of this module).
 
 The model (the terms, each a function of measured inputs):
   T_recompute(L), T_remote(L)   medians at prefix length L, interpolated linearly between
@@ -46,8 +46,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from harness.measure import distributions
-from harness.report.plan import markdown
+from kvgate.harness.measure import distributions
+from kvgate.harness.report.plan import markdown
 
 KINDS_REMOTE = ("remote", "tier")
 
@@ -126,7 +126,7 @@ def _pick(row: dict, key: str) -> float | None:
 
 
 def load_measured(paths: list[Path]) -> Measured:
-    """Any mix of: a gate run's measurements.json (harness.measure), `kvgate bench hosts`,
+    """Any mix of: a gate run's measurements.json (kvgate.harness.measure), `kvgate bench hosts`,
     `bench live`, `bench publish` and `bench pool` JSON. Later files add to earlier ones."""
     m = Measured()
     for path in paths:
@@ -156,7 +156,7 @@ def load_measured(paths: list[Path]) -> Measured:
 
 
 def _from_gate(m: Measured, doc: dict, path: Path) -> None:
-    from harness.measure import Sample, bucket
+    from kvgate.harness.measure import Sample, bucket
 
     found = [Sample(**s) for sysdoc in doc["systems"] for s in sysdoc.get("samples", [])]
     healthy = [s for s in found if not s.faulted and s.kind != "fallback"]  # a gate run is mostly faults
@@ -578,7 +578,7 @@ def run_plan(measured: list[Path], mix_path: Path, out_json: Path | None, out_md
     m = load_measured(measured or default_measured())
     mix = load_mix(mix_path)
     doc = plan(m, mix)
-    from harness.provenance import provenance
+    from kvgate.harness.provenance import provenance
 
     doc["provenance"] = provenance()
     md = markdown(doc)
@@ -587,7 +587,7 @@ def run_plan(measured: list[Path], mix_path: Path, out_json: Path | None, out_md
     if out_md:
         out_md.write_text(md)
     if out_html:
-        from harness.report.html import plan_report
+        from kvgate.harness.report.html import plan_report
 
         out_html.write_text(plan_report(doc))
     print(md)

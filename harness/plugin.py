@@ -1,17 +1,20 @@
-"""kvgate's pytest plugin, opt-in: `-p harness.plugin` or `pytest_plugins = ["harness.plugin"]`
-(this repository's conftest.py). Nothing is registered through an entry point, so
-installing kvgate changes nothing in another project's pytest run.
+"""kvgate's pytest plugin. Installed, it is registered through the `pytest11` entry point
+(named as the module), and it stays inert until a run turns it on: `--kvgate` on the command line,
+`kvgate = true` in the ini file (this repository's pyproject.toml), or `-p kvgate.harness.plugin`.
+Off, it only adds its options (all named --kv*); it loads no Hypothesis profile, registers
+no marker, deselects or skips nothing and prints nothing, so installing kvgate changes
+nothing in another project's pytest run (`-p no:kvgate.harness.plugin` removes even the options).
 
 Options:
+  --kvgate           turn the plugin on for this run
   --kv-seed N|last   root seed of the run; `last` reuses the previous run's seed
                      (kept in pytest's cache). Default: drawn from the OS and printed.
-  --slow             also run tests marked `slow` (deeper Hypothesis runs, longer workloads)
+  --kv-slow          also run tests marked `slow` (deeper Hypothesis runs, longer workloads)
   --kv-report DIR    keep live clusters' logs, history and reports under DIR
-  --kv-profile NAME  which fault kinds run (faults.schedule.PROFILES: transport, eviction,
+  --kv-profile NAME  which fault kinds run (kvgate.faults.schedule.PROFILES: transport, eviction,
                      crash, all); a test marked with a fault kind outside it is deselected
-Markers: slow, live, gpu (pyproject.toml) and `fault_<kind>` for each fault kind
-(faults.schedule.KINDS), registered here (prefixed: `timeout` is pytest-timeout's).
-Markers: slow, live, gpu (declared in pyproject.toml).
+Markers: slow, live, gpu and `fault_<kind>` for each fault kind (kvgate.faults.schedule.KINDS),
+registered here (prefixed: `timeout` is pytest-timeout's).
 Fixtures:
   kv_seed            the root seed (int)
   test_seed          a per-test seed derived from the root seed and the test's node id,
@@ -32,12 +35,14 @@ CACHE_KEY = "kvgate/last-seed"
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kvgate")
+    group.addoption("--kvgate", action="store_true", default=False, help="turn kvgate's plugin on for this run")
+    parser.addini("kvgate", type="bool", default=False, help="turn kvgate's plugin on (as --kvgate)")
     group.addoption("--kv-seed", default=None, help="root seed: an integer, or 'last' for the previous run's")
-    group.addoption("--slow", action="store_true", default=False, help="also run tests marked slow")
+    group.addoption("--kv-slow", action="store_true", default=False, help="also run tests marked slow")
     group.addoption("--kv-report", default=None, metavar="DIR",
                     help="keep live clusters' logs, history and reports under DIR")
     group.addoption("--kv-profile", default="all", metavar="NAME",
-                    help="fault kinds to run (faults.schedule.PROFILES); tests marked with other kinds are deselected")
+                    help="fault kinds to run (kvgate.faults.schedule.PROFILES); tests marked with other kinds are deselected")
 
 
 def _hypothesis_profiles(slow: bool) -> None:
@@ -51,10 +56,31 @@ def _hypothesis_profiles(slow: bool) -> None:
     settings.load_profile("kvgate-slow" if slow else "kvgate")
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    from faults.schedule import KINDS, PROFILES
+_MARKERS = (
+    "slow: deeper runs (more Hypothesis examples, longer workloads); selected with --kv-slow",
+    "live: starts real vLLM replicas",
+    "gpu: needs an NVIDIA GPU; skipped where there is none",
+)
+_ON_KEY = pytest.StashKey[bool]()
 
-    _hypothesis_profiles(config.getoption("--slow"))
+
+def enabled(config: pytest.Config) -> bool:
+    """Whether this run turned the plugin on (--kvgate, the ini's `kvgate`, or -p by name)."""
+    named = {p for p in (config.option.plugins or []) if not p.startswith("no:")}
+    return bool(config.getoption("--kvgate") or config.getini("kvgate")
+                or named & {"kvgate.harness.plugin"})
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    on = enabled(config)
+    config.stash[_ON_KEY] = on
+    if not on:
+        return
+    from kvgate.faults.schedule import KINDS, PROFILES
+
+    _hypothesis_profiles(config.getoption("--kv-slow"))
+    for line in _MARKERS:
+        config.addinivalue_line("markers", line)
     for kind, (site, heal) in KINDS.items():
         config.addinivalue_line("markers", f"fault_{kind}: injects the {kind} fault at {site} (heal: {heal})")
     if config.getoption("--kv-profile") not in PROFILES:
@@ -91,20 +117,24 @@ class _XdistHooks:
         node.workerinput["kv_seed"] = node.config.stash[SEED_KEY]
 
 
-def pytest_report_header(config: pytest.Config) -> str:
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if not config.stash.get(_ON_KEY, False):
+        return None
     return (f"kvgate replay key: --kv-seed={config.stash[SEED_KEY]} --kv-profile={config.getoption('--kv-profile')} "
             f"commit={_commit()}")
 
 
 def _commit() -> str:
-    from harness.provenance import provenance
+    from kvgate.harness.provenance import provenance
 
     prov = provenance()
     return prov["short"] + ("" if prov["clean"] else "+dirty")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    from faults.schedule import KINDS, PROFILES
+    if not config.stash.get(_ON_KEY, False):
+        return
+    from kvgate.faults.schedule import KINDS, PROFILES
 
     selected = set(PROFILES[config.getoption("--kv-profile")])
     keep, drop = [], []
@@ -115,9 +145,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
-    if config.getoption("--slow"):
+    if config.getoption("--kv-slow"):
         return
-    skip = pytest.mark.skip(reason="slow: run with --slow")
+    skip = pytest.mark.skip(reason="slow: run with --kv-slow")
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
@@ -130,6 +160,8 @@ def derive_seed(root: int, name: str) -> int:
 
 @pytest.fixture(scope="session")
 def kv_seed(request: pytest.FixtureRequest) -> int:
+    if not request.config.stash.get(_ON_KEY, False):
+        raise pytest.UsageError("kv_seed: kvgate's plugin is off; turn it on with --kvgate or `kvgate = true` in the ini")
     return request.config.stash[SEED_KEY]
 
 

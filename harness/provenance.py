@@ -5,7 +5,7 @@
       nothing outside reports/runs/ (a run's own output). On a copy of the tree carried to
       another host (KVGATE_PROVENANCE=stamp, as scripts/gpu/reports.sh sets, or no git at
       all), from `.provenance.json` at the repository root, which `python -m
-      harness.provenance --stamp` wrote before the copy (the copy's own git, if it has one,
+      kvgate.harness.provenance --stamp` wrote before the copy (the copy's own git, if it has one,
       does not know which commit the tree came from), and only after the copy was checked
       against it (verify_stamp): "stamped": True, "verified": whether every stamped file's
       contents still have their stamped digest and no code file was added; an unverified
@@ -133,7 +133,7 @@ def verify_stamp(doc: dict, root: Path) -> tuple[bool, list[str]]:
     added files, or why it cannot be checked)."""
     files = doc.get("files")
     if not isinstance(files, dict) or not isinstance(doc.get("tree_digest"), str):
-        return False, ["the stamp carries no digest of the tree (made by an older harness.provenance)"]
+        return False, ["the stamp carries no digest of the tree (made by an older kvgate.harness.provenance)"]
     if tree_digest(files) != doc["tree_digest"]:
         return False, ["the stamp's file list does not match its own tree digest"]
     found = digest_files(root, list(files))
@@ -181,13 +181,13 @@ def title_flag(prov: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m harness.provenance` prints the provenance as JSON; `--stamp` also writes
+    """`python -m kvgate.harness.provenance` prints the provenance as JSON; `--stamp` also writes
     .provenance.json, for a copy of the tree carried to a host without git; `--verify`
     checks a carried copy against its stamp and exits 1 when it does not match."""
     import argparse
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m harness.provenance", description=main.__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvgate.harness.provenance", description=main.__doc__.splitlines()[0])
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--stamp", action="store_true", help=f"write {STAMP.name} at the repository root")
     what.add_argument("--verify", action="store_true",
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     prov = _from_stamp(REPO, STAMP) if args.verify else provenance()
     print(json.dumps(prov))
     if args.verify and not prov["verified"]:
-        print(f"harness.provenance: UNVERIFIED TREE: {'; '.join(prov['unverified'][:5])}", file=sys.stderr)
+        print(f"kvgate.harness.provenance: UNVERIFIED TREE: {'; '.join(prov['unverified'][:5])}", file=sys.stderr)
         return 1
     return 0
 

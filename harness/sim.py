@@ -1,5 +1,5 @@
 """A discrete-event simulation of many replicas sharing one pool (SimPy), calibrated with
-measured distributions (harness.plan.Measured), for the scale a machine cannot run live:
+measured distributions (kvgate.harness.plan.Measured), for the scale a machine cannot run live:
 8 to 64 replicas starting together, a request spike, a degraded storage node.
 
 The model, each part a measured input or a stated rule:
@@ -54,8 +54,8 @@ from typing import Any
 import numpy as np
 import simpy
 
-from harness.measure import percentile
-from harness.plan import Measured
+from kvgate.harness.measure import percentile
+from kvgate.harness.plan import Measured
 
 Z95 = 1.6448536269514722  # the standard normal's 95th percentile
 

@@ -11,7 +11,7 @@ from the pool). A sampler records each process tree's private and shared residen
 and open descriptors, and the host's Shmem (/dev/shm and memfd segments), every
 `sample_s`.
 
-The run is judged as a scenario is (harness.scenarios.runner): byte-exact over the
+The run is judged as a scenario is (kvgate.harness.scenarios.runner): byte-exact over the
 audit's records of the whole window (silent corruptions), miss causes, and the requests
 checker (lost requests; an error is allowed only where the replica's policy says fail).
 Every oracle must say valid: an unknown verdict (None: the oracle could not judge) fails
@@ -48,10 +48,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harness.plugin import derive_seed
+from kvgate.harness.plugin import derive_seed
 
 if TYPE_CHECKING:  # the run's modules are imported where it runs: `kvgate --help` stays light
-    from harness.workload.prompts import Corpus
+    from kvgate.harness.workload.prompts import Corpus
 
 REPLICAS = ("A", "B", "D")
 PREFIX_TOKENS = (48, 160, 400, 800, 1600)
@@ -200,7 +200,7 @@ def _sample(cluster) -> dict:  # noqa: ANN001
 
 def _stream(cluster, corpus: Corpus, prefixes: list[str], seed: int, k: int, stop: threading.Event,  # noqa: ANN001
             out: dict) -> None:
-    from harness.client.http import complete
+    from kvgate.harness.client.http import complete
 
     rng = random.Random(derive_seed(seed, f"stream:{k}"))
     i = 0
@@ -219,8 +219,8 @@ def _stream(cluster, corpus: Corpus, prefixes: list[str], seed: int, k: int, sto
 
 
 def _nemesis(cluster, seed: int, stop: threading.Event, fired: list) -> None:  # noqa: ANN001
-    from harness.client.http import reset_prefix_cache
-    from harness.scenarios.nemesis import arm
+    from kvgate.harness.client.http import reset_prefix_cache
+    from kvgate.harness.scenarios.nemesis import arm
 
     rng = random.Random(derive_seed(seed, "soak:nemesis"))
     n = 0
@@ -251,12 +251,12 @@ def _nemesis(cluster, seed: int, stop: threading.Event, fired: list) -> None:  #
 
 
 def soak(report_dir: Path, minutes: float = 10.0, seed: int = 0, streams: int = 3, sample_s: float = 15.0) -> int:
-    from harness.checkers.verdict import Verdict
-    from harness.provenance import provenance
-    from harness.scenarios.nemesis import arm
-    from harness.scenarios.runner import ORACLES, _judge, _Run
-    from harness.system.default import start_system
-    from harness.workload.prompts import Corpus
+    from kvgate.harness.checkers.verdict import Verdict
+    from kvgate.harness.provenance import provenance
+    from kvgate.harness.scenarios.nemesis import arm
+    from kvgate.harness.scenarios.runner import ORACLES, _judge, _Run
+    from kvgate.harness.system.default import start_system
+    from kvgate.harness.workload.prompts import Corpus
 
     report_dir.mkdir(parents=True, exist_ok=True)
     cluster, model = start_system(report_dir / "system", set(REPLICAS))
@@ -292,7 +292,7 @@ def soak(report_dir: Path, minutes: float = 10.0, seed: int = 0, streams: int = 
         samples.append({**_sample(cluster), "requests": sum(x["requests"] for x in tallies)})
         cluster.nemesis("scenario_end", scenario="soak", seed=seed, crashed=cluster.crashed())
         time.sleep(0.5)
-        from harness.checkers import history as H
+        from kvgate.harness.checkers import history as H
 
         history = H.read_history(cluster.history_dir)
         run = _Run(Verdict(True, "the soak ran"), H.within(history, t0, time.time()), H.namespaces(history),
@@ -333,7 +333,7 @@ def soak(report_dir: Path, minutes: float = 10.0, seed: int = 0, streams: int = 
 
 def _markdown(r: dict) -> str:
     c, g = r["counts"], r["growth_after_warmup"]
-    from harness.provenance import title_flag
+    from kvgate.harness.provenance import title_flag
 
     flag = title_flag(r["provenance"])
     lines = [f"# kvgate soak: {'PASS' if r['pass'] else 'FAIL'}{flag}", "",

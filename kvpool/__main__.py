@@ -1,7 +1,7 @@
-"""`python -m kvpool serve ...`: the pool daemon (kvpool.cli)."""
+"""`python -m kvpool serve ...`: the pool daemon (kvpool.pool.cli)."""
 
 import sys
 
-from kvpool.cli import main
+from kvpool.pool.cli import main
 
 sys.exit(main())

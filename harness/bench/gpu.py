@@ -1,4 +1,4 @@
-"""`kvgate bench gpu`: the GPU transfer engine (kvpool.gpu_transfer) against a plain
+"""`kvgate bench gpu`: the GPU transfer engine (kvpool.gpu.transfer) against a plain
 pinned cudaMemcpy of the same bytes, measured in the same run, interleaved rep by rep.
 
   1. store and load of 16 to 4096 blocks of a 27B-class KV layout (64 layers, 8 KV heads,
@@ -58,10 +58,10 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.system.pool import DEFAULT_TENANT, unique_name
-from kvpool.arena import memory_available
-from kvpool.keys import Namespace, block_hashes
-from kvpool.server import PoolConfig, main_serve, read_address
+from kvgate.harness.system.pool import DEFAULT_TENANT, unique_name
+from kvpool.pool.arena import memory_available
+from kvpool.pool.keys import Namespace, block_hashes
+from kvpool.pool.daemon import PoolConfig, main_serve, read_address
 
 LAYERS, KV_HEADS, HEAD_SIZE, BLOCK_TOKENS, DTYPE_BYTES = 64, 8, 128, 16, 2
 KV_BYTES_PER_TOKEN = 2 * LAYERS * KV_HEADS * HEAD_SIZE * DTYPE_BYTES  # K and V: 262144 = 256 KiB
@@ -106,7 +106,7 @@ class _Pool:
         self.unix = f"unix:{address['unix']}"
 
     def client(self, name: str):  # noqa: ANN201
-        from kvpool.client import PoolClient
+        from kvpool.client.pool_client import PoolClient
 
         return PoolClient(self.unix, DEFAULT_TENANT, self.token, name=name, timeout_s=120.0)
 
@@ -127,7 +127,7 @@ def _digest_ceiling(arena, pages: int, threads: int) -> dict[str, float]:  # noq
     """Page digests per second on this host with 1, 4, 8 and `threads` threads."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvpool.digest import page_digest
+    from kvpool.pool.digest import page_digest
 
     views = [arena.page(i) for i in range(pages)]  # free pages: read, never written
     with ThreadPoolExecutor(threads) as ex:
@@ -146,7 +146,7 @@ def _kernel_times(src, dst, blocks: int, reps: int = 10) -> dict[str, object]:  
     nothing else running): the gather into staging, the sketch, the scatter out of it."""
     import torch
 
-    from kvpool.digest import SKETCH_ROW
+    from kvpool.pool.digest import SKETCH_ROW
 
     n = src._chunk_pages
     ids = list(range(min(n, blocks)))
@@ -180,7 +180,7 @@ def _shm_blocks(want: int) -> int:
 
 def _path_config(name: str) -> tuple[str, str]:
     """'torch', 'driver', 'torch-xxh3', 'driver-xxh3' -> (copy path, digest kind)."""
-    from kvpool.digest import DigestKind
+    from kvpool.pool.digest import DigestKind
 
     path, _, kind = name.partition("-")
     if path not in ("torch", "driver") or kind not in ("", "xxh3", "sketch"):
@@ -193,7 +193,7 @@ def run_bench(quick: bool = False, paths: tuple[str, ...] = ("torch", "driver", 
               chunk_mib: int = 128, commit_mib: int = 32, seed: int = 0) -> int:
     import torch
 
-    from kvpool.gpu_transfer import CopyPath, TransferConfig, TransferEngine
+    from kvpool.gpu.transfer import CopyPath, TransferConfig, TransferEngine
 
     if not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA GPU on this machine: kvgate bench gpu needs one"}))
@@ -427,7 +427,7 @@ def run_bench(quick: bool = False, paths: tuple[str, ...] = ("torch", "driver", 
         if base in paths_out and name != base and paths_out[name]["load_vs_plain_copy"]
         and paths_out[base]["load_vs_plain_copy"]
     }
-    from harness.provenance import provenance
+    from kvgate.harness.provenance import provenance
 
     result["provenance"] = provenance()
     print(json.dumps(result))
@@ -448,8 +448,8 @@ def _concurrent_body(rank: int, gpus: int, unix: str, token: str, sizes: tuple[i
                      hash_threads: int, chunk_mib: int, commit_mib: int, seed: int, path: str, barrier) -> dict:  # noqa: ANN001
     import torch
 
-    from kvpool.client import PoolClient
-    from kvpool.gpu_transfer import CopyPath, TransferConfig, TransferEngine
+    from kvpool.client.pool_client import PoolClient
+    from kvpool.gpu.transfer import CopyPath, TransferConfig, TransferEngine
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
@@ -698,7 +698,7 @@ def run_concurrent(gpus: int, sizes: tuple[int, ...] = (64, 256, 1024), reps: in
         "wall_s": round(time.monotonic() - t0, 1),
         **summary,
     }
-    from harness.provenance import provenance
+    from kvgate.harness.provenance import provenance
 
     out["provenance"] = provenance()
     print(json.dumps(out))

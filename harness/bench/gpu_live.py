@@ -1,6 +1,6 @@
 """`kvgate bench gpu` part 2: live TTFT on one GPU, side by side in one run.
 
-Replicas of a random-weight Llama (fixtures.gpu_model: 16 layers, hidden 2048, 8 KV heads,
+Replicas of a random-weight Llama (kvgate.fixtures.gpu_model: 16 layers, hidden 2048, 8 KV heads,
 head 128, 64 KiB of KV per token) on the same GPU, vLLM 0.24, TRITON_ATTN, eager:
   A, B   kvpool's connector on one pool (pages of one 16-token block of every layer);
   S      the same connector with load_mode sync;
@@ -38,13 +38,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fixtures.gpu_model import BENCH_SHAPE
-from harness.system.cluster import Cluster, ReplicaSpec
-from harness.bench.live import local_phases, median_phases, primer, remote_phases, timed
-from harness.scenarios.gpu_live import wait_published
-from harness.system.gpu import BLOCK_SIZE, gpu_args
-from harness.client.http import complete
-from harness.workload.prompts import Corpus
+from kvgate.fixtures.gpu_model import BENCH_SHAPE
+from kvgate.harness.system.cluster import Cluster, ReplicaSpec
+from kvgate.harness.bench.live import local_phases, median_phases, primer, remote_phases, timed
+from kvgate.harness.scenarios.gpu_live import wait_published
+from kvgate.harness.system.gpu import BLOCK_SIZE, gpu_args
+from kvgate.harness.client.http import complete
+from kvgate.harness.workload.prompts import Corpus
 
 KV_BYTES = 10 << 30  # per replica's GPU KV cache: a 64k prefix (4 GiB) stays cached
 CPU_TIER_GIB = 8  # holds one repetition of 8k + 32k + 64k (6.5 GiB); older prefixes are evicted
@@ -57,7 +57,7 @@ def _say(msg: str) -> None:
 
 
 def start_bench(report_dir: Path, max_len: int) -> Cluster:
-    from fixtures.gpu_model import build_llama
+    from kvgate.fixtures.gpu_model import build_llama
 
     t0 = time.monotonic()
     model = build_llama(report_dir / "model", BENCH_SHAPE, seed=0)
@@ -257,6 +257,6 @@ def pinned_h2d_GBps(nbytes: int = 1 << 30, reps: int = 5) -> float:
 
 
 def _records(cluster: Cluster, ev: str, replica: str) -> list[dict]:
-    from harness.checkers.history import records
+    from kvgate.harness.checkers.history import records
 
     return records(cluster.history_dir, ev, replica=replica)

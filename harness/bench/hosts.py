@@ -1,5 +1,5 @@
 """`kvgate bench hosts`: the multi-host tier measured on hosts made of network namespaces
-(harness.system.hosts): replica G on host h1 (its pool daemon), replica H on host h2 (its
+(kvgate.harness.system.hosts): replica G on host h1 (its pool daemon), replica H on host h2 (its
 own), Redis on a store host; every byte between hosts crosses a veth link, and each host
 has a core of its own.
 
@@ -17,7 +17,7 @@ the seed's rule (p95 cross-host below p50 cold).
 Then the degradation table at one length (--fault-length): H's time to first token with
 the store host healthy, its link degraded (tc tbf at --degraded-rate: the first request
 after the fault and a later one), the store killed, and the store partitioned away, next
-to cold. The tier rule (kvpool.tier_rule) is what keeps the degraded, dead and
+to cold. The tier rule (kvpool.tier.rule) is what keeps the degraded, dead and
 partitioned rows near cold. Every run's output must equal its baseline's tokens (byte
 exactness is the suites' job; here a wrong output fails the bench). The last line is one
 JSON object; `--out` also writes it to a file.
@@ -33,9 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness.client.http import complete, reset_prefix_cache
-from harness.scenarios.hosts import publish_on_g
-from harness.workload.prompts import Corpus
+from kvgate.harness.client.http import complete, reset_prefix_cache
+from kvgate.harness.scenarios.hosts import publish_on_g
+from kvgate.harness.workload.prompts import Corpus
 
 LENGTHS = (1024, 2048, 4096, 8192)
 B = 128
@@ -66,8 +66,8 @@ def _check(got, ref, what: str) -> None:  # noqa: ANN001
 
 def run_bench(reps: int = 3, lengths: tuple[int, ...] = LENGTHS, fault_length: int = 4096,
               degraded_rate: str = "256kbit", report_dir: Path | None = None, out: Path | None = None) -> int:
-    from fixtures.tiny_model import build_tiny_model
-    from harness.system.hosts import MultiHost
+    from kvgate.fixtures.tiny_model import build_tiny_model
+    from kvgate.harness.system.hosts import MultiHost
 
     report_dir = report_dir or Path(tempfile.mkdtemp(prefix="kvgate-bench-hosts-"))
     model = build_tiny_model(report_dir / "model" / "tiny", seed=0, revision="r1")
@@ -87,7 +87,7 @@ def run_bench(reps: int = 3, lengths: tuple[int, ...] = LENGTHS, fault_length: i
     result = {"rows": rows, "faults": faults, "settings": SETTINGS,
               "system": {"hosts": LAYOUT, "store": "redis-server on its own host", "cores": "one per host",
                          "links": "veth pairs to a bridge (no rate limit unless a fault sets one)"}}
-    from harness.provenance import provenance
+    from kvgate.harness.provenance import provenance
 
     result["provenance"] = provenance()
     _say("prefix_tokens,cold_ms,local_hit_ms,same_host_hit_ms,cross_host_hit_ms(p50/p95),tier_MB/s,cross/same,cross/cold")
@@ -106,7 +106,7 @@ def run_bench(reps: int = 3, lengths: tuple[int, ...] = LENGTHS, fault_length: i
 
 
 def _length(system, corpus: Corpus, rng: random.Random, n: int, reps: int) -> dict:  # noqa: ANN001
-    from harness.checkers.history import records
+    from kvgate.harness.checkers.history import records
 
     cold, local, same, cross, rates = [], [], [], [], []
     claimed = found = 0
@@ -152,7 +152,7 @@ def _length(system, corpus: Corpus, rng: random.Random, n: int, reps: int) -> di
 
 def _faults(system, corpus: Corpus, rng: random.Random, n: int, reps: int, rate: str) -> dict:  # noqa: ANN001
     """H's TTFT at n tokens under each state of the store host, next to cold."""
-    from harness.checkers.history import records
+    from kvgate.harness.checkers.history import records
 
     out: dict[str, list[float]] = {k: [] for k in ("cold", "healthy", "degraded_first", "degraded_later", "dead",
                                                    "partitioned_first", "partitioned_later")}

@@ -42,13 +42,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from harness.system.cluster import Cluster, ReplicaSpec
-from harness.system.hosts import IDLE_ENV
+from kvgate.harness.system.cluster import Cluster, ReplicaSpec
+from kvgate.harness.system.hosts import IDLE_ENV
 from collections.abc import Callable
 from typing import Any
 
-from harness.client.http import Completion, complete
-from harness.workload.prompts import Corpus
+from kvgate.harness.client.http import Completion, complete
+from kvgate.harness.workload.prompts import Corpus
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
 
@@ -63,7 +63,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def run_bench(reps: int = 5, lengths: tuple[int, ...] = LENGTHS, report_dir: Path | None = None) -> int:
-    from fixtures.tiny_model import build_tiny_model
+    from kvgate.fixtures.tiny_model import build_tiny_model
 
     report_dir = report_dir or Path(tempfile.mkdtemp(prefix="kvgate-bench-live-"))
     model = build_tiny_model(report_dir / "model" / "tiny", seed=0, revision="r1")
@@ -111,7 +111,7 @@ def run_bench(reps: int = 5, lengths: tuple[int, ...] = LENGTHS, report_dir: Pat
             "remote_at_most_1.2x_local_at_every_length": all(r["remote_vs_local"] <= 1.2 for r in rows),
         },
     }
-    from harness.provenance import provenance
+    from kvgate.harness.provenance import provenance
 
     result["provenance"] = provenance()
     print(json.dumps(result))
@@ -119,7 +119,7 @@ def run_bench(reps: int = 5, lengths: tuple[int, ...] = LENGTHS, report_dir: Pat
 
 
 def _block_bytes(cluster: Cluster) -> int:
-    from harness.checkers.history import records
+    from kvgate.harness.checkers.history import records
 
     reg = records(cluster.history_dir, "register")
     if not reg:
@@ -128,8 +128,8 @@ def _block_bytes(cluster: Cluster) -> int:
 
 
 def _measure(cluster: Cluster, peer: PeerPair, corpus: Corpus, reps: int, lengths: tuple[int, ...]) -> list[dict]:
-    from harness.checkers.history import audit_digests, records
-    from harness.scenarios.live import wait_stored
+    from kvgate.harness.checkers.history import audit_digests, records
+    from kvgate.harness.scenarios.live import wait_stored
 
     A, B = cluster.replicas["A"].url, cluster.replicas["B"].url
     PA, PB = peer.replicas["PA"].url, peer.replicas["PB"].url
@@ -231,7 +231,7 @@ def remote_phases(history_dir: Path, tag: str, t0: float, ttft_s: float) -> dict
     stamp to the scheduler's first call: tokenization, input processing, the engine core's
     queue), `prep` (that call's hashing of the prompt) and `in_scheduler_queue` (of
     `in_engine`, the time since the engine core took the request in: its QUEUED stamp)."""
-    from harness.checkers.history import records
+    from kvgate.harness.checkers.history import records
 
     lookup = [r for r in records(history_dir, "lookup", tag=tag) if r.get("outcome") == "remote_hit"]
     load = [r for r in records(history_dir, "load", tag=tag) if r.get("loaded")]
@@ -255,7 +255,7 @@ def remote_phases(history_dir: Path, tag: str, t0: float, ttft_s: float) -> dict
 def local_phases(history_dir: Path, tag: str, t0: float, ttft_s: float) -> dict[str, float] | None:
     """A local hit's TTFT in the same phases as a remote hit's up to the scheduler's first
     call, then `after_lookup` (its lookup record to the first token)."""
-    from harness.checkers.history import records
+    from kvgate.harness.checkers.history import records
 
     lookup = records(history_dir, "lookup", tag=tag)
     if not lookup or "first_call" not in lookup[0]:
@@ -287,7 +287,7 @@ class PeerPair:
         inner = "vllm.distributed.kv_transfer.kv_connector.v1.example_connector:ExampleConnector"
 
         def config(name: str) -> str:
-            return json.dumps({"kv_connector": "AuditConnector", "kv_connector_module_path": "kvpool.audit",
+            return json.dumps({"kv_connector": "AuditConnector", "kv_connector_module_path": "kvpool.connector.audit",
                                "kv_role": "kv_both", "kv_connector_extra_config": {
                                    "audit_inner": inner, "shared_storage_path": str(storage), "replica": name,
                                    "history_dir": str(self.cluster.history_dir)}})

@@ -3,7 +3,7 @@ baseline measured in the same run, on the same machine, at the same time.
 
   1. lookup latency over the Unix socket (a 32-block lookup against a daemon in its own
      process), p50 / p99, next to the round trip of an empty `ping` on the same socket and
-     to a probe of the same 32 blocks in the segment's index (kvpool.shm_index, no round
+     to a probe of the same 32 blocks in the segment's index (kvpool.pool.index, no round
      trip) with the connector's freshness bound on the daemon's heartbeat: what a
      replica's scheduler pays for a lookup of a run the pool holds whole;
   2. load and publish throughput for 64 KiB, 1 MiB, 16 MiB and 64 MiB pages, next to a
@@ -31,11 +31,11 @@ import tracemalloc
 
 import numpy as np
 
-from harness.system.pool import PoolProcess
-from kvpool.catalog import Catalog, CatalogConfig
-from kvpool.client import load, publish
-from kvpool.connector import ConnectorSettings
-from kvpool.keys import Namespace, block_hashes
+from kvgate.harness.system.pool import PoolProcess
+from kvpool.pool.catalog import Catalog, CatalogConfig
+from kvpool.client.transfer import load, publish
+from kvpool.connector.settings import ConnectorSettings
+from kvpool.pool.keys import Namespace, block_hashes
 
 NS = Namespace("bench", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
 FRESH_S = ConnectorSettings.probe_fresh_s
@@ -221,7 +221,7 @@ def run_bench(quick: bool = False, blocks: int = 1_000_000) -> int:
         "catalog_bytes_per_block<256": result["catalog_bytes_per_block"] < 256,
         "alloc_large_vs_baseline<2": result["alloc_large_vs_baseline"] < 2,
     }
-    from harness.provenance import provenance
+    from kvgate.harness.provenance import provenance
 
     result["provenance"] = provenance()
     print(json.dumps(result))

@@ -26,9 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness.client.http import complete
-from harness.system.cluster import Cluster, ReplicaSpec
-from harness.workload.prompts import Corpus
+from kvgate.harness.client.http import complete
+from kvgate.harness.system.cluster import Cluster, ReplicaSpec
+from kvgate.harness.workload.prompts import Corpus
 
 LENGTHS = (1024, 4096, 16384)
 
@@ -43,14 +43,14 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _committed(cluster: Cluster, tag: str) -> int:
-    from harness.checkers.history import records
+    from kvgate.harness.checkers.history import records
 
     return sum(int(r.get("committed", 0)) for r in records(cluster.history_dir, "publish") if r.get("tag") == tag)
 
 
 def run_bench(pairs: int = 8, lengths: tuple[int, ...] = LENGTHS, report_dir: Path | None = None,
               seed: int = 20261201) -> int:
-    from fixtures.tiny_model import build_tiny_model
+    from kvgate.fixtures.tiny_model import build_tiny_model
 
     report_dir = report_dir or Path(tempfile.mkdtemp(prefix="kvgate-bench-publish-"))
     model = build_tiny_model(report_dir / "model" / "tiny", seed=0, revision="r1")
@@ -100,7 +100,7 @@ def run_bench(pairs: int = 8, lengths: tuple[int, ...] = LENGTHS, report_dir: Pa
         "targets": {"next_request_not_slowed_by_publishing_1.1x": all(
             r["next_ttft_after_publish_vs_after_none"] <= 1.1 for r in rows)},
     }
-    from harness.provenance import provenance
+    from kvgate.harness.provenance import provenance
 
     result["provenance"] = provenance()
     print(json.dumps(result))

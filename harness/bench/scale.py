@@ -1,5 +1,5 @@
 """`kvgate bench scale`: seed 000's scale scenarios, live at the size this machine allows,
-then simulated (harness.sim) at 8 to 64 replicas, the simulation first checked against the
+then simulated (kvgate.harness.sim) at 8 to 64 replicas, the simulation first checked against the
 live run it is calibrated with.
 
 Live (one pool, a warm replica W and three new ones N1-N3, on the machine's cores):
@@ -15,7 +15,7 @@ Live (one pool, a warm replica W and three new ones N1-N3, on the machine's core
   fanout+warm_routing   the same six requests all routed to W, which holds the prefixes.
   spike         twelve requests at once on N1-N3, every other one on a hot prefix (loaded)
                 and the rest on prompts nobody computed (recomputed, then published).
-Each request's hit kind and TTFT come from the run's history (harness.measure).
+Each request's hit kind and TTFT come from the run's history (kvgate.harness.measure).
 
 Each live variant runs `trials` times (interleaved, fresh hot prefixes each time).
 Check: the simulation at the live size (4 replicas, the machine's cores shared, W warm,
@@ -24,7 +24,7 @@ median TTFT must lie inside the 95% interval of the batches' means, and the live
 each hit kind inside the interval of the batches' totals (the report gives the ratio sim
 / live).
 
-Scale: every scenario of harness.sim at 8, 16, 32 and 64 replicas, calibrated the same way.
+Scale: every scenario of kvgate.harness.sim at 8, 16, 32 and 64 replicas, calibrated the same way.
 The last line printed is one JSON object.
 """
 
@@ -41,13 +41,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from harness.client.http import complete, reset_prefix_cache
-from harness.measure import percentile, samples
-from harness.plan import Measured
-from harness.system.cluster import Cluster, ReplicaSpec
-from harness.system.hosts import IDLE_ENV
-from harness.workload.prompts import Corpus
-from kvpool.history import read_history
+from kvgate.harness.client.http import complete, reset_prefix_cache
+from kvgate.harness.measure import percentile, samples
+from kvgate.harness.plan import Measured
+from kvgate.harness.system.cluster import Cluster, ReplicaSpec
+from kvgate.harness.system.hosts import IDLE_ENV
+from kvgate.harness.workload.prompts import Corpus
+from kvpool.connector.history import read_history
 
 NEW = ("N1", "N2", "N3")
 SPIKE = 12  # requests of the spike, every other one on a prompt nobody computed before
@@ -176,7 +176,7 @@ def check_against_live(m: Measured, live: dict[str, list[list[dict]]], length: i
     `batches` x `trials` times; over each batch of `trials` runs it takes the mean of the
     runs' median TTFTs and the total of each hit kind, as the live figures are taken. The
     live figures must lie inside the 95% interval of the batches'."""
-    from harness.sim import SimClass, SimConfig, simulate
+    from kvgate.harness.sim import SimClass, SimConfig, simulate
 
     rows = []
     for variant, trials in live.items():
@@ -220,8 +220,8 @@ def check_against_live(m: Measured, live: dict[str, list[list[dict]]], length: i
 
 def run_bench(length: int = 4096, reps: int = 20, sim_seeds: int = 200, replica_counts: tuple[int, ...] = (8, 16, 32, 64),
               report_dir: Path | None = None, seed: int = 0, trials: int = 5) -> int:
-    from fixtures.tiny_model import build_tiny_model
-    from harness.sim import run_scale
+    from kvgate.fixtures.tiny_model import build_tiny_model
+    from kvgate.harness.sim import run_scale
     from tqdm import tqdm
 
     report_dir = report_dir or Path(tempfile.mkdtemp(prefix="kvgate-bench-scale-"))
@@ -253,7 +253,7 @@ def run_bench(length: int = 4096, reps: int = 20, sim_seeds: int = 200, replica_
     total = len(replica_counts) * 6
     with tqdm(total=total, desc="simulated scale", file=sys.stderr) as bar:
         scale = run_scale(m, replica_counts, prefix_tokens=length, seed=seed, progress=bar)
-    from harness.provenance import provenance
+    from kvgate.harness.provenance import provenance
 
     result = {"prefix_tokens": length, "cores": cores, "live_replicas": len(specs),
               "calibration": {"by_kind": {k: {str(L): v for L, v in rows.items()} for k, rows in m.by_kind.items()},

@@ -26,16 +26,12 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from harness.system.pool import PoolProcess
-from kvpool.client import publish
-from kvpool.connector import (
-    BlockRun,
-    ChainInputs,
-    ConnectorSettings,
-    KVPoolMetadata,
-    KVPoolScheduler,
-    KVPoolWorker,
-)
+from kvgate.harness.system.pool import PoolProcess
+from kvpool.client.transfer import publish
+from kvpool.connector.params import BlockRun, ChainInputs, KVPoolMetadata
+from kvpool.connector.settings import ConnectorSettings
+from kvpool.connector.scheduler import KVPoolScheduler
+from kvpool.connector.worker import KVPoolWorker
 
 B = 16  # tokens per block
 LAYERS, HEADS, HEAD = 2, 2, 64
@@ -203,7 +199,7 @@ def run_stall(settings: dict | None = None, requests: int = 5, root: Path | None
 
 
 def main(out: Path | None = None) -> int:
-    from harness.provenance import provenance
+    from kvgate.harness.provenance import provenance
 
     result = {**run_stall(), "command": "kvgate bench stall", "provenance": provenance()}
     text = json.dumps(result, indent=2)

@@ -21,10 +21,10 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 
-from harness.checkers.history import audit_digests, namespace_of, namespaces
-from harness.checkers.verdict import Verdict
-from kvpool.digest import page_digest
-from kvpool.keys import Namespace
+from kvgate.harness.checkers.history import audit_digests, namespace_of, namespaces
+from kvgate.harness.checkers.verdict import Verdict
+from kvpool.pool.digest import page_digest
+from kvpool.pool.keys import Namespace
 
 
 def byte_exact(recs: list[dict], pool_digest: Callable[[str, list[str]], dict[str, str]] | None = None,

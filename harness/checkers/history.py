@@ -1,5 +1,5 @@
 """Reading the run's history (the JSON lines every connector, audit wrapper, fault
-injector and the harness's own client wrote; kvpool.history) for the checkers.
+injector and the harness's own client wrote; kvpool.connector.history) for the checkers.
 
   read_history(dir)                      every record of the run, ordered by time.
   window(dir, t0, t1) / within(recs, t0, t1)
@@ -17,8 +17,8 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from kvpool.history import read_history
-from kvpool.keys import Namespace
+from kvpool.connector.history import read_history
+from kvpool.pool.keys import Namespace
 
 __all__ = ["read_history", "window", "within", "namespaces", "records", "audit_digests", "failed_blocks",
            "namespace_of"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from harness.checkers.verdict import Verdict
+from kvgate.harness.checkers.verdict import Verdict
 from kvpool.errors import MissCause
 
 LOOKUP_OUTCOMES = {"local_hit", "remote_hit", "miss", "skipped"}
@@ -24,7 +24,7 @@ CAUSES = {c.value for c in MissCause}
 EXPECTED_CAUSE: dict[str, str | None] = {
     "corrupt": "corrupt", "transport_error": "transport_error", "timeout": "timeout", "evict": "evicted",
     "stream_delay": None, "copier_control": None, "lease_hold": None,
-    # the transport proxy (faults.proxy)
+    # the transport proxy (kvgate.faults.proxy)
     "reset": "transport_error", "truncate": "transport_error", "drop_reply": "timeout", "stall": "timeout",
     "bitflip": "corrupt", "slow": None,
 }

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from harness.checkers.verdict import Verdict
+from kvgate.harness.checkers.verdict import Verdict
 
 
 def classify(*, crashed: bool, liveness: Verdict, correctness: list[Verdict]) -> str:

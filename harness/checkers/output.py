@@ -1,9 +1,9 @@
 """The output oracle, and the scenario's own checks apart from it.
 
 A scenario body compares each completion under test with a reference of the same prefill
-partition (harness.checkers.verdict.Checks.output: tokens and log-probabilities, to the
+partition (kvgate.harness.checkers.verdict.Checks.output: tokens and log-probabilities, to the
 last bit). The fixture model's next token copies what followed an earlier occurrence of
-the current one (fixtures.tiny_model), so KV of the wrong context, or a page the engine
+the current one (kvgate.fixtures.tiny_model), so KV of the wrong context, or a page the engine
 was told it had and never got, moves the output; the log-probabilities move even where a
 greedy token does not.
 
@@ -14,7 +14,7 @@ greedy token does not.
 
 from __future__ import annotations
 
-from harness.checkers.verdict import Verdict, describe_difference
+from kvgate.harness.checkers.verdict import Verdict, describe_difference
 
 
 def output(v: Verdict) -> Verdict:

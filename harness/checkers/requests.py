@@ -7,7 +7,7 @@ request failed.
 
 from __future__ import annotations
 
-from harness.checkers.verdict import Verdict
+from kvgate.harness.checkers.verdict import Verdict
 
 
 def requests(recs: list[dict], policies: dict[str, str], bound_s: float = 300.0) -> Verdict:

@@ -8,7 +8,7 @@
   Checks
         named boolean checks of one scenario run that become one Verdict, and the run's
         output comparisons (Checks.output), which the output oracle judges
-        (harness.checkers.output).
+        (kvgate.harness.checkers.output).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ load-failure scenarios), and the versions tested.
   profile(name, extra)    a short name, or "module:Class" (with `extra`, its settings)
 
 Faults are injected at the data, never by raising the exception the connector expects:
-kvpool's page in the shared arena (faults.backend flips a bit of the committed page while
+kvpool's page in the shared arena (kvgate.faults.backend flips a bit of the committed page while
 the consumer's lease holds it), ExampleConnector's safetensors file on disk (removed, as
 a lost file on a shared file system would be).
 """
@@ -26,8 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness.system.cluster import CONNECTOR, free_port
-from harness.system.procs import spawn, stop_group, wait_ready
+from kvgate.harness.system.cluster import CONNECTOR, free_port
+from kvgate.harness.system.procs import spawn, stop_group, wait_ready
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -142,7 +142,7 @@ def _kvpool_break(cluster, consumer: str) -> dict[str, Any]:  # noqa: ANN001
     committed page in the arena (healed at the release)."""
     path = cluster.faults[consumer]
     path.write_text(json.dumps({"load": {"kind": "corrupt", "block": 0, "seed": 0}}))
-    return {"where": "the committed page of block 0 in the shared arena", "how": "one bit flipped (faults.backend)",
+    return {"where": "the committed page of block 0 in the shared arena", "how": "one bit flipped (kvgate.faults.backend)",
             "armed": str(path)}
 
 

@@ -1,5 +1,5 @@
 """`kvgate gate --connector NAME` and `kvgate conformance`: the connector-agnostic
-scenarios (harness.conformance.scenarios) against one V1 connector, or a matrix of them.
+scenarios (kvgate.harness.conformance.scenarios) against one V1 connector, or a matrix of them.
 
   run_connector(name, extra, seed, report_dir, scenarios) -> dict
       first checks that the connector can run here (it imports; the hardware it needs is
@@ -7,7 +7,7 @@ scenarios (harness.conformance.scenarios) against one V1 connector, or a matrix 
       error) and nothing is started. Else it starts a pool (kvpool's rows use it; the
       others ignore it) and replicas A (policy fail), B (recompute) and, where a scenario
       needs it, C (revision r2 of the tiny model) with the connector wrapped by
-      faults.connector and kvpool.audit; runs every scenario (n/a where the connector
+      kvgate.faults.connector and kvpool.connector.audit; runs every scenario (n/a where the connector
       declares it lacks what the scenario needs); a replica that died is restarted before
       the next scenario, and its death is the failing cell's evidence.
   row_verdict(row) -> (passed, reason)      the gate's verdict on one connector's row
@@ -34,13 +34,13 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from harness.checkers.verdict import Checks
-from harness.client.http import RequestFailed
-from harness.conformance.connectors import ConnectorUnavailable, Profile, profile
-from harness.conformance.scenarios import SCENARIOS, Ctx, Scenario, ScenarioDown
-from harness.plugin import derive_seed
-from harness.provenance import provenance, title_flag
-from harness.system.procs import tail
+from kvgate.harness.checkers.verdict import Checks
+from kvgate.harness.client.http import RequestFailed
+from kvgate.harness.conformance.connectors import ConnectorUnavailable, Profile, profile
+from kvgate.harness.conformance.scenarios import SCENARIOS, Ctx, Scenario, ScenarioDown
+from kvgate.harness.plugin import derive_seed
+from kvgate.harness.provenance import provenance, title_flag
+from kvgate.harness.system.procs import tail
 
 STATUSES = ("pass", "fail", "n/a", "not run")
 
@@ -66,9 +66,9 @@ def detect_device() -> str:
 
 def _specs(prof: Profile, report_dir: Path, replicas: set[str], service_settings: dict,  # noqa: ANN202
            device: str = "cpu"):
-    from fixtures.tiny_model import build_tiny_model
-    from harness.system.cluster import DEFAULT_CHUNK, SMALL_KV_BLOCKS, ReplicaSpec
-    from harness.system.gpu import gpu_args
+    from kvgate.fixtures.tiny_model import build_tiny_model
+    from kvgate.harness.system.cluster import DEFAULT_CHUNK, SMALL_KV_BLOCKS, ReplicaSpec
+    from kvgate.harness.system.gpu import gpu_args
 
     # On CUDA: vLLM's GPU flags (TRITON_ATTN) with the CPU system's 128-token blocks, so
     # every scenario's block arithmetic holds on both devices.
@@ -109,7 +109,7 @@ def _log_errors(path: Path) -> str:
 def _casualties(cluster) -> dict[str, str]:  # noqa: ANN001
     """Replicas that died or stopped answering (each given up to 20 s: a server whose
     engine died shuts down by itself), with the last errors of their logs."""
-    from harness.client.http import healthy
+    from kvgate.harness.client.http import healthy
 
     out = {}
     for name, r in cluster.replicas.items():
@@ -207,8 +207,8 @@ def run_cell(ctx: Ctx, sc: Scenario, root: int) -> dict[str, Any]:
 def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir: Path,
                   scenarios: list[str] | None = None, device: str | None = None,
                   request_timeout_s: float = 600.0) -> dict[str, Any]:
-    from harness.system.cluster import Cluster, install_sigterm_unwind
-    from harness.workload.prompts import Corpus
+    from kvgate.harness.system.cluster import Cluster, install_sigterm_unwind
+    from kvgate.harness.workload.prompts import Corpus
 
     prof = profile(name, extra)
     device = device or detect_device()
@@ -232,7 +232,7 @@ def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir
     cluster = service = None
     try:
         if replicas:
-            from fixtures.tiny_model import build_tiny_model
+            from kvgate.fixtures.tiny_model import build_tiny_model
 
             install_sigterm_unwind()
             model = build_tiny_model(report_dir / "model" / "tiny", seed=0, revision="r1")

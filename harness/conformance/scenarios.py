@@ -1,5 +1,5 @@
 """The connector-agnostic scenarios: each judged only from what any V1 connector shows
-through its hooks (kvpool.audit's records: what it claimed at get_num_new_matched_tokens,
+through its hooks (kvpool.connector.audit's records: what it claimed at get_num_new_matched_tokens,
 the blocks it installed and the blocks producers computed, by token-chain hash; the
 blocks it reported failed) and from the requests' outputs. Nothing here reads kvpool's
 own records, so the same scenario gates kvpool and any other connector.
@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from harness.checkers.history import audit_digests, records
-from harness.checkers.verdict import Checks
-from harness.client.http import Completion, RequestFailed, complete
-from harness.workload.prompts import Corpus, common_prefix_tails
+from kvgate.harness.checkers.history import audit_digests, records
+from kvgate.harness.checkers.verdict import Checks
+from kvgate.harness.client.http import Completion, RequestFailed, complete
+from kvgate.harness.workload.prompts import Corpus, common_prefix_tails
 
 BLOCK = 128  # the tiny model's block size on the default system
 
@@ -35,9 +35,9 @@ class ScenarioDown(Exception):
 
 @dataclasses.dataclass
 class Ctx:
-    cluster: Any  # harness.system.cluster.Cluster
+    cluster: Any  # kvgate.harness.system.cluster.Cluster
     corpus: Corpus
-    profile: Any  # harness.conformance.connectors.Profile
+    profile: Any  # kvgate.harness.conformance.connectors.Profile
     seed: int
     t0: float = 0.0  # wall clock at the scenario's start
     timeout_s: float = 600.0  # one request's limit: a request that hangs fails its cell after it
@@ -277,7 +277,7 @@ def load_failure_recompute(ctx: Ctx, prompt_tokens: int = 1500, control: str | N
 
 
 def arm_control(ctx: Ctx, replica: str, control: str) -> None:
-    """Add a connector control (faults.connector) to what the replica's fault file arms."""
+    """Add a connector control (kvgate.faults.connector) to what the replica's fault file arms."""
     import json
 
     path = ctx.cluster.faults[replica]
@@ -420,7 +420,7 @@ def _all_digests(ctx: Ctx, kind: str, replica: str, tag: str) -> dict[str, set[s
 def preempt_during_store(ctx: Ctx, control: str | None = None, prompts: int = 3, prompt_tokens: int = 1600,
                          decode: int = 1500) -> Checks:
     """D has a KV cache of 64 blocks. Three requests of 1600 prompt tokens (13 blocks)
-    each decode 1500 tokens (25 blocks in all): D's schedule gathers them (faults.connector,
+    each decode 1500 tokens (25 blocks in all): D's schedule gathers them (kvgate.faults.connector,
     section "schedule") and admits them one per step, so each prompt prefills in one step
     and the three decode side by side however the sends and the steps interleave. Together
     they need 75 blocks, so the engine preempts and resumes them while their prompts' KV
@@ -433,7 +433,7 @@ def preempt_during_store(ctx: Ctx, control: str | None = None, prompts: int = 3,
     import json
     import threading
 
-    from faults.control import write_control
+    from kvgate.faults.control import write_control
 
     rng = random.Random(ctx.seed)
     texts = [ctx.corpus.text(prompt_tokens, rng) for _ in range(prompts)]

@@ -9,6 +9,6 @@ the repository's reports/ folder, which holds no code.
   gpu_live   a `kvgate gpu-live` result as a Markdown checklist.
 
 Rendering reads documents and the harness's leaf modules (checkers.verdict, measure,
-provenance, system.gpu's constants); nothing here imports a command (harness.plan,
-harness.gate, harness.cli), and those import it.
+provenance, system.gpu's constants); nothing here imports a command (kvgate.harness.plan,
+kvgate.harness.gate, kvgate.harness.cli), and those import it.
 """

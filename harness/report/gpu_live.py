@@ -1,4 +1,4 @@
-"""Rendering a `kvgate gpu-live` result (harness.gpu_live, from the parts in harness.scenarios.gpu_live) as a
+"""Rendering a `kvgate gpu-live` result (kvgate.harness.gpu_live, from the parts in kvgate.harness.scenarios.gpu_live) as a
 Markdown checklist.
 
   render_markdown(result, date) -> str
@@ -6,9 +6,9 @@ Markdown checklist.
 
 from __future__ import annotations
 
-from harness.provenance import title_flag
-from harness.system.gpu import BLOCK_SIZE
-from harness.report.render import table
+from kvgate.harness.provenance import title_flag
+from kvgate.harness.system.gpu import BLOCK_SIZE
+from kvgate.harness.report.render import table
 
 
 def render_markdown(result: dict, date: str) -> str:

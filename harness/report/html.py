@@ -2,7 +2,7 @@
 plots as inline SVG (matplotlib), so the page opens anywhere without scripts or network.
 
   gate_report(run, measured) -> str    a gate run: its criteria, then from its
-                                       measurements (harness.measure) the TTFT of every
+                                       measurements (kvgate.harness.measure) the TTFT of every
                                        request by hit kind and prefix length, the payback
                                        curve (p95 of each hit kind against the p50 of cold
                                        prefill), miss causes over the run, and the fault
@@ -30,7 +30,7 @@ import matplotlib
 matplotlib.use("Agg")  # no display: render to SVG only
 import matplotlib.pyplot as plt  # noqa: E402
 
-from harness.report.plan import markdown  # noqa: E402
+from kvgate.harness.report.plan import markdown  # noqa: E402
 
 plt.rcParams.update({"svg.fonttype": "none", "font.size": 9, "figure.dpi": 96, "axes.grid": True,
                      "grid.alpha": 0.3})
@@ -83,7 +83,7 @@ class _Raw(str):
 
 def page(title: str, provenance: dict | None, body: list[str]) -> str:
     prov = provenance or {}
-    from harness.provenance import title_flag
+    from kvgate.harness.provenance import title_flag
 
     flag = title_flag(prov)  # a report from a dirty or unverified tree says so in its title
     meta = (f"commit <code>{html.escape(str(prov.get('short', 'unknown')))}</code>, "
@@ -100,7 +100,7 @@ def page(title: str, provenance: dict | None, body: list[str]) -> str:
 def ttft_plot(samples: list[dict], name: str = "ttft-by-kind") -> str:
     """Every request's TTFT against its prompt length, by hit kind; the median per power of
     two as a line."""
-    from harness.measure import bucket
+    from kvgate.harness.measure import bucket
 
     if not samples:
         return _empty(name, "no request with a hit kind was measured")
@@ -209,8 +209,8 @@ def _criteria_table(criteria: list[dict]) -> str:
 
 
 def gate_report(run: Any, measured: dict) -> str:
-    """`run`: a harness.report.render.GateRun, or the dict of its run.json."""
-    from harness.measure import Sample, distributions
+    """`run`: a kvgate.harness.report.render.GateRun, or the dict of its run.json."""
+    from kvgate.harness.measure import Sample, distributions
 
     doc = run if isinstance(run, dict) else _run_dict(run)
     body = [f"<p>Replay key <code>{html.escape(json.dumps(doc.get('replay_key', {})))}</code>: "

@@ -1,15 +1,15 @@
-"""Rendering a `kvgate plan` result (harness.plan.plan's JSON document) as Markdown.
+"""Rendering a `kvgate plan` result (kvgate.harness.plan.plan's JSON document) as Markdown.
 
   markdown(doc) -> str    the benefit per request class and its terms, the byte rates, the
                           capacity and reuse distances, the rule p95 remote < p50 cold per
                           measured length, the warm-up and the recommendation.
 
-It reads the document only: it imports nothing of harness.plan (harness.plan imports it).
+It reads the document only: it imports nothing of kvgate.harness.plan (kvgate.harness.plan imports it).
 """
 
 from __future__ import annotations
 
-from harness.report.render import table
+from kvgate.harness.report.render import table
 
 
 def _mb(x: float | None) -> str:

@@ -1,6 +1,6 @@
 """Rendering a gate run: one JSON result, a JUnit XML file and a Markdown checklist.
 
-  (Verdict, the checkers' result type, is harness.checkers.verdict's.)
+  (Verdict, the checkers' result type, is kvgate.harness.checkers.verdict's.)
   Criterion      one line of the gate checklist: a name, its verdict, the replay command.
   write_reports(dir, run)   run.json, junit.xml, checklist.md under `dir`.
   table(headers, rows)      a Markdown table's lines (the one table writer of every report).
@@ -14,7 +14,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-from harness.checkers.verdict import Verdict
+from kvgate.harness.checkers.verdict import Verdict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +76,7 @@ def write_reports(directory: Path, run: GateRun) -> dict[str, Path]:
     ET.ElementTree(suite).write(paths["junit"], encoding="unicode", xml_declaration=True)
 
     key = run.replay_key
-    from harness.provenance import provenance, title_flag
+    from kvgate.harness.provenance import provenance, title_flag
 
     # the title says whether the tree was dirty (the replay key's) or a carried copy that
     # did not match its stamp (the run's provenance, taken at its start)

@@ -1,8 +1,8 @@
 """The scenario catalog: one JSON file per scenario, shipped as package data of `fixtures`
 (fixtures/scenarios/*.json), so an installed kvgate has its catalog.
 
-A scenario file (data only; `runner` names an entry of RUNNERS: harness.scenarios.live's
-and harness.scenarios.hostile's):
+A scenario file (data only; `runner` names an entry of RUNNERS: kvgate.harness.scenarios.live's
+and kvgate.harness.scenarios.hostile's):
 
     {"name": "load-corrupt", "runner": "load_failure", "fault": "corrupt",
      "replicas": ["A", "B"], "params": {"kind": "corrupt"},
@@ -14,7 +14,7 @@ and harness.scenarios.hostile's):
      "description": "..."}
 
 A scenario is data: its workload and nemesis (the runner and its params; the fault kind,
-whose site and heal step faults.schedule names), the miss causes its run must show
+whose site and heal step kvgate.faults.schedule names), the miss causes its run must show
 (`expect`: exactly these load causes besides hits, and at most the allowed ones where an
 adversary's timing decides whether a load meets its attempt; at least these lookup causes
 besides never_published), its negative control and the oracle that must catch that control.
@@ -33,22 +33,22 @@ import json
 from pathlib import Path
 from typing import Any
 
-from faults.schedule import KINDS
+from kvgate.faults.schedule import KINDS
 from kvpool.errors import MissCause
-from harness.scenarios import hostile, live
-from harness.system.default import HOSTS_REPLICAS
+from kvgate.harness.scenarios import hostile, live
+from kvgate.harness.system.default import HOSTS_REPLICAS
 
 RUNNERS = {**live.RUNNERS, **hostile.RUNNERS}  # every runner a scenario file may name
 
 
-# The parts of a scenario run's judgement, in order (harness.scenarios.runner): the
+# The parts of a scenario run's judgement, in order (kvgate.harness.scenarios.runner): the
 # scenario's own checks, the output oracle over its comparisons, then the three oracles
 # over the history.
 ORACLES = ("scenario", "output", "byte-exact", "miss causes", "requests")
 
 
 def catalog_dir() -> Path:
-    return Path(str(importlib.resources.files("fixtures") / "scenarios"))
+    return Path(str(importlib.resources.files("kvgate.fixtures") / "scenarios"))
 
 
 KNOWN_REPLICAS = {"A", "B", "C", "D", "G", "H"}  # C: the tiny model's revision r2; D: the small-KV replica
@@ -148,7 +148,7 @@ def find(name: str, directory: Path | None = None) -> Scenario:
 
 
 def on_hosts(sc: Scenario) -> bool:
-    """Whether the scenario runs on the multi-host system (harness.system.hosts)."""
+    """Whether the scenario runs on the multi-host system (kvgate.harness.system.hosts)."""
     return bool(set(sc.replicas) & HOSTS_REPLICAS)
 
 

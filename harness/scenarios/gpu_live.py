@@ -1,10 +1,10 @@
-"""The parts of `kvgate gpu-live` (harness.gpu_live): kvgate live on GPUs with vLLM 0.24 (the GPU bundle).
+"""The parts of `kvgate gpu-live` (kvgate.harness.gpu_live): kvgate live on GPUs with vLLM 0.24 (the GPU bundle).
 
 Placement (`--gpus N`): with N <= 1, two replicas (A, B) of the tiny model share one GPU;
 with N >= 2, one replica per GPU (A on GPU 0, B on GPU 1, C on GPU 2, ...; each started
 with CUDA_VISIBLE_DEVICES set to its GPU). Either way every replica is registered on the
 same kvpool pool (one tenant, one segment on the host), through kvpool's connector, under
-the audit wrapper (kvpool.audit) around the fault-injecting connector (faults.connector,
+the audit wrapper (kvpool.connector.audit) around the fault-injecting connector (kvgate.faults.connector,
 whose stream-delay site and unordered-transfer control act on CUDA), with a fault-control
 file each.
 
@@ -15,7 +15,7 @@ consumer loads, then the consumer recomputes the same prompt cold (its prefix ca
 reset, pool bypassed):
 
   cross_replica_hit   no fault: the consumer's tokens equal its cold run's, and the
-                      byte-exact oracle (harness.checkers.byte_exact.exchange_exact) holds: every block
+                      byte-exact oracle (kvgate.harness.checkers.byte_exact.exchange_exact) holds: every block
                       it installed equals the producer's bytes and the pool's committed
                       copy, and its own cold recompute gives the same bytes.
   stream_delay        the producer's step that publishes runs behind a torch.cuda._sleep
@@ -24,16 +24,16 @@ reset, pool bypassed):
   stream_delay_control
                       the same delay with the negative control armed (the transfer engine
                       drops the store's dependency on the engine's stream,
-                      faults.gpu_live.SwitchableTransferEngine): the byte-exact check must
+                      kvgate.faults.gpu_live.SwitchableTransferEngine): the byte-exact check must
                       catch it (a FAIL verdict there is the expected outcome).
 
 Sessions (`--sessions`): the OFF-ON-ON-OFF comparison of the seed (003_...) on a second
-set of replicas of the bench model (fixtures.gpu_model, 64 KiB of KV per token), placed
+set of replicas of the bench model (kvgate.fixtures.gpu_model, 64 KiB of KV per token), placed
 like the tiny ones: six-turn sessions whose turns alternate replicas, run four times
 (pool off, on, on, off; each block under its own cache_salt); TTFT per turn, the median
 of the cross-replica turns per block, and the generated tokens compared across blocks.
 
-  GpuCluster            harness.system.gpu: the cluster with vLLM 0.24 GPU flags.
+  GpuCluster            kvgate.harness.system.gpu: the cluster with vLLM 0.24 GPU flags.
   placement(gpus)       -> [(replica, CUDA_VISIBLE_DEVICES or None)]
   directions(names)     -> [(producer, consumer)]
   run_live(cluster, model, seed)  -> dict    the exchanges and their verdicts.
@@ -51,8 +51,8 @@ of the cross-replica turns per block, and the generated tokens compared across b
                         reported, not judged.
   wait_published(history_dir, replica, tag, blocks)   a replica's publish records of a
                         request covering `blocks` blocks (the bench waits on it too).
-The command that runs these parts with the bench (harness.bench.gpu_live) and writes the
-checklist is harness.gpu_live; this module imports nothing of the bench.
+The command that runs these parts with the bench (kvgate.harness.bench.gpu_live) and writes the
+checklist is kvgate.harness.gpu_live; this module imports nothing of the bench.
 Each verdict says what it does not check. The delay is seeded only in its length; a seed
 cannot force a thread interleaving.
 """
@@ -68,15 +68,15 @@ import sys
 import time
 from pathlib import Path
 
-from harness.checkers.byte_exact import exchange_exact, pool_digests
-from harness.checkers.history import audit_digests, namespace_of, records
-from harness.checkers.verdict import Verdict
-from harness.client import http
-from harness.client.http import Completion, complete, reset_prefix_cache
-from harness.system.cluster import Cluster, ReplicaSpec
-from harness.system.gpu import BLOCK_SIZE, GpuCluster, gpu_args
-from harness.workload.prompts import Corpus
-from kvpool.arena import memory_available
+from kvgate.harness.checkers.byte_exact import exchange_exact, pool_digests
+from kvgate.harness.checkers.history import audit_digests, namespace_of, records
+from kvgate.harness.checkers.verdict import Verdict
+from kvgate.harness.client import http
+from kvgate.harness.client.http import Completion, complete, reset_prefix_cache
+from kvgate.harness.system.cluster import Cluster, ReplicaSpec
+from kvgate.harness.system.gpu import BLOCK_SIZE, GpuCluster, gpu_args
+from kvgate.harness.workload.prompts import Corpus
+from kvpool.pool.arena import memory_available
 
 STREAM_DELAY_MS = 300.0
 
@@ -234,7 +234,7 @@ def run_exchange(cluster: GpuCluster, corpus: Corpus, ex: Exchange, rng: random.
 def environment() -> dict:
     import torch
 
-    from harness.provenance import provenance
+    from kvgate.harness.provenance import provenance
 
     out = {"torch": torch.__version__, "cuda": torch.version.cuda, "provenance": provenance()}
     if torch.cuda.is_available():
@@ -250,7 +250,7 @@ def environment() -> dict:
 
 
 def tiny_cluster(report_dir: Path, gpus: int = 1) -> tuple[GpuCluster, list[ReplicaSpec], Path]:
-    from fixtures.tiny_model import build_tiny_model
+    from kvgate.fixtures.tiny_model import build_tiny_model
 
     model = build_tiny_model(report_dir / "model" / "tiny", seed=0, revision="r1")
     specs = [ReplicaSpec(name, core=str(i), kv_bytes=1 << 30, audit=True, policy="recompute",
@@ -294,10 +294,10 @@ SESSION_MAX_TOKENS = 16
 
 
 def start_sessions(report_dir: Path, gpus: int, max_context: int, turns: int = 6, audit: bool = False) -> Cluster:
-    """Replicas of the bench model (fixtures.gpu_model), placed as the tiny ones, on a pool
+    """Replicas of the bench model (kvgate.fixtures.gpu_model), placed as the tiny ones, on a pool
     of their own; kvpool's connector without audit (the byte-exact oracle runs on the tiny
     pair)."""
-    from fixtures.gpu_model import BENCH_SHAPE, build_llama
+    from kvgate.fixtures.gpu_model import BENCH_SHAPE, build_llama
 
     t0 = time.monotonic()
     model = build_llama(report_dir / "model", BENCH_SHAPE, seed=0)
@@ -338,11 +338,11 @@ def _settle(history_dir: Path, replica: str, tag: str, prompt_tokens: int, timeo
 
 def run_session_blocks(cluster: Cluster, corpus: Corpus, seed: int, *, context_tokens: int, sessions: int = 2,
                        turns: int = 6, settle_s: float = 30.0, audit: bool = False) -> dict:
-    """OFF-ON-ON-OFF: the same `sessions` six-turn sessions (harness.workload.prompts.six_turn_session,
-    turns alternating replicas: harness.workload.router.Router "alternating") four times, each
+    """OFF-ON-ON-OFF: the same `sessions` six-turn sessions (kvgate.harness.workload.prompts.six_turn_session,
+    turns alternating replicas: kvgate.harness.workload.router.Router "alternating") four times, each
     block under its own cache_salt; with the pool off requests neither load nor publish."""
-    from harness.workload.prompts import six_turn_session
-    from harness.workload.router import Router
+    from kvgate.harness.workload.prompts import six_turn_session
+    from kvgate.harness.workload.router import Router
 
     http.RECORDER = cluster.history
     names = list(cluster.replicas)

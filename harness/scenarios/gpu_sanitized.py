@@ -1,5 +1,5 @@
 """Run the ordering scenarios under PyTorch's CUDA stream sanitizer (CSAN); started by
-test_sanitizer.py as `TORCH_CUDA_SANITIZER=1 python -m harness.scenarios.gpu_sanitized --mode M`.
+test_sanitizer.py as `TORCH_CUDA_SANITIZER=1 python -m kvgate.harness.scenarios.gpu_sanitized --mode M`.
 
   --mode ordered   every scenario with the real engine (torch path): CSAN must stay
                    silent and every page must be byte-exact.
@@ -28,11 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from torch.cuda._sanitizer import CUDASanitizerErrors
 
-    from faults.gpu_controls import UnorderedTransferEngine
-    from harness.system.pool import DEFAULT_TENANT, thread_pool
-    from kvpool.client import PoolClient
-    from kvpool.gpu_transfer import CopyPath, TransferEngine
-    from harness.scenarios.gpu_transfer import GEOMETRIES, POOL_PAGE, Scenario, namespace, run_scenario
+    from kvgate.faults.gpu_controls import UnorderedTransferEngine
+    from kvgate.harness.system.pool import DEFAULT_TENANT, thread_pool
+    from kvpool.client.pool_client import PoolClient
+    from kvpool.gpu.transfer import CopyPath, TransferEngine
+    from kvgate.harness.scenarios.gpu_transfer import GEOMETRIES, POOL_PAGE, Scenario, namespace, run_scenario
 
     daemon = thread_pool(page_size=POOL_PAGE, num_pages=128, token="csan")
     client = PoolClient(f"unix:{daemon.unix_path}", DEFAULT_TENANT, "csan")

@@ -27,12 +27,13 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from faults.gpu_controls import UnorderedTransferEngine, delay_stream
-from kvpool.client import PoolClient, publish
-from kvpool.digest import DigestKind
-from kvpool.gpu_transfer import CopyPath, OrderingEdge, TransferConfig, TransferEngine
-from kvpool.keys import Namespace, block_hashes
-from harness.checkers.verdict import Verdict
+from kvgate.faults.gpu_controls import UnorderedTransferEngine, delay_stream
+from kvpool.client.pool_client import PoolClient
+from kvpool.client.transfer import publish
+from kvpool.pool.digest import DigestKind
+from kvpool.gpu.transfer import CopyPath, OrderingEdge, TransferConfig, TransferEngine
+from kvpool.pool.keys import Namespace, block_hashes
+from kvgate.harness.checkers.verdict import Verdict
 
 POOL_PAGE = 512 * 1024
 

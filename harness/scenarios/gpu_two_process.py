@@ -15,14 +15,14 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.scenarios.gpu_transfer import GEOMETRIES, namespace
+from kvgate.harness.scenarios.gpu_transfer import GEOMETRIES, namespace
 
 GEOMETRY = "nfirst-512k"
 BLOCKS = 24
 
 
 def _plan(seed: int):  # noqa: ANN202
-    from kvpool.keys import block_hashes
+    from kvpool.pool.keys import block_hashes
 
     geom = GEOMETRIES[GEOMETRY]
     rng = np.random.default_rng([seed, 2])
@@ -37,11 +37,11 @@ def producer(address: str, token: str, seed: int, tag: str, drop: str | None, de
              out_dir: str) -> None:
     import torch
 
-    from faults.gpu_controls import UnorderedTransferEngine, delay_stream
-    from kvpool.client import PoolClient
-    from kvpool.gpu_transfer import CopyPath, TransferEngine
-    from kvpool.keys import block_hashes
-    from harness.scenarios.gpu_transfer import fill, make_kv, write_blocks
+    from kvgate.faults.gpu_controls import UnorderedTransferEngine, delay_stream
+    from kvpool.client.pool_client import PoolClient
+    from kvpool.gpu.transfer import CopyPath, TransferEngine
+    from kvpool.pool.keys import block_hashes
+    from kvgate.harness.scenarios.gpu_transfer import fill, make_kv, write_blocks
 
     geom, pages, src_blocks, _, hashes = _plan(seed)
     client = PoolClient(address, "default", token, name="producer")
@@ -77,9 +77,9 @@ def producer(address: str, token: str, seed: int, tag: str, drop: str | None, de
 def consumer(address: str, token: str, seed: int, tag: str, out_dir: str) -> None:
     import torch
 
-    from kvpool.client import PoolClient
-    from kvpool.gpu_transfer import CopyPath, TransferEngine
-    from harness.scenarios.gpu_transfer import make_kv, read_pages
+    from kvpool.client.pool_client import PoolClient
+    from kvpool.gpu.transfer import CopyPath, TransferEngine
+    from kvgate.harness.scenarios.gpu_transfer import make_kv, read_pages
 
     geom, pages, _, dst_blocks, hashes = _plan(seed)
     client = PoolClient(address, "default", token, name="consumer")

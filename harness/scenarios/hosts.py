@@ -1,5 +1,5 @@
 """The multi-host scenarios: replicas G (host h1) and H (host h2) on their own pool
-daemons, the network tier on a third host (harness.system.hosts), faults on the store host.
+daemons, the network tier on a third host (kvgate.harness.system.hosts), faults on the store host.
 
   cross_host(system, corpus, seed, fault=None, rate="256kbit", control=None, store="redis")
       on a Redis or a Mooncake store (`store`: the system's). G computes two prompts (published to h1's pool and the tier); H's cold runs of them
@@ -11,7 +11,7 @@ daemons, the network tier on a third host (harness.system.hosts), faults on the 
         "store_kill"      the storage node SIGKILLed: H's first request takes nothing from
                           it (Redis: the lookup fails; Mooncake: the master still indexes
                           the pages and the load fails, transport_error), the second is
-                          held off (kvpool.tier_rule); both recomputed with the baselines' output
+                          held off (kvpool.tier.rule); both recomputed with the baselines' output
         "store_partition" the store host's link down: the first lookup waits the tier's
                           timeout, the second is held off; both recomputed
         "store_degraded"  the store host's link at `rate` (tc tbf): a page takes longer than
@@ -26,7 +26,7 @@ daemons, the network tier on a third host (harness.system.hosts), faults on the 
       tier, with the tokens of its baseline.
       Negative controls: `claim_past_loaded` (no fault; the output oracle must catch it) and
       `deaf_tier_rule` (the faults: H's tier rule never holds the tier off; the scenario's
-      held-off check must catch it), both faults.connector's.
+      held-off check must catch it), both kvgate.faults.connector's.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from __future__ import annotations
 import random
 import time
 
-from harness.checkers.history import records
-from harness.checkers.verdict import Checks, Verdict
-from harness.client.http import complete, reset_prefix_cache
-from harness.scenarios.nemesis import wait_for
-from harness.workload.prompts import Corpus
+from kvgate.harness.checkers.history import records
+from kvgate.harness.checkers.verdict import Checks, Verdict
+from kvgate.harness.client.http import complete, reset_prefix_cache
+from kvgate.harness.scenarios.nemesis import wait_for
+from kvgate.harness.workload.prompts import Corpus
 
 B = 128
 PROMPT_TOKENS = 11 * B + 60

@@ -41,15 +41,15 @@ import random
 import time
 from collections.abc import Callable
 
-from faults.schedule import draw_schedule
-from harness.checkers.byte_exact import exchange_exact, pool_digests
-from harness.checkers.history import audit_digests, namespace_of, records
-from harness.checkers.verdict import Checks, Verdict
-from harness.client.http import Completion, complete, http_status
-from harness.system.cluster import Cluster
-from harness.workload.prompts import Corpus, common_prefix_tails
-from harness.scenarios.nemesis import wait_for, arm, arm_copier, pool_catalog
-from harness.workload.sessions import off_on_on_off
+from kvgate.faults.schedule import draw_schedule
+from kvgate.harness.checkers.byte_exact import exchange_exact, pool_digests
+from kvgate.harness.checkers.history import audit_digests, namespace_of, records
+from kvgate.harness.checkers.verdict import Checks, Verdict
+from kvgate.harness.client.http import Completion, complete, http_status
+from kvgate.harness.system.cluster import Cluster
+from kvgate.harness.workload.prompts import Corpus, common_prefix_tails
+from kvgate.harness.scenarios.nemesis import wait_for, arm, arm_copier, pool_catalog
+from kvgate.harness.workload.sessions import off_on_on_off
 
 
 BLOCK = 128  # the tiny model's KV block, in tokens
@@ -150,7 +150,7 @@ def shared_system_prompt(cluster: Cluster, corpus: Corpus, seed: int, system_tok
                          questions: int = 4) -> Verdict:
     """A computes the first question; every other question, on B, loads the system
     prompt's complete blocks and recomputes only its own tail."""
-    from harness.workload.prompts import shared_system_prompt as workload
+    from kvgate.harness.workload.prompts import shared_system_prompt as workload
 
     rng = random.Random(seed)
     turns = workload(corpus, rng, system_tokens, questions)
@@ -217,7 +217,7 @@ def hit_kinds(cluster: Cluster, corpus: Corpus, seed: int) -> Verdict:
     c.check("the pool counted one remote hit of 5 blocks", after["hits"] - before["hits"] == 1
             and after["hit_blocks"] - before["hit_blocks"] == 5, (before["hits"], after["hits"]))
     # A malformed request: B (the connector alone) serves it without the pool; A (with
-    # kvpool.http's check in front) refuses it with a 400 naming the field; both keep serving.
+    # kvpool.connector.http's check in front) refuses it with a 400 naming the field; both keep serving.
     bad = complete(B, corpus.text(300, rng), tag=f"{tag}-bad", replica="B", raw_params={"publish_tokens": "x"})
     after_bad = complete(B, z, tag=f"{tag}-z2", replica="B")
     invalid = records(h, "invalid_params", tag=f"{tag}-bad", replica="B")
@@ -242,7 +242,7 @@ def aligned_full_hit(cluster: Cluster, corpus: Corpus, seed: int, blocks: int = 
     vLLM's prefix cache caps the same way (the same partition).
 
     control="claim_past_loaded": B's connector tells the engine every prompt token but the
-    last is external while it loads only the blocks it found (faults.connector): the last
+    last is external while it loads only the blocks it found (kvgate.faults.connector): the last
     block's first 127 tokens are neither loaded nor computed. Every page it loaded is
     exact and the pool keeps A's copy; only the output oracle can see it."""
     if control not in (None, "claim_past_loaded"):
@@ -377,7 +377,7 @@ def load_poison(cluster: Cluster, corpus: Corpus, seed: int, block: int = 5, con
     verified blocks from the pool (`fault_free_reference`).
 
     control="publish_after_failed_load": the worker's save does not see the failed load
-    (faults.copier), so blocks computed on the failed blocks are published."""
+    (kvgate.faults.copier), so blocks computed on the failed blocks are published."""
     if control not in (None, "publish_after_failed_load"):
         raise ValueError(f"unknown control {control!r}")
     rng = random.Random(seed)
@@ -493,7 +493,7 @@ def revision_mismatch(cluster: Cluster, corpus: Corpus, seed: int, replica: str 
     differing field, load nothing, and generate what it generates cold.
 
     control="key_without_revision": A and `replica` key their blocks without the model
-    revision (faults.backend's namespace control), so the other revision loads A's KV."""
+    revision (kvgate.faults.backend's namespace control), so the other revision loads A's KV."""
     if control not in (None, "key_without_revision"):
         raise ValueError(f"unknown control {control!r}")
     if control:
@@ -669,14 +669,14 @@ def stream_delay_load(cluster: Cluster, corpus: Corpus, seed: int, *, control: b
 def replica_crash(cluster: Cluster, corpus: Corpus, seed: int, *, replica: str = "D", consumer: str = "B",
                   control: str | None = None) -> Verdict:
     """`replica` is SIGKILLed while one of its publishes is open (pages reserved and
-    written, the commit held back by faults.backend's `publish: hang`). The pool must
+    written, the commit held back by kvgate.faults.backend's `publish: hang`). The pool must
     reclaim the reservation when the connection dies (its page accounting returns to
     where it was), make none of those blocks visible (the consumer's lookup is
     never_published and it computes the prompt itself), and the restarted replica
     publishes the prompt again.
 
     control="leaky_pool": the pool daemon runs the known-bad LeakyCatalog
-    (faults.controls), which never returns an aborted publish's pages."""
+    (kvgate.faults.controls), which never returns an aborted publish's pages."""
     if control not in (None, "leaky_pool"):
         raise ValueError(f"unknown control {control!r}")
     rng = random.Random(seed)
@@ -755,7 +755,7 @@ def transport_fault(cluster: Cluster, corpus: Corpus, seed: int, kind: str, *, r
                     producer: str = "A", control: str | None = None) -> Verdict:
     """`producer` publishes a prompt; `replica` (whose pool traffic crosses a fault proxy
     in remote mode: page bytes travel as frames) loads it while the proxy injects `kind`
-    into the page-read frames (faults.proxy). The load must end as the kind's cause
+    into the page-read frames (kvgate.faults.proxy). The load must end as the kind's cause
     (reset, truncate: transport_error; bitflip: corrupt; stall, drop_reply: timeout;
     slow: no miss at all) at the block the fault struck, every block from there is
     recomputed, and the output equals a fault-free run with the same prefill partition
@@ -831,14 +831,14 @@ def transport_fault(cluster: Cluster, corpus: Corpus, seed: int, kind: str, *, r
 # -- evictions against leases -----------------------------------------------------------------
 
 def evict_leased(cluster: Cluster, corpus: Corpus, seed: int, *, control: str | None = None) -> Verdict:
-    """While B's load holds its lease (faults.backend `hold`, at a seed-drawn block), the
+    """While B's load holds its lease (kvgate.faults.backend `hold`, at a seed-drawn block), the
     harness tries to evict every block B is loading and squeezes the pool's capacity to
     zero. Every eviction of a leased page must be refused (`leased`), the squeeze may
     take only unleased pages, B's load completes byte-exact with output equal to the
     same-partition run without the hold; once the lease is released, the squeeze takes the rest.
 
     control="leaseless_pool": the daemon runs the known-bad LeaselessCatalog
-    (faults.controls), which evicts leased pages."""
+    (kvgate.faults.controls), which evicts leased pages."""
     import threading
 
 
@@ -900,7 +900,7 @@ def evict_leased(cluster: Cluster, corpus: Corpus, seed: int, *, control: str | 
                          "B's load completed byte-exact")
 
 
-from harness.scenarios.hosts import cross_host  # noqa: E402 - the multi-host runners (harness.system.hosts)
+from kvgate.harness.scenarios.hosts import cross_host  # noqa: E402 - the multi-host runners (kvgate.harness.system.hosts)
 
 RUNNERS: dict[str, Callable[..., Verdict]] = {
     "cross_replica_hit": cross_replica_hit,

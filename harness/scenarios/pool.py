@@ -11,9 +11,9 @@
       SIGKILL the daemon with pages committed and a lease open; the next daemon must
       find the leftovers, say so, and start empty; a graceful stop must leave nothing.
   state_machine(seed, examples)
-      harness.scenarios.pool_machine.PoolMachine, seeded.
+      kvgate.harness.scenarios.pool_machine.PoolMachine, seeded.
   catalog_controls(seed)
-      each known-bad catalog (faults.controls) through the state machine, caught only by
+      each known-bad catalog (kvgate.faults.controls) through the state machine, caught only by
       the kind of finding it breaks, within CONTROL_BUDGET programs.
 """
 
@@ -27,18 +27,19 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.checkers.verdict import Verdict
-from harness.system.pool import DEFAULT_TENANT, PoolProcess
-from kvpool.arena import processes_mapping, segment_label
-from kvpool.client import PoolClient, load, publish
+from kvgate.harness.checkers.verdict import Verdict
+from kvgate.harness.system.pool import DEFAULT_TENANT, PoolProcess
+from kvpool.pool.arena import processes_mapping, segment_label
+from kvpool.client.pool_client import PoolClient
+from kvpool.client.transfer import load, publish
 from kvpool.errors import MissCause, PoolError
-from kvpool.keys import Namespace, block_hashes
+from kvpool.pool.keys import Namespace, block_hashes
 
 NS = Namespace("kvgate-check", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
 EXCHANGE_BLOCKS = 24
 EXCHANGE_PAGE = 16 * 1024
 CONTROL_BUDGET = 400  # programs per known-bad catalog: over seeds 0-19 the most any needed was 150
-# (`python -m harness.scenarios.pool budget`: forgetful 60, leaseless 150, leaky 144, crossed 127)
+# (`python -m kvgate.harness.scenarios.pool budget`: forgetful 60, leaseless 150, leaky 144, crossed 127)
 
 
 def _tokens(who: int, seed: int) -> list[int]:
@@ -157,7 +158,7 @@ def miss_causes(seed: int) -> Verdict:
             return (r.miss.cause if r.miss else None), (r.miss.index if r.miss else -1)
 
         def probe_transport_error() -> tuple[MissCause | None, int]:
-            from faults.proxy import FaultProxy
+            from kvgate.faults.proxy import FaultProxy
 
             hs = fresh(2)
             publish(c, NS, hs, data(2))
@@ -240,8 +241,8 @@ def crash_and_restart(seed: int) -> Verdict:
 
 def state_machine(seed: int, examples: int = 25, steps: int = 30, catalog_factory: type | None = None,
                   shrink: bool = True, judged: frozenset[str] | None = None) -> Verdict:
-    """`catalog_factory` plugs a negative control (faults.controls) into the daemon;
-    `judged` limits the kinds of finding that end a run (harness.scenarios.pool_machine.FINDINGS), so a
+    """`catalog_factory` plugs a negative control (kvgate.faults.controls) into the daemon;
+    `judged` limits the kinds of finding that end a run (kvgate.harness.scenarios.pool_machine.FINDINGS), so a
     control is caught by the behaviour it breaks; `shrink=False` reports the first failing
     program as found (controls need no minimal example, only the fact that they fail).
     The evidence says how many programs ran (for a control: how many it took to catch)."""
@@ -249,7 +250,7 @@ def state_machine(seed: int, examples: int = 25, steps: int = 30, catalog_factor
     from hypothesis import seed as hseed
     from hypothesis.stateful import run_state_machine_as_test
 
-    from harness.scenarios.pool_machine import PoolMachine
+    from kvgate.harness.scenarios.pool_machine import PoolMachine
 
     attrs: dict = {"examples_run": 0}
     if catalog_factory is not None:
@@ -272,7 +273,7 @@ def state_machine(seed: int, examples: int = 25, steps: int = 30, catalog_factor
 
 
 def _finding(exc: BaseException) -> str | None:
-    """The kind of finding ("[kind] ..." from harness.scenarios.pool_machine) that ended a run, if any."""
+    """The kind of finding ("[kind] ..." from kvgate.harness.scenarios.pool_machine) that ended a run, if any."""
     import re
 
     m = re.match(r"\[(\w+)\]", str(exc))
@@ -280,10 +281,10 @@ def _finding(exc: BaseException) -> str | None:
 
 
 def catalog_controls(seed: int, examples: int = CONTROL_BUDGET, steps: int = 50) -> Verdict:
-    """Every known-bad catalog of faults.controls through the state machine, judged only by
-    the kind of finding it exists to show (faults.controls.CATALOG_BREAKS): caught when
+    """Every known-bad catalog of kvgate.faults.controls through the state machine, judged only by
+    the kind of finding it exists to show (kvgate.faults.controls.CATALOG_BREAKS): caught when
     that finding ended the run; the evidence has the programs each one needed."""
-    from faults.controls import CATALOG_BREAKS, CATALOG_CONTROLS
+    from kvgate.faults.controls import CATALOG_BREAKS, CATALOG_CONTROLS
 
     caught, needed, findings = {}, {}, {}
     for name, cls in CATALOG_CONTROLS.items():
@@ -306,7 +307,7 @@ def programs_to_catch(seeds: range, examples: int = 2000, steps: int = 50) -> di
     """For each known-bad catalog, per seed: how many programs the state machine ran until
     the finding it breaks ended the run (None: not caught within `examples`). The budget
     CONTROL_BUDGET must stay above the largest of these."""
-    from faults.controls import CATALOG_BREAKS, CATALOG_CONTROLS
+    from kvgate.faults.controls import CATALOG_BREAKS, CATALOG_CONTROLS
 
     out: dict[str, list[int | None]] = {}
     for name, cls in CATALOG_CONTROLS.items():
@@ -321,12 +322,12 @@ def programs_to_catch(seeds: range, examples: int = 2000, steps: int = 50) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m harness.scenarios.pool budget [--seeds N]: the programs each known-bad
+    """python -m kvgate.harness.scenarios.pool budget [--seeds N]: the programs each known-bad
     catalog needed to be caught, per seed, against CONTROL_BUDGET."""
     import argparse
     import json
 
-    ap = argparse.ArgumentParser(prog="python -m harness.scenarios.pool")
+    ap = argparse.ArgumentParser(prog="python -m kvgate.harness.scenarios.pool")
     ap.add_argument("what", choices=["budget"])
     ap.add_argument("--seeds", type=int, default=20)
     a = ap.parse_args(argv)

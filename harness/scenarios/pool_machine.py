@@ -1,6 +1,6 @@
 """A plain reference model of the pool and a Hypothesis state machine that drives a real
 pool daemon beside it (zarr's testing/stateful.py is the model). It is test code: it lives
-in the harness, which the pool criteria (harness.scenarios.pool.state_machine) run it from,
+in the harness, which the pool criteria (kvgate.harness.scenarios.pool.state_machine) run it from,
 and kvpool never imports it (nor Hypothesis).
 
   PoolModel        dicts and lists, no cleverness: what the pool must answer.
@@ -31,11 +31,12 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
 
-from kvpool.catalog import Catalog, EvictOutcome, LoadLimits, SlotStatus
-from kvpool.client import PoolClient, load, publish
+from kvpool.pool.catalog import Catalog, EvictOutcome, LoadLimits, SlotStatus
+from kvpool.client.pool_client import PoolClient
+from kvpool.client.transfer import load, publish
 from kvpool.errors import MissCause, TransportError
-from kvpool.keys import Namespace, block_hashes
-from kvpool.server import PoolConfig, PoolDaemon
+from kvpool.pool.keys import Namespace, block_hashes
+from kvpool.pool.daemon import PoolConfig, PoolDaemon
 
 PAGE = 256
 NUM_PAGES = 6
@@ -264,7 +265,7 @@ class PoolMachine(RuleBasedStateMachine):
         if side is None or entries is None:
             return  # gone with a restart
         if res.reservation_id:
-            from kvpool.digest import page_digest
+            from kvpool.pool.digest import page_digest
 
             out = side.commit(res.reservation_id, [page_digest(b) for b in blocks])
             self._expect("answer", out.committed == len(entries) and out.rejected == (),

@@ -1,8 +1,8 @@
-"""The one scenario runner: executes a scenario of the catalog (harness.scenarios.catalog)
+"""The one scenario runner: executes a scenario of the catalog (kvgate.harness.scenarios.catalog)
 against a live cluster and judges it from the history.
 
   run_scenario(cluster, corpus, sc, seed) -> ScenarioResult
-        resets the cluster, runs the scenario's body (harness.scenarios.catalog.RUNNERS), then
+        resets the cluster, runs the scenario's body (kvgate.harness.scenarios.catalog.RUNNERS), then
         judges it: the scenario's own checks, the output oracle over its comparisons, and the
         checkers over the run's window of the history (byte-exact, miss causes, requests); then, if the scenario has a negative
         control, runs it the same way (its own derived seed) and requires that the oracle
@@ -20,20 +20,20 @@ import time
 import urllib.error
 from typing import Any
 
-from harness.checkers import byte_exact as BE
-from harness.checkers import history as H
-from harness.checkers.miss_causes import expected_causes, miss_causes
-from harness.checkers.outcome import classify
-from harness.checkers.output import output, own_checks
-from harness.checkers.requests import requests
-from harness.checkers.verdict import Verdict, all_of
-from harness.client.http import RequestFailed
-from harness.plugin import derive_seed
-from harness.scenarios.catalog import ORACLES, RUNNERS, Control, Scenario, replay_command
-from harness.system.cluster import Cluster
-from harness.workload.prompts import Corpus
+from kvgate.harness.checkers import byte_exact as BE
+from kvgate.harness.checkers import history as H
+from kvgate.harness.checkers.miss_causes import expected_causes, miss_causes
+from kvgate.harness.checkers.outcome import classify
+from kvgate.harness.checkers.output import output, own_checks
+from kvgate.harness.checkers.requests import requests
+from kvgate.harness.checkers.verdict import Verdict, all_of
+from kvgate.harness.client.http import RequestFailed
+from kvgate.harness.plugin import derive_seed
+from kvgate.harness.scenarios.catalog import ORACLES, RUNNERS, Control, Scenario, replay_command
+from kvgate.harness.system.cluster import Cluster
+from kvgate.harness.workload.prompts import Corpus
 from kvpool.errors import PoolError
-from kvpool.keys import Namespace
+from kvpool.pool.keys import Namespace
 
 
 @dataclasses.dataclass

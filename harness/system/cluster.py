@@ -33,14 +33,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from harness.client.http import healthy, reset_prefix_cache
-from harness.system.pool import PoolProcess, unique_name
-from harness.system.procs import StartError, group_alive, kill_group, spawn, stop_group, wait_ready
-from kvpool.arena import processes_mapping, segment_label
+from kvgate.harness.client.http import healthy, reset_prefix_cache
+from kvgate.harness.system.pool import PoolProcess, unique_name
+from kvgate.harness.system.procs import StartError, group_alive, kill_group, spawn, stop_group, wait_ready
+from kvpool.pool.arena import processes_mapping, segment_label
 
 CONNECTOR = "kvpool.connector:KVPoolConnector"
-FAULT_CONNECTOR = "faults.connector:FaultConnector"  # wraps the connector of a replica with a fault-control file
-AUDIT_CONNECTOR = "kvpool.audit:AuditConnector"
+FAULT_CONNECTOR = "kvgate.faults.connector:FaultConnector"  # wraps the connector of a replica with a fault-control file
+AUDIT_CONNECTOR = "kvpool.connector.audit:AuditConnector"
 
 
 class ClusterStartError(StartError):
@@ -72,17 +72,17 @@ class ReplicaSpec:
     faults_file: str = ""
     extra_env: tuple[tuple[str, str], ...] = ()
     extra_args: tuple[str, ...] = ()  # more `vllm serve` flags (e.g. another connector)
-    via_proxy: bool = False  # reach the pool through a fault proxy (faults.proxy)
+    via_proxy: bool = False  # reach the pool through a fault proxy (kvgate.faults.proxy)
     proxy_remote: bool = True  # that proxy: over TCP, pages as frames, as from another host (else a Unix
     # socket on this host: the arena stays mapped and only the frames around the pages cross it)
     connector_extra: tuple[tuple[str, object], ...] = ()  # more kv_connector_extra_config settings
-    check_params: bool = False  # kvpool.http's check in front of the server: bad kvpool params get a 400
+    check_params: bool = False  # kvpool.connector.http's check in front of the server: bad kvpool params get a 400
     # Another V1 connector instead of kvpool's ("module:Class"), with its own settings; still
     # wrapped by the fault connector and the audit when faults_file / audit are set.
     inner: str = ""
     inner_extra: tuple[tuple[str, object], ...] = ()
     python: str = ""  # the interpreter of `vllm serve` (default: this one), e.g. a peer's own environment
-    # Another host (harness.system.netns): the argv prefix that runs the replica there, and
+    # Another host (kvgate.harness.system.netns): the argv prefix that runs the replica there, and
     # the host's address it listens on (the harness reaches it through the hosts' bridge).
     netns: tuple[str, ...] = ()
     host: str = "127.0.0.1"
@@ -111,9 +111,9 @@ class Cluster:
         self.history_dir = self.report_dir / "history"
         self.pool: PoolProcess | None = None
         self.replicas: dict[str, Replica] = {}
-        self.faults: dict[str, Path] = {}  # replica -> its fault-control file (faults.backend)
+        self.faults: dict[str, Path] = {}  # replica -> its fault-control file (kvgate.faults.backend)
         self.history = None  # the harness's own records (requests, nemesis actions), set at start
-        self.proxies: dict = {}  # replica -> its harness.system.proxy.ProxyProcess (specs with via_proxy)
+        self.proxies: dict = {}  # replica -> its kvgate.harness.system.proxy.ProxyProcess (specs with via_proxy)
         self.pool_tcp_port = free_port()  # fixed, so a restarted pool keeps its address for the proxies
         self._killed: set[str] = set()  # replicas the nemesis killed (not a crash of their own)
         self._sockdirs: list[str] = []  # directories of the local proxies' sockets
@@ -125,8 +125,8 @@ class Cluster:
         if self.history_dir.exists():  # a history belongs to one cluster run
             shutil.rmtree(self.history_dir)
         self.history_dir.mkdir(parents=True)
-        from harness.client import http
-        from kvpool.history import HistoryWriter
+        from kvgate.harness.client import http
+        from kvpool.connector.history import HistoryWriter
 
         self.history = HistoryWriter(self.history_dir, "harness", "client")
         http.RECORDER = self.history
@@ -152,7 +152,7 @@ class Cluster:
     def _proxy_for(self, spec: ReplicaSpec):  # noqa: ANN202
         """The replica's fault proxy, started on first use; it outlives replica restarts."""
         if spec.name not in self.proxies:
-            from harness.system.proxy import ProxyProcess
+            from kvgate.harness.system.proxy import ProxyProcess
 
             if spec.proxy_remote:
                 upstream, listen = self.pool.tcp, "tcp:127.0.0.1:0"
@@ -168,7 +168,7 @@ class Cluster:
         return self.proxies[spec.name]
 
     def arm_proxy(self, replica: str, faults: dict) -> None:
-        """Set the transport faults of a replica's proxy (faults.proxy control format)."""
+        """Set the transport faults of a replica's proxy (kvgate.faults.proxy control format)."""
         self.proxies[replica].configure(faults)
 
     def kv_transfer_config(self, spec: ReplicaSpec) -> dict:
@@ -193,7 +193,7 @@ class Cluster:
         if spec.connector:
             args += ["--kv-transfer-config", json.dumps(self.kv_transfer_config(spec))]
         if spec.check_params:
-            args += ["--middleware", "kvpool.http.check_kv_transfer_params"]
+            args += ["--middleware", "kvpool.connector.http.check_kv_transfer_params"]
         args += list(spec.extra_args)
         env = dict(os.environ)
         env.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": spec.core, "VLLM_SERVER_DEV_MODE": "1",
@@ -295,7 +295,7 @@ class Cluster:
         if self._stopped:
             return
         self._stopped = True
-        from harness.client import http
+        from kvgate.harness.client import http
 
         if http.RECORDER is self.history:
             http.RECORDER = None
@@ -332,8 +332,8 @@ class Cluster:
 
 def connector_config(inner: str, extra: dict, policy: str, *, audit: bool = False, faults_file: str = "") -> dict:
     """vLLM's --kv-transfer-config for connector `inner` ("module:Class") with its settings
-    `extra`: wrapped by the fault-injecting connector (faults.connector) when a fault-control
-    file is given, and by the audit (kvpool.audit) outside that when `audit` is set."""
+    `extra`: wrapped by the fault-injecting connector (kvgate.faults.connector) when a fault-control
+    file is given, and by the audit (kvpool.connector.audit) outside that when `audit` is set."""
     extra = dict(extra)
     connector = inner
     if faults_file:
@@ -402,7 +402,7 @@ DEFAULT_CHUNK = 2048  # max_num_batched_tokens of the default pair: longer promp
 
 def default_cluster(model_dir: Path, report_dir: Path) -> tuple[Cluster, list[ReplicaSpec]]:
     """The embedded default system: a local pool and two replicas of the tiny model, both
-    audited; A on core 0 with failure policy `fail` and kvpool.http's parameter check
+    audited; A on core 0 with failure policy `fail` and kvpool.connector.http's parameter check
     (a malformed kvpool section gets a 400 there), B on core 1 with `recompute` (the
     connector serves such a request without the pool); each with a fault-control file in
     the report folder. B reaches the pool through a fault

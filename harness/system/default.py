@@ -2,11 +2,11 @@
 
   start_system(report_dir, replicas) -> (cluster, model_dir)
       a local pool and replicas A (policy fail) and B (recompute) of the tiny local model
-      (harness.system.cluster.default_cluster), and as the scenarios need them C (revision
+      (kvgate.harness.system.cluster.default_cluster), and as the scenarios need them C (revision
       r2 of the model: other weights, same tokenizer) and D (a 64-block KV cache whose
       pool traffic crosses the fault proxy over TCP). Progress goes to stderr.
   start_hosts_system(report_dir, store="redis") -> (system, model_dir)
-      the multi-host system (harness.system.hosts.MultiHost): G on host h1, H on host h2,
+      the multi-host system (kvgate.harness.system.hosts.MultiHost): G on host h1, H on host h2,
       each with its own pool daemon, the store (Redis, or Mooncake's master and a storage
       node) on a store host; the tier settings HOSTS_SETTINGS
       (short timeouts and holds, so a scenario's faults and heals fit in seconds).
@@ -24,8 +24,8 @@ def start_system(report_dir: Path, replicas: set[str]):  # noqa: ANN201
     """The embedded default system: a local pool, replicas A and B of the tiny local
     model (harness.cluster.default_cluster), and as the scenarios need them C (revision
     r2 of the model: other weights, same tokenizer) and D (a 64-block KV cache)."""
-    from fixtures.tiny_model import build_tiny_model
-    from harness.system.cluster import DEFAULT_CHUNK, ReplicaSpec, default_cluster, small_kv_spec
+    from kvgate.fixtures.tiny_model import build_tiny_model
+    from kvgate.harness.system.cluster import DEFAULT_CHUNK, ReplicaSpec, default_cluster, small_kv_spec
 
     model = build_tiny_model(report_dir / "model" / "tiny", seed=0, revision="r1")
     cluster, specs = default_cluster(model, report_dir)
@@ -45,8 +45,8 @@ HOSTS_SETTINGS = {"tier_timeout_s": 0.5, "tier_deadline_s": 0.5, "tier_backoff_s
 
 
 def start_hosts_system(report_dir: Path, store: str = "redis"):  # noqa: ANN201
-    from fixtures.tiny_model import build_tiny_model
-    from harness.system.hosts import MultiHost
+    from kvgate.fixtures.tiny_model import build_tiny_model
+    from kvgate.harness.system.hosts import MultiHost
 
     model = build_tiny_model(report_dir / "model" / "tiny", seed=0, revision="r1")
     print(f"kvgate: starting hosts h1 (replica G, its pool), h2 (replica H, its pool) and a store host ({store}) "

@@ -2,16 +2,16 @@
 one kvpool pool.
 
   gpu_args(memory_utilization, block_size)   the vLLM flags of a replica sharing a GPU
-  GpuCluster     harness.system.cluster.Cluster whose replicas run on CUDA; `.arm(replica,
-                 section)` writes the replica's "gpu" fault section (faults.gpu_live, through
-                 faults.connector) and records the arming in the history.
+  GpuCluster     kvgate.harness.system.cluster.Cluster whose replicas run on CUDA; `.arm(replica,
+                 section)` writes the replica's "gpu" fault section (kvgate.faults.gpu_live, through
+                 kvgate.faults.connector) and records the arming in the history.
 """
 
 from __future__ import annotations
 
 import json
 
-from harness.system.cluster import Cluster
+from kvgate.harness.system.cluster import Cluster
 
 BLOCK_SIZE = 16  # TRITON_ATTN needs a multiple of 16; set explicitly so kernel and manager blocks agree
 

@@ -1,4 +1,4 @@
-"""Several hosts on one machine: each host a network namespace (harness.system.netns) with
+"""Several hosts on one machine: each host a network namespace (kvgate.harness.system.netns) with
 its own kvpool daemon and vLLM replicas, one more host running the network tier's store,
 everything started and torn down by the harness.
 
@@ -15,7 +15,7 @@ everything started and torn down by the harness.
                           pool, every one on the same tier)
       .url(replica) / .host_of(replica) / .history_dir / .cluster (the replicas' Cluster)
       .tier_url(host)     the store's URL as a replica on that host uses it
-      .tier_secret        the replicas' tenant's tier secret (kvpool.tier.TierAuth; every
+      .tier_secret        the replicas' tenant's tier secret (kvpool.tier.record.TierAuth; every
                           host's replicas are given it, in a 0600 file; the store never is)
       .store_client()     a Redis client of the store with every right and no tier secret (the
                           store's operator: what a hostile client of the store can do)
@@ -28,7 +28,7 @@ everything started and torn down by the harness.
       .partition(host)    the host's link down: its packets vanish
       .heal(host)         the link back, unlimited
       .arm(replica, section, spec)   a section of the replica's fault-control file
-                          (faults.connector: its negative controls)
+                          (kvgate.faults.connector: its negative controls)
       .reset()            faults disarmed, every replica's prefix cache and every host's pool
                           emptied, the store flushed, links healed
       .stop()             replicas, pools, the store, then the network; raises OrphanError
@@ -45,12 +45,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from harness.client.http import reset_prefix_cache
-from harness.system.cluster import DEFAULT_CHUNK, Cluster, OrphanError, ReplicaSpec
-from harness.system.netns import Network
-from harness.system.pool import DEFAULT_TENANT, PoolProcess
-from harness.system.stores import MooncakeMaster, MooncakeNode, RedisServer, mooncake_env
-from kvpool.tier import redact_url
+from kvgate.harness.client.http import reset_prefix_cache
+from kvgate.harness.system.cluster import DEFAULT_CHUNK, Cluster, OrphanError, ReplicaSpec
+from kvgate.harness.system.netns import Network
+from kvgate.harness.system.pool import DEFAULT_TENANT, PoolProcess
+from kvgate.harness.system.stores import MooncakeMaster, MooncakeNode, RedisServer, mooncake_env
+from kvpool.tier.interface import redact_url
 
 STORE = "store"
 STORES = ("redis", "mooncake")
@@ -185,13 +185,13 @@ class MultiHost:
         self.net.heal(host)
 
     def arm(self, replica: str, section: str, spec: dict[str, Any]) -> None:
-        """Arm a section of the replica's fault-control file (faults.connector)."""
-        from faults.control import write_control
+        """Arm a section of the replica's fault-control file (kvgate.faults.connector)."""
+        from kvgate.faults.control import write_control
 
         write_control(self.cluster.faults[replica], {section: spec})
         self._record("arm", replica=replica, section=section, spec=spec)
 
-    # -- what the scenario runner asks of a system (as of harness.system.cluster.Cluster) ----
+    # -- what the scenario runner asks of a system (as of kvgate.harness.system.cluster.Cluster) ----
     @property
     def replicas(self):  # noqa: ANN201
         return self.cluster.replicas

@@ -3,7 +3,7 @@
   unique_name(prefix)            a segment / run-dir name no other process or xdist worker uses.
   PoolProcess.start(...)         `python -m kvpool serve` as a child process; waits for its address.
   pool.restart(catalog=NAME)     a new daemon on the same name and run dir; with `catalog`, the
-                                 known-bad catalog of a negative control (python -m faults.pool).
+                                 known-bad catalog of a negative control (python -m kvgate.faults.pool).
   pool.stop()                    SIGTERM and wait; asserts the daemon removed its segment.
   pool.kill()                    SIGKILL (a crash: the segment and pid file stay behind).
   pool.client(...)               a PoolClient over the Unix socket (or TCP).
@@ -22,9 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness.system.procs import StartError, spawn, terminate, wait_ready
-from kvpool.client import PoolClient
-from kvpool.server import PoolConfig, PoolDaemon, read_address
+from kvgate.harness.system.procs import StartError, spawn, terminate, wait_ready
+from kvpool.client.pool_client import PoolClient
+from kvpool.pool.daemon import PoolConfig, PoolDaemon, read_address
 
 _counter = itertools.count()
 
@@ -47,7 +47,7 @@ class PoolProcess:
     address: dict
     log_path: Path
     args: list[str]
-    prefix: tuple[str, ...] = ()  # the argv prefix that runs it in another host (harness.system.netns)
+    prefix: tuple[str, ...] = ()  # the argv prefix that runs it in another host (kvgate.harness.system.netns)
 
     @classmethod
     def start(cls, *, page_size: int = 64 * 1024, num_pages: int = 256, name: str | None = None,
@@ -66,14 +66,14 @@ class PoolProcess:
                catalog: str | None = None, prefix: tuple[str, ...] = (), module: str | None = None,
                what: str = "the pool daemon") -> PoolProcess:
         """`module`: another daemon's entry point (`python -m MODULE serve ARGS`: a known-bad
-        daemon of faults/), instead of kvpool's (or faults.pool's with `catalog`)."""
+        daemon of faults/), instead of kvpool's (or kvgate.faults.pool's with `catalog`)."""
         (run_dir / "address.json").unlink(missing_ok=True)
         if module is not None:
             command = [sys.executable, "-m", module, "serve"]
         elif catalog is None:
             command = [sys.executable, "-m", "kvpool", "serve"]
         else:
-            command = [sys.executable, "-m", "faults.pool", "serve", "--catalog", catalog]
+            command = [sys.executable, "-m", "kvgate.faults.pool", "serve", "--catalog", catalog]
         proc = spawn([*prefix, *command, *args], log_path)
 
         def address() -> dict | None:
@@ -91,7 +91,7 @@ class PoolProcess:
 
     def restart(self, timeout: float = 20.0, catalog: str | None = None) -> PoolProcess:
         """Start a new daemon with the same arguments (after stop() or kill()); `catalog`
-        names a known-bad catalog (faults.controls) for this daemon only."""
+        names a known-bad catalog (kvgate.faults.controls) for this daemon only."""
         if self.proc.poll() is None:
             raise RuntimeError("restart() needs the old daemon stopped or killed first")
         new = self._spawn(self.name, self.run_dir, self.token, self.log_path, self.args, timeout, catalog,

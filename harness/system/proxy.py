@@ -1,7 +1,7 @@
-"""The transport nemesis (faults.proxy) as a child process, for live replicas and the gate.
+"""The transport nemesis (kvgate.faults.proxy) as a child process, for live replicas and the gate.
 
   ProxyProcess.start(upstream, listen, control_file, seed, history_dir=..., remote=...)
-      `python -m faults.proxy` started and waited for; `.address` is what the replica's
+      `python -m kvgate.faults.proxy` started and waited for; `.address` is what the replica's
       connector connects to. `.configure(faults)` / `.heal()` write its control file,
       `.stop()` returns the final {"fired", "stats"} it printed, `.kill()`.
 """
@@ -18,13 +18,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from faults.proxy import ProxyError, write_control
-from harness.system.procs import StartError, spawn, terminate, wait_ready
+from kvgate.faults.proxy import ProxyError, write_control
+from kvgate.harness.system.procs import StartError, spawn, terminate, wait_ready
 
 
 @dataclasses.dataclass
 class ProxyProcess:
-    """`python -m faults.proxy` as a child process (for live replicas and the gate)."""
+    """`python -m kvgate.faults.proxy` as a child process (for live replicas and the gate)."""
 
     proc: subprocess.Popen
     address: str
@@ -39,7 +39,7 @@ class ProxyProcess:
         ready = control_file.with_name(f".{control_file.name}.ready.{os.getpid()}.{threading.get_ident()}")
         ready.unlink(missing_ok=True)
         log_path = Path(log_path) if log_path else control_file.with_name(f"{control_file.stem}.proxy.log")
-        args = [sys.executable, "-m", "faults.proxy", "--upstream", upstream, "--listen", listen,
+        args = [sys.executable, "-m", "kvgate.faults.proxy", "--upstream", upstream, "--listen", listen,
                 "--control", str(control_file), "--seed", str(seed), "--ready-file", str(ready)]
         if history_dir:
             args += ["--history", str(history_dir), "--replica", replica]

@@ -1,5 +1,5 @@
 """The distributed stores the network tier runs on, as real processes the harness starts,
-faults and stops (kvpool.tier's backends are clients of these).
+faults and stops (kvpool.tier.record's backends are clients of these).
 
   RedisServer(run_dir, maxmemory=None, policy="allkeys-lru", port=None, host="127.0.0.1", prefix=(),
               tenants=())
@@ -9,7 +9,7 @@ faults and stops (kvpool.tier's backends are clients of these).
       tenants     with tenants, the server's access control is on (an ACL file, mode 0600,
                   in run_dir): the default user needs the admin password (`.url` carries
                   it), and each tenant has an ACL user `kvpool-TENANT` (acl_user) with a
-                  random password, restricted to its own keys (kvpool.tier.tier_prefix:
+                  random password, restricted to its own keys (kvpool.tier.record.tier_prefix:
                   `~kvpool:TENANT:*`) and to the tier's commands (GET, SET, EXISTS, DEL,
                   PING: no SCAN or KEYS, which ACL key patterns do not filter, no FLUSHALL).
                   Without tenants, no access control (any client reaches every key).
@@ -24,7 +24,7 @@ faults and stops (kvpool.tier's backends are clients of these).
   MooncakeMaster(run_dir, lease_ms=10000, host="127.0.0.1", prefix=())
       .start()    `mooncake_master` on `host` (loopback by default) with its built-in HTTP
                   metadata server, free ports; waits until its RPC port accepts connections
-      .url        the tier URL (kvpool.tier_registry.open_tier): mooncake://HOST:PORT?metadata=...
+      .url        the tier URL (kvpool.tier.registry.open_tier): mooncake://HOST:PORT?metadata=...
       .kill() / .stop()   as RedisServer's (a restarted master comes back empty; its
                   clients remount their segments on their own, about 1 s later)
   MooncakeNode(run_dir, master, segment_bytes=256 MiB, host="127.0.0.1", prefix=())
@@ -49,11 +49,11 @@ import subprocess
 import time
 from pathlib import Path
 
-from harness.system.cluster import free_port
-from harness.system.procs import spawn, stop_group, wait_ready
-from kvpool.tier import tier_prefix
+from kvgate.harness.system.cluster import free_port
+from kvgate.harness.system.procs import spawn, stop_group, wait_ready
+from kvpool.tier.record import tier_prefix
 
-TENANT_COMMANDS = ("get", "getrange", "set", "exists", "del", "ping")  # what kvpool.tier_redis runs, and no more
+TENANT_COMMANDS = ("get", "getrange", "set", "exists", "del", "ping")  # what kvpool.tier.redis runs, and no more
 
 
 def acl_user(tenant: str) -> str:
@@ -92,7 +92,7 @@ class RedisServer(_StoreProcess):
                  port: int | None = None, host: str = "127.0.0.1", prefix: tuple[str, ...] | list[str] = (),
                  tenants: tuple[str, ...] | list[str] = ()):
         self.host = host  # where it listens (a network namespace's address, with its `prefix`)
-        self.prefix = list(prefix)  # the argv prefix that runs it in a host (harness.system.netns)
+        self.prefix = list(prefix)  # the argv prefix that runs it in a host (kvgate.harness.system.netns)
         self.run_dir = Path(run_dir).resolve()  # absolute: a server may chdir before reading a file named here
         self.maxmemory = maxmemory
         self.policy = policy

@@ -15,10 +15,10 @@ import dataclasses
 import random
 import statistics
 
-from harness.system.cluster import Cluster
-from harness.client.http import Completion, complete
-from harness.workload.prompts import Corpus, six_turn_session
-from harness.workload.router import Router
+from kvgate.harness.system.cluster import Cluster
+from kvgate.harness.client.http import Completion, complete
+from kvgate.harness.workload.prompts import Corpus, six_turn_session
+from kvgate.harness.workload.router import Router
 
 
 @dataclasses.dataclass(frozen=True)

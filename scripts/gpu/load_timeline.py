@@ -23,9 +23,9 @@ import time
 import numpy as np
 import torch
 
-from harness.bench.gpu import BLOCK_TOKENS, HEAD_SIZE, KV_HEADS, LAYERS, NS, PAGE, _Pool
-from kvpool.gpu_transfer import CopyPath, TransferConfig, TransferEngine
-from kvpool.keys import block_hashes
+from kvgate.harness.bench.gpu import BLOCK_TOKENS, HEAD_SIZE, KV_HEADS, LAYERS, NS, PAGE, _Pool
+from kvpool.gpu.transfer import CopyPath, TransferConfig, TransferEngine
+from kvpool.pool.keys import block_hashes
 
 
 def _timed_event() -> torch.cuda.Event:

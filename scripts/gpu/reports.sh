@@ -3,7 +3,7 @@
 # (shared/tools/vllm-gpu-bundle, install.sh; its site folder in SITE, default /tmp/site):
 # the GPU suite (JUnit), `kvgate bench gpu` (its JSON line), and `kvgate gpu-live --bench`
 # (result.json and checklist.md), each with the tree's provenance, under OUT. The tree is first
-# checked against its stamp (python -m harness.provenance --verify): a copy whose files changed
+# checked against its stamp (python -m kvgate.harness.provenance --verify): a copy whose files changed
 # after stamping, or that has no stamp, is reported "(UNVERIFIED TREE)" and the script exits 1.
 #
 #   scripts/gpu/reports.sh OUT [suite|bench|live|timeline|conformance|gate ...]     (default: suite bench live)
@@ -34,7 +34,7 @@ status=0
 # Before any report: the copy checked against its stamp (each stamped file's SHA-256, no code
 # file added). An unverified copy still runs, every report's title says "(UNVERIFIED TREE)",
 # and the script exits 1.
-if ! python3 -m harness.provenance --verify > "$OUT/provenance.json"; then
+if ! python3 -m kvgate.harness.provenance --verify > "$OUT/provenance.json"; then
   echo "reports.sh: the carried tree does not match its stamp (.provenance.json): its reports are UNVERIFIED" >&2
   status=1
 fi
@@ -42,18 +42,18 @@ for part in $PARTS; do
   case "$part" in
     suite) python3 -m pytest suites/gpu -m gpu -q -p no:cacheprovider --junitxml "$OUT/gpu-suite.junit.xml" \
              > "$OUT/gpu-suite.log" 2>&1 || status=1 ;;
-    bench) python3 -m harness.cli bench gpu > "$OUT/bench-gpu.log" 2> "$OUT/bench-gpu.stderr" || status=1 ;;
+    bench) python3 -m kvgate.harness.cli bench gpu > "$OUT/bench-gpu.log" 2> "$OUT/bench-gpu.stderr" || status=1 ;;
     # shellcheck disable=SC2086
-    live)  python3 -m harness.cli gpu-live --report-dir "$OUT/gpu-live" ${GPU_LIVE_ARGS---bench} \
+    live)  python3 -m kvgate.harness.cli gpu-live --report-dir "$OUT/gpu-live" ${GPU_LIVE_ARGS---bench} \
              > "$OUT/gpu-live.log" 2>&1 || status=1 ;;
     # shellcheck disable=SC2086
     timeline) python3 scripts/gpu/load_timeline.py ${TIMELINE_ARGS:---chunk-mib 128} > "$OUT/load-timeline.json" \
              2> "$OUT/load-timeline.log" || status=1 ;;
     # shellcheck disable=SC2086
-    conformance) python3 -m harness.cli conformance --report-dir "$OUT/conformance" \
+    conformance) python3 -m kvgate.harness.cli conformance --report-dir "$OUT/conformance" \
              ${CONFORMANCE_ARGS:---connectors kvpool,offloading} > "$OUT/conformance.log" 2>&1 || status=1 ;;
     # shellcheck disable=SC2086
-    gate)  python3 -m harness.cli gate --report-dir "$OUT/gate" ${GATE_ARGS:-} > "$OUT/gate.log" 2>&1 || status=1 ;;
+    gate)  python3 -m kvgate.harness.cli gate --report-dir "$OUT/gate" ${GATE_ARGS:-} > "$OUT/gate.log" 2>&1 || status=1 ;;
     *) echo "unknown part $part (suite, bench, live, timeline, conformance, gate)" >&2; exit 2 ;;
   esac
   tail -n 3 "$OUT"/*.log 2>/dev/null | tail -n 6

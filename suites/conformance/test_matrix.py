@@ -7,7 +7,7 @@ cross-replica hit, control caught) and marks what does not apply to it (a partia
 
 import pytest
 
-from harness.conformance.gate import run_connector
+from kvgate.harness.conformance.gate import run_connector
 
 # Each test starts its own replicas (two or three minutes) and restarts the ones its controls
 # were armed on: 5 to 6 minutes on an idle two-core machine, past the suites' 600 s default

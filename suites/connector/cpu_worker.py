@@ -14,7 +14,8 @@ from types import SimpleNamespace
 
 import torch
 
-from kvpool.connector import ConnectorSettings, KVPoolWorker
+from kvpool.connector.settings import ConnectorSettings
+from kvpool.connector.worker import KVPoolWorker
 
 B, LAYERS, HEADS, HEAD = 16, 2, 2, 64
 PAGE = LAYERS * HEADS * B * 2 * HEAD * 2  # one block of every layer, bf16

@@ -1,4 +1,4 @@
-"""The audit connector (kvpool.audit) records what it claims: every digest it writes
+"""The audit connector (kvpool.connector.audit) records what it claims: every digest it writes
 (produced, seen, installed) equals the digest of the block's bytes read directly from the
 engine's KV tensors at that moment, and an installed block's digest equals its producer's.
 A deliberately misaligned audit (it digests the neighbouring block) must fail the same
@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from suites.connector.engine_calls import ask_matched, finished
-from harness.checkers.history import read_history
-from harness.system.cluster import CONNECTOR, connector_config
-from harness.system.pool import thread_pool
-from kvpool import vllm_compat as compat
-from kvpool.audit import AuditConnector
-from kvpool.copy import digest_segments
+from kvgate.harness.checkers.history import read_history
+from kvgate.harness.system.cluster import CONNECTOR, connector_config
+from kvgate.harness.system.pool import thread_pool
+from kvpool.connector import vllm_compat as compat
+from kvpool.connector.audit import AuditConnector
+from kvpool.pool.copy import digest_segments
 
 B, LAYERS, HEADS, HEAD = 16, 2, 2, 64
 PAGE = LAYERS * HEADS * B * 2 * HEAD * 2

@@ -1,5 +1,5 @@
 """How a replica's connector is assembled: kvpool picks its copy engine by device, and a
-fault-control file wraps kvpool from outside (faults.connector through kvpool's factories),
+fault-control file wraps kvpool from outside (kvgate.faults.connector through kvpool's factories),
 under the audit; constructing them touches no GPU and no pool."""
 
 from __future__ import annotations
@@ -8,11 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvpool import vllm_compat as compat
-from kvpool.connector import ConnectorSettings, KVPoolConnector, default_copier
-from kvpool.copier import HostCopier
-from kvpool.history import HistoryWriter
-from kvpool.metrics import ClientMetrics
+from kvpool.connector import vllm_compat as compat
+from kvpool.connector.settings import ConnectorSettings
+from kvpool.connector.facade import KVPoolConnector
+from kvpool.connector.worker import default_copier
+from kvpool.connector.copier import HostCopier
+from kvpool.connector.history import HistoryWriter
+from kvpool.pool.metrics import ClientMetrics
 
 
 class _NoBackend:
@@ -33,7 +35,7 @@ def test_kvpool_picks_the_host_copier_on_cpu():
 
 def test_kvpool_picks_the_cuda_copier_on_cuda():
     pytest.importorskip("torch")
-    from kvpool.gpu_copier import CudaCopier
+    from kvpool.connector.gpu_copier import CudaCopier
 
     assert type(_default("cuda")) is CudaCopier
 
@@ -49,7 +51,7 @@ def _vllm_config(tmp_path, extra: dict, device: str = "cpu"):  # noqa: ANN202
 
 @pytest.fixture(scope="module")
 def pool():
-    from harness.system.pool import thread_pool
+    from kvgate.harness.system.pool import thread_pool
 
     d = thread_pool(page_size=4096, num_pages=8)
     yield d
@@ -58,9 +60,9 @@ def pool():
 
 def _chain(tmp_path, pool, device: str = "cpu", faults: bool = True):  # noqa: ANN001, ANN202
     """The worker side of AuditConnector(FaultConnector(KVPoolConnector)) as the harness
-    configures a replica (harness.system.cluster.connector_config)."""
-    from harness.system.cluster import CONNECTOR, connector_config
-    from kvpool.wrap import load_class
+    configures a replica (kvgate.harness.system.cluster.connector_config)."""
+    from kvgate.harness.system.cluster import CONNECTOR, connector_config
+    from kvpool.connector.wrap import load_class
 
     extra = {"pool": f"unix:{pool.unix_path}", "token": "tok", "replica": "R", "history_dir": str(tmp_path / "h")}
     config = connector_config(CONNECTOR, extra, "recompute", audit=True,
@@ -71,10 +73,10 @@ def _chain(tmp_path, pool, device: str = "cpu", faults: bool = True):  # noqa: A
 
 
 def test_the_fault_connector_wraps_kvpools_backend_and_copier_from_outside(tmp_path, pool):
-    from faults.backend import FaultyBackend
-    from faults.connector import FaultConnector
-    from faults.copier import FaultyCopier
-    from kvpool.audit import AuditConnector
+    from kvgate.faults.backend import FaultyBackend
+    from kvgate.faults.connector import FaultConnector
+    from kvgate.faults.copier import FaultyCopier
+    from kvpool.connector.audit import AuditConnector
 
     audit = _chain(tmp_path, pool)
     assert type(audit) is AuditConnector and type(audit.inner) is FaultConnector
@@ -88,8 +90,8 @@ def test_the_fault_connector_wraps_kvpools_backend_and_copier_from_outside(tmp_p
 
 
 def test_without_a_fault_file_kvpool_runs_its_own_parts(tmp_path, pool):
-    from kvpool.audit import AuditConnector
-    from kvpool.client import PoolClient
+    from kvpool.connector.audit import AuditConnector
+    from kvpool.client.pool_client import PoolClient
 
     audit = _chain(tmp_path, pool, faults=False)
     assert type(audit) is AuditConnector and type(audit.inner) is KVPoolConnector
@@ -98,7 +100,7 @@ def test_without_a_fault_file_kvpool_runs_its_own_parts(tmp_path, pool):
 
 def test_on_cuda_the_fault_connector_builds_the_controlled_twin(tmp_path, pool):
     pytest.importorskip("torch")
-    from faults.gpu_live import ControlledCudaCopier
+    from kvgate.faults.gpu_live import ControlledCudaCopier
 
     assert type(_chain(tmp_path, pool, "cuda").inner.inner.worker.copier) is ControlledCudaCopier
 

@@ -1,4 +1,4 @@
-"""faults.connector's schedule section `gather`: the requests of a tag prefix wait (the
+"""kvgate.faults.connector's schedule section `gather`: the requests of a tag prefix wait (the
 connector answers None, "ask again", without asking the inner connector) until `count` of
 them have arrived, then are admitted in arrival order, one per scheduler step; an admitted
 request (a preempted one, resumed) is never held again, and requests of other tags pass."""

@@ -6,7 +6,7 @@
                                  the segment swapped), while the scheduler thread probes
                                  without pause. The probe never raises and never claims a
                                  run that only a daemon stopped before the probe began
-                                 held. Its negative control (faults.hook_controls: the
+                                 held. Its negative control (kvgate.faults.hook_controls: the
                                  probe without its snapshot) is caught raising or claiming.
   a torn or scribbled index      whatever the index region holds, a probe raises nothing
                                  and an entry naming no page of the segment is no hit.
@@ -28,12 +28,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from faults.hook_controls import UnguardedProbeClient
-from harness.system.pool import thread_pool, unique_name
-from kvpool.client import PoolClient, publish
-from kvpool.connector import ConnectorSettings
-from kvpool.keys import Namespace, block_hashes
-from kvpool.shm_index import ENTRY, SLOTS, ShmIndex, buckets_for, ns_fingerprint
+from kvgate.faults.hook_controls import UnguardedProbeClient
+from kvgate.harness.system.pool import thread_pool, unique_name
+from kvpool.client.pool_client import PoolClient
+from kvpool.client.transfer import publish
+from kvpool.connector.settings import ConnectorSettings
+from kvpool.pool.keys import Namespace, block_hashes
+from kvpool.pool.index import ENTRY, SLOTS, ShmIndex, buckets_for, ns_fingerprint
 
 NS = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
 PAGE = 4096
@@ -137,9 +138,10 @@ def client_prober(client_class: type[PoolClient], fresh_s: float = 5.0):  # noqa
 def scheduler_prober(tmp_path: Path, control: str | None = None, pause_ms: float = 0.0):  # noqa: ANN201
     """The race through the vLLM hook: KVPoolScheduler.get_num_new_matched_tokens, a new
     request each time (each one probes), on a scheduler whose pool backend is wrapped by
-    faults.backend (with `control`, the replica's client control: "unguarded_probe")."""
-    from faults.backend import FaultyBackend
-    from kvpool.connector import KVPoolScheduler, connect_backend
+    kvgate.faults.backend (with `control`, the replica's client control: "unguarded_probe")."""
+    from kvgate.faults.backend import FaultyBackend
+    from kvpool.connector.scheduler import KVPoolScheduler
+    from kvpool.connector.settings import connect_backend
 
     tmp_path.mkdir(parents=True, exist_ok=True)
     faults = tmp_path / "faults.json"
@@ -226,9 +228,10 @@ def test_a_scribbled_index_raises_nothing_and_claims_no_page_outside_the_segment
 
 import torch  # noqa: E402
 
-from harness.checkers.history import read_history  # noqa: E402
-from kvpool.client import load  # noqa: E402
-from kvpool.connector import BlockRun, KVPoolMetadata, KVPoolWorker  # noqa: E402
+from kvgate.harness.checkers.history import read_history  # noqa: E402
+from kvpool.client.transfer import load  # noqa: E402
+from kvpool.connector.params import BlockRun, KVPoolMetadata
+from kvpool.connector.worker import KVPoolWorker  # noqa: E402
 from kvpool.errors import MissCause  # noqa: E402
 
 from suites.connector.cpu_worker import HEAD, HEADS, LAYERS, B, cpu_worker  # noqa: E402
@@ -315,7 +318,7 @@ def test_a_preempted_requests_stores_queued_on_a_stalled_pool_do_not_end_the_ste
     import os
     import signal
 
-    from harness.system.pool import PoolProcess
+    from kvgate.harness.system.pool import PoolProcess
     from suites.connector.engine_calls import finished
 
     pool = PoolProcess.start(page_size=BLOCK, num_pages=64, token="tok")
@@ -353,13 +356,13 @@ def test_a_preempted_requests_stores_queued_on_a_stalled_pool_do_not_end_the_ste
 
 
 def test_a_run_longer_than_asked_is_a_miss_not_a_claim_past_the_prompt(tmp_path, test_seed):
-    """A daemon (faults.hook_controls.OverlongCatalog) answers every lookup and acquire with
+    """A daemon (kvgate.faults.hook_controls.OverlongCatalog) answers every lookup and acquire with
     each hit twice. The scheduler once claimed twice the blocks it asked for (tokens past
     the prompt, which vLLM's scheduler refuses by ending the engine) and the loader ran
     past its run's block ids (IndexError out of wait_for_layer_load). Both are a
     transport_error miss now: the answer does not answer the request."""
-    from faults.hook_controls import OverlongCatalog
-    from kvpool.connector import KVPoolScheduler
+    from kvgate.faults.hook_controls import OverlongCatalog
+    from kvpool.connector.scheduler import KVPoolScheduler
 
     daemon = thread_pool(page_size=BLOCK, num_pages=64, catalog_factory=OverlongCatalog)
     try:

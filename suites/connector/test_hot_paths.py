@@ -1,6 +1,6 @@
 """The connector's hooks on vLLM's hot paths hold the engine only within their bounds while
 the pool is stalled (its daemon stopped: connections accepted, nothing answered), measured
-by harness.bench.stall with short settings. The control is the same scheduler waiting in
+by kvgate.harness.bench.stall with short settings. The control is the same scheduler waiting in
 the call for each lookup's answer: it holds the engine for the lookup's whole timeout at
 every new request, which the check must see.
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.bench.stall import run_stall
+from kvgate.harness.bench.stall import run_stall
 
 SETTINGS = {"timeout_s": 1.0, "load_deadline_s": 0.5, "lookup_timeout_s": 0.3, "lookup_sync_s": 0.1,
             "lookup_poll_s": 0.005, "lookup_wait_pending_s": 0.2, "pool_backoff_s": 0.5}

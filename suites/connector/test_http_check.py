@@ -1,4 +1,4 @@
-"""kvpool.http's check of kv_transfer_params in front of an OpenAI-style server: a request
+"""kvpool.connector.http's check of kv_transfer_params in front of an OpenAI-style server: a request
 whose kvpool section the connector would refuse is answered 400 naming the field, before
 any handler runs; every other request (no params, good params, another endpoint, a body
 that is not JSON) reaches the handler unchanged."""
@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
-from kvpool.http import check_kv_transfer_params  # noqa: E402
+from kvpool.connector.http import check_kv_transfer_params  # noqa: E402
 
 REACHED: list[object] = []
 

@@ -1,4 +1,4 @@
-"""faults.connector's `late_store` control around a recording connector: while armed, the
+"""kvgate.faults.connector's `late_store` control around a recording connector: while armed, the
 scheduler frees a finished request at once and the inner connector's save calls are held;
 at the first step after the release (or the disarm) they reach the inner connector in
 order, each with its own step's metadata, and the inner's late completion reports of the
@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from faults.connector import FaultConnector
-from kvpool import vllm_compat as compat
-from kvpool.wrap import FORWARDED, WrappingConnector
+from kvgate.faults.connector import FaultConnector
+from kvpool.connector import vllm_compat as compat
+from kvpool.connector.wrap import FORWARDED, WrappingConnector
 
 
 class Recorder(compat.KVConnectorBase_V1):

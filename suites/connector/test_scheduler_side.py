@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from suites.connector.engine_calls import ask_matched
-from harness.system.pool import thread_pool
-from kvpool.client import publish
-from kvpool.connector import ConnectorSettings, KVPoolScheduler, namespace_for
+from kvgate.harness.system.pool import thread_pool
+from kvpool.client.transfer import publish
+from kvpool.connector.settings import ConnectorSettings, namespace_for
+from kvpool.connector.scheduler import KVPoolScheduler
 
 B = 128
 
@@ -98,13 +99,13 @@ def test_unknown_settings_are_an_error():
 
 
 def pool_client(pool):
-    from kvpool.client import PoolClient
+    from kvpool.client.pool_client import PoolClient
 
     return PoolClient(f"unix:{pool.unix_path}", "default", "tok")
 
 
 def s_hashes(s, tokens):
-    from kvpool.keys import block_hashes
+    from kvpool.pool.keys import block_hashes
 
     return block_hashes(tokens[: len(tokens) // B * B], B)
 
@@ -129,13 +130,13 @@ def _with(tmp_path, field):
 def other_field_outcome(pool, tmp_path, field, key_control: bool = False):  # noqa: ANN001, ANN201
     """A producer of the tiny config publishes a prompt's blocks; a scheduler whose config
     differs in `field` looks the prompt up. Returns (tokens it would load, its lookup record).
-    `key_control`: both reach the pool through faults.backend with the namespace control
+    `key_control`: both reach the pool through kvgate.faults.backend with the namespace control
     that leaves the revision out of the key (as the live revision-mismatch control does)."""
     import json
 
-    from faults.backend import FaultyBackend
-    from kvpool.connector import connect_backend
-    from kvpool.keys import block_hashes
+    from kvgate.faults.backend import FaultyBackend
+    from kvpool.connector.settings import connect_backend
+    from kvpool.pool.keys import block_hashes
 
     factory = connect_backend
     if key_control:
@@ -245,7 +246,7 @@ def test_a_multimodal_item_keys_the_blocks_it_overlaps_and_all_after(pool, tmp_p
 
 
 def test_prompt_embeddings_are_served_without_the_pool_and_say_why(pool, tmp_path):
-    from kvpool.history import read_history
+    from kvpool.connector.history import read_history
 
     s = scheduler(pool, tmp_path)
     r = request("e", list(range(1000)))
@@ -316,7 +317,7 @@ def test_load_mode_auto_follows_the_engines_scheduling(tmp_path):
 
 
 def _lookups(tmp_path):
-    from kvpool.history import read_history
+    from kvpool.connector.history import read_history
 
     return [x for x in read_history(tmp_path / "h") if x["ev"] == "lookup"]
 

@@ -15,14 +15,19 @@ import numpy as np
 import pytest
 import torch
 
-from faults.tier_controls import BlindTier
-from harness.checkers.history import read_history
-from harness.system.pool import thread_pool
-from harness.system.stores import RedisServer, redis_binary
-from kvpool.client import PoolClient, publish
-from kvpool.connector import ConnectorSettings, KVPoolScheduler, KVPoolWorker, _salt_root, request_inputs
-from kvpool.tier import TierAuth, tier_key, tier_publish
-from kvpool.tier_registry import open_tier
+from kvgate.faults.tier_controls import BlindTier
+from kvgate.harness.checkers.history import read_history
+from kvgate.harness.system.pool import thread_pool
+from kvgate.harness.system.stores import RedisServer, redis_binary
+from kvpool.client.pool_client import PoolClient
+from kvpool.client.transfer import publish
+from kvpool.connector.settings import ConnectorSettings
+from kvpool.connector.scheduler import KVPoolScheduler
+from kvpool.connector.worker import KVPoolWorker
+from kvpool.connector.params import salt_root, request_inputs
+from kvpool.tier.record import TierAuth, tier_key
+from kvpool.tier.interface import tier_publish
+from kvpool.tier.registry import open_tier
 from suites.connector.engine_calls import ask_matched, finished
 
 B, LAYERS, HEADS, HEAD = 16, 2, 2, 64
@@ -73,7 +78,7 @@ def _run(tmp_path, pool, redis, seed: int, corrupt: int | None = None, control: 
     tokens = [int(x) for x in rng.integers(0, 2000, N * B + 1)]
     request = SimpleNamespace(request_id="r", prompt_token_ids=tokens, num_computed_tokens=0, cache_salt=None,
                               kv_transfer_params=None)
-    chain = request_inputs(request, B)[0].hashes(tokens, B, _salt_root(request))
+    chain = request_inputs(request, B)[0].hashes(tokens, B, salt_root(request))
     producer = [rng.integers(0, 256, PAGE, dtype=np.uint8) for _ in range(N)]
     with PoolClient(f"unix:{pool.unix_path}", "default", "tok", name="this-host") as c:  # this host: 2 blocks
         assert publish(c, sched.ns, chain[:2], producer[:2]).committed == 2
@@ -133,7 +138,7 @@ def test_a_dead_tier_is_no_hit_and_the_pools_run_still_loads(system, tmp_path, t
     tokens = list(range(N * B + 1))
     request = SimpleNamespace(request_id="r", prompt_token_ids=tokens, num_computed_tokens=0, cache_salt=None,
                               kv_transfer_params=None)
-    chain = request_inputs(request, B)[0].hashes(tokens, B, _salt_root(request))
+    chain = request_inputs(request, B)[0].hashes(tokens, B, salt_root(request))
     with PoolClient(f"unix:{pool.unix_path}", "default", "tok", name="this-host") as c:
         assert publish(c, sched.ns, chain[:2], [np.zeros(PAGE, np.uint8)] * 2).committed == 2
     redis.kill()
@@ -172,7 +177,7 @@ def test_a_stalled_tier_node_costs_at_most_the_deadline_and_is_then_held_off(sys
         tokens = [int(x) for x in rng.integers(0, 2000, N * B + 1)]
         r = SimpleNamespace(request_id=rid, prompt_token_ids=tokens, num_computed_tokens=0, cache_salt=None,
                             kv_transfer_params=None)
-        chain = request_inputs(r, B)[0].hashes(tokens, B, _salt_root(r))
+        chain = request_inputs(r, B)[0].hashes(tokens, B, salt_root(r))
         assert tier_publish(open_tier(redis.url, AUTH), sched.ns, chain[:5],
                             [rng.integers(0, 256, PAGE, dtype=np.uint8) for _ in range(5)]).put == 5
         return r

@@ -1,4 +1,4 @@
-"""The hostile store client of the multi-host scenario (harness.scenarios.hostile.tier), at
+"""The hostile store client of the multi-host scenario (kvgate.harness.scenarios.hostile.tier), at
 the connector, without vLLM: a real pool, a real redis-server with its access control on
 (the replicas' tenant an ACL user of its own keys), kvpool's scheduler and worker over CPU
 KV tensors. Another host publishes five blocks to the tier; then a client of the store with
@@ -6,7 +6,7 @@ every right and no tier secret (the store's operator) moves each record under an
 block's key, or rewrites each page with its plain digest recomputed. The worker's load of
 them is `corrupt` at the first block, every block is reported failed (recomputed) and none
 of the attacker's bytes reaches the KV tensors. Negative control: the worker's copier armed
-with `unauthenticated_tier` (faults.copier, the control the live scenario arms) installs
+with `unauthenticated_tier` (kvgate.faults.copier, the control the live scenario arms) installs
 the records as good, and the byte-exact comparison with the producer's pages catches it."""
 
 from __future__ import annotations
@@ -18,15 +18,19 @@ import numpy as np
 import pytest
 import torch
 
-from faults.copier import FaultyCopier
-from faults.tier_controls import UNAUTHENTICATED_TIER, forge_record, rotate
-from harness.checkers.history import read_history
-from harness.system.pool import DEFAULT_TENANT, thread_pool
-from harness.system.stores import RedisServer, redis_binary
-from kvpool.connector import ConnectorSettings, KVPoolScheduler, KVPoolWorker, _salt_root, request_inputs
-from kvpool.history import HistoryWriter
-from kvpool.tier import TierAuth, tier_publish
-from kvpool.tier_registry import open_tier
+from kvgate.faults.copier import FaultyCopier
+from kvgate.faults.tier_controls import UNAUTHENTICATED_TIER, forge_record, rotate
+from kvgate.harness.checkers.history import read_history
+from kvgate.harness.system.pool import DEFAULT_TENANT, thread_pool
+from kvgate.harness.system.stores import RedisServer, redis_binary
+from kvpool.connector.settings import ConnectorSettings
+from kvpool.connector.scheduler import KVPoolScheduler
+from kvpool.connector.worker import KVPoolWorker
+from kvpool.connector.params import salt_root, request_inputs
+from kvpool.connector.history import HistoryWriter
+from kvpool.tier.record import TierAuth
+from kvpool.tier.interface import tier_publish
+from kvpool.tier.registry import open_tier
 from suites.connector.engine_calls import ask_matched
 from suites.connector.test_tier_fallback import HEAD, HEADS, LAYERS, PAGE, B, _config, _step
 
@@ -63,7 +67,7 @@ def test_records_moved_or_forged_in_the_store_are_never_installed(system, tmp_pa
     tokens = [int(x) for x in rng.integers(0, 2000, N * B + 1)]
     request = SimpleNamespace(request_id="r", prompt_token_ids=tokens, num_computed_tokens=0, cache_salt=None,
                               kv_transfer_params=None)
-    chain = request_inputs(request, B)[0].hashes(tokens, B, _salt_root(request))
+    chain = request_inputs(request, B)[0].hashes(tokens, B, salt_root(request))
     producer = [rng.integers(0, 256, PAGE, dtype=np.uint8).tobytes() for _ in range(N)]
     auth = TierAuth.from_secret(DEFAULT_TENANT, SECRET)
     assert tier_publish(open_tier(url, auth), sched.ns, chain, producer).put == N  # another host's publish

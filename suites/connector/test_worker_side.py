@@ -13,12 +13,14 @@ import pytest
 
 from suites.connector.cpu_worker import PAGE, B, cpu_worker
 from suites.connector.engine_calls import finished
-from harness.checkers.history import read_history
-from harness.system.pool import thread_pool
-from kvpool.client import PoolClient, publish
-from kvpool.connector import BlockRun, KVPoolMetadata, KVPoolWorker
+from kvgate.harness.checkers.history import read_history
+from kvgate.harness.system.pool import thread_pool
+from kvpool.client.pool_client import PoolClient
+from kvpool.client.transfer import publish
+from kvpool.connector.params import BlockRun, KVPoolMetadata
+from kvpool.connector.worker import KVPoolWorker
 from kvpool.errors import MissCause
-from kvpool.keys import block_hashes
+from kvpool.pool.keys import block_hashes
 
 
 

@@ -17,12 +17,12 @@ import random
 
 import pytest
 
-from harness.system.pool import PoolProcess
+from kvgate.harness.system.pool import PoolProcess
 
 
 @pytest.fixture(scope="module")
 def gpu_pool(tmp_path_factory):
-    from harness.scenarios.gpu_transfer import POOL_PAGE
+    from kvgate.harness.scenarios.gpu_transfer import POOL_PAGE
 
     # no scrub pass at rest: a page the tests corrupt at rest is met by the engine's load
     pool = PoolProcess.start(page_size=POOL_PAGE, num_pages=512, run_dir=tmp_path_factory.mktemp("gpu-pool"),
@@ -45,7 +45,7 @@ def client(gpu_pool):
 
 @pytest.fixture(scope="session")
 def cycles_per_ms() -> float:
-    from faults.gpu_controls import cycles_per_ms as measure
+    from kvgate.faults.gpu_controls import cycles_per_ms as measure
 
     return measure()
 

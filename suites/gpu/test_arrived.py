@@ -4,7 +4,7 @@ DMA reads it is refused as corrupt and never installed, on both copy paths, for 
 of either digest kind and engines of either store kind. The fault is at the data: a
 stream-ordered write of other bytes into the registered shared page, enqueued on the
 engine's copy stream behind a delay (torch.cuda._sleep), so it lands after load() began
-and before the engine's copy. The control (faults.gpu_controls.HostReadEngine) checks
+and before the engine's copy. The control (kvgate.faults.gpu_controls.HostReadEngine) checks
 the shared page as read by the host when the load starts, the check loads had before;
 it installs the changed bytes as loaded, and the byte check sees them."""
 
@@ -15,13 +15,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from faults.gpu_controls import HostReadEngine, delay_stream  # noqa: E402
-from kvpool.client import publish  # noqa: E402
-from kvpool.digest import DigestKind  # noqa: E402
+from kvgate.faults.gpu_controls import HostReadEngine, delay_stream  # noqa: E402
+from kvpool.client.transfer import publish  # noqa: E402
+from kvpool.pool.digest import DigestKind  # noqa: E402
 from kvpool.errors import MissCause  # noqa: E402
-from kvpool.gpu_transfer import CopyPath, TransferEngine  # noqa: E402
-from kvpool.keys import block_hashes  # noqa: E402
-from harness.scenarios.gpu_transfer import GEOMETRIES, fill, make_kv, namespace, read_pages  # noqa: E402
+from kvpool.gpu.transfer import CopyPath, TransferEngine  # noqa: E402
+from kvpool.pool.keys import block_hashes  # noqa: E402
+from kvgate.harness.scenarios.gpu_transfer import GEOMETRIES, fill, make_kv, namespace, read_pages  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

@@ -2,7 +2,7 @@
 holding the same pages from an earlier load, and a copy held back, must not let the
 check pass on the old rows while the copy brings in other bytes (here: the shared page
 changed after the earlier load). The control drops that edge
-(faults.gpu_controls.UnorderedTransferEngine, OrderingEdge.CHECK_AFTER_COPY): its check
+(kvgate.faults.gpu_controls.UnorderedTransferEngine, OrderingEdge.CHECK_AFTER_COPY): its check
 reads the old rows, and the other bytes are installed as loaded, which the byte check
 sees."""
 
@@ -13,13 +13,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from faults.gpu_controls import UnorderedTransferEngine, delay_stream  # noqa: E402
-from kvpool.client import publish  # noqa: E402
-from kvpool.digest import DigestKind  # noqa: E402
+from kvgate.faults.gpu_controls import UnorderedTransferEngine, delay_stream  # noqa: E402
+from kvpool.client.transfer import publish  # noqa: E402
+from kvpool.pool.digest import DigestKind  # noqa: E402
 from kvpool.errors import MissCause  # noqa: E402
-from kvpool.gpu_transfer import CopyPath, OrderingEdge, TransferEngine  # noqa: E402
-from kvpool.keys import block_hashes  # noqa: E402
-from harness.scenarios.gpu_transfer import GEOMETRIES, fill, make_kv, namespace, read_pages  # noqa: E402
+from kvpool.gpu.transfer import CopyPath, OrderingEdge, TransferEngine  # noqa: E402
+from kvpool.pool.keys import block_hashes  # noqa: E402
+from kvgate.harness.scenarios.gpu_transfer import GEOMETRIES, fill, make_kv, namespace, read_pages  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

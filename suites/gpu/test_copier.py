@@ -9,13 +9,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from faults.gpu_controls import delay_stream  # noqa: E402
-from kvpool.copier import CopyRun  # noqa: E402
-from kvpool.gpu_copier import CudaCopier  # noqa: E402
-from kvpool.gpu_transfer import CopyPath  # noqa: E402
-from kvpool.history import HistoryWriter  # noqa: E402
-from kvpool.keys import block_hashes  # noqa: E402
-from harness.scenarios.gpu_transfer import GEOMETRIES, fill, make_kv, namespace, read_pages, write_pages  # noqa: E402
+from kvgate.faults.gpu_controls import delay_stream  # noqa: E402
+from kvpool.connector.copier import CopyRun  # noqa: E402
+from kvpool.connector.gpu_copier import CudaCopier  # noqa: E402
+from kvpool.gpu.transfer import CopyPath  # noqa: E402
+from kvpool.connector.history import HistoryWriter  # noqa: E402
+from kvpool.pool.keys import block_hashes  # noqa: E402
+from kvgate.harness.scenarios.gpu_transfer import GEOMETRIES, fill, make_kv, namespace, read_pages, write_pages  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from faults.gpu_controls import (  # noqa: E402
+from kvgate.faults.gpu_controls import (  # noqa: E402
     BlindLoadEngine,
     EagerReleaseEngine,
     RefusedRegistrationEngine,
@@ -21,11 +21,11 @@ from faults.gpu_controls import (  # noqa: E402
     StuckSegmentEngine,
     delay_stream,
 )
-from kvpool.catalog import EvictOutcome  # noqa: E402
-from kvpool.digest import DigestKind  # noqa: E402
-from kvpool.client import publish  # noqa: E402
+from kvpool.pool.catalog import EvictOutcome  # noqa: E402
+from kvpool.pool.digest import DigestKind  # noqa: E402
+from kvpool.client.transfer import publish  # noqa: E402
 from kvpool.errors import InvalidRequest, MissCause  # noqa: E402
-from kvpool.gpu_transfer import (  # noqa: E402
+from kvpool.gpu.transfer import (  # noqa: E402
     CopyPath,
     HostMemory,
     KVLayoutError,
@@ -34,8 +34,8 @@ from kvpool.gpu_transfer import (  # noqa: E402
     TransferEngine,
     block_page,
 )
-from kvpool.keys import block_hashes  # noqa: E402
-from harness.scenarios.gpu_transfer import (  # noqa: E402
+from kvpool.pool.keys import block_hashes  # noqa: E402
+from kvgate.harness.scenarios.gpu_transfer import (  # noqa: E402
     GEOMETRIES,
     Scenario,
     check_with_control,
@@ -230,8 +230,8 @@ def test_a_lease_lost_under_a_slow_copy_fails_every_loaded_block(engine_cls, che
     LeaseLost, the generations cannot be checked, and every block the copy read fails (a
     timeout). The control takes the failed release for a clean one: its blocks count as
     loaded, which the check must see."""
-    from harness.scenarios.gpu_transfer import POOL_PAGE
-    from harness.system.pool import PoolProcess
+    from kvgate.harness.scenarios.gpu_transfer import POOL_PAGE
+    from kvgate.harness.system.pool import PoolProcess
 
     (tmp_path / "pool").mkdir()
     pool = PoolProcess.start(page_size=POOL_PAGE, num_pages=64, run_dir=tmp_path / "pool",
@@ -270,8 +270,8 @@ def test_the_engine_follows_its_pool_through_a_restart(engine_cls, follows, path
     segment (re-registered): pages published to the new pool load byte-exact, and a
     store commits. The control keeps the old mapping: its load reads the dead pool's
     pages (refused as corrupt) and its store's pages fail the new pool's verify."""
-    from harness.scenarios.gpu_transfer import POOL_PAGE
-    from harness.system.pool import PoolProcess
+    from kvgate.harness.scenarios.gpu_transfer import POOL_PAGE
+    from kvgate.harness.system.pool import PoolProcess
 
     (tmp_path / "pool").mkdir()
     pool = PoolProcess.start(page_size=POOL_PAGE, num_pages=64, run_dir=tmp_path / "pool")

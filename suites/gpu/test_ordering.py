@@ -1,7 +1,7 @@
 """Stream delay on the producing stream, for stores and loads, both copy paths, three
 layouts, three transfers in flight: every page byte-exact. Each test also runs its
 negative control, the same transfers with the one ordering edge dropped
-(faults.gpu_controls.UnorderedTransferEngine), and fails unless the control is caught."""
+(kvgate.faults.gpu_controls.UnorderedTransferEngine), and fails unless the control is caught."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvpool.gpu_transfer import CopyPath  # noqa: E402
-from harness.scenarios.gpu_transfer import GEOMETRIES, Scenario, check_with_control, engine_factory, namespace  # noqa: E402
+from kvpool.gpu.transfer import CopyPath  # noqa: E402
+from kvgate.harness.scenarios.gpu_transfer import GEOMETRIES, Scenario, check_with_control, engine_factory, namespace  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

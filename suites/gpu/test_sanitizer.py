@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from harness.scenarios.gpu_transfer import Scenario  # noqa: E402
+from kvgate.harness.scenarios.gpu_transfer import Scenario  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def sanitized(mode: str, seed: int) -> subprocess.CompletedProcess:
     env = {**os.environ, "TORCH_CUDA_SANITIZER": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "harness.scenarios.gpu_sanitized", "--mode", mode, "--seed", str(seed % 2**31)],
+    return subprocess.run([sys.executable, "-m", "kvgate.harness.scenarios.gpu_sanitized", "--mode", mode, "--seed", str(seed % 2**31)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 

@@ -13,8 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvpool.gpu_transfer import OrderingEdge  # noqa: E402
-from harness.scenarios import gpu_two_process as procs  # noqa: E402
+from kvpool.gpu.transfer import OrderingEdge  # noqa: E402
+from kvgate.harness.scenarios import gpu_two_process as procs  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,5 +1,5 @@
 """The live system, started once per test session exactly as the gate starts it
-(harness.gate.start_system): a pool daemon and four real `vllm serve` replicas of the
+(kvgate.harness.gate.start_system): a pool daemon and four real `vllm serve` replicas of the
 tiny local model — A (policy fail) and B (recompute), C on revision r2, D with a
 64-block KV cache behind the transport fault proxy — all audited."""
 
@@ -22,7 +22,7 @@ def live_report_dir(request, tmp_path_factory, worker_id) -> Path:
 
 @pytest.fixture(scope="session")
 def system(live_report_dir):
-    from harness.system.default import start_system
+    from kvgate.harness.system.default import start_system
 
     cluster, model = start_system(live_report_dir, {"A", "B", "C", "D"})
     try:

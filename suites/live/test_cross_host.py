@@ -1,19 +1,19 @@
 """Live, across hosts: the catalog's multi-host scenarios (fixtures/scenarios/hosts-*) on
-hosts made of network namespaces (harness.system.hosts: replica G on h1 with h1's pool
+hosts made of network namespaces (kvgate.harness.system.hosts: replica G on h1 with h1's pool
 daemon, replica H on h2 with its own, Redis, then Mooncake's master and a storage node, on a
 store host), judged exactly as the gate
-judges them (harness.scenarios.runner): the scenario's checks (outputs unchanged, the
+judges them (kvgate.harness.scenarios.runner): the scenario's checks (outputs unchanged, the
 failing tier held off, served again once healed), the byte-exact, miss-cause and request
 oracles, and the negative control, which must be caught. This module runs before the
 default system's live suites start theirs, and stops its hosts when it is done."""
 
 import pytest
 
-from harness.scenarios.catalog import load_catalog, on_hosts, store_of
-from harness.scenarios.runner import run_scenario
-from harness.system.netns import netns_unavailable
-from harness.system.stores import mooncake_binary, redis_binary
-from harness.workload.prompts import Corpus
+from kvgate.harness.scenarios.catalog import load_catalog, on_hosts, store_of
+from kvgate.harness.scenarios.runner import run_scenario
+from kvgate.harness.system.netns import netns_unavailable
+from kvgate.harness.system.stores import mooncake_binary, redis_binary
+from kvgate.harness.workload.prompts import Corpus
 
 _why_not = netns_unavailable() or (None if redis_binary() else "redis-server is not installed (make servers)")
 pytestmark = [pytest.mark.live, pytest.mark.skipif(_why_not is not None, reason=f"no hosts here: {_why_not}")]
@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.live, pytest.mark.skipif(_why_not is not None, reason=
 def hosts(live_report_dir):
     """One hosts system at a time, for the store the scenario runs on (the scenarios come
     ordered by store: each system is started once)."""
-    from harness.system.default import start_hosts_system
+    from kvgate.harness.system.default import start_hosts_system
 
     running: dict[str, object] = {}
 

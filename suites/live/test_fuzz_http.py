@@ -1,5 +1,5 @@
 """Hypothesis fuzz of what a client can put in a completion request's kv_transfer_params,
-sent over HTTP to live replicas A (kvpool.http's check in front of its server) and B
+sent over HTTP to live replicas A (kvpool.connector.http's check in front of its server) and B
 (the connector alone): any JSON there, the "kvpool" section with known fields of any type
 and unknown ones. Every request is answered; A answers 400 (naming kv_transfer_params)
 to every one whose kvpool section the connector refuses or that holds an integer the
@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as hseed
 from hypothesis import strategies as st
 
-from harness.client.http import complete, healthy, http_status
-from harness.workload.prompts import Corpus
-from kvpool.connector import RequestParams
-from kvpool.http import unencodable
+from kvgate.harness.client.http import complete, healthy, http_status
+from kvgate.harness.workload.prompts import Corpus
+from kvpool.connector.params import RequestParams
+from kvpool.connector.http import unencodable
 
 pytestmark = pytest.mark.live
 

@@ -1,14 +1,14 @@
 """Live: every scenario of the catalog (fixtures/scenarios) on real `vllm serve`
-replicas sharing one pool (the multi-host ones: suites/live/test_cross_host.py), judged exactly as the gate judges it (harness.scenarios):
+replicas sharing one pool (the multi-host ones: suites/live/test_cross_host.py), judged exactly as the gate judges it (kvgate.harness.scenarios):
 the scenario's own checks, the byte-exact, miss-cause and request checkers over its
 window of the history, and its negative control, which must be caught. A failure
 prints the command that replays the scenario with the same seed."""
 
 import pytest
 
-from harness.scenarios.catalog import load_catalog, on_hosts
-from harness.scenarios.runner import run_scenario
-from harness.workload.prompts import Corpus
+from kvgate.harness.scenarios.catalog import load_catalog, on_hosts
+from kvgate.harness.scenarios.runner import run_scenario
+from kvgate.harness.workload.prompts import Corpus
 
 pytestmark = pytest.mark.live
 

@@ -1,5 +1,5 @@
 """Two LoRA adapters of one model never share KV through the pool, live: replicas E and F
-of the tiny model serve two seeded adapters on k_proj and v_proj (fixtures.tiny_model.
+of the tiny model serve two seeded adapters on k_proj and v_proj (kvgate.fixtures.tiny_model.
 build_tiny_lora), so one prompt's KV differs by adapter. E computes a prompt under
 adapter ad1 and publishes it; on F the same prompt under ad2, and under the base model,
 finds nothing in the pool (the adapter seeds the key chain); the positive control, the
@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from fixtures.tiny_model import build_tiny_lora, build_tiny_model
-from harness.checkers.history import records
-from harness.client import http
-from harness.client.http import complete
-from harness.workload.prompts import Corpus
+from kvgate.fixtures.tiny_model import build_tiny_lora, build_tiny_model
+from kvgate.harness.checkers.history import records
+from kvgate.harness.client import http
+from kvgate.harness.client.http import complete
+from kvgate.harness.workload.prompts import Corpus
 
 pytestmark = pytest.mark.live
 PROMPT_TOKENS = 12 * 128 + 40
@@ -24,7 +24,7 @@ PROMPT_TOKENS = 12 * 128 + 40
 
 @pytest.fixture(scope="module")
 def lora_cluster(live_report_dir):
-    from harness.system.cluster import DEFAULT_CHUNK, Cluster, ReplicaSpec
+    from kvgate.harness.system.cluster import DEFAULT_CHUNK, Cluster, ReplicaSpec
 
     root = live_report_dir / "lora"
     model = build_tiny_model(root / "tiny", seed=0, revision="r1")

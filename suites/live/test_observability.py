@@ -12,8 +12,8 @@ import time
 import pytest
 import requests
 
-from harness.client.http import complete, http_status
-from harness.workload.prompts import Corpus
+from kvgate.harness.client.http import complete, http_status
+from kvgate.harness.workload.prompts import Corpus
 
 pytestmark = pytest.mark.live
 

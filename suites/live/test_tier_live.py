@@ -11,13 +11,13 @@ import secrets
 
 import pytest
 
-from fixtures.tiny_model import build_tiny_model
-from harness.checkers.history import audit_digests, records
-from harness.client import http
-from harness.client.http import complete
-from harness.scenarios.nemesis import wait_for
-from harness.system.stores import RedisServer, redis_binary
-from harness.workload.prompts import Corpus
+from kvgate.fixtures.tiny_model import build_tiny_model
+from kvgate.harness.checkers.history import audit_digests, records
+from kvgate.harness.client import http
+from kvgate.harness.client.http import complete
+from kvgate.harness.scenarios.nemesis import wait_for
+from kvgate.harness.system.stores import RedisServer, redis_binary
+from kvgate.harness.workload.prompts import Corpus
 
 pytestmark = [pytest.mark.live,
               pytest.mark.skipif(redis_binary() is None, reason="redis-server is not installed (make test installs it)")]
@@ -26,8 +26,8 @@ PROMPT_TOKENS = 11 * 128 + 60
 
 @pytest.fixture(scope="module")
 def two_hosts(live_report_dir):
-    from harness.system.cluster import DEFAULT_CHUNK, Cluster, ReplicaSpec
-    from harness.system.pool import PoolProcess
+    from kvgate.harness.system.cluster import DEFAULT_CHUNK, Cluster, ReplicaSpec
+    from kvgate.harness.system.pool import PoolProcess
 
     root = live_report_dir / "tier"
     model = build_tiny_model(root / "tiny", seed=0, revision="r1")

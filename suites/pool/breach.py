@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvpool.client import PoolClient
+from kvpool.client.pool_client import PoolClient
 
 
 def _search(fd: int, secret: bytes) -> bool:

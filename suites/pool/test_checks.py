@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from harness.scenarios.pool import crash_and_restart, miss_causes
+from kvgate.harness.scenarios.pool import crash_and_restart, miss_causes
 from kvpool.errors import MissCause
 
 
@@ -24,11 +24,12 @@ def test_the_pooled_copy_oracle_hashes_the_page_bytes(tmp_path, test_seed):
     lease), although the daemon's recorded digest is unchanged."""
     import random
 
-    from harness.checkers.byte_exact import pool_digests
-    from harness.system.pool import thread_pool
-    from kvpool.client import PoolClient, publish
-    from kvpool.digest import page_digest
-    from kvpool.keys import Namespace, block_hashes
+    from kvgate.harness.checkers.byte_exact import pool_digests
+    from kvgate.harness.system.pool import thread_pool
+    from kvpool.client.pool_client import PoolClient
+    from kvpool.client.transfer import publish
+    from kvpool.pool.digest import page_digest
+    from kvpool.pool.keys import Namespace, block_hashes
 
     ns = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
     rng = random.Random(test_seed)

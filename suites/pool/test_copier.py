@@ -1,5 +1,5 @@
-"""The worker's copy engine (kvpool.copier) against a real daemon, with the stream-delay
-fault (faults.copier) and its negative control (faults.controls.EarlyCompletionCopier).
+"""The worker's copy engine (kvpool.connector.copier) against a real daemon, with the stream-delay
+fault (kvgate.faults.copier) and its negative control (kvgate.faults.controls.EarlyCompletionCopier).
 
 The engine's side is played by the test: KV "layers" are numpy arrays; after the copier
 says a store is done the test reuses the blocks (writes other bytes), and after it says
@@ -12,13 +12,13 @@ import threading
 import numpy as np
 import pytest
 
-from faults.copier import FaultyCopier
-from harness.system.pool import thread_pool
-from kvpool.client import PoolClient
-from kvpool.copier import LANES, LOAD_THREADS, CopyRun, HostCopier
-from kvpool.digest import page_digest
-from kvpool.history import HistoryWriter, read_history
-from kvpool.keys import Namespace, block_hashes
+from kvgate.faults.copier import FaultyCopier
+from kvgate.harness.system.pool import thread_pool
+from kvpool.client.pool_client import PoolClient
+from kvpool.connector.copier import LANES, LOAD_THREADS, CopyRun, HostCopier
+from kvpool.pool.digest import page_digest
+from kvpool.connector.history import HistoryWriter, read_history
+from kvpool.pool.keys import Namespace, block_hashes
 
 pytestmark = pytest.mark.fault_stream_delay
 
@@ -156,7 +156,7 @@ def test_the_delay_heals_after_its_count(daemon, tmp_path, test_seed):
 
 
 def test_an_unknown_copier_control_is_an_error(daemon, tmp_path):
-    from faults.control import ControlFileError
+    from kvgate.faults.control import ControlFileError
 
     control = tmp_path / "faults.json"
     control.write_text(json.dumps({"copier": {"control": "optimistic"}}))

@@ -1,9 +1,9 @@
 """Corruption leaves the pool: a page corrupted at rest (a byte flipped in the tenant's
-shared segment, as faults.backend's corrupt fault does) is dropped after one loader's
+shared segment, as kvgate.faults.backend's corrupt fault does) is dropped after one loader's
 report, or by the scrub's pass at rest, whatever its digest kind; and the scrub's state
 stays within its bound under a churn far larger than the pool.
 
-Each oracle is run against its negative control (faults.corrupt_controls) and must catch
+Each oracle is run against its negative control (kvgate.faults.corrupt_controls) and must catch
 it: a loader that does not report and a daemon that ignores reports keep serving the
 corrupt page; a scrub blind to xxh3-128 pages never finds it; a scrub queue that keeps an
 entry per commit grows past the pool."""
@@ -17,15 +17,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from faults.corrupt_controls import DeafDaemon, HoardingCatalog, SilentLoader, XxhBlindScrubDaemon
-from harness.system.pool import DEFAULT_TENANT, unique_name
-from kvpool.catalog import Catalog, CorruptOutcome
-from kvpool.client import PoolClient, load, publish
-from kvpool.digest import DigestKind
+from kvgate.faults.corrupt_controls import DeafDaemon, HoardingCatalog, SilentLoader, XxhBlindScrubDaemon
+from kvgate.harness.system.pool import DEFAULT_TENANT, unique_name
+from kvpool.pool.catalog import Catalog, CorruptOutcome
+from kvpool.client.pool_client import PoolClient
+from kvpool.client.transfer import load, publish
+from kvpool.pool.digest import DigestKind
 from kvpool.errors import InvalidRequest, LeaseLost, MissCause
-from kvpool.keys import Namespace, block_hashes
-from kvpool.metrics import ClientMetrics
-from kvpool.server import PoolConfig, PoolDaemon
+from kvpool.pool.keys import Namespace, block_hashes
+from kvpool.pool.metrics import ClientMetrics
+from kvpool.pool.daemon import PoolConfig, PoolDaemon
 
 NS = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
 PAGE = 4096
@@ -238,12 +239,12 @@ def test_the_scrub_queue_stays_within_its_bound_under_churn(control, test_seed):
 
 
 def test_the_workers_load_reports_what_it_refused(tmp_path, test_seed):
-    """The replica's worker (kvpool.copier.HostCopier, the connector's CPU copy engine):
+    """The replica's worker (kvpool.connector.copier.HostCopier, the connector's CPU copy engine):
     its load of a run with a page corrupted at rest stops there as corrupt, and its report
     takes the page out of the pool for every replica: a second worker's load (another
     connection) stops there as evicted, not corrupt."""
-    from kvpool.copier import CopyRun, HostCopier
-    from kvpool.history import HistoryWriter, read_history
+    from kvpool.connector.copier import CopyRun, HostCopier
+    from kvpool.connector.history import HistoryWriter, read_history
 
     rng = np.random.default_rng(test_seed)
     layers, blocks, half = 2, 4, PAGE // 2  # a page = one block of both layers
@@ -274,7 +275,7 @@ def test_the_workers_load_reports_what_it_refused(tmp_path, test_seed):
 
 
 def test_a_report_longer_than_any_lease_is_refused_by_the_decoder():
-    from kvpool import protocol as P
+    from kvpool.pool import protocol as P
     from kvpool.errors import MalformedFrame
 
     ok = P.encode_request(3, P.ReportCorrupt(1, list(range(P.MAX_REPORT_INDEXES))))

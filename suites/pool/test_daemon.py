@@ -6,12 +6,13 @@ import socket
 import numpy as np
 import pytest
 
-from harness.system.pool import PoolProcess, thread_pool
-from kvpool import protocol as P
-from kvpool.arena import processes_mapping, segment_label
-from kvpool.client import PoolClient, load, publish
+from kvgate.harness.system.pool import PoolProcess, thread_pool
+from kvpool.pool import protocol as P
+from kvpool.pool.arena import processes_mapping, segment_label
+from kvpool.client.pool_client import PoolClient
+from kvpool.client.transfer import load, publish
 from kvpool.errors import Busy, ErrorCode, InvalidRequest, MissCause, Unauthenticated
-from kvpool.keys import Namespace, block_hashes
+from kvpool.pool.keys import Namespace, block_hashes
 
 NS = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
 
@@ -97,7 +98,7 @@ def test_a_page_whose_bytes_differ_from_the_claimed_digest_is_never_visible(daem
         res = c.reserve(NS, hs, [4096, 4096])
         c.write_page(res, 0, blocks(1)[0])
         c.write_page(res, 1, blocks(1, seed=5)[0])
-        from kvpool.digest import page_digest
+        from kvpool.pool.digest import page_digest
         out = c.commit(res.reservation_id, [page_digest(blocks(1)[0]), page_digest(blocks(1)[0])])
         assert out.committed == 1 and out.rejected == (1,)
         found = c.lookup(NS, hs)
@@ -295,7 +296,7 @@ def test_a_stale_connection_is_replaced_transparently_for_every_request(tmp_path
     """Each request kind, first after a restart on a connection that went stale. Over
     TCP a send to a closed peer succeeds and only the reply fails, so the client must
     notice the hang-up before it sends (an acquire is not safe to resend)."""
-    from harness.system.cluster import free_port
+    from kvgate.harness.system.cluster import free_port
 
     pool = PoolProcess.start(page_size=4096, num_pages=8, run_dir=tmp_path,
                              extra_args=("--tcp", f"127.0.0.1:{free_port()}"))
@@ -320,15 +321,15 @@ def test_a_stale_connection_is_replaced_transparently_for_every_request(tmp_path
 
 @pytest.mark.parametrize("seed", [3, 11, 1234567])
 def test_a_load_fault_with_a_probability_fires_where_the_schedule_says(tmp_path, seed):
-    """faults.backend armed BUGGIFY-style: the loads before the schedule's first firing pass
+    """kvgate.faults.backend armed BUGGIFY-style: the loads before the schedule's first firing pass
     the armed site untouched, the one it names ends corrupt (the bit flipped in the arena,
     the loader's digest catching it, and its report making the daemon, which finds the
     page corrupt at rest too, drop it), and the next load stops there as evicted."""
     import json
 
-    from faults.backend import FaultyBackend
-    from faults.schedule import draw_schedule
-    from kvpool.history import HistoryWriter
+    from kvgate.faults.backend import FaultyBackend
+    from kvgate.faults.schedule import draw_schedule
+    from kvpool.connector.history import HistoryWriter
 
     sched = draw_schedule(seed)
     spec, first = sched.spec("corrupt"), sched.first_firing("corrupt")

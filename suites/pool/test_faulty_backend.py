@@ -10,13 +10,14 @@ import json
 import numpy as np
 import pytest
 
-from faults.backend import FaultyBackend
-from harness.checkers.history import read_history
-from harness.system.pool import thread_pool
-from kvpool.client import PoolClient, load, publish
+from kvgate.faults.backend import FaultyBackend
+from kvgate.harness.checkers.history import read_history
+from kvgate.harness.system.pool import thread_pool
+from kvpool.client.pool_client import PoolClient
+from kvpool.client.transfer import load, publish
 from kvpool.errors import MissCause
-from kvpool.history import HistoryWriter
-from kvpool.keys import Namespace, block_hashes
+from kvpool.connector.history import HistoryWriter
+from kvpool.pool.keys import Namespace, block_hashes
 
 NS = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
 PAGE = 4096

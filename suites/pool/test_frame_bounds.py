@@ -1,6 +1,6 @@
 """Bounded work per frame: an authenticated tenant's frames against a real daemon process.
 
-  flood          the hostile scenario's flood (harness.scenarios.hostile.frames): every list
+  flood          the hostile scenario's flood (kvgate.harness.scenarios.hostile.frames): every list
                  at its bound, one past it, repeated; a namespace of megabytes; a frame over
                  the limit. The daemon's RSS grows at most rss_bound_kib (8 frame limits +
                  64 MiB: 104 MiB at 64 KiB pages), every frame is refused with a typed error
@@ -9,7 +9,7 @@
                  lengths around each bound, repeats, indexes and slots in and out of the
                  session's lease and reservation, payloads of every size around the page;
                  the same judgement.
-  control        faults.frame_controls' daemon (the frame handling before the bounds) under
+  control        kvgate.faults.frame_controls' daemon (the frame handling before the bounds) under
                  the same flood: caught, its RSS over the bound.
   decoder        the static bounds refuse a long list before its elements are read.
 """
@@ -26,15 +26,15 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import seed as hseed
 from hypothesis import strategies as st
 
-from harness.checkers.verdict import Checks
-from harness.scenarios.hostile.frames import (HostileSession, RssWatch, flood, judge_flood, rss_bound_kib,
+from kvgate.harness.checkers.verdict import Checks
+from kvgate.harness.scenarios.hostile.frames import (HostileSession, RssWatch, flood, judge_flood, rss_bound_kib,
                                               start_control_pool)
-from harness.system.pool import PoolProcess
-from kvpool import protocol as P
-from kvpool.client import load, publish
-from kvpool.digest import page_digest
+from kvgate.harness.system.pool import PoolProcess
+from kvpool.pool import protocol as P
+from kvpool.client.transfer import load, publish
+from kvpool.pool.digest import page_digest
 from kvpool.errors import MalformedFrame
-from kvpool.keys import HASH_BYTES, Namespace, block_hashes
+from kvpool.pool.keys import HASH_BYTES, Namespace, block_hashes
 
 PAGE = 64 * 1024
 NS = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
@@ -227,7 +227,7 @@ def test_frame_limit_is_stated_from_the_page_size():
 
 # -- the live runner's wiring, on stand-in replicas ---------------------------------------------
 class _Cluster:
-    """The part of harness.system.cluster.Cluster the runner uses besides the replicas' hit."""
+    """The part of kvgate.harness.system.cluster.Cluster the runner uses besides the replicas' hit."""
 
     def __init__(self, pool: PoolProcess):
         self.pool = pool
@@ -253,8 +253,8 @@ def _hit(*args, **kwargs):  # noqa: ANN002, ANN003 - live.cross_replica_hit's st
 
 @pytest.mark.parametrize("control", [None, "unbounded_frames"])
 def test_frame_flood_runner_judges_the_flood_and_its_control(pool, test_seed, monkeypatch, control):
-    from harness.scenarios import live
-    from harness.scenarios.catalog import RUNNERS, find
+    from kvgate.harness.scenarios import live
+    from kvgate.harness.scenarios.catalog import RUNNERS, find
 
     sc = find("hostile-frame-flood")
     monkeypatch.setattr(live, "cross_replica_hit", _hit)

@@ -23,11 +23,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as hseed
 from hypothesis import strategies as st
 
-from harness.system.pool import PoolProcess
-from kvpool import protocol as P
-from kvpool.client import load, publish
-from kvpool.connector import RequestParams
-from kvpool.keys import Namespace, block_hashes
+from kvgate.harness.system.pool import PoolProcess
+from kvpool.pool import protocol as P
+from kvpool.client.transfer import load, publish
+from kvpool.connector.params import RequestParams
+from kvpool.pool.keys import Namespace, block_hashes
 from suites.pool.test_malformed import _ask  # one frame, one reply (asserting the daemon answered)
 
 NS = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)

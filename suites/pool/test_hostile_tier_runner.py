@@ -1,14 +1,14 @@
-"""The hostile store-forgery scenario's runner (harness.scenarios.hostile.tier.store_forgery)
+"""The hostile store-forgery scenario's runner (kvgate.harness.scenarios.hostile.tier.store_forgery)
 on stand-in replicas over a real redis-server with its access control on: no vLLM, so the
 runner's steps (watching G's keys appear, the attack between G's publish and H's load, its
 checks) run where CI runs. G's stand-in publishes each prompt's blocks through a real
-RedisTier; H's loads them through kvpool.tier.tier_load (behind
-faults.tier_controls.UnauthenticatedTier when the control is armed), recomputes what its
+RedisTier; H's loads them through kvpool.tier.interface.tier_load (behind
+kvgate.faults.tier_controls.UnauthenticatedTier when the control is armed), recomputes what its
 load did not install, and answers with tokens that are a function of the KV it attended
 to; both write the history records the runner and the oracles read (lookup, tier_publish,
 tier_load, namespace, audit). The run must pass, with the byte-exact and the declared
 miss-cause oracles; the control run must fail, and the byte-exact oracle must catch it for
-its reason, as harness.scenarios.runner.judge_control requires."""
+its reason, as kvgate.harness.scenarios.runner.judge_control requires."""
 
 from __future__ import annotations
 
@@ -18,20 +18,21 @@ import types
 import numpy as np
 import pytest
 
-import harness.scenarios.hostile.tier as hostile_tier
-import harness.scenarios.hosts as hosts
-from faults.tier_controls import UNAUTHENTICATED_TIER, UnauthenticatedTier
-from harness.checkers.byte_exact import byte_exact
-from harness.checkers.history import read_history
-from harness.checkers.miss_causes import expected_causes
-from harness.scenarios.catalog import find
-from harness.system.pool import DEFAULT_TENANT
-from harness.system.stores import RedisServer, redis_binary
-from kvpool.digest import page_digest
-from kvpool.history import HistoryWriter
-from kvpool.keys import Namespace
-from kvpool.tier import TierAuth, tier_load, tier_publish
-from kvpool.tier_redis import RedisTier
+import kvgate.harness.scenarios.hostile.tier as hostile_tier
+import kvgate.harness.scenarios.hosts as hosts
+from kvgate.faults.tier_controls import UNAUTHENTICATED_TIER, UnauthenticatedTier
+from kvgate.harness.checkers.byte_exact import byte_exact
+from kvgate.harness.checkers.history import read_history
+from kvgate.harness.checkers.miss_causes import expected_causes
+from kvgate.harness.scenarios.catalog import find
+from kvgate.harness.system.pool import DEFAULT_TENANT
+from kvgate.harness.system.stores import RedisServer, redis_binary
+from kvpool.pool.digest import page_digest
+from kvpool.connector.history import HistoryWriter
+from kvpool.pool.keys import Namespace
+from kvpool.tier.record import TierAuth
+from kvpool.tier.interface import tier_load, tier_publish
+from kvpool.tier.redis import RedisTier
 
 PAGE = 4096
 NS = Namespace(model_id="tiny", model_revision="r1", tokenizer_hash="t", kv_dtype="bfloat16", kv_layout="cpu",

@@ -1,4 +1,4 @@
-"""The model identity in the connector's namespace (kvpool.identity): a checkpoint over
+"""The model identity in the connector's namespace (kvpool.connector.identity): a checkpoint over
 64 MiB with one tensor of the same shape rewritten (same size, same safetensors header,
 mtime put back or not) gets another namespace, at one path or at two; an unchanged one
 reads no weight byte at its next start (counted by the kernel: /proc/self/io rchar); the
@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from harness.scenarios.hostile.checkpoint import (RACY_WAIT_S, WEIGHTS, attempt, build_checkpoint,
+from kvgate.harness.scenarios.hostile.checkpoint import (RACY_WAIT_S, WEIGHTS, attempt, build_checkpoint,
                                                   checkpoint_namespace, judge, rewrite_tensor)
-from harness.system.pool import thread_pool
-from kvpool.client import PoolClient
+from kvgate.harness.system.pool import thread_pool
+from kvpool.client.pool_client import PoolClient
 
 SEED = 11
 
@@ -31,7 +31,7 @@ def cache(tmp_path, monkeypatch):
 def ckpt(tmp_path, cache):
     path = build_checkpoint(tmp_path / "ckpt", SEED)
     assert (path / WEIGHTS).stat().st_size > 64 * 2**20
-    time.sleep(RACY_WAIT_S)  # so that the first start's digests are cached (kvpool.identity.RACY_NS)
+    time.sleep(RACY_WAIT_S)  # so that the first start's digests are cached (kvpool.connector.identity.RACY_NS)
     yield path
     shutil.rmtree(path)
 
@@ -89,7 +89,7 @@ def test_an_unchanged_checkpoint_reads_no_weight_byte_at_its_next_start(ckpt, ca
 
 
 def test_the_cache_is_private_to_its_user(ckpt, cache):
-    from kvpool.identity import checkpoint_manifest
+    from kvpool.connector.identity import checkpoint_manifest
 
     cache.mkdir(mode=0o700)
     os.chmod(cache, 0o777)  # anyone could plant digests: not used (refused), every start hashes again
@@ -100,7 +100,7 @@ def test_the_cache_is_private_to_its_user(ckpt, cache):
 
 
 def test_the_hub_commit_is_part_of_the_identity(tmp_path, cache):
-    from kvpool.identity import model_identity
+    from kvpool.connector.identity import model_identity
 
     hub = tmp_path / "hub"
     repo = hub / "models--org--tiny"

@@ -15,14 +15,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.system.pool import DEFAULT_TENANT, thread_pool, unique_name
-from kvpool import protocol as P
-from kvpool.arena import processes_mapping, segment_label
-from kvpool.client import PoolClient, publish
-from kvpool.digest import page_digest
+from kvgate.harness.system.pool import DEFAULT_TENANT, thread_pool, unique_name
+from kvpool.pool import protocol as P
+from kvpool.pool.arena import processes_mapping, segment_label
+from kvpool.client.pool_client import PoolClient
+from kvpool.client.transfer import publish
+from kvpool.pool.digest import page_digest
 from kvpool.errors import InvalidRequest, MissCause
-from kvpool.keys import Namespace, block_hashes
-from kvpool.server import PoolConfig, PoolDaemon
+from kvpool.pool.keys import Namespace, block_hashes
+from kvpool.pool.daemon import PoolConfig, PoolDaemon
 
 NS = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
 PAGE = 4096

@@ -10,11 +10,11 @@ import socket
 import msgspec
 import numpy as np
 
-from harness.system.pool import PoolProcess
-from kvpool import protocol as P
-from kvpool.client import load, publish
+from kvgate.harness.system.pool import PoolProcess
+from kvpool.pool import protocol as P
+from kvpool.client.transfer import load, publish
 from kvpool.errors import ErrorCode
-from kvpool.keys import Namespace, block_hashes
+from kvpool.pool.keys import Namespace, block_hashes
 
 NS = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
 FRAMES = 1200

@@ -1,7 +1,7 @@
 """Two separate processes publish and load through one daemon; compare the bytes."""
 
-from harness.scenarios.pool import EXCHANGE_BLOCKS, EXCHANGE_PAGE, exchange_between_processes
-from harness.system.pool import PoolProcess
+from kvgate.harness.scenarios.pool import EXCHANGE_BLOCKS, EXCHANGE_PAGE, exchange_between_processes
+from kvgate.harness.system.pool import PoolProcess
 
 
 def test_two_processes_exchange_byte_identical_pages(tmp_path, test_seed):
@@ -17,7 +17,7 @@ def test_two_processes_exchange_byte_identical_pages(tmp_path, test_seed):
 
 def test_the_exchange_check_catches_a_pool_that_serves_other_bytes(tmp_path, test_seed):
     """Negative control: the daemon on a catalog that serves each run's pages in reverse
-    order (faults.controls.CrossedCatalog, digests consistent with the pages served, so no
+    order (kvgate.faults.controls.CrossedCatalog, digests consistent with the pages served, so no
     loader safeguard trips) must fail the same exchange check."""
     pool = PoolProcess.start(page_size=EXCHANGE_PAGE, num_pages=64, run_dir=tmp_path)
     try:

@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from harness.system.pool import thread_pool
-from kvpool import protocol as P
-from kvpool.arena import processes_mapping, segment_label
-from kvpool.client import PoolClient
+from kvgate.harness.system.pool import thread_pool
+from kvpool.pool import protocol as P
+from kvpool.pool.arena import processes_mapping, segment_label
+from kvpool.client.pool_client import PoolClient
 from kvpool.errors import ErrorCode
-from kvpool.keys import Namespace, block_hashes
+from kvpool.pool.keys import Namespace, block_hashes
 
 NS = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
 

@@ -1,8 +1,8 @@
-"""The daemon's private state (kvpool.arena: the layout, the generations, the block index,
+"""The daemon's private state (kvpool.pool.arena: the layout, the generations, the block index,
 the heartbeat) out of a tenant's reach: its clients map it read-only and cannot write it
 any other way; a tenant that scribbles every byte it can map plants nothing another
-replica trusts (harness.scenarios.hostile.scribble, the hostile scenario's attempt at pool
-level); the layout before (faults.private_controls) is caught by the same oracle."""
+replica trusts (kvgate.harness.scenarios.hostile.scribble, the hostile scenario's attempt at pool
+level); the layout before (kvgate.faults.private_controls) is caught by the same oracle."""
 
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ import time
 import numpy as np
 import pytest
 
-from harness.scenarios.hostile.scribble import pool_level
-from harness.system.pool import thread_pool
-from kvpool.arena import F_SEAL_FUTURE_WRITE, HEARTBEAT_OFF, Arena
-from kvpool.client import PoolClient, publish
-from kvpool.keys import Namespace, block_hashes
+from kvgate.harness.scenarios.hostile.scribble import pool_level
+from kvgate.harness.system.pool import thread_pool
+from kvpool.pool.arena import F_SEAL_FUTURE_WRITE, HEARTBEAT_OFF, Arena
+from kvpool.client.pool_client import PoolClient
+from kvpool.client.transfer import publish
+from kvpool.pool.keys import Namespace, block_hashes
 
 PAGE = 4096
 NS = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
@@ -122,7 +123,7 @@ def test_the_private_segment_refuses_every_other_way_to_write(pool):
 
 _RAW_WRITE = """
 import ctypes, sys
-from kvpool.client import PoolClient
+from kvpool.client.pool_client import PoolClient
 c = PoolClient(sys.argv[1], "default", "tok")
 address = c.arena.index_entries.ctypes.data
 print("mapped", flush=True)
@@ -150,7 +151,7 @@ def test_a_scribbling_tenant_plants_nothing_another_replica_trusts(test_seed):
 
 
 def test_the_private_state_in_the_page_segment_is_caught(test_seed):
-    """The negative control: the layout before 4 (faults.private_controls), where the
+    """The negative control: the layout before 4 (kvgate.faults.private_controls), where the
     scribbler's writes land in the index, the generations and the heartbeat."""
     v = pool_level(test_seed, arena="shared_private")
     assert v.valid is False
@@ -165,7 +166,7 @@ def test_a_segment_handed_as_one_descriptor_twice_is_still_mapped_apart():
     """The control's layout is a real arena: one memfd behind both descriptors, the
     private view of it read-only, the pages after it (so the control fails for its
     layout, not for a broken mapping)."""
-    from faults.private_controls import SharedPrivateArena
+    from kvgate.faults.private_controls import SharedPrivateArena
 
     daemon = SharedPrivateArena.anonymous("kvgate:test-shared", PAGE, 4)
     try:

@@ -1,4 +1,4 @@
-"""The transport nemesis (faults.proxy) between a real PoolClient and a real daemon.
+"""The transport nemesis (kvgate.faults.proxy) between a real PoolClient and a real daemon.
 
 For each fault kind: the client's operation ends with the typed error or load miss
 cause the client promises, the daemon's accounting is what it was before (no lease or
@@ -22,15 +22,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from faults.proxy import FaultProxy, LinkFault, parse_control
-from harness.system.proxy import ProxyProcess
-from faults.transport_controls import TrustingLoader
-from harness.system.pool import DEFAULT_TENANT, PoolProcess
-from kvpool import protocol as P
-from kvpool.client import PoolClient, load, publish
+from kvgate.faults.proxy import FaultProxy, LinkFault, parse_control
+from kvgate.harness.system.proxy import ProxyProcess
+from kvgate.faults.transport_controls import TrustingLoader
+from kvgate.harness.system.pool import DEFAULT_TENANT, PoolProcess
+from kvpool.pool import protocol as P
+from kvpool.client.pool_client import PoolClient
+from kvpool.client.transfer import load, publish
 from kvpool.errors import ErrorCode, MissCause, PoolTimeout, TransportError
-from kvpool.history import HistoryWriter, read_history
-from kvpool.keys import Namespace, block_hashes
+from kvpool.connector.history import HistoryWriter, read_history
+from kvpool.pool.keys import Namespace, block_hashes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -426,9 +427,9 @@ def test_a_slow_link_is_exact_and_its_throttle_is_accounted(pool, direct, proxie
 
 def test_the_schedule_decides_which_frames_fire(pool, direct, proxies, test_seed):
     """BUGGIFY-style: with schedule_seed, the n-th matching frame fires exactly where
-    faults.schedule.fires says, and the frames before pass untouched (a slow link slows
+    kvgate.faults.schedule.fires says, and the frames before pass untouched (a slow link slows
     only the schedule's frames; a reset strikes at the schedule's first firing)."""
-    from faults.schedule import fires
+    from kvgate.faults.schedule import fires
 
     prefix, before = published(pool, direct, test_seed)
     proxy = proxies("tcp", remote=True)
@@ -517,7 +518,7 @@ def test_an_oversized_frame_passes_through_and_the_daemon_refuses_it(proxies):
 
 
 def test_the_proxy_as_a_process(pool, direct, sockdir, tmp_path, test_seed):
-    """`python -m faults.proxy`, as a live replica's connector would be pointed at it."""
+    """`python -m kvgate.faults.proxy`, as a live replica's connector would be pointed at it."""
     prefix, before = published(pool, direct, test_seed)
     control = tmp_path / "control.json"
     control.write_text(json.dumps({"bitflip": {"ops": ["read"]}}))

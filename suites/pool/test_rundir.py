@@ -1,5 +1,5 @@
-"""The run directory and the socket a tenant sends its token to (kvpool.private_dir,
-kvpool.server, kvpool.cli, kvpool.client): a directory above the run directory that
+"""The run directory and the socket a tenant sends its token to (kvpool.pool.private_dir,
+kvpool.pool.daemon, kvpool.pool.cli, kvpool.client.pool_client): a directory above the run directory that
 another user (uid 65534) created, or a link of theirs in the chain, is refused by the
 daemon and by `kvpool serve` with InsecureRunDir naming it; a client refuses a socket
 another user listens on (UntrustedPool, SO_PEERCRED) before it sends a byte. And the
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.scenarios.hostile.rundir import OTHER_UID, _listen, _wait, as_other_user, attempt, judge, sticky_tmp
+from kvgate.harness.scenarios.hostile.rundir import OTHER_UID, _listen, _wait, as_other_user, attempt, judge, sticky_tmp
 from kvpool import errors
-from kvpool.client import PoolClient
-from kvpool.private_dir import ensure_private_dir
-from kvpool.server import InsecureRunDir, PoolConfig, PoolDaemon
+from kvpool.client.pool_client import PoolClient
+from kvpool.pool.private_dir import ensure_private_dir
+from kvpool.pool.daemon import InsecureRunDir, PoolConfig, PoolDaemon
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another uid needs root")
 

@@ -13,11 +13,12 @@ import time
 import numpy as np
 import pytest
 
-from harness.system.pool import thread_pool
-from kvpool.client import PoolClient, load, publish
-from kvpool.digest import DigestKind, page_digest
+from kvgate.harness.system.pool import thread_pool
+from kvpool.client.pool_client import PoolClient
+from kvpool.client.transfer import load, publish
+from kvpool.pool.digest import DigestKind, page_digest
 from kvpool.errors import MissCause
-from kvpool.keys import Namespace, block_hashes
+from kvpool.pool.keys import Namespace, block_hashes
 
 NS = Namespace("m", "r1", "tok", "bfloat16", "cuda:N,2,B,H,D", 16, 2, 2, 64)
 PAGE = 32 * 1024
@@ -117,7 +118,7 @@ def test_a_trusted_commit_is_not_rehashed_but_a_lying_one_is_caught_by_its_loade
 def test_an_unknown_digest_kind_is_a_typed_refusal():
     import msgspec
 
-    from kvpool import protocol as P
+    from kvpool.pool import protocol as P
     from kvpool.errors import MalformedFrame
 
     good = P.encode_request(7, P.Commit(1, [b"d" * 16], DigestKind.SKETCH))

@@ -1,12 +1,12 @@
-"""The pool daemon against the reference model, step by step (harness.scenarios.pool_machine).
+"""The pool daemon against the reference model, step by step (kvgate.harness.scenarios.pool_machine).
 
 Seeded from --kv-seed (per test), so a failure replays. CI runs a bounded number of
-examples; `--slow` runs many more, with longer programs.
+examples; `--kv-slow` runs many more, with longer programs.
 """
 
 import pytest
 
-from harness.scenarios.pool import state_machine
+from kvgate.harness.scenarios.pool import state_machine
 
 
 def test_pool_agrees_with_the_model(test_seed):
@@ -23,10 +23,10 @@ def test_pool_agrees_with_the_model_deep(test_seed):
 @pytest.mark.parametrize("control", ["forgetful", "leaseless", "leaky", "crossed"])
 def test_the_machine_catches_each_known_bad_catalog_by_the_behaviour_it_breaks(control, test_seed):
     """Negative controls: a state machine that passes a broken pool proves nothing. Each is
-    judged only by the kind of finding it exists to show (faults.controls.CATALOG_BREAKS);
+    judged only by the kind of finding it exists to show (kvgate.faults.controls.CATALOG_BREAKS);
     the accounting invariant, which would trip first, does not end the run."""
-    from faults.controls import CATALOG_BREAKS, CATALOG_CONTROLS
-    from harness.scenarios.pool import CONTROL_BUDGET
+    from kvgate.faults.controls import CATALOG_BREAKS, CATALOG_CONTROLS
+    from kvgate.harness.scenarios.pool import CONTROL_BUDGET
 
     kind = CATALOG_BREAKS[control]
     verdict = state_machine(test_seed, examples=CONTROL_BUDGET, steps=50, catalog_factory=CATALOG_CONTROLS[control],

@@ -17,12 +17,13 @@ import time
 import numpy as np
 import pytest
 
-from harness.system.pool import thread_pool
-from kvpool.arena import Arena
-from kvpool.client import PoolClient, load, publish
+from kvgate.harness.system.pool import thread_pool
+from kvpool.pool.arena import Arena
+from kvpool.client.pool_client import PoolClient
+from kvpool.client.transfer import load, publish
 from kvpool.errors import ArenaError, InvalidRequest, MissCause, Unauthenticated
-from kvpool.keys import Namespace, block_hashes
-from kvpool.server import PoolConfig
+from kvpool.pool.keys import Namespace, block_hashes
+from kvpool.pool.daemon import PoolConfig
 
 PAGE = 4096
 

@@ -1,4 +1,4 @@
-"""The network tier (kvpool.tier) on a real Redis server the test starts: pages cross it
+"""The network tier (kvpool.tier.record) on a real Redis server the test starts: pages cross it
 byte-exact with their namespace, block and digest in an authenticated header, and whatever
 comes back stale, foreign or damaged is a typed miss, never installed. (What a hostile
 client of the store tries: suites/pool/test_tier_hostile.py.) Faults are at the data and the node:
@@ -18,13 +18,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from faults.tier_controls import BlindTier
-from harness.system.stores import RedisServer, redis_binary
-from kvpool.digest import page_digest
+from kvgate.faults.tier_controls import BlindTier
+from kvgate.harness.system.stores import RedisServer, redis_binary
+from kvpool.pool.digest import page_digest
 from kvpool.errors import MissCause
-from kvpool.keys import Namespace, block_hashes
-from kvpool.tier import (TierAuth, TierCorrupt, TierError, TierRecordError, TierUnavailable, decode_record,
-                         encode_record, tier_key)
+from kvpool.pool.keys import Namespace, block_hashes
+from kvpool.tier.record import TierAuth, TierCorrupt, TierError, TierRecordError, TierUnavailable, decode_record, encode_record, tier_key
 
 PAGE = 128 * 1024
 NS = Namespace(model_id="tiny", model_revision="r1", tokenizer_hash="t", kv_dtype="bfloat16", kv_layout="cpu",
@@ -90,7 +89,7 @@ def redis_server(tmp_path):
 
 
 def tier(server: RedisServer, timeout_s: float = 1.0):  # noqa: ANN201
-    from kvpool.tier_redis import RedisTier
+    from kvpool.tier.redis import RedisTier
 
     return RedisTier(server.url, AUTH, timeout_s=timeout_s)
 

@@ -1,6 +1,6 @@
 """A client of the network store who lacks the tenant's tier secret (the store's operator,
-another tenant, anyone on an open Redis) against kvpool.tier, on a real redis-server the
-test starts with its access control on (harness.system.stores.RedisServer, tenants alice
+another tenant, anyone on an open Redis) against kvpool.tier.record, on a real redis-server the
+test starts with its access control on (kvgate.harness.system.stores.RedisServer, tenants alice
 and bob, each an ACL user restricted to its own key prefix).
 
 The attacker works at the data, in the store, as such a client can: it learns the tenant's
@@ -12,9 +12,9 @@ cannot compute one) and then
                     namespace rewritten to r2's
   replayed_tenant   puts tenant bob's records under alice's keys, the header rebound to
                     alice's namespace and block
-Each must be a `corrupt` miss of kvpool.tier.tier_load, with not one byte of the record
+Each must be a `corrupt` miss of kvpool.tier.interface.tier_load, with not one byte of the record
 installed. Negative control: the reader before records were authenticated and bound
-(faults.tier_controls.UnauthenticatedTier) installs every one of them, and the byte-exact
+(kvgate.faults.tier_controls.UnauthenticatedTier) installs every one of them, and the byte-exact
 comparison with the producer's pages must catch it.
 And with the access control: bob's credentials neither read, write, delete nor list
 alice's keys (Redis refuses), a client without credentials reaches nothing, and a replica
@@ -26,13 +26,14 @@ import numpy as np
 import pytest
 import redis
 
-from faults.tier_controls import UnauthenticatedTier, forge_record, rotate
-from harness.system.stores import RedisServer, redis_binary
-from kvpool.digest import page_digest
+from kvgate.faults.tier_controls import UnauthenticatedTier, forge_record, rotate
+from kvgate.harness.system.stores import RedisServer, redis_binary
+from kvpool.pool.digest import page_digest
 from kvpool.errors import MissCause
-from kvpool.keys import Namespace, block_hashes
-from kvpool.tier import TierAuth, TierCorrupt, TierUnavailable, decode_record, encode_record, tier_load
-from kvpool.tier_redis import RedisTier
+from kvpool.pool.keys import Namespace, block_hashes
+from kvpool.tier.record import TierAuth, TierCorrupt, TierUnavailable, decode_record, encode_record
+from kvpool.tier.interface import tier_load
+from kvpool.tier.redis import RedisTier
 
 PAGE = 64 * 1024
 N = 4
@@ -191,7 +192,7 @@ def test_a_record_ballooned_by_a_store_client_is_never_read_whole(store, test_se
     alice's records by 32 MiB: the reader, which knows a page here is PAGE bytes, takes at
     most one record's bound from the store (counted by the store itself: its output bytes)
     and calls it corrupt, so a store client cannot make a replica allocate without bound."""
-    from kvpool.tier import record_bound
+    from kvpool.tier.record import record_bound
 
     rng = np.random.default_rng(test_seed)
     hashes = block_hashes([int(x) for x in rng.integers(0, 2000, N * 16)], 16)

@@ -1,4 +1,4 @@
-"""The network tier on Mooncake Store (kvpool.tier_mooncake), on a real `mooncake_master`
+"""The network tier on Mooncake Store (kvpool.tier.mooncake), on a real `mooncake_master`
 the test starts (TCP on loopback, its built-in metadata server): pages byte-exact between
 two clients in two processes, a byte changed in a stored record is `corrupt` (with its
 negative control, a tier that re-digests what it reads, caught by the byte check), a full
@@ -21,13 +21,13 @@ import time
 import numpy as np
 import pytest
 
-from faults.tier_controls import BlindTier, UnauthenticatedTier, forge_record
-from harness.system.stores import MooncakeMaster, MooncakeNode, mooncake_binary, mooncake_env
-from kvpool.digest import page_digest
+from kvgate.faults.tier_controls import BlindTier, UnauthenticatedTier, forge_record
+from kvgate.harness.system.stores import MooncakeMaster, MooncakeNode, mooncake_binary, mooncake_env
+from kvpool.pool.digest import page_digest
 from kvpool.errors import MissCause
-from kvpool.keys import Namespace, block_hashes
-from kvpool.tier import TierAuth, TierCorrupt, TierUnavailable, tier_key
-from kvpool.tier_registry import open_tier
+from kvpool.pool.keys import Namespace, block_hashes
+from kvpool.tier.record import TierAuth, TierCorrupt, TierUnavailable, tier_key
+from kvpool.tier.registry import open_tier
 
 PAGE = 128 * 1024
 NS = Namespace(model_id="tiny", model_revision="r1", tokenizer_hash="t", kv_dtype="bfloat16", kv_layout="cpu",
@@ -54,9 +54,9 @@ def master(tmp_path):
 
 READER = """
 import sys
-from kvpool.keys import Namespace
-from kvpool.tier import TierAuth
-from kvpool.tier_registry import open_tier
+from kvpool.pool.keys import Namespace
+from kvpool.tier.record import TierAuth
+from kvpool.tier.registry import open_tier
 ns = Namespace.from_dict(eval(sys.argv[2]))
 t = open_tier(sys.argv[1], TierAuth.from_secret(ns.tenant, sys.argv[3]))
 for h in sys.argv[4:]:

@@ -5,8 +5,8 @@ import multiprocessing as mp
 import numpy as np
 import pytest
 
-from harness.system.pool import unique_name
-from kvpool.arena import Arena, ArenaExists
+from kvgate.harness.system.pool import unique_name
+from kvpool.pool.arena import Arena, ArenaExists
 from kvpool.errors import ArenaError
 
 

@@ -3,7 +3,7 @@
 
 import pytest
 
-from kvpool.catalog import (
+from kvpool.pool.catalog import (
     AdmissionPolicy,
     Catalog,
     CatalogConfig,
@@ -13,7 +13,7 @@ from kvpool.catalog import (
     SlotStatus,
 )
 from kvpool.errors import InvalidRequest, LeaseLost, MissCause
-from kvpool.keys import Namespace, block_hashes
+from kvpool.pool.keys import Namespace, block_hashes
 
 NS = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
 D = b"d" * 16

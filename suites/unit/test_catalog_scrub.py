@@ -4,10 +4,10 @@ leased page), the scrub's fresh queue (at most one entry per page) and its cycli
 import numpy as np
 import pytest
 
-from faults.corrupt_controls import HoardingCatalog
-from kvpool.catalog import Catalog, CatalogConfig, PageState, SlotStatus
+from kvgate.faults.corrupt_controls import HoardingCatalog
+from kvpool.pool.catalog import Catalog, CatalogConfig, PageState, SlotStatus
 from kvpool.errors import MissCause
-from kvpool.keys import Namespace, block_hashes
+from kvpool.pool.keys import Namespace, block_hashes
 
 NS = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
 D = b"d" * 16

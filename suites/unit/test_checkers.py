@@ -1,15 +1,15 @@
-"""The history checkers (harness.checkers) on small hand-built histories: each passes a
+"""The history checkers (kvgate.harness.checkers) on small hand-built histories: each passes a
 good history and catches the defect it exists for."""
 
 import json
 
 import pytest
 
-from harness.checkers.byte_exact import byte_exact
-from harness.checkers.history import window
-from harness.checkers.miss_causes import miss_causes
-from harness.checkers.outcome import classify
-from harness.checkers.requests import requests
+from kvgate.harness.checkers.byte_exact import byte_exact
+from kvgate.harness.checkers.history import window
+from kvgate.harness.checkers.miss_causes import miss_causes
+from kvgate.harness.checkers.outcome import classify
+from kvgate.harness.checkers.requests import requests
 
 NS = {"model_id": "m", "model_revision": "r1"}
 
@@ -147,7 +147,7 @@ def test_window_reads_one_scenario_from_the_history(tmp_path):
 
 
 def test_expected_causes_holds_a_run_to_the_causes_its_scenario_declares():
-    from harness.checkers.miss_causes import expected_causes
+    from kvgate.harness.checkers.miss_causes import expected_causes
 
     history = good_history()  # one load ended corrupt; its lookup hit
     assert expected_causes(history, ("corrupt",), ()).valid is True
@@ -159,17 +159,17 @@ def test_expected_causes_holds_a_run_to_the_causes_its_scenario_declares():
     assert expected_causes([], (), (), ("corrupt",)).valid is True  # allowed, not required
 
 
-# -- the output oracle (harness.checkers.output) over Checks.output's comparisons -------------
+# -- the output oracle (kvgate.harness.checkers.output) over Checks.output's comparisons -------------
 def _completion(tokens, logprobs):  # noqa: ANN001, ANN202
-    from harness.client.http import Completion
+    from kvgate.harness.client.http import Completion
 
     return Completion(tag="t", replica="B", token_ids=list(tokens), text="", finish_reason="length", ttft_s=0.0,
                       total_s=0.0, prompt_tokens=1, logprobs=list(logprobs))
 
 
 def test_the_output_oracle_fails_on_moved_log_probabilities_with_equal_tokens():
-    from harness.checkers.output import output, own_checks
-    from harness.checkers.verdict import Checks
+    from kvgate.harness.checkers.output import output, own_checks
+    from kvgate.harness.checkers.verdict import Checks
 
     c = Checks()
     c.check("the load happened", True)
@@ -184,8 +184,8 @@ def test_the_output_oracle_fails_on_moved_log_probabilities_with_equal_tokens():
 
 
 def test_the_output_oracle_names_the_first_differing_token_and_a_missing_completion():
-    from harness.checkers.output import output
-    from harness.checkers.verdict import Checks
+    from kvgate.harness.checkers.output import output
+    from kvgate.harness.checkers.verdict import Checks
 
     c = Checks()
     c.output("tokens", _completion([5, 6, 7], [-1, -1, -1]), _completion([5, 9, 7], [-1, -1, -1]))
@@ -196,8 +196,8 @@ def test_the_output_oracle_names_the_first_differing_token_and_a_missing_complet
 
 
 def test_own_checks_fail_without_the_output_and_a_run_without_comparisons_passes_the_output_oracle():
-    from harness.checkers.output import output, own_checks
-    from harness.checkers.verdict import Checks, Verdict
+    from kvgate.harness.checkers.output import output, own_checks
+    from kvgate.harness.checkers.verdict import Checks, Verdict
 
     c = Checks()
     c.check("the pool held the blocks", False, 3)
@@ -210,7 +210,7 @@ def test_own_checks_fail_without_the_output_and_a_run_without_comparisons_passes
 def test_output_across_partitions_requires_tokens_and_reports_the_log_probabilities():
     from types import SimpleNamespace
 
-    from harness.checkers.verdict import Checks
+    from kvgate.harness.checkers.verdict import Checks
 
     ref = SimpleNamespace(token_ids=[1, 2, 3], logprobs=[-0.5, -0.25, -0.125])
     near = SimpleNamespace(token_ids=[1, 2, 3], logprobs=[-0.5, -0.25, -0.126])

@@ -10,24 +10,24 @@ import json
 
 import pytest
 
-from harness import cli
-from harness.conformance.connectors import CONNECTORS, profile
-from harness.conformance.gate import STATUSES, row_verdict, run_cell, run_connector, write_matrix
-from harness.conformance.scenarios import SCENARIOS, Ctx
+from kvgate.harness import cli
+from kvgate.harness.conformance.connectors import CONNECTORS, profile
+from kvgate.harness.conformance.gate import STATUSES, row_verdict, run_cell, run_connector, write_matrix
+from kvgate.harness.conformance.scenarios import SCENARIOS, Ctx
 
 
 @pytest.fixture
 def nothing_starts(monkeypatch):
     """Building the model, the pool or a replica fails the test: the availability check
     must come before all of them."""
-    import fixtures.tiny_model
-    import harness.system.cluster
+    import kvgate.fixtures.tiny_model
+    import kvgate.harness.system.cluster
 
     def started(*a, **k):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("the gate started something for a connector that cannot run")
 
-    monkeypatch.setattr(harness.system.cluster, "Cluster", started)
-    monkeypatch.setattr(fixtures.tiny_model, "build_tiny_model", started)
+    monkeypatch.setattr(kvgate.harness.system.cluster, "Cluster", started)
+    monkeypatch.setattr(kvgate.fixtures.tiny_model, "build_tiny_model", started)
 
 
 def test_a_missing_capability_is_not_applicable_with_the_connectors_reason():

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from kvpool.copy import as_segments, copy_digest
-from kvpool.digest import page_digest
+from kvpool.pool.copy import as_segments, copy_digest
+from kvpool.pool.digest import page_digest
 
 
 @pytest.mark.parametrize("src_cuts,dst_cuts,chunk", [

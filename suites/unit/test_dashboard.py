@@ -1,6 +1,6 @@
 """The Grafana dashboard (dashboards/kvgate.json) plots only series kvgate exports: every
-metric name in its queries is registered by the daemon (kvpool.metrics.PoolMetrics) or by
-a replica's connector (kvpool.stats.KVPoolPromMetrics)."""
+metric name in its queries is registered by the daemon (kvpool.pool.metrics.PoolMetrics) or by
+a replica's connector (kvpool.connector.stats.KVPoolPromMetrics)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvpool.metrics import PoolMetrics
-from kvpool.stats import KVPoolPromMetrics
+from kvpool.pool.metrics import PoolMetrics
+from kvpool.connector.stats import KVPoolPromMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "kvgate.json"
 

@@ -1,4 +1,4 @@
-"""kv-sketch-1 (kvpool.digest): the GPU's implementation (kvpool.gpu_sketch, run here on the
+"""kv-sketch-1 (kvpool.pool.digest): the GPU's implementation (kvpool.gpu.sketch, run here on the
 CPU through the same torch calls) equals the host reference, padding included, and the
 digest sees every changed byte, its position and the page length."""
 
@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.digest import KINDS, SKETCH_ROW, DigestKind, page_digest, page_sketch, sketch_key, sketch_rows
+from kvpool.pool.digest import KINDS, SKETCH_ROW, DigestKind, page_digest, page_sketch, sketch_key, sketch_rows
 
 torch = pytest.importorskip("torch")
 
-from kvpool.gpu_sketch import Sketcher, digests, staged_width  # noqa: E402
+from kvpool.gpu.sketch import Sketcher, digests, staged_width  # noqa: E402
 
 
 def test_the_key_is_fixed_and_read_only():

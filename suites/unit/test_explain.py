@@ -1,4 +1,4 @@
-"""kvgate explain (harness.explain): each way a request can miss is told as itself, from a
+"""kvgate explain (kvgate.harness.explain): each way a request can miss is told as itself, from a
 history; a key's producer and installs are found in the audit records and the pool is asked
 about it now."""
 
@@ -7,10 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harness.explain import ExplainError, explain_key, explain_request
-from harness.system.pool import thread_pool
-from kvpool.client import PoolClient, publish
-from kvpool.keys import Namespace, block_hashes
+from kvgate.harness.explain import ExplainError, explain_key, explain_request
+from kvgate.harness.system.pool import thread_pool
+from kvpool.client.pool_client import PoolClient
+from kvpool.client.transfer import publish
+from kvpool.pool.keys import Namespace, block_hashes
 
 NS = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
 

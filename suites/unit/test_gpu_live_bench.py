@@ -1,4 +1,4 @@
-"""The GPU live bench's measurement loop (harness.bench.gpu_live.measure) on stand-in
+"""The GPU live bench's measurement loop (kvgate.harness.bench.gpu_live.measure) on stand-in
 replicas: no GPU and no vLLM, so that the loop, its rows and its targets are exercised
 where CI runs. Each kind of request answers with its own time to first token; the rows
 must carry them, the ratios between them and the floor, whatever the replicas are."""
@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-import harness.bench.gpu_live as bench
+import kvgate.harness.bench.gpu_live as bench
 
 TTFT_MS = {"cold": 900.0, "local": 40.0, "remote": 60.0, "remote-sync": 55.0, "peer-hit": 66.0}
 
@@ -35,7 +35,7 @@ def stand_ins(monkeypatch):
         return {"load_bytes": loaded[name], "load_seconds": 0.01}
 
     posted = []
-    import harness.bench.live as live
+    import kvgate.harness.bench.live as live
 
     monkeypatch.setattr(bench, "complete", complete)
     monkeypatch.setattr(live, "complete", complete)  # the primer and the timed requests it shares with bench live
@@ -87,8 +87,8 @@ def test_the_rows_carry_every_kind_their_ratios_and_the_floor(stand_ins):
 # The clusters, the live exchanges, the sessions and the bench stand in for themselves; what
 # is exercised is how main() turns what they measured into the checklist and the exit status.
 
-import harness.gpu_live as command  # noqa: E402
-import harness.scenarios.gpu_live as live_main  # noqa: E402
+import kvgate.harness.gpu_live as command  # noqa: E402
+import kvgate.harness.scenarios.gpu_live as live_main  # noqa: E402
 
 
 def _turns(differ_at: tuple[str, int, int] | None = None) -> list[dict]:

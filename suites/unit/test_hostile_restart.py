@@ -1,4 +1,4 @@
-"""The hostile restart scenario's body (harness.scenarios.hostile.restart) on a stand-in
+"""The hostile restart scenario's body (kvgate.harness.scenarios.hostile.restart) on a stand-in
 cluster: replicas that answer from the prompt, a pool whose kills and restarts are
 recorded, lookups recorded as the connector would. It checks the runner's own logic (the
 arming of both replicas, the heal of the pool and of a dead replica, what it judges),
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.client.http import Completion, RequestFailed
-from harness.scenarios.catalog import find
-from harness.scenarios.hostile import restart
+from kvgate.harness.client.http import Completion, RequestFailed
+from kvgate.harness.scenarios.catalog import find
+from kvgate.harness.scenarios.hostile import restart
 
 
 class _Pool:

@@ -1,4 +1,4 @@
-"""The HTML reports (harness.report.html) rendered in a real headless browser (Chromium's headless
+"""The HTML reports (kvgate.harness.report.html) rendered in a real headless browser (Chromium's headless
 shell): the page loads, every plot the report promises is in the rendered DOM as an SVG
 with marks in it, and the screenshot is not blank. The check itself is tested on a page
 whose plots are missing: it must say so."""
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.report.html import bench_report, gate_report, plan_report
+from kvgate.harness.report.html import bench_report, gate_report, plan_report
 
 BROWSER = shutil.which("chromium-headless-shell") or shutil.which("chromium")
 REPO = Path(__file__).resolve().parents[2]
@@ -146,7 +146,7 @@ def test_control_a_page_without_its_plots_is_caught(browser, tmp_path):
 
 
 def test_the_committed_bench_reports_and_a_plan_render(browser, tmp_path):
-    from harness.plan import DEFAULT_MIX, load_measured, load_mix, plan
+    from kvgate.harness.plan import DEFAULT_MIX, load_measured, load_mix, plan
 
     bench = REPO / "reports" / "bench"
     hosts = sorted(bench.glob("*-hosts.json"))[-1]

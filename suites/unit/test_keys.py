@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 
-from kvpool.keys import Namespace, block_hashes, useful_tokens
+from kvpool.pool.keys import Namespace, block_hashes, useful_tokens
 
 NS = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
 

@@ -5,7 +5,7 @@ pool keeps at most KEEP buffers."""
 import pytest
 
 torch = pytest.importorskip("torch")
-from kvpool.gpu_transfer import _PinnedSketches  # noqa: E402
+from kvpool.gpu.transfer import _PinnedSketches  # noqa: E402
 
 
 def test_buffers_are_reused_smallest_fit_first_and_bounded():

@@ -1,4 +1,4 @@
-"""kvgate plan's model (harness.plan): each term moves the way its inputs say, the sign of
+"""kvgate plan's model (kvgate.harness.plan): each term moves the way its inputs say, the sign of
 the benefit changes where the measurements say it does, a trace gives reuse and reuse
 distance, and bad inputs are typed errors naming the file and field."""
 
@@ -9,9 +9,9 @@ import math
 
 import pytest
 
-from harness.measure import Sample, distributions, samples
-from harness.plan import Measured, Mix, PlanInputError, RequestClass, load_measured, load_mix, plan
-from harness.report.plan import markdown
+from kvgate.harness.measure import Sample, distributions, samples
+from kvgate.harness.plan import Measured, Mix, PlanInputError, RequestClass, load_measured, load_mix, plan
+from kvgate.harness.report.plan import markdown
 
 MiB = 2**20
 

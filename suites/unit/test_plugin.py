@@ -27,19 +27,19 @@ def test_timeout_marker_is_not_confused():
 
 def test_header_seed_and_profile_selection(pytester):
     pytester.makepyfile(TESTS)
-    r = pytester.runpytest("-p", "harness.plugin", "-p", "no:randomly", "--kv-seed", "123", "--kv-profile", "transport",
+    r = pytester.runpytest("-p", "kvgate.harness.plugin", "-p", "no:randomly", "--kv-seed", "123", "--kv-profile", "transport",
                            "-s")
     r.assert_outcomes(passed=3, deselected=1)
     r.stdout.fnmatch_lines(["*kvgate replay key: --kv-seed=123 --kv-profile=transport*"])
     first = [ln for ln in r.outlines if ln.startswith("SEED")]
-    again = pytester.runpytest("-p", "harness.plugin", "--kv-seed", "last", "-s")
+    again = pytester.runpytest("-p", "kvgate.harness.plugin", "--kv-seed", "last", "-s")
     again.assert_outcomes(passed=4)
     assert [ln for ln in again.outlines if ln.startswith("SEED")] == first  # same root seed, same test seed
 
 
 def test_unknown_profile_is_a_usage_error(pytester):
     pytester.makepyfile(TESTS)
-    r = pytester.runpytest("-p", "harness.plugin", "--kv-profile", "everything")
+    r = pytester.runpytest("-p", "kvgate.harness.plugin", "--kv-profile", "everything")
     assert r.ret != 0
     r.stderr.fnmatch_lines(["*unknown profile*"])
 
@@ -58,19 +58,42 @@ def test_their_hypothesis_profile():
 
 
 def test_a_project_that_does_not_ask_for_it_sees_nothing(pytester):
-    """Installing kvgate must not change another project's run: no options, no deselection,
-    no skipped slow tests, no Hypothesis profile. (Fails if the plugin auto-loads.)"""
+    """Installed, the plugin is registered through its pytest11 entry point, and another
+    project's run must not change: no deselection, no skipped slow tests, no Hypothesis
+    profile, no header, even with kvgate's options given. (Fails if the plugin acts off.)"""
+    from importlib.metadata import entry_points
+
+    assert entry_points(group="pytest11", name="kvgate.harness.plugin"), "kvgate is not installed with its entry point"
     pytester.makepyfile(OTHER_PROJECT)
-    r = pytester.runpytest_subprocess("-p", "no:randomly", "-p", "no:cacheprovider")
-    r.assert_outcomes(passed=2)
-    assert "kvgate replay key" not in r.stdout.str()
-    unknown = pytester.runpytest_subprocess("--kv-seed", "1")
-    assert unknown.ret != 0
-    unknown.stderr.fnmatch_lines(["*unrecognized arguments: --kv-seed*"])
+    for args in ((), ("--kv-seed", "1", "--kv-profile", "transport")):
+        r = pytester.runpytest_subprocess("-p", "no:randomly", "-p", "no:cacheprovider", *args)
+        r.assert_outcomes(passed=2)
+        assert "kvgate replay key" not in r.stdout.str()
+    removed = pytester.runpytest_subprocess("-p", "no:kvgate.harness.plugin", "--kv-seed", "1")
+    assert removed.ret != 0
+    removed.stderr.fnmatch_lines(["*unrecognized arguments: --kv-seed*"])
+
+
+def test_a_test_that_asks_for_a_seed_while_it_is_off_is_told_how_to_turn_it_on(pytester):
+    pytester.makepyfile("def test_seeded(kv_seed):\n    pass\n")
+    r = pytester.runpytest_subprocess("-p", "no:randomly")
+    assert r.ret != 0
+    assert "--kvgate" in r.stdout.str() + r.stderr.str()
+
+
+def test_asking_for_it_with_the_flag_or_the_ini(pytester):
+    pytester.makepyfile(OTHER_PROJECT.replace("== 100", "== 25"))
+    r = pytester.runpytest_subprocess("--kvgate", "-p", "no:randomly")
+    r.assert_outcomes(passed=1, skipped=1)
+    r.stdout.fnmatch_lines(["*kvgate replay key*"])
+    pytester.makeini("[pytest]\nkvgate = true\n")
+    r = pytester.runpytest_subprocess("-p", "no:randomly")
+    r.assert_outcomes(passed=1, skipped=1)
+    r.stdout.fnmatch_lines(["*kvgate replay key*"])
 
 
 def test_asking_for_it_with_dash_p(pytester):
     pytester.makepyfile(OTHER_PROJECT.replace("== 100", "== 25"))
-    r = pytester.runpytest_subprocess("-p", "harness.plugin", "-p", "no:randomly")
+    r = pytester.runpytest_subprocess("-p", "kvgate.harness.plugin", "-p", "no:randomly")
     r.assert_outcomes(passed=1, skipped=1)  # its slow test skipped, the kvgate profile loaded
     r.stdout.fnmatch_lines(["*kvgate replay key*"])

@@ -1,4 +1,4 @@
-"""kvpool.copy.prefault: every page of a host array resident and writable afterwards, its
+"""kvpool.pool.copy.prefault: every page of a host array resident and writable afterwards, its
 bytes unchanged. Residency is read from mincore(2) over the array's pages; the control is
 the same fresh array without prefault, whose untouched pages are not resident."""
 
@@ -10,7 +10,7 @@ import mmap
 import numpy as np
 import pytest
 
-from kvpool.copy import prefault
+from kvpool.pool.copy import prefault
 
 PAGE = mmap.PAGESIZE
 

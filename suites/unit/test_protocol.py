@@ -3,10 +3,10 @@
 import msgspec
 import pytest
 
-from kvpool import protocol as P
-from kvpool.catalog import EvictOutcome, Hits, Miss, Slot, SlotStatus
+from kvpool.pool import protocol as P
+from kvpool.pool.catalog import EvictOutcome, Hits, Miss, Slot, SlotStatus
 from kvpool.errors import ErrorCode, MalformedFrame, MissCause, WrongVersion, error_from_code, Unauthenticated
-from kvpool.keys import Namespace
+from kvpool.pool.keys import Namespace
 
 NS = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
 H = [b"\x01" * 16, b"\x02" * 16]

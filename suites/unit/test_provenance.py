@@ -1,5 +1,5 @@
 """A carried tree is checked against its stamp before a report says where it came from:
-a tree stamped with `python -m harness.provenance --stamp` and carried unchanged is
+a tree stamped with `python -m kvgate.harness.provenance --stamp` and carried unchanged is
 verified (and clean where the stamp says so); a file changed, removed or a code file added
 after stamping, a stamp without the tree's digest and no stamp at all make it unverified,
 never clean, and the reports' titles say so."""
@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from harness import provenance as P
+from kvgate.harness import provenance as P
 
 
 def _git(root, *args):  # noqa: ANN001, ANN002, ANN202
@@ -105,8 +105,8 @@ def test_a_dirty_stamped_tree_is_verified_but_dirty(carried, monkeypatch):
 
 
 def test_the_reports_titles_carry_the_flag(carried, tmp_path):
-    from harness.conformance.gate import write_matrix
-    from harness.report.gpu_live import render_markdown
+    from kvgate.harness.conformance.gate import write_matrix
+    from kvgate.harness.report.gpu_live import render_markdown
 
     (carried / "kvpool" / "arena.py").write_text("PAGE = 8192\n")
     prov = P.provenance()

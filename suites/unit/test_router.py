@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness.workload.router import Router
+from kvgate.harness.workload.router import Router
 
 
 def test_sticky_keeps_a_session_on_one_replica_and_spreads_sessions():

@@ -1,4 +1,4 @@
-"""The scenario catalog (fixtures/scenarios, harness.scenarios): every file is valid, every
+"""The scenario catalog (fixtures/scenarios, kvgate.harness.scenarios): every file is valid, every
 fault kind has a scenario, every fault scenario but the slow link has a negative
 control, and malformed files are refused with a typed error."""
 
@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from faults.schedule import KINDS
-from harness.scenarios.catalog import Scenario, ScenarioError, find, load_catalog
-from harness.scenarios.catalog import RUNNERS
+from kvgate.faults.schedule import KINDS
+from kvgate.harness.scenarios.catalog import Scenario, ScenarioError, find, load_catalog
+from kvgate.harness.scenarios.catalog import RUNNERS
 
 
 def test_the_catalog_loads_and_covers_every_fault_kind():
@@ -52,19 +52,19 @@ def test_every_control_names_its_oracle():
             assert sc.control.oracle in ("scenario", "output", "byte-exact", "miss causes", "requests"), sc.name
 
 
-# -- crediting a negative control (harness.scenarios.runner.judge_control) -------------------
+# -- crediting a negative control (kvgate.harness.scenarios.runner.judge_control) -------------------
 def _parts(**false_reasons):  # noqa: ANN003, ANN202
-    from harness.checkers.verdict import Verdict
-    from harness.scenarios.catalog import ORACLES
+    from kvgate.harness.checkers.verdict import Verdict
+    from kvgate.harness.scenarios.catalog import ORACLES
 
     return [Verdict(False, false_reasons[n.replace(" ", "_").replace("-", "_")])
             if n.replace(" ", "_").replace("-", "_") in false_reasons else Verdict(True, "fine") for n in ORACLES]
 
 
 def _judge(parts, raised=None, crashed=False, because="differ from every producer's bytes"):  # noqa: ANN001, ANN202
-    from harness.checkers.verdict import Verdict
-    from harness.scenarios.catalog import Control
-    from harness.scenarios.runner import _Run, judge_control
+    from kvgate.harness.checkers.verdict import Verdict
+    from kvgate.harness.scenarios.catalog import Control
+    from kvgate.harness.scenarios.runner import _Run, judge_control
 
     run = _Run(Verdict(parts[0].valid, parts[0].reason), [], {}, crashed, raised)
     return judge_control(Control("hide_failures", {}, "byte-exact", because), run, parts)

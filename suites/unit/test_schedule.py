@@ -2,7 +2,7 @@
 
 import pytest
 
-from faults.schedule import PROFILES, FaultSchedule, draw_schedule
+from kvgate.faults.schedule import PROFILES, FaultSchedule, draw_schedule
 
 
 def test_same_seed_same_schedule_and_json_round_trip():
@@ -44,8 +44,8 @@ def test_a_failing_runs_schedule_is_written_and_names_its_seed(tmp_path):
     its seed back, and the schedule it names is the one that seed draws."""
     import json
 
-    from faults.schedule import FaultSchedule, draw_schedule
-    from harness.gate import write_schedule
+    from kvgate.faults.schedule import FaultSchedule, draw_schedule
+    from kvgate.harness.gate import write_schedule
 
     path = write_schedule(tmp_path, "load-corrupt", 123456789)
     doc = json.loads(path.read_text())
@@ -55,8 +55,8 @@ def test_a_failing_runs_schedule_is_written_and_names_its_seed(tmp_path):
 
 
 def test_the_injector_fires_on_the_load_the_schedule_draws():
-    """faults.backend decides each opportunity with the schedule's own draw."""
-    from faults.schedule import draw_schedule, fires
+    """kvgate.faults.backend decides each opportunity with the schedule's own draw."""
+    from kvgate.faults.schedule import draw_schedule, fires
 
     for seed in range(50):
         sched = draw_schedule(seed)
@@ -71,7 +71,7 @@ def test_a_pinned_schedule_file_replays_its_edited_parameters_for_every_profile(
     the runners draw, under the profile each of them asks for; other seeds are untouched."""
     import dataclasses
 
-    from faults import schedule as S
+    from kvgate.faults import schedule as S
 
     seed = 987654321
     drawn = S.draw_schedule(seed)

@@ -4,9 +4,9 @@ reserve under a new namespace used to add one for good)."""
 
 import pytest
 
-from kvpool.catalog import Catalog, CatalogConfig, SlotStatus
+from kvpool.pool.catalog import Catalog, CatalogConfig, SlotStatus
 from kvpool.errors import InvalidRequest, MissCause
-from kvpool.keys import Namespace, block_hashes
+from kvpool.pool.keys import Namespace, block_hashes
 
 NS = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
 HS = block_hashes(range(64), 16)[:4]

@@ -1,4 +1,4 @@
-"""The segment's index of committed blocks (kvpool.shm_index): what a probe finds, the
+"""The segment's index of committed blocks (kvpool.pool.index): what a probe finds, the
 seqlock, a full bucket, and the index an arena carries."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpool.keys import Namespace, block_hashes
-from kvpool.shm_index import ENTRY, SLOTS, ShmIndex, buckets_for, index_bytes, ns_fingerprint
+from kvpool.pool.keys import Namespace, block_hashes
+from kvpool.pool.index import ENTRY, SLOTS, ShmIndex, buckets_for, index_bytes, ns_fingerprint
 
 NS = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
 
@@ -64,7 +64,7 @@ def test_an_arena_carries_its_index():
     """The daemon's arena writes its index; a client's mapping of it (read-only) probes it."""
     import os
 
-    from kvpool.arena import Arena
+    from kvpool.pool.arena import Arena
 
     arena = Arena.anonymous("kvgate:test-index", 4096, 100)
     try:

@@ -1,4 +1,4 @@
-"""The scale simulation (harness.sim): it replays from its seed, it agrees with what can be
+"""The scale simulation (kvgate.harness.sim): it replays from its seed, it agrees with what can be
 worked out by hand on deterministic inputs, and each mitigation acts as its rule says."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from harness.plan import Measured
-from harness.sim import SimClass, SimConfig, run_scale, simulate
+from kvgate.harness.plan import Measured
+from kvgate.harness.sim import SimClass, SimConfig, run_scale, simulate
 
 L = 4096
 

@@ -1,4 +1,4 @@
-"""The soak's own judgement (harness.soak.judge_growth, judge) on synthetic measurements,
+"""The soak's own judgement (kvgate.harness.soak.judge_growth, judge) on synthetic measurements,
 without a live system: growth within the stated bounds passes; a private-memory leak per
 request, a descriptor leak, shared memory beyond the pool's segment (a leaked segment),
 an unknown oracle verdict and a run that sent nothing each fail, naming what exceeded
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import soak
+from kvgate.harness import soak
 
 MIB = 2**20
 SEGMENT = 128 * MIB  # the default system's pool: 1024 pages of 128 KiB

@@ -1,4 +1,4 @@
-"""kvpool's connector stats (kvpool.stats): what the scheduler and the workers count, how
+"""kvpool's connector stats (kvpool.connector.stats): what the scheduler and the workers count, how
 intervals and workers add up, and what reaches Prometheus through vLLM's per-connector
 metrics (a real prometheus_client registry, observed as vLLM's logger would)."""
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvpool.stats import KVPoolPromMetrics, KVPoolStats, StatsCollector, is_kvpool_data
+from kvpool.connector.stats import KVPoolPromMetrics, KVPoolStats, StatsCollector, is_kvpool_data
 
 
 def test_counters_add_up_across_workers_and_intervals():
@@ -66,9 +66,9 @@ def test_observed_stats_appear_on_the_replicas_metrics():
         assert line in text, line
 
 
-@pytest.mark.parametrize("wrapper", ["kvpool.audit:AuditConnector", "kvpool.connector:KVPoolConnector"])
+@pytest.mark.parametrize("wrapper", ["kvpool.connector.audit:AuditConnector", "kvpool.connector:KVPoolConnector"])
 def test_a_wrapped_kvpool_builds_the_same_stats_and_metrics(wrapper):
-    from kvpool.wrap import load_class
+    from kvpool.connector.wrap import load_class
 
     cls = load_class(wrapper)
     data = {"lookups": {"miss": 1}, "misses": {"evicted": 1}}

@@ -1,4 +1,4 @@
-"""The network tier's chooser (kvpool.tier_registry): a URL's scheme picks the backend,
+"""The network tier's chooser (kvpool.tier.registry): a URL's scheme picks the backend,
 imported only when a URL names it; a URL of no known scheme, or keys that are not a
 TierAuth, are refused before any backend is touched."""
 
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from kvpool.tier import TierAuth
-from kvpool.tier_registry import BACKENDS, open_tier
+from kvpool.tier.record import TierAuth
+from kvpool.tier.registry import BACKENDS, open_tier
 
 AUTH = TierAuth.from_secret("default", b"s" * 16)
 
@@ -33,8 +33,8 @@ def test_keys_other_than_a_tier_auth_are_refused():
 
 
 def test_choosing_imports_no_backend_until_a_url_names_it():
-    code = ("import sys, kvpool.tier_registry\n"
-            "print(sorted(m for m in ('kvpool.tier_redis', 'kvpool.tier_mooncake', 'redis', 'mooncake') "
+    code = ("import sys, kvpool.tier.registry\n"
+            "print(sorted(m for m in ('kvpool.tier.redis', 'kvpool.tier.mooncake', 'redis', 'mooncake') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -1,4 +1,4 @@
-"""kvpool.tier_rule: the scheduler reads from the network tier only what arrives before its
+"""kvpool.tier.rule: the scheduler reads from the network tier only what arrives before its
 deadline, holds a failing or too slow tier off (backing off while it keeps failing), then
 measures it again with one block at a time before trusting it with more."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.tier_rule import TierLoadStat, TierRule
+from kvpool.tier.rule import TierLoadStat, TierRule
 
 
 def test_nothing_measured_claims_all_then_the_rate_times_the_deadline_caps_it():

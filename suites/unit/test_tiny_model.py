@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from fixtures import tiny_model
+from kvgate.fixtures import tiny_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -10,15 +10,15 @@ the boundary was closed) caught by the oracle it validates.
   rundir      the run directory's parent pre-created by another local user
   restart     a pool restart racing the same-host probe, many iterations
 
-RUNNERS maps a scenario file's `runner` to its body (harness.scenarios.catalog).
+RUNNERS maps a scenario file's `runner` to its body (kvgate.harness.scenarios.catalog).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from harness.checkers.verdict import Verdict
-from harness.scenarios.hostile import checkpoint, frames, restart, rundir, scribble, tier
+from kvgate.harness.checkers.verdict import Verdict
+from kvgate.harness.scenarios.hostile import checkpoint, frames, restart, rundir, scribble, tier
 
 RUNNERS: dict[str, Callable[..., Verdict]] = {
     **tier.RUNNERS, **checkpoint.RUNNERS, **frames.RUNNERS, **scribble.RUNNERS, **rundir.RUNNERS,

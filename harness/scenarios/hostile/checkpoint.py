@@ -1,8 +1,8 @@
-"""Hostile scenario: checkpoint (see harness.scenarios.hostile). A checkpoint is fine-tuned
+"""Hostile scenario: checkpoint (see kvgate.harness.scenarios.hostile). A checkpoint is fine-tuned
 in place at one path: one tensor of its weight file (over 64 MiB) rewritten with other
 values of the same shape, so the file keeps its size and its safetensors header, and its
 mtime is put back (`touch -r`). The connector's namespace for that path (kvpool.connector
-.namespace_for, the identity of kvpool.identity, its digest cache warm from the first
+.namespace_for, the identity of kvpool.connector.identity, its digest cache warm from the first
 start) must change, so that blocks published under the first weights are not visible to
 a replica of the rewritten ones: the cluster's real pool answers a lookup of those blocks
 under the second namespace with a miss (incompatible: model_revision), never a hit.
@@ -19,7 +19,7 @@ under the second namespace with a miss (incompatible: model_revision), never a h
   checkpoint_in_place(cluster, corpus, seed, control=None) -> Verdict
       the scenario; control "header_only_fingerprint": the model fingerprint that hashed
       only the header and the size of a weight file over 64 MiB
-      (faults.identity_controls), with which the rewritten checkpoint keeps its namespace
+      (kvgate.faults.identity_controls), with which the rewritten checkpoint keeps its namespace
       and the lookup hits (caught by the scenario's own checks: "not visible under the
       rewritten weights").
 
@@ -44,11 +44,11 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from harness.checkers.verdict import Checks, Verdict
-from harness.workload.prompts import Corpus
-from kvpool.client import publish
-from kvpool.connector import ConnectorSettings, namespace_for
-from kvpool.keys import Namespace, block_hashes
+from kvgate.harness.checkers.verdict import Checks, Verdict
+from kvgate.harness.workload.prompts import Corpus
+from kvpool.client.transfer import publish
+from kvpool.connector.settings import ConnectorSettings, namespace_for
+from kvpool.pool.keys import Namespace, block_hashes
 
 # (name, shape) of the weight file's float32 tensors: 72 MiB in all, past the 64 MiB the
 # old fingerprint read whole
@@ -56,7 +56,7 @@ TENSORS = (("embed.weight", (4096, 2048)), ("layers.0.mlp.weight", (4096, 2048))
 WEIGHTS = "model.safetensors"
 BLOCK = 128
 BLOCKS = 4
-RACY_WAIT_S = 1.1  # past kvpool.identity.RACY_NS, so that the first start's digests are cached
+RACY_WAIT_S = 1.1  # past kvpool.connector.identity.RACY_NS, so that the first start's digests are cached
 
 
 def build_checkpoint(path: Path, seed: int) -> Path:
@@ -136,7 +136,7 @@ def attempt(pool_client: Callable[[], object], seed: int, work: Path, *, control
     `pool_client()` opens a client of the pool to publish to and look up in."""
     identity = None
     if control == "header_only_fingerprint":
-        from faults.identity_controls import header_only_fingerprint as identity
+        from kvgate.faults.identity_controls import header_only_fingerprint as identity
     elif control is not None:
         raise ValueError(f"unknown control {control!r}")
     out: dict = {"control": control}

@@ -8,7 +8,7 @@ the limit) while replicas A and B keep serving a cross-replica hit.
                             daemon's RSS rose above its level at the start (the sampled peak, or
                             VmHWM where the peak passed the high-water mark it had before)
   rss_bound_kib(page_size)  the stated bound on that growth: 8 frame limits + 64 MiB
-                            (kvpool.protocol.frame_limit: 16 pages + 4 MiB; 104 MiB at 64 KiB)
+                            (kvpool.pool.protocol.frame_limit: 16 pages + 4 MiB; 104 MiB at 64 KiB)
   HostileSession            a raw authenticated connection that answers every frame with an
                             Answer: the reply's kind (an Ok struct's name or "error:<code>"), its
                             size, and whether it was over the frame limit (then read and dropped
@@ -26,12 +26,12 @@ the limit) while replicas A and B keep serving a cross-replica hit.
   judge_flood(report, c)    the flood's checks: growth within the bound, every frame answered
                             by a typed error or a reply within the frame limit, each refused
                             frame refused, the session still served.
-  start_control_pool(...)   faults.frame_controls' unbounded daemon as a small pool process.
+  start_control_pool(...)   kvgate.faults.frame_controls' unbounded daemon as a small pool process.
   frame_flood(cluster, corpus, seed, *, control=None, rounds, repeats)
                             the live runner: the flood on a thread against the cluster's pool
                             (control "unbounded_frames": against the known-bad daemon, its own
                             pool process) while A publishes a prompt and B loads it
-                            (harness.scenarios.live.cross_replica_hit: byte-exact, output equal
+                            (kvgate.harness.scenarios.live.cross_replica_hit: byte-exact, output equal
                             to A's own prefix hit).
 """
 
@@ -47,12 +47,12 @@ from pathlib import Path
 
 import msgspec
 
-from harness.checkers.verdict import Checks, Verdict, describe_difference
-from harness.system.pool import DEFAULT_TENANT, PoolProcess, unique_name
-from kvpool import protocol as P
-from kvpool.digest import page_digest
+from kvgate.harness.checkers.verdict import Checks, Verdict, describe_difference
+from kvgate.harness.system.pool import DEFAULT_TENANT, PoolProcess, unique_name
+from kvpool.pool import protocol as P
+from kvpool.pool.digest import page_digest
 from kvpool.errors import ErrorCode, MalformedFrame, WrongVersion
-from kvpool.keys import HASH_BYTES, Namespace
+from kvpool.pool.keys import HASH_BYTES, Namespace
 
 MIB = 1024
 SAMPLE_S = 0.002
@@ -336,7 +336,7 @@ CONTROLS = ("unbounded_frames",)
 
 
 def start_control_pool(page_size: int = 64 * 1024, num_pages: int = 64, timeout: float = 20.0) -> PoolProcess:
-    """faults.frame_controls' daemon (no per-frame bounds) as a pool process of its own."""
+    """kvgate.faults.frame_controls' daemon (no per-frame bounds) as a pool process of its own."""
     import secrets
 
     name = unique_name("kvg-frames")
@@ -345,16 +345,16 @@ def start_control_pool(page_size: int = 64 * 1024, num_pages: int = 64, timeout:
     log_path = run_dir / "pool.log"
     args = ["--name", name, "--run-dir", str(run_dir), "--page-size", str(page_size), "--pages", str(num_pages),
             "--tenant", f"{DEFAULT_TENANT}={token}"]
-    return PoolProcess._spawn(name, run_dir, token, log_path, args, timeout, module="faults.frame_controls",
+    return PoolProcess._spawn(name, run_dir, token, log_path, args, timeout, module="kvgate.faults.frame_controls",
                               what="the unbounded-frames pool")
 
 
 def frame_flood(cluster, corpus, seed: int, *, control: str | None = None, rounds: int = 2,  # noqa: ANN001
                 repeats: int = 4096, prompt_tokens: int = 3000) -> Verdict:
     """The flood on a thread while A publishes a prompt and B loads it (see the module
-    docstring). control="unbounded_frames": the flood goes to faults.frame_controls' daemon,
+    docstring). control="unbounded_frames": the flood goes to kvgate.faults.frame_controls' daemon,
     started as a small pool of its own; the replicas' hit still runs on the cluster's pool."""
-    from harness.scenarios import live
+    from kvgate.harness.scenarios import live
 
     if control not in (None, *CONTROLS):
         raise ValueError(f"unknown control {control!r}")

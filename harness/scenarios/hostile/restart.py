@@ -1,5 +1,5 @@
 """Hostile scenario: restart. The pool daemon restarted again and again under live replicas
-whose schedulers probe the tenant segment's index (kvpool.client.PoolClient.probe) on
+whose schedulers probe the tenant segment's index (kvpool.client.pool_client.PoolClient.probe) on
 vLLM's scheduler thread while their lookup threads drop the dead connection and swap in
 the new daemon's segment. An exception there ends the replica's engine core (every later
 request fails, /health fails); a probe that read the old segment beside the new session
@@ -12,7 +12,7 @@ claims blocks the new pool does not hold.
       replica's prefix cache nor the pool answers it: each is probed; none publishes, so
       the pool holds nothing the race could claim) while the pool is SIGKILLed and
       restarted `restarts` times at seeded moments. Every lookup of A and B waits
-      `lookup_delay_ms` (faults.backend section "lookup": a slow pool), so lookups run
+      `lookup_delay_ms` (kvgate.faults.backend section "lookup": a slow pool), so lookups run
       beside the next requests' probes, as they do under load. Judged:
         * no replica's engine died: every request ended with its tokens, both replicas
           healthy at the end (the requests oracle sees any that failed);
@@ -22,15 +22,15 @@ claims blocks the new pool does not hold.
           transport_error (the pool was down), none a claimed hit (the pool held nothing);
         * sharing resumes: after the last restart A publishes a prompt and B loads every
           loadable block, its output equal to A's own prefix hit (the same partition).
-      control="unguarded_probe": both replicas' probes are faults.hook_controls'
+      control="unguarded_probe": both replicas' probes are kvgate.faults.hook_controls'
       unguarded probe (the scheduler reads the client's socket and segment one attribute
       at a time, pausing `pause_ms` between its reads), plugged in through the replicas'
-      fault control (faults.backend, section "client"). A restart swapping the segment
+      fault control (kvgate.faults.backend, section "client"). A restart swapping the segment
       under it raises TypeError out of get_num_new_matched_tokens: the engine core dies and
       the requests oracle finds requests that failed without a failed load. A replica left
       unhealthy is restarted at the end (recorded), so the gate goes on.
 
-RUNNERS maps a scenario file's `runner` to its body (harness.scenarios.catalog).
+RUNNERS maps a scenario file's `runner` to its body (kvgate.harness.scenarios.catalog).
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ import threading
 import time
 from collections.abc import Callable
 
-from harness.checkers.history import records
-from harness.checkers.verdict import Checks, Verdict
-from harness.client.http import Completion, RequestFailed, complete, healthy
-from harness.scenarios.live import BLOCK, wait_stored
-from harness.system.cluster import Cluster
-from harness.workload.prompts import Corpus
+from kvgate.harness.checkers.history import records
+from kvgate.harness.checkers.verdict import Checks, Verdict
+from kvgate.harness.client.http import Completion, RequestFailed, complete, healthy
+from kvgate.harness.scenarios.live import BLOCK, wait_stored
+from kvgate.harness.system.cluster import Cluster
+from kvgate.harness.workload.prompts import Corpus
 
 CONTROLS = ("unguarded_probe",)
 REPLICAS = ("A", "B")

@@ -1,4 +1,4 @@
-"""Hostile scenario: rundir (see harness.scenarios.hostile). Another local user (uid
+"""Hostile scenario: rundir (see kvgate.harness.scenarios.hostile). Another local user (uid
 65534, `nobody`) pre-creates the directory above a pool's run directory, in a sticky
 world-writable directory as /tmp is, then puts its own directory with a listening socket
 where the run directory's pool.sock is. The pool must refuse to start there, and a
@@ -8,7 +8,7 @@ tenant's client must refuse that socket before it sends a byte, its token above 
       the attempt, with the tenant's real token, against a real daemon (in a thread) and
       a real client: what the daemon said, what the client said, what the other user
       received. `legacy`: the known-bad run-dir creation and the client that asks the
-      kernel nothing (faults.identity_controls: LegacyRunDirDaemon, UncheckedPeerClient).
+      kernel nothing (kvgate.faults.identity_controls: LegacyRunDirDaemon, UncheckedPeerClient).
   rundir_precreated(cluster, corpus, seed, control=None) -> Verdict
       the scenario: the attempt with the cluster pool's token, judged by its own checks;
       control "legacy_run_dir": the attempt with `legacy`, whose token the other user
@@ -29,11 +29,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from harness.checkers.verdict import Checks, Verdict
-from harness.workload.prompts import Corpus
-from kvpool.client import PoolClient
+from kvgate.harness.checkers.verdict import Checks, Verdict
+from kvgate.harness.workload.prompts import Corpus
+from kvpool.client.pool_client import PoolClient
 from kvpool.errors import PoolError
-from kvpool.server import InsecureRunDir, PoolConfig, PoolDaemon
+from kvpool.pool.daemon import InsecureRunDir, PoolConfig, PoolDaemon
 
 OTHER_UID = 65534  # nobody
 LISTEN_S = 3.0  # how long the other user's socket waits for a client and its bytes
@@ -128,7 +128,7 @@ def sticky_tmp() -> Path:
 def attempt(token: str, *, legacy: bool = False, tenant: str = "default") -> dict:
     if os.geteuid() != 0:
         raise AssertionError("acting as another local user (uid 65534) needs root: the attempt was not made")
-    from faults.identity_controls import LegacyRunDirDaemon, UncheckedPeerClient
+    from kvgate.faults.identity_controls import LegacyRunDirDaemon, UncheckedPeerClient
 
     daemon_cls, client_cls = (LegacyRunDirDaemon, UncheckedPeerClient) if legacy else (PoolDaemon, PoolClient)
     base = sticky_tmp()

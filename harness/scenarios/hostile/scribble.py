@@ -1,9 +1,9 @@
-"""Hostile scenario: a tenant scribbles over everything it can map (see harness.scenarios.hostile).
+"""Hostile scenario: a tenant scribbles over everything it can map (see kvgate.harness.scenarios.hostile).
 
 The adversary is a client of the replicas' own tenant (it has their token): the least
 trusted party that is handed the tenant's segments. It maps every descriptor the attach
 socket gives it as writable as the kernel lets it, writes seeded random bytes over every
-byte it can write, and tries to forge the daemon's private state (kvpool.arena): index
+byte it can write, and tries to forge the daemon's private state (kvpool.pool.arena): index
 entries for blocks the pool does not hold, frozen generations, a heartbeat of a daemon
 that looks alive for an hour, through every way it has (the mapping, write(2), mprotect,
 the descriptor reopened through /proc).
@@ -31,7 +31,7 @@ the descriptor reopened through /proc).
         daemon's generations are what it wrote and B reads them; B sees no heartbeat; B's
         loads install A's bytes exactly or end `corrupt` (or `never_published` where the
         daemon rejected A's scribbled commit), never other bytes. `arena` names a known-bad
-        layout (faults.private_controls.ARENA_CONTROLS): the negative control.
+        layout (kvgate.faults.private_controls.ARENA_CONTROLS): the negative control.
   tenant_scribble(cluster, corpus, seed, control=None) -> Verdict     (runner "tenant_scribble")
         on the live cluster, as the replicas' tenant: A publishes P1 and P2, P2 is
         evicted; the scribbler pins P1, scribbles the whole page segment, forges index
@@ -68,21 +68,22 @@ from pathlib import Path
 
 import numpy as np
 
-from faults.private_controls import ARENA_CONTROLS
-from harness.checkers.history import namespace_of, records
-from harness.checkers.verdict import Checks, Verdict
-from harness.client.http import complete
-from harness.scenarios.live import _one, _tag, fault_free_reference, wait_stored
-from harness.system.cluster import Cluster
-from harness.system.pool import DEFAULT_TENANT, unique_name
-from harness.workload.prompts import Corpus
-from kvpool.arena import HEARTBEAT_OFF, Arena, Layout, read_layout
-from kvpool.client import PoolClient, load, publish
-from kvpool.digest import page_digest
+from kvgate.faults.private_controls import ARENA_CONTROLS
+from kvgate.harness.checkers.history import namespace_of, records
+from kvgate.harness.checkers.verdict import Checks, Verdict
+from kvgate.harness.client.http import complete
+from kvgate.harness.scenarios.live import _one, _tag, fault_free_reference, wait_stored
+from kvgate.harness.system.cluster import Cluster
+from kvgate.harness.system.pool import DEFAULT_TENANT, unique_name
+from kvgate.harness.workload.prompts import Corpus
+from kvpool.pool.arena import HEARTBEAT_OFF, Arena, Layout, read_layout
+from kvpool.client.pool_client import PoolClient
+from kvpool.client.transfer import load, publish
+from kvpool.pool.digest import page_digest
 from kvpool.errors import MissCause
-from kvpool.keys import Namespace, block_hashes
-from kvpool.server import PoolConfig, PoolDaemon
-from kvpool.shm_index import ENTRY, SLOTS, ns_fingerprint
+from kvpool.pool.keys import Namespace, block_hashes
+from kvpool.pool.daemon import PoolConfig, PoolDaemon
+from kvpool.pool.index import ENTRY, SLOTS, ns_fingerprint
 
 FORGED_GENERATION = 0x5CB1_BB1E_5CB1_BB1E  # what the scribbler writes into every generation
 FORGED_BEAT_AHEAD_NS = 3600 * 10**9  # its heartbeat: a daemon that looks alive for an hour
@@ -190,7 +191,7 @@ class Scribbler:
         def plant() -> None:
             entries = np.frombuffer(private.mm, dtype=ENTRY, count=lay.index_entries, offset=lay.index_off)
             mask = entries.size // SLOTS - 1
-            for key in keys:  # kvpool.shm_index's layout: an even seq, page + 1, the namespace, the hash
+            for key in keys:  # kvpool.pool.index's layout: an even seq, page + 1, the namespace, the hash
                 k0, k1 = int.from_bytes(key[:8], "little"), int.from_bytes(key[8:16], "little")
                 entries[(k0 & mask) * SLOTS] = (2, page + 1, fp, k0, k1)
 

@@ -1,5 +1,5 @@
 """Hostile scenario: a client of the network store moves and forges records (see
-harness.scenarios.hostile). On the multi-host system (harness.system.hosts: replica G on
+kvgate.harness.scenarios.hostile). On the multi-host system (kvgate.harness.system.hosts: replica G on
 h1, H on h2, Redis on the store host with its access control on).
 
   store_forgery(system, corpus, seed, control=None, store="redis")
@@ -20,12 +20,12 @@ h1, H on h2, Redis on the store host with its access control on).
            are there), each load ends `corrupt` at its first block with nothing installed,
            every block is recomputed, and H's output equals its cold run.
       Expect load causes exactly [corrupt]. Negative control `unauthenticated_tier`
-      (faults.copier: H's tier loads read records as they were read before records were
+      (kvgate.faults.copier: H's tier loads read records as they were read before records were
       authenticated and bound to their key): H installs the moved and forged pages as
       good, and the byte-exact oracle must catch it (H's installed blocks differ from every
       producer's bytes).
 
-RUNNERS maps a scenario file's `runner` to its body (harness.scenarios.catalog).
+RUNNERS maps a scenario file's `runner` to its body (kvgate.harness.scenarios.catalog).
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from faults.tier_controls import UNAUTHENTICATED_TIER, forge_record, rotate
-from harness.checkers.history import records
-from harness.checkers.verdict import Checks, Verdict
-from harness.client.http import complete, reset_prefix_cache
-from harness.scenarios.hosts import B, PROMPT_TOKENS, _lookup, _tag, publish_on_g
-from harness.system.pool import DEFAULT_TENANT
-from harness.workload.prompts import Corpus
-from kvpool.tier import split_record, tier_prefix
+from kvgate.faults.tier_controls import UNAUTHENTICATED_TIER, forge_record, rotate
+from kvgate.harness.checkers.history import records
+from kvgate.harness.checkers.verdict import Checks, Verdict
+from kvgate.harness.client.http import complete, reset_prefix_cache
+from kvgate.harness.scenarios.hosts import B, PROMPT_TOKENS, _lookup, _tag, publish_on_g
+from kvgate.harness.system.pool import DEFAULT_TENANT
+from kvgate.harness.workload.prompts import Corpus
+from kvpool.tier.record import split_record, tier_prefix
 
 CONTROLS = (UNAUTHENTICATED_TIER,)
 

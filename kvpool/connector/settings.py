@@ -1,0 +1,187 @@
+"""The connector's settings (kv_connector_extra_config, checked), the namespace a replica's
+KV belongs to, and the backend and copier each role opens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from functools import lru_cache
+from pathlib import Path
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Union
+
+from kvpool.connector import vllm_compat as compat
+from kvpool.client.backend import PoolBackend
+from kvpool.client.pool_client import PoolClient
+from kvpool.connector.copier import HostCopier
+from kvpool.connector.history import HistoryWriter
+from kvpool.connector.identity import model_identity
+from kvpool.pool.keys import Namespace
+from kvpool.pool.metrics import ClientMetrics
+from kvpool.tier.record import TierAuth
+
+
+if TYPE_CHECKING:
+    from kvpool.connector.gpu_copier import CudaCopier
+
+Copier = Union[HostCopier, "CudaCopier"]  # one interface (kvpool.connector.copier's docstring); a wrapper keeps it
+
+# -- settings -------------------------------------------------------------------------------
+
+
+LOAD_MODES = ("auto", "sync", "async")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectorSettings:
+    """`kv_connector_extra_config`, typed. Unknown keys are an error, not a silent default."""
+
+    pool: str  # "unix:PATH" or "tcp:HOST:PORT"
+    tenant: str = "default"
+    token: str = ""
+    token_file: str = ""  # JSON {tenant: token}; used when token is empty
+    replica: str = "replica"
+    history_dir: str = ""
+    load: bool = True
+    publish: bool = True
+    load_deadline_s: float = 10.0
+    # "sync": a load runs in the request's first step (wait_for_layer_load waits for it);
+    # "async": vLLM holds the request until the load is reported finished; "auto": async
+    # where the engine schedules asynchronously (vLLM's async_scheduling), sync otherwise.
+    load_mode: str = "auto"
+    timeout_s: float = 10.0
+    # A lookup whose first missing block is being published (reserved, not yet committed)
+    # waits this long for its commit: a session's next turn on another replica must not
+    # depend on whether the previous turn's store landed before the response did. Bounded,
+    # since the lookup runs in vLLM's scheduler; running out is the `in_flight` miss.
+    lookup_wait_pending_s: float = 0.5
+    # The scheduler's hot path: its pool connection times out after lookup_timeout_s (plus
+    # the pending wait above); a scheduler call waits lookup_sync_s at most for an answer,
+    # then defers the request to a later step; after a timeout the pool is left alone for
+    # pool_backoff_s, doubled while it keeps timing out, up to pool_backoff_max_s.
+    lookup_timeout_s: float = 1.0
+    lookup_sync_s: float = 0.2
+    lookup_poll_s: float = 0.005  # a later call's wait for the same answer (and a slow pool's first)
+    pool_backoff_s: float = 1.0
+    pool_backoff_max_s: float = 30.0
+    # A same-host scheduler first probes its tenant segment's index (PoolClient.probe: no
+    # round trip) and claims at once a run the index holds whole, while the daemon's
+    # heartbeat is at most probe_fresh_s old. A run it holds in part, or a stale heartbeat,
+    # goes to the daemon's lookup, which also says why the run stops. 0: always ask.
+    probe_fresh_s: float = 0.1
+    # The network tier (kvpool.tier.record), for blocks this host's pool lacks: a URL
+    # ("redis://HOST:PORT/DB"); empty: none. Lookups past the pool's run of hits ask the
+    # tier which blocks it holds; loads read them from it; publishes also put to it.
+    tier: str = ""
+    # The tenant's tier secret (16 bytes or more; the same for its replicas on every host;
+    # never given to the store): its records are authenticated, and its store keys made
+    # opaque, with keys derived from it (kvpool.tier.record.TierAuth). tier_secret_file: JSON
+    # {tenant: secret}, used when tier_secret is empty. A tier needs one.
+    tier_secret: str = ""
+    tier_secret_file: str = ""
+    tier_timeout_s: float = 1.0
+    tier_publish: bool = True
+    # A tier load stops at its deadline (the rest of its run is recomputed); the scheduler
+    # claims from the tier only what its measured rate moves within the deadline, and holds
+    # a failing tier off for tier_backoff_s, doubled while it keeps failing, up to
+    # tier_backoff_max_s (kvpool.tier.rule).
+    tier_deadline_s: float = 1.0
+    tier_backoff_s: float = 1.0
+    tier_backoff_max_s: float = 30.0
+    # On CPU: fault the engine's KV tensors in at registration (kvpool.pool.copy.prefault), so that
+    # a load into blocks the engine never touched does not pay a page fault per 4 KiB.
+    prefault_kv: bool = True
+    model_id: str = ""  # a stable model name for the namespace (default: the model path)
+    model_revision: str = ""  # overrides the model fingerprint in the namespace
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
+        extra = dict(extra or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - names)
+        if unknown:
+            raise ValueError(f"unknown kvpool connector settings {unknown}; known: {sorted(names)}")
+        if "pool" not in extra:
+            raise ValueError("kv_connector_extra_config needs 'pool' (e.g. 'unix:/path/pool.sock')")
+        if extra.get("load_mode", "auto") not in LOAD_MODES:
+            raise ValueError(f"load_mode must be one of {LOAD_MODES}, got {extra['load_mode']!r}")
+        return cls(**extra)
+
+    def loads_async(self, vllm_config) -> bool:  # noqa: ANN001
+        """Whether this engine's loads are asynchronous, by `load_mode`."""
+        if self.load_mode == "auto":
+            return compat.schedules_async(vllm_config)
+        return self.load_mode == "async"
+
+    def resolved_token(self) -> str:
+        if self.token:
+            return self.token
+        if self.token_file:
+            return json.loads(Path(self.token_file).read_text())[self.tenant]
+        raise ValueError(f"no token for tenant {self.tenant!r}: set 'token' or 'token_file'")
+
+    def tier_auth(self) -> TierAuth:
+        """The tenant's tier keys (kvpool.tier.record.TierAuth), from tier_secret or tier_secret_file."""
+        secret = self.tier_secret or (json.loads(Path(self.tier_secret_file).read_text()).get(self.tenant, "")
+                                      if self.tier_secret_file else "")
+        if not secret:
+            raise ValueError(f"a network tier needs tenant {self.tenant!r}'s tier secret ('tier_secret' or "
+                             "'tier_secret_file'): its records are authenticated with it")
+        return TierAuth.from_secret(self.tenant, secret)
+
+
+# -- namespace ------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=8)
+def _tokenizer_fingerprint(path: str) -> str:
+    root = Path(path)
+    if not root.is_dir():
+        return path
+    h = hashlib.sha256()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                 "vocab.json", "merges.txt"):
+        f = root / name
+        if f.exists():
+            h.update(name.encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def namespace_for(vllm_config, settings: ConnectorSettings, tp_rank: int = 0) -> Namespace:  # noqa: ANN001
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    kv_dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(mc.dtype).removeprefix("torch.")
+    revision = settings.model_revision or model_identity(str(mc.model), mc.revision)  # every weight (kvpool.connector.identity)
+    return Namespace(
+        model_id=settings.model_id or str(mc.model),
+        model_revision=str(revision),
+        tokenizer_hash=_tokenizer_fingerprint(str(mc.tokenizer)),
+        kv_dtype=kv_dtype,
+        kv_layout=compat.layout_name(compat.device_type(vllm_config)),
+        block_size=int(cc.block_size),
+        num_layers=int(mc.get_num_layers(pc)),
+        num_kv_heads=int(mc.get_num_kv_heads(pc)),
+        head_size=int(mc.get_head_size()),
+        tp_rank=tp_rank,
+        tp_world_size=int(pc.tensor_parallel_size),
+        tenant=settings.tenant,
+    )
+
+
+def connect_backend(settings: ConnectorSettings, role: str, history: HistoryWriter,
+                    metrics: ClientMetrics | None = None) -> PoolBackend:
+    """The default BackendFactory: a PoolClient to the configured pool (the scheduler's
+    with the scheduler's short timeout)."""
+    timeout = settings.lookup_timeout_s if role == "scheduler" else settings.timeout_s
+    return PoolClient(settings.pool, settings.tenant, settings.resolved_token(),
+                      name=f"{settings.replica}/{role}", timeout_s=timeout, metrics=metrics)
+
+
+# Extension points for a wrapper (kvpool.connector.audit's twin for faults, or instrumentation):
+# KVPoolConnector(..., backend_factory=f, copier_factory=g) builds its pool backend and its
+# copy engine through them. A factory may wrap the default one; what it returns must keep
+# the interface (kvpool.client.backend.PoolBackend; kvpool.connector.copier's copier interface).
+BackendFactory = Callable[[ConnectorSettings, str, HistoryWriter, "ClientMetrics | None"], PoolBackend]
+CopierFactory = Callable[[ConnectorSettings, PoolBackend, HistoryWriter, ClientMetrics, str], Copier]

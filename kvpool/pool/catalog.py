@@ -1,0 +1,861 @@
+"""The pool's bookkeeping: which page holds which block, and who may touch it.
+
+Pure state: no sockets, no bytes, time passed in. The daemon owns one Catalog and
+calls it from a single thread.
+
+  lookup(tenant, ns, hashes)            longest run of committed blocks from the start and,
+                                        if it stops early, the one MissCause of the first
+                                        missing block, and the id of the open reservation
+                                        publishing that block under the same tenant and
+                                        namespace (`pending`; 0 if none). Side-effect free.
+  reservation_open(res_id)              whether a reservation is still open (neither
+                                        committed, aborted nor reclaimed).
+  count_miss(cause)                     count a miss decided outside the catalog (a
+                                        lookup whose wait for a pending publish ran out).
+  acquire(client, tenant, ns, hashes)   lookup + a lease on the run's pages (pinned: never
+                                        evicted, freed or reused until released), subject to
+                                        the per-client and global load limits (THROTTLED).
+  release(lease_id)                     unpin; re-checks every page's generation.
+  reserve(client, tenant, ns, hashes, lengths, boundary)
+                                        phase one of publish: admission, then a RESERVED page
+                                        per admitted block (evicting LRU victims if needed).
+  commit(res_id, digests, kind)         phase two: pages become visible (a None digest means
+                                        the daemon's verify failed: that page is freed); `kind`
+                                        (kvpool.pool.digest.DigestKind) is recorded with each page.
+  committed_as(page, generation)        the page's kind if it still holds that commit, else None.
+  discard(page, generation)             drop a committed page found corrupt at rest (by the scrub, or
+                                        on a loader's report the daemon confirmed): out of the index
+                                        (and the segment's) at once, so no lookup, probe or acquire
+                                        finds it again; its page is freed at once, or, while loaders
+                                        hold it (state DROPPED), when the last of them releases it.
+  scrub_fresh(n) / scrub_cycle(n)       the scrub's next pages (page, generation): the oldest commits
+                                        taken on trust and not yet scrubbed (commit(..., scrub_first=
+                                        True)); and the next committed pages of a cyclic cursor over
+                                        the page ids (every kind, every committed page in turn).
+  scrubbed(page, generation)            the page's first scrub is done (it leaves the fresh queue).
+  abort(res_id) / drop_client(client)   an abandoned or crashed publish returns its pages.
+  reap(now)                             expire reservations and leases past their deadline.
+  evict(...) / set_capacity(pages)      forced eviction and capacity squeeze; leased pages
+                                        are never evicted.
+
+With a `shm_index` (the daemon passes its segment's), every committed block is also
+entered in the segment's index and taken out of it before its page is freed.
+
+The scrub's state is bounded by the pages, whatever the churn: the fresh queue holds at
+most one entry per page (a page's new commit replaces its entry; freeing a page removes
+it, O(1)), and the at-rest pass is a cursor (one int) plus a count of completed cycles.
+
+Bounded state per client and per frame: a client's leases pin at most
+`max_leased_pages_per_client` pages in all (default 4 x num_pages; past it an acquire is
+THROTTLED), and at most `max_namespaces` namespaces are interned (a full table forgets
+those without pages or open publishes, then refuses a new one).
+
+Every freed page has its generation bumped, so a reader that held it across a reuse
+can tell. Evicted keys leave a ghost so a later miss is EVICTED, not NEVER_PUBLISHED.
+Tenants are separate indexes: a lookup never sees another tenant's blocks, committed
+or pending.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import heapq
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+
+from kvpool.errors import InvalidRequest, LeaseLost, MissCause
+from kvpool.pool.keys import Namespace
+
+from kvpool.pool.digest import DIGEST_BYTES, KINDS, DigestKind
+from kvpool.pool.index import ShmIndex, ns_fingerprint
+
+
+class PageState(enum.IntEnum):
+    FREE = 0
+    RESERVED = 1
+    COMMITTED = 2
+    DROPPED = 3  # found corrupt while leased: out of the index, freed when its last lease is released
+
+
+class CorruptOutcome(enum.StrEnum):
+    """The daemon's answer to a loader's report of a corrupt page (after its own check)."""
+
+    DROPPED = "dropped"  # the page's bytes at rest do not match its digest: out of the pool
+    INTACT = "intact"  # they match: the loader's copy went wrong on its way, the page stays
+
+
+class SlotStatus(enum.StrEnum):
+    RESERVED = "reserved"  # a page is yours to write, then commit
+    EXISTS = "exists"  # already committed under this namespace: nothing to write
+    PENDING = "pending"  # another publish of the same block is in flight
+    NOT_ADMITTED = "not_admitted"  # the admission policy declined it
+    NO_CAPACITY = "no_capacity"  # every page is leased or reserved
+
+
+class EvictOutcome(enum.StrEnum):
+    EVICTED = "evicted"
+    LEASED = "leased"  # refused: a loader holds it
+    NOT_FOUND = "not_found"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AdmissionPolicy:
+    """What is worth publishing. Unique tails are not.
+
+    min_blocks: a publish of fewer admitted blocks than this is declined whole.
+    second_hit: a block is admitted only the second time it is offered.
+    seen_capacity: how many first offers second-hit admission remembers.
+    """
+
+    min_blocks: int = 1
+    second_hit: bool = False
+    seen_capacity: int = 65536
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadLimits:
+    """Concurrent leases allowed; 0 means unlimited. Past a limit the loader recomputes."""
+
+    per_client: int = 0
+    total: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CatalogConfig:
+    num_pages: int
+    page_size: int
+    admission: AdmissionPolicy = AdmissionPolicy()
+    limits: LoadLimits = LoadLimits()
+    ghost_capacity: int | None = None  # default: num_pages
+    # Pages one client's leases pin in all (a page leased twice counts twice): an acquire past
+    # it is THROTTLED. Default: 4 x num_pages. Each lease costs the daemon memory per page
+    # until it is released or expires, so a client cannot pile up leases without bound.
+    max_leased_pages_per_client: int | None = None
+    # Namespaces the catalog holds at once (a namespace is interned at its first reserve); a
+    # reserve under a new one past it first forgets the namespaces that hold no page and no
+    # open publish (with their ghosts and second-hit offers), then, if the table is still
+    # full, is refused (InvalidRequest).
+    max_namespaces: int = 4096
+    reservation_ttl_s: float = 30.0
+    lease_ttl_s: float = 60.0
+
+
+class PageRef(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    page: int
+    generation: int
+    length: int
+    digest: bytes
+    kind: DigestKind = DigestKind.XXH3  # how `digest` was taken (kvpool.pool.digest)
+
+
+class Hits(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """A run of hits, stored by column (cheap to build, encode and decode); indexing
+    gives PageRefs."""
+
+    pages: list[int] = []
+    generations: list[int] = []
+    lengths: list[int] = []
+    digests: bytes = b""
+    kinds: bytes = b""  # DigestKind.code per page; empty: every page xxh3-128
+
+    def __post_init__(self) -> None:
+        n = len(self.pages)
+        if len(self.generations) != n or len(self.lengths) != n or len(self.digests) != n * DIGEST_BYTES:
+            raise ValueError(f"Hits columns disagree: {n} pages, {len(self.generations)} generations, "
+                             f"{len(self.lengths)} lengths, {len(self.digests)} digest bytes")
+        if len(self.kinds) not in (0, n) or any(k >= len(KINDS) for k in self.kinds):
+            raise ValueError(f"Hits: {len(self.kinds)} digest kinds for {n} pages, or an unknown kind")
+
+    def kind(self, i: int) -> DigestKind:
+        return KINDS[self.kinds[i]] if self.kinds else DigestKind.XXH3
+
+    def __len__(self) -> int:
+        return len(self.pages)
+
+    def __bool__(self) -> bool:
+        return bool(self.pages)
+
+    def _ref(self, i: int) -> PageRef:
+        return PageRef(self.pages[i], self.generations[i], self.lengths[i],
+                       self.digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES], self.kind(i))
+
+    def __getitem__(self, i):  # noqa: ANN001, ANN204 - an int or a slice
+        if isinstance(i, slice):
+            return [self._ref(j) for j in range(*i.indices(len(self.pages)))]
+        if i < 0:
+            i += len(self.pages)
+        return self._ref(i)
+
+    def __iter__(self):  # noqa: ANN204
+        return (self._ref(i) for i in range(len(self.pages)))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.lengths)
+
+
+class Miss(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    index: int  # the block at which the run stopped
+    cause: MissCause
+    fields: tuple[str, ...] = ()  # for INCOMPATIBLE: the namespace fields that differ
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LookupResult:
+    hits: Hits
+    miss: Miss | None
+    # The open reservation publishing the first missing block (same tenant and
+    # namespace), 0 if none: a caller may wait for it to close and look up again.
+    pending: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AcquireResult:
+    lease_id: int  # 0 when nothing was leased
+    hits: Hits
+    miss: Miss | None
+
+
+class Slot(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    status: SlotStatus
+    page: int = -1
+    generation: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReserveResult:
+    reservation_id: int  # 0 when no page was reserved
+    slots: tuple[Slot, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CommitResult:
+    committed: int
+    rejected: tuple[int, ...]  # slot indexes whose verify failed (freed)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReleaseResult:
+    stale: tuple[int, ...]  # pages whose generation moved while leased (must be empty)
+
+
+@dataclasses.dataclass(slots=True)
+class _Reservation:
+    client: int
+    tenant: int
+    ns: int
+    keys: list[bytes]
+    pages: list[int]  # -1 where the slot holds no page
+    deadline: float
+
+
+@dataclasses.dataclass(slots=True)
+class _Lease:
+    client: int
+    pages: list[int]
+    generations: list[int]
+    deadline: float
+
+
+class Catalog:
+    def __init__(self, config: CatalogConfig, generations: np.ndarray | None = None,
+                 shm_index: ShmIndex | None = None):
+        n = config.num_pages
+        if n <= 0:
+            raise ValueError(f"num_pages must be positive, got {n}")
+        self.config = config
+        # Generation per page; the daemon passes the arena's array so clients see it.
+        self.gen = generations if generations is not None else np.zeros(n, dtype=np.uint64)
+        if self.gen.shape != (n,):
+            raise ValueError(f"generations has shape {self.gen.shape}, expected ({n},)")
+        # The segment's index of committed blocks (kvpool.pool.index), kept in step with
+        # `_index`: what same-host clients probe without asking.
+        self._shm = shm_index
+        self._fps: list[int] = []  # namespace fingerprint by namespace id
+        self.state = np.zeros(n, dtype=np.uint8)
+        self.length = np.zeros(n, dtype=np.uint32)
+        self.digest = np.zeros((n, DIGEST_BYTES), dtype=np.uint8)
+        self.kind = np.zeros(n, dtype=np.uint8)  # DigestKind.code of each committed page's digest
+        self.ns_of = np.full(n, -1, dtype=np.int32)
+        self.tenant_of = np.full(n, -1, dtype=np.int32)
+        self.tick = np.zeros(n, dtype=np.uint64)
+        self.leases_on = np.zeros(n, dtype=np.uint32)
+        self.key_of: list[bytes | None] = [None] * n
+        # Free pages in a min-heap: a reservation gets the lowest free pages, in ascending
+        # order along its blocks, so a run published together lies in consecutive pages
+        # where it can (one copy per run instead of one per page, both ways).
+        self._free: list[int] = list(range(n))
+        self._clock = itertools.count(1)
+        # Eviction order: the committed pages in a doubly linked list (two int32 arrays), least
+        # recently touched first; a touch moves a page to the tail, freeing unlinks it. An
+        # eviction walks from the head past the pages a loader holds (at most the lease
+        # limits' worth), so it costs O(1) per page evicted, not a scan of the arena.
+        self._prev = np.full(n, -1, dtype=np.int32)
+        self._next = np.full(n, -1, dtype=np.int32)
+        self._linked = np.zeros(n, dtype=bool)
+        self._head = self._tail = -1
+        self.capacity = n  # pages that may be reserved or committed (set_capacity)
+        # tenant id -> {block hash -> page, or a tuple of pages under several namespaces}
+        self._index: list[dict[bytes, int | tuple[int, ...]]] = []
+        self._tenants: dict[str, int] = {}
+        self._namespaces: list[Namespace] = []
+        self._ns_ids: dict[Namespace, int] = {}
+        # (tenant, namespace, block hash) -> the open reservation publishing it
+        self._pending: dict[tuple[int, int, bytes], int] = {}
+        self._ghosts: OrderedDict[tuple[int, int, bytes], None] = OrderedDict()
+        self._ghost_capacity = n if config.ghost_capacity is None else config.ghost_capacity
+        self._seen: OrderedDict[tuple[int, int, bytes], None] = OrderedDict()
+        self._reservations: dict[int, _Reservation] = {}
+        self._leases: dict[int, _Lease] = {}
+        self._leases_by_client: dict[int, int] = {}
+        self._leased_pages_by_client: dict[int, int] = {}
+        self._leased_pages_cap = (4 * n if config.max_leased_pages_per_client is None
+                                  else config.max_leased_pages_per_client)
+        self._free_ns: list[int] = []  # ids of forgotten namespaces, for reuse
+        self._ids = itertools.count(1)
+        # The scrub (see the module docstring): page -> generation of commits taken on trust
+        # and not yet scrubbed, oldest first (at most one entry per page); the at-rest cursor.
+        self._unscrubbed: OrderedDict[int, int] = OrderedDict()
+        self._scrub_cursor = 0
+        self.counters: dict[str, int] = {
+            "hits": 0, "hit_blocks": 0, "evictions": 0, "commits": 0, "aborted_pages": 0,
+            "rejected_pages": 0, "expired_reservations": 0, "expired_leases": 0,
+            "discarded_corrupt": 0, "scrub_cycles": 0,
+        }
+        self.miss_counters: dict[MissCause, int] = {c: 0 for c in MissCause}
+
+    # -- interning ---------------------------------------------------------------------
+    def _tenant_id(self, tenant: str, create: bool) -> int:
+        tid = self._tenants.get(tenant)
+        if tid is None and create:
+            tid = len(self._index)
+            self._tenants[tenant] = tid
+            self._index.append({})
+        return -1 if tid is None else tid
+
+    def _ns_id(self, ns: Namespace) -> int:
+        nid = self._ns_ids.get(ns)
+        if nid is not None:
+            return nid
+        if len(self._ns_ids) >= self.config.max_namespaces:
+            self._forget_namespaces()
+            if len(self._ns_ids) >= self.config.max_namespaces:
+                raise InvalidRequest(f"{len(self._ns_ids)} namespaces hold pages or open publishes in this pool "
+                                     f"(at most {self.config.max_namespaces}): no new one until some are evicted")
+        if self._free_ns:
+            nid = self._free_ns.pop()
+            self._namespaces[nid], self._fps[nid] = ns, ns_fingerprint(ns)
+        else:
+            nid = len(self._namespaces)
+            self._namespaces.append(ns)
+            self._fps.append(ns_fingerprint(ns))
+        self._ns_ids[ns] = nid
+        return nid
+
+    def _forget_namespaces(self) -> int:
+        """Forget the namespaces that hold no page and no open publish, with their ghosts and
+        second-hit offers: O(pages + ghosts + offers), only when the table is full."""
+        live = {int(x) for x in np.unique(self.ns_of[self.ns_of >= 0])}
+        live.update(r.ns for r in self._reservations.values())
+        dead = [nid for nid in self._ns_ids.values() if nid not in live]
+        if not dead:
+            return 0
+        gone = set(dead)
+        for table in (self._ghosts, self._seen):
+            for key in [k for k in table if k[1] in gone]:
+                del table[key]
+        for nid in dead:
+            del self._ns_ids[self._namespaces[nid]]
+            self._free_ns.append(nid)
+        return len(dead)
+
+    def namespace(self, ns_id: int) -> Namespace:
+        return self._namespaces[ns_id]
+
+    # -- reading -----------------------------------------------------------------------
+    def _pages_for(self, tid: int, key: bytes) -> tuple[int, ...]:
+        if tid < 0:
+            return ()
+        entry = self._index[tid].get(key)
+        if entry is None:
+            return ()
+        return entry if isinstance(entry, tuple) else (entry,)
+
+    def _find(self, tid: int, nid: int, ns: Namespace, key: bytes, index: int) -> int | Miss:
+        pages = self._pages_for(tid, key)
+        for p in pages:
+            if self.ns_of[p] == nid:
+                return p
+        if (tid, nid, key) in self._ghosts:
+            return Miss(index, MissCause.EVICTED)
+        if pages:
+            other = self._namespaces[int(self.ns_of[pages[0]])]
+            return Miss(index, MissCause.INCOMPATIBLE, ns.differing_fields(other))
+        return Miss(index, MissCause.NEVER_PUBLISHED)
+
+    def _refs(self, pages: list[int]) -> Hits:
+        if not pages:
+            return Hits()
+        kinds = self.kind[pages]
+        return Hits(pages, self.gen[pages].tolist(), self.length[pages].tolist(), self.digest[pages].tobytes(),
+                    kinds.tobytes() if kinds.any() else b"")
+
+    def lookup(self, tenant: str, ns: Namespace, hashes: Sequence[bytes]) -> LookupResult:
+        tid = self._tenant_id(tenant, create=False)
+        nid = self._ns_ids.get(ns, -2)
+        # Fast path, the common case: each block under one namespace (an int entry).
+        get = (self._index[tid] if tid >= 0 else {}).get
+        pages: list[int] = []
+        for key in hashes:
+            entry = get(key)
+            if type(entry) is not int:
+                break
+            pages.append(entry)
+        if pages:
+            same = self.ns_of[pages] == nid
+            if not same.all():
+                del pages[int(np.argmin(same)) :]
+        # Slow path from the first block the fast path could not settle.
+        for i in range(len(pages), len(hashes)):
+            found = self._find(tid, nid, ns, hashes[i], i)
+            if isinstance(found, Miss):
+                return LookupResult(self._refs(pages), found, self._pending_reservation(tid, nid, hashes[i]))
+            pages.append(found)
+        return LookupResult(self._refs(pages), None)
+
+    def _pending_reservation(self, tid: int, nid: int, key: bytes) -> int:
+        if tid < 0 or nid < 0:
+            return 0
+        rid = self._pending.get((tid, nid, key), 0)
+        return rid if rid in self._reservations else 0
+
+    def reservation_open(self, reservation_id: int) -> bool:
+        return reservation_id in self._reservations
+
+    def count_miss(self, cause: MissCause) -> None:
+        self.miss_counters[cause] += 1
+
+    def acquire(self, client: int, tenant: str, ns: Namespace, hashes: Sequence[bytes],
+                now: float) -> AcquireResult:
+        found = self.lookup(tenant, ns, hashes)
+        if not found.hits:
+            if found.miss is not None:
+                self.miss_counters[found.miss.cause] += 1
+            return AcquireResult(0, Hits(), found.miss)
+        limits = self.config.limits
+        pages = list(found.hits.pages)
+        if (limits.per_client and self._leases_by_client.get(client, 0) >= limits.per_client) or (
+            limits.total and len(self._leases) >= limits.total
+        ) or self._leased_pages_by_client.get(client, 0) + len(pages) > self._leased_pages_cap:
+            self.miss_counters[MissCause.THROTTLED] += 1
+            return AcquireResult(0, Hits(), Miss(0, MissCause.THROTTLED))
+        for p in pages:
+            self.leases_on[p] += 1
+            self._touch(p)
+        lease_id = next(self._ids)
+        self._leases[lease_id] = _Lease(client, pages, list(found.hits.generations),
+                                        now + self.config.lease_ttl_s)
+        self._leases_by_client[client] = self._leases_by_client.get(client, 0) + 1
+        self._leased_pages_by_client[client] = self._leased_pages_by_client.get(client, 0) + len(pages)
+        self.counters["hits"] += 1
+        self.counters["hit_blocks"] += len(pages)
+        if found.miss is not None:
+            self.miss_counters[found.miss.cause] += 1
+        return AcquireResult(lease_id, found.hits, found.miss)
+
+    def release(self, lease_id: int) -> ReleaseResult:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            raise LeaseLost(f"lease {lease_id} is not held (released, expired, or never granted)")
+        # Taken before the unpin, which frees a page dropped under this lease: what the lease
+        # read was not reused while it held it.
+        stale = tuple(p for p, g in zip(lease.pages, lease.generations) if int(self.gen[p]) != g)
+        self._unpin(lease)
+        return ReleaseResult(stale)
+
+    def _unpin(self, lease: _Lease) -> None:
+        for p in lease.pages:
+            self.leases_on[p] -= 1
+            if self.leases_on[p] == 0 and self.state[p] == PageState.DROPPED:
+                self._free_page(p)
+        left = self._leases_by_client[lease.client] - 1
+        if left:
+            self._leases_by_client[lease.client] = left
+        else:
+            del self._leases_by_client[lease.client]
+        held = self._leased_pages_by_client[lease.client] - len(lease.pages)
+        if held:
+            self._leased_pages_by_client[lease.client] = held
+        else:
+            del self._leased_pages_by_client[lease.client]
+
+    # -- publishing --------------------------------------------------------------------
+    def reserve(self, client: int, tenant: str, ns: Namespace, hashes: Sequence[bytes],
+                lengths: Sequence[int], now: float, boundary: int | None = None) -> ReserveResult:
+        if len(lengths) != len(hashes):
+            raise InvalidRequest(f"{len(hashes)} hashes but {len(lengths)} lengths")
+        for n in lengths:
+            if not 0 < n <= self.config.page_size:
+                raise InvalidRequest(f"block of {n} bytes does not fit a page of {self.config.page_size}")
+        if ns.tenant != tenant:
+            raise InvalidRequest(f"namespace tenant {ns.tenant!r} is not the session's tenant {tenant!r}")
+        tid = self._tenant_id(tenant, create=True)
+        nid = self._ns_id(ns)
+        admission = self.config.admission
+        limit = len(hashes) if boundary is None else max(0, min(boundary, len(hashes)))
+        slots: list[Slot] = []
+        res_keys: list[bytes] = []
+        res_pages: list[int] = []
+        declined_whole = limit < admission.min_blocks
+        for i, key in enumerate(hashes):
+            status = self._classify_offer(tid, nid, key, admitted=(i < limit and not declined_whole))
+            if status is not None:
+                slots.append(Slot(status))
+                continue
+            page = self._allocate()
+            if page < 0:
+                slots.append(Slot(SlotStatus.NO_CAPACITY))
+                continue
+            self.state[page] = PageState.RESERVED
+            self.length[page] = lengths[i]
+            self.ns_of[page] = nid
+            self.tenant_of[page] = tid
+            self.key_of[page] = key
+            self._pending[(tid, nid, key)] = 0  # the reservation's id once it has one, below
+            res_keys.append(key)
+            res_pages.append(page)
+            slots.append(Slot(SlotStatus.RESERVED, page, int(self.gen[page])))
+        if not res_pages:
+            return ReserveResult(0, tuple(slots))
+        rid = next(self._ids)
+        self._reservations[rid] = _Reservation(client, tid, nid, res_keys, res_pages,
+                                               now + self.config.reservation_ttl_s)
+        for key in res_keys:
+            self._pending[(tid, nid, key)] = rid
+        return ReserveResult(rid, tuple(slots))
+
+    def _classify_offer(self, tid: int, nid: int, key: bytes, admitted: bool) -> SlotStatus | None:
+        for p in self._pages_for(tid, key):
+            if self.ns_of[p] == nid:
+                self._touch(p)
+                return SlotStatus.EXISTS
+        if (tid, nid, key) in self._pending:
+            return SlotStatus.PENDING
+        if not admitted:
+            return SlotStatus.NOT_ADMITTED
+        admission = self.config.admission
+        if admission.second_hit:
+            seen_key = (tid, nid, key)
+            if seen_key not in self._seen:
+                self._seen[seen_key] = None
+                if len(self._seen) > admission.seen_capacity:
+                    self._seen.popitem(last=False)
+                return SlotStatus.NOT_ADMITTED
+            del self._seen[seen_key]
+        return None
+
+    def _allocate(self) -> int:
+        if self.used_pages() >= self.capacity:
+            if not self._evict_lru(1):
+                return -1
+        if not self._free:
+            return -1
+        return heapq.heappop(self._free)
+
+    def used_pages(self) -> int:
+        return self.config.num_pages - len(self._free)
+
+    def commit(self, reservation_id: int, digests: Sequence[bytes | None],
+               kind: DigestKind = DigestKind.XXH3, scrub_first: bool = False) -> CommitResult:
+        """`scrub_first`: the digests were taken on trust (not re-hashed by the daemon): each
+        committed page joins the scrub's fresh queue, ahead of the at-rest cycle."""
+        res = self._reservations.pop(reservation_id, None)
+        if res is None:
+            raise InvalidRequest(f"reservation {reservation_id} is not open (committed, aborted or expired)")
+        if len(digests) != len(res.pages):
+            self._reservations[reservation_id] = res
+            raise InvalidRequest(f"{len(digests)} digests for {len(res.pages)} reserved pages")
+        committed = 0
+        rejected: list[int] = []
+        index = self._index[res.tenant]
+        for i, (key, page, digest) in enumerate(zip(res.keys, res.pages, digests)):
+            del self._pending[(res.tenant, res.ns, key)]
+            if digest is None or len(digest) != DIGEST_BYTES:
+                rejected.append(i)
+                self._free_page(page)
+                self.counters["rejected_pages"] += 1
+                continue
+            self.digest[page] = np.frombuffer(digest, dtype=np.uint8)
+            self.kind[page] = kind.code
+            self.state[page] = PageState.COMMITTED
+            self._touch(page)
+            entry = index.get(key)
+            if entry is None:
+                index[key] = page
+            else:
+                index[key] = (entry if isinstance(entry, tuple) else (entry,)) + (page,)
+            if self._shm is not None:
+                self._shm.insert(key, self._fps[res.ns], page)
+            self._ghosts.pop((res.tenant, res.ns, key), None)
+            if scrub_first:
+                self._unscrubbed[page] = int(self.gen[page])  # a freed page's entry went with it
+            committed += 1
+        self.counters["commits"] += committed
+        return CommitResult(committed, tuple(rejected))
+
+    def committed_as(self, page: int, generation: int) -> DigestKind | None:
+        """The digest kind of `page` if it still holds the commit of `generation`."""
+        if self.state[page] != PageState.COMMITTED or int(self.gen[page]) != generation:
+            return None
+        return KINDS[int(self.kind[page])]
+
+    def discard(self, page: int, generation: int) -> bool | None:
+        """Drop a committed page whose bytes no longer match its digest (found at rest by the
+        scrub, or by the daemon's check of a loader's report). It leaves the index and the
+        segment's index at once (a later lookup of its block misses as `evicted`: a ghost,
+        as an eviction leaves; the pool no longer has it, a network tier may). An unleased
+        page is freed at once; a leased one is DROPPED, freed when its last lease is released
+        (a loader holding it re-checks its digest itself). True: dropped; None: the page no
+        longer holds that commit (evicted, dropped or reused since)."""
+        if self.committed_as(page, generation) is None:
+            return None
+        self._unindex(page)
+        self._unscrubbed.pop(page, None)
+        self.counters["discarded_corrupt"] += 1
+        if self._may_evict(page):
+            self._free_page(page)
+        else:
+            self.state[page] = PageState.DROPPED
+            self._unlink(page)  # never an eviction candidate again; _unpin frees it
+        return True
+
+    # -- the scrub's queue and cursor --------------------------------------------------
+    def scrub_fresh(self, n: int) -> list[tuple[int, int]]:
+        """Up to `n` of the oldest commits taken on trust and not yet scrubbed, as (page,
+        generation); they stay queued until scrubbed() or until their page is freed."""
+        return list(itertools.islice(self._unscrubbed.items(), max(0, n)))
+
+    def scrubbed(self, page: int, generation: int) -> None:
+        """The first scrub of that commit is over (whatever it found)."""
+        if self._unscrubbed.get(page) == generation:
+            del self._unscrubbed[page]
+
+    def scrub_queued(self) -> int:
+        """Entries of the fresh queue: at most num_pages, whatever the churn."""
+        return len(self._unscrubbed)
+
+    def scrub_cycle(self, n: int) -> list[tuple[int, int]]:
+        """The next `n` committed pages (page, generation) of the at-rest pass, a cursor over
+        the page ids that wraps around (counted in `scrub_cycles`): every committed page, of
+        every digest kind, is visited once per cycle of at most num_pages / n calls. O(1)
+        memory; one vectorised scan of the states per call. A page under a lease is passed
+        over: its loaders check it and report it (ReportCorrupt), so what a loader meets is
+        judged by the loader's report, not by when the cursor happens to pass."""
+        if n <= 0:
+            return []
+        total = self.config.num_pages
+        start = self._scrub_cursor
+        at_rest = (self.state == PageState.COMMITTED) & (self.leases_on == 0)
+        picked = np.flatnonzero(at_rest[start:])[:n] + start
+        if len(picked) < n:  # past the last page: the cycle is over, the next begins at page 0
+            self.counters["scrub_cycles"] += 1
+            more = np.flatnonzero(at_rest[:start])[: n - len(picked)]
+            picked = np.concatenate([picked, more])
+            self._scrub_cursor = int(more[-1]) + 1 if len(more) else 0
+        else:
+            self._scrub_cursor = int(picked[-1]) + 1
+        if self._scrub_cursor >= total:
+            self._scrub_cursor = 0
+            self.counters["scrub_cycles"] += 1
+        return [(int(p), int(self.gen[p])) for p in picked]
+
+    def abort(self, reservation_id: int) -> int:
+        res = self._reservations.pop(reservation_id, None)
+        if res is None:
+            raise InvalidRequest(f"reservation {reservation_id} is not open (committed, aborted or expired)")
+        return self._abort(res)
+
+    def _abort(self, res: _Reservation) -> int:
+        for key, page in zip(res.keys, res.pages):
+            del self._pending[(res.tenant, res.ns, key)]
+            self._free_page(page)
+        self.counters["aborted_pages"] += len(res.pages)
+        return len(res.pages)
+
+    def reservation_pages(self, reservation_id: int) -> list[int]:
+        res = self._reservations.get(reservation_id)
+        if res is None:
+            raise InvalidRequest(f"reservation {reservation_id} is not open (committed, aborted or expired)")
+        return list(res.pages)
+
+    # -- freeing and eviction ----------------------------------------------------------
+    def _free_page(self, page: int) -> None:
+        self._unscrubbed.pop(page, None)
+        self.state[page] = PageState.FREE
+        self.length[page] = 0
+        self.ns_of[page] = -1
+        self.tenant_of[page] = -1
+        self.key_of[page] = None
+        self.digest[page] = 0
+        self.kind[page] = 0
+        self.gen[page] += np.uint64(1)
+        self._unlink(page)
+        heapq.heappush(self._free, page)
+
+    def _unindex(self, page: int) -> None:
+        tid = int(self.tenant_of[page])
+        key = self.key_of[page]
+        assert key is not None
+        if self._shm is not None:  # out of the index before anything else changes
+            self._shm.remove(key, self._fps[int(self.ns_of[page])], page)
+        index = self._index[tid]
+        entry = index[key]
+        if isinstance(entry, tuple):
+            rest = tuple(p for p in entry if p != page)
+            index[key] = rest[0] if len(rest) == 1 else rest
+        else:
+            del index[key]
+        ghost = (tid, int(self.ns_of[page]), key)
+        self._ghosts[ghost] = None
+        self._ghosts.move_to_end(ghost)
+        while len(self._ghosts) > self._ghost_capacity:
+            self._ghosts.popitem(last=False)
+
+    def _evict_page(self, page: int) -> None:
+        self._unindex(page)
+        self._free_page(page)
+        self.counters["evictions"] += 1
+
+    def _touch(self, page: int) -> None:
+        """A committed page was used (committed, found on offer, leased): it becomes the most
+        recently used."""
+        page = int(page)
+        self.tick[page] = next(self._clock)
+        self._unlink(page)
+        prev, self._prev[page], self._next[page] = self._tail, self._tail, -1
+        if prev >= 0:
+            self._next[prev] = page
+        else:
+            self._head = page
+        self._tail = page
+        self._linked[page] = True
+
+    def _unlink(self, page: int) -> None:
+        if not self._linked[page]:
+            return
+        prev, nxt = int(self._prev[page]), int(self._next[page])
+        if prev >= 0:
+            self._next[prev] = nxt
+        else:
+            self._head = nxt
+        if nxt >= 0:
+            self._prev[nxt] = prev
+        else:
+            self._tail = prev
+        self._linked[page] = False
+
+    def _may_evict(self, page: int) -> bool:
+        """A committed page may be evicted unless a loader holds it."""
+        return self.leases_on[page] == 0
+
+    def _evict_lru(self, n: int) -> int:
+        """Evict the `n` least recently used unleased committed pages; returns how many."""
+        evicted, page = 0, self._head
+        while evicted < n and page >= 0:
+            nxt = int(self._next[page])
+            if self._may_evict(page):  # a leased page stays where it is, in its turn
+                self._evict_page(page)
+                evicted += 1
+            page = nxt
+        return evicted
+
+    def evict(self, tenant: str, ns: Namespace, hashes: Sequence[bytes]) -> list[EvictOutcome]:
+        tid = self._tenant_id(tenant, create=False)
+        nid = self._ns_ids.get(ns, -2)
+        out: list[EvictOutcome] = []
+        for key in hashes:
+            page = next((p for p in self._pages_for(tid, key) if self.ns_of[p] == nid), None)
+            if page is None:
+                out.append(EvictOutcome.NOT_FOUND)
+            elif not self._may_evict(page):
+                out.append(EvictOutcome.LEASED)
+            else:
+                self._evict_page(page)
+                out.append(EvictOutcome.EVICTED)
+        return out
+
+    def set_limits(self, limits: LoadLimits) -> LoadLimits:
+        """New load limits for the leases to come (leases held now are kept). Returns the old."""
+        if limits.per_client < 0 or limits.total < 0:
+            raise InvalidRequest(f"load limits must be 0 (none) or positive, got {limits}")
+        old = self.config.limits
+        self.config = dataclasses.replace(self.config, limits=limits)
+        return old
+
+    def set_capacity(self, pages: int) -> int:
+        """Squeeze (or restore) the usable pages; evicts LRU down to it. Returns evictions."""
+        if not 0 <= pages <= self.config.num_pages:
+            raise InvalidRequest(f"capacity {pages} outside 0..{self.config.num_pages}")
+        self.capacity = pages
+        over = self.used_pages() - pages
+        return self._evict_lru(over) if over > 0 else 0
+
+    # -- clients and time --------------------------------------------------------------
+    def drop_client(self, client: int) -> tuple[int, int]:
+        """A client went away: abort its publishes, release its leases."""
+        res_ids = [r for r, res in self._reservations.items() if res.client == client]
+        for rid in res_ids:
+            self._abort(self._reservations.pop(rid))
+        lease_ids = [lid for lid, lease in self._leases.items() if lease.client == client]
+        for lid in lease_ids:
+            self._unpin(self._leases.pop(lid))
+        return len(res_ids), len(lease_ids)
+
+    def reap(self, now: float) -> tuple[int, int]:
+        """Expire reservations and leases whose deadline has passed."""
+        res_ids = [r for r, res in self._reservations.items() if res.deadline <= now]
+        for rid in res_ids:
+            self._abort(self._reservations.pop(rid))
+        lease_ids = [lid for lid, lease in self._leases.items() if lease.deadline <= now]
+        for lid in lease_ids:
+            self._unpin(self._leases.pop(lid))
+        self.counters["expired_reservations"] += len(res_ids)
+        self.counters["expired_leases"] += len(lease_ids)
+        return len(res_ids), len(lease_ids)
+
+    # -- accounting --------------------------------------------------------------------
+    def tenant_stats(self, tenant: str) -> dict[str, int]:
+        """One tenant's own pages, by state (nothing of the pool's or other tenants')."""
+        tid = self._tenants.get(tenant, -2)
+        mine = self.tenant_of == tid
+        return {"tenant_committed_pages": int(np.count_nonzero(mine & (self.state == PageState.COMMITTED))),
+                "tenant_reserved_pages": int(np.count_nonzero(mine & (self.state == PageState.RESERVED))),
+                "tenant_leased_pages": int(np.count_nonzero(mine & (self.leases_on > 0)))}
+
+    def stats(self) -> dict[str, int]:
+        committed = int(np.count_nonzero(self.state == PageState.COMMITTED))
+        reserved = int(np.count_nonzero(self.state == PageState.RESERVED))
+        leased_pages = int(np.count_nonzero(self.leases_on))
+        return {
+            "num_pages": self.config.num_pages,
+            "page_size": self.config.page_size,
+            "capacity_pages": self.capacity,
+            "free_pages": len(self._free),
+            "committed_pages": committed,
+            "reserved_pages": reserved,
+            "leased_pages": leased_pages,
+            "leased_bytes": int(self.length[self.leases_on > 0].sum()),
+            "effective_capacity_pages": max(0, self.capacity - reserved - leased_pages),
+            "open_reservations": len(self._reservations),
+            "open_leases": len(self._leases),
+            "ghosts": len(self._ghosts),
+            "dropped_pages": int(np.count_nonzero(self.state == PageState.DROPPED)),
+            "entries": sum(len(ix) for ix in self._index),
+            **self.counters,
+            **{f"miss_{c.value}": n for c, n in self.miss_counters.items()},
+        }
