@@ -1,4 +1,4 @@
-"""Negative controls for the network tier (kvpool.tier.record): known-bad readers the suites must
+"""Negative controls for the network tier (kvpool.tier): known-bad readers the suites must
 catch, as kvgate.faults.transport_controls holds the known-bad loaders of the host pool; and what
 a client of the store who lacks the tenant's tier secret can do to records.
 

@@ -22,7 +22,7 @@ tensors and pool pages, asynchronously, in an order the engine can rely on.
                      whether a load is over: its blocks installed or in .failed (the
                      connector reports an asynchronous load finished only then).
   .tier_load(tier, ns, run, deadline_s) / .tier_store(tier, ns, run, keep) -> Future
-                     the same, from and to the network tier (kvpool.tier.record), on the same
+                     the same, from and to the network tier (kvpool.tier), on the same
                      lanes; records `tier_load` / `tier_publish`.
   .drop_unstarted(futures) -> list[Future]
                      cancel those of `futures` whose copy has not started (a preempted
@@ -70,7 +70,7 @@ class CopyRun:
     first_block: int  # index of block_ids[0] within the request's prompt
     block_ids: Sequence[int]
     hashes: Sequence[bytes]
-    source: str = "pool"  # where a load reads: "pool" (this host's) or "tier" (kvpool.tier.record)
+    source: str = "pool"  # where a load reads: "pool" (this host's) or "tier" (kvpool.tier)
 
 
 def note_load(copier: Any, event: str, run: CopyRun, loaded: int, miss: Any, error: str = "",

@@ -71,7 +71,7 @@ class ConnectorSettings:
     # heartbeat is at most probe_fresh_s old. A run it holds in part, or a stale heartbeat,
     # goes to the daemon's lookup, which also says why the run stops. 0: always ask.
     probe_fresh_s: float = 0.1
-    # The network tier (kvpool.tier.record), for blocks this host's pool lacks: a URL
+    # The network tier (kvpool.tier), for blocks this host's pool lacks: a URL
     # ("redis://HOST:PORT/DB"); empty: none. Lookups past the pool's run of hits ask the
     # tier which blocks it holds; loads read them from it; publishes also put to it.
     tier: str = ""

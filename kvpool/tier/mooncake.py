@@ -1,4 +1,4 @@
-"""The network tier on Mooncake Store: kvpool.tier.record's interface over Mooncake's Python client
+"""The network tier on Mooncake Store: kvpool.tier.interface's Tier over Mooncake's Python client
 (`mooncake.store.MooncakeDistributedStore`, package mooncake-transfer-engine-non-cuda or
 mooncake-transfer-engine), over TCP or RDMA.
 

@@ -1,4 +1,4 @@
-"""The network tier on Redis (or Valkey, a drop-in): kvpool.tier.record's interface over redis-py.
+"""The network tier on Redis (or Valkey, a drop-in): kvpool.tier.interface's Tier over redis-py.
 
   RedisTier(url, auth, timeout_s=1.0, ttl_s=None)
         url: "redis://[USER:PASSWORD@]HOST:PORT/DB" or "unix:///path/redis.sock"; the

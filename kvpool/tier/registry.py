@@ -14,7 +14,7 @@
                         (kvpool.tier.record.TierAuth; anything else is a TypeError); a URL of no
                         known scheme is a ValueError naming the URL without its password.
 
-Dependencies run one way: this module imports the interface (kvpool.tier.record) and the
+Dependencies run one way: this module imports the interface (kvpool.tier.interface) and the
 backends; the backends import the interface; neither imports this module.
 """
 

@@ -1,4 +1,4 @@
-"""The network tier (kvpool.tier.record) on a real Redis server the test starts: pages cross it
+"""The network tier (kvpool.tier) on a real Redis server the test starts: pages cross it
 byte-exact with their namespace, block and digest in an authenticated header, and whatever
 comes back stale, foreign or damaged is a typed miss, never installed. (What a hostile
 client of the store tries: suites/pool/test_tier_hostile.py.) Faults are at the data and the node:

@@ -47,7 +47,6 @@ import numpy as np
 from kvgate.harness.checkers.verdict import Checks, Verdict
 from kvgate.harness.workload.prompts import Corpus
 from kvpool.client.transfer import publish
-from kvpool.connector.settings import ConnectorSettings, namespace_for
 from kvpool.pool.keys import Namespace, block_hashes
 
 # (name, shape) of the weight file's float32 tensors: 72 MiB in all, past the 64 MiB the
@@ -112,6 +111,9 @@ def _vllm_config(path: Path) -> SimpleNamespace:
 
 
 def checkpoint_namespace(path: Path, identity: Callable[[str], str] | None = None) -> Namespace:
+    # The connector's settings import vLLM: imported here, the catalog lists without it.
+    from kvpool.connector.settings import ConnectorSettings, namespace_for
+
     settings = ConnectorSettings(pool="unix:/nonexistent", model_id="hostile-checkpoint")
     if identity is not None:
         settings = dataclasses.replace(settings, model_revision=identity(str(path)))
