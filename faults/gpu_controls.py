@@ -6,7 +6,7 @@ engine's hooks (`_order`, `_await_copy`, `_verified`, `_arrived_digests`, `_rele
 `_register_host`); the engine has no testing branch of its own.
 
   UnorderedTransferEngine(..., drop=edge)
-      skips one stream dependency (kvpool.gpu.transfer.OrderingEdge): the copy that lost
+      skips one stream dependency (kvpool.gpu.config.OrderingEdge): the copy that lost
       its dependency on the engine's current stream (seed 003). Counts what it skipped.
   EagerReleaseEngine
       releases a load's lease as soon as the copies are enqueued, before they ran: the
@@ -40,7 +40,8 @@ from __future__ import annotations
 import torch
 
 from kvpool.pool.digest import page_digest
-from kvpool.gpu.transfer import HostRegistrationError, OrderingEdge, TransferEngine
+from kvpool.gpu.config import HostRegistrationError, OrderingEdge
+from kvpool.gpu.transfer import TransferEngine
 
 
 class UnorderedTransferEngine(TransferEngine):

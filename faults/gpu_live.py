@@ -16,7 +16,7 @@ the replica's fault-control file (kvgate.faults.control), section "gpu":
                          stream reads the blocks before they are written (stale KV).
   ControlledCudaCopier   kvpool.connector.gpu_copier.CudaCopier whose transfer engine
                          (SwitchableTransferEngine) drops one stream dependency
-                         (kvpool.gpu.transfer.OrderingEdge) while the control is armed:
+                         (kvpool.gpu.config.OrderingEdge) while the control is armed:
                          the seed-003 bug, switched on and off at run time without a
                          restart.
 Every delay and every dropped edge is written to the history (`fault` events, sites
@@ -37,7 +37,8 @@ from kvgate.faults.gpu_controls import cycles_per_ms, delay_stream
 from kvpool.client.backend import PoolBackend
 from kvpool.connector.copier import CopyRun
 from kvpool.connector.gpu_copier import CudaCopier
-from kvpool.gpu.transfer import OrderingEdge, TransferConfig, TransferEngine
+from kvpool.gpu.config import OrderingEdge, TransferConfig
+from kvpool.gpu.transfer import TransferEngine
 from kvpool.connector.history import HistoryWriter
 from kvpool.pool.keys import Namespace
 from kvpool.pool.metrics import ClientMetrics

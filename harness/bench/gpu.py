@@ -46,7 +46,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import multiprocessing as mp
-import os
 import queue as queue_mod
 import secrets
 import statistics
@@ -193,7 +192,8 @@ def run_bench(quick: bool = False, paths: tuple[str, ...] = ("torch", "driver", 
               chunk_mib: int = 128, commit_mib: int = 32, seed: int = 0) -> int:
     import torch
 
-    from kvpool.gpu.transfer import CopyPath, TransferConfig, TransferEngine
+    from kvpool.gpu.config import CopyPath, TransferConfig
+    from kvpool.gpu.transfer import TransferEngine
 
     if not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA GPU on this machine: kvgate bench gpu needs one"}))
@@ -449,7 +449,8 @@ def _concurrent_body(rank: int, gpus: int, unix: str, token: str, sizes: tuple[i
     import torch
 
     from kvpool.client.pool_client import PoolClient
-    from kvpool.gpu.transfer import CopyPath, TransferConfig, TransferEngine
+    from kvpool.gpu.config import CopyPath, TransferConfig
+    from kvpool.gpu.transfer import TransferEngine
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)

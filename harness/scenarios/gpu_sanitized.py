@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvgate.faults.gpu_controls import UnorderedTransferEngine
     from kvgate.harness.system.pool import DEFAULT_TENANT, thread_pool
     from kvpool.client.pool_client import PoolClient
-    from kvpool.gpu.transfer import CopyPath, TransferEngine
+    from kvpool.gpu.config import CopyPath
+    from kvpool.gpu.transfer import TransferEngine
     from kvgate.harness.scenarios.gpu_transfer import GEOMETRIES, POOL_PAGE, Scenario, namespace, run_scenario
 
     daemon = thread_pool(page_size=POOL_PAGE, num_pages=128, token="csan")

@@ -31,7 +31,8 @@ from kvgate.faults.gpu_controls import UnorderedTransferEngine, delay_stream
 from kvpool.client.pool_client import PoolClient
 from kvpool.client.transfer import publish
 from kvpool.pool.digest import DigestKind
-from kvpool.gpu.transfer import CopyPath, OrderingEdge, TransferConfig, TransferEngine
+from kvpool.gpu.config import CopyPath, OrderingEdge, TransferConfig
+from kvpool.gpu.transfer import TransferEngine
 from kvpool.pool.keys import Namespace, block_hashes
 from kvgate.harness.checkers.verdict import Verdict
 

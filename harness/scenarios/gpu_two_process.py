@@ -39,7 +39,8 @@ def producer(address: str, token: str, seed: int, tag: str, drop: str | None, de
 
     from kvgate.faults.gpu_controls import UnorderedTransferEngine, delay_stream
     from kvpool.client.pool_client import PoolClient
-    from kvpool.gpu.transfer import CopyPath, TransferEngine
+    from kvpool.gpu.config import CopyPath
+    from kvpool.gpu.transfer import TransferEngine
     from kvpool.pool.keys import block_hashes
     from kvgate.harness.scenarios.gpu_transfer import fill, make_kv, write_blocks
 
@@ -78,7 +79,8 @@ def consumer(address: str, token: str, seed: int, tag: str, out_dir: str) -> Non
     import torch
 
     from kvpool.client.pool_client import PoolClient
-    from kvpool.gpu.transfer import CopyPath, TransferEngine
+    from kvpool.gpu.config import CopyPath
+    from kvpool.gpu.transfer import TransferEngine
     from kvgate.harness.scenarios.gpu_transfer import make_kv, read_pages
 
     geom, pages, _, dst_blocks, hashes = _plan(seed)

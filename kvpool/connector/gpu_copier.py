@@ -62,15 +62,10 @@ from kvpool.errors import (
     Unauthenticated,
     WrongVersion,
 )
-from kvpool.gpu.transfer import (
-    KVLayoutError,
-    LoadHandle,
-    LoadOutcome,
-    StoreOutcome,
-    TransferConfig,
-    TransferEngine,
-    TransferError,
-)
+from kvpool.gpu.config import KVLayoutError, TransferConfig, TransferError
+from kvpool.gpu.load import LoadHandle, LoadOutcome
+from kvpool.gpu.store import StoreOutcome
+from kvpool.gpu.transfer import TransferEngine
 from kvpool.connector.history import HistoryWriter
 from kvpool.pool.keys import Namespace
 from kvpool.pool.metrics import ClientMetrics

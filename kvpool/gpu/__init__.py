@@ -1,6 +1,18 @@
 """The GPU engine: CUDA stream-ordered copies between an engine's KV tensors and the
-registered arena, and the GPU's page digest (sketch).
+registered arena, and the GPU's page digest (sketch). Its modules, each importing only
+those below it:
 
-  transfer  the transfer engine (staging, stores, loads, the driver path).
+  transfer  TransferEngine: setup, the segment it follows, CUDA graphs, the hooks the
+            negative controls replace, completion (poll, drain, close); the engine's
+            contract is its docstring.
+  store     Stores (TransferEngine's stores: units, chunks, sketches, commits),
+            StoreHandle, StoreOutcome.
+  load      Loads (TransferEngine's loads: staged copies, the check of what arrived, the
+            install), LoadHandle, LoadOutcome, check_plan, arrived_digests.
+  driver    the driver path's calls: raw-pointer copies through cuda-python (Driver).
+  staging   host memory: the arena's registration, pinned sketch buffers, index rings.
+  events    the host's waits for CUDA events.
+  layout    the KV layout and the page order (KVLayout, block_page), the widest views.
+  config    TransferConfig, TransferCapabilities, the enums, the engine's errors.
   sketch    the digest a GPU takes of a page, the same function on the host.
 """

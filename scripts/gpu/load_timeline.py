@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from kvgate.harness.bench.gpu import BLOCK_TOKENS, HEAD_SIZE, KV_HEADS, LAYERS, NS, PAGE, _Pool
-from kvpool.gpu.transfer import CopyPath, TransferConfig, TransferEngine
+from kvpool.gpu.config import CopyPath, TransferConfig
+from kvpool.gpu.transfer import TransferEngine
 from kvpool.pool.keys import block_hashes
 
 

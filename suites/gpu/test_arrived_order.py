@@ -17,7 +17,8 @@ from kvgate.faults.gpu_controls import UnorderedTransferEngine, delay_stream  # 
 from kvpool.client.transfer import publish  # noqa: E402
 from kvpool.pool.digest import DigestKind  # noqa: E402
 from kvpool.errors import MissCause  # noqa: E402
-from kvpool.gpu.transfer import CopyPath, OrderingEdge, TransferEngine  # noqa: E402
+from kvpool.gpu.config import CopyPath, OrderingEdge  # noqa: E402
+from kvpool.gpu.transfer import TransferEngine  # noqa: E402
 from kvpool.pool.keys import block_hashes  # noqa: E402
 from kvgate.harness.scenarios.gpu_transfer import GEOMETRIES, fill, make_kv, namespace, read_pages  # noqa: E402
 

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 from kvgate.faults.gpu_controls import delay_stream  # noqa: E402
 from kvpool.connector.copier import CopyRun  # noqa: E402
 from kvpool.connector.gpu_copier import CudaCopier  # noqa: E402
-from kvpool.gpu.transfer import CopyPath  # noqa: E402
+from kvpool.gpu.config import CopyPath  # noqa: E402
 from kvpool.connector.history import HistoryWriter  # noqa: E402
 from kvpool.pool.keys import block_hashes  # noqa: E402
 from kvgate.harness.scenarios.gpu_transfer import GEOMETRIES, fill, make_kv, namespace, read_pages, write_pages  # noqa: E402

@@ -14,7 +14,7 @@ from kvgate.harness.scenarios.gpu_transfer import GEOMETRIES, make_kv, namespace
 from kvpool.client.transfer import publish  # noqa: E402
 from kvpool.connector.copier import CopyRun  # noqa: E402
 from kvpool.connector.gpu_copier import CudaCopier  # noqa: E402
-from kvpool.gpu.transfer import CopyPath  # noqa: E402
+from kvpool.gpu.config import CopyPath  # noqa: E402
 from kvpool.connector.history import HistoryWriter  # noqa: E402
 from kvpool.pool.keys import block_hashes  # noqa: E402
 

@@ -25,15 +25,11 @@ from kvpool.pool.catalog import EvictOutcome  # noqa: E402
 from kvpool.pool.digest import DigestKind  # noqa: E402
 from kvpool.client.transfer import publish  # noqa: E402
 from kvpool.errors import InvalidRequest, MissCause  # noqa: E402
-from kvpool.gpu.transfer import (  # noqa: E402
-    CopyPath,
-    HostMemory,
-    KVLayoutError,
-    LoadOutcome,
-    StoreOutcome,
-    TransferEngine,
-    block_page,
-)
+from kvpool.gpu.config import CopyPath, HostMemory, KVLayoutError  # noqa: E402
+from kvpool.gpu.layout import block_page  # noqa: E402
+from kvpool.gpu.load import LoadOutcome  # noqa: E402
+from kvpool.gpu.store import StoreOutcome  # noqa: E402
+from kvpool.gpu.transfer import TransferEngine  # noqa: E402
 from kvpool.pool.keys import block_hashes  # noqa: E402
 from kvgate.harness.scenarios.gpu_transfer import (  # noqa: E402
     GEOMETRIES,

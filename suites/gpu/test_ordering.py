@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvpool.gpu.transfer import CopyPath  # noqa: E402
+from kvpool.gpu.config import CopyPath  # noqa: E402
 from kvgate.harness.scenarios.gpu_transfer import GEOMETRIES, Scenario, check_with_control, engine_factory, namespace  # noqa: E402
 
 pytestmark = [

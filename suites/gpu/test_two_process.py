@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvpool.gpu.transfer import OrderingEdge  # noqa: E402
+from kvpool.gpu.config import OrderingEdge  # noqa: E402
 from kvgate.harness.scenarios import gpu_two_process as procs  # noqa: E402
 
 pytestmark = [

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("torch")
 from kvpool.pool.digest import DigestKind, page_digest, page_sketch  # noqa: E402
 from kvpool.errors import InvalidRequest  # noqa: E402
-from kvpool.gpu.transfer import arrived_digests, check_plan  # noqa: E402
+from kvpool.gpu.load import arrived_digests, check_plan  # noqa: E402
 
 X, S = DigestKind.XXH3, DigestKind.SKETCH
 PB = 40_000  # not a whole number of sketch rows: the last row is zero-padded

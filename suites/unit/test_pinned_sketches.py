@@ -5,11 +5,11 @@ pool keeps at most KEEP buffers."""
 import pytest
 
 torch = pytest.importorskip("torch")
-from kvpool.gpu.transfer import _PinnedSketches  # noqa: E402
+from kvpool.gpu.staging import PinnedSketches  # noqa: E402
 
 
 def test_buffers_are_reused_smallest_fit_first_and_bounded():
-    pool = _PinnedSketches(rows=4, least=8, pin=False)
+    pool = PinnedSketches(rows=4, least=8, pin=False)
     small, big = pool.take(3), pool.take(100)
     assert small.shape == (8, 4, 16) and big.shape == (128, 4, 16)  # at least `least`, powers of two
     pool.give(big)
@@ -20,4 +20,4 @@ def test_buffers_are_reused_smallest_fit_first_and_bounded():
     for n in range(1, 8):
         pool.give(pool.take(8 * 2**n))
         pool.give(torch.empty((8 * n, 4, 16), dtype=torch.int32))
-    assert len(pool._free) == _PinnedSketches.KEEP
+    assert len(pool._free) == PinnedSketches.KEEP

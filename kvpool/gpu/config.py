@@ -1,0 +1,105 @@
+"""What the GPU transfer engine (kvpool.gpu.transfer) is told, what it reports, how it fails.
+
+  TransferError, KVLayoutError, HostRegistrationError   its errors (kvpool.errors.PoolError
+        subclasses): a CUDA call failed or the engine cannot work as configured; the KV
+        tensors do not fit the declared layout; cudaHostRegister refused the arena.
+  CopyPath       torch | driver: how the bytes move (kvpool.gpu.transfer says how each works).
+  HostMemory     registered | pageable: the arena as the copies see it.
+  OrderingEdge   the stream dependencies that make a transfer correct (the hook
+                 TransferEngine._order takes one of these).
+  TransferConfig         the engine's settings (copy path, block dim, chunk and commit
+                         sizes, digest kind of stores, load buffers, CUDA graphs).
+  TransferCapabilities   what the engine could set up on this host, and why not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from kvpool.errors import InvalidRequest, PoolError
+from kvpool.pool.digest import DigestKind
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+class TransferError(PoolError):
+    """A CUDA call of the transfer engine failed, or the engine cannot work as configured."""
+
+
+class KVLayoutError(TransferError):
+    """The KV tensors do not fit the declared layout (block dim, device, namespace)."""
+
+
+class HostRegistrationError(TransferError):
+    """cudaHostRegister refused the arena; the engine falls back to pageable copies."""
+
+
+# -- configuration and reports ----------------------------------------------------------------
+
+
+class CopyPath(enum.StrEnum):
+    TORCH = "torch"
+    DRIVER = "driver"
+
+
+class HostMemory(enum.StrEnum):
+    REGISTERED = "registered"  # cudaHostRegister'ed arena: asynchronous DMA at link speed
+    PAGEABLE = "pageable"  # the fallback: same ordering, slower, the host waits for copies
+
+
+class OrderingEdge(enum.StrEnum):
+    """The stream dependencies that make a transfer correct."""
+
+    STORE_AFTER_WRITE = "store_after_write"  # store copies read the KV after the engine wrote it
+    REUSE_AFTER_STORE = "reuse_after_store"  # the engine rewrites a block after the store read it
+    LOAD_AFTER_READ = "load_after_read"  # a load overwrites blocks after the engine's earlier reads
+    READ_AFTER_LOAD = "read_after_load"  # the engine reads loaded blocks after the load wrote them
+    CHECK_AFTER_COPY = "check_after_copy"  # a load's check reads the staged rows after its copy wrote them
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferConfig:
+    path: CopyPath = CopyPath.TORCH
+    block_dim: int = 0
+    chunk_bytes: int = 128 * 2**20  # bytes per staged copy chunk (GPU staging: 3 chunks)
+    commit_bytes: int = 32 * 2**20  # bytes per reservation/commit unit (when commit_blocks is 0; a
+    # kv-sketch-1 store, with nothing for the pool to re-verify, commits a copy chunk at a time)
+    commit_blocks: int = 0  # blocks per commit unit; 0: from commit_bytes
+    min_blocks: int = 1  # the pool's admission min_blocks (no admitted unit is shorter)
+    hash_threads: int = 8
+    register_host: bool = True  # False: pageable copies (the fallback, chosen explicitly)
+    batched: bool = True  # driver path: cuMemcpyBatchAsync where the driver has it
+    # How stores digest their pages: kv-sketch-1 on the GPU (the host reads 1/256 of the
+    # bytes, the daemon trusts the commit and scrubs at rest), or xxh3-128 on the host over
+    # the pages as copied (and the daemon's re-verify). Loads verify each page by its own kind.
+    digest: DigestKind = DigestKind.SKETCH
+    load_buffers: int = 3  # staging buffers of a sketch-verified load (copies run ahead of the checks)
+    # CUDA graphs of a whole chunk's gather and scatter (one launch instead of one kernel per
+    # layer: the host's launches, not the GPU, bound the copy rate otherwise); torch path,
+    # blocks-first layouts. torch's stream sanitizer does not see inside graphs: its runs
+    # turn them off.
+    graphs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes <= 0 or self.commit_bytes <= 0 or self.hash_threads <= 0:
+            raise InvalidRequest("chunk_bytes, commit_bytes and hash_threads must be positive")
+        if self.commit_blocks < 0 or self.min_blocks < 1:
+            raise InvalidRequest("commit_blocks must be >= 0 and min_blocks >= 1")
+        if self.load_buffers < 2:
+            raise InvalidRequest("load_buffers must be at least 2")
+        object.__setattr__(self, "digest", DigestKind(self.digest))
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferCapabilities:
+    path: CopyPath
+    device: str
+    host_memory: HostMemory
+    host_memory_reason: str  # why pageable (empty when registered)
+    batched_copies: bool  # driver path: cuMemcpyBatchAsync in use
+    batched_reason: str  # why not batched (empty when batched, or on the torch path)
+    digest: str = DigestKind.XXH3.value  # how stores digest their pages
+    sketch_impl: str = ""  # kv-sketch-1 on the GPU (stores, and loads' checks): "int8-mm" or "float64-mm"
+    sketch_reason: str = ""  # why not int8-mm
+    graphs: str = ""  # the CUDA graphs in use ("gather,scatter"), or why none

@@ -1,0 +1,63 @@
+"""The host's waits for CUDA work in the GPU transfer engine: the events a worker thread
+sleeps on instead of spinning.
+
+  host_event()   a blocking-sync CUDA event, marked so that await_event sleeps on it.
+  await_event(event, poll_s)   block the calling thread until `event` completed: through
+        cudaEventSynchronize of the loaded CUDA runtime, called with ctypes (the GIL is
+        released, and the wait is not one of torch's, which its stream sanitizer would take
+        for an ordering), for a host event; else by polling every `poll_s`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import time
+from typing import Any
+
+import torch
+
+from kvpool.gpu.config import TransferError
+
+_EVENT_POLL_S = 100e-6  # background workers poll CUDA events (a blocking sync would spin a core)
+
+
+def host_event() -> torch.cuda.Event:
+    """An event a host thread waits for: blocking-sync, so the waiting thread sleeps in the
+    driver (no spinning, no GIL held) instead of polling."""
+    event = torch.cuda.Event(blocking=True)
+    event.kvpool_blocking = True
+    return event
+
+
+@functools.cache
+def _event_sync() -> Any:  # noqa: ANN401 - a ctypes function, or None
+    """cudaEventSynchronize of the CUDA runtime this process loaded (found in its maps),
+    called through ctypes: the GIL is released while it waits, and the wait is not one of
+    torch's (a background thread's wait is no ordering for the thread that enqueues, and
+    torch's stream sanitizer must not take it for one). None: not found (the caller polls)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "libcudart.so" in line})
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            fn = ctypes.CDLL(path).cudaEventSynchronize
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes = [ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        return fn
+    return None
+
+
+def await_event(event: torch.cuda.Event, poll_s: float = _EVENT_POLL_S) -> None:
+    sync = _event_sync() if getattr(event, "kvpool_blocking", False) else None
+    if sync is not None:
+        err = sync(event.cuda_event)
+        if err != 0:
+            raise TransferError(f"cudaEventSynchronize failed: error {err}")
+        return
+    while not event.query():
+        time.sleep(poll_s)
