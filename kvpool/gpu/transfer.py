@@ -129,7 +129,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpool.pool.catalog import AcquireResult, Miss, ReserveResult, SlotStatus
+from kvpool.pool.records import AcquireResult, Miss, ReserveResult, SlotStatus
 from kvpool.client.backend import PoolBackend
 from kvpool.client.transfer import report_corrupt
 from kvpool.pool.digest import DIGEST_BYTES, SKETCH_COLS, SKETCH_ROW, DigestKind, page_digest, sketch_rows
