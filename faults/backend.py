@@ -85,7 +85,7 @@ import numpy as np
 from kvgate.faults.control import ControlFile, ControlFileError
 from kvgate.faults.hook_controls import unguarded_probe
 from kvgate.faults.schedule import fires
-from kvpool.pool.catalog import AcquireResult
+from kvpool.pool.records import AcquireResult
 from kvpool.client.backend import PoolBackend
 from kvpool.errors import TransportError
 from kvpool.connector.history import HistoryWriter

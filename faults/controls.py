@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from kvpool.pool.catalog import Catalog, Hits
+from kvpool.pool.catalog import Catalog
+from kvpool.pool.records import Hits
 
 
 class ForgetfulCatalog(Catalog):

@@ -22,7 +22,8 @@ from __future__ import annotations
 import collections
 
 from kvpool.pool import protocol as P
-from kvpool.pool.catalog import Catalog, CorruptOutcome
+from kvpool.pool.catalog import Catalog
+from kvpool.pool.records import CorruptOutcome
 from kvpool.pool.daemon import PoolDaemon
 
 

@@ -1,5 +1,5 @@
-"""Negative control of the daemon's per-frame bounds (kvpool.pool.daemon, kvpool.pool.protocol): the
-pool's frame handling before it was bounded. Never the production daemon.
+"""Negative control of the daemon's per-frame bounds (kvpool.pool.connection, kvpool.pool.handlers,
+kvpool.pool.protocol): the pool's frame handling before it was bounded. Never the production daemon.
 
   UnboundedFramesDaemon   a PoolDaemon that decodes requests without the protocol's static
                           bounds (any number of hashes, indexes, slots, digests; any length),
@@ -27,7 +27,8 @@ from kvpool.pool.cli import config_from_args, serve_parser
 from kvpool.pool.digest import DigestKind
 from kvpool.errors import InvalidRequest, MalformedFrame, PoolError
 from kvpool.pool.keys import Namespace
-from kvpool.pool.daemon import InsecureRunDir, PoolAlreadyRunning, PoolConfig, PoolDaemon
+from kvpool.pool.config import PoolConfig
+from kvpool.pool.daemon import InsecureRunDir, PoolAlreadyRunning, PoolDaemon
 
 _BY_TAG: dict[str, type] = {cls.__struct_config__.tag: cls for cls in P.Request.__args__}
 

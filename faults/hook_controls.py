@@ -25,7 +25,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from kvpool.pool.catalog import Catalog, Hits
+from kvpool.pool.catalog import Catalog
+from kvpool.pool.records import Hits
 from kvpool.client.pool_client import PROBE_ORDERED, PoolClient
 from kvpool.pool.keys import Namespace
 from kvpool.pool.index import ShmIndex, ns_fingerprint

@@ -60,7 +60,8 @@ import numpy as np
 from kvgate.harness.system.pool import DEFAULT_TENANT, unique_name
 from kvpool.pool.arena import memory_available
 from kvpool.pool.keys import Namespace, block_hashes
-from kvpool.pool.daemon import PoolConfig, main_serve, read_address
+from kvpool.pool.config import PoolConfig
+from kvpool.pool.daemon import main_serve, read_address
 
 LAYERS, KV_HEADS, HEAD_SIZE, BLOCK_TOKENS, DTYPE_BYTES = 64, 8, 128, 16, 2
 KV_BYTES_PER_TOKEN = 2 * LAYERS * KV_HEADS * HEAD_SIZE * DTYPE_BYTES  # K and V: 262144 = 256 KiB

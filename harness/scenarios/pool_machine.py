@@ -31,12 +31,14 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
 
-from kvpool.pool.catalog import Catalog, EvictOutcome, LoadLimits, SlotStatus
+from kvpool.pool.catalog import Catalog, LoadLimits
+from kvpool.pool.records import EvictOutcome, SlotStatus
 from kvpool.client.pool_client import PoolClient
 from kvpool.client.transfer import load, publish
 from kvpool.errors import MissCause, TransportError
 from kvpool.pool.keys import Namespace, block_hashes
-from kvpool.pool.daemon import PoolConfig, PoolDaemon
+from kvpool.pool.config import PoolConfig
+from kvpool.pool.daemon import PoolDaemon
 
 PAGE = 256
 NUM_PAGES = 6

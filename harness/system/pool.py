@@ -24,7 +24,8 @@ from pathlib import Path
 
 from kvgate.harness.system.procs import StartError, spawn, terminate, wait_ready
 from kvpool.client.pool_client import PoolClient
-from kvpool.pool.daemon import PoolConfig, PoolDaemon, read_address
+from kvpool.pool.config import PoolConfig
+from kvpool.pool.daemon import PoolDaemon, read_address
 
 _counter = itertools.count()
 

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import numpy as np
 
-from kvpool.pool.catalog import (
+from kvpool.pool.records import (
     AcquireResult,
     CommitResult,
     EvictOutcome,

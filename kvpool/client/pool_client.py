@@ -21,7 +21,7 @@ import numpy as np
 
 from kvpool.pool import protocol as P
 from kvpool.pool.arena import Arena
-from kvpool.pool.catalog import (
+from kvpool.pool.records import (
     AcquireResult,
     CommitResult,
     CorruptOutcome,

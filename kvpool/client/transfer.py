@@ -10,11 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvpool.pool.catalog import (
-    AcquireResult,
-    Miss,
-    SlotStatus,
-)
+from kvpool.pool.records import AcquireResult, Miss, SlotStatus
 from kvpool.pool.copy import Buffer, as_segments, copy_digest_as, total_size
 from kvpool.pool.digest import DigestKind, page_digest
 from kvpool.errors import (

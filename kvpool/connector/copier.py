@@ -50,7 +50,7 @@ import numpy as np
 
 from kvpool.client.backend import PoolBackend
 from kvpool.client.transfer import load, publish
-from kvpool.pool.catalog import Miss
+from kvpool.pool.records import Miss
 from kvpool.errors import MissCause, PoolError, PoolTimeout
 from kvpool.connector.history import HistoryWriter
 from kvpool.pool.keys import Namespace

@@ -42,7 +42,7 @@ from concurrent.futures import Future
 
 import torch
 
-from kvpool.pool.catalog import Miss
+from kvpool.pool.records import Miss
 from kvpool.client.backend import PoolBackend
 from kvpool.connector.copier import CopyRun, note_load, wait_all
 from kvpool.errors import (

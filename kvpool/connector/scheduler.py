@@ -13,7 +13,7 @@ from typing import Any
 from kvpool.connector import vllm_compat as compat
 from kvpool.errors import MissCause, PoolError, PoolTimeout
 from kvpool.connector.history import HistoryWriter
-from kvpool.pool.catalog import LookupResult
+from kvpool.pool.records import LookupResult
 from kvpool.tier.record import TierError
 from kvpool.tier.registry import open_tier
 from kvpool.connector.stats import KVPoolStats, StatsCollector

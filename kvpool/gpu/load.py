@@ -43,7 +43,7 @@ from kvpool.gpu.layout import as_width
 from kvpool.gpu.sketch import Sketcher, staged_width
 from kvpool.gpu.sketch import digests as sketch_digests
 from kvpool.gpu.staging import IndexRing
-from kvpool.pool.catalog import AcquireResult, Miss
+from kvpool.pool.records import AcquireResult, Miss
 from kvpool.pool.digest import (
     DIGEST_BYTES,
     SKETCH_COLS,

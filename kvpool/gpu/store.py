@@ -30,7 +30,7 @@ from kvpool.gpu.layout import as_width
 from kvpool.gpu.sketch import digests as sketch_digests
 from kvpool.gpu.sketch import staged_width
 from kvpool.gpu.staging import IndexRing, PinnedSketches
-from kvpool.pool.catalog import ReserveResult, SlotStatus
+from kvpool.pool.records import ReserveResult, SlotStatus
 from kvpool.pool.digest import SKETCH_COLS, DigestKind
 
 log = logging.getLogger("kvpool.gpu.transfer")  # the engine's logger

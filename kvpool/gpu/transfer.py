@@ -144,7 +144,7 @@ from kvpool.gpu.load import LoadHandle, LoadOutcome, Loads
 from kvpool.gpu.sketch import Sketcher
 from kvpool.gpu.staging import IndexRing, host_register, host_unregister
 from kvpool.gpu.store import StoreHandle, StoreOutcome, Stores
-from kvpool.pool.catalog import Miss, SlotStatus
+from kvpool.pool.records import Miss, SlotStatus
 from kvpool.pool.digest import SKETCH_COLS, SKETCH_ROW, DigestKind, page_digest
 from kvpool.pool.keys import Namespace
 

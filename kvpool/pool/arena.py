@@ -9,7 +9,7 @@ private state (the layout, the generations, the index of committed blocks, the h
         and nobody can write it any other way from then on (a writable shared mapping,
         mprotect to PROT_WRITE, write(2), a hole punched: EPERM / EACCES).
   arena.handout_fds() -> (private, pages)
-        the descriptors the daemon hands one tenant's clients (SCM_RIGHTS, kvpool.pool.daemon).
+        the descriptors the daemon hands one tenant's clients (SCM_RIGHTS, kvpool.pool.attach).
   Arena.from_fds(private_fd, pages_fd, label)
         a client maps them (this call owns and closes both): the private segment
         PROT_READ, the pages read-write. Refused unless both are sealed against shrinking.

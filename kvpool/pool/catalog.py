@@ -1,7 +1,13 @@
 """The pool's bookkeeping: which page holds which block, and who may touch it.
 
 Pure state: no sockets, no bytes, time passed in. The daemon owns one Catalog and
-calls it from a single thread.
+calls it from a single thread. What it answers (Hits, Miss, Slot, the results and
+outcomes) is kvpool.pool.records.
+
+One module of some 750 lines, as one cohesive thing: a single state machine whose every
+operation keeps the same invariants over the same per-page arrays and tables (the index and
+the segment's, the LRU list, pending publishes, leases, ghosts, the scrub's queue), which a
+split into files would scatter.
 
   lookup(tenant, ns, hashes)            longest run of committed blocks from the start and,
                                         if it stops early, the one MissCause of the first
@@ -65,7 +71,6 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
-import msgspec
 import numpy as np
 
 from kvpool.errors import InvalidRequest, LeaseLost, MissCause
@@ -73,6 +78,18 @@ from kvpool.pool.keys import Namespace
 
 from kvpool.pool.digest import DIGEST_BYTES, KINDS, DigestKind
 from kvpool.pool.index import ShmIndex, ns_fingerprint
+from kvpool.pool.records import (
+    AcquireResult,
+    CommitResult,
+    EvictOutcome,
+    Hits,
+    LookupResult,
+    Miss,
+    ReleaseResult,
+    ReserveResult,
+    Slot,
+    SlotStatus,
+)
 
 
 class PageState(enum.IntEnum):
@@ -80,27 +97,6 @@ class PageState(enum.IntEnum):
     RESERVED = 1
     COMMITTED = 2
     DROPPED = 3  # found corrupt while leased: out of the index, freed when its last lease is released
-
-
-class CorruptOutcome(enum.StrEnum):
-    """The daemon's answer to a loader's report of a corrupt page (after its own check)."""
-
-    DROPPED = "dropped"  # the page's bytes at rest do not match its digest: out of the pool
-    INTACT = "intact"  # they match: the loader's copy went wrong on its way, the page stays
-
-
-class SlotStatus(enum.StrEnum):
-    RESERVED = "reserved"  # a page is yours to write, then commit
-    EXISTS = "exists"  # already committed under this namespace: nothing to write
-    PENDING = "pending"  # another publish of the same block is in flight
-    NOT_ADMITTED = "not_admitted"  # the admission policy declined it
-    NO_CAPACITY = "no_capacity"  # every page is leased or reserved
-
-
-class EvictOutcome(enum.StrEnum):
-    EVICTED = "evicted"
-    LEASED = "leased"  # refused: a loader holds it
-    NOT_FOUND = "not_found"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -143,105 +139,6 @@ class CatalogConfig:
     max_namespaces: int = 4096
     reservation_ttl_s: float = 30.0
     lease_ttl_s: float = 60.0
-
-
-class PageRef(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
-    page: int
-    generation: int
-    length: int
-    digest: bytes
-    kind: DigestKind = DigestKind.XXH3  # how `digest` was taken (kvpool.pool.digest)
-
-
-class Hits(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
-    """A run of hits, stored by column (cheap to build, encode and decode); indexing
-    gives PageRefs."""
-
-    pages: list[int] = []
-    generations: list[int] = []
-    lengths: list[int] = []
-    digests: bytes = b""
-    kinds: bytes = b""  # DigestKind.code per page; empty: every page xxh3-128
-
-    def __post_init__(self) -> None:
-        n = len(self.pages)
-        if len(self.generations) != n or len(self.lengths) != n or len(self.digests) != n * DIGEST_BYTES:
-            raise ValueError(f"Hits columns disagree: {n} pages, {len(self.generations)} generations, "
-                             f"{len(self.lengths)} lengths, {len(self.digests)} digest bytes")
-        if len(self.kinds) not in (0, n) or any(k >= len(KINDS) for k in self.kinds):
-            raise ValueError(f"Hits: {len(self.kinds)} digest kinds for {n} pages, or an unknown kind")
-
-    def kind(self, i: int) -> DigestKind:
-        return KINDS[self.kinds[i]] if self.kinds else DigestKind.XXH3
-
-    def __len__(self) -> int:
-        return len(self.pages)
-
-    def __bool__(self) -> bool:
-        return bool(self.pages)
-
-    def _ref(self, i: int) -> PageRef:
-        return PageRef(self.pages[i], self.generations[i], self.lengths[i],
-                       self.digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES], self.kind(i))
-
-    def __getitem__(self, i):  # noqa: ANN001, ANN204 - an int or a slice
-        if isinstance(i, slice):
-            return [self._ref(j) for j in range(*i.indices(len(self.pages)))]
-        if i < 0:
-            i += len(self.pages)
-        return self._ref(i)
-
-    def __iter__(self):  # noqa: ANN204
-        return (self._ref(i) for i in range(len(self.pages)))
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.lengths)
-
-
-class Miss(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
-    index: int  # the block at which the run stopped
-    cause: MissCause
-    fields: tuple[str, ...] = ()  # for INCOMPATIBLE: the namespace fields that differ
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class LookupResult:
-    hits: Hits
-    miss: Miss | None
-    # The open reservation publishing the first missing block (same tenant and
-    # namespace), 0 if none: a caller may wait for it to close and look up again.
-    pending: int = 0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class AcquireResult:
-    lease_id: int  # 0 when nothing was leased
-    hits: Hits
-    miss: Miss | None
-
-
-class Slot(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
-    status: SlotStatus
-    page: int = -1
-    generation: int = 0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ReserveResult:
-    reservation_id: int  # 0 when no page was reserved
-    slots: tuple[Slot, ...]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class CommitResult:
-    committed: int
-    rejected: tuple[int, ...]  # slot indexes whose verify failed (freed)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ReleaseResult:
-    stale: tuple[int, ...]  # pages whose generation moved while leased (must be empty)
 
 
 @dataclasses.dataclass(slots=True)

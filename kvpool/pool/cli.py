@@ -26,7 +26,8 @@ from pathlib import Path
 
 from kvpool.pool.catalog import AdmissionPolicy, LoadLimits
 from kvpool.pool.private_dir import ensure_private_dir
-from kvpool.pool.daemon import InsecureRunDir, PoolConfig, default_run_dir, main_serve
+from kvpool.pool.config import PoolConfig, default_run_dir
+from kvpool.pool.daemon import InsecureRunDir, main_serve
 
 _UNITS = {"k": 1024, "m": 1024**2, "g": 1024**3}
 

@@ -27,7 +27,7 @@ Bounds (what one frame may make the daemon do; checked before any work):
   * after a hello a frame (either way) is at most `frame_limit(page_size)` bytes:
     MAX_PAGES_PER_FRAME pages and CONTROL_FRAME_BYTES for everything else. What only the
     session's state bounds (indexes within the lease and distinct, slots within the
-    reservation and distinct, hashes distinct) the daemon checks (kvpool.pool.daemon).
+    reservation and distinct, hashes distinct) the daemon checks (kvpool.pool.handlers).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Annotated, Union
 
 import msgspec
 
-from kvpool.pool.catalog import CorruptOutcome, EvictOutcome, Hits, Miss, Slot
+from kvpool.pool.records import CorruptOutcome, EvictOutcome, Hits, Miss, Slot
 from kvpool.pool.digest import DIGEST_BYTES, DigestKind
 from kvpool.errors import ErrorCode, MalformedFrame, WrongVersion
 from kvpool.pool.keys import HASH_BYTES, Namespace

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvpool.pool.catalog import Miss
+from kvpool.pool.records import Miss
 from kvpool.client.backend import LoadResult
 from kvpool.pool.copy import as_segments, copy_digest_as, total_size
 from kvpool.pool.digest import DigestKind, page_digest

@@ -21,7 +21,7 @@ from kvgate.faults.gpu_controls import (  # noqa: E402
     StuckSegmentEngine,
     delay_stream,
 )
-from kvpool.pool.catalog import EvictOutcome  # noqa: E402
+from kvpool.pool.records import EvictOutcome  # noqa: E402
 from kvpool.pool.digest import DigestKind  # noqa: E402
 from kvpool.client.transfer import publish  # noqa: E402
 from kvpool.errors import InvalidRequest, MissCause  # noqa: E402

@@ -19,14 +19,16 @@ import pytest
 
 from kvgate.faults.corrupt_controls import DeafDaemon, HoardingCatalog, SilentLoader, XxhBlindScrubDaemon
 from kvgate.harness.system.pool import DEFAULT_TENANT, unique_name
-from kvpool.pool.catalog import Catalog, CorruptOutcome
+from kvpool.pool.catalog import Catalog
+from kvpool.pool.records import CorruptOutcome
 from kvpool.client.pool_client import PoolClient
 from kvpool.client.transfer import load, publish
 from kvpool.pool.digest import DigestKind
 from kvpool.errors import InvalidRequest, LeaseLost, MissCause
 from kvpool.pool.keys import Namespace, block_hashes
 from kvpool.pool.metrics import ClientMetrics
-from kvpool.pool.daemon import PoolConfig, PoolDaemon
+from kvpool.pool.config import PoolConfig
+from kvpool.pool.daemon import PoolDaemon
 
 NS = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
 PAGE = 4096

@@ -23,7 +23,8 @@ from kvpool.client.transfer import publish
 from kvpool.pool.digest import page_digest
 from kvpool.errors import InvalidRequest, MissCause
 from kvpool.pool.keys import Namespace, block_hashes
-from kvpool.pool.daemon import PoolConfig, PoolDaemon
+from kvpool.pool.config import PoolConfig
+from kvpool.pool.daemon import PoolDaemon
 
 NS = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
 PAGE = 4096

@@ -21,7 +21,8 @@ from kvgate.harness.scenarios.hostile.rundir import OTHER_UID, _listen, _wait, a
 from kvpool import errors
 from kvpool.client.pool_client import PoolClient
 from kvpool.pool.private_dir import ensure_private_dir
-from kvpool.pool.daemon import InsecureRunDir, PoolConfig, PoolDaemon
+from kvpool.pool.config import PoolConfig
+from kvpool.pool.daemon import InsecureRunDir, PoolDaemon
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another uid needs root")
 

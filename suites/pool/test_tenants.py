@@ -23,7 +23,7 @@ from kvpool.client.pool_client import PoolClient
 from kvpool.client.transfer import load, publish
 from kvpool.errors import ArenaError, InvalidRequest, MissCause, Unauthenticated
 from kvpool.pool.keys import Namespace, block_hashes
-from kvpool.pool.daemon import PoolConfig
+from kvpool.pool.config import PoolConfig
 
 PAGE = 4096
 

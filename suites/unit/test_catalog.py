@@ -3,15 +3,8 @@
 
 import pytest
 
-from kvpool.pool.catalog import (
-    AdmissionPolicy,
-    Catalog,
-    CatalogConfig,
-    EvictOutcome,
-    LoadLimits,
-    PageState,
-    SlotStatus,
-)
+from kvpool.pool.catalog import AdmissionPolicy, Catalog, CatalogConfig, LoadLimits, PageState
+from kvpool.pool.records import EvictOutcome, SlotStatus
 from kvpool.errors import InvalidRequest, LeaseLost, MissCause
 from kvpool.pool.keys import Namespace, block_hashes
 

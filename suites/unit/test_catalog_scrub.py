@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from kvgate.faults.corrupt_controls import HoardingCatalog
-from kvpool.pool.catalog import Catalog, CatalogConfig, PageState, SlotStatus
+from kvpool.pool.catalog import Catalog, CatalogConfig, PageState
+from kvpool.pool.records import SlotStatus
 from kvpool.errors import MissCause
 from kvpool.pool.keys import Namespace, block_hashes
 

@@ -4,7 +4,7 @@ import msgspec
 import pytest
 
 from kvpool.pool import protocol as P
-from kvpool.pool.catalog import EvictOutcome, Hits, Miss, Slot, SlotStatus
+from kvpool.pool.records import EvictOutcome, Hits, Miss, Slot, SlotStatus
 from kvpool.errors import ErrorCode, MalformedFrame, MissCause, WrongVersion, error_from_code, Unauthenticated
 from kvpool.pool.keys import Namespace
 

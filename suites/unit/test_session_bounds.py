@@ -4,7 +4,8 @@ reserve under a new namespace used to add one for good)."""
 
 import pytest
 
-from kvpool.pool.catalog import Catalog, CatalogConfig, SlotStatus
+from kvpool.pool.catalog import Catalog, CatalogConfig
+from kvpool.pool.records import SlotStatus
 from kvpool.errors import InvalidRequest, MissCause
 from kvpool.pool.keys import Namespace, block_hashes
 

@@ -33,7 +33,8 @@ from kvgate.harness.checkers.verdict import Checks, Verdict
 from kvgate.harness.workload.prompts import Corpus
 from kvpool.client.pool_client import PoolClient
 from kvpool.errors import PoolError
-from kvpool.pool.daemon import InsecureRunDir, PoolConfig, PoolDaemon
+from kvpool.pool.config import PoolConfig
+from kvpool.pool.daemon import InsecureRunDir, PoolDaemon
 
 OTHER_UID = 65534  # nobody
 LISTEN_S = 3.0  # how long the other user's socket waits for a client and its bytes

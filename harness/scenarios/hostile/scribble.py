@@ -82,7 +82,8 @@ from kvpool.client.transfer import load, publish
 from kvpool.pool.digest import page_digest
 from kvpool.errors import MissCause
 from kvpool.pool.keys import Namespace, block_hashes
-from kvpool.pool.daemon import PoolConfig, PoolDaemon
+from kvpool.pool.config import PoolConfig
+from kvpool.pool.daemon import PoolDaemon
 from kvpool.pool.index import ENTRY, SLOTS, ns_fingerprint
 
 FORGED_GENERATION = 0x5CB1_BB1E_5CB1_BB1E  # what the scribbler writes into every generation
