@@ -399,10 +399,6 @@ class Arena:
         if held:
             raise ArenaError(f"arena {self.name!r} still has views in use: {'; '.join(held)}")
 
-    @property
-    def closed(self) -> bool:
-        return self._mmap.closed
-
     # -- pages -------------------------------------------------------------------------
     def _check(self, page_id: int) -> None:
         if not 0 <= page_id < self.num_pages:
