@@ -346,26 +346,28 @@ def side_by_side(result: dict) -> list[dict]:
         paper_n = PAPER_LENGTH.get(n)
         label = f"{n} tokens" + (f" (the seed's {paper_n // 1024}k)" if paper_n else "")
         if "not_run" in part or "error" in part:
-            rows.append({"row": f"cross-replica TTFT, {label}", "kvgate": "not run"})
+            rows.append({"row": f"cross-replica TTFT, {label}", "kvgate": "not run", "part": key,
+                         "spread": part.get("not_run", "raised")})
             continue
         for what, k in (("OFF (cold prefill on B)", "ttft_off_s"), ("ON (B loads A's KV)", "ttft_on_s")):
             st = part["off_ms" if k == "ttft_off_s" else "on_ms"]
             paper = PAPER[k].get(paper_n) if paper_n else None
             ours = st["median"] / 1e3 if st["median"] is not None else None
-            rows.append({"row": f"cross-replica TTFT {what}, {label}", "unit": "s", "paper": paper,
+            rows.append({"row": f"cross-replica TTFT {what}, {label}", "unit": "s", "paper": paper, "part": key,
                          "kvgate": round(ours, 3) if ours is not None else None,
                          "spread": f"{st['min'] / 1e3:.3f}-{st['max'] / 1e3:.3f} (n={st['n']})" if st["n"] else "",
                          "ratio": round(ours / paper, 3) if paper and ours else None,
                          "floor": round(part["h2d_floor_ms"] / 1e3, 3) if k == "ttft_on_s" and "h2d_floor_ms" in part
                          else None})
         paper_red = (1 - PAPER["ttft_on_s"][paper_n] / PAPER["ttft_off_s"][paper_n]) if paper_n else None
-        rows.append({"row": f"cross-replica TTFT reduction, {label}", "unit": "", "paper": round(paper_red, 4)
+        rows.append({"row": f"cross-replica TTFT reduction, {label}", "unit": "", "part": key,
+                     "paper": round(paper_red, 4)
                      if paper_red else None, "kvgate": part["reduction"],
                      "ratio": round(part["reduction"] / paper_red, 3) if paper_red and part["reduction"] else None})
     for key in ("ttft:256000", "ttft:262144"):
         if key not in parts:
             rows.append({"row": "cross-replica TTFT, 256k", "unit": "s", "paper": "92.047 -> 0.790",
-                         "kvgate": "not run", "note": result.get("not_256k", "")})
+                         "kvgate": "not run", "spread": result.get("not_256k", "")})
             break
     for key, part in parts.items():
         if not key.startswith(("sessions", "control")):
@@ -375,21 +377,24 @@ def side_by_side(result: dict) -> list[dict]:
         what = "six-turn sessions alternating replicas" if key.startswith("sessions") else \
             "fixed-placement control (sessions stay on one replica)"
         if "not_run" in part or "error" in part:
-            rows.append({"row": f"{what}, {n}-token context", "kvgate": "not run"})
+            rows.append({"row": f"{what}, {n}-token context", "kvgate": "not run", "part": key,
+                         "spread": part.get("not_run", "raised")})
             continue
         paper = PAPER["session_improvement"].get(paper_n) if key.startswith("sessions") else PAPER["control"]
         st = part["session_ttft_sum_ms"]
         rows.append({"row": f"{what}, {n}-token context: improvement of the session's summed TTFT (ON vs OFF)",
-                     "unit": "", "paper": paper, "kvgate": part["improvement"],
+                     "unit": "", "paper": paper, "kvgate": part["improvement"], "part": key,
                      "spread": f"OFF {st['off']['min'] / 1e3:.2f}-{st['off']['max'] / 1e3:.2f} s, ON "
                                f"{st['on']['min'] / 1e3:.2f}-{st['on']['max'] / 1e3:.2f} s (n={st['on']['n']})",
                      "ratio": round(part["improvement"] / paper, 3) if isinstance(paper, float) else None})
     return rows
 
 
-def render_markdown(result: dict) -> str:
+def render_markdown(result: dict, sources: dict[str, str] | None = None) -> str:
+    """The report as Markdown; `sources`: part -> the run it comes from (a column of its own)."""
     from harness.provenance import title_flag
 
+    sources = sources or {}
     env = result.get("env", {})
     arch = result.get("arch", {})
     lines = [f"# Seed 003 at its own scale{title_flag(env.get('provenance', {}))}", "",
@@ -400,20 +405,28 @@ def render_markdown(result: dict) -> str:
              f"{arch.get('intermediate')}, vocab {arch.get('vocab')}; {arch.get('parameters', 0) / 1e9:.1f} B "
              f"parameters; {arch.get('kv_bytes_per_token', 0) // 1024} KiB of KV per token; "
              f"{arch.get('kv_cache_groups')} KV-cache group), vLLM dummy weights. {result.get('placement', '')}", "",
-             f"Host-to-device floor: pinned copy {result.get('pinned_h2d_GBps')} GB/s, measured in this run.", "",
-             "| row | paper | kvgate (median) | spread | kvgate / paper | host-to-device floor |",
-             "|---|---|---|---|---|---|"]
+             f"Host-to-device floor: the prefix's bytes at a plain pinned copy's rate, "
+             f"{result.get('pinned_h2d_GBps')} GB/s, measured in the same run as the row.", "",
+             "| row | paper | kvgate (median) | spread | kvgate / paper | host-to-device floor |"
+             + (" run |" if sources else ""),
+             "|---|---|---|---|---|---|" + ("---|" if sources else "")]
+
+    def f(v: object) -> str:
+        return "" if v is None else str(v)
+
     for r in result.get("table", []):
-        def f(v: object) -> str:
-            return "" if v is None else str(v)
         lines.append(f"| {r['row']} | {f(r.get('paper'))} | {f(r.get('kvgate'))} | {f(r.get('spread'))} | "
-                     f"{f(r.get('ratio'))} | {f(r.get('floor'))} |")
+                     f"{f(r.get('ratio'))} | {f(r.get('floor'))} |" + (f" {sources.get(r.get('part'), '')} |"
+                                                                        if sources else ""))
     lines.append("")
     for key, part in result.get("parts", {}).items():
         if key.startswith("ttft") and part.get("on_phases_ms"):
+            local = [r["local_hit_ttft_ms"] for r in part.get("rows", []) if "local_hit_ttft_ms" in r]
             lines.append(f"- {key}: where the ON hit's TTFT goes (medians, ms): "
                          + ", ".join(f"{k} {v}" for k, v in part["on_phases_ms"].items())
-                         + f"; the producer's cold prefill (with publishing) {part['producer_cold_ms']['median']} ms")
+                         + f"; the producer's own prefix-cache hit of the same prompt "
+                           f"{round(statistics.median(local), 1) if local else None} ms; the producer's cold "
+                           f"prefill (with publishing) {part['producer_cold_ms']['median']} ms")
     lines += ["", f"## Overall: {'PASS' if not result.get('failures') else 'FAIL'}", ""]
     lines += [f"- {f}" for f in result.get("failures", [])] or ["- every oracle held on every hit"]
     if result.get("command"):
