@@ -7,6 +7,8 @@
                             local and cold TTFT by prefix length, and under a degraded, dead, partitioned store
   kvgate bench gpu [...]    the GPU transfer engine against a plain pinned cudaMemcpy (needs CUDA);
                             --gpus N: N GPUs loading from one pool at once
+  kvgate bench seed003 [...]  seed 003's experiment on a 27B-class architecture (dummy weights), two replicas on
+                            one GPU: four-block cross-replica TTFT, sessions, control, next to the seed's table
   kvgate gpu-live [...]     kvgate live on GPUs with vLLM 0.24: cross-replica hits both ways, stream delay,
                             control; --gpus N places one replica per GPU; --sessions: OFF-ON-ON-OFF
   kvgate gate [...]         the main job: start the embedded default system, run the gate
@@ -53,6 +55,12 @@ def cmd_bench_gpu(args: argparse.Namespace) -> int:
     return run_concurrent(gpus=args.gpus, sizes=sizes, reps=args.reps, lanes=args.lanes,
                           hash_threads=args.hash_threads, io_threads=args.pool_io_threads, chunk_mib=args.chunk_mib,
                           commit_mib=args.commit_mib, seed=args.seed, path=paths[0] if paths else "torch")
+
+
+def cmd_bench_seed003(args: argparse.Namespace) -> int:
+    from kvgate.harness.bench.seed003 import plan_from_args, run
+
+    return run(args.report_dir, plan_from_args(args), command="kvgate " + " ".join(sys.argv[1:]))
 
 
 def cmd_bench_stall(args: argparse.Namespace) -> int:
@@ -372,6 +380,13 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--concurrent-blocks", default="64,256,1024",
                     help="transfer sizes of the concurrent bench, in 4 MiB blocks per GPU")
     bg.set_defaults(func=cmd_bench_gpu)
+
+    from kvgate.harness.bench.seed003 import add_arguments as seed003_arguments
+
+    b3 = bench.add_parser("seed003", help="seed 003's experiment on a 27B-class architecture (dummy weights) on one "
+                                          "GPU: four-block cross-replica TTFT, sessions, control, side by side")
+    seed003_arguments(b3)
+    b3.set_defaults(func=cmd_bench_seed003)
 
     bs = bench.add_parser("stall", help="how long each connector hook holds the engine while the pool is stalled")
     bs.add_argument("--out", type=Path, default=None, help="also write the JSON here")

@@ -60,8 +60,6 @@ cannot force a thread interleaving.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import random
 import statistics
 import sys
@@ -317,7 +315,8 @@ def start_sessions(report_dir: Path, gpus: int, max_context: int, turns: int = 6
     return cluster
 
 
-def _settle(history_dir: Path, replica: str, tag: str, prompt_tokens: int, timeout_s: float) -> dict:
+def _settle(history_dir: Path, replica: str, tag: str, prompt_tokens: int, timeout_s: float,
+            block_size: int = BLOCK_SIZE) -> dict:
     """Wait until the turn's publish records cover its prompt's full blocks after the ones it
     loaded (the next turn, on another replica, should find them). Recorded, not raised: a
     publish that did not land shows as fewer remote-hit blocks in the next turn."""
@@ -328,7 +327,7 @@ def _settle(history_dir: Path, replica: str, tag: str, prompt_tokens: int, timeo
         start = 0
         if looks and int(looks[0].get("hit_blocks") or 0) > 0:
             start = int(looks[0].get("first_block") or 0) + int(looks[0]["hit_blocks"])
-        want = prompt_tokens // BLOCK_SIZE - start
+        want = prompt_tokens // block_size - start
         got = sum(int(r["blocks"]) for r in records(history_dir, "publish", replica=replica, tag=tag))
         if got >= want:
             return {"published": got, "settle_s": round(time.monotonic() - t0, 3)}
@@ -337,21 +336,25 @@ def _settle(history_dir: Path, replica: str, tag: str, prompt_tokens: int, timeo
 
 
 def run_session_blocks(cluster: Cluster, corpus: Corpus, seed: int, *, context_tokens: int, sessions: int = 2,
-                       turns: int = 6, settle_s: float = 30.0, audit: bool = False) -> dict:
+                       turns: int = 6, settle_s: float = 30.0, audit: bool = False, router: str = "alternating",
+                       label: str = "", block_size: int = BLOCK_SIZE) -> dict:
     """OFF-ON-ON-OFF: the same `sessions` six-turn sessions (kvgate.harness.workload.prompts.six_turn_session,
-    turns alternating replicas: kvgate.harness.workload.router.Router "alternating") four times, each
-    block under its own cache_salt; with the pool off requests neither load nor publish."""
+    turns placed by kvgate.harness.workload.router.Router `router`: "alternating" replicas, or "sticky",
+    the fixed-placement control) four times, each block under its own cache_salt; with the pool
+    off requests neither load nor publish. `label` prefixes the tags and salts (default
+    "ooo<context>"), so parts at the same context stay apart; `block_size`: the replicas'
+    (tokens per block)."""
     from kvgate.harness.workload.prompts import six_turn_session
     from kvgate.harness.workload.router import Router
 
     http.RECORDER = cluster.history
     names = list(cluster.replicas)
-    label = f"ooo{context_tokens}"
+    label = label or f"ooo{context_tokens}"
     turns_out: list[dict] = []
     t_start = time.monotonic()
     for i, on in enumerate((False, True, True, False)):
         block = f"{i}:{'on' if on else 'off'}"
-        router = Router("alternating", names, seed)
+        placer = Router(router, names, seed)
         salt = f"{label}-{seed}-{i}"
         for s in range(sessions):
             rng = random.Random(f"{seed}:session:{context_tokens}:{s}")
@@ -360,7 +363,7 @@ def run_session_blocks(cluster: Cluster, corpus: Corpus, seed: int, *, context_t
             prev = None
             for t, user in enumerate(users):
                 conversation += " " + user
-                name = router.pick(f"s{s}", t)
+                name = placer.pick(f"s{s}", t)
                 tag = f"{label}-{i}-s{s}-t{t}"
                 c = complete(cluster.replicas[name].url, conversation, tag=tag, replica=name,
                              max_tokens=SESSION_MAX_TOKENS, load=on, publish=on, cache_salt=salt)
@@ -372,12 +375,12 @@ def run_session_blocks(cluster: Cluster, corpus: Corpus, seed: int, *, context_t
                        "local_tokens": int(look[0].get("local_tokens") or 0) if look else 0,
                        "tokens": c.token_ids, "finish_reason": c.finish_reason, "error": c.error}
                 if on:
-                    row.update(_settle(cluster.history_dir, name, tag, n, settle_s))
+                    row.update(_settle(cluster.history_dir, name, tag, n, settle_s, block_size))
                 turns_out.append(row)
                 conversation += " " + c.text.strip()
                 prev = name
         _say(f"  sessions {context_tokens}: block {block} done after {time.monotonic() - t_start:.0f} s")
-    out = summarize_sessions(turns_out, context_tokens, sessions, turns, names)
+    out = summarize_sessions(turns_out, context_tokens, sessions, turns, names, router)
     if audit:
         out["audit"] = session_audit(cluster.history_dir, label, turns_out)
     return out
@@ -428,7 +431,7 @@ def session_audit(history_dir: Path, label: str, turns_out: list[dict]) -> dict:
 
 
 def summarize_sessions(turns_out: list[dict], context_tokens: int, sessions: int, turns: int,
-                       names: list[str]) -> dict:
+                       names: list[str], router: str = "alternating") -> dict:
     blocks = ["0:off", "1:on", "2:on", "3:off"]
     by_key: dict[tuple[int, int], list[list[int]]] = {}
     for r in turns_out:
@@ -459,7 +462,7 @@ def summarize_sessions(turns_out: list[dict], context_tokens: int, sessions: int
         return round(1 - statistics.mean(on) / statistics.mean(off), 3)
 
     return {
-        "context_tokens": context_tokens, "sessions": sessions, "turns": turns, "router": "alternating",
+        "context_tokens": context_tokens, "sessions": sessions, "turns": turns, "router": router,
         "replicas": names, "user_tokens": SESSION_USER_TOKENS, "max_tokens": SESSION_MAX_TOKENS,
         "blocks": per_block,
         "ttft_median_ms_cross_turns": {b: per_block[b]["ttft_median_ms_cross_turns"] for b in blocks},
@@ -470,7 +473,7 @@ def summarize_sessions(turns_out: list[dict], context_tokens: int, sessions: int
     }
 
 
-def warm_up_sessions(cluster: Cluster, corpus: Corpus, seed: int) -> None:
+def warm_up_sessions(cluster: Cluster, corpus: Corpus, seed: int, block_size: int = BLOCK_SIZE) -> None:
     """Kernels compile on first use: on every replica a prompt longer than one chunk, cold
     and then as a local prefix hit; then a remote hit in every direction. Under a salt of
     its own, so nothing of it is reused by the blocks."""
@@ -487,7 +490,7 @@ def warm_up_sessions(cluster: Cluster, corpus: Corpus, seed: int) -> None:
         prompt = corpus.text(2000, rng)
         pub = complete(cluster.replicas[p].url, prompt, tag=f"warmup-{p}{c}-pub", replica=p, max_tokens=2,
                        load=False, cache_salt=salt)
-        _settle(cluster.history_dir, p, f"warmup-{p}{c}-pub", pub.prompt_tokens or 2001, 30.0)
+        _settle(cluster.history_dir, p, f"warmup-{p}{c}-pub", pub.prompt_tokens or 2001, 30.0, block_size)
         complete(cluster.replicas[c].url, prompt, tag=f"warmup-{p}{c}-hit", replica=c, max_tokens=2, publish=False,
                  cache_salt=salt)
 

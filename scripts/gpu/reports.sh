@@ -8,7 +8,8 @@
 #
 #   scripts/gpu/reports.sh OUT [suite|bench|live|timeline|conformance|gate ...]     (default: suite bench live)
 #
-# Extra wheels the host lacks (requests, ...) are installed from .gpu/extra/*.whl if present.
+# msgspec (kvpool's wire protocol) comes from the bundle's folder ($SITE), which is put on PYTHONPATH here;
+# other wheels the host lacks are installed from .gpu/extra/*.whl into $SITE if present.
 # GPU_LIVE_ARGS: the gpu-live options (default --bench; e.g. "" for the exchanges alone,
 # "--sessions" for OFF-ON-ON-OFF). Part `timeline`: scripts/gpu/load_timeline.py, where a load's
 # time goes (TIMELINE_ARGS, default "--chunk-mib 128"). Part `conformance`: the conformance matrix on
@@ -28,7 +29,14 @@ fi
 if compgen -G ".gpu/extra/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --upgrade --target "$SITE" .gpu/extra/*.whl
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# The bundle's folder holds msgspec (kvpool's wire protocol), which the host lacks: the suite and
+# bench parts need it even where the vLLM env file is missing (or was not sourced).
+case ":${PYTHONPATH:-}:" in *":$SITE:"*) ;; *) export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" ;; esac
+export PYTHONPATH="$PWD:$PYTHONPATH"
+if ! python3 -c 'import msgspec' 2>/dev/null; then
+  echo "reports.sh: msgspec is not importable: install the bundle first (scripts/gpu/carry.sh install, into $SITE)" >&2
+  exit 2
+fi
 export KVGATE_PROVENANCE=stamp  # the commit this copy was made from (.provenance.json), not the copy's own git
 status=0
 # Before any report: the copy checked against its stamp (each stamped file's SHA-256, no code

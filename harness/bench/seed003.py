@@ -1,0 +1,579 @@
+"""`kvgate bench seed003`: seed 003's experiment at its own scale, side by side with its figures.
+
+The seed (shared/seeds/003_13ba88f9229fb28c.txt) reports, for two single-GPU 27B vLLM
+replicas sharing a host pool: median cross-replica time to first token from 31.715 s to
+0.605 s at 128k input and from 92.047 s to 0.790 s at 256k (a four-block OFF-ON-ON-OFF
+comparison); six-turn sessions alternating replicas about 35% better at 32k and 45% at
+128k; a fixed-placement control with little benefit. This bench runs that experiment:
+
+Model: a named public architecture (kvgate.fixtures.arch_model; default "mistral-small-24b", the
+text decoder of Mistral Small 3.1 24B: 40 layers, 8 KV heads of 128, 160 KiB of bf16 KV per
+token, 23.6 B parameters, full attention in every layer so one KV-cache group) with vLLM's
+dummy weights (--load-format dummy: both replicas hold the same weights from one fixed seed).
+Replicas A and B run at the same time on the one GPU (vLLM 0.24, TRITON_ATTN, eager), each
+with an explicit KV cache (`kv_bytes`), both on one kvpool pool in host memory.
+
+Parts, in this order, while time is left (a part that would not finish is not started and
+is reported "not run"; not run is never a pass):
+  ttft <n>        the four blocks OFF, ON, ON, OFF at prompt length n, `reps` prompts per block
+                  (the same prompts in every block, each block under its own cache_salt):
+                  OFF: B computes the prompt cold (pool neither read nor written);
+                  ON:  A computes and publishes it (its TTFT is kept as the producer's), then B
+                       serves it: the cross-replica hit, measured after a primer request;
+                  the median TTFT of the OFF and of the ON measurements with their spread (min,
+                  max, every value, each block's median); the ON hit's phases
+                  (kvgate.harness.bench.live.remote_phases: where its time goes); the host-to-device
+                  floor of the prefix's bytes at the pinned copy rate measured in this run.
+  sessions <n>    kvgate.harness.scenarios.gpu_live.run_session_blocks: six-turn sessions whose turns
+                  alternate A and B, OFF-ON-ON-OFF, initial context n.
+  control <n>     the same with fixed placement (router "sticky": a session stays on one replica).
+
+Oracles on every hit (a failure fails the run, exit 1):
+  * bytes: kvpool checks every page it loads over the bytes that arrived in B's GPU memory
+    against the digest A committed from its own KV (kvpool.gpu.transfer: kv-sketch-1); a page
+    that differs is not installed and the load reports it. Each ON hit must have loaded every
+    block of its prompt before the last token ((n - 1) // 16) with no miss.
+  * output: B's hit and A's own prefix-cache hit of the same prompt (the same prefill
+    partition: the cached blocks, then the tail computed) give the same tokens and the same
+    log-probabilities to the last bit; and A's cold prefill of the prompt (ON) gives B's cold
+    tokens of it (OFF): the replicas hold the same weights.
+  * sessions: every turn of the two OFF blocks, and of the two ON blocks, gives the same
+    tokens (the same path twice); in ON blocks a session's first turn on the other replica
+    loaded the context from the pool; no turn errored and every publish landed. Tokens OFF against ON are reported, not judged: with
+    dummy weights the last-token logits are near ties, and a hit computes the tail in a
+    smaller partition than a cold prefill does.
+Not checked: the published weights' numerics (these are dummy weights), and bytes beyond
+what the connector's page digests cover (the audit wrapper's host digests would add seconds
+to a 128k hit, so the timed replicas run without it).
+
+  run(report_dir, ...) -> int    writes result.json and seed003.md after every part; the last
+                                 line printed is the result as one JSON object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvgate.fixtures.arch_model import ARCHS, Arch, write_arch
+
+if TYPE_CHECKING:  # the harness's live parts are imported where they run (the CLI imports this module)
+    from kvgate.harness.system.cluster import Cluster
+    from kvgate.harness.workload.prompts import Corpus
+
+BLOCK_SIZE = 16  # kvgate.harness.system.gpu.BLOCK_SIZE: the engine's block of tokens (and the pool page's) on CUDA
+CPU_BLOCK_SIZE = 128  # vLLM's CPU attention takes multiples of 32; the CPU clusters' default
+
+# The seed's figures (shared/seeds/003_13ba88f9229fb28c.txt).
+PAPER = {
+    "ttft_off_s": {131072: 31.715, 262144: 92.047},
+    "ttft_on_s": {131072: 0.605, 262144: 0.790},
+    "session_improvement": {32768: 0.35, 131072: 0.45},
+    "control": "little benefit (no figure)",
+}
+PAPER_LENGTH = {128000: 131072, 131072: 131072, 256000: 262144, 262144: 262144}  # our n -> the seed's "128k"/"256k"
+
+CHUNK = 8192  # max_num_batched_tokens: a cold prompt prefills in chunks of this many tokens
+ORACLE_TOKENS = 8  # tokens generated per measured request (TTFT is the first)
+MEMORY_UTILIZATION = 0.05  # vLLM's start check only (free memory >= this share); the KV size is explicit
+SESSION_TURNS = 6
+
+
+class Seed003Error(RuntimeError):
+    """A step of the bench could not run (a publish never landed, too little memory)."""
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    arch: str = "mistral-small-24b"
+    ttft_lengths: tuple[int, ...] = (32768, 128000)
+    ttft_reps: tuple[int, ...] = (3, 1)  # prompts per block, per length
+    session_contexts: tuple[int, ...] = (32768, 128000)
+    sessions: tuple[int, ...] = (2, 1)  # sessions per block, per context
+    control_contexts: tuple[int, ...] = (32768, 128000)
+    kv_bytes: int = 20 << 30  # per replica: 8192 blocks of 16 tokens at 160 KiB per token
+    pool_bytes: int = 28 << 30
+    seed: int = 3
+    deadline_s: float = 1500.0
+    order: tuple[str, ...] = ("ttft:0", "ttft:1", "sessions:0", "control:0", "sessions:1", "control:1")
+
+    def max_len(self) -> int:
+        from kvgate.harness.scenarios.gpu_live import (
+            SESSION_CHUNK,  # the warm-up's prompts are a chunk and 1000 tokens
+        )
+
+        longest = max((*self.ttft_lengths, *self.session_contexts, *self.control_contexts, SESSION_CHUNK + 2048))
+        return longest + SESSION_TURNS * (64 + 16) + 2 * BLOCK_SIZE
+
+
+def probe() -> dict:
+    """The environment (GPU, vLLM, torch, provenance: kvgate.harness.scenarios.gpu_live.environment) and
+    the host-to-device floor's rate (a plain pinned copy of 1 GiB, None without CUDA), in a
+    child process, so the bench's own process holds no CUDA context beside the replicas."""
+    code = ("import json, torch; from kvgate.harness.scenarios.gpu_live import environment; "
+            "from kvgate.harness.bench.gpu_live import pinned_h2d_GBps as f; "
+            "print(json.dumps({'env': environment(), 'h2d': f() if torch.cuda.is_available() else None}, "
+            "default=str))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    if out.returncode != 0:
+        raise Seed003Error(f"the environment probe failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def start(report_dir: Path, arch: Arch, plan: Plan, cuda: bool, block: int) -> Cluster:
+    from kvgate.harness.system.cluster import Cluster, ReplicaSpec
+    from kvgate.harness.system.gpu import gpu_args
+    model = write_arch(report_dir / "model", arch)
+    page = arch.kv_bytes_per_token * block
+    pool_bytes = plan.pool_bytes
+    need = max(plan.ttft_lengths) * arch.kv_bytes_per_token
+    if pool_bytes < need:
+        raise Seed003Error(f"a pool of {pool_bytes / 2**30:.1f} GiB cannot hold the longest prompt's KV "
+                           f"({need / 2**30:.1f} GiB)")
+    extra = (*(gpu_args(MEMORY_UTILIZATION, block) if cuda else ("--block-size", str(block))),
+             "--load-format", "dummy", "--max-num-seqs", "4")
+    specs = [ReplicaSpec(name, core=str(i), kv_bytes=plan.kv_bytes, max_model_len=plan.max_len(),
+                         max_num_batched_tokens=CHUNK, extra_args=extra)
+             for i, name in enumerate(("A", "B"))]
+    cluster = Cluster(model, report_dir, page_size=page, pool_pages=pool_bytes // page)
+    t0 = time.monotonic()
+    cluster.start(specs, timeout=600.0)
+    _say(f"bench seed003: replicas A, B of {arch.name} up after {time.monotonic() - t0:.0f} s "
+         f"(pool {pool_bytes / 2**30:.1f} GiB, KV {plan.kv_bytes / 2**30:.1f} GiB each)")
+    return cluster
+
+
+def _stats(values: list[float]) -> dict:
+    if not values:
+        return {"median": None, "min": None, "max": None, "n": 0, "all": []}
+    return {"median": round(statistics.median(values), 1), "min": round(min(values), 1),
+            "max": round(max(values), 1), "n": len(values), "all": [round(v, 1) for v in values]}
+
+
+def ttft_blocks(cluster: Cluster, corpus: Corpus, n: int, reps: int, seed: int, h2d_GBps: float | None,
+                kv_per_token: int, block: int = BLOCK_SIZE) -> dict:
+    """The four-block cross-replica TTFT at prompt length n (tokens, BOS included)."""
+    from kvgate.harness.bench.live import median_phases, primer, remote_phases
+    from kvgate.harness.checkers.history import records
+    from kvgate.harness.client import http
+    from kvgate.harness.client.http import complete
+    from kvgate.harness.scenarios.gpu_live import wait_published
+
+    http.RECORDER = cluster.history
+    A, B = cluster.replicas["A"].url, cluster.replicas["B"].url
+    hist = cluster.history_dir
+    rng = random.Random(f"seed003:{seed}:ttft:{n}")
+    prompts = [corpus.text(n - 1, rng) for _ in range(reps)]
+    prime = primer(corpus, rng)
+    want = (n - 1) // block
+    rows: list[dict] = []
+    t_part = time.monotonic()
+    for i, on in enumerate((False, True, True, False)):
+        label = f"{i}:{'on' if on else 'off'}"
+        salt = f"seed003-{seed}-ttft-{n}-{i}"
+        for j, prompt in enumerate(prompts):
+            tag = f"x{n}-{i}-r{j}"
+            row: dict = {"block": label, "rep": j}
+            if on:
+                pub = complete(A, prompt, tag=f"{tag}-pub", replica="A", max_tokens=ORACLE_TOKENS, load=False,
+                               cache_salt=salt)
+                t_pub = time.monotonic()
+                wait_published(hist, "A", f"{tag}-pub", n // block, timeout_s=300)
+                row.update(producer_ttft_ms=round(pub.ttft_s * 1e3, 1), producer_tokens=pub.token_ids,
+                           producer_error=pub.error, publish_landed_after_response_s=round(time.monotonic() - t_pub, 3))
+                prime(B, "B")
+                sent = time.time()  # the history's clock
+                hit = complete(B, prompt, tag=tag, replica="B", max_tokens=ORACLE_TOKENS, publish=False,
+                               cache_salt=salt)
+                phases = remote_phases(hist, tag, sent, hit.ttft_s)
+                loads = records(hist, "load", replica="B", tag=tag)
+                looks = records(hist, "lookup", replica="B", tag=tag)
+                # A's own prefix-cache hit of the same prompt: the same partition as B's hit
+                local = complete(A, prompt, tag=f"{tag}-local", replica="A", max_tokens=ORACLE_TOKENS, load=False,
+                                 publish=False, cache_salt=salt)
+                loaded = sum(int(r["loaded"]) for r in loads)
+                misses = [r["miss_cause"] for r in loads if r.get("miss_cause")]
+                row.update(ttft_ms=round(hit.ttft_s * 1e3, 1), tokens=hit.token_ids, error=hit.error,
+                           phases_ms={k: round(v, 1) for k, v in phases.items()} if phases else None,
+                           lookup=[{k: r.get(k) for k in ("outcome", "hit_blocks", "via", "miss_cause")}
+                                   for r in looks],
+                           blocks_loaded=loaded, blocks_expected=want, load_misses=misses,
+                           local_hit_ttft_ms=round(local.ttft_s * 1e3, 1), local_hit_tokens=local.token_ids,
+                           output_equal_local_hit=hit.same_output(local) and len(hit.token_ids) == ORACLE_TOKENS,
+                           bytes_ok=loaded == want and not misses)
+            else:
+                prime(B, "B")
+                cold = complete(B, prompt, tag=tag, replica="B", max_tokens=ORACLE_TOKENS, load=False, publish=False,
+                                cache_salt=salt)
+                row.update(ttft_ms=round(cold.ttft_s * 1e3, 1), tokens=cold.token_ids, error=cold.error)
+            rows.append(row)
+            _say(f"  ttft {n}: block {label} rep {j}: {row['ttft_ms']:.0f} ms"
+                 + (f" (producer {row['producer_ttft_ms']:.0f} ms, loaded {row['blocks_loaded']}/{want}, output "
+                    f"equal {row['output_equal_local_hit']})" if on else ""))
+    off = [r["ttft_ms"] for r in rows if r["block"].endswith("off")]
+    on_ = [r["ttft_ms"] for r in rows if r["block"].endswith(":on")]
+    cold_tokens = {r["rep"]: r["tokens"] for r in rows if r["block"] == "0:off"}
+    across = [r["producer_tokens"] == cold_tokens.get(r["rep"]) for r in rows if "producer_tokens" in r]
+    out = {
+        "prompt_tokens": n, "reps_per_block": reps, "kv_bytes": n * kv_per_token,
+        "off_ms": _stats(off), "on_ms": _stats(on_),
+        "producer_cold_ms": _stats([r["producer_ttft_ms"] for r in rows if "producer_ttft_ms" in r]),
+        "block_medians_ms": {b: round(statistics.median(r["ttft_ms"] for r in rows if r["block"] == b), 1)
+                             for b in ("0:off", "1:on", "2:on", "3:off")},
+        "reduction": round(1 - statistics.median(on_) / statistics.median(off), 4) if off and on_ else None,
+        "on_phases_ms": median_phases([r["phases_ms"] for r in rows if r.get("phases_ms")])
+        if any(r.get("phases_ms") for r in rows) else None,
+        "oracles": {
+            "hits": len(on_),
+            "hits_bytes_ok": sum(1 for r in rows if r.get("bytes_ok")),
+            "hits_output_equal_local_hit": sum(1 for r in rows if r.get("output_equal_local_hit")),
+            "producer_cold_tokens_equal_B_cold": sum(across), "compared_cold": len(across),
+            "errors": [r["error"] for r in rows if r.get("error")] + [r["producer_error"] for r in rows
+                                                                       if r.get("producer_error")],
+        },
+        "wall_s": round(time.monotonic() - t_part, 1),
+        "rows": rows,
+    }
+    if h2d_GBps:
+        out["h2d_floor_ms"] = round(n * kv_per_token / (h2d_GBps * 1e9) * 1e3, 1)
+        if out["on_ms"]["median"]:
+            out["on_vs_floor"] = round(out["on_ms"]["median"] / out["h2d_floor_ms"], 3)
+    return out
+
+
+def session_part(cluster: Cluster, corpus: Corpus, n: int, sessions: int, seed: int, router: str,
+                 block: int = BLOCK_SIZE) -> dict:
+    """OFF-ON-ON-OFF six-turn sessions at initial context n (kvgate.harness.scenarios.gpu_live), with
+    this bench's oracles on the turns."""
+    from kvgate.harness.scenarios.gpu_live import run_session_blocks
+
+    t0 = time.monotonic()
+    label = f"{'alt' if router == 'alternating' else 'fix'}{n}"
+    out = run_session_blocks(cluster, corpus, seed, context_tokens=n, sessions=sessions, turns=SESSION_TURNS,
+                             router=router, label=label, block_size=block)
+    turns = out["turns_detail"]
+
+    def pair(a: str, b: str) -> list[str]:
+        ta = {(r["session"], r["turn"]): r["tokens"] for r in turns if r["block"] == a}
+        tb = {(r["session"], r["turn"]): r["tokens"] for r in turns if r["block"] == b}
+        return [f"s{s}-t{t}" for (s, t) in sorted(ta) if ta[(s, t)] != tb.get((s, t))]
+
+    sums = {b: [sum(r["ttft_ms"] for r in turns if r["block"] == b and r["session"] == s) for s in range(sessions)]
+            for b in ("0:off", "1:on", "2:on", "3:off")}
+    off_sums = sums["0:off"] + sums["3:off"]
+    on_sums = sums["1:on"] + sums["2:on"]
+    cross_on = [r for r in turns if r["block"].endswith(":on") and r["cross"]]
+    out.update(
+        wall_s=round(time.monotonic() - t0, 1),
+        session_ttft_sum_ms={"off": _stats(off_sums), "on": _stats(on_sums), "by_block": sums},
+        improvement=round(1 - statistics.median(on_sums) / statistics.median(off_sums), 4),
+        cross_turn_ttft_ms={"off": _stats([r["ttft_ms"] for r in turns if r["block"].endswith("off") and r["cross"]]),
+                            "on": _stats([r["ttft_ms"] for r in cross_on])},
+        oracles={"off_blocks_differ": pair("0:off", "3:off"), "on_blocks_differ": pair("1:on", "2:on"),
+                 "off_vs_on_differ_reported": pair("0:off", "1:on"),
+                 "cross_on_turns": len(cross_on),
+                 # a session's first turn on the other replica must load the context the first
+                 # computed; a later one may find nothing new in the pool beyond its own prefix cache
+                 "cross_on_turns_without_remote_blocks": [f"s{r['session']}-t{r['turn']}" for r in cross_on
+                                                          if not r["remote_hit_blocks"] and r["turn"] == 1],
+                 "later_cross_on_turns_loading_nothing": [f"s{r['session']}-t{r['turn']}" for r in cross_on
+                                                          if not r["remote_hit_blocks"] and r["turn"] > 1],
+                 "errors": [r["error"] for r in turns if r["error"]],
+                 "settle_timeouts": sum(1 for r in turns if r.get("timed_out"))},
+    )
+    _say(f"  {router} sessions {n}: session TTFT sum OFF {out['session_ttft_sum_ms']['off']['median']} ms, ON "
+         f"{out['session_ttft_sum_ms']['on']['median']} ms: improvement {out['improvement']}")
+    return out
+
+
+def failures(result: dict, plan: Plan) -> list[str]:
+    out: list[str] = []
+    for key, part in result.get("parts", {}).items():
+        if "not_run" in part:
+            out.append(f"{key}: not run ({part['not_run']})")
+            continue
+        if "error" in part:
+            out.append(f"{key}: raised: {part['error'].strip().splitlines()[-1][:300]}")
+            continue
+        o = part["oracles"]
+        if key.startswith("ttft"):
+            if o["hits_bytes_ok"] < o["hits"]:
+                out.append(f"{key}: {o['hits'] - o['hits_bytes_ok']} of {o['hits']} hits did not load every block")
+            if o["hits_output_equal_local_hit"] < o["hits"]:
+                out.append(f"{key}: {o['hits'] - o['hits_output_equal_local_hit']} of {o['hits']} hits gave other "
+                           f"tokens or log-probabilities than the producer's own prefix hit")
+            if o["producer_cold_tokens_equal_B_cold"] < o["compared_cold"]:
+                out.append(f"{key}: A's cold tokens differ from B's for {o['compared_cold'] - o['producer_cold_tokens_equal_B_cold']} "
+                           f"prompts (the replicas do not hold the same weights)")
+        else:
+            for k in ("off_blocks_differ", "on_blocks_differ", "errors"):
+                if o[k]:
+                    out.append(f"{key}: {k.replace('_', ' ')}: {o[k][:6]}")
+            if o["settle_timeouts"]:
+                out.append(f"{key}: {o['settle_timeouts']} publishes never landed")
+            if key.startswith("sessions") and o["cross_on_turns_without_remote_blocks"]:
+                out.append(f"{key}: ON turns on the other replica loaded nothing: "
+                           f"{o['cross_on_turns_without_remote_blocks'][:6]}")
+        if o.get("errors") and key.startswith("ttft"):
+            out.append(f"{key}: {len(o['errors'])} requests errored ({str(o['errors'][0])[:200]})")
+    if result.get("error"):
+        out.append("the bench raised: " + result["error"].strip().splitlines()[-1][:300])
+    if not result.get("parts"):
+        out.append("no part ran")
+    return out
+
+
+def side_by_side(result: dict) -> list[dict]:
+    """The seed's table next to kvgate's: per row the paper's figure, kvgate's, their ratio
+    (kvgate / paper) and the host-to-device floor where one applies."""
+    rows: list[dict] = []
+    parts = result.get("parts", {})
+    for key, part in parts.items():
+        if not key.startswith("ttft"):
+            continue
+        n = int(key.split(":")[1])
+        paper_n = PAPER_LENGTH.get(n)
+        label = f"{n} tokens" + (f" (the seed's {paper_n // 1024}k)" if paper_n else "")
+        if "not_run" in part or "error" in part:
+            rows.append({"row": f"cross-replica TTFT, {label}", "kvgate": "not run", "part": key,
+                         "spread": part.get("not_run", "raised")})
+            continue
+        for what, k in (("OFF (cold prefill on B)", "ttft_off_s"), ("ON (B loads A's KV)", "ttft_on_s")):
+            st = part["off_ms" if k == "ttft_off_s" else "on_ms"]
+            paper = PAPER[k].get(paper_n) if paper_n else None
+            ours = st["median"] / 1e3 if st["median"] is not None else None
+            rows.append({"row": f"cross-replica TTFT {what}, {label}", "unit": "s", "paper": paper, "part": key,
+                         "kvgate": round(ours, 3) if ours is not None else None,
+                         "spread": f"{st['min'] / 1e3:.3f}-{st['max'] / 1e3:.3f} (n={st['n']})" if st["n"] else "",
+                         "ratio": round(ours / paper, 3) if paper and ours else None,
+                         "floor": round(part["h2d_floor_ms"] / 1e3, 3) if k == "ttft_on_s" and "h2d_floor_ms" in part
+                         else None})
+        paper_red = (1 - PAPER["ttft_on_s"][paper_n] / PAPER["ttft_off_s"][paper_n]) if paper_n else None
+        rows.append({"row": f"cross-replica TTFT reduction, {label}", "unit": "", "part": key,
+                     "paper": round(paper_red, 4)
+                     if paper_red else None, "kvgate": part["reduction"],
+                     "ratio": round(part["reduction"] / paper_red, 3) if paper_red and part["reduction"] else None})
+    for key in ("ttft:256000", "ttft:262144"):
+        if key not in parts:
+            rows.append({"row": "cross-replica TTFT, 256k", "unit": "s", "paper": "92.047 -> 0.790",
+                         "kvgate": "not run", "spread": result.get("not_256k", "")})
+            break
+    for key, part in parts.items():
+        if not key.startswith(("sessions", "control")):
+            continue
+        n = int(key.split(":")[1])
+        paper_n = PAPER_LENGTH.get(n, n)
+        what = "six-turn sessions alternating replicas" if key.startswith("sessions") else \
+            "fixed-placement control (sessions stay on one replica)"
+        if "not_run" in part or "error" in part:
+            rows.append({"row": f"{what}, {n}-token context", "kvgate": "not run", "part": key,
+                         "spread": part.get("not_run", "raised")})
+            continue
+        paper = PAPER["session_improvement"].get(paper_n) if key.startswith("sessions") else PAPER["control"]
+        st = part["session_ttft_sum_ms"]
+        rows.append({"row": f"{what}, {n}-token context: improvement of the session's summed TTFT (ON vs OFF)",
+                     "unit": "", "paper": paper, "kvgate": part["improvement"], "part": key,
+                     "spread": f"OFF {st['off']['min'] / 1e3:.2f}-{st['off']['max'] / 1e3:.2f} s, ON "
+                               f"{st['on']['min'] / 1e3:.2f}-{st['on']['max'] / 1e3:.2f} s (n={st['on']['n']})",
+                     "ratio": round(part["improvement"] / paper, 3) if isinstance(paper, float) else None})
+    return rows
+
+
+def render_markdown(result: dict, sources: dict[str, str] | None = None) -> str:
+    """The report as Markdown; `sources`: part -> the run it comes from (a column of its own)."""
+    from kvgate.harness.provenance import title_flag
+
+    sources = sources or {}
+    env = result.get("env", {})
+    arch = result.get("arch", {})
+    lines = [f"# Seed 003 at its own scale{title_flag(env.get('provenance', {}))}", "",
+             f"{env.get('gpu', 'no GPU')}; vLLM {env.get('vllm')}, torch {env.get('torch')}; commit "
+             f"{env.get('provenance', {}).get('short', '?')} (clean: {env.get('provenance', {}).get('clean')})", "",
+             f"Model: {arch.get('source')} geometry ({arch.get('layers')} layers, hidden {arch.get('hidden')}, "
+             f"{arch.get('heads')} heads, {arch.get('kv_heads')} KV heads of {arch.get('head_dim')}, MLP "
+             f"{arch.get('intermediate')}, vocab {arch.get('vocab')}; {arch.get('parameters', 0) / 1e9:.1f} B "
+             f"parameters; {arch.get('kv_bytes_per_token', 0) // 1024} KiB of KV per token; "
+             f"{arch.get('kv_cache_groups')} KV-cache group), vLLM dummy weights. {result.get('placement', '')}", "",
+             f"Host-to-device floor: the prefix's bytes at a plain pinned copy's rate, "
+             f"{result.get('pinned_h2d_GBps')} GB/s, measured in the same run as the row.", "",
+             "| row | paper | kvgate (median) | spread | kvgate / paper | host-to-device floor |"
+             + (" run |" if sources else ""),
+             "|---|---|---|---|---|---|" + ("---|" if sources else "")]
+
+    def f(v: object) -> str:
+        return "" if v is None else str(v)
+
+    for r in result.get("table", []):
+        lines.append(f"| {r['row']} | {f(r.get('paper'))} | {f(r.get('kvgate'))} | {f(r.get('spread'))} | "
+                     f"{f(r.get('ratio'))} | {f(r.get('floor'))} |" + (f" {sources.get(r.get('part'), '')} |"
+                                                                        if sources else ""))
+    lines.append("")
+    for key, part in result.get("parts", {}).items():
+        if key.startswith("ttft") and part.get("on_phases_ms"):
+            local = [r["local_hit_ttft_ms"] for r in part.get("rows", []) if "local_hit_ttft_ms" in r]
+            lines.append(f"- {key}: where the ON hit's TTFT goes (medians, ms): "
+                         + ", ".join(f"{k} {v}" for k, v in part["on_phases_ms"].items())
+                         + f"; the producer's own prefix-cache hit of the same prompt "
+                           f"{round(statistics.median(local), 1) if local else None} ms; the producer's cold "
+                           f"prefill (with publishing) {part['producer_cold_ms']['median']} ms")
+    lines += ["", f"## Overall: {'PASS' if not result.get('failures') else 'FAIL'}", ""]
+    lines += [f"- {f}" for f in result.get("failures", [])] or ["- every oracle held on every hit"]
+    if result.get("command"):
+        lines += ["", f"Command: `{result['command']}`"]
+    return "\n".join(lines) + "\n"
+
+
+def _write(report_dir: Path, result: dict) -> None:
+    result["table"] = side_by_side(result)
+    (report_dir / "result.json").write_text(json.dumps(result, indent=1, default=str))
+    (report_dir / "seed003.md").write_text(render_markdown(result))
+
+
+def _estimate_s(kind: str, n: int, count: int, cold_s: dict[int, float]) -> float:
+    """Seconds a part is expected to take, from the cold prefills measured so far (prefill
+    grows faster than linearly with n: scaled by (n / n0)^1.6 from the nearest shorter one)."""
+    if n in cold_s:
+        c = cold_s[n]
+    elif cold_s:
+        n0 = max((k for k in cold_s if k <= n), default=min(cold_s))
+        c = cold_s[n0] * (n / n0) ** 1.6
+    else:
+        return 0.0
+    per = {"ttft": 4 * count, "sessions": 6 * count, "control": 4 * count}[kind]
+    return per * c * 1.15 + 10
+
+
+def run(report_dir: Path, plan: Plan = Plan(), command: str = "") -> int:
+    from kvgate.harness.scenarios.gpu_live import warm_up_sessions
+    from kvgate.harness.system import gpu
+    from kvgate.harness.workload.prompts import Corpus
+    from kvpool.pool.arena import memory_available
+
+    if gpu.BLOCK_SIZE != BLOCK_SIZE:
+        raise Seed003Error(f"the engine's block is {gpu.BLOCK_SIZE} tokens, this bench counts {BLOCK_SIZE}")
+
+    t0 = time.monotonic()
+    t_end = t0 + plan.deadline_s
+    report_dir = Path(report_dir)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    arch = ARCHS[plan.arch]
+    probed = probe()
+    env, h2d = probed["env"], probed["h2d"]
+    cuda = "gpu" in env
+    block = BLOCK_SIZE if cuda else CPU_BLOCK_SIZE
+    result: dict = {"plan": dataclasses.asdict(plan), "arch": arch.describe(), "env": env, "command": command,
+                    "paper": {k: (v if isinstance(v, str) else {str(n): x for n, x in v.items()})
+                              for k, v in PAPER.items()},
+                    "placement": "Replicas A and B at the same time on the one GPU, each with "
+                                 f"{plan.kv_bytes / 2**30:.0f} GiB of KV cache and the bf16 dummy weights "
+                                 f"({2 * arch.parameters / 2**30:.1f} GiB), on one kvpool pool in host memory.",
+                    "not_256k": "two replicas of this geometry at 256k need 40 GiB of KV each beside 43.9 GiB of "
+                                "weights each: more than one H200 holds with both resident",
+                    "parts": {}}
+    result["pinned_h2d_GBps"] = round(h2d, 2) if h2d else None
+    result["host_memory_available_gib"] = round(memory_available() / 2**30, 1)
+    _write(report_dir, result)
+    cluster = None
+    try:
+        cluster = start(report_dir / "run", arch, plan, cuda, block)
+        corpus = Corpus(cluster.model_dir)
+        warm_up_sessions(cluster, corpus, plan.seed, block)
+        _say(f"bench seed003: warmed up after {time.monotonic() - t0:.0f} s")
+        cold_s: dict[int, float] = {}
+        for item in plan.order:
+            kind, idx = item.split(":")
+            i = int(idx)
+            lengths = {"ttft": plan.ttft_lengths, "sessions": plan.session_contexts,
+                       "control": plan.control_contexts}[kind]
+            if i >= len(lengths):
+                continue
+            n = lengths[i]
+            counts = plan.ttft_reps if kind == "ttft" else plan.sessions
+            count = counts[min(i, len(counts) - 1)]
+            key = f"{kind}:{n}"
+            left = t_end - time.monotonic()
+            est = _estimate_s(kind, n, count, cold_s)
+            if est > left:
+                result["parts"][key] = {"not_run": f"about {est:.0f} s needed, {left:.0f} s left"}
+                _say(f"bench seed003: {key} not run: about {est:.0f} s needed, {left:.0f} s left")
+                _write(report_dir, result)
+                continue
+            _say(f"bench seed003: {key} ({count} per block; about {est:.0f} s, {left:.0f} s left)")
+            try:
+                if kind == "ttft":
+                    part = ttft_blocks(cluster, corpus, n, count, plan.seed, h2d, arch.kv_bytes_per_token, block)
+                    cold_s[n] = part["off_ms"]["median"] / 1e3
+                else:
+                    part = session_part(cluster, corpus, n, count, plan.seed,
+                                        "alternating" if kind == "sessions" else "sticky", block)
+            except Exception as exc:  # recorded in the result and the exit status; the next parts still run
+                import traceback
+
+                part = {"error": "".join(traceback.format_exception(exc))[-4000:]}
+                _say(f"bench seed003: {key} raised:\n{part['error']}")
+                if cluster.crashed():
+                    result["parts"][key] = part
+                    raise Seed003Error(f"processes ended: {cluster.crashed()}") from exc
+            result["parts"][key] = part
+            _write(report_dir, result)
+    except Exception as exc:  # recorded in the result and the exit status
+        import traceback
+
+        result["error"] = "".join(traceback.format_exception(exc))[-4000:]
+        _say(f"bench seed003: raised:\n{result['error']}")
+    finally:
+        if cluster is not None:
+            try:
+                cluster.stop()
+            except Exception as exc:  # an orphan: recorded, fails the run
+                result["error"] = (result.get("error") or "") + f"\nstop: {exc}"
+    result["wall_s"] = round(time.monotonic() - t0)
+    result["failures"] = failures(result, plan)
+    result["ok"] = not result["failures"]
+    _write(report_dir, result)
+    print(json.dumps({k: v for k, v in result.items() if k != "parts"}, default=str))
+    for f in result["failures"]:
+        _say(f"bench seed003: FAIL: {f}")
+    _say(f"bench seed003: {'PASS' if result['ok'] else 'FAIL'} after {result['wall_s']} s")
+    return 0 if result["ok"] else 1
+
+
+def plan_from_args(args) -> Plan:
+    def ints(s: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in s.split(",") if x)
+
+    return Plan(arch=args.arch, ttft_lengths=ints(args.lengths), ttft_reps=ints(args.reps),
+                session_contexts=ints(args.session_contexts), sessions=ints(args.sessions),
+                control_contexts=ints(args.control_contexts), kv_bytes=int(args.kv_gib * 2**30),
+                pool_bytes=int(args.pool_gib * 2**30), seed=args.seed, deadline_s=args.deadline,
+                order=tuple(x for x in args.order.split(",") if x))
+
+
+def add_arguments(p) -> None:
+    d = Plan()
+    p.add_argument("--arch", default=d.arch, choices=sorted(ARCHS), help="kvgate.fixtures.arch_model's architectures")
+    p.add_argument("--lengths", default="32768,128000", help="prompt lengths of the four-block TTFT (tokens)")
+    p.add_argument("--reps", default="3,1", help="prompts per block, per length")
+    p.add_argument("--session-contexts", default="32768,128000")
+    p.add_argument("--sessions", default="2,1", help="sessions per block, per context")
+    p.add_argument("--control-contexts", default="32768,128000")
+    p.add_argument("--order", default=",".join(d.order),
+                   help="the parts in order (kind:index into its lengths); a part that would not finish in time "
+                        "is not run")
+    p.add_argument("--kv-gib", type=float, default=d.kv_bytes / 2**30, help="each replica's KV cache")
+    p.add_argument("--pool-gib", type=float, default=d.pool_bytes / 2**30)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--deadline", type=float, default=d.deadline_s, help="seconds for the whole run")
+    p.add_argument("--report-dir", type=Path, default=Path("reports/runs/seed003"))
+

@@ -1,0 +1,74 @@
+"""kvgate bench seed003's pure parts: the architecture fixture, the oracles' verdicts, the
+side-by-side table (no GPU, no replicas)."""
+
+from __future__ import annotations
+
+import json
+
+from kvgate.fixtures.arch_model import ARCHS, write_arch
+from kvgate.harness.bench.seed003 import Plan, failures, render_markdown, side_by_side
+
+
+def test_the_24b_geometry_is_the_published_one():
+    a = ARCHS["mistral-small-24b"]
+    assert a.kv_bytes_per_token == 160 * 1024  # 2 x 40 layers x 8 KV heads x 128 x 2 bytes
+    assert a.kv_cache_groups == 1
+    assert 23.5e9 < a.parameters < 23.7e9  # Mistral Small 3.1's text decoder: 23.6 B
+
+
+def test_the_checkpoint_has_no_weights_and_a_tokenizer_of_the_full_vocabulary(tmp_path):
+    a = ARCHS["smoke"]
+    d = write_arch(tmp_path / "m", a)
+    config = json.loads((d / "config.json").read_text())
+    assert config["vocab_size"] == a.vocab and config["sliding_window"] is None
+    assert not list(d.glob("*.safetensors"))
+    vocab = json.loads((d / "tokenizer.json").read_text())["model"]["vocab"]
+    assert sorted(vocab.values()) == list(range(a.vocab))  # every id the model can emit decodes
+
+
+def _ttft(bytes_ok: int = 2, output_equal: int = 2, cold_equal: int = 2) -> dict:
+    return {"off_ms": {"median": 30000.0, "min": 29000.0, "max": 31000.0, "n": 2, "all": []},
+            "on_ms": {"median": 600.0, "min": 590.0, "max": 610.0, "n": 2, "all": []},
+            "reduction": 0.98, "h2d_floor_ms": 380.0,
+            "oracles": {"hits": 2, "hits_bytes_ok": bytes_ok, "hits_output_equal_local_hit": output_equal,
+                        "producer_cold_tokens_equal_B_cold": cold_equal, "compared_cold": 2, "errors": []}}
+
+
+def _sessions(on_differ: list[str] | None = None, empty_cross: list[str] | None = None) -> dict:
+    stats = {"median": 1.0, "min": 1.0, "max": 1.0, "n": 2, "all": []}
+    return {"improvement": 0.4, "session_ttft_sum_ms": {"off": stats, "on": stats},
+            "oracles": {"off_blocks_differ": [], "on_blocks_differ": on_differ or [], "errors": [],
+                        "settle_timeouts": 0, "cross_on_turns_without_remote_blocks": empty_cross or []}}
+
+
+def test_a_clean_run_passes_and_every_broken_oracle_fails_it():
+    plan = Plan()
+    good = {"parts": {"ttft:128000": _ttft(), "sessions:32768": _sessions(), "control:32768": _sessions()}}
+    assert failures(good, plan) == []
+    for part, key in ((_ttft(bytes_ok=1), "did not load every block"),
+                      (_ttft(output_equal=1), "other tokens or log-probabilities"),
+                      (_ttft(cold_equal=1), "do not hold the same weights")):
+        bad = {"parts": {**good["parts"], "ttft:128000": part}}
+        assert any(key in f for f in failures(bad, plan)), key
+    bad = {"parts": {**good["parts"], "sessions:32768": _sessions(on_differ=["s0-t3"])}}
+    assert any("on blocks differ" in f for f in failures(bad, plan))
+    bad = {"parts": {**good["parts"], "sessions:32768": _sessions(empty_cross=["s0-t1"])}}
+    assert any("loaded nothing" in f for f in failures(bad, plan))
+    assert any("not run" in f for f in failures({"parts": {"ttft:128000": {"not_run": "no time"}}}, plan))
+    assert failures({"parts": {}}, plan) == ["no part ran"]
+
+
+def test_the_table_sets_kvgate_beside_the_seed_with_ratio_and_floor():
+    result = {"parts": {"ttft:128000": _ttft(), "sessions:131072": _sessions()}, "env": {}, "arch": {}}
+    rows = {r["row"]: r for r in side_by_side(result)}
+    on = next(r for k, r in rows.items() if k.startswith("cross-replica TTFT ON") and "128000" in k)
+    assert on["paper"] == 0.605 and on["kvgate"] == 0.6 and on["ratio"] == round(0.6 / 0.605, 3)
+    assert on["floor"] == 0.38
+    off = next(r for k, r in rows.items() if k.startswith("cross-replica TTFT OFF"))
+    assert off["paper"] == 31.715 and off["ratio"] == round(30.0 / 31.715, 3)
+    sess = next(r for k, r in rows.items() if k.startswith("six-turn"))
+    assert sess["paper"] == 0.45 and sess["ratio"] == round(0.4 / 0.45, 3)
+    assert any(r.get("kvgate") == "not run" and "256k" in k for k, r in rows.items())
+    result["table"] = side_by_side(result)
+    result["failures"] = []
+    assert "| cross-replica TTFT ON" in render_markdown(result)
