@@ -548,6 +548,8 @@ def test_every_state_of_the_write_protocol_is_probed_and_none_is_taken_for_a_hit
     caught = {(j, k) for j, k, _, claim in out["violations"]["no_state_checks"] if claim == program.steps[j].new}
     expected = {(j, 4) for j, s in enumerate(program.steps) if s.row >= 0 and s.kind != "remove"}
     assert expected and expected <= caught, sorted(expected - caught)[:5]
+    print(f"paused: {len(program.steps)} writes, {out['states']} states probed by 2 readers; "
+          f"no_state_checks caught at {len(expected)} of {len(expected)} writes of a block")
 
 
 def test_a_writer_without_the_protocol_is_caught_at_its_paused_states(tmp_path, test_seed):
@@ -561,6 +563,8 @@ def test_a_writer_without_the_protocol_is_caught_at_its_paused_states(tmp_path, 
     caught = {j for j, k, kind, claim in out["violations"]["real"]
               if k == 1 and claim == (program.steps[j].new[0], *program.steps[j].old[1:])}
     assert len(exposing) >= 4 and exposing <= caught, (sorted(exposing), sorted(caught))
+    print(f"unprotected writer: caught at {len(exposing)} of {len(exposing)} exposing rewrites "
+          f"({len(out['violations']['real'])} phantom claims in all)")
 
 
 # -- interleaved: a reader's loads against the writer's stores, every schedule ----------
@@ -664,6 +668,8 @@ def test_every_interleaving_of_a_probe_with_a_write_claims_only_committed_blocks
     caught = {j for j, _, claim in out["violations"]["no_reread"]
               if claim == (program.steps[j].new[0], *program.steps[j].old[1:])}
     assert len(exposing) >= 4 and exposing <= caught, (sorted(exposing), sorted(caught))
+    print(f"interleaved: {written} writes x 1287 schedules = {out['schedules']}, {out['probes']} probes; "
+          f"no_reread caught at {len(exposing)} of {len(exposing)} exposing rewrites")
 
 
 # -- free-running: the writer as fast as it goes, two readers probing ------------------
