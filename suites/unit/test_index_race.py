@@ -67,6 +67,7 @@ import random
 import textwrap
 import time
 from collections.abc import Callable, Iterable
+from typing import Self
 
 import numpy as np
 
@@ -440,7 +441,7 @@ class Processes:
         except EOFError:
             raise AssertionError(f"a race process went away: exit codes {[p.exitcode for p in self.procs]}") from None
 
-    def __enter__(self) -> Processes:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type, *_) -> None:  # noqa: ANN001
