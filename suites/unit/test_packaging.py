@@ -14,6 +14,7 @@ package index); the environments install from the index and the built wheels.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -28,7 +29,8 @@ GATE_ONLY = ("pytest", "requests", "hypothesis", "matplotlib", "simpy", "tqdm") 
 
 
 def run(*args: str | Path, timeout: int = 900, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}  # nothing of ours
+    proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
     assert proc.returncode == 0, f"{' '.join(map(str, args))}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc
 
