@@ -250,6 +250,13 @@ def cmd_gate(args: argparse.Namespace) -> int:
                     scenarios=args.scenario or None, pool_checks=not args.no_pool_checks)
 
 
+def cmd_campaign(args: argparse.Namespace) -> int:
+    from kvgate.harness.campaign import run_campaign
+
+    return run_campaign(seed=args.seed, seeds=args.seeds, minutes=args.minutes, report_dir=args.report_dir,
+                        profile=args.profile, scenarios=args.scenario or None)
+
+
 def cmd_conformance(args: argparse.Namespace) -> int:
     names = [n for n in args.connectors.split(",") if n]
     _conformance(names, None, args.seed, args.report_dir, args.scenario or None, args.request_timeout)
@@ -494,6 +501,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="audit the session replicas (kvpool.connector.audit): loaded blocks against their producer's bytes, "
                          "and the KV bytes of the OFF blocks and of the ON blocks compared with each other")
     gl.set_defaults(func=cmd_gpu_live)
+
+    ca = sub.add_parser("campaign", help="every fault kind over many derived seeds within a time budget",
+                        description="Round-robin over fault kinds: round i runs each kind's next scenario with the "
+                                    "seed derived from the root seed, the kind and i; no run starts past the budget. "
+                                    "It fails (exit 1) on a failed run, on a kind that ran fewer seeds than asked "
+                                    "(not run is never a pass) and when nothing ran. Writes campaign.json and "
+                                    "campaign.md, every failure with its replay command and fault schedule.")
+    ca.add_argument("--seed", type=int, default=None, help="root seed (default: drawn and printed)")
+    ca.add_argument("--seeds", type=int, default=20, help="seeds per fault kind (rounds)")
+    ca.add_argument("--minutes", type=float, default=60.0, help="time budget; no run starts past it")
+    ca.add_argument("--profile", default="all", help="fault kinds, as kvgate gate --profile")
+    ca.add_argument("--scenario", action="append", default=[], help="only this scenario (repeatable)")
+    ca.add_argument("--report-dir", type=Path, default=Path("reports/runs/campaign"))
+    ca.set_defaults(func=cmd_campaign)
 
     gate = sub.add_parser("gate", help="run the gate on the embedded default system")
     gate.add_argument("--seed", type=int, default=None, help="root seed (default: drawn and printed)")
