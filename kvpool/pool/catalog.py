@@ -378,7 +378,9 @@ class Catalog:
     def _unpin(self, lease: _Lease) -> None:
         for p in lease.pages:
             self.leases_on[p] -= 1
-            if self.leases_on[p] == 0 and self.state[p] == PageState.DROPPED:
+            # int(): a numpy element compared with an enum member costs ~7 us (numpy probes the
+            # member for its array protocols), a release of 1,024 pages 7 ms of the daemon's loop
+            if self.leases_on[p] == 0 and int(self.state[p]) == PageState.DROPPED:
                 self._free_page(p)
         left = self._leases_by_client[lease.client] - 1
         if left:
@@ -507,7 +509,7 @@ class Catalog:
 
     def committed_as(self, page: int, generation: int) -> DigestKind | None:
         """The digest kind of `page` if it still holds the commit of `generation`."""
-        if self.state[page] != PageState.COMMITTED or int(self.gen[page]) != generation:
+        if int(self.state[page]) != PageState.COMMITTED or int(self.gen[page]) != generation:  # int(): see _unpin
             return None
         return KINDS[int(self.kind[page])]
 
