@@ -19,6 +19,12 @@ for any inner connector, section "connector":
         cached prompt would say), while the inner connector loads only the blocks it found.
         The tokens between are never loaded nor computed: the engine attends to whatever
         their block holds. The pages it loaded are exact; only the output shows it.
+    {"connector": {"control": "claim_one_more"}}
+        a negative control: at a prompt whose length is an exact multiple of the block,
+        where the inner connector claims a hit that leaves more than one token to compute,
+        the engine is told one token more is external (an off-by-one at the boundary:
+        the token at the claim's end is neither loaded nor computed, its KV slot holds
+        whatever the block held). The inner connector loads only its own claim.
     {"connector": {"control": "late_store"}}
         a negative control: the stores land after the engine reused the blocks. On the
         scheduler side every request that finishes is freed at once (request_finished
@@ -71,7 +77,7 @@ from kvpool.connector.copier import HostCopier
 from kvpool.connector.history import HistoryWriter
 from kvpool.connector.wrap import WrappingConnector
 
-CONTROLS = ("hide_failures", "claim_past_loaded", "late_store", "deaf_tier_rule")
+CONTROLS = ("hide_failures", "claim_past_loaded", "claim_one_more", "late_store", "deaf_tier_rule")
 
 
 class FaultConnector(WrappingConnector):
@@ -178,7 +184,21 @@ class FaultConnector(WrappingConnector):
                                control="claim_past_loaded", req=request.request_id, loaded_tokens=ext,
                                claimed_tokens=claim)
             return claim, load_async
+        if ext and spec and spec.get("control") == "claim_one_more":
+            return self._claim_one_more(request, num_computed_tokens, ext, load_async, n)
         return ext, load_async
+
+    def _claim_one_more(self, request, num_computed_tokens: int, ext: int, load_async: bool, n: int):  # noqa: ANN001, ANN202
+        block = int(self._vllm_config.cache_config.block_size)
+        if n % block or num_computed_tokens + ext + 1 > n - 1:  # not at a boundary, or no token left to take
+            self.history.write("fault_skipped", site="connector", kind="copier_control", control="claim_one_more",
+                               req=request.request_id, prompt_tokens=n, claimed_tokens=num_computed_tokens + ext,
+                               reason="not an exact block multiple" if n % block else "no token left to claim")
+            return ext, load_async
+        self._claimed[request.request_id] = ext
+        self.history.write("fault", site="connector", kind="copier_control", job="claim", control="claim_one_more",
+                           req=request.request_id, loaded_tokens=ext, claimed_tokens=ext + 1, prompt_tokens=n)
+        return ext + 1, load_async
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):  # noqa: ANN001, ANN201
         inner = self._claimed.pop(request.request_id, None)

@@ -68,6 +68,9 @@ class Profile:
     # engine has landed where another replica looks it up (report_dir -> None)
     settle: Callable[[Path], None] | None = None
     given: str = ""  # the extra config given on the command line (JSON), over `settings`
+    # its own unit of storage, in tokens, where it is not the KV block (LMCache's chunks):
+    # the exact_boundaries scenario adds a multiple of it; 0: none
+    chunk_tokens: int = 0
 
     @property
     def python(self) -> str:
@@ -304,7 +307,8 @@ CONNECTORS: dict[str, Profile] = {
          "prefix_hits": Capability(True, "chunk hashes (256-token chunks)"),
          "data_fault": Capability(False, "the server keeps its chunks in its own process's memory: kvgate has no "
                                          "outside access to them yet")},
-        packages=("vllm", "lmcache"), venv=".venv-lmcache", env=LMCACHE_ENV, service=_lmcache_server),
+        packages=("vllm", "lmcache"), venv=".venv-lmcache", env=LMCACHE_ENV, service=_lmcache_server,
+        chunk_tokens=256),
 }
 
 

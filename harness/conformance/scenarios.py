@@ -502,6 +502,10 @@ def preempt_during_store(ctx: Ctx, control: str | None = None, prompts: int = 3,
     return c
 
 
+# The scenarios in modules of their own import this one (Ctx, the oracles' helpers) at call time.
+from kvgate.harness.conformance.boundaries import exact_boundaries  # noqa: E402
+
+
 @dataclasses.dataclass(frozen=True)
 class Scenario:
     name: str
@@ -536,4 +540,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("abort_during_load", abort_during_load, ("shared_store",), "a request aborted during its load"),
     Scenario("shared_blocks_one_fails", shared_blocks_one_fails, ("shared_store", "prefix_hits", "data_fault"),
              "two concurrent requests sharing blocks when one's load fails"),
+    Scenario("exact_boundaries", exact_boundaries, ("shared_store",),
+             "prompts of exact multiples of the block, the prefill chunk and the connector's chunk, one below and one "
+             "above: a full hit at an exact multiple gives the cold run's output",
+             control="claim_one_more", control_oracle="output"),
 )}

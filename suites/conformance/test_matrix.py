@@ -55,3 +55,17 @@ def test_example_connector_hit_judged_salt_leak_found_partial_hit_not_applicable
     assert "kvgate gate --connector example --scenario salt_isolation --seed" in leak["replay"]
     na = cells["partial_hit"]
     assert na["status"] == "n/a" and "whole prompt" in na["reason"]
+
+
+def test_kvpool_exact_boundaries_full_hits_give_the_cold_output_and_claim_one_more_is_caught(tmp_path, test_seed):
+    """Prompts of exactly 11 blocks and of exactly the prefill chunk, one token below and one
+    above: B's full hit equals A's prefix hit to the last bit and A's cold run in its tokens;
+    a connector that claims one token past what it loads at an exact block multiple is
+    caught by the output oracle."""
+    cells = _cells(run_connector("kvpool", None, test_seed, tmp_path / "kvpool", ["exact_boundaries"]))
+    cell = cells["exact_boundaries"]
+    assert cell["status"] == "pass", (cell.get("reason"), cell.get("replay"))
+    assert cell["control"]["caught"] and cell["control"]["oracle"] == "output", cell["control"]
+    cases = cell["evidence"]["cases"]
+    assert set(cases) == {f"{u}{d}" for u in ("block", "prefill_chunk") for d in ("-1", "", "+1")}
+    assert all(case["claimed"] > 0 and case["installed"] > 0 for case in cases.values()), cases
