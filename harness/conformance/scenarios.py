@@ -503,7 +503,8 @@ def preempt_during_store(ctx: Ctx, control: str | None = None, prompts: int = 3,
 
 
 # The scenarios in modules of their own import this one (Ctx, the oracles' helpers) at call time.
-from kvgate.harness.conformance.boundaries import exact_boundaries  # noqa: E402
+from kvgate.harness.conformance.boundaries import exact_boundaries
+from kvgate.harness.conformance.race import VISIBILITY, same_key_race
 
 
 @dataclasses.dataclass(frozen=True)
@@ -544,4 +545,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              "prompts of exact multiples of the block, the prefill chunk and the connector's chunk, one below and one "
              "above: a full hit at an exact multiple gives the cold run's output",
              control="claim_one_more", control_oracle="output"),
+    Scenario("same_key_race", same_key_race, ("shared_store", "publish_race"),
+             "two replicas publish one prefix at once, in a seeded order: nothing visible mid-publish, exactly one "
+             "byte-exact copy, nothing leaked, both outputs equal a cold run",
+             control="visible_at_reserve", control_oracle=VISIBILITY),
 )}

@@ -69,3 +69,20 @@ def test_kvpool_exact_boundaries_full_hits_give_the_cold_output_and_claim_one_mo
     cases = cell["evidence"]["cases"]
     assert set(cases) == {f"{u}{d}" for u in ("block", "prefill_chunk") for d in ("-1", "", "+1")}
     assert all(case["claimed"] > 0 and case["installed"] > 0 for case in cases.values()), cases
+
+
+def test_kvpool_same_key_race_one_copy_nothing_leaked_and_visible_at_reserve_is_caught(tmp_path, test_seed):
+    """A and B publish one prefix at once, their publishes taking turns in the seeded order
+    at the pool client: the second's lookup mid-publish finds nothing and its offer is told
+    'pending', one byte-exact copy is stored, nothing is left reserved or leased, both
+    outputs equal a cold run. A pool whose catalog shows a reserved page at once (the second
+    publisher told 'exists' while the page holds nothing) is caught by the visibility check."""
+    cells = _cells(run_connector("kvpool", None, test_seed, tmp_path / "kvpool", ["same_key_race"]))
+    cell = cells["same_key_race"]
+    assert cell["status"] == "pass", (cell.get("reason"), cell.get("replay"))
+    assert cell["control"]["caught"], cell["control"]
+    assert "nothing of an open publish is visible" in cell["control"]["why"], cell["control"]
+    ev = cell["evidence"]
+    assert ev["witness"]["visible"] == 0 and ev["second_reserve"]["slots"] == {"pending": ev["prompt_blocks"]}, ev
+    assert ev["pool_after"]["reserved_pages"] == 0 and ev["pool_after"]["open_reservations"] == 0, ev
+
