@@ -25,6 +25,10 @@ for any inner connector, section "connector":
         the engine is told one token more is external (an off-by-one at the boundary:
         the token at the claim's end is neither loaded nor computed, its KV slot holds
         whatever the block held). The inner connector loads only its own claim.
+    {"connector": {"control": "double_count_stats"}}
+        a negative control: the connector's own stats count every load twice (what it
+        hands vLLM from get_kv_connector_stats is aggregated with a copy of itself), so
+        its load counters on /metrics say twice what was installed.
     {"connector": {"control": "late_store"}}
         a negative control: the stores land after the engine reused the blocks. On the
         scheduler side every request that finishes is freed at once (request_finished
@@ -77,7 +81,8 @@ from kvpool.connector.copier import HostCopier
 from kvpool.connector.history import HistoryWriter
 from kvpool.connector.wrap import WrappingConnector
 
-CONTROLS = ("hide_failures", "claim_past_loaded", "claim_one_more", "late_store", "deaf_tier_rule")
+CONTROLS = ("hide_failures", "claim_past_loaded", "claim_one_more", "double_count_stats", "late_store",
+            "deaf_tier_rule")
 
 
 class FaultConnector(WrappingConnector):
@@ -275,6 +280,17 @@ class FaultConnector(WrappingConnector):
                                control="deaf_tier_rule", dropped=stats.reduce() if hasattr(stats, "reduce") else None)
             connector_output = dataclasses.replace(connector_output, kv_connector_stats=None)
         return super().update_connector_output(connector_output)
+
+    def get_kv_connector_stats(self):  # noqa: ANN201
+        stats = super().get_kv_connector_stats()
+        spec = self._section()
+        if stats is not None and spec and spec.get("control") == "double_count_stats" and not stats.is_empty():
+            import copy
+
+            self.history.write("fault", site="connector", kind="copier_control", job="stats",
+                               control="double_count_stats")
+            stats = stats.aggregate(copy.deepcopy(stats))
+        return stats
 
     def get_block_ids_with_load_errors(self):  # noqa: ANN201
         failed = super().get_block_ids_with_load_errors()

@@ -503,6 +503,7 @@ def preempt_during_store(ctx: Ctx, control: str | None = None, prompts: int = 3,
 
 
 # The scenarios in modules of their own import this one (Ctx, the oracles' helpers) at call time.
+from kvgate.harness.conformance.accounting import CONSERVATION, accounting
 from kvgate.harness.conformance.boundaries import exact_boundaries
 from kvgate.harness.conformance.race import VISIBILITY, same_key_race
 
@@ -515,6 +516,9 @@ class Scenario:
     describe: str
     control: str | None = None  # a negative control run with this connector control
     control_oracle: str = ""  # "output", or the name of the check that must fail under the control
+    # more negative controls: (control, its oracle as above, the capability it needs or ""); each
+    # runs where the connector has that capability, and one not caught fails the cell
+    more_controls: tuple[tuple[str, str, str], ...] = ()
     replicas: tuple[str, ...] = ("A", "B")
     not_run: str = ""  # why kvgate does not run it yet
 
@@ -549,4 +553,9 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              "two replicas publish one prefix at once, in a seeded order: nothing visible mid-publish, exactly one "
              "byte-exact copy, nothing leaked, both outputs equal a cold run",
              control="visible_at_reserve", control_oracle=VISIBILITY),
+    Scenario("accounting", accounting, ("shared_store",),
+             "what the connector claims, what vLLM did not compute, the blocks installed byte-exact, vLLM's "
+             "external-hit metrics and the connector's own load stats agree (conservation)",
+             control="claim_past_loaded", control_oracle=CONSERVATION,
+             more_controls=(("double_count_stats", CONSERVATION, "own_load_stats"),)),
 )}

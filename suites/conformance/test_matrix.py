@@ -86,3 +86,20 @@ def test_kvpool_same_key_race_one_copy_nothing_leaked_and_visible_at_reserve_is_
     assert ev["witness"]["visible"] == 0 and ev["second_reserve"]["slots"] == {"pending": ev["prompt_blocks"]}, ev
     assert ev["pool_after"]["reserved_pages"] == 0 and ev["pool_after"]["open_reservations"] == 0, ev
 
+
+def test_kvpool_accounting_conserves_claims_loads_and_vllm_metrics_and_over_reporting_is_caught(tmp_path, test_seed):
+    """B's full hit, partial hit, miss and local hit: each claim is covered by exactly its
+    byte-exact installed blocks, the claims are vLLM's external hits, the rest is what vLLM
+    computed, and kvpool's own load counters count the installed blocks. A connector that
+    claims tokens it does not load, and one that counts its loads twice, are each caught by
+    the conservation oracle."""
+    cells = _cells(run_connector("kvpool", None, test_seed, tmp_path / "kvpool", ["accounting"]))
+    cell = cells["accounting"]
+    assert cell["status"] == "pass", (cell.get("reason"), cell.get("replay"))
+    controls = {c["name"]: c for c in cell["controls"]}
+    assert set(controls) == {"claim_past_loaded", "double_count_stats"}, controls
+    assert all(c["caught"] and c["why"].startswith("conservation") for c in controls.values()), controls
+    assert "own stats" in controls["double_count_stats"]["why"], controls
+    ev = cell["evidence"]
+    assert ev["claimed"] > 0 and ev["own"]["blocks"] == ev["verified_blocks"] > 0, ev
+    assert ev["vllm"]["external_hits"] == ev["claimed"], ev
