@@ -24,7 +24,10 @@ for any inner connector, section "connector":
         where the inner connector claims a hit that leaves more than one token to compute,
         the engine is told one token more is external (an off-by-one at the boundary:
         the token at the claim's end is neither loaded nor computed, its KV slot holds
-        whatever the block held). The inner connector loads only its own claim.
+        whatever the block held). The inner connector loads only its own claim. Where it
+        claims the whole prompt (an asynchronous loader: the engine computes the last
+        token again itself) the claim stands and the inner connector is told one block
+        less: the last block at the boundary is claimed and never loaded.
     {"connector": {"control": "double_count_stats"}}
         a negative control: the connector's own stats count every load twice (what it
         hands vLLM from get_kv_connector_stats is aggregated with a copy of itself), so
@@ -195,15 +198,21 @@ class FaultConnector(WrappingConnector):
 
     def _claim_one_more(self, request, num_computed_tokens: int, ext: int, load_async: bool, n: int):  # noqa: ANN001, ANN202
         block = int(self._vllm_config.cache_config.block_size)
-        if n % block or num_computed_tokens + ext + 1 > n - 1:  # not at a boundary, or no token left to take
+        if n % block == 0 and num_computed_tokens + ext + 1 <= n - 1:  # one token more than it loads
+            loads, claim = ext, ext + 1
+        elif n % block == 0 and load_async and num_computed_tokens + ext == n and ext >= block:
+            # the whole prompt claimed (an asynchronous loader): no token is left to add, so the
+            # claim stays and the load stops a block short, at the same boundary
+            loads, claim = ext - block, ext
+        else:
             self.history.write("fault_skipped", site="connector", kind="copier_control", control="claim_one_more",
                                req=request.request_id, prompt_tokens=n, claimed_tokens=num_computed_tokens + ext,
                                reason="not an exact block multiple" if n % block else "no token left to claim")
             return ext, load_async
-        self._claimed[request.request_id] = ext
+        self._claimed[request.request_id] = loads
         self.history.write("fault", site="connector", kind="copier_control", job="claim", control="claim_one_more",
-                           req=request.request_id, loaded_tokens=ext, claimed_tokens=ext + 1, prompt_tokens=n)
-        return ext + 1, load_async
+                           req=request.request_id, loaded_tokens=loads, claimed_tokens=claim, prompt_tokens=n)
+        return claim, load_async
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):  # noqa: ANN001, ANN201
         inner = self._claimed.pop(request.request_id, None)

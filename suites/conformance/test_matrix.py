@@ -103,3 +103,15 @@ def test_kvpool_accounting_conserves_claims_loads_and_vllm_metrics_and_over_repo
     ev = cell["evidence"]
     assert ev["claimed"] > 0 and ev["own"]["blocks"] == ev["verified_blocks"] > 0, ev
     assert ev["vllm"]["external_hits"] == ev["claimed"], ev
+
+
+def test_kvpool_asynchronous_loads_at_exact_boundaries_and_the_control_is_caught(tmp_path, test_seed):
+    """load_mode async: every boundary prompt loads asynchronously (at an exact block multiple
+    kvpool leaves the last block to compute, as its synchronous loads do), each full hit equals
+    A's prefix hit, and the control's one token past the load is caught."""
+    cells = _cells(run_connector("kvpool", {"load_mode": "async"}, test_seed, tmp_path / "kvpool-async",
+                                 ["exact_boundaries"]))
+    cell = cells["exact_boundaries"]
+    assert cell["status"] == "pass", (cell.get("reason"), cell.get("replay"))
+    assert cell["control"]["caught"], cell["control"]
+    assert all(case["load_async"] for case in cell["evidence"]["cases"].values()), cell["evidence"]["cases"]
