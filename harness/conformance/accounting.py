@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from kvgate.harness.checkers.verdict import Checks
 
 if TYPE_CHECKING:
-    from kvgate.harness.conformance.scenarios import Ctx
+    from kvgate.harness.conformance.context import Ctx
 
 CONSERVATION = "conservation"  # the name every check of the oracle starts with
 VLLM_COUNTERS = {  # what /metrics says, by (metric, source label)
@@ -112,7 +112,7 @@ def covered(claimed: int, local: int, prompt: int, verified: int, installed: int
 
 def accounting(ctx: Ctx, control: str | None = None) -> Checks:
     from kvgate.harness.checkers.history import records
-    from kvgate.harness.conformance import scenarios as base
+    from kvgate.harness.conformance import context as base
     from kvgate.harness.workload.prompts import common_prefix_tails
 
     B = base.BLOCK

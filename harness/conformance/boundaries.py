@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from kvgate.harness.checkers.verdict import Checks
 
 if TYPE_CHECKING:
-    from kvgate.harness.conformance.scenarios import Ctx
+    from kvgate.harness.conformance.context import Ctx
 
 
 def boundary_lengths(block: int, prefill_chunk: int, connector_chunk: int = 0) -> dict[str, int]:
@@ -43,7 +43,7 @@ def boundary_lengths(block: int, prefill_chunk: int, connector_chunk: int = 0) -
 
 
 def exact_boundaries(ctx: Ctx, control: str | None = None) -> Checks:
-    from kvgate.harness.conformance import scenarios as base
+    from kvgate.harness.conformance import context as base
     from kvgate.harness.system.cluster import DEFAULT_CHUNK
 
     rng = random.Random(ctx.seed)

@@ -38,7 +38,7 @@ from kvgate.faults.control import write_control
 from kvgate.harness.checkers.verdict import Checks
 
 if TYPE_CHECKING:
-    from kvgate.harness.conformance.scenarios import Ctx
+    from kvgate.harness.conformance.context import Ctx
 
 VISIBILITY = "nothing of an open publish is visible"  # the check the control must fail
 
@@ -106,7 +106,7 @@ def _turn(turns_dir: Path, turn: str) -> dict[str, Any]:
 def same_key_race(ctx: Ctx, control: str | None = None, prompt_tokens: int = 1500) -> Checks:
     import random
 
-    from kvgate.harness.conformance import scenarios as base
+    from kvgate.harness.conformance import context as base
 
     store = ctx.profile.store
     rng = random.Random(ctx.seed)
@@ -128,7 +128,7 @@ def same_key_race(ctx: Ctx, control: str | None = None, prompt_tokens: int = 150
 def _race(ctx: Ctx, store: KvpoolStore, prompt: str, tag: str, control: str | None) -> Checks:
     from kvgate.harness.checkers.history import records
     from kvgate.harness.client.http import RequestFailed, reset_prefix_cache
-    from kvgate.harness.conformance import scenarios as base
+    from kvgate.harness.conformance import context as base
 
     order, plan = publish_race_order(ctx.seed, ("A", "B"))
     first, second = plan["first"], plan["second"]
