@@ -33,12 +33,16 @@ Never the production daemon.
                         are written or its digest known: a reader mid-publish finds a block
                         whose page holds nothing yet, and a second publisher of the block is
                         told it exists (Mooncake#1374: "exists" with no value).
+  PendingLeakCatalog    takes a page for every block it offers before it finds the block's
+                        publish in flight, and keeps it when the block turns out pending: the
+                        second publisher of a prefix leaks a reserved page per block, with
+                        no reservation to reclaim it.
 """
 
 from __future__ import annotations
 
 from kvpool.errors import MissCause
-from kvpool.pool.catalog import Catalog, LookupResult, Miss, PageState
+from kvpool.pool.catalog import Catalog, LookupResult, Miss, PageState, SlotStatus
 from kvpool.pool.digest import DIGEST_BYTES
 
 
@@ -161,8 +165,18 @@ class VisibleAtReserveCatalog(Catalog):
         return super()._abort(res)
 
 
+class PendingLeakCatalog(Catalog):
+    def _classify_offer(self, tid: int, nid: int, key: bytes, admitted: bool) -> SlotStatus | None:
+        status = super()._classify_offer(tid, nid, key, admitted)
+        if status == SlotStatus.PENDING:
+            page = self._allocate()
+            if page >= 0:  # taken for the offer, and never returned
+                self.state[page] = PageState.RESERVED
+        return status
+
+
 RACE_CATALOG_CONTROLS: dict[str, type[Catalog]] = {
     "abort_visible": AbortVisibleCatalog, "lost_wakeup": LostWakeupCatalog, "late_visible": LateVisibleCatalog,
     "eager_drop": EagerDropCatalog, "kept_drop": KeptDropCatalog, "pinned_release": PinnedReleaseCatalog,
-    "visible_at_reserve": VisibleAtReserveCatalog,
+    "visible_at_reserve": VisibleAtReserveCatalog, "pending_leak": PendingLeakCatalog,
 }

@@ -22,7 +22,9 @@ A connector needs a store whose publish kvgate can hold at its steps (capability
 `visible_at_reserve`: the pool restarted on a known-bad catalog that enters a reserved
 page in its index at the reserve (kvgate.faults.race_controls), so a reader mid-publish finds
 blocks whose pages hold nothing yet and the second publisher is told they exist; the
-visibility check must catch it.
+visibility check must catch it. Second control `pending_leak`: a catalog that takes a page
+for each block the second publisher offers before it finds the block pending, and keeps
+it; the store's accounting check must catch the leaked pages.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
     from kvgate.harness.conformance.context import Ctx
 
 VISIBILITY = "nothing of an open publish is visible"  # the check the control must fail
+LEAK = "no reservation, lease or page is left behind"  # the check the pending_leak control must fail
 
 
 class KvpoolStore:
@@ -180,7 +183,7 @@ def _race(ctx: Ctx, store: KvpoolStore, prompt: str, tag: str, control: str | No
     c.check("exactly one copy of each block is stored",
             grew["committed_pages"] == blocks and grew["entries"] == blocks, {**grew, "prompt_blocks": blocks})
     left = {k: after.get(k) for k in ("reserved_pages", "open_reservations", "leased_pages", "open_leases")}
-    c.check("no reservation, lease or page is left behind",
+    c.check(LEAK,
             not any(left.values()) and grew["free_pages"] == -blocks, {**left, "free_pages_grew": grew["free_pages"]})
     pooled = store.digests(ctx.cluster, "A", [a_keys[h] for h in a_digests])
     wrong = [h for h, d in a_digests.items() if pooled.get(a_keys[h]) != d]

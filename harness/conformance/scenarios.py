@@ -34,7 +34,7 @@ from kvgate.harness.conformance.context import (
     arm_control,
     same_output,
 )
-from kvgate.harness.conformance.race import VISIBILITY, same_key_race
+from kvgate.harness.conformance.race import LEAK, VISIBILITY, same_key_race
 from kvgate.harness.workload.prompts import common_prefix_tails
 
 def cross_replica_hit(ctx: Ctx, prompt_tokens: int = 1500, control: str | None = None) -> Checks:
@@ -450,7 +450,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("same_key_race", same_key_race, ("shared_store", "publish_race"),
              "two replicas publish one prefix at once, in a seeded order: nothing visible mid-publish, exactly one "
              "byte-exact copy, nothing leaked, both outputs equal a cold run",
-             control="visible_at_reserve", control_oracle=VISIBILITY),
+             control="visible_at_reserve", control_oracle=VISIBILITY,
+             more_controls=(("pending_leak", LEAK, "publish_race"),)),
     Scenario("accounting", accounting, ("shared_store",),
              "what the connector claims, what vLLM did not compute, the blocks installed byte-exact, vLLM's "
              "external-hit metrics and the connector's own load stats agree (conservation)",

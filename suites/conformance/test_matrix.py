@@ -80,8 +80,10 @@ def test_kvpool_same_key_race_one_copy_nothing_leaked_and_visible_at_reserve_is_
     cells = _cells(run_connector("kvpool", None, test_seed, tmp_path / "kvpool", ["same_key_race"]))
     cell = cells["same_key_race"]
     assert cell["status"] == "pass", (cell.get("reason"), cell.get("replay"))
-    assert cell["control"]["caught"], cell["control"]
-    assert "nothing of an open publish is visible" in cell["control"]["why"], cell["control"]
+    controls = {c["name"]: c for c in cell["controls"]}
+    assert all(c["caught"] for c in controls.values()), controls
+    assert controls["visible_at_reserve"]["why"].startswith("nothing of an open publish is visible"), controls
+    assert controls["pending_leak"]["why"].startswith("no reservation, lease or page is left behind"), controls
     ev = cell["evidence"]
     assert ev["witness"]["visible"] == 0 and ev["second_reserve"]["slots"] == {"pending": ev["prompt_blocks"]}, ev
     assert ev["pool_after"]["reserved_pages"] == 0 and ev["pool_after"]["open_reservations"] == 0, ev

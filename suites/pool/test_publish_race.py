@@ -84,6 +84,13 @@ def test_the_visible_at_reserve_control_shows_the_open_publish_and_answers_exist
     assert turns.record(second, "reserve")["slots"] == {"exists": 3}
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_the_pending_leak_control_leaves_a_reserved_page_per_block(tmp_path, seed):
+    plan, results, stats, turns = race(tmp_path, seed, RACE_CATALOG_CONTROLS["pending_leak"])
+    assert turns.record(plan["second"], "reserve")["slots"] == {"pending": 3}
+    assert (stats["committed_pages"], stats["reserved_pages"], stats["open_reservations"]) == (3, 3, 0)
+
+
 def test_a_turn_that_cannot_run_times_out(tmp_path):
     turns = Turns(tmp_path, ["A:reserve", "B:reserve"], ["A", "B"], timeout_s=0.2)
     with pytest.raises(TurnTimeout, match="parties not arrived"):
