@@ -39,6 +39,22 @@ A publish that never completes (the window in which the harness kills the replic
                    `seconds` before it is sent: a replica killed meanwhile dies with an
                    open publish, which the pool must reclaim and never make visible.
 
+Two publishes of one prefix from two replicas, in a seeded interleaving (the race of the
+same_key_race conformance scenario; kvgate.faults.barrier):
+
+    {"publish": {"kind": "turns", "me": "A", "dir": PATH, "parties": ["A", "B"],
+                 "order": ["A:reserve", "B:witness", "B:reserve", "A:write", ...],
+                 "timeout_s": 60, "times": 1}}
+
+  turns            the replica's next publish takes its turns in `order`: `witness` (a
+                   lookup of the publish's blocks just before its reserve: what a reader
+                   sees while the other publish is open), `reserve`, `write` (its pages
+                   written: marked done at its commit) and `commit`. A publish that
+                   reserved nothing skips its write and commit turns. Each turn's record
+                   (the witness's visible blocks, the reserve's slot statuses) is kept in
+                   the turn's file and written to the history; a turn that cannot run in
+                   `timeout_s` is recorded (`turn_timeout`) and the publish goes on unheld.
+
 A negative control for reconnection:
 
     {"client": {"control": "no_reconnect"}}
@@ -82,6 +98,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvgate.faults.barrier import Turns, TurnTimeout
 from kvgate.faults.control import ControlFile, ControlFileError
 from kvgate.faults.hook_controls import unguarded_probe
 from kvgate.faults.schedule import fires
@@ -109,6 +126,7 @@ class FaultyBackend:
         self._armed: tuple[int, dict] | None = None
         self._flipped: dict[int, tuple[np.ndarray, int, int]] = {}  # lease -> (page view, byte, bit) to restore
         self._opportunities = 0  # loads that reached the armed site since it was armed
+        self._race: dict[int, tuple[Turns, str]] = {}  # reservation -> (its turns, this party), of a publish race
         self._lock = threading.Lock()
 
     @property
@@ -158,12 +176,75 @@ class FaultyBackend:
             raise ControlFileError(f"{self.control.path}: namespace has no fields {unknown}")
         return ns.replace(**{f: "" for f in drop})
 
-    def commit(self, reservation_id: int, digests, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN201
+    # -- the turns of a publish race (kvgate.faults.barrier) -----------------------------------
+    def _turns_spec(self) -> dict | None:
         self._load_fault()
         spec = self._spec.get("publish")
-        if spec is not None:
+        if spec is None or spec.get("kind") != "turns":
+            return None
+        with self._lock:
+            if self._publish_fired >= int(spec.get("times", 1)):
+                return None
+            self._publish_fired += 1
+        return spec
+
+    def _turn(self, turns, me: str, point: str) -> bool:  # noqa: ANN001
+        """Wait for the turn; False (recorded) when it timed out: the publish goes on unheld."""
+        try:
+            waited = turns.wait(me, point)
+        except TurnTimeout as exc:
+            self.history.write("fault", site="pool_client.publish", kind="turn_timeout", turn=f"{me}:{point}",
+                               error=str(exc))
+            return False
+        self.history.write("fault", site="pool_client.publish", kind="turn", job="start", turn=f"{me}:{point}",
+                           waited_s=round(waited, 4))
+        return True
+
+    def _race_reserve(self, spec: dict, ns, hashes, lengths, boundary):  # noqa: ANN001, ANN202
+        turns = Turns(spec["dir"], spec["order"], spec["parties"], float(spec.get("timeout_s", 60)))
+        me = str(spec["me"])
+        if f"{me}:witness" in turns.order and self._turn(turns, me, "witness"):
+            seen = self.inner.lookup(ns, hashes)
+            info = {"blocks": len(hashes), "visible": len(seen.hits), "pending": int(seen.pending or 0),
+                    "miss": str(seen.miss.cause) if seen.miss is not None else None}
+            turns.done(me, "witness", **info)
+            self.history.write("fault", site="pool_client.publish", kind="turn", job="done", turn=f"{me}:witness", **info)
+        self._turn(turns, me, "reserve")
+        res = self.inner.reserve(ns, hashes, lengths, boundary)
+        statuses = [str(slot.status) for slot in res.slots]
+        info = {"reservation": res.reservation_id, "slots": {st: statuses.count(st) for st in set(statuses)}}
+        turns.done(me, "reserve", **info)
+        self.history.write("fault", site="pool_client.publish", kind="turn", job="done", turn=f"{me}:reserve", **info)
+        if not res.reservation_id:
+            turns.skip(me, ["write", "commit"], "nothing reserved")
+            return res
+        self._race[res.reservation_id] = (turns, me)
+        self._turn(turns, me, "write")  # the pages are written after this turn, before the commit
+        return res
+
+    def abort(self, reservation_id: int):  # noqa: ANN201
+        raced = self._race.pop(reservation_id, None)
+        if raced is not None:
+            raced[0].skip(raced[1], ["write", "commit"], "aborted")
+        return self.inner.abort(reservation_id)
+
+    def commit(self, reservation_id: int, digests, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN201
+        raced = self._race.pop(reservation_id, None)
+        if raced is not None:
+            turns, me = raced
+            turns.done(me, "write", pages=len(digests))
+            self._turn(turns, me, "commit")
+            out = self.inner.commit(reservation_id, digests, *args, **kw)
+            turns.done(me, "commit", committed=out.committed)
+            self.history.write("fault", site="pool_client.publish", kind="turn", job="done", turn=f"{me}:commit",
+                               committed=out.committed)
+            return out
+        self._load_fault()
+        spec = self._spec.get("publish")
+        if spec is not None and spec.get("kind") != "turns":
             if spec.get("kind") != "hang":
-                raise ControlFileError(f"{self.control.path}: unknown publish fault {spec.get('kind')!r}; known ('hang',)")
+                raise ControlFileError(f"{self.control.path}: unknown publish fault {spec.get('kind')!r}; "
+                                       f"known ('hang', 'turns')")
             with self._lock:
                 fire = self._publish_fired < int(spec.get("times", 1))
                 self._publish_fired += fire
@@ -190,7 +271,11 @@ class FaultyBackend:
         return self._call(self.inner.probe, ns, hashes, fresh_s)
 
     def reserve(self, ns, hashes, lengths, boundary=None):  # noqa: ANN001, ANN201
-        return self.inner.reserve(self._ns(ns), hashes, lengths, boundary)
+        ns = self._ns(ns)
+        spec = self._turns_spec()
+        if spec is not None:
+            return self._race_reserve(spec, ns, hashes, lengths, boundary)
+        return self.inner.reserve(ns, hashes, lengths, boundary)
 
     def evict(self, ns, hashes):  # noqa: ANN001, ANN201
         return self.inner.evict(self._ns(ns), hashes)

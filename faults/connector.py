@@ -19,6 +19,19 @@ for any inner connector, section "connector":
         cached prompt would say), while the inner connector loads only the blocks it found.
         The tokens between are never loaded nor computed: the engine attends to whatever
         their block holds. The pages it loaded are exact; only the output shows it.
+    {"connector": {"control": "claim_one_more"}}
+        a negative control: at a prompt whose length is an exact multiple of the block,
+        where the inner connector claims a hit that leaves more than one token to compute,
+        the engine is told one token more is external (an off-by-one at the boundary:
+        the token at the claim's end is neither loaded nor computed, its KV slot holds
+        whatever the block held). The inner connector loads only its own claim. Where it
+        claims the whole prompt (an asynchronous loader: the engine computes the last
+        token again itself) the claim stands and the inner connector is told one block
+        less: the last block at the boundary is claimed and never loaded.
+    {"connector": {"control": "double_count_stats"}}
+        a negative control: the connector's own stats count every load twice (what it
+        hands vLLM from get_kv_connector_stats is aggregated with a copy of itself), so
+        its load counters on /metrics say twice what was installed.
     {"connector": {"control": "late_store"}}
         a negative control: the stores land after the engine reused the blocks. On the
         scheduler side every request that finishes is freed at once (request_finished
@@ -71,7 +84,8 @@ from kvpool.connector.copier import HostCopier
 from kvpool.connector.history import HistoryWriter
 from kvpool.connector.wrap import WrappingConnector
 
-CONTROLS = ("hide_failures", "claim_past_loaded", "late_store", "deaf_tier_rule")
+CONTROLS = ("hide_failures", "claim_past_loaded", "claim_one_more", "double_count_stats", "late_store",
+            "deaf_tier_rule")
 
 
 class FaultConnector(WrappingConnector):
@@ -178,7 +192,27 @@ class FaultConnector(WrappingConnector):
                                control="claim_past_loaded", req=request.request_id, loaded_tokens=ext,
                                claimed_tokens=claim)
             return claim, load_async
+        if ext and spec and spec.get("control") == "claim_one_more":
+            return self._claim_one_more(request, num_computed_tokens, ext, load_async, n)
         return ext, load_async
+
+    def _claim_one_more(self, request, num_computed_tokens: int, ext: int, load_async: bool, n: int):  # noqa: ANN001, ANN202
+        block = int(self._vllm_config.cache_config.block_size)
+        if n % block == 0 and num_computed_tokens + ext + 1 <= n - 1:  # one token more than it loads
+            loads, claim = ext, ext + 1
+        elif n % block == 0 and load_async and num_computed_tokens + ext == n and ext >= block:
+            # the whole prompt claimed (an asynchronous loader): no token is left to add, so the
+            # claim stays and the load stops a block short, at the same boundary
+            loads, claim = ext - block, ext
+        else:
+            self.history.write("fault_skipped", site="connector", kind="copier_control", control="claim_one_more",
+                               req=request.request_id, prompt_tokens=n, claimed_tokens=num_computed_tokens + ext,
+                               reason="not an exact block multiple" if n % block else "no token left to claim")
+            return ext, load_async
+        self._claimed[request.request_id] = loads
+        self.history.write("fault", site="connector", kind="copier_control", job="claim", control="claim_one_more",
+                           req=request.request_id, loaded_tokens=loads, claimed_tokens=claim, prompt_tokens=n)
+        return claim, load_async
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):  # noqa: ANN001, ANN201
         inner = self._claimed.pop(request.request_id, None)
@@ -255,6 +289,17 @@ class FaultConnector(WrappingConnector):
                                control="deaf_tier_rule", dropped=stats.reduce() if hasattr(stats, "reduce") else None)
             connector_output = dataclasses.replace(connector_output, kv_connector_stats=None)
         return super().update_connector_output(connector_output)
+
+    def get_kv_connector_stats(self):  # noqa: ANN201
+        stats = super().get_kv_connector_stats()
+        spec = self._section()
+        if stats is not None and spec and spec.get("control") == "double_count_stats" and not stats.is_empty():
+            import copy
+
+            self.history.write("fault", site="connector", kind="copier_control", job="stats",
+                               control="double_count_stats")
+            stats = stats.aggregate(copy.deepcopy(stats))
+        return stats
 
     def get_block_ids_with_load_errors(self):  # noqa: ANN201
         failed = super().get_block_ids_with_load_errors()

@@ -5,7 +5,8 @@ breaks one of its guarantees (kvgate.faults.controls). Never the production daem
       the same daemon and options as `kvpool serve` (kvpool.pool.cli), with the named catalog
       (kvgate.faults.controls.CATALOG_CONTROLS: forgetful, leaseless, leaky, crossed,
       stale_index; kvgate.faults.race_controls.RACE_CATALOG_CONTROLS: abort_visible,
-      lost_wakeup, late_visible, eager_drop, kept_drop, pinned_release); it says on stderr
+      lost_wakeup, late_visible, eager_drop, kept_drop, pinned_release, visible_at_reserve,
+      pending_leak); it says on stderr
       that it is a negative control.
 """
 

@@ -25,12 +25,24 @@ Never the production daemon.
   PinnedReleaseCatalog  a release does not unpin: the lease's pages are never evicted again.
 
 (LeaselessCatalog, kvgate.faults.controls, is the lease's first control: it evicts leased pages.)
+
+  Two publishes of one block (the same_key_race conformance scenario,
+  kvgate.harness.conformance.race, on live replicas):
+  VisibleAtReserveCatalog
+                        enters a reserved page in the index at its reserve, before its bytes
+                        are written or its digest known: a reader mid-publish finds a block
+                        whose page holds nothing yet, and a second publisher of the block is
+                        told it exists (Mooncake#1374: "exists" with no value).
+  PendingLeakCatalog    takes a page for every block it offers before it finds the block's
+                        publish in flight, and keeps it when the block turns out pending: the
+                        second publisher of a prefix leaks a reserved page per block, with
+                        no reservation to reclaim it.
 """
 
 from __future__ import annotations
 
 from kvpool.errors import MissCause
-from kvpool.pool.catalog import Catalog, LookupResult, Miss, PageState
+from kvpool.pool.catalog import Catalog, LookupResult, Miss, PageState, SlotStatus
 from kvpool.pool.digest import DIGEST_BYTES
 
 
@@ -125,7 +137,46 @@ class PinnedReleaseCatalog(Catalog):
                 self.leases_on[p] += 1
 
 
+class VisibleAtReserveCatalog(Catalog):
+    def reserve(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        out = super().reserve(*args, **kwargs)
+        res = self._reservations.get(out.reservation_id)
+        if res is not None:
+            index = self._index[res.tenant]
+            for key, page in zip(res.keys, res.pages):
+                if key not in index:  # visible now (under one namespace: the race's case)
+                    index[key] = page
+        return out
+
+    def _hide(self, res) -> None:  # noqa: ANN001 - the early entries go before a commit enters them again
+        index = self._index[res.tenant]
+        for key, page in zip(res.keys, res.pages):
+            if index.get(key) == page:
+                del index[key]
+
+    def commit(self, reservation_id: int, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        res = self._reservations.get(reservation_id)
+        if res is not None:
+            self._hide(res)
+        return super().commit(reservation_id, *args, **kwargs)
+
+    def _abort(self, res) -> int:  # noqa: ANN001
+        self._hide(res)
+        return super()._abort(res)
+
+
+class PendingLeakCatalog(Catalog):
+    def _classify_offer(self, tid: int, nid: int, key: bytes, admitted: bool) -> SlotStatus | None:
+        status = super()._classify_offer(tid, nid, key, admitted)
+        if status == SlotStatus.PENDING:
+            page = self._allocate()
+            if page >= 0:  # taken for the offer, and never returned
+                self.state[page] = PageState.RESERVED
+        return status
+
+
 RACE_CATALOG_CONTROLS: dict[str, type[Catalog]] = {
     "abort_visible": AbortVisibleCatalog, "lost_wakeup": LostWakeupCatalog, "late_visible": LateVisibleCatalog,
     "eager_drop": EagerDropCatalog, "kept_drop": KeptDropCatalog, "pinned_release": PinnedReleaseCatalog,
+    "visible_at_reserve": VisibleAtReserveCatalog, "pending_leak": PendingLeakCatalog,
 }

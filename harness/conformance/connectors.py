@@ -26,6 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvgate.harness.conformance.accounting import kvpool_block_bytes, kvpool_loads
+from kvgate.harness.conformance.race import KVPOOL_STORE
 from kvgate.harness.system.cluster import CONNECTOR, free_port
 from kvgate.harness.system.procs import spawn, stop_group, wait_ready
 
@@ -68,6 +70,18 @@ class Profile:
     # engine has landed where another replica looks it up (report_dir -> None)
     settle: Callable[[Path], None] | None = None
     given: str = ""  # the extra config given on the command line (JSON), over `settings`
+    # its own unit of storage, in tokens, where it is not the KV block (LMCache's chunks):
+    # the exact_boundaries scenario adds a multiple of it; 0: none
+    chunk_tokens: int = 0
+    # its store as the same_key_race scenario drives and reads it (kvgate.harness.conformance.race:
+    # publishes held at their steps, the store's accounting and its committed copies), where
+    # kvgate has one; the capability `publish_race` says whether it does
+    store: Any = None
+    # its own load counters on a replica's /metrics (kvgate.harness.conformance.accounting.counters ->
+    # {"blocks", "bytes"}), and one block's bytes from a producer's; None: kvgate does not read them
+    # (capability `own_load_stats`)
+    load_metrics: Callable[[dict], dict[str, float]] | None = None
+    block_bytes: Callable[[dict], float | None] | None = None
 
     @property
     def python(self) -> str:
@@ -281,21 +295,33 @@ CONNECTORS: dict[str, Profile] = {
         "kvpool", CONNECTOR, "kvpool's connector on a shared host-memory pool",
         {"shared_store": Capability(True, "replicas share one pool"),
          "prefix_hits": Capability(True, "keys are a chain over complete blocks: any block-aligned prefix hits"),
-         "data_fault": Capability(True, "a bit of a committed page in the arena")},
-        break_stored=_kvpool_break, packages=("vllm",)),
+         "data_fault": Capability(True, "a bit of a committed page in the arena"),
+         "publish_race": Capability(True, "its pool client's publish (reserve, write, commit) is held at each step; "
+                                          "the pool's stats and committed copies are read by an oracle client"),
+         "own_load_stats": Capability(True, "vllm:kvpool_loaded_blocks and vllm:kvpool_loaded_bytes")},
+        break_stored=_kvpool_break, packages=("vllm",), store=KVPOOL_STORE, load_metrics=kvpool_loads,
+        block_bytes=kvpool_block_bytes),
     "example": Profile(
         "example", EXAMPLE, "vLLM's ExampleConnector (KV of whole prompts in safetensors files on a shared path)",
         {"shared_store": Capability(True, "replicas given one shared_storage_path share its files"),
          "prefix_hits": Capability(False, "ExampleConnector keys a folder by the hash of the whole prompt's "
                                           "block-aligned tokens: a prompt that shares only a prefix never hits"),
-         "data_fault": Capability(True, "a layer's safetensors file of a stored prompt")},
+         "data_fault": Capability(True, "a layer's safetensors file of a stored prompt"),
+         "publish_race": Capability(False, "ExampleConnector writes a prompt's files from save_kv_layer as the layers "
+                                           "run and finds a prompt by its folder existing: kvgate has no step of its "
+                                           "write to hold two publishes at, so the race could only be left to timing"),
+         "own_load_stats": Capability(False, "ExampleConnector keeps no stats of its loads")},
         settings=_example_settings, break_stored=_example_break, reset=_example_reset),
     "offloading": Profile(
         "offloading", OFFLOADING, "vLLM's OffloadingConnector (tiering: a CPU tier per replica, and vLLM's "
                                   "file-system tier on one shared path)",
         {"shared_store": Capability(True, "replicas given one file-system tier root share its block files"),
          "prefix_hits": Capability(True, "block hashes (the engine's own, seeded alike: PYTHONHASHSEED=0)"),
-         "data_fault": Capability(True, "a block file of the file-system tier")},
+         "data_fault": Capability(True, "a block file of the file-system tier"),
+         "publish_race": Capability(False, "the file-system tier writes a block's file on its own threads after the "
+                                           "request (a temporary file, then a rename): kvgate has no hold point in "
+                                           "it yet"),
+         "own_load_stats": Capability(False, "kvgate does not read the OffloadingConnector's transfer stats yet")},
         settings=_offloading_settings, break_stored=_offloading_break, reset=_offloading_reset,
         settle=_offloading_settle, env=(("PYTHONHASHSEED", "0"),), device="cuda"),
     "lmcache-mp": Profile(
@@ -303,8 +329,12 @@ CONNECTORS: dict[str, Profile] = {
         {"shared_store": Capability(True, "replicas share one lmcache server"),
          "prefix_hits": Capability(True, "chunk hashes (256-token chunks)"),
          "data_fault": Capability(False, "the server keeps its chunks in its own process's memory: kvgate has no "
-                                         "outside access to them yet")},
-        packages=("vllm", "lmcache"), venv=".venv-lmcache", env=LMCACHE_ENV, service=_lmcache_server),
+                                         "outside access to them yet"),
+         "publish_race": Capability(False, "the server stores chunks inside its own process: kvgate can neither hold "
+                                           "its puts at a step nor read its copies and accounting yet"),
+         "own_load_stats": Capability(False, "kvgate does not read LMCache's own metrics yet")},
+        packages=("vllm", "lmcache"), venv=".venv-lmcache", env=LMCACHE_ENV, service=_lmcache_server,
+        chunk_tokens=256),
 }
 
 
@@ -324,5 +354,7 @@ def profile(name: str, extra: dict[str, Any] | None = None) -> Profile:
     return Profile(name, name, f"{name} (given by its class path)",
                    {"shared_store": Capability(True, "assumed: the extra config is expected to share a store"),
                     "prefix_hits": Capability(True, "assumed"),
-                    "data_fault": Capability(False, "kvgate does not know where this connector keeps its data")},
+                    "data_fault": Capability(False, "kvgate does not know where this connector keeps its data"),
+                    "publish_race": Capability(False, "kvgate does not know this connector's store"),
+                    "own_load_stats": Capability(False, "kvgate does not know this connector's stats")},
                    settings=lambda report_dir: dict(settings), packages=("vllm", name.partition(".")[0]))

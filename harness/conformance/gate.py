@@ -185,23 +185,42 @@ def run_cell(ctx: Ctx, sc: Scenario, root: int) -> dict[str, Any]:
     v = checks.verdict(sc.describe)
     cell.update(status="pass" if v.valid else "fail", reason=v.reason[:600], evidence=v.evidence)
     if v.valid and sc.control:
-        ctx.seed = derive_seed(seed, f"control:{sc.control}")
-        cchecks, cbroke, cdown = _run_body(ctx, sc, control=sc.control)
-        if cchecks is None or cdown:
-            control = {"name": sc.control, "caught": False,
-                       "why": f"INCONCLUSIVE (the control run proves nothing): {cbroke or 'a replica died'}",
-                       "replica_logs": cdown}
-        else:
-            failed = (cchecks.output_failed if sc.control_oracle == "output"
-                      else [f for f in cchecks.failed if f.startswith(sc.control_oracle)])
-            control = {"name": sc.control, "oracle": sc.control_oracle, "caught": bool(failed),
-                       "why": (failed[0] if failed else f"the {sc.control_oracle} judgement passed under the control")[:300]}
-        ctx.cluster.reset()
-        cell["control"] = control
+        cell["control"] = control = _run_control(ctx, sc, seed, sc.control, sc.control_oracle)
         if not control["caught"]:
             cell.update(status="fail", reason=f"negative control {sc.control} not caught: {control['why']}")
+    # More controls, each where the connector has what it needs (its reason kept where not)
+    more = [(name, oracle, ctx.profile.needs(need) if need else None) for name, oracle, need in sc.more_controls]
+    if v.valid and more:
+        cell["controls"] = [cell["control"]] if "control" in cell else []
+        for name, oracle, na in more:
+            if na:
+                cell["controls"].append({"name": name, "oracle": oracle, "caught": None, "why": f"n/a: {na}"})
+                continue
+            control = _run_control(ctx, sc, seed, name, oracle)
+            cell["controls"].append(control)
+            if not control["caught"] and cell["status"] == "pass":
+                cell.update(status="fail", reason=f"negative control {name} not caught: {control['why']}")
     cell["seconds"] = round(time.monotonic() - t0, 1)
     return cell
+
+
+def _run_control(ctx: Ctx, sc: Scenario, seed: int, name: str, oracle: str) -> dict[str, Any]:
+    """Run the scenario under a negative control: caught only when `oracle` (the output
+    oracle, or the scenario's checks named so) judged the run false; a run that could not
+    finish is inconclusive, never caught."""
+    ctx.seed = derive_seed(seed, f"control:{name}")
+    cchecks, cbroke, cdown = _run_body(ctx, sc, control=name)
+    if cchecks is None or cdown:
+        control = {"name": name, "caught": False,
+                   "why": f"INCONCLUSIVE (the control run proves nothing): {cbroke or 'a replica died'}",
+                   "replica_logs": cdown}
+    else:
+        failed = (cchecks.output_failed if oracle == "output"
+                  else [f for f in cchecks.failed if f.startswith(oracle)])
+        control = {"name": name, "oracle": oracle, "caught": bool(failed),
+                   "why": (failed[0] if failed else f"the {oracle} judgement passed under the control")[:300]}
+    ctx.cluster.reset()
+    return control
 
 
 def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir: Path,
@@ -255,10 +274,11 @@ def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir
                         "replay": replay(prof.name, sc.name, seed, prof.given)}
             row["cells"][sc.name] = cell
             (report_dir / "row.json").write_text(json.dumps(row, indent=1, default=str))  # so far
-            ctl = cell.get("control")
+            ctls = cell.get("controls") or ([cell["control"]] if cell.get("control") else [])
             _say(f"[{prof.name} {i}/{len(chosen)}] {sc.name}: {cell['status']}"
                  + (f" ({cell['reason'][:240]})" if cell["status"] != "pass" else "")
-                 + (f"; control {ctl['name']}: {'caught' if ctl['caught'] else 'NOT CAUGHT'}" if ctl else "")
+                 + "".join(f"; control {c['name']}: "
+                           + {True: "caught", False: "NOT CAUGHT", None: "n/a"}[c["caught"]] for c in ctls)
                  + f" in {time.monotonic() - t0:.0f} s")
     finally:
         try:

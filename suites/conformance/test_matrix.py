@@ -55,3 +55,65 @@ def test_example_connector_hit_judged_salt_leak_found_partial_hit_not_applicable
     assert "kvgate gate --connector example --scenario salt_isolation --seed" in leak["replay"]
     na = cells["partial_hit"]
     assert na["status"] == "n/a" and "whole prompt" in na["reason"]
+
+
+def test_kvpool_exact_boundaries_full_hits_give_the_cold_output_and_claim_one_more_is_caught(tmp_path, test_seed):
+    """Prompts of exactly 11 blocks and of exactly the prefill chunk, one token below and one
+    above: B's full hit equals A's prefix hit to the last bit and A's cold run in its tokens;
+    a connector that claims one token past what it loads at an exact block multiple is
+    caught by the output oracle."""
+    cells = _cells(run_connector("kvpool", None, test_seed, tmp_path / "kvpool", ["exact_boundaries"]))
+    cell = cells["exact_boundaries"]
+    assert cell["status"] == "pass", (cell.get("reason"), cell.get("replay"))
+    assert cell["control"]["caught"] and cell["control"]["oracle"] == "output", cell["control"]
+    cases = cell["evidence"]["cases"]
+    assert set(cases) == {f"{u}{d}" for u in ("block", "prefill_chunk") for d in ("-1", "", "+1")}
+    assert all(case["claimed"] > 0 and case["installed"] > 0 for case in cases.values()), cases
+
+
+def test_kvpool_same_key_race_one_copy_nothing_leaked_and_visible_at_reserve_is_caught(tmp_path, test_seed):
+    """A and B publish one prefix at once, their publishes taking turns in the seeded order
+    at the pool client: the second's lookup mid-publish finds nothing and its offer is told
+    'pending', one byte-exact copy is stored, nothing is left reserved or leased, both
+    outputs equal a cold run. A pool whose catalog shows a reserved page at once (the second
+    publisher told 'exists' while the page holds nothing) is caught by the visibility check."""
+    cells = _cells(run_connector("kvpool", None, test_seed, tmp_path / "kvpool", ["same_key_race"]))
+    cell = cells["same_key_race"]
+    assert cell["status"] == "pass", (cell.get("reason"), cell.get("replay"))
+    controls = {c["name"]: c for c in cell["controls"]}
+    assert all(c["caught"] for c in controls.values()), controls
+    assert controls["visible_at_reserve"]["why"].startswith("nothing of an open publish is visible"), controls
+    assert controls["pending_leak"]["why"].startswith("no reservation, lease or page is left behind"), controls
+    ev = cell["evidence"]
+    assert ev["witness"]["visible"] == 0 and ev["second_reserve"]["slots"] == {"pending": ev["prompt_blocks"]}, ev
+    assert ev["pool_after"]["reserved_pages"] == 0 and ev["pool_after"]["open_reservations"] == 0, ev
+
+
+def test_kvpool_accounting_conserves_claims_loads_and_vllm_metrics_and_over_reporting_is_caught(tmp_path, test_seed):
+    """B's full hit, partial hit, miss and local hit: each claim is covered by exactly its
+    byte-exact installed blocks, the claims are vLLM's external hits, the rest is what vLLM
+    computed, and kvpool's own load counters count the installed blocks. A connector that
+    claims tokens it does not load, and one that counts its loads twice, are each caught by
+    the conservation oracle."""
+    cells = _cells(run_connector("kvpool", None, test_seed, tmp_path / "kvpool", ["accounting"]))
+    cell = cells["accounting"]
+    assert cell["status"] == "pass", (cell.get("reason"), cell.get("replay"))
+    controls = {c["name"]: c for c in cell["controls"]}
+    assert set(controls) == {"claim_past_loaded", "double_count_stats"}, controls
+    assert all(c["caught"] and c["why"].startswith("conservation") for c in controls.values()), controls
+    assert "own stats" in controls["double_count_stats"]["why"], controls
+    ev = cell["evidence"]
+    assert ev["claimed"] > 0 and ev["own"]["blocks"] == ev["verified_blocks"] > 0, ev
+    assert ev["vllm"]["external_hits"] == ev["claimed"], ev
+
+
+def test_kvpool_asynchronous_loads_at_exact_boundaries_and_the_control_is_caught(tmp_path, test_seed):
+    """load_mode async: every boundary prompt loads asynchronously (at an exact block multiple
+    kvpool leaves the last block to compute, as its synchronous loads do), each full hit equals
+    A's prefix hit, and the control's one token past the load is caught."""
+    cells = _cells(run_connector("kvpool", {"load_mode": "async"}, test_seed, tmp_path / "kvpool-async",
+                                 ["exact_boundaries"]))
+    cell = cells["exact_boundaries"]
+    assert cell["status"] == "pass", (cell.get("reason"), cell.get("replay"))
+    assert cell["control"]["caught"], cell["control"]
+    assert all(case["load_async"] for case in cell["evidence"]["cases"].values()), cell["evidence"]["cases"]
