@@ -377,3 +377,35 @@ def test_a_finished_request_returns_its_attribution_and_the_scheduler_counts_its
     assert params["kvpool"]["hit_kind"] == "fallback" and params["kvpool"]["loaded_blocks"] == 0
     stats = s.take_stats().reduce()
     assert stats["lookups_remote_hit"] == 2 and stats["lookups_miss"] == 1 and stats["misses_never_published"] == 3
+
+
+def test_a_reset_takes_the_namespaces_blocks_out_of_the_pool_for_every_replica(pool, tmp_path):
+    """reset_cache (vLLM's reset_external): what was published under the engine's namespace
+    is no hit after it, for this scheduler and another replica's alike; it answers False
+    while one of its requests' stores is unreported (a block computed before the reset could
+    land after it), True once the worker reported it; what is published after it hits."""
+    s = scheduler(pool, tmp_path, replica="a")
+    other = scheduler(pool, tmp_path, replica="b")
+    tokens = list(range(1000))  # 7 complete blocks
+    ns = namespace_for(vllm_config(tmp_path), s.settings)
+    with pool_client(pool) as c:
+        publish(c, ns, s_hashes(s, tokens)[:5], [np.zeros(128 * 1024, np.uint8)] * 5)
+    assert ask_matched(other, request("before", tokens), 0) == (5 * B, False)
+    stored = request("stored", list(range(5000, 5300)))  # a request of s whose store is handed to the worker
+    ask_matched(s, stored, 0)
+    s.update_state_after_alloc(stored, None, 0)
+    s.build_connector_meta(step(new=[("stored", [1, 2, 3], 0)], scheduled={"stored": 300}))
+    assert s.request_finished(stored, [1, 2, 3])[0] is True  # held until the worker reports the store
+    assert s.reset() is False  # a store of s is in flight: the caller retries
+    for sched, rid in ((s, "a1"), (other, "b1")):
+        assert ask_matched(sched, request(rid, tokens), 0) == (0, False)
+    s.update_connector_output(SimpleNamespace(finished_sending={"stored"}, invalid_block_ids=None,
+                                              kv_connector_stats=None))
+    assert s.reset() is True
+    with pool_client(pool) as c:
+        publish(c, ns, s_hashes(s, tokens)[:3], [np.zeros(128 * 1024, np.uint8)] * 3)  # after the reset
+    assert ask_matched(other, request("after", tokens), 0) == (3 * B, False)
+    from kvgate.harness.checkers.history import records
+
+    resets = records(tmp_path / "h", "reset")
+    assert [r["ok"] for r in resets] == [False, True] and resets[0]["pages"] == {"evicted": 5}, resets
