@@ -131,6 +131,14 @@ class KVPoolScheduler:
             if events and hasattr(events[0], "timestamp"):  # QUEUED: the engine core took the request in
                 st.timing["queued_us"] = round((called - events[0].timestamp) * 1e6, 1)
         record.update(st.timing)
+        if getattr(request, "skip_reading_prefix_cache", False):
+            # vLLM's flag of a request that must compute its whole prompt (prompt_logprobs sets
+            # it: a log-probability exists only for a token the engine computes). vLLM 0.32's
+            # scheduler drops a connector's hit of such a request itself; before vllm#57269 it
+            # did not. No lookup, no claim: its attribution and counters say so. It publishes.
+            self._note_lookup(st, **record, external_tokens=0, hit_blocks=0, outcome="skipped",
+                               reason="the request reads no prefix cache (skip_reading_prefix_cache)")
+            return 0, False
         if st.loading_async:  # matched again before it was scheduled: vLLM dropped its failed load
             st.loading_async = False
             st.load_allowed = False  # what the pool holds for it failed once: recompute the rest
