@@ -512,6 +512,9 @@ class Scenario:
     control_oracle: str = ""  # "output", or the name of the check that must fail under the control
     replicas: tuple[str, ...] = ("A", "B")
     not_run: str = ""  # why kvgate does not run it yet
+    # the control's defect takes the replica down on this vLLM (the oracle then sees the request
+    # fail): a replica down after the control run is judged by the oracle, not inconclusive
+    control_down_judged: bool = False
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
@@ -537,3 +540,21 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("shared_blocks_one_fails", shared_blocks_one_fails, ("shared_store", "prefix_hits", "data_fault"),
              "two concurrent requests sharing blocks when one's load fails"),
 )}
+
+
+# The cache's lifecycle around the requests (kvgate.harness.conformance.lifecycle: a reset
+# after a weight update, a request that reads no cache, an adapter reloaded under its name).
+from kvgate.harness.conformance import lifecycle  # noqa: E402 - its bodies import this module's helpers when run
+
+SCENARIOS.update({s.name: s for s in (
+    Scenario("reset_external", lifecycle.reset_external, ("shared_store",),
+             "after a weight update and POST /reset_prefix_cache?reset_external=true, no request hits KV published "
+             "before the reset", control="deaf_reset", control_oracle="output"),
+    Scenario("prompt_logprobs_warm", lifecycle.prompt_logprobs_warm, ("shared_store",),
+             "prompt_logprobs over a prefix the connector holds: full-length and equal to the cold run's",
+             control="load_despite_skip", control_oracle="the warm request's prompt_logprobs are full-length",
+             control_down_judged=True),
+    Scenario("adapter_reload_same_name", lifecycle.adapter_reload_same_name, ("shared_store",),
+             "two LoRA adapters loaded in turn under one name (and one path): no stale hit",
+             control="adapter_by_name", control_oracle="output", replicas=("E", "F")),
+)})

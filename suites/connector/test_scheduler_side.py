@@ -409,3 +409,25 @@ def test_a_reset_takes_the_namespaces_blocks_out_of_the_pool_for_every_replica(p
 
     resets = records(tmp_path / "h", "reset")
     assert [r["ok"] for r in resets] == [False, True] and resets[0]["pages"] == {"evicted": 5}, resets
+
+
+def test_a_request_that_reads_no_prefix_cache_claims_nothing_and_still_publishes(pool, tmp_path):
+    """vLLM's skip_reading_prefix_cache (prompt_logprobs sets it): no lookup, no claim, the
+    lookup record says why; the request computes its whole prompt and publishes it."""
+    from kvpool.connector.history import read_history
+
+    s = scheduler(pool, tmp_path)
+    tokens = list(range(1000))
+    with pool_client(pool) as c:
+        publish(c, namespace_for(vllm_config(tmp_path), s.settings), s_hashes(s, tokens)[:5],
+                [np.zeros(128 * 1024, np.uint8)] * 5)
+    control = request("warm", tokens)
+    assert ask_matched(s, control, 0) == (5 * B, False)  # the positive control: the blocks are there
+    r = request("logprobs", tokens)
+    r.skip_reading_prefix_cache = True
+    assert ask_matched(s, r, 0) == (0, False)
+    s.update_state_after_alloc(r, None, 0)
+    meta = s.build_connector_meta(step(new=[("logprobs", list(range(8)), 0)], scheduled={"logprobs": 1000}))
+    assert [(x.first_block, len(x.block_ids)) for x in meta.stores] == [(0, 7)] and not meta.loads
+    rec = [x for x in read_history(tmp_path / "h") if x["ev"] == "lookup" and x["req"] == "logprobs"]
+    assert [x["outcome"] for x in rec] == ["skipped"] and "skip_reading_prefix_cache" in rec[0]["reason"]
