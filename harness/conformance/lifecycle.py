@@ -10,7 +10,8 @@ what the connector claimed, installed and produced, and from the outputs alone.
                             full-length and equal to the cold run's
   adapter_reload_same_name  two LoRA adapters loaded in turn under one name: no stale hit
 
-Each body takes `control` (its negative control, kvgate.faults.connector) and returns Checks.
+Each body takes `control` (its negative control, kvgate.faults.connector) and returns Checks;
+the scenario's Ctx (kvgate.harness.conformance.scenarios.Ctx) is its first argument.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any
 
 from kvgate.harness.checkers.verdict import Checks
 from kvgate.harness.client import engine_api
+from kvgate.harness.conformance.common import all_digests, arm_control
+from kvgate.harness.conformance.common import tag as _tag
 
 ADAPTER = "ad"  # the adapter name the adapter scenario reloads
 LORA_ARGS = ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8")
@@ -29,9 +32,7 @@ LORA_ENV = (("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True"),)
 
 
 def _digests(ctx: Any, kind: str, replica: str, tag: str) -> set[str]:
-    from kvgate.harness.conformance.scenarios import _all_digests
-
-    return {d for ds in _all_digests(ctx, kind, replica, tag).values() for d in ds}
+    return {d for ds in all_digests(ctx, kind, replica, tag).values() for d in ds}
 
 
 def _r2_weights(ctx: Any) -> Path:
@@ -58,8 +59,6 @@ def reset_external(ctx: Any, prompt_tokens: int = 1200, control: str | None = No
     (the connector still shares). The replicas load r1 again at the end. Negative control
     `deaf_reset` (on A): reset_cache answers None and keeps the store, vLLM reports
     success, and the replicas load KV that r1 computed."""
-    from kvgate.harness.conformance.scenarios import _tag, arm_control
-
     rng = random.Random(ctx.seed)
     p_a, p_b, q = (ctx.corpus.text(prompt_tokens, rng) for _ in range(3))
     tag = _tag("z", ctx.seed)
@@ -117,8 +116,6 @@ def prompt_logprobs_warm(ctx: Any, prompt_tokens: int = 1500, control: str | Non
     control `load_despite_skip` (on B): the flag cleared before the connector and the
     engine read it, as on a vLLM before #57269 with a connector that does not honour it:
     the engine takes the hit and the list comes back short."""
-    from kvgate.harness.conformance.scenarios import _tag, arm_control
-
     rng = random.Random(ctx.seed)
     prompt = ctx.corpus.text(prompt_tokens, rng)
     tag = _tag("g", ctx.seed)
@@ -176,8 +173,6 @@ def adapter_reload_same_name(ctx: Any, prompt_tokens: int = 1500, control: str |
     alone, and F installs E's w1 KV."""
     from kvgate.fixtures.tiny_model import build_tiny_lora
     from kvgate.harness.client.http import reset_prefix_cache
-    from kvgate.harness.conformance.scenarios import _tag, arm_control
-
     rng = random.Random(ctx.seed)
     prompt = ctx.corpus.text(prompt_tokens, rng)
     tag = _tag("n", ctx.seed)

@@ -24,6 +24,10 @@ from typing import Any
 from kvgate.harness.checkers.history import audit_digests, records
 from kvgate.harness.checkers.verdict import Checks
 from kvgate.harness.client.http import Completion, RequestFailed, complete
+from kvgate.harness.conformance import lifecycle
+from kvgate.harness.conformance.common import all_digests as _all_digests
+from kvgate.harness.conformance.common import arm_control
+from kvgate.harness.conformance.common import tag as _tag
 from kvgate.harness.workload.prompts import Corpus, common_prefix_tails
 
 BLOCK = 128  # the tiny model's block size on the default system
@@ -104,10 +108,6 @@ def same_output(c: Checks, ctx: Ctx, name: str, got: Completion, ref: Completion
         return m["local_tokens"] + min(m["external_tokens"], len(ctx.installed(run.replica, run.tag)) * BLOCK)
 
     c.output(name, got, ref, cached=(cached(got), cached(ref)))
-
-
-def _tag(prefix: str, seed: int) -> str:
-    return f"c{prefix}{seed % 10**8}"
 
 
 def _exact(c: Checks, ctx: Ctx, consumer: tuple[str, str], producer: tuple[str, str], least: int) -> dict[str, str]:
@@ -276,17 +276,6 @@ def load_failure_recompute(ctx: Ctx, prompt_tokens: int = 1500, control: str | N
     return c
 
 
-def arm_control(ctx: Ctx, replica: str, control: str) -> None:
-    """Add a connector control (kvgate.faults.connector) to what the replica's fault file arms."""
-    import json
-
-    path = ctx.cluster.faults[replica]
-    doc = json.loads(path.read_text() or "{}")
-    doc["connector"] = {"control": control}
-    path.write_text(json.dumps(doc))
-    ctx.armed.add(replica)
-
-
 def load_failure_fail(ctx: Ctx, prompt_tokens: int = 1500) -> Checks:
     """B computes a prompt; its stored KV is broken; A (policy fail) asks for it: the
     request ends with an explicit error, and A keeps serving."""
@@ -405,16 +394,6 @@ def _preemptions(ctx: Ctx, replica: str) -> float:
     text = requests.get(f"{ctx.url(replica)}/metrics", timeout=30).text
     return sum(s.value for fam in text_string_to_metric_families(text) if fam.name == "vllm:num_preemptions"
                for s in fam.samples if s.name.endswith("_total"))
-
-
-def _all_digests(ctx: Ctx, kind: str, replica: str, tag: str) -> dict[str, set[str]]:
-    """Every digest the replica's audit recorded per block (a preempted request's blocks
-    are computed again: each computation counts)."""
-    out: dict[str, set[str]] = {}
-    for r in records(ctx.h, "audit", kind=kind, tag=tag, replica=replica):
-        for k, d in zip(r["hashes"], r["digests"]):
-            out.setdefault(k, set()).add(d)
-    return out
 
 
 def preempt_during_store(ctx: Ctx, control: str | None = None, prompts: int = 3, prompt_tokens: int = 1600,
@@ -544,7 +523,6 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
 
 # The cache's lifecycle around the requests (kvgate.harness.conformance.lifecycle: a reset
 # after a weight update, a request that reads no cache, an adapter reloaded under its name).
-from kvgate.harness.conformance import lifecycle  # noqa: E402 - its bodies import this module's helpers when run
 
 SCENARIOS.update({s.name: s for s in (
     Scenario("reset_external", lifecycle.reset_external, ("shared_store",),
