@@ -3,7 +3,10 @@ kvpool with their controls caught (preemption with its late-store control includ
 each control plants), and on vLLM's ExampleConnector the harness finds what that
 connector does not do (it serves KV across cache salts), judges what it does (a
 cross-replica hit, control caught) and marks what does not apply to it (a partial hit)
-"n/a" with the reason. These tests start their own replicas, before the live suite's."""
+"n/a" with the reason. The lifecycle scenarios (a reset after a weight update, prompt
+log-probabilities over a held prefix, an adapter reloaded under its name) pass on kvpool with
+their controls caught, one test each. These tests start their own replicas, before the live
+suite's."""
 
 import pytest
 
