@@ -35,6 +35,15 @@ def _digests(ctx: Any, kind: str, replica: str, tag: str) -> set[str]:
     return {d for ds in all_digests(ctx, kind, replica, tag).values() for d in ds}
 
 
+def _cold(c: Checks, ctx: Any, refs: list[tuple[str, str]]) -> None:
+    """A reference run under a cache_salt of its own must be computed cold (nothing
+    installed): else the output comparison against it proves nothing (a connector that
+    serves KV across cache salts gives its reference the KV under test)."""
+    loaded = {f"{rep}/{t}": len(ctx.installed(rep, t)) for rep, t in refs}
+    c.check("the references were computed cold (nothing installed under their own cache_salt)",
+            not any(loaded.values()), loaded)
+
+
 def _r2_weights(ctx: Any) -> Path:
     """The tiny model's revision r2 (other weights, the same architecture and tokenizer),
     in a folder of its own: the weights a replica loads in place."""
@@ -54,7 +63,8 @@ def reset_external(ctx: Any, prompt_tokens: int = 1200, control: str | None = No
     false) must reset the connector's cache. After it, A asks for the first prompt and B
     for the second: no block published before the reset may be claimed or installed
     (nothing was published since: any hit is stale), and each output equals its
-    replica's cold run on r2 (under a cache_salt of its own) to the last bit. Positive
+    replica's cold run on r2 (under a cache_salt of its own, checked cold: nothing
+    installed) to the last bit. Positive
     control: after the reset A computes a third prompt and B installs A's blocks of it
     (the connector still shares). The replicas load r1 again at the end. Negative control
     `deaf_reset` (on A): reset_cache answers None and keeps the store, vLLM reports
@@ -96,6 +106,7 @@ def reset_external(ctx: Any, prompt_tokens: int = 1200, control: str | None = No
                        "installed_before_reset": len(old)}
     c.check("no request after the reset hit KV published before it",
             all(s["claimed_tokens"] == 0 and s["installed"] == 0 for s in stale.values()), stale)
+    _cold(c, ctx, [("A", f"{tag}-aref"), ("B", f"{tag}-bref")])
     for name in ("A", "B"):
         c.output(f"{name}'s output after the reset equals its cold run on the new weights", after[name], refs[name])
     shared = ctx.installed_from("B", f"{tag}-qb", ctx.produced("A", f"{tag}-qa"))
@@ -110,7 +121,7 @@ def prompt_logprobs_warm(ctx: Any, prompt_tokens: int = 1500, control: str | Non
     """A computes a prompt and the connector stores it. B is asked for the same prompt
     with prompt_logprobs: its list has an entry for every prompt token (the first None,
     every other one computed) and equals, entry for entry, the list of B's cold run of the
-    prompt (under a cache_salt of its own: nothing cached), and so do the generated tokens
+    prompt (under a cache_salt of its own, checked cold: nothing installed), and so do the generated tokens
     with their log-probabilities. vLLM marks such a request skip_reading_prefix_cache: a
     prompt log-probability is only computed for a token the engine computes. Negative
     control `load_despite_skip` (on B): the flag cleared before the connector and the
@@ -133,6 +144,7 @@ def prompt_logprobs_warm(ctx: Any, prompt_tokens: int = 1500, control: str | Non
         ctx.profile.settle(ctx.cluster.report_dir)
     c = Checks()
     n = cold.prompt_tokens
+    _cold(c, ctx, [("B", f"{tag}-bcold")])
     c.check("the cold run's list is full-length (the reference is sound)",
             len(cold.entries) == n and cold.computed() == n - 1, {"entries": len(cold.entries), "prompt_tokens": n})
     got = warm.entries if warm is not None else []
@@ -165,7 +177,7 @@ def adapter_reload_same_name(ctx: Any, prompt_tokens: int = 1500, control: str |
     folder is rewritten with other weights w2 (another seed: other KV); F loads `ad` from
     it and asks for the prompt: nothing E computed under w1 may be claimed or installed
     (no block's bytes may be one of E's), and F's output equals F's cold run under w2
-    (a cache_salt of its own) to the last bit. Then E reloads `ad` in place (same name,
+    (a cache_salt of its own, checked cold) to the last bit. Then E reloads `ad` in place (same name,
     id and path) and, its own prefix cache reset (vLLM's local cache would serve w1: not
     the connector's), asks again: no block with E's w1 bytes. Positive control: E's
     second run installs F's w2 blocks (the same adapter on two replicas shares). Negative
@@ -211,6 +223,7 @@ def adapter_reload_same_name(ctx: Any, prompt_tokens: int = 1500, control: str |
             {"claimed": m, "installed": len(f_installed), "installed_of_w1": len(f_stale)})
     c.check("E (the adapter reloaded in place) installed no KV of the adapter's previous weights", not e_stale,
             {"installed": len(e_installed), "installed_of_w1": len(e_stale)})
+    _cold(c, ctx, [("F", f"{tag}-fref")])
     c.output("F's output equals its cold run under the reloaded adapter", f2, fref)
     shared = ctx.installed_from("E", f"{tag}-e2", ctx.produced("F", f"{tag}-f2"))
     c.check("positive control: E, reloaded, installed F's blocks of the same adapter", len(shared) > 0, len(shared))
