@@ -530,7 +530,7 @@ SCENARIOS.update({s.name: s for s in (
              "before the reset", control="deaf_reset", control_oracle="output"),
     Scenario("prompt_logprobs_warm", lifecycle.prompt_logprobs_warm, ("shared_store",),
              "prompt_logprobs over a prefix the connector holds: full-length and equal to the cold run's",
-             control="load_despite_skip", control_oracle="the warm request's prompt_logprobs are full-length",
+             control="load_despite_skip", control_oracle="the warm request's prompt_logprobs",
              control_down_judged=True),
     Scenario("adapter_reload_same_name", lifecycle.adapter_reload_same_name, ("shared_store",),
              "two LoRA adapters loaded in turn under one name (and one path): no stale hit",
