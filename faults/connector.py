@@ -46,6 +46,24 @@ for any inner connector, section "connector":
         to update_connector_output), and a hold its own failed lookups set is lifted before
         each request's lookup (the wrapped kvpool scheduler's rule, reached from outside),
         so every request is sent to a dead, cut off or too slow tier again.
+    {"connector": {"control": "deaf_reset"}}
+        a negative control: reset_cache answers None and leaves the inner connector's store
+        as it is, as vLLM's base connector does (the scheduler counts only False as a
+        failure): `POST /reset_prefix_cache?reset_external=true` reports success and the
+        connector keeps serving what it stored before.
+    {"connector": {"control": "load_despite_skip"}}
+        a negative control: a request that reads no prefix cache (vLLM's
+        skip_reading_prefix_cache, which prompt_logprobs sets) is shown to the inner connector
+        and to the engine as one that does: its flag is cleared before the inner connector
+        is asked and before the scheduler reads it, as on a vLLM without that check (before
+        vllm#57269) with a connector that does not honour the flag itself. The engine then
+        takes the connector's hit, and computes the prompt log-probabilities of the tail only.
+    {"connector": {"control": "adapter_by_name"}}
+        a negative control: the inner connector sees each request's LoRA adapter by its name
+        alone (a LoRARequest of that name whose path is a directory this control derives from
+        the name: the same on every replica), so two adapters loaded in turn under one name
+        are one adapter to it, however it keys them (by name, id, path or the content at the
+        path). Armed on every replica of the scenario.
     {"connector": {"finished_delay_ms": 500, "times": 1}}
         a delayed completion: get_finished holds the finished requests' ids back (they
         are reported at a later call, after the delay), `times` requests' worth.
@@ -85,7 +103,7 @@ from kvpool.connector.history import HistoryWriter
 from kvpool.connector.wrap import WrappingConnector
 
 CONTROLS = ("hide_failures", "claim_past_loaded", "claim_one_more", "double_count_stats", "late_store",
-            "deaf_tier_rule")
+            "deaf_tier_rule", "deaf_reset", "load_despite_skip", "adapter_by_name")
 
 
 class FaultConnector(WrappingConnector):
@@ -183,6 +201,11 @@ class FaultConnector(WrappingConnector):
         spec = self._section()
         if spec and spec.get("control") == "deaf_tier_rule":
             self._lift_tier_hold(request)
+        if spec and spec.get("control") == "load_despite_skip" and getattr(request, "skip_reading_prefix_cache", False):
+            request.skip_reading_prefix_cache = False
+            self.history.write("fault", site="connector", kind="copier_control", job="unskip",
+                               control="load_despite_skip", req=request.request_id)
+        request = self._by_name(request, spec)
         ext, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         n = len(request.prompt_token_ids or [])
         if ext and spec and spec.get("control") == "claim_past_loaded" and num_computed_tokens + ext < n - 1:
@@ -218,7 +241,29 @@ class FaultConnector(WrappingConnector):
         inner = self._claimed.pop(request.request_id, None)
         if inner is not None and num_external_tokens > 0:
             num_external_tokens = inner
-        return super().update_state_after_alloc(request, blocks, num_external_tokens)
+        return super().update_state_after_alloc(self._by_name(request, self._section()), blocks, num_external_tokens)
+
+    def _by_name(self, request, spec):  # noqa: ANN001, ANN202
+        """adapter_by_name: the request as the inner connector is to see it (the adapter by
+        its name alone); the request itself where the control is not armed or it has no adapter."""
+        lora = getattr(request, "lora_request", None)
+        if lora is None or not spec or spec.get("control") != "adapter_by_name":
+            return request
+        from kvgate.faults.adapter_control import by_name
+
+        seen, shown = by_name(lora, self.control.path.parent)
+        if not seen:
+            self.history.write("fault", site="connector", kind="copier_control", job="adapter_by_name",
+                               control="adapter_by_name", req=request.request_id, lora_name=lora.lora_name,
+                               lora_path=str(getattr(lora, "lora_path", "")), shown_path=shown.lora_path)
+        return _Shown(request, shown)
+
+    def reset_cache(self):  # noqa: ANN201
+        spec = self._section()
+        if spec and spec.get("control") == "deaf_reset":
+            self.history.write("fault", site="connector", kind="copier_control", job="reset", control="deaf_reset")
+            return None
+        return super().reset_cache()
 
     def start_load_kv(self, forward_context, **kwargs):  # noqa: ANN001, ANN201
         if self._stream_delay is not None and self.has_connector_metadata():
@@ -236,7 +281,7 @@ class FaultConnector(WrappingConnector):
         return "release" if self._late else None
 
     def request_finished(self, request, block_ids):  # noqa: ANN001, ANN201
-        delay, params = super().request_finished(request, block_ids)
+        delay, params = super().request_finished(self._by_name(request, self._section()), block_ids)
         if delay and self._late_store() == "hold":
             self.history.write("fault", site="connector", kind="copier_control", job="free",
                                control="late_store", req=request.request_id, blocks=len(block_ids))
@@ -330,3 +375,18 @@ class FaultConnector(WrappingConnector):
         for ids in due:
             sending = set(sending or ()) | ids
         return (sending or None), receiving
+
+
+class _Shown:
+    """A request as the inner connector sees it under adapter_by_name: every attribute the
+    engine's, but its LoRA adapter; what the inner connector sets is set on the engine's."""
+
+    def __init__(self, request, lora):  # noqa: ANN001
+        object.__setattr__(self, "_request", request)
+        object.__setattr__(self, "lora_request", lora)
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self._request, name)
+
+    def __setattr__(self, name: str, value) -> None:  # noqa: ANN001
+        setattr(self._request, name, value)

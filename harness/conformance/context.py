@@ -3,7 +3,8 @@ kvgate.harness.conformance.scenarios and in modules of their own import it; it i
 of them): the run's context (Ctx: the cluster, the seeded corpus, the connector's profile,
 what it claimed, installed and produced, from the audit's records), the output oracle across
 connectors (same_output), the byte check of one exchange (_exact), a scenario's request tags
-and arming a connector control on a replica.
+arming a connector control on a replica, and every digest a replica's audit recorded
+(all_digests).
 """
 
 from __future__ import annotations
@@ -121,3 +122,13 @@ def arm_control(ctx: Ctx, replica: str, control: str) -> None:
     doc["connector"] = {"control": control}
     path.write_text(json.dumps(doc))
     ctx.armed.add(replica)
+
+
+def all_digests(ctx: Ctx, kind: str, replica: str, tag: str) -> dict[str, set[str]]:
+    """Every digest the replica's audit recorded per block (a preempted request's blocks
+    are computed again: each computation counts)."""
+    out: dict[str, set[str]] = {}
+    for r in records(ctx.h, "audit", kind=kind, tag=tag, replica=replica):
+        for k, d in zip(r["hashes"], r["digests"]):
+            out.setdefault(k, set()).add(d)
+    return out

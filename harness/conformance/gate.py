@@ -6,7 +6,8 @@ scenarios (kvgate.harness.conformance.scenarios) against one V1 connector, or a 
       present): where it cannot, every cell is "not run" with that reason (the import
       error) and nothing is started. Else it starts a pool (kvpool's rows use it; the
       others ignore it) and replicas A (policy fail), B (recompute) and, where a scenario
-      needs it, C (revision r2 of the tiny model) with the connector wrapped by
+      needs them, C (revision r2 of the tiny model), D (a small KV cache), E and F (LoRA
+      adapters loaded at run time) with the connector wrapped by
       kvgate.faults.connector and kvpool.connector.audit; runs every scenario (n/a where the connector
       declares it lacks what the scenario needs); a replica that died is restarted before
       the next scenario, and its death is the failing cell's evidence.
@@ -77,10 +78,14 @@ def _specs(prof: Profile, report_dir: Path, replicas: set[str], service_settings
     settings = tuple({**prof.settings(report_dir), **service_settings}.items())
     inner = "" if prof.name == "kvpool" else prof.inner
     specs = []
+    from kvgate.harness.conformance.lifecycle import LORA_ARGS, LORA_ENV
+
     for name, core, policy in (("A", "0", "fail"), ("B", "1", "recompute"), ("C", "0", "recompute"),
-                               ("D", "1", "recompute")):
+                               ("D", "1", "recompute"), ("E", "0", "recompute"), ("F", "1", "recompute")):
         if name not in replicas:
             continue
+        # E and F: LoRA adapters loaded at run time (the adapter scenario)
+        lora = name in ("E", "F")
         model = build_tiny_model(report_dir / "model" / "tiny-r2", seed=0, revision="r2") if name == "C" else None
         small = {"kv_bytes": SMALL_KV_BLOCKS * 128 * 1024, "max_model_len": (SMALL_KV_BLOCKS - 1) * 128} \
             if name == "D" else {}  # D: a KV cache of 64 blocks (the preemption scenario)
@@ -88,7 +93,8 @@ def _specs(prof: Profile, report_dir: Path, replicas: set[str], service_settings
                                  max_num_batched_tokens=DEFAULT_CHUNK, inner=inner, inner_extra=settings,
                                  connector_extra=() if inner else settings,  # kvpool's own settings
                                  faults_file=str(report_dir / f"faults-{name}.json"), python=prof.python,
-                                 extra_env=prof.env, extra_args=args))
+                                 extra_env=prof.env + (LORA_ENV if lora else ()),
+                                 extra_args=args + (LORA_ARGS if lora else ())))
     return specs
 
 
@@ -210,7 +216,7 @@ def _run_control(ctx: Ctx, sc: Scenario, seed: int, name: str, oracle: str) -> d
     finish is inconclusive, never caught."""
     ctx.seed = derive_seed(seed, f"control:{name}")
     cchecks, cbroke, cdown = _run_body(ctx, sc, control=name)
-    if cchecks is None or cdown:
+    if cchecks is None or (cdown and not sc.control_down_judged):
         control = {"name": name, "caught": False,
                    "why": f"INCONCLUSIVE (the control run proves nothing): {cbroke or 'a replica died'}",
                    "replica_logs": cdown}
@@ -219,6 +225,8 @@ def _run_control(ctx: Ctx, sc: Scenario, seed: int, name: str, oracle: str) -> d
                   else [f for f in cchecks.failed if f.startswith(oracle)])
         control = {"name": name, "oracle": oracle, "caught": bool(failed),
                    "why": (failed[0] if failed else f"the {oracle} judgement passed under the control")[:300]}
+        if cdown:  # the scenario declares it (control_down_judged): the oracle judged the run
+            control["replica_down"] = {r: (text.splitlines() or [""])[0][-300:] for r, text in cdown.items()}
     ctx.cluster.reset()
     return control
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from kvgate.harness.checkers.history import records
 from kvgate.harness.checkers.verdict import Checks
 from kvgate.harness.client.http import Completion, RequestFailed, complete
+from kvgate.harness.conformance import lifecycle
 from kvgate.harness.conformance.accounting import CONSERVATION, accounting
 from kvgate.harness.conformance.boundaries import exact_boundaries
 from kvgate.harness.conformance.context import (
@@ -31,6 +32,7 @@ from kvgate.harness.conformance.context import (
     ScenarioDown,
     _exact,
     _tag,
+    all_digests,
     arm_control,
     same_output,
 )
@@ -311,16 +313,6 @@ def _preemptions(ctx: Ctx, replica: str) -> float:
                for s in fam.samples if s.name.endswith("_total"))
 
 
-def _all_digests(ctx: Ctx, kind: str, replica: str, tag: str) -> dict[str, set[str]]:
-    """Every digest the replica's audit recorded per block (a preempted request's blocks
-    are computed again: each computation counts)."""
-    out: dict[str, set[str]] = {}
-    for r in records(ctx.h, "audit", kind=kind, tag=tag, replica=replica):
-        for k, d in zip(r["hashes"], r["digests"]):
-            out.setdefault(k, set()).add(d)
-    return out
-
-
 def preempt_during_store(ctx: Ctx, control: str | None = None, prompts: int = 3, prompt_tokens: int = 1600,
                          decode: int = 1500) -> Checks:
     """D has a KV cache of 64 blocks. Three requests of 1600 prompt tokens (13 blocks)
@@ -386,8 +378,8 @@ def preempt_during_store(ctx: Ctx, control: str | None = None, prompts: int = 3,
     b_installed = differ = 0
     d_differ = d_installed = 0
     for i in range(prompts):
-        computed = _all_digests(ctx, "produced", "D", f"{tag}-d{i}")
-        for k, ds in _all_digests(ctx, "installed", "D", f"{tag}-d{i}").items():  # D's own resumes
+        computed = all_digests(ctx, "produced", "D", f"{tag}-d{i}")
+        for k, ds in all_digests(ctx, "installed", "D", f"{tag}-d{i}").items():  # D's own resumes
             d_installed += 1
             d_differ += not (ds <= computed.get(k, set()))
         b = ctx.run("B", texts[i], f"{tag}-b{i}")
@@ -419,6 +411,9 @@ class Scenario:
     more_controls: tuple[tuple[str, str, str], ...] = ()
     replicas: tuple[str, ...] = ("A", "B")
     not_run: str = ""  # why kvgate does not run it yet
+    # the control's defect takes the replica down on this vLLM (the oracle then sees the request
+    # fail): a replica down after the control run is judged by the oracle, not inconclusive
+    control_down_judged: bool = False
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
@@ -458,3 +453,20 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              control="claim_past_loaded", control_oracle=CONSERVATION,
              more_controls=(("double_count_stats", CONSERVATION, "own_load_stats"),)),
 )}
+
+
+# The cache's lifecycle around the requests (kvgate.harness.conformance.lifecycle: a reset
+# after a weight update, a request that reads no cache, an adapter reloaded under its name).
+
+SCENARIOS.update({s.name: s for s in (
+    Scenario("reset_external", lifecycle.reset_external, ("shared_store",),
+             "after a weight update and POST /reset_prefix_cache?reset_external=true, no request hits KV published "
+             "before the reset", control="deaf_reset", control_oracle="output"),
+    Scenario("prompt_logprobs_warm", lifecycle.prompt_logprobs_warm, ("shared_store",),
+             "prompt_logprobs over a prefix the connector holds: full-length and equal to the cold run's",
+             control="load_despite_skip", control_oracle="the warm request's prompt_logprobs",
+             control_down_judged=True),
+    Scenario("adapter_reload_same_name", lifecycle.adapter_reload_same_name, ("shared_store",),
+             "two LoRA adapters loaded in turn under one name (and one path): no stale hit",
+             control="adapter_by_name", control_oracle="output", replicas=("E", "F")),
+)})

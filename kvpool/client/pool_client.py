@@ -43,7 +43,7 @@ from kvpool.errors import (
     UntrustedPool,
     error_from_code,
 )
-from kvpool.pool.keys import Namespace
+from kvpool.pool.keys import NAMESPACE_RESET, Namespace
 from kvpool.pool.metrics import ClientMetrics
 from kvpool.client.backend import parse_address
 
@@ -505,6 +505,11 @@ class PoolClient:
 
     def evict(self, ns: Namespace, hashes: Sequence[bytes]) -> list[EvictOutcome]:
         return list(self._expect(P.Evict(ns, list(hashes)), P.EvictOk).outcomes)
+
+    def reset_namespace(self, ns: Namespace) -> list[EvictOutcome]:
+        """Everything published under `ns` leaves the pool, for every client at once
+        (kvpool.pool.catalog.Catalog.reset_namespace): one outcome per page taken out."""
+        return self.evict(ns, [NAMESPACE_RESET])
 
     def set_capacity(self, pages: int, tenant: str = "") -> int:
         """An admin's squeeze of `tenant`'s segment (by default its own) to `pages`."""

@@ -88,6 +88,12 @@ class KVPoolConnector(compat.KVConnectorBase_V1):
         if self._scheduler is not None:
             self._scheduler.update_connector_output(connector_output)
 
+    def reset_cache(self) -> bool:
+        """vLLM's reset of the external cache (the scheduler's connector): everything this
+        engine's namespace published leaves the pool for every replica
+        (kvpool.connector.scheduler.KVPoolScheduler.reset); False: retry."""
+        return self._scheduler.reset() if self._scheduler is not None else True
+
     def get_kv_connector_stats(self):  # noqa: ANN201
         if self._worker is not None:
             return self._worker.take_stats()

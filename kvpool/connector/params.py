@@ -9,6 +9,7 @@ import hashlib
 from collections.abc import Sequence
 
 from kvpool.connector import vllm_compat as compat
+from kvpool.connector.adapter import UnreadableAdapter, adapter_identity
 from kvpool.connector.copier import CopyRun
 from kvpool.pool.keys import HASH_BYTES, ROOT_HASH, block_hashes
 
@@ -101,7 +102,7 @@ class UnsupportedInput(ValueError):
 @dataclasses.dataclass(frozen=True)
 class ChainInputs:
     """What besides its token ids changes a request's KV, as its block chain takes it: the
-    LoRA adapter (mixed into the chain's root), multimodal items (each mixed into every
+    LoRA adapter (its content's digest, mixed into the chain's root), multimodal items (each mixed into every
     complete block its placeholder overlaps, by the item's content hash)."""
 
     root: bytes = ROOT_HASH
@@ -118,14 +119,18 @@ class ChainInputs:
 
 def chain_inputs(request, block_size: int) -> ChainInputs:  # noqa: ANN001
     """A request's ChainInputs; UnsupportedInput for what the keys cannot represent (prompt
-    embeddings; multimodal items without a content hash or a placeholder position)."""
+    embeddings; multimodal items without a content hash or a placeholder position; a LoRA
+    adapter whose content kvpool cannot read)."""
     if getattr(request, "prompt_embeds", None) is not None:
         raise UnsupportedInput("prompt embeddings: the KV depends on vectors the keys do not hash")
     root = ROOT_HASH
     lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        ident = "\0".join(str(getattr(lora, f, "") or "") for f in ("lora_name", "lora_int_id", "lora_path"))
-        root = hashlib.blake2b(b"kvgate/lora/" + ident.encode(), digest_size=HASH_BYTES).digest()
+    if lora is not None:  # by the adapter's content, never its name, id or path (kvpool.connector.adapter)
+        try:
+            content = adapter_identity(lora)
+        except UnreadableAdapter as exc:
+            raise UnsupportedInput(str(exc)) from exc
+        root = hashlib.blake2b(b"kvgate/lora/" + content, digest_size=HASH_BYTES).digest()
     features = getattr(request, "mm_features", None) or []
     if not features:
         return ChainInputs(root)

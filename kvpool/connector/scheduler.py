@@ -1,5 +1,18 @@
 """The scheduler side of the connector: the lookup beyond the local prefix-cache hit (on a
 thread of its own, bounded), and what the worker is told to load and publish.
+
+Reset (KVPoolScheduler.reset: vLLM's connector reset_cache, which
+`POST /reset_prefix_cache?reset_external=true` and the cache clear of a weight update call):
+everything published under this engine's namespace (every tensor-parallel rank's) leaves the
+pool, at once for every replica of the tenant that shares it (the pool's reset_namespace:
+committed blocks out of its index, open publishes cancelled), so no request anywhere hits KV
+published before it. The reset is a cut at the pool: what a replica publishes after it is a
+new block, whatever weights computed it, so a fleet resets after every replica of the
+namespace stopped serving the old weights (the weight-update flow pauses generation first).
+It answers False (vLLM then reports the reset failed; the caller retries) where it cannot
+promise the cut: the pool did not answer, a network tier is configured (its blocks are not
+reset), or this replica still has stores in flight (blocks computed before the reset whose
+publish could land after it).
 """
 
 from __future__ import annotations
@@ -14,6 +27,7 @@ from kvpool.connector import vllm_compat as compat
 from kvpool.errors import MissCause, PoolError, PoolTimeout
 from kvpool.connector.history import HistoryWriter
 from kvpool.pool.records import LookupResult
+from kvpool.pool.keys import NAMESPACE_RESET
 from kvpool.tier.record import TierError
 from kvpool.tier.registry import open_tier
 from kvpool.connector.stats import KVPoolStats, StatsCollector
@@ -74,6 +88,7 @@ class KVPoolScheduler:
         self.tier_rule = TierRule(settings.tier_deadline_s, settings.tier_backoff_s, settings.tier_backoff_max_s) \
             if settings.tier else None
         self._reqs: dict[str, _Request] = {}
+        self._sending: set[str] = set()  # finished requests whose stores the worker has not reported done
         self.stats = StatsCollector()  # this interval's lookups (vLLM's connector stats, kvpool.connector.stats)
         self._lookups: dict[str, _Lookup] = {}
         self._lookup_thread = ThreadPoolExecutor(1, thread_name_prefix="kvpool-lookup")
@@ -116,6 +131,14 @@ class KVPoolScheduler:
             if events and hasattr(events[0], "timestamp"):  # QUEUED: the engine core took the request in
                 st.timing["queued_us"] = round((called - events[0].timestamp) * 1e6, 1)
         record.update(st.timing)
+        if getattr(request, "skip_reading_prefix_cache", False):
+            # vLLM's flag of a request that must compute its whole prompt (prompt_logprobs sets
+            # it: a log-probability exists only for a token the engine computes). vLLM 0.32's
+            # scheduler drops a connector's hit of such a request itself; before vllm#57269 it
+            # did not. No lookup, no claim: its attribution and counters say so. It publishes.
+            self._note_lookup(st, **record, external_tokens=0, hit_blocks=0, outcome="skipped",
+                               reason="the request reads no prefix cache (skip_reading_prefix_cache)")
+            return 0, False
         if st.loading_async:  # matched again before it was scheduled: vLLM dropped its failed load
             st.loading_async = False
             st.load_allowed = False  # what the pool holds for it failed once: recompute the rest
@@ -242,8 +265,31 @@ class KVPoolScheduler:
         claim, limit = self.tier_rule.claim(there, time.monotonic())
         return found, claim, {"tier_found": there, **({"tier_limit": limit} if limit else {})}
 
+    def reset(self) -> bool:
+        """Take everything published under this engine's namespaces out of the pool (the
+        module's docstring: the semantics). True: nothing published before this call is
+        served after it, here or on any replica of the tenant; False: retry."""
+        for pending in self._lookups.values():  # answers from before the reset are not used
+            pending.future.cancel()
+        self._lookups.clear()
+        namespaces = [self.ns.replace(tp_rank=r) for r in range(self.ns.tp_world_size)]
+        outcomes: list[str] = []
+        try:
+            for ns in namespaces:
+                outcomes += [str(o) for o in self.backend.evict(ns, [NAMESPACE_RESET])]
+        except PoolError as exc:
+            self.history.write("reset", ok=False, error=f"{type(exc).__name__}: {exc}", namespaces=len(namespaces))
+            return False
+        in_flight = sorted(self._sending | {rid for rid, st in self._reqs.items() if st.stored})
+        why = ("a network tier is configured: its blocks are not reset" if self.tier is not None else
+               f"{len(in_flight)} requests have stores in flight" if in_flight else None)
+        self.history.write("reset", ok=why is None, why=why, namespaces=len(namespaces),
+                           pages={o: outcomes.count(o) for o in sorted(set(outcomes))}, in_flight=in_flight[:20])
+        return why is None
+
     def update_connector_output(self, connector_output) -> None:  # noqa: ANN001
         """The worker's tier loads of the last step (vLLM's connector stats) teach the tier rule."""
+        self._sending.difference_update(getattr(connector_output, "finished_sending", None) or ())
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if invalid:  # the loads that failed: their requests were recomputed (the response says so)
             for st in self._reqs.values():
@@ -318,6 +364,8 @@ class KVPoolScheduler:
         """A request whose blocks were handed to the copier keeps them until the worker
         reports its stores done (get_finished -> finished_sending)."""
         st = self._reqs.pop(request.request_id, None)
+        if st is not None and st.stored:  # its blocks are held until the worker reports its stores done
+            self._sending.add(request.request_id)
         pending = self._lookups.pop(request.request_id, None)
         if pending is not None:  # finished (aborted) while its lookup ran: nobody needs the answer
             pending.future.cancel()

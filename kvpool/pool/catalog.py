@@ -43,6 +43,10 @@ split into files would scatter.
   reap(now)                             expire reservations and leases past their deadline.
   evict(...) / set_capacity(pages)      forced eviction and capacity squeeze; leased pages
                                         are never evicted.
+  evict(tenant, ns, [NAMESPACE_RESET])  the namespace's reset (reset_namespace): every block
+                                        committed under it leaves the index at once (freed, or
+                                        DROPPED while leased), and every open publish under it is
+                                        cancelled (its commit rejects every page).
 
 With a `shm_index` (the daemon passes its segment's), every committed block is also
 entered in the segment's index and taken out of it before its page is freed.
@@ -74,10 +78,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvpool.errors import InvalidRequest, LeaseLost, MissCause
-from kvpool.pool.keys import Namespace
-
 from kvpool.pool.digest import DIGEST_BYTES, KINDS, DigestKind
 from kvpool.pool.index import ShmIndex, ns_fingerprint
+from kvpool.pool.keys import NAMESPACE_RESET, Namespace
 from kvpool.pool.records import (
     AcquireResult,
     CommitResult,
@@ -149,6 +152,7 @@ class _Reservation:
     keys: list[bytes]
     pages: list[int]  # -1 where the slot holds no page
     deadline: float
+    cancelled: bool = False  # its namespace was reset while it was open: its commit rejects every page
 
 
 @dataclasses.dataclass(slots=True)
@@ -222,7 +226,7 @@ class Catalog:
         self.counters: dict[str, int] = {
             "hits": 0, "hit_blocks": 0, "evictions": 0, "commits": 0, "aborted_pages": 0,
             "rejected_pages": 0, "expired_reservations": 0, "expired_leases": 0,
-            "discarded_corrupt": 0, "scrub_cycles": 0,
+            "discarded_corrupt": 0, "scrub_cycles": 0, "namespace_resets": 0, "reset_pages": 0,
         }
         self.miss_counters: dict[MissCause, int] = {c: 0 for c in MissCause}
 
@@ -484,6 +488,11 @@ class Catalog:
         index = self._index[res.tenant]
         for i, (key, page, digest) in enumerate(zip(res.keys, res.pages, digests)):
             del self._pending[(res.tenant, res.ns, key)]
+            if res.cancelled:  # computed before its namespace's reset: never visible after it
+                rejected.append(i)
+                self._free_page(page)
+                self.counters["reset_pages"] += 1
+                continue
             if digest is None or len(digest) != DIGEST_BYTES:
                 rejected.append(i)
                 self._free_page(page)
@@ -674,6 +683,10 @@ class Catalog:
         return evicted
 
     def evict(self, tenant: str, ns: Namespace, hashes: Sequence[bytes]) -> list[EvictOutcome]:
+        """Each block's outcome; the one key NAMESPACE_RESET: the namespace's reset
+        (reset_namespace), one outcome per page it took out of the pool."""
+        if len(hashes) == 1 and hashes[0] == NAMESPACE_RESET:
+            return self.reset_namespace(tenant, ns)
         tid = self._tenant_id(tenant, create=False)
         nid = self._ns_ids.get(ns, -2)
         out: list[EvictOutcome] = []
@@ -686,6 +699,40 @@ class Catalog:
             else:
                 self._evict_page(page)
                 out.append(EvictOutcome.EVICTED)
+        return out
+
+    def reset_namespace(self, tenant: str, ns: Namespace) -> list[EvictOutcome]:
+        """Take everything published under (tenant, ns) out of the pool, at once for every
+        client: a committed block leaves the index and the segment's index now (no lookup,
+        probe or acquire finds it after this call; a later lookup misses as `evicted`) and
+        its page is freed, or, while loaders hold it, DROPPED and freed at their release
+        (what they read was leased before the reset); an open publish under it is
+        cancelled: its pages stay reserved until its publisher commits or aborts (the
+        publisher may be writing them), and its commit then rejects every page. A publish
+        reserved after this call is a new block. One outcome per page: EVICTED, DROPPED,
+        CANCELLED. O(pages)."""
+        tid = self._tenant_id(tenant, create=False)
+        nid = self._ns_ids.get(ns, -2)
+        if tid < 0 or nid < 0:
+            return []
+        self.counters["namespace_resets"] += 1
+        out: list[EvictOutcome] = []
+        mine = (self.ns_of == nid) & (self.tenant_of == tid) & (self.state == PageState.COMMITTED)
+        for page in np.flatnonzero(mine).tolist():
+            self._unindex(page)
+            self._unscrubbed.pop(page, None)
+            self.counters["reset_pages"] += 1
+            if self._may_evict(page):
+                self._free_page(page)
+                out.append(EvictOutcome.EVICTED)
+            else:
+                self.state[page] = PageState.DROPPED
+                self._unlink(page)  # never an eviction candidate again; _unpin frees it
+                out.append(EvictOutcome.DROPPED)
+        for res in self._reservations.values():
+            if res.tenant == tid and res.ns == nid and not res.cancelled:
+                res.cancelled = True
+                out.extend([EvictOutcome.CANCELLED] * len(res.pages))
         return out
 
     def set_limits(self, limits: LoadLimits) -> LoadLimits:

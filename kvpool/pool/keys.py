@@ -26,6 +26,11 @@ import numpy as np
 CHAIN_SEED = b"kvgate/block-chain/v1"
 HASH_BYTES = 16
 ROOT_HASH = bytes(HASH_BYTES)
+# The one key of an Evict that resets its namespace (kvpool.pool.catalog.Catalog.reset_namespace:
+# everything published under it leaves the pool at once). No block's chained hash is it: it
+# is not keyed with CHAIN_SEED, and a BLAKE2b chain hits a given 128-bit value with
+# probability 2**-128 per block.
+NAMESPACE_RESET = hashlib.blake2b(b"kvgate/namespace-reset/v1", digest_size=HASH_BYTES).digest()
 
 BlockHash = bytes
 

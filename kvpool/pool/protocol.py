@@ -142,6 +142,10 @@ class ReadPages(msgspec.Struct, tag="read", forbid_unknown_fields=True):
 
 
 class Evict(msgspec.Struct, tag="evict", forbid_unknown_fields=True):
+    """Evict the blocks named (each answered: evicted, leased, not found); `hashes` the one
+    key kvpool.pool.keys.NAMESPACE_RESET: reset the namespace (everything published under
+    it leaves the pool; one outcome per page: evicted, dropped, cancelled)."""
+
     ns: Namespace
     hashes: Hashes
 

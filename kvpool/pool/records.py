@@ -41,6 +41,9 @@ class EvictOutcome(enum.StrEnum):
     EVICTED = "evicted"
     LEASED = "leased"  # refused: a loader holds it
     NOT_FOUND = "not_found"
+    # a namespace's reset only (reset_namespace): one outcome per page it took out of the pool
+    DROPPED = "dropped"  # committed and leased: out of the index now, freed when its loaders release it
+    CANCELLED = "cancelled"  # reserved by an open publish: its commit is rejected
 
 class PageRef(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     page: int

@@ -3,7 +3,10 @@ kvpool with their controls caught (preemption with its late-store control includ
 each control plants), and on vLLM's ExampleConnector the harness finds what that
 connector does not do (it serves KV across cache salts), judges what it does (a
 cross-replica hit, control caught) and marks what does not apply to it (a partial hit)
-"n/a" with the reason. These tests start their own replicas, before the live suite's."""
+"n/a" with the reason. The lifecycle scenarios (a reset after a weight update, prompt
+log-probabilities over a held prefix, an adapter reloaded under its name) pass on kvpool with
+their controls caught, one test each. These tests start their own replicas, before the live
+suite's."""
 
 import pytest
 
@@ -117,3 +120,43 @@ def test_kvpool_asynchronous_loads_at_exact_boundaries_and_the_control_is_caught
     assert cell["status"] == "pass", (cell.get("reason"), cell.get("replay"))
     assert cell["control"]["caught"], cell["control"]
     assert all(case["load_async"] for case in cell["evidence"]["cases"].values()), cell["evidence"]["cases"]
+
+
+def test_kvpool_reset_external_drops_what_was_published_before_it_and_a_deaf_reset_is_caught(tmp_path, test_seed):
+    """reset_external: after a weight update (r2 loaded in place on A and B) and A's
+    POST /reset_prefix_cache?reset_external=true, neither replica hits KV published before
+    the reset and each output is its cold run's on r2; the positive control shares after
+    it; a connector whose reset answers None (deaf_reset) is caught by the output."""
+    cell = _cells(run_connector("kvpool", None, test_seed, tmp_path / "kvpool", ["reset_external"]))["reset_external"]
+    assert cell["status"] == "pass", (cell.get("reason"), cell.get("evidence"), cell.get("replay"))
+    assert cell["control"]["caught"], cell["control"]
+    ev = cell["evidence"]
+    assert ev["reset"]["success"] and ev["positive_control_installed"] > 0, ev
+    assert all(s["claimed_tokens"] == 0 and s["installed"] == 0 for s in ev["after_reset"].values()), ev
+
+
+def test_kvpool_prompt_logprobs_over_a_held_prefix_are_full_and_a_connector_that_loads_anyway_is_caught(
+        tmp_path, test_seed):
+    """prompt_logprobs_warm: B asked for prompt_logprobs over a prompt A stored gets the full
+    list, equal to its cold run's, and kvpool claims nothing for it (skip_reading_prefix_cache);
+    the load_despite_skip control (the flag cleared, as on a vLLM before #57269) is caught by
+    the list's length."""
+    cell = _cells(run_connector("kvpool", None, test_seed, tmp_path / "kvpool",
+                                ["prompt_logprobs_warm"]))["prompt_logprobs_warm"]
+    assert cell["status"] == "pass", (cell.get("reason"), cell.get("evidence"), cell.get("replay"))
+    assert cell["control"]["caught"], cell["control"]
+    ev = cell["evidence"]
+    assert ev["claimed"]["external_tokens"] == 0 and ev["installed"] == 0 and ev["producer_blocks"] > 0, ev
+    assert ev["warm_computed"] == ev["prompt_tokens"] - 1, ev
+
+
+def test_kvpool_keys_an_adapter_by_its_content_and_a_connector_keyed_by_name_is_caught(tmp_path, test_seed):
+    """adapter_reload_same_name: an adapter folder rewritten with other weights and loaded
+    again under the same name (on another replica, then in place) hits nothing of the
+    previous weights, F's output is its cold run's, the same weights share across replicas;
+    a connector that sees adapters by name alone (adapter_by_name) is caught by the output."""
+    cell = _cells(run_connector("kvpool", None, test_seed, tmp_path / "kvpool",
+                                ["adapter_reload_same_name"]))["adapter_reload_same_name"]
+    assert cell["status"] == "pass", (cell.get("reason"), cell.get("evidence"), cell.get("replay"))
+    assert cell["control"]["caught"], cell["control"]
+    assert cell["evidence"]["positive_control_installed"] > 0, cell["evidence"]

@@ -203,8 +203,16 @@ def test_a_malformed_request_is_served_without_the_pool_not_raised(pool, tmp_pat
 
 
 # -- everything that changes KV is in the key ------------------------------------------------
-def _lora(name, int_id, path="/adapters/x"):
-    return SimpleNamespace(lora_name=name, lora_int_id=int_id, lora_path=path)
+def _lora(name, int_id, path):
+    return SimpleNamespace(lora_name=name, lora_int_id=int_id, lora_path=str(path))
+
+
+def _adapter(folder, weights: bytes):
+    """An adapter folder of PEFT's layout whose weight file holds `weights`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text('{"r": 8, "peft_type": "LORA"}')
+    (folder / "adapter_model.safetensors").write_bytes(weights)
+    return folder
 
 
 def _image(ident, offset, length):
@@ -224,15 +232,43 @@ def _hits_after_publishing(pool, tmp_path, producer, consumer):
     return ask_matched(s, consumer, 0)[0]
 
 
-@pytest.mark.parametrize("other,shared", [(_lora("a", 1), True), (_lora("b", 2), False), (None, False)],
-                         ids=["same-adapter-control", "other-adapter", "no-adapter"])
-def test_an_adapter_is_part_of_every_key(pool, tmp_path, other, shared):
+@pytest.mark.parametrize("other,shared", [("same-content", True), ("same-name-id-path-other-content", False),
+                                          ("no-adapter", False)])
+def test_an_adapter_is_part_of_every_key_by_its_content(pool, tmp_path, other, shared):
+    """The same adapter content under another name, id and path shares (the positive
+    control); other weights rewritten into the same folder, loaded under the same name and
+    id (vLLM's in-place reload), share nothing; nor does the base model."""
     tokens = list(range(1000))  # 7 complete blocks, all loadable (a token is left to compute)
+    folder = _adapter(tmp_path / "ad", b"w1" * 64)
     a = request("a", tokens)
-    a.lora_request = _lora("a", 1)
+    a.lora_request = _lora("ad", 1, folder)
     b = request("b", tokens)
-    b.lora_request = other
-    assert _hits_after_publishing(pool, tmp_path, a, b) == (7 * B if shared else 0)
+    s = scheduler(pool, tmp_path)
+    ask_matched(s, a, 0)  # a's keys are taken under w1
+    if other == "same-content":
+        b.lora_request = _lora("another", 7, _adapter(tmp_path / "copy", b"w1" * 64))
+    elif other == "same-name-id-path-other-content":
+        _adapter(folder, b"w2" * 64)
+        b.lora_request = _lora("ad", 1, folder)
+    else:
+        b.lora_request = None
+    hashes = s._reqs["a"].hashes
+    with pool_client(pool) as c:
+        publish(c, namespace_for(vllm_config(tmp_path), s.settings), hashes,
+                [np.zeros(128 * 1024, np.uint8)] * len(hashes))
+    assert ask_matched(s, b, 0)[0] == (7 * B if shared else 0)
+
+
+def test_an_adapter_whose_content_cannot_be_read_is_served_without_the_pool(pool, tmp_path):
+    from kvpool.connector.history import read_history
+
+    s = scheduler(pool, tmp_path)
+    r = request("l", list(range(1000)))
+    r.lora_request = _lora("gone", 1, tmp_path / "no-such-adapter")
+    assert ask_matched(s, r, 0) == (0, False)
+    assert s._reqs["l"].publish_blocks == 0 and not s._reqs["l"].load_allowed
+    recs = [x for x in read_history(tmp_path / "h") if x["ev"] == "unsupported"]
+    assert len(recs) == 1 and "LoRA adapter" in recs[0]["reason"], recs
 
 
 @pytest.mark.parametrize("ident,hit_blocks", [("img-1", 7), ("img-2", 2)], ids=["same-image-control", "other-image"])
@@ -377,3 +413,57 @@ def test_a_finished_request_returns_its_attribution_and_the_scheduler_counts_its
     assert params["kvpool"]["hit_kind"] == "fallback" and params["kvpool"]["loaded_blocks"] == 0
     stats = s.take_stats().reduce()
     assert stats["lookups_remote_hit"] == 2 and stats["lookups_miss"] == 1 and stats["misses_never_published"] == 3
+
+
+def test_a_reset_takes_the_namespaces_blocks_out_of_the_pool_for_every_replica(pool, tmp_path):
+    """reset_cache (vLLM's reset_external): what was published under the engine's namespace
+    is no hit after it, for this scheduler and another replica's alike; it answers False
+    while one of its requests' stores is unreported (a block computed before the reset could
+    land after it), True once the worker reported it; what is published after it hits."""
+    s = scheduler(pool, tmp_path, replica="a")
+    other = scheduler(pool, tmp_path, replica="b")
+    tokens = list(range(1000))  # 7 complete blocks
+    ns = namespace_for(vllm_config(tmp_path), s.settings)
+    with pool_client(pool) as c:
+        publish(c, ns, s_hashes(s, tokens)[:5], [np.zeros(128 * 1024, np.uint8)] * 5)
+    assert ask_matched(other, request("before", tokens), 0) == (5 * B, False)
+    stored = request("stored", list(range(5000, 5300)))  # a request of s whose store is handed to the worker
+    ask_matched(s, stored, 0)
+    s.update_state_after_alloc(stored, None, 0)
+    s.build_connector_meta(step(new=[("stored", [1, 2, 3], 0)], scheduled={"stored": 300}))
+    assert s.request_finished(stored, [1, 2, 3])[0] is True  # held until the worker reports the store
+    assert s.reset() is False  # a store of s is in flight: the caller retries
+    for sched, rid in ((s, "a1"), (other, "b1")):
+        assert ask_matched(sched, request(rid, tokens), 0) == (0, False)
+    s.update_connector_output(SimpleNamespace(finished_sending={"stored"}, invalid_block_ids=None,
+                                              kv_connector_stats=None))
+    assert s.reset() is True
+    with pool_client(pool) as c:
+        publish(c, ns, s_hashes(s, tokens)[:3], [np.zeros(128 * 1024, np.uint8)] * 3)  # after the reset
+    assert ask_matched(other, request("after", tokens), 0) == (3 * B, False)
+    from kvgate.harness.checkers.history import records
+
+    resets = records(tmp_path / "h", "reset")
+    assert [r["ok"] for r in resets] == [False, True] and resets[0]["pages"] == {"evicted": 5}, resets
+
+
+def test_a_request_that_reads_no_prefix_cache_claims_nothing_and_still_publishes(pool, tmp_path):
+    """vLLM's skip_reading_prefix_cache (prompt_logprobs sets it): no lookup, no claim, the
+    lookup record says why; the request computes its whole prompt and publishes it."""
+    from kvpool.connector.history import read_history
+
+    s = scheduler(pool, tmp_path)
+    tokens = list(range(1000))
+    with pool_client(pool) as c:
+        publish(c, namespace_for(vllm_config(tmp_path), s.settings), s_hashes(s, tokens)[:5],
+                [np.zeros(128 * 1024, np.uint8)] * 5)
+    control = request("warm", tokens)
+    assert ask_matched(s, control, 0) == (5 * B, False)  # the positive control: the blocks are there
+    r = request("logprobs", tokens)
+    r.skip_reading_prefix_cache = True
+    assert ask_matched(s, r, 0) == (0, False)
+    s.update_state_after_alloc(r, None, 0)
+    meta = s.build_connector_meta(step(new=[("logprobs", list(range(8)), 0)], scheduled={"logprobs": 1000}))
+    assert [(x.first_block, len(x.block_ids)) for x in meta.stores] == [(0, 7)] and not meta.loads
+    rec = [x for x in read_history(tmp_path / "h") if x["ev"] == "lookup" and x["req"] == "logprobs"]
+    assert [x["outcome"] for x in rec] == ["skipped"] and "skip_reading_prefix_cache" in rec[0]["reason"]

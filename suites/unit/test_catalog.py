@@ -279,3 +279,37 @@ def test_count_miss_shows_in_stats():
     cat = make()
     cat.count_miss(MissCause.IN_FLIGHT)
     assert cat.stats()["miss_in_flight"] == 1
+
+
+def test_a_namespace_reset_takes_out_what_was_published_under_it_at_once_and_nothing_else():
+    """reset_namespace (an Evict of the one key NAMESPACE_RESET): the namespace's committed
+    blocks leave the pool (an unleased page freed at once; a leased one out of the index now,
+    freed at its release), its open publish commits nothing, another namespace keeps its
+    blocks, and a publish reserved after the reset is visible."""
+    from kvpool.pool.keys import NAMESPACE_RESET
+
+    cat = make(num_pages=16)
+    other = NS.replace(model_revision="r2")
+    a, b, c = hashes(2), hashes(2, start=100), hashes(2, start=200)
+    put(cat, a)
+    put(cat, b)
+    put(cat, a, ns=other)
+    lease = cat.acquire(1, "default", NS, b, 0.0)
+    open_res = cat.reserve(2, "default", NS, c, [100] * 2, 0.0)
+    out = cat.evict("default", NS, [NAMESPACE_RESET])
+    assert sorted(out) == sorted([EvictOutcome.EVICTED] * 2 + [EvictOutcome.DROPPED] * 2
+                                 + [EvictOutcome.CANCELLED] * 2), out
+    for hs in (a, b):
+        assert cat.lookup("default", NS, hs).miss.index == 0
+        assert cat.acquire(3, "default", NS, hs, 0.0).lease_id == 0
+    assert cat.lookup("default", other, a).miss is None  # another namespace is untouched
+    assert cat.stats()["dropped_pages"] == 2
+    cat.release(lease.lease_id)  # the loader that held b before the reset lets go: freed
+    assert cat.stats()["dropped_pages"] == 0
+    done = cat.commit(open_res.reservation_id, [D] * 2)  # published from before the reset
+    assert done.committed == 0 and done.rejected == (0, 1)
+    assert cat.lookup("default", NS, c).miss.index == 0
+    put(cat, a)  # after the reset: a new block
+    assert cat.lookup("default", NS, a).miss is None
+    assert cat.stats()["committed_pages"] == 4 and cat.stats()["namespace_resets"] == 1
+    assert cat.evict("default", NS.replace(model_id="unknown"), [NAMESPACE_RESET]) == []

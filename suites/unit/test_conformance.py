@@ -114,3 +114,33 @@ def test_the_matrix_reports_each_failing_cell_with_its_evidence_and_replay(tmp_p
     assert "**FAIL**" in md and "B installed 9 blocks" in md and cell["replay"] in md and '"leaked": 9' in md
     doc = json.loads(paths["json"].read_text())
     assert doc["rows"][0]["cells"]["salt_isolation"]["status"] in STATUSES
+
+
+@pytest.mark.parametrize("down_judged", [True, False], ids=["declared", "not-declared"])
+def test_a_control_that_takes_its_replica_down_is_judged_only_where_the_scenario_declares_it(monkeypatch,
+                                                                                            down_judged):
+    """A control run with a replica down is inconclusive (the cell fails), unless the
+    scenario declares that its control's defect takes the replica down on this vLLM
+    (control_down_judged): then its oracle judges the run, and the down replica is evidence."""
+    from kvgate.harness.checkers.verdict import Checks
+    from kvgate.harness.conformance import gate
+
+    def body(ctx, control=None):  # noqa: ANN001, ANN202
+        c = Checks()
+        c.check("the list is full-length", control is None, {"request_failed": "HTTP 500"})
+        return c
+
+    def run_body(ctx, sc, **kw):  # noqa: ANN001, ANN003, ANN202
+        checks = sc.body(ctx, **kw)
+        return checks, None, ({"B": "OverflowError: number too small"} if kw.get("control") else {})
+
+    monkeypatch.setattr(gate, "_run_body", run_body)
+    sc = dataclasses.replace(SCENARIOS["prompt_logprobs_warm"], body=body, control_oracle="the list is full-length",
+                             control_down_judged=down_judged)
+    cluster = type("Cluster", (), {"reset": lambda self: None})()
+    cell = run_cell(Ctx(cluster=cluster, corpus=None, profile=CONNECTORS["kvpool"], seed=0), sc, root=7)
+    if down_judged:
+        assert cell["status"] == "pass" and cell["control"]["caught"], cell
+        assert "OverflowError" in cell["control"]["replica_down"]["B"]
+    else:
+        assert cell["status"] == "fail" and "INCONCLUSIVE" in cell["control"]["why"], cell
