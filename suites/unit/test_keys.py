@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 
-from kvpool.pool.keys import Namespace, block_hashes, useful_tokens
+from kvpool.pool.keys import Namespace, block_hashes, dtype_bytes, useful_tokens
 
 NS = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
 
@@ -83,3 +83,34 @@ def test_bytes_per_token_uses_kv_heads():
     assert NS.bytes_per_token == 1024
     big = NS.replace(num_layers=64, num_kv_heads=8, head_size=128)
     assert big.bytes_per_token == 2 * 64 * 8 * 128 * 2
+
+
+def test_an_unknown_namespace_field_is_named_in_the_error():
+    with pytest.raises(ValueError, match=r"unknown Namespace fields: \['colour', 'shape'\]"):
+        Namespace.from_dict({**NS.as_dict(), "shape": 1, "colour": "red"})
+
+
+@pytest.mark.parametrize("name, size", [("torch.bfloat16", 2), ("torch.float32", 4), ("torch.fp8_e4m3", 1),
+                                        ("float16", 2)])
+def test_a_kv_dtype_is_sized_with_or_without_the_torch_prefix(name, size):
+    """vLLM names its cache dtype as torch prints it ("torch.bfloat16"): the prefix, and only
+    a leading one, is dropped before the name is looked up."""
+    assert dtype_bytes(name) == size
+    assert NS.replace(kv_dtype=name).bytes_per_token == 2 * 2 * 2 * 64 * size
+
+
+@pytest.mark.parametrize("name", ["bfloat16.torch.", "TORCH.bfloat16", "torch.int4", ""])
+def test_an_unknown_kv_dtype_is_refused_by_name(name):
+    with pytest.raises(ValueError, match=f"unknown KV dtype {name!r}"):
+        dtype_bytes(name)
+
+
+@pytest.mark.parametrize("block_size", [0, -16])
+def test_a_block_size_that_is_not_positive_is_refused(block_size):
+    with pytest.raises(ValueError, match="block_size must be positive"):
+        block_hashes(range(32), block_size)
+
+
+def test_a_block_of_one_token_is_a_block():
+    assert len(block_hashes(range(5), 1)) == 5
+    assert block_hashes(range(5), 1)[:2] == block_hashes(range(2), 1)
