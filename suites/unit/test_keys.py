@@ -132,7 +132,7 @@ def test_the_chain_is_pinned_to_its_seed_and_encoding():
 def test_the_largest_32_bit_token_id_is_a_token():
     top = [0xFFFF_FFFF] * 16
     assert len(block_hashes(top, 16)) == 1 and block_hashes(top, 16) != block_hashes([0xFFFF_FFFE] * 16, 16)
-    with pytest.raises(ValueError, match="token ids must fit in 32 unsigned bits"):
+    with pytest.raises(ValueError, match="^token ids must fit in 32 unsigned bits$"):
         block_hashes([0x1_0000_0000] * 16, 16)
 
 

@@ -157,3 +157,19 @@ def test_a_probe_that_loaded_nothing_keeps_the_tier_on_probation():
     assert rule.claim(5, 1.0) == (1, "probe after a hold")
     rule.observe(TierLoadStat(1, 0, 0.0, None), 1.1)  # nothing loaded, nothing failed: no verdict
     assert rule.claim(5, 1.2) == (1, "probe after a hold")
+
+
+def test_the_default_hold_is_a_second_doubling_up_to_thirty():
+    rule = TierRule(deadline_s=1.0)
+    holds = []
+    for k in range(7):
+        now = 100.0 * k
+        rule.fail(now, "TierUnavailable: refused")
+        holds.append(rule.held_until - now)
+    assert holds == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+
+
+def test_a_probe_names_its_limit_whenever_more_than_one_block_was_asked_for():
+    rule = TierRule(deadline_s=1.0, backoff_s=1.0)
+    rule.fail(0.0, "TierUnavailable: refused")
+    assert rule.claim(2, 1.0) == (1, "probe after a hold")
