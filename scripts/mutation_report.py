@@ -64,9 +64,8 @@ def status(code: int | None) -> str:
     return "other"  # skipped, caught by a type check, suspicious: none configured here
 
 
-def modules() -> list[str]:
-    conf = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["mutmut"]
-    return list(conf["only_mutate"])
+def mutmut_config(path: Path) -> dict:
+    return tomllib.loads(path.read_text())["tool"]["mutmut"]
 
 
 def equivalents(path: Path) -> dict[str, str]:
@@ -157,6 +156,8 @@ def markdown(doc: dict) -> str:
     t = doc["total"]
     lines.append(f"| **all** | {t['mutants']} | {t['killed']} | {t['timeout']} | {t['survived']} | {t['no_tests']} | "
                  f"{t['equivalent']} | {t['score']:.1f}% | {t['test_seconds']} |")
+    if doc.get("note"):
+        lines += ["", doc["note"]]
     if doc.get("wall_s"):
         lines += ["", f"Wall time of the run: {doc['wall_s'] / 60:.1f} min."]
     left = [(m["module"], n) for m in doc["modules"] for n in m["survivors"] + m["no_tests_mutants"]]
@@ -176,13 +177,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "reports" / "mutation")
     ap.add_argument("--wall-s", type=float, default=None, help="the run's wall time, to record")
     ap.add_argument("--partial", action="store_true", help="write the report of an unfinished run")
+    ap.add_argument("--config", type=Path, default=REPO / "pyproject.toml",
+                    help="the pyproject.toml whose tool.mutmut the run used (its modules and tests)")
+    ap.add_argument("--note", default="", help="a line on how the run was made, for the Markdown")
     args = ap.parse_args(argv)
 
     import mutmut  # the version the results came from
 
     equivalent = equivalents(args.out / "equivalent.md")
     rows = []
-    for path in modules():
+    conf = mutmut_config(args.config)
+    for path in conf["only_mutate"]:
         meta_path = args.mutants / (path + ".meta")
         if not meta_path.exists():
             print(f"no results for {path} ({meta_path}): run `make mutation` first", file=sys.stderr)
@@ -193,7 +198,6 @@ def main(argv: list[str] | None = None) -> int:
     judged = total["mutants"] - total["equivalent"]
     total["score"] = round(100.0 * (total["killed"] + total["timeout"]) / judged, 1) if judged else 0.0
     total["test_seconds"] = round(sum(m["test_seconds"] for m in rows), 1)
-    conf = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["mutmut"]
     prov = provenance()
     doc = {
         "date": datetime.date.today().isoformat(),
@@ -201,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         "provenance": {"commit": prov.get("commit"), "clean": prov.get("clean"), "dirty": prov.get("dirty", [])},
         "selection": conf["pytest_add_cli_args_test_selection"],
         "wall_s": args.wall_s,
+        "note": args.note,
         "target": TARGET,
         "modules": rows,
         "total": total,

@@ -99,5 +99,17 @@ def test_the_sketch_is_int32_rows_the_same_over_any_buffer_and_any_step():
     assert ref.dtype == np.int32 and ref.shape == (6, 16)
     for buf in (page.tobytes(), memoryview(page.tobytes()), page.view(np.uint16).reshape(-1, 2)):
         assert np.array_equal(page_sketch(buf), ref)
-    for step in (1, 2, 4):  # full rows taken a few at a time: the same rows
-        assert np.array_equal(page_sketch(page, rows_per_step=step), ref)
+    pages = [np.random.default_rng(seed).integers(0, 256, 5 * SKETCH_ROW + 124, dtype=np.uint8) for seed in range(4)]
+    refs = [page_sketch(p) for p in pages]
+    for step in (1, 2, 4):  # full rows taken a few at a time: the same rows (each page's own, not the last's)
+        for p, r in zip(pages, refs):
+            assert np.array_equal(page_sketch(p, rows_per_step=step), r)
+
+
+def test_a_strided_or_odd_length_page_is_digested_as_its_bytes_in_order():
+    page = _page(2 * 70_001)
+    strided = page[::2]  # not contiguous: the sketch reads its elements in order
+    assert np.array_equal(page_sketch(strided), page_sketch(strided.tobytes()))
+    assert page_digest(strided, DigestKind.SKETCH) == page_digest(strided.tobytes(), DigestKind.SKETCH)
+    odd = page[:70_001].tobytes()  # no whole number of any wider element
+    assert page_digest(odd, DigestKind.SKETCH) == page_digest(np.frombuffer(odd, dtype=np.uint8), DigestKind.SKETCH)
