@@ -104,7 +104,6 @@ def score_module(path: str, meta: dict, equivalent: dict[str, str]) -> dict:
     total = len(codes)
     detected = counts["killed"] + counts["timeout"]
     judged = total - counts["equivalent"]
-    durations = meta.get("durations_by_key", {})
     return {
         "module": module_name(path),
         "path": path,
@@ -117,7 +116,6 @@ def score_module(path: str, meta: dict, equivalent: dict[str, str]) -> dict:
         "not_checked": counts["not checked"],
         "other": counts["other"],
         "score": round(100.0 * detected / judged, 1) if judged else None,
-        "test_seconds": round(sum(v for v in durations.values() if v), 1),
         "survivors": survivors,
         "no_tests_mutants": no_tests,
         "stale_equivalents": stale,
@@ -135,15 +133,15 @@ def markdown(doc: dict) -> str:
         f"# Mutation scores{'' if prov['clean'] else ' (DIRTY TREE)'}",
         "",
         f"Commit `{prov['commit']}` ({'clean tree' if prov['clean'] else 'dirty tree: ' + ', '.join(prov['dirty'])}),"
-        f" {doc['date']}, mutmut {doc['mutmut']}. Made by `make mutation` (scripts/mutation_report.py"
-        " from mutmut's results in mutants/). Tests: the fast suites (`"
-        + " ".join(doc["selection"]) + "`), each mutant against the tests that called its function.",
+        f" {doc['date']}, mutmut {doc['mutmut']}. Made by scripts/mutation_report.py from mutmut's results"
+        " (`make mutation` runs both). Tests: `" + " ".join(doc["selection"])
+        + "`, each mutant against those of them that called its function.",
         "",
         "Score = (killed + timeout) / (mutants - equivalent); equivalents, with their reasons, in"
         f" [equivalent.md](equivalent.md). Target: {TARGET:.0f}% per module.",
         "",
-        "| module | mutants | killed | timeout | survived | no tests | equivalent | score | test s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| module | mutants | killed | timeout | survived | no tests | equivalent | score |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for m in doc["modules"]:
         score = "-" if m["score"] is None else f"{m['score']:.1f}%"
@@ -152,10 +150,10 @@ def markdown(doc: dict) -> str:
         if m["not_checked"]:
             score += f" ({m['not_checked']} not checked)"
         lines.append(f"| {m['module']} | {m['mutants']} | {m['killed']} | {m['timeout']} | {m['survived']} | "
-                     f"{m['no_tests']} | {m['equivalent']} | {score} | {m['test_seconds']} |")
+                     f"{m['no_tests']} | {m['equivalent']} | {score} |")
     t = doc["total"]
     lines.append(f"| **all** | {t['mutants']} | {t['killed']} | {t['timeout']} | {t['survived']} | {t['no_tests']} | "
-                 f"{t['equivalent']} | {t['score']:.1f}% | {t['test_seconds']} |")
+                 f"{t['equivalent']} | {t['score']:.1f}% |")
     if doc.get("note"):
         lines += ["", doc["note"]]
     if doc.get("wall_s"):
@@ -197,7 +195,6 @@ def main(argv: list[str] | None = None) -> int:
              ("mutants", "killed", "timeout", "survived", "no_tests", "equivalent", "not_checked", "other")}
     judged = total["mutants"] - total["equivalent"]
     total["score"] = round(100.0 * (total["killed"] + total["timeout"]) / judged, 1) if judged else 0.0
-    total["test_seconds"] = round(sum(m["test_seconds"] for m in rows), 1)
     prov = provenance()
     doc = {
         "date": datetime.date.today().isoformat(),
