@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvgate-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup peers servers gate test test-slow bench-pool bench-live report conformance clean
+.PHONY: setup peers servers gate test test-slow mutation bench-pool bench-live report conformance clean
 
 $(STAMP): pyproject.toml packaging/kvpool/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -58,6 +58,18 @@ test: setup servers peers
 test-slow: setup
 	$(BIN)/python -m pytest suites --kv-slow $(PYTEST_ARGS)
 
+# Mutation testing of kvpool's correctness-critical modules (mutmut; the modules and the tests in
+# pyproject.toml's tool.mutmut), a fresh run each time (mutmut keeps a result while the mutated
+# function is unchanged, even when the tests changed), then the score per module with the commit
+# in reports/mutation/scores.{json,md} (scripts/mutation_report.py). Each mutant runs only the
+# tests that called its function, in their own process; PYTHONPATH: a daemon a test starts as a
+# process imports this tree's kvpool, unmutated, whichever tree the venv's editable install names.
+MUTATION_JOBS ?= $(shell nproc)
+mutation: setup
+	rm -rf mutants
+	start=$$(date +%s); PYTHONPATH=$(CURDIR) $(BIN)/mutmut run --max-children $(MUTATION_JOBS) \
+	  && $(BIN)/python scripts/mutation_report.py --wall-s $$(( $$(date +%s) - start ))
+
 # The committed CPU gate report, made again from the committed tree (it records the commit
 # and whether the tree was clean): run.json, junit.xml and checklist.md in
 # reports/gate/DATE-cpu/ (logs and history stay in reports/runs/report/). GPU: scripts/gpu/.
@@ -81,4 +93,4 @@ bench-live: setup
 	$(BIN)/kvgate bench live
 
 clean:
-	rm -rf $(VENV) $(LMC_VENV) .pytest_cache .hypothesis reports/runs
+	rm -rf $(VENV) $(LMC_VENV) .pytest_cache .hypothesis reports/runs mutants

@@ -134,8 +134,18 @@ def test_a_handed_segment_is_sealed_against_resizing(two_tenants):
         Arena.from_fds(fd, pages, "unsealed private segment")
 
 
-def test_a_tenant_cannot_evict_another_or_see_its_activity(two_tenants):
-    d = two_tenants
+@pytest.fixture
+def two_tenants_unscrubbed():
+    """Two tenants, no scrub at rest: the pass at rest visits b's one page every round
+    (scrub_interval_s), which is b's own activity and would move b's stats on a slow host."""
+    d = thread_pool(page_size=PAGE, num_pages=16, tenants={"a": "tok-a", "b": "tok-b"},
+                    scrub_rest_pages_per_round=0)
+    yield d
+    d.stop_thread()
+
+
+def test_a_tenant_cannot_evict_another_or_see_its_activity(two_tenants_unscrubbed):
+    d = two_tenants_unscrubbed
     with client(d, "a") as a, client(d, "b") as b:
         assert publish(b, ns("b"), hashes(100, 1), payload(1, 2)).committed == 1
         before = b.stats()

@@ -75,3 +75,41 @@ def test_swapped_rows_and_zero_padding_are_told_apart(test_seed):
     padded = np.concatenate([short, np.zeros(5, np.uint8)])  # same sketch rows, other length
     assert np.array_equal(page_sketch(short), page_sketch(padded))
     assert page_digest(short, DigestKind.SKETCH) != page_digest(padded, DigestKind.SKETCH)
+
+
+def _page(nbytes: int = 70_000) -> np.ndarray:
+    return np.random.default_rng(7).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def test_both_digests_are_pinned_over_any_buffer_of_the_same_bytes():
+    """The pool hands the digests memoryviews of its segment, the loader bytes or arrays of
+    any shape and dtype: the digest is of the bytes, whatever holds them (pinned values: a
+    change is a new digest kind)."""
+    page = _page()
+    want = {DigestKind.XXH3: "0e0bad1241362092681e0ea2d6b6f11f", DigestKind.SKETCH: "da464a1623dd2fac1f9d14c8724fefc6"}
+    for kind, hexdigest in want.items():
+        for buf in (page, page.tobytes(), bytearray(page.tobytes()), memoryview(page.tobytes()),
+                    page.view(np.int16).reshape(50, -1), page.view(np.int8)):
+            assert page_digest(buf, kind).hex() == hexdigest, (kind, type(buf))
+
+
+def test_the_sketch_is_int32_rows_the_same_over_any_buffer_and_any_step():
+    page = _page(5 * SKETCH_ROW + 124)
+    ref = page_sketch(page)
+    assert ref.dtype == np.int32 and ref.shape == (6, 16)
+    for buf in (page.tobytes(), memoryview(page.tobytes()), page.view(np.uint16).reshape(-1, 2)):
+        assert np.array_equal(page_sketch(buf), ref)
+    pages = [np.random.default_rng(seed).integers(0, 256, 5 * SKETCH_ROW + 124, dtype=np.uint8) for seed in range(4)]
+    refs = [page_sketch(p) for p in pages]
+    for step in (1, 2, 4):  # full rows taken a few at a time: the same rows (each page's own, not the last's)
+        for p, r in zip(pages, refs):
+            assert np.array_equal(page_sketch(p, rows_per_step=step), r)
+
+
+def test_a_strided_or_odd_length_page_is_digested_as_its_bytes_in_order():
+    page = _page(2 * 70_001)
+    strided = page[::2]  # not contiguous: the sketch reads its elements in order
+    assert np.array_equal(page_sketch(strided), page_sketch(strided.tobytes()))
+    assert page_digest(strided, DigestKind.SKETCH) == page_digest(strided.tobytes(), DigestKind.SKETCH)
+    odd = page[:70_001].tobytes()  # no whole number of any wider element
+    assert page_digest(odd, DigestKind.SKETCH) == page_digest(np.frombuffer(odd, dtype=np.uint8), DigestKind.SKETCH)
