@@ -20,7 +20,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
-from kvgate.harness.bench.seed003 import Plan, failures, render_markdown, side_by_side  # noqa: E402
+from kvgate.harness.bench.seed003 import (  # noqa: E402
+    Plan,
+    failures,
+    memory_line,
+    render_markdown,
+    side_by_side,
+)
 
 
 def merge(results: list[dict]) -> tuple[dict, dict[str, str]]:
@@ -39,6 +45,7 @@ def merge(results: list[dict]) -> tuple[dict, dict[str, str]]:
                 sources[key] = tag
     merged["failures"] = failures(merged, Plan())
     merged.pop("command", None)
+    merged.pop("memory", None)  # each run's own, listed under the runs
     provs = [r.get("env", {}).get("provenance", {}) for r in results]
     merged["env"] = {**merged.get("env", {}), "provenance": {
         "short": " / ".join(p.get("short", "?")[:7] for p in provs), "clean": all(p.get("clean") for p in provs),
@@ -63,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"stamped: {prov.get('stamped')}; the carried tree verified against its stamp: "
                      f"{prov.get('verified')}); pinned host-to-device copy {r.get('pinned_h2d_GBps')} GB/s; "
                      f"{r.get('wall_s')} s; `{r.get('command', '')}`")
+        if r.get("placement"):
+            lines.append(f"  - {r['placement']}")
+        if r.get("memory"):
+            lines.append(f"  - memory after the warm-up: {memory_line(r['memory'])}")
     lines += [f"- `{c}`" for c in a.command]
     sys.stdout.write(out + "\n".join(lines) + "\n")
     return 0
