@@ -436,6 +436,17 @@ def _why_not(part: dict) -> str:
     return part["not_run"] + (f" ({part['estimate']})" if part.get("estimate") else "")
 
 
+NO_FIGURE = "no figure"
+
+
+def h2d_floor_ms(n: int, result: dict) -> float | None:
+    """n tokens' KV at the run's pinned host-to-device rate (ms); None without the rate."""
+    rate, kv = result.get("pinned_h2d_GBps"), result.get("arch", {}).get("kv_bytes_per_token")
+    if not isinstance(rate, (int, float)) or not rate or not kv:
+        return None
+    return round(n * kv / (rate * 1e9) * 1e3, 1)
+
+
 def side_by_side(result: dict) -> list[dict]:
     """The seed's table next to kvgate's: per row the paper's figure, kvgate's, their ratio
     (kvgate / paper) and the host-to-device floor where one applies."""
@@ -452,21 +463,24 @@ def side_by_side(result: dict) -> list[dict]:
                          "paper": f"{PAPER['ttft_off_s'][paper_n]} -> {PAPER['ttft_on_s'][paper_n]}" if paper_n
                          else None, "spread": _why_not(part)})
             continue
+        floor_s = round(part["h2d_floor_ms"] / 1e3, 3) if "h2d_floor_ms" in part else None
         for what, k in (("OFF (cold prefill on B)", "ttft_off_s"), ("ON (B loads A's KV)", "ttft_on_s")):
             st = part["off_ms" if k == "ttft_off_s" else "on_ms"]
             paper = PAPER[k].get(paper_n) if paper_n else None
             ours = st["median"] / 1e3 if st["median"] is not None else None
-            rows.append({"row": f"cross-replica TTFT {what}, {label}", "unit": "s", "paper": paper, "part": key,
+            rows.append({"row": f"cross-replica TTFT {what}, {label}", "unit": "s", "part": key,
+                         "paper": paper if paper else NO_FIGURE,
                          "kvgate": round(ours, 3) if ours is not None else None,
                          "spread": f"{st['min'] / 1e3:.3f}-{st['max'] / 1e3:.3f} (n={st['n']})" if st["n"] else "",
-                         "ratio": round(ours / paper, 3) if paper and ours else None,
-                         "floor": round(part["h2d_floor_ms"] / 1e3, 3) if k == "ttft_on_s" and "h2d_floor_ms" in part
-                         else None})
+                         "ratio": round(ours / paper, 3) if paper and ours else "n/a",
+                         "floor": floor_s if k == "ttft_on_s" else "no load (a cold prefill)"})
         paper_red = (1 - PAPER["ttft_on_s"][paper_n] / PAPER["ttft_off_s"][paper_n]) if paper_n else None
+        off_s = part["off_ms"]["median"] / 1e3 if part["off_ms"]["median"] else None
         rows.append({"row": f"cross-replica TTFT reduction, {label}", "unit": "", "part": key,
-                     "paper": round(paper_red, 4)
-                     if paper_red else None, "kvgate": part["reduction"],
-                     "ratio": round(part["reduction"] / paper_red, 3) if paper_red and part["reduction"] else None})
+                     "paper": round(paper_red, 4) if paper_red else NO_FIGURE, "kvgate": part["reduction"],
+                     "spread": "from the two medians above",
+                     "ratio": round(part["reduction"] / paper_red, 3) if paper_red and part["reduction"] else "n/a",
+                     "floor": f"{1 - floor_s / off_s:.4f} (ON at the floor)" if floor_s and off_s else None})
     if not any(PAPER_LENGTH.get(int(k.split(":")[1])) == 262144 for k in parts if k.startswith("ttft:")):
         rows.append({"row": "cross-replica TTFT OFF -> ON, 256k", "unit": "s",
                      "paper": f"{PAPER['ttft_off_s'][262144]} -> {PAPER['ttft_on_s'][262144]}",
@@ -484,11 +498,20 @@ def side_by_side(result: dict) -> list[dict]:
                          "spread": _why_not(part)})
             continue
         st = part["session_ttft_sum_ms"]
+        if key.startswith("control"):
+            floor: object = "no load (a session stays on one replica)"
+        else:
+            fl = part.get("h2d_floor_ms") or h2d_floor_ms(n, result)
+            cross = (part.get("cross_turn_ttft_ms") or {}).get("on", {}).get("median")
+            floor = None if fl is None else (f"{fl / 1e3:.3f} s a load of the context"
+                                             + (f" (ON turns on the other replica: median {cross / 1e3:.3f} s)"
+                                                if cross else ""))
         rows.append({"row": f"{what}, {n}-token context: improvement of the session's summed TTFT (ON vs OFF)",
                      "unit": "", "paper": paper, "kvgate": part["improvement"], "part": key,
                      "spread": f"OFF {st['off']['min'] / 1e3:.2f}-{st['off']['max'] / 1e3:.2f} s, ON "
                                f"{st['on']['min'] / 1e3:.2f}-{st['on']['max'] / 1e3:.2f} s (n={st['on']['n']})",
-                     "ratio": round(part["improvement"] / paper, 3) if isinstance(paper, float) else None})
+                     "ratio": round(part["improvement"] / paper, 3) if isinstance(paper, float) else "n/a",
+                     "floor": floor})
     return rows
 
 

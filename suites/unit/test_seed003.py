@@ -69,6 +69,17 @@ def test_the_table_sets_kvgate_beside_the_seed_with_ratio_and_floor():
     sess = next(r for k, r in rows.items() if k.startswith("six-turn"))
     assert sess["paper"] == 0.45 and sess["ratio"] == round(0.4 / 0.45, 3)
     assert any(r.get("kvgate") == "not run" and "256k" in k for k, r in rows.items())
+    red = next(r for k, r in rows.items() if k.startswith("cross-replica TTFT reduction"))
+    assert red["floor"] == f"{1 - 0.38 / 30.0:.4f} (ON at the floor)"  # the reduction with an ON at the floor
+    assert off["floor"].startswith("no load")
+    assert sess["floor"] is None  # no pinned rate in this result: no floor made up
+    result.update(pinned_h2d_GBps=50.0, arch={"kv_bytes_per_token": 160 * 1024})
+    rows = {r["row"]: r for r in side_by_side(result)}
+    sess = next(r for k, r in rows.items() if k.startswith("six-turn"))
+    assert sess["floor"].startswith(f"{131072 * 160 * 1024 / 50e9:.3f} s a load of the context")
+    result["parts"]["ttft:32768"] = _ttft()
+    short = next(r for r in side_by_side(result) if r["row"].startswith("cross-replica TTFT ON") and "32768" in r["row"])
+    assert short["paper"] == "no figure" and short["ratio"] == "n/a"  # the seed has no 32k TTFT
     result["table"] = side_by_side(result)
     result["failures"] = []
     assert "| cross-replica TTFT ON" in render_markdown(result)
@@ -140,3 +151,37 @@ def test_the_cli_takes_fp8_and_earlier_cold_prefills():
     with pytest.raises(ValueError):
         plan_from_args(ap.parse_args(["--cold-s", "128000"]))
     assert plan_from_args(ap.parse_args([])).quantization == ""
+
+
+def _table_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "gpu" / "seed003_table.py"
+    spec = importlib.util.spec_from_file_location("seed003_table", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_merged_runs_take_each_part_from_the_run_that_measured_it_and_keep_why_the_rest_did_not_run():
+    table = _table_module()
+    prov = {"env": {"provenance": {"short": "aaaaaaa"}}}
+    run1 = {**prov, "plan": {"order": ["ttft:0", "sessions:0"], "ttft_lengths": [128000], "session_contexts": [128000]},
+            "parts": {"ttft:128000": _ttft(), "sessions:128000": {"not_run": "about 574 s needed, 118 s left"}}}
+    run2 = {"env": {"provenance": {"short": "bbbbbbb"}},
+            "plan": {"order": ["sessions:0"], "session_contexts": [128000]}, "parts": {"sessions:128000": _sessions()}}
+    run3 = {"env": {"provenance": {"short": "ccccccc"}}, "plan": {"order": ["ttft:0"], "ttft_lengths": [256000]},
+            "parts": {}, "error": "Traceback\n(APIServer pid=7) ModuleNotFoundError: No module named 'x'\n"}
+    merged, sources = table.merge([run1, run2, run3], {"ttft:256000": "four cold prefills of 248 s; 196 s left"})
+    assert sources["ttft:128000"].startswith("run 1") and sources["sessions:128000"].startswith("run 2")
+    assert merged["parts"]["sessions:128000"]["improvement"] == 0.4
+    why = merged["parts"]["ttft:256000"]["not_run"]
+    assert why.startswith("run 3 (ccccccc) raised before it: ModuleNotFoundError") and why.endswith("196 s left")
+    rows = [r for r in side_by_side(merged) if "256" in r["row"]]
+    assert len(rows) == 1 and rows[0]["paper"] == "92.047 -> 0.79" and "196 s left" in rows[0]["spread"]
+    assert any("ttft:256000: not run" in f for f in merged["failures"])  # not run is never a pass
+    import pytest
+
+    with pytest.raises(SystemExit):  # a reason for a part a run measured is refused
+        table.merge([run1, run2], {"ttft:128000": "no"})
