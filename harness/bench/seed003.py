@@ -11,7 +11,13 @@ text decoder of Mistral Small 3.1 24B: 40 layers, 8 KV heads of 128, 160 KiB of 
 token, 23.6 B parameters, full attention in every layer so one KV-cache group) with vLLM's
 dummy weights (--load-format dummy: both replicas hold the same weights from one fixed seed).
 Replicas A and B run at the same time on the one GPU (vLLM 0.24, TRITON_ATTN, eager), each
-with an explicit KV cache (`kv_bytes`), both on one kvpool pool in host memory.
+with an explicit KV cache (`kv_bytes`), both on one kvpool pool in host memory. Two bf16
+replicas (43.9 GiB of weights each) leave room for 20 GiB of KV each (128k tokens); at 256k
+(40 GiB of KV each) they fit only with `quantization="fp8"` (vLLM's online quantization of
+the dummy weights as they load: the linear layers' weights in fp8, the KV cache still bf16).
+A plan longer than the published model's positions (131072) runs with the positions raised
+to the next power of two (RoPE unchanged), said in the result. The weights each replica
+loaded, its KV cache and the GPU's memory in use are read back after the start (`memory`).
 
 Parts, in this order, while time is left (a part that would not finish is not started and
 is reported "not run"; not run is never a pass):
@@ -55,6 +61,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -107,6 +114,10 @@ class Plan:
     seed: int = 3
     deadline_s: float = 1500.0
     order: tuple[str, ...] = ("ttft:0", "ttft:1", "sessions:0", "control:0", "sessions:1", "control:1")
+    quantization: str = ""  # "" (the bf16 dummy weights) or "fp8" (vLLM's online quantization of them)
+    # (n, seconds): cold prefills of n tokens measured by an earlier run of the same build, for
+    # the time estimates of lengths this run has not measured itself
+    prior_cold_s: tuple[tuple[int, float], ...] = ()
 
     def max_len(self) -> int:
         from kvgate.harness.scenarios.gpu_live import (
@@ -115,6 +126,90 @@ class Plan:
 
         longest = max((*self.ttft_lengths, *self.session_contexts, *self.control_contexts, SESSION_CHUNK + 2048))
         return longest + SESSION_TURNS * (64 + 16) + 2 * BLOCK_SIZE
+
+
+def with_positions(arch: Arch, plan: Plan) -> tuple[Arch, str]:
+    """The architecture with room for the plan's longest request, and a note when that is more
+    than the published positions: then the next power of two (RoPE base unchanged; the
+    weights are dummy, so nothing learned is stretched)."""
+    need = plan.max_len()
+    if need <= arch.max_position_embeddings:
+        return arch, ""
+    wider = dataclasses.replace(arch, max_position_embeddings=1 << (need - 1).bit_length())
+    return wider, (f"positions raised from the published {arch.max_position_embeddings} to "
+                   f"{wider.max_position_embeddings} for requests of up to {need} tokens (RoPE base unchanged)")
+
+
+def weights_text(arch: Arch, plan: Plan) -> str:
+    bf16 = 2 * arch.parameters / 2**30
+    if plan.quantization == "fp8":
+        return (f"fp8 weights (vLLM's online quantization, --quantization fp8, of the dummy weights as they "
+                f"load; {bf16:.1f} GiB in bf16; the KV cache bf16)")
+    if plan.quantization:
+        return f"{plan.quantization} weights (vLLM's online quantization of the dummy weights)"
+    return f"the bf16 dummy weights ({bf16:.1f} GiB)"
+
+
+def not_256k_text(arch: Arch) -> str:
+    kv = 256000 * arch.kv_bytes_per_token / 2**30
+    w = 2 * arch.parameters / 2**30
+    return (f"two bf16 replicas of this geometry at 256k need {kv:.0f} GiB of KV each beside {w:.1f} GiB of "
+            f"weights each ({2 * (kv + w):.0f} GiB): more than one H200 holds with both resident; with fp8 "
+            f"weights they fit (--quantization fp8 --kv-gib 40 --pool-gib 40 --lengths 256000)")
+
+
+_MEMORY_LINES = {
+    "weights_gib": re.compile(r"Model loading took ([0-9.]+) GiB"),
+    "initial_free_gib": re.compile(r"Initial free memory ([0-9.]+) GiB"),
+    "kv_cache_tokens": re.compile(r"GPU KV cache size: ([0-9,]+) tokens"),
+}
+
+
+def replica_memory(log_text: str) -> dict:
+    """What a vLLM replica's log says of its memory: the weights it loaded (GiB), the free
+    memory it found (GiB) and its KV cache (tokens); a figure the log lacks is None."""
+    out: dict = {}
+    for key, rx in _MEMORY_LINES.items():
+        found = rx.findall(log_text)
+        out[key] = None if not found else (int(found[-1].replace(",", "")) if key == "kv_cache_tokens"
+                                           else float(found[-1]))
+    return out
+
+
+def gpu_memory() -> dict | None:
+    """The GPU's memory in use and in all (MiB) by nvidia-smi; None without it."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True)
+        used, total = (int(x) for x in out.stdout.strip().splitlines()[0].split(","))
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+    return {"used_mib": used, "total_mib": total}
+
+
+def memory_report(cluster: Cluster) -> dict:
+    reps = {}
+    for name, rep in cluster.replicas.items():
+        try:
+            reps[name] = replica_memory(rep.log_path.read_text(errors="replace"))
+        except OSError as exc:
+            reps[name] = {"error": str(exc)}
+    return {"replicas": reps, "gpu": gpu_memory()}
+
+
+def memory_line(memory: dict) -> str:
+    """A run's `memory` (the replicas' logs and nvidia-smi after the warm-up) in one line."""
+    parts = []
+    for name, m in sorted(memory.get("replicas", {}).items()):
+        if "error" in m:
+            parts.append(f"{name}: {m['error']}")
+            continue
+        parts.append(f"{name}: weights {m.get('weights_gib')} GiB, KV cache {m.get('kv_cache_tokens')} tokens, "
+                     f"free at its start {m.get('initial_free_gib')} GiB")
+    gpu = memory.get("gpu")
+    if gpu:
+        parts.append(f"GPU memory in use {gpu['used_mib'] / 1024:.1f} of {gpu['total_mib'] / 1024:.1f} GiB")
+    return "; ".join(parts)
 
 
 def probe() -> dict:
@@ -137,12 +232,13 @@ def start(report_dir: Path, arch: Arch, plan: Plan, cuda: bool, block: int) -> C
     model = write_arch(report_dir / "model", arch)
     page = arch.kv_bytes_per_token * block
     pool_bytes = plan.pool_bytes
-    need = max(plan.ttft_lengths) * arch.kv_bytes_per_token
+    need = max((*plan.ttft_lengths, *plan.session_contexts, *plan.control_contexts), default=0) * arch.kv_bytes_per_token
     if pool_bytes < need:
         raise Seed003Error(f"a pool of {pool_bytes / 2**30:.1f} GiB cannot hold the longest prompt's KV "
                            f"({need / 2**30:.1f} GiB)")
     extra = (*(gpu_args(MEMORY_UTILIZATION, block) if cuda else ("--block-size", str(block))),
-             "--load-format", "dummy", "--max-num-seqs", "4")
+             "--load-format", "dummy", "--max-num-seqs", "4",
+             *(("--quantization", plan.quantization) if plan.quantization else ()))
     specs = [ReplicaSpec(name, core=str(i), kv_bytes=plan.kv_bytes, max_model_len=plan.max_len(),
                          max_num_batched_tokens=CHUNK, extra_args=extra)
              for i, name in enumerate(("A", "B"))]
@@ -334,6 +430,23 @@ def failures(result: dict, plan: Plan) -> list[str]:
     return out
 
 
+def _why_not(part: dict) -> str:
+    if "not_run" not in part:
+        return "raised"
+    return part["not_run"] + (f" ({part['estimate']})" if part.get("estimate") else "")
+
+
+NO_FIGURE = "no figure"
+
+
+def h2d_floor_ms(n: int, result: dict) -> float | None:
+    """n tokens' KV at the run's pinned host-to-device rate (ms); None without the rate."""
+    rate, kv = result.get("pinned_h2d_GBps"), result.get("arch", {}).get("kv_bytes_per_token")
+    if not isinstance(rate, (int, float)) or not rate or not kv:
+        return None
+    return round(n * kv / (rate * 1e9) * 1e3, 1)
+
+
 def side_by_side(result: dict) -> list[dict]:
     """The seed's table next to kvgate's: per row the paper's figure, kvgate's, their ratio
     (kvgate / paper) and the host-to-device floor where one applies."""
@@ -346,29 +459,32 @@ def side_by_side(result: dict) -> list[dict]:
         paper_n = PAPER_LENGTH.get(n)
         label = f"{n} tokens" + (f" (the seed's {paper_n // 1024}k)" if paper_n else "")
         if "not_run" in part or "error" in part:
-            rows.append({"row": f"cross-replica TTFT, {label}", "kvgate": "not run", "part": key,
-                         "spread": part.get("not_run", "raised")})
+            rows.append({"row": f"cross-replica TTFT OFF -> ON, {label}", "kvgate": "not run", "part": key,
+                         "paper": f"{PAPER['ttft_off_s'][paper_n]} -> {PAPER['ttft_on_s'][paper_n]}" if paper_n
+                         else None, "spread": _why_not(part)})
             continue
+        floor_s = round(part["h2d_floor_ms"] / 1e3, 3) if "h2d_floor_ms" in part else None
         for what, k in (("OFF (cold prefill on B)", "ttft_off_s"), ("ON (B loads A's KV)", "ttft_on_s")):
             st = part["off_ms" if k == "ttft_off_s" else "on_ms"]
             paper = PAPER[k].get(paper_n) if paper_n else None
             ours = st["median"] / 1e3 if st["median"] is not None else None
-            rows.append({"row": f"cross-replica TTFT {what}, {label}", "unit": "s", "paper": paper, "part": key,
+            rows.append({"row": f"cross-replica TTFT {what}, {label}", "unit": "s", "part": key,
+                         "paper": paper if paper else NO_FIGURE,
                          "kvgate": round(ours, 3) if ours is not None else None,
                          "spread": f"{st['min'] / 1e3:.3f}-{st['max'] / 1e3:.3f} (n={st['n']})" if st["n"] else "",
-                         "ratio": round(ours / paper, 3) if paper and ours else None,
-                         "floor": round(part["h2d_floor_ms"] / 1e3, 3) if k == "ttft_on_s" and "h2d_floor_ms" in part
-                         else None})
+                         "ratio": round(ours / paper, 3) if paper and ours else "n/a",
+                         "floor": floor_s if k == "ttft_on_s" else "no load (a cold prefill)"})
         paper_red = (1 - PAPER["ttft_on_s"][paper_n] / PAPER["ttft_off_s"][paper_n]) if paper_n else None
+        off_s = part["off_ms"]["median"] / 1e3 if part["off_ms"]["median"] else None
         rows.append({"row": f"cross-replica TTFT reduction, {label}", "unit": "", "part": key,
-                     "paper": round(paper_red, 4)
-                     if paper_red else None, "kvgate": part["reduction"],
-                     "ratio": round(part["reduction"] / paper_red, 3) if paper_red and part["reduction"] else None})
-    for key in ("ttft:256000", "ttft:262144"):
-        if key not in parts:
-            rows.append({"row": "cross-replica TTFT, 256k", "unit": "s", "paper": "92.047 -> 0.790",
-                         "kvgate": "not run", "spread": result.get("not_256k", "")})
-            break
+                     "paper": round(paper_red, 4) if paper_red else NO_FIGURE, "kvgate": part["reduction"],
+                     "spread": "from the two medians above",
+                     "ratio": round(part["reduction"] / paper_red, 3) if paper_red and part["reduction"] else "n/a",
+                     "floor": f"{1 - floor_s / off_s:.4f} (ON at the floor)" if floor_s and off_s else None})
+    if not any(PAPER_LENGTH.get(int(k.split(":")[1])) == 262144 for k in parts if k.startswith("ttft:")):
+        rows.append({"row": "cross-replica TTFT OFF -> ON, 256k", "unit": "s",
+                     "paper": f"{PAPER['ttft_off_s'][262144]} -> {PAPER['ttft_on_s'][262144]}",
+                     "kvgate": "not run", "spread": result.get("not_256k", "")})
     for key, part in parts.items():
         if not key.startswith(("sessions", "control")):
             continue
@@ -376,17 +492,26 @@ def side_by_side(result: dict) -> list[dict]:
         paper_n = PAPER_LENGTH.get(n, n)
         what = "six-turn sessions alternating replicas" if key.startswith("sessions") else \
             "fixed-placement control (sessions stay on one replica)"
-        if "not_run" in part or "error" in part:
-            rows.append({"row": f"{what}, {n}-token context", "kvgate": "not run", "part": key,
-                         "spread": part.get("not_run", "raised")})
-            continue
         paper = PAPER["session_improvement"].get(paper_n) if key.startswith("sessions") else PAPER["control"]
+        if "not_run" in part or "error" in part:
+            rows.append({"row": f"{what}, {n}-token context", "kvgate": "not run", "part": key, "paper": paper,
+                         "spread": _why_not(part)})
+            continue
         st = part["session_ttft_sum_ms"]
+        if key.startswith("control"):
+            floor: object = "no load (a session stays on one replica)"
+        else:
+            fl = part.get("h2d_floor_ms") or h2d_floor_ms(n, result)
+            cross = (part.get("cross_turn_ttft_ms") or {}).get("on", {}).get("median")
+            floor = None if fl is None else (f"{fl / 1e3:.3f} s a load of the context"
+                                             + (f" (ON turns on the other replica: median {cross / 1e3:.3f} s)"
+                                                if cross else ""))
         rows.append({"row": f"{what}, {n}-token context: improvement of the session's summed TTFT (ON vs OFF)",
                      "unit": "", "paper": paper, "kvgate": part["improvement"], "part": key,
                      "spread": f"OFF {st['off']['min'] / 1e3:.2f}-{st['off']['max'] / 1e3:.2f} s, ON "
                                f"{st['on']['min'] / 1e3:.2f}-{st['on']['max'] / 1e3:.2f} s (n={st['on']['n']})",
-                     "ratio": round(part["improvement"] / paper, 3) if isinstance(paper, float) else None})
+                     "ratio": round(part["improvement"] / paper, 3) if isinstance(paper, float) else "n/a",
+                     "floor": floor})
     return rows
 
 
@@ -407,6 +532,7 @@ def render_markdown(result: dict, sources: dict[str, str] | None = None) -> str:
              f"{arch.get('kv_cache_groups')} KV-cache group), vLLM dummy weights. {result.get('placement', '')}", "",
              f"Host-to-device floor: the prefix's bytes at a plain pinned copy's rate, "
              f"{result.get('pinned_h2d_GBps')} GB/s, measured in the same run as the row.", "",
+             *([f"Memory after the warm-up: {memory_line(result['memory'])}.", ""] if result.get("memory") else []),
              "| row | paper | kvgate (median) | spread | kvgate / paper | host-to-device floor |"
              + (" run |" if sources else ""),
              "|---|---|---|---|---|---|" + ("---|" if sources else "")]
@@ -440,18 +566,22 @@ def _write(report_dir: Path, result: dict) -> None:
     (report_dir / "seed003.md").write_text(render_markdown(result))
 
 
-def _estimate_s(kind: str, n: int, count: int, cold_s: dict[int, float]) -> float:
-    """Seconds a part is expected to take, from the cold prefills measured so far (prefill
-    grows faster than linearly with n: scaled by (n / n0)^1.6 from the nearest shorter one)."""
-    if n in cold_s:
-        c = cold_s[n]
-    elif cold_s:
-        n0 = max((k for k in cold_s if k <= n), default=min(cold_s))
-        c = cold_s[n0] * (n / n0) ** 1.6
-    else:
-        return 0.0
-    per = {"ttft": 4 * count, "sessions": 6 * count, "control": 4 * count}[kind]
-    return per * c * 1.15 + 10
+def _estimate_s(kind: str, n: int, count: int, cold_s: dict[int, float],
+                prior: dict[int, float] | None = None) -> tuple[float, str]:
+    """Seconds a part is expected to take and how that was reckoned, from the cold prefills
+    measured so far in this run, else those `prior` (an earlier run of the same build)
+    gives: prefill grows faster than linearly with n, so scaled by (n / n0)^1.6 from the
+    nearest shorter one. No figure at all: 0 (the part runs)."""
+    for source, figures in (("this run", cold_s), ("an earlier run", prior or {})):
+        if not figures:
+            continue
+        n0 = n if n in figures else max((k for k in figures if k <= n), default=min(figures))
+        c = figures[n0] * (n / n0) ** 1.6
+        per = {"ttft": 4 * count, "sessions": 6 * count, "control": 4 * count}[kind]
+        scaled = "" if n0 == n else f" scaled by ({n}/{n0})^1.6"
+        return per * c * 1.15 + 10, (f"{per} cold prefills of about {c:.0f} s: {figures[n0]:.1f} s at {n0} tokens "
+                                      f"measured in {source}{scaled}, plus 15%")
+    return 0.0, "no cold prefill measured yet"
 
 
 def run(report_dir: Path, plan: Plan = Plan(), command: str = "") -> int:
@@ -467,19 +597,20 @@ def run(report_dir: Path, plan: Plan = Plan(), command: str = "") -> int:
     t_end = t0 + plan.deadline_s
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
-    arch = ARCHS[plan.arch]
+    arch, positions_note = with_positions(ARCHS[plan.arch], plan)
     probed = probe()
     env, h2d = probed["env"], probed["h2d"]
     cuda = "gpu" in env
     block = BLOCK_SIZE if cuda else CPU_BLOCK_SIZE
-    result: dict = {"plan": dataclasses.asdict(plan), "arch": arch.describe(), "env": env, "command": command,
+    result: dict = {"plan": dataclasses.asdict(plan), "arch": {**arch.describe(), "positions": positions_note},
+                    "env": env, "command": command,
                     "paper": {k: (v if isinstance(v, str) else {str(n): x for n, x in v.items()})
                               for k, v in PAPER.items()},
                     "placement": "Replicas A and B at the same time on the one GPU, each with "
-                                 f"{plan.kv_bytes / 2**30:.0f} GiB of KV cache and the bf16 dummy weights "
-                                 f"({2 * arch.parameters / 2**30:.1f} GiB), on one kvpool pool in host memory.",
-                    "not_256k": "two replicas of this geometry at 256k need 40 GiB of KV each beside 43.9 GiB of "
-                                "weights each: more than one H200 holds with both resident",
+                                 f"{plan.kv_bytes / 2**30:.0f} GiB of KV cache and {weights_text(arch, plan)}, on one "
+                                 f"kvpool pool of {plan.pool_bytes / 2**30:.0f} GiB in host memory."
+                                 + (f" The model's {positions_note}." if positions_note else ""),
+                    "not_256k": not_256k_text(arch),
                     "parts": {}}
     result["pinned_h2d_GBps"] = round(h2d, 2) if h2d else None
     result["host_memory_available_gib"] = round(memory_available() / 2**30, 1)
@@ -489,8 +620,11 @@ def run(report_dir: Path, plan: Plan = Plan(), command: str = "") -> int:
         cluster = start(report_dir / "run", arch, plan, cuda, block)
         corpus = Corpus(cluster.model_dir)
         warm_up_sessions(cluster, corpus, plan.seed, block)
-        _say(f"bench seed003: warmed up after {time.monotonic() - t0:.0f} s")
+        result["memory"] = memory_report(cluster)
+        _say(f"bench seed003: warmed up after {time.monotonic() - t0:.0f} s; memory {json.dumps(result['memory'])}")
+        _write(report_dir, result)
         cold_s: dict[int, float] = {}
+        prior = dict(plan.prior_cold_s)
         for item in plan.order:
             kind, idx = item.split(":")
             i = int(idx)
@@ -503,9 +637,9 @@ def run(report_dir: Path, plan: Plan = Plan(), command: str = "") -> int:
             count = counts[min(i, len(counts) - 1)]
             key = f"{kind}:{n}"
             left = t_end - time.monotonic()
-            est = _estimate_s(kind, n, count, cold_s)
+            est, basis = _estimate_s(kind, n, count, cold_s, prior)
             if est > left:
-                result["parts"][key] = {"not_run": f"about {est:.0f} s needed, {left:.0f} s left"}
+                result["parts"][key] = {"not_run": f"about {est:.0f} s needed, {left:.0f} s left", "estimate": basis}
                 _say(f"bench seed003: {key} not run: about {est:.0f} s needed, {left:.0f} s left")
                 _write(report_dir, result)
                 continue
@@ -553,11 +687,18 @@ def plan_from_args(args) -> Plan:
     def ints(s: str) -> tuple[int, ...]:
         return tuple(int(x) for x in s.split(",") if x)
 
+    def colds(s: str) -> tuple[tuple[int, float], ...]:
+        pairs = [x.split("=") for x in s.split(",") if x]
+        if any(len(p) != 2 for p in pairs):
+            raise ValueError(f"--cold-s takes N=SECONDS[,N=SECONDS...], not {s!r}")
+        return tuple((int(n), float(v)) for n, v in pairs)
+
     return Plan(arch=args.arch, ttft_lengths=ints(args.lengths), ttft_reps=ints(args.reps),
                 session_contexts=ints(args.session_contexts), sessions=ints(args.sessions),
                 control_contexts=ints(args.control_contexts), kv_bytes=int(args.kv_gib * 2**30),
                 pool_bytes=int(args.pool_gib * 2**30), seed=args.seed, deadline_s=args.deadline,
-                order=tuple(x for x in args.order.split(",") if x))
+                order=tuple(x for x in args.order.split(",") if x), quantization=args.quantization,
+                prior_cold_s=colds(args.cold_s))
 
 
 def add_arguments(p) -> None:
@@ -575,5 +716,11 @@ def add_arguments(p) -> None:
     p.add_argument("--pool-gib", type=float, default=d.pool_bytes / 2**30)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--deadline", type=float, default=d.deadline_s, help="seconds for the whole run")
+    p.add_argument("--quantization", default=d.quantization, choices=["", "fp8"],
+                   help="the replicas' weights: bf16 dummy weights (default) or fp8 (vLLM's online quantization of "
+                        "them; for 256k with both replicas resident)")
+    p.add_argument("--cold-s", default="", metavar="N=SECONDS[,...]",
+                   help="cold prefills measured by an earlier run of this build, for the time estimate of a length "
+                        "this run has not measured (a part that would not finish in --deadline is not run)")
     p.add_argument("--report-dir", type=Path, default=Path("reports/runs/seed003"))
 

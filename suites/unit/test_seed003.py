@@ -69,6 +69,119 @@ def test_the_table_sets_kvgate_beside_the_seed_with_ratio_and_floor():
     sess = next(r for k, r in rows.items() if k.startswith("six-turn"))
     assert sess["paper"] == 0.45 and sess["ratio"] == round(0.4 / 0.45, 3)
     assert any(r.get("kvgate") == "not run" and "256k" in k for k, r in rows.items())
+    red = next(r for k, r in rows.items() if k.startswith("cross-replica TTFT reduction"))
+    assert red["floor"] == f"{1 - 0.38 / 30.0:.4f} (ON at the floor)"  # the reduction with an ON at the floor
+    assert off["floor"].startswith("no load")
+    assert sess["floor"] is None  # no pinned rate in this result: no floor made up
+    result.update(pinned_h2d_GBps=50.0, arch={"kv_bytes_per_token": 160 * 1024})
+    rows = {r["row"]: r for r in side_by_side(result)}
+    sess = next(r for k, r in rows.items() if k.startswith("six-turn"))
+    assert sess["floor"].startswith(f"{131072 * 160 * 1024 / 50e9:.3f} s a load of the context")
+    result["parts"]["ttft:32768"] = _ttft()
+    short = next(r for r in side_by_side(result) if r["row"].startswith("cross-replica TTFT ON") and "32768" in r["row"])
+    assert short["paper"] == "no figure" and short["ratio"] == "n/a"  # the seed has no 32k TTFT
     result["table"] = side_by_side(result)
     result["failures"] = []
     assert "| cross-replica TTFT ON" in render_markdown(result)
+
+
+def test_a_plan_past_the_published_positions_raises_them_and_says_so():
+    from kvgate.harness.bench.seed003 import with_positions
+
+    a = ARCHS["mistral-small-24b"]
+    same, note = with_positions(a, Plan(ttft_lengths=(128000,), session_contexts=(), control_contexts=()))
+    assert same is a and note == ""
+    plan = Plan(ttft_lengths=(256000,), session_contexts=(), control_contexts=())
+    wide, note = with_positions(a, plan)
+    assert wide.max_position_embeddings == 262144 >= plan.max_len() > a.max_position_embeddings
+    assert "131072" in note and "262144" in note
+    assert wide.kv_bytes_per_token == a.kv_bytes_per_token and wide.parameters == a.parameters
+
+
+def test_the_replicas_memory_is_read_from_their_logs():
+    from kvgate.harness.bench.seed003 import memory_line, replica_memory
+
+    log = ("INFO [model_runner.py:302] Model loading took 22.87 GiB and 1.7 seconds\n"
+           "INFO [gpu_worker.py:429] Initial free memory 139.29 GiB, reserved 40.0 GiB memory for KV Cache\n"
+           "INFO [kv_cache_utils.py:2146] GPU KV cache size: 262,144 tokens\n")
+    m = replica_memory(log)
+    assert m == {"weights_gib": 22.87, "initial_free_gib": 139.29, "kv_cache_tokens": 262144}
+    assert replica_memory("nothing") == {"weights_gib": None, "initial_free_gib": None, "kv_cache_tokens": None}
+    line = memory_line({"replicas": {"A": m}, "gpu": {"used_mib": 130 * 1024, "total_mib": 140 * 1024}})
+    assert "weights 22.87 GiB" in line and "262144 tokens" in line and "130.0 of 140.0 GiB" in line
+
+
+def test_a_length_not_measured_yet_is_estimated_from_an_earlier_runs_cold_prefill():
+    from kvgate.harness.bench.seed003 import _estimate_s
+
+    assert _estimate_s("ttft", 256000, 1, {}, {})[0] == 0.0  # nothing measured: the part runs
+    est, basis = _estimate_s("ttft", 256000, 1, {}, {128000: 80.0})
+    per = 80.0 * 2 ** 1.6
+    assert abs(est - (4 * per * 1.15 + 10)) < 1e-6
+    assert "earlier run" in basis and "128000" in basis and "4 cold prefills" in basis
+    est_here, basis_here = _estimate_s("sessions", 128000, 1, {128000: 81.0}, {128000: 80.0})
+    assert est_here == 6 * 81.0 * 1.15 + 10 and "this run" in basis_here  # this run's own figure first
+
+
+def test_rows_not_run_keep_the_seeds_figure_and_the_reason():
+    result = {"parts": {"ttft:256000": {"not_run": "about 1200 s needed, 150 s left", "estimate": "4 cold prefills"},
+                        "sessions:128000": {"not_run": "about 574 s needed, 118 s left"}}}
+    rows = side_by_side(result)
+    ttft = [r for r in rows if r["row"].startswith("cross-replica")]
+    assert len(ttft) == 1  # the 256k part ran (as "not run"): no second 256k row
+    assert ttft[0]["paper"] == "92.047 -> 0.79" and ttft[0]["kvgate"] == "not run"
+    assert "150 s left" in ttft[0]["spread"] and "4 cold prefills" in ttft[0]["spread"]
+    sess = next(r for r in rows if r["row"].startswith("six-turn"))
+    assert sess["paper"] == 0.45 and sess["kvgate"] == "not run"
+
+
+def test_the_cli_takes_fp8_and_earlier_cold_prefills():
+    import argparse
+
+    import pytest
+
+    from kvgate.harness.bench.seed003 import add_arguments, plan_from_args
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    plan = plan_from_args(ap.parse_args(["--quantization", "fp8", "--cold-s", "128000=81.767", "--lengths", "256000",
+                                         "--session-contexts", "", "--control-contexts", ""]))
+    assert plan.quantization == "fp8" and plan.prior_cold_s == ((128000, 81.767),)
+    assert plan.ttft_lengths == (256000,) and plan.session_contexts == ()
+    with pytest.raises(ValueError):
+        plan_from_args(ap.parse_args(["--cold-s", "128000"]))
+    assert plan_from_args(ap.parse_args([])).quantization == ""
+
+
+def _table_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "gpu" / "seed003_table.py"
+    spec = importlib.util.spec_from_file_location("seed003_table", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_merged_runs_take_each_part_from_the_run_that_measured_it_and_keep_why_the_rest_did_not_run():
+    table = _table_module()
+    prov = {"env": {"provenance": {"short": "aaaaaaa"}}}
+    run1 = {**prov, "plan": {"order": ["ttft:0", "sessions:0"], "ttft_lengths": [128000], "session_contexts": [128000]},
+            "parts": {"ttft:128000": _ttft(), "sessions:128000": {"not_run": "about 574 s needed, 118 s left"}}}
+    run2 = {"env": {"provenance": {"short": "bbbbbbb"}},
+            "plan": {"order": ["sessions:0"], "session_contexts": [128000]}, "parts": {"sessions:128000": _sessions()}}
+    run3 = {"env": {"provenance": {"short": "ccccccc"}}, "plan": {"order": ["ttft:0"], "ttft_lengths": [256000]},
+            "parts": {}, "error": "Traceback\n(APIServer pid=7) ModuleNotFoundError: No module named 'x'\n"}
+    merged, sources = table.merge([run1, run2, run3], {"ttft:256000": "four cold prefills of 248 s; 196 s left"})
+    assert sources["ttft:128000"].startswith("run 1") and sources["sessions:128000"].startswith("run 2")
+    assert merged["parts"]["sessions:128000"]["improvement"] == 0.4
+    why = merged["parts"]["ttft:256000"]["not_run"]
+    assert why.startswith("run 3 (ccccccc) raised before it: ModuleNotFoundError") and why.endswith("196 s left")
+    rows = [r for r in side_by_side(merged) if "256" in r["row"]]
+    assert len(rows) == 1 and rows[0]["paper"] == "92.047 -> 0.79" and "196 s left" in rows[0]["spread"]
+    assert any("ttft:256000: not run" in f for f in merged["failures"])  # not run is never a pass
+    import pytest
+
+    with pytest.raises(SystemExit):  # a reason for a part a run measured is refused
+        table.merge([run1, run2], {"ttft:128000": "no"})
