@@ -48,8 +48,8 @@ Faults at the data (not controls: the engine must catch them):
                           the page in the pool differs from the store's source exactly there.
   CommitLane(lane, on_commit)   the wrapper both lanes are: a pool connection whose
                           commits pass through on_commit(inner, pages, digests, kind).
-  engine_class(pageable=, drop=, sketch_delay=, staged_flip=, host_read=)   a
-                          TransferEngine class with those faults and controls combined.
+  engine_class(base, sketch_delay=, staged_flip=)   `base` (the engine or a control)
+                          with those faults at the data.
 
   delay_stream(stream, cycles)   torch.cuda._sleep enqueued on `stream` (the fault).
   cycles_per_ms(device)          _sleep's rate on this GPU, measured with CUDA events.
@@ -240,19 +240,14 @@ def PageDigestLane(inner: PoolBackend) -> CommitLane:  # noqa: N802
 
 
 @functools.cache
-def engine_class(*, pageable: bool = False, drop: bool = False, sketch_delay: bool = False,
-                 staged_flip: bool = False, host_read: bool = False) -> type[TransferEngine]:
-    """A TransferEngine class with these faults and controls: pageable (registration
-    refused), drop (UnorderedTransferEngine: pass `drop=edge`), sketch_delay
-    (SketchDelayedEngine), staged_flip (StagedFlipEngine), host_read (HostReadEngine)."""
-    parts = [cls for on, cls in ((sketch_delay, SketchDelayedEngine), (staged_flip, StagedFlipEngine),
-                                 (host_read, HostReadEngine), (pageable, RefusedRegistrationEngine),
-                                 (drop, UnorderedTransferEngine)) if on]
+def engine_class(base: type[TransferEngine] = TransferEngine, *, sketch_delay: bool = False,
+                 staged_flip: bool = False) -> type[TransferEngine]:
+    """`base` (the engine, or one of the CONTROLS) with these faults at the data:
+    sketch_delay (SketchDelayedEngine), staged_flip (StagedFlipEngine)."""
+    parts = [cls for on, cls in ((sketch_delay, SketchDelayedEngine), (staged_flip, StagedFlipEngine)) if on]
     if not parts:
-        return TransferEngine
-    if len(parts) == 1:
-        return parts[0]
-    return type("".join(p.__name__.removesuffix("Engine") for p in parts) + "Engine", tuple(parts), {})
+        return base
+    return type("".join(p.__name__.removesuffix("Engine") for p in parts) + base.__name__, (*parts, base), {})
 
 
 def delay_stream(stream: torch.cuda.Stream, cycles: int) -> None:

@@ -36,7 +36,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvgate.faults.gpu_controls import CommitLane, delay_stream, engine_class
+from kvgate.faults.gpu_controls import CONTROLS, CommitLane, delay_stream, engine_class
 from kvgate.harness.checkers.verdict import Verdict
 from kvgate.harness.scenarios.gpu_cells import Cell, Expect
 from kvgate.harness.scenarios.gpu_transfer import (
@@ -177,8 +177,12 @@ def _took_path(run: Run) -> str:
 def _engine(cell: Cell, drop: bool, client: PoolClient, lanes: list, ns: Namespace,
             layers: list[torch.Tensor]) -> TransferEngine:
     path = cell.path
-    cls = engine_class(pageable=path.host is HostMemory.PAGEABLE, drop=drop,
-                       sketch_delay=cell.edge is OrderingEdge.COMMIT_AFTER_COPY and path.digest is DigestKind.SKETCH)
+    if drop:
+        base = CONTROLS[cell.control]
+    else:
+        base = CONTROLS["refused_registration"] if path.host is HostMemory.PAGEABLE else TransferEngine
+    cls = engine_class(base, sketch_delay=cell.edge is OrderingEdge.COMMIT_AFTER_COPY
+                       and path.digest is DigestKind.SKETCH)
     fields = path.config()
     cfg = MATRIX.config(fields.pop("path"), **fields)
     engine = _recording(cls)(client, ns, layers, cfg, lanes=lanes, **({"drop": cell.edge} if drop else {}))

@@ -32,7 +32,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvgate.faults.gpu_controls import FlipAtCommitLane, PageDigestLane, engine_class  # noqa: E402
+from kvgate.faults.gpu_controls import FlipAtCommitLane, HostReadEngine, PageDigestLane, engine_class  # noqa: E402
 from kvgate.harness.scenarios.gpu_transfer import Geometry, fill, make_kv, namespace, read_pages  # noqa: E402
 from kvpool.client.transfer import publish  # noqa: E402
 from kvpool.errors import MissCause  # noqa: E402
@@ -99,7 +99,7 @@ def test_the_load_check_looks_at_the_staged_rows(host_read, where, kind, path, c
     old = fill(layers, ODD.block_dim, rng, ODD.page_bytes)
     blocks = [int(b) for b in rng.permutation(ODD.num_blocks - 1)[:K]]  # the last block: the warm-up's
     torch.cuda.synchronize()
-    cls = engine_class(staged_flip=True, host_read=host_read)
+    cls = engine_class(HostReadEngine if host_read else TransferEngine, staged_flip=True)
     with cls(client, ns, layers, ODD.config(path, digest=kind)) as engine:
         warm = engine.load([ODD.num_blocks - 1], warm_hashes)
         engine.wait_for_load(warm)
