@@ -13,6 +13,8 @@ those below it:
   staging   host memory: the arena's registration, pinned sketch buffers, index rings.
   events    the host's waits for CUDA events.
   layout    the KV layout and the page order (KVLayout, block_page), the widest views.
+  paths     the copy paths (engine x issue x host memory x digest kind x direction) and
+            the ordering edges each has: the registry the gate's matrix enumerates.
   config    TransferConfig, TransferCapabilities, the enums, the engine's errors.
   sketch    the digest a GPU takes of a page, the same function on the host.
 """

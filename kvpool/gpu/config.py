@@ -5,8 +5,8 @@
         tensors do not fit the declared layout; cudaHostRegister refused the arena.
   CopyPath       torch | driver: how the bytes move (kvpool.gpu.transfer says how each works).
   HostMemory     registered | pageable: the arena as the copies see it.
-  OrderingEdge   the stream dependencies that make a transfer correct (the hook
-                 TransferEngine._order takes one of these).
+  OrderingEdge   the dependencies that make a transfer correct (the hooks
+                 TransferEngine._order and TransferEngine._await_copy take one of these).
   TransferConfig         the engine's settings (copy path, block dim, chunk and commit
                          sizes, digest kind of stores, load buffers, CUDA graphs).
   TransferCapabilities   what the engine could set up on this host, and why not.
@@ -49,13 +49,23 @@ class HostMemory(enum.StrEnum):
 
 
 class OrderingEdge(enum.StrEnum):
-    """The stream dependencies that make a transfer correct."""
+    """The dependencies that make a transfer correct: stream waits (the hook
+    TransferEngine._order) and the host's waits for a copy or a check (the hook
+    TransferEngine._await_copy). kvpool.gpu.paths says which copy paths have which."""
 
+    # stores
     STORE_AFTER_WRITE = "store_after_write"  # store copies read the KV after the engine wrote it
     REUSE_AFTER_STORE = "reuse_after_store"  # the engine rewrites a block after the store read it
+    COPY_AFTER_GATHER = "copy_after_gather"  # a store's copy reads the staged rows after its gather wrote them
+    GATHER_AFTER_COPY = "gather_after_copy"  # a store's gather refills a staging buffer after the copy that read it
+    COMMIT_AFTER_COPY = "commit_after_copy"  # a store's unit is digested and committed after its copies completed
+    # loads
     LOAD_AFTER_READ = "load_after_read"  # a load overwrites blocks after the engine's earlier reads
     READ_AFTER_LOAD = "read_after_load"  # the engine reads loaded blocks after the load wrote them
     CHECK_AFTER_COPY = "check_after_copy"  # a load's check reads the staged rows after its copy wrote them
+    VERIFY_AFTER_CHECK = "verify_after_check"  # the host compares a chunk's digests after its check delivered them
+    REFILL_AFTER_INSTALL = "refill_after_install"  # a load's copy refills a staging buffer after its last readers
+    RELEASE_AFTER_COPY = "release_after_copy"  # a load's lease is released after every copy of the load completed
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,7 +38,7 @@ from kvpool.errors import (
     TransportError,
 )
 from kvpool.gpu.config import KVLayoutError, OrderingEdge
-from kvpool.gpu.events import await_event, host_event
+from kvpool.gpu.events import host_event
 from kvpool.gpu.layout import as_width
 from kvpool.gpu.sketch import Sketcher, staged_width
 from kvpool.gpu.sketch import digests as sketch_digests
@@ -345,7 +345,7 @@ class Loads:
             with torch.cuda.stream(self.load_stream):
                 for reader in (installed[b], check_read[b]):  # the buffer's last install and check read it
                     if reader is not None:
-                        self.load_stream.wait_event(reader)
+                        self._order(OrderingEdge.REFILL_AFTER_INSTALL, self.load_stream, reader)
                 self._h2d([pages[j] for j in chunk], stage)
                 ev = torch.cuda.Event()
                 ev.record(self.load_stream)
@@ -367,7 +367,7 @@ class Loads:
         loaded = 0
         stop: Miss | None = None
         for i, chunk in enumerate(chunks):
-            await_event(checked[i], _LOAD_POLL_S)
+            self._await_copy(OrderingEdge.VERIFY_AFTER_CHECK, checked[i], _LOAD_POLL_S)
             b = i % nbuf
             got = self._arrived_digests(b, [kinds[j] for j in chunk])
             ok = self._verified(got, expected[chunk.start : chunk.stop])
@@ -376,6 +376,8 @@ class Loads:
                 break
             if ok:
                 with torch.cuda.stream(self._load_s):
+                    # after its copy: already so, through the check the host waited for
+                    # (CHECK_AFTER_COPY, VERIFY_AFTER_CHECK); kept as the stream's own order
                     self._load_s.wait_event(copied[i])
                     self._install([ids[j] for j in range(chunk.start, chunk.start + ok)], b)
                     ev = torch.cuda.Event()
@@ -416,7 +418,7 @@ class Loads:
 
     def _finish_load(self, handle: LoadHandle, lease: AcquireResult) -> tuple[tuple[int, ...], tuple[str, ...],
                                                                              MissCause | None]:
-        self._await_copy(handle._done)
+        self._await_copy(OrderingEdge.RELEASE_AFTER_COPY, handle._done)
         miss = handle.miss
         if miss is not None and miss.cause is MissCause.CORRUPT and lease.lease_id \
                 and miss.index < len(lease.hits.pages):

@@ -297,8 +297,8 @@ class Stores:
         host = self._store_sketch[base : base + n]
         with torch.cuda.stream(self._store_k):
             free = self._store_free[b]
-            if free is not None:
-                self._store_k.wait_event(free)
+            if free is not None:  # the copy that last read this buffer
+                self._order(OrderingEdge.GATHER_AFTER_COPY, self._store_k, free)
             self._gather(ids, stage, self._sk_store_scratch, self._sk_store_ring)
             gathered = torch.cuda.Event()
             gathered.record(self._store_k)
@@ -312,7 +312,7 @@ class Stores:
             read.record(self.store_stream)
             self._kv_read = [gathered, read]  # both read the KV
         else:
-            self.store_stream.wait_event(gathered)  # the staged pages are complete
+            self._order(OrderingEdge.COPY_AFTER_GATHER, self.store_stream, gathered)  # the staged pages are complete
             self._d2h(stage, pages)
             self._kv_read = [gathered]
         event = host_event()
@@ -337,9 +337,9 @@ class Stores:
     def _finish_unit(self, unit: _Unit) -> tuple[int, int, str | None]:
         """(committed, rejected, error) of one reservation, on its lane's thread."""
         try:
-            self._await_copy(unit.event)
+            self._await_copy(OrderingEdge.COMMIT_AFTER_COPY, unit.event)
             if unit.host_sketch is not None:
-                self._await_copy(unit.sketch_event)
+                self._await_copy(OrderingEdge.COMMIT_AFTER_COPY, unit.sketch_event)
                 sk = unit.host_sketch.numpy()
                 rows = [unit.sketch_index[p] for p in unit.pages]
                 digests = sketch_digests(sk[rows], self.layout.page_bytes)

@@ -99,10 +99,13 @@ unit absorbs a short remainder) so the pool verifies them in parallel. The pool'
 pool's, and no unit of an admitted run is shorter than it. `boundary` is honoured as in
 `kvpool.client.transfer.publish`.
 
-The ordering edges go through one hook, `_order(edge, stream, event)`, every wait for a
-copy's completion through `_await_copy(event)`, a load's digests of what arrived through
+The ordering edges (kvpool.gpu.config.OrderingEdge) go through two hooks: every stream
+wait through `_order(edge, stream, event)`, every wait of the host for a copy or a check
+through `_await_copy(edge, event)`; a load's digests of what arrived through
 `_arrived_digests(buf, kinds)` and its comparison through `_verified(got, expected)`, so
 a negative control (kvgate.faults.gpu_controls) can drop or replace exactly one of them.
+Which copy paths have which edges: kvpool.gpu.paths (the registry the gate's matrix of
+paths against edges enumerates).
 
 The engine's parts: TransferEngine (here: its setup, the segment it follows, the CUDA
 graphs, the hooks, the helpers both directions share, completion) takes its stores from
@@ -370,16 +373,17 @@ class TransferEngine(Stores, Loads):
         chunks, on either path and for pages of either kind)."""
         return self._load_s
 
-    # -- the ordering edges (one hook, so a control can drop one) -----------------------------
+    # -- the ordering edges (two hooks, so a control can drop one) ----------------------------
     def _order(self, edge: OrderingEdge, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+        """`stream` waits for `event` (a stream wait, never a host sync)."""
         stream.wait_event(event)
 
     def _register_host(self, ptr: int, size: int) -> None:
         host_register(ptr, size)
 
-    def _await_copy(self, event: torch.cuda.Event) -> None:
-        """Block this (worker) thread until the copies before `event` completed."""
-        await_event(event, _COMMIT_POLL_S)
+    def _await_copy(self, edge: OrderingEdge, event: torch.cuda.Event, poll_s: float = _COMMIT_POLL_S) -> None:
+        """Block this thread until the copies (or checks) before `event` completed."""
+        await_event(event, poll_s)
 
     def _verified(self, got: Sequence[bytes], expected: Sequence[bytes]) -> int:
         """How many leading pages of a chunk match their digests (a sketched load's check)."""
