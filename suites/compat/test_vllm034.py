@@ -55,6 +55,7 @@ if not _at_least_034(_VERSION):
         pytest.fail(why, pytrace=False)
     pytest.skip(why, allow_module_level=True)
 
+import torch  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvgate.fixtures.tiny_model import build_tiny_model  # noqa: E402
@@ -397,7 +398,8 @@ def test_every_request_field_kvpool_reads_is_on_vllm_034s_request(replicas):
     assert missing == [], missing
     for old, new in OLDER_NAMES.items():
         if old in names:
-            assert not hasattr(req, old) and hasattr(req, new), old
+            # the old name is gone, and kvpool reads the new one too (vllm_compat.skips_external_kv)
+            assert not hasattr(req, old) and hasattr(req, new) and new in names, (old, new)
     r.scheduler.finish_requests("f1", RequestStatus.FINISHED_ABORTED)
 
 
@@ -416,3 +418,38 @@ def test_reset_external_through_vllm_034_leaves_nothing_to_hit(replicas, pool):
     a.run_until_idle()
     assert a.loaded["a2"] == 0
     assert a.finished["a2"]["kvpool"]["hit_kind"] in ("cold", "local"), a.finished["a2"]
+
+
+def test_vllm_034s_cuda_kv_layout_is_refused_at_registration_not_copied(model_dir, pool, tmp_path):
+    """Not checkable here: kvpool on a vLLM 0.34 GPU engine (no GPU host has torch 2.14).
+    What is checked: 0.34 hands every backend's layer the logical [blocks, heads, tokens,
+    K|V] view (vllm.v1.kv_cache_interface.create_kv_cache_views), not the (blocks, 2, tokens,
+    heads, head) tensor of 0.24's GPU backends that kvpool's "cuda" layout declares; a CUDA
+    worker meeting it refuses it at registration (LayoutMismatch: the engine does not start),
+    so the unknown layout is never copied."""
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from kvpool.connector.copier import HostCopier
+    from kvpool.connector.settings import ConnectorSettings
+    from kvpool.connector.worker import KVPoolWorker
+    from suites.compat.engine034 import vllm_config
+
+    vc = vllm_config(model_dir, {"pool": f"unix:{pool.unix_path}", "token": "tok"})
+    vc.cache_config.kv_cache_layout = KVCacheLayout.LBNHC.name  # the GPU backends' (vLLM's unit tests use it)
+    vc.device_config.device_type = "cuda"
+    mc, pc = vc.model_config, vc.parallel_config
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(mc.get_num_layers(pc))]
+    spec = FullAttentionSpec(block_size=B, num_kv_heads=mc.get_num_kv_heads(pc), head_size=mc.get_head_size(),
+                             dtype=torch.bfloat16)
+    kcc = get_kv_cache_config_from_groups(vc, [KVCacheGroupSpec(names, spec)], 8 * spec.page_size_bytes * len(names))
+    views = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBNHC, [B])
+    assert {tuple(v.shape) for v in views.values()} == {(kcc.num_blocks, spec.num_kv_heads, B, 2 * spec.head_size)}
+    settings = ConnectorSettings(pool=f"unix:{pool.unix_path}", token="tok", history_dir=str(tmp_path / "h"))
+    w = KVPoolWorker(vc, settings, copier_factory=lambda s, b, h, m, d: HostCopier(b, h, m))
+    assert w.device == "cuda"
+    with pytest.raises(compat.LayoutMismatch, match="namespace declares per-block"):
+        w.register_kv_caches(views)
+    w.close()
