@@ -9,6 +9,8 @@ must catch it. vLLM builds them by name (kv_connector_module_path="suites.compat
   NoRelease            unregister_kv_caches does nothing: a store still running reads the KV
                        memory a sleep releases.
   LoadsNothing         claims the pool's blocks, and its start_load_kv installs nothing.
+  HidesLoadErrors      never reports a block whose load failed (get_block_ids_with_load_errors
+                       answers nothing): vLLM computes on what the failed load left.
 """
 
 from __future__ import annotations
@@ -29,3 +31,10 @@ class NoRelease(KVPoolConnector):
 class LoadsNothing(KVPoolConnector):
     def start_load_kv(self, forward_context, **kwargs):  # noqa: ANN001, ANN201
         return None
+
+
+class HidesLoadErrors(KVPoolConnector):
+    def get_block_ids_with_load_errors(self):  # noqa: ANN201
+        if self.worker is not None:
+            self.worker.take_failed()
+        return set()

@@ -192,8 +192,9 @@ class Replica:
     # -- one engine step -------------------------------------------------------------------
     def step(self) -> SchedulerOutput:
         so = self.scheduler.schedule()
+        for rid in so.num_scheduled_tokens:  # the tokens the scheduler holds: prompt and accepted outputs
+            self.tokens[rid] = list(self.scheduler.requests[rid].all_token_ids)
         for nr in so.scheduled_new_reqs:  # a resumed request comes back in full, as a new one
-            self.tokens[nr.req_id] = list(nr.prompt_token_ids) + self.tokens.get(nr.req_id, [])[len(nr.prompt_token_ids):]
             self.blocks[nr.req_id] = list(nr.block_ids[0])
             self.loaded.setdefault(nr.req_id, nr.num_computed_tokens)
         cached = so.scheduled_cached_reqs
@@ -213,12 +214,7 @@ class Replica:
                 self._attend(name)  # positional, as vLLM passes it
         self.active.finish_forward()
         kvo = self.active.post_forward(so.finished_req_ids)
-        sampled = []
-        for rid, start, n in self._step:
-            done = start + n >= len(self.tokens[rid])
-            sampled.append([SAMPLED] if done else [])
-            if done:
-                self.tokens[rid].append(SAMPLED)
+        sampled = [[SAMPLED] if start + n >= len(self.tokens[rid]) else [] for rid, start, n in self._step]
         out = ModelRunnerOutput(req_ids=[rid for rid, _, _ in self._step], sampled_token_ids=sampled,
                                 kv_connector_output=kvo)
         self._collect(self.scheduler.update_from_output(so, out))

@@ -64,7 +64,6 @@ from kvgate.harness.system.pool import thread_pool  # noqa: E402
 from kvpool.client.pool_client import PoolClient  # noqa: E402
 from kvpool.connector import vllm_compat as compat  # noqa: E402
 from kvpool.connector.params import BlockRun, KVPoolMetadata  # noqa: E402
-from kvpool.connector.worker import KVCachesReleased  # noqa: E402
 from kvpool.pool.keys import block_hashes  # noqa: E402
 from suites.compat.engine034 import B, Replica  # noqa: E402
 
@@ -79,7 +78,8 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture
 def pool():
-    d = thread_pool(page_size=PAGE, num_pages=64)
+    # no scrub pass at rest: a page corrupted by a test is met by the worker's load
+    d = thread_pool(page_size=PAGE, num_pages=64, scrub_rest_pages_per_round=0)
     yield d
     d.stop_thread()
 
@@ -194,6 +194,48 @@ def test_control_a_claim_that_loads_nothing_fails_the_installed_check(replicas, 
     _, b, _, _, _ = serve_and_reload(replicas, pool, "sync", "LoadsNothing", CONTROLS)
     assert b.loaded["b1"] == 5 * B
     assert [ok for rid, _, ok in b.checks if rid == "b1"] == [False, False]
+
+
+# -- a load that fails -------------------------------------------------------------------------
+
+
+def load_a_corrupt_page(replicas, pool, load_mode: str, consumer: str = "KVPoolConnector",  # noqa: ANN001
+                        module: str = "kvpool.connector"):  # noqa: ANN201
+    """A publishes 5 blocks; one bit of block 2's committed page is flipped in the arena (a
+    stray write into a page at rest); B claims the 5 blocks and its load meets the flip."""
+    prompt = list(range(100, 100 + 5 * B + 7))
+    a = replicas("A", load_mode=load_mode)
+    a.add("a1", prompt)
+    a.run_until_idle()
+    with PoolClient(f"unix:{pool.unix_path}", "default", "tok", name="fault") as c:
+        page = c.lookup(kvpool_worker(a).ns, block_hashes(prompt[: 5 * B], B)).hits[2].page
+        c.arena.page(page)[1000] ^= 1 << 3
+    b = replicas("B", load_mode=load_mode, connector=consumer, module=module)
+    second = prompt[: 5 * B] + list(range(900, 913))
+    b.add("b1", second)
+    b.run_until_idle()
+    kv = [[b.kv[name][blk].clone() for blk in b.blocks["b1"][:5]] for name in b.geo.layers]
+    exact = [all(torch.equal(kv[i][j], b.geo.block(i, second, j)) for i in range(len(b.geo.layers)))
+             for j in range(5)]
+    return b, exact
+
+
+@pytest.mark.parametrize("load_mode", ["sync", "async"])
+def test_a_load_that_fails_is_recomputed_by_vllm_034(replicas, pool, load_mode):
+    """kvpool reports the failed block and every block after it (get_block_ids_with_load_errors;
+    with an asynchronous load, no later than its finished_recving); vLLM 0.34 (policy
+    recompute) computes them again: every block of the prompt ends byte-exact in B's KV."""
+    b, exact = load_a_corrupt_page(replicas, pool, load_mode)
+    assert exact == [True] * 5, exact
+    assert b.finished["b1"]["kvpool"]["hit_kind"] == "fallback", b.finished["b1"]
+    loads = [rec for rec in read_history(Path(kvpool_worker(b).settings.history_dir))
+             if rec["ev"] == "load" and rec["req"] == "b1"]
+    assert [(rec["loaded"], rec["miss_cause"]) for rec in loads] == [(2, "corrupt")], loads
+
+
+def test_control_a_load_failure_not_reported_leaves_the_flipped_block(replicas, pool):
+    b, exact = load_a_corrupt_page(replicas, pool, "sync", "HidesLoadErrors", CONTROLS)
+    assert exact[:2] == [True, True] and not all(exact[2:]), exact
 
 
 # -- a preempted request's stores ------------------------------------------------------------
@@ -323,6 +365,8 @@ def test_sleep_unregister_ends_every_copy_before_the_memory_goes(replicas, pool)
     assert publishes_exactly(r, pool, prompt, 3) == [True] * 3
     r.run_until_idle()
     # between unregister and restore a copy is refused, with its type
+    from kvpool.connector.worker import KVCachesReleased
+
     r.worker.unregister_kv_caches()
     with pytest.raises(KVCachesReleased):
         kvpool_worker(r).start_load_kv(KVPoolMetadata(loads=[BlockRun("x", "x", 0, [1], [b"\0" * 16])]))
