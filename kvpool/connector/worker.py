@@ -168,13 +168,18 @@ class KVPoolWorker:
         self.history.write("kv_caches_restored")
 
     def close(self) -> None:
-        """vLLM's shutdown: the copier's threads (after the copies queued) and the pool
-        connection."""
-        self.copier.close()
-        self.backend.close()
-        if self.tier is not None:
-            self.tier.close()
-        self.history.close()
+        """vLLM's shutdown: stores still queued are dropped and the running copies waited for
+        (as release() does: a stalled pool does not hold the exit past the client's
+        timeouts), then the copier's threads, the pool connection, the tier's, the history.
+        A copy that outlives its bound raises, after everything is closed."""
+        try:
+            self.release()
+        finally:
+            self.copier.close()
+            self.backend.close()
+            if self.tier is not None:
+                self.tier.close()
+            self.history.close()
 
     def _load(self, run: BlockRun) -> Future:
         if self._released:

@@ -20,7 +20,10 @@ one engine step at a time.
         asynchronous load started after the forward, wait_for_save, get_transfer_results,
         the load errors, the stats); update_from_output. A step that schedules nothing runs
         the plumbing's no_forward, as the engine does while transfers are pending.
-  Replica.run_until_idle(max_steps)    steps until the scheduler holds no request.
+  Replica.run_until_idle(max_steps)    steps until the scheduler holds no request; with
+                                       async_scheduling (vLLM's AsyncScheduler), each step is
+                                       scheduled before the previous one's output is back, as
+                                       EngineCore's batch queue of two does.
   Replica.prefix_stats / .finished     what the engine core reported: vLLM's connector
                                        prefix-cache stats per step; each finished request's
                                        kv_transfer_params.
@@ -60,6 +63,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
@@ -113,10 +117,11 @@ class Geometry:
 
 
 def vllm_config(model_dir: str, extra: dict[str, Any], connector: str = "KVPoolConnector",
-                module: str = "kvpool.connector", max_batched: int = 512, long_prefill: int = 0) -> VllmConfig:
+                module: str = "kvpool.connector", max_batched: int = 512, long_prefill: int = 0,
+                async_scheduling: bool = False) -> VllmConfig:
     mc = ModelConfig(model=model_dir, dtype="bfloat16", seed=0)
     sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched, max_model_len=2048,
-                         enable_chunked_prefill=True, is_encoder_decoder=False, async_scheduling=False,
+                         enable_chunked_prefill=True, is_encoder_decoder=False, async_scheduling=async_scheduling,
                          long_prefill_token_threshold=long_prefill)
     cc = CacheConfig(block_size=B, cache_dtype="auto", enable_prefix_caching=True)
     kt = KVTransferConfig(kv_connector=connector, kv_connector_module_path=module, kv_role="kv_both",
@@ -128,10 +133,11 @@ def vllm_config(model_dir: str, extra: dict[str, Any], connector: str = "KVPoolC
 class Replica:
     def __init__(self, model_dir: str, pool_path: str, history_dir: str, name: str, *, num_blocks: int = 64,
                  load_mode: str = "sync", connector: str = "KVPoolConnector", module: str = "kvpool.connector",
-                 max_batched: int = 512, long_prefill: int = 0, **settings: Any) -> None:
+                 max_batched: int = 512, long_prefill: int = 0, async_scheduling: bool = False,
+                 **settings: Any) -> None:
         extra = {"pool": f"unix:{pool_path}", "token": "tok", "replica": name, "history_dir": history_dir,
                  "load_mode": load_mode, **settings}
-        self.vc = vc = vllm_config(model_dir, extra, connector, module, max_batched, long_prefill)
+        self.vc = vc = vllm_config(model_dir, extra, connector, module, max_batched, long_prefill, async_scheduling)
         mc, pc = vc.model_config, vc.parallel_config
         self.geo = Geometry([f"model.layers.{i}.self_attn.attn" for i in range(mc.get_num_layers(pc))],
                             mc.get_num_kv_heads(pc), mc.get_head_size())
@@ -143,7 +149,8 @@ class Replica:
         self.kv_cache_config = get_kv_cache_config_from_groups(
             vc, [KVCacheGroupSpec(list(self.geo.layers), spec)], num_blocks * spec.page_size_bytes * len(self.geo.layers))
         vc.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
-        self.scheduler = Scheduler(vllm_config=vc, kv_cache_config=self.kv_cache_config, log_stats=True,
+        scheduler_cls = AsyncScheduler if vc.scheduler_config.async_scheduling else Scheduler
+        self.scheduler = scheduler_cls(vllm_config=vc, kv_cache_config=self.kv_cache_config, log_stats=True,
                                    structured_output_manager=StructuredOutputManager(vc), block_size=B)
         tp = MagicMock()
         tp.broadcast_object.side_effect = lambda value, src=0: value
@@ -159,6 +166,7 @@ class Replica:
             vc.compilation_config.static_forward_context[name] = SimpleNamespace(kv_cache=self.kv[name])
         self.active = ActiveKVConnector(vc, self.kv)  # register_kv_caches
         self.tokens: dict[str, list[int]] = {}
+        self.prompt_len: dict[str, int] = {}
         self.blocks: dict[str, list[int]] = {}
         self.loaded: dict[str, int] = {}  # request -> tokens vLLM had computed when it was first scheduled
         self.expect_installed: set[str] = set()  # requests whose external blocks a layer must find installed
@@ -191,9 +199,19 @@ class Replica:
 
     # -- one engine step -------------------------------------------------------------------
     def step(self) -> SchedulerOutput:
+        so, out = self.launch()
+        self._collect(self.scheduler.update_from_output(so, out))
+        return so
+
+    def launch(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
+        """schedule() and the step's execution, without update_from_output (an engine with
+        async scheduling schedules the next step before it)."""
         so = self.scheduler.schedule()
-        for rid in so.num_scheduled_tokens:  # the tokens the scheduler holds: prompt and accepted outputs
-            self.tokens[rid] = list(self.scheduler.requests[rid].all_token_ids)
+        for rid, n in so.num_scheduled_tokens.items():  # the scheduler's tokens; in flight: SAMPLED
+            req = self.scheduler.requests[rid]
+            toks = list(req.all_token_ids)
+            self.tokens[rid] = toks + [SAMPLED] * (req.num_computed_tokens + n - len(toks))
+            self.prompt_len[rid] = req.num_prompt_tokens
         for nr in so.scheduled_new_reqs:  # a resumed request comes back in full, as a new one
             self.blocks[nr.req_id] = list(nr.block_ids[0])
             self.loaded.setdefault(nr.req_id, nr.num_computed_tokens)
@@ -202,8 +220,7 @@ class Replica:
             if cached.new_block_ids[i] is not None:
                 self.blocks[rid].extend(cached.new_block_ids[i][0])
         if so.total_num_scheduled_tokens == 0:
-            self._collect(self.scheduler.update_from_output(so, self.active.no_forward(so)))
-            return so
+            return so, self.active.no_forward(so)
         self.active.pre_forward(so)
         computed = {nr.req_id: nr.num_computed_tokens for nr in so.scheduled_new_reqs}
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
@@ -214,11 +231,9 @@ class Replica:
                 self._attend(name)  # positional, as vLLM passes it
         self.active.finish_forward()
         kvo = self.active.post_forward(so.finished_req_ids)
-        sampled = [[SAMPLED] if start + n >= len(self.tokens[rid]) else [] for rid, start, n in self._step]
-        out = ModelRunnerOutput(req_ids=[rid for rid, _, _ in self._step], sampled_token_ids=sampled,
-                                kv_connector_output=kvo)
-        self._collect(self.scheduler.update_from_output(so, out))
-        return so
+        sampled = [[SAMPLED] if start + n >= self.prompt_len[rid] else [] for rid, start, n in self._step]
+        return so, ModelRunnerOutput(req_ids=[rid for rid, _, _ in self._step], sampled_token_ids=sampled,
+                                     kv_connector_output=kvo)
 
     def _collect(self, outputs: dict) -> None:
         """What the engine core hands the front end: the connector's prefix-cache stats and
@@ -249,12 +264,17 @@ class Replica:
                 k[ids[p // B], :, p % B, :], v[ids[p // B], :, p % B, :] = row[0], row[1]
 
     def run_until_idle(self, max_steps: int = 400) -> list[SchedulerOutput]:
-        outs = []
+        outs: list[SchedulerOutput] = []
+        in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
+        depth = 2 if self.vc.scheduler_config.async_scheduling else 1  # EngineCore's batch queue
         for _ in range(max_steps):
-            if not self.scheduler.has_requests():
+            if not self.scheduler.has_requests() and not in_flight:
                 return outs
-            so = self.step()
+            so, out = self.launch()
             outs.append(so)
+            in_flight.append((so, out))
+            while len(in_flight) >= depth or (in_flight and so.total_num_scheduled_tokens == 0):
+                self._collect(self.scheduler.update_from_output(*in_flight.pop(0)))  # nothing new: wait for all
             if so.total_num_scheduled_tokens == 0:
                 time.sleep(0.01)  # transfers pending: the engine polls get_finished at its steps
         raise AssertionError(f"the scheduler still holds requests after {max_steps} steps")

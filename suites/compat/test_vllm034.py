@@ -6,10 +6,12 @@ a run that checked nothing never passes.
 
 What vLLM 0.34 changed that kvpool must meet, each checked here with an oracle shown failing
 on a planted defect (suites/compat/controls034.py, or a monkeypatched compat function):
-  * the round trip: a pooled prefix claimed through vLLM's Scheduler, loaded before the
+  * the round trip: a pooled prefix claimed through vLLM's Scheduler (and its
+    AsyncScheduler, where kvpool's `auto` load mode loads asynchronously), loaded before the
     first attention layer reads it (sync) or held until finished_recving (async, the load
     started after the forward launch), byte-exact; the producer's blocks published
     byte-exact; vLLM's own prefix-cache counters agree, split by source.
+  * a load that meets a corrupt page: its blocks reported, vLLM 0.34 recomputes them.
   * a preempted request's stores end before the next forward (handle_preemptions; 0.32 and
     0.34 start a load after the forward in a step without a synchronous one).
   * a request that reads no external KV (0.34: `skip_reading_external_kv`) claims nothing.
@@ -137,18 +139,18 @@ def hook_steps(events: list[str]) -> list[list[str]]:
 
 
 def serve_and_reload(replicas, pool, load_mode: str, consumer: str = "KVPoolConnector",  # noqa: ANN001
-                     module: str = "kvpool.connector"):  # noqa: ANN201
+                     module: str = "kvpool.connector", async_scheduling: bool = False):  # noqa: ANN201
     """Replica A serves a prompt and publishes it; replica B, serving another request (so
     that its steps run a forward), gets a prompt with the same 5 blocks. Returns A, B, A's
     free blocks once idle, A's publish oracle, and the step that issued B's load (its
     SchedulerOutput and the connector's events in it)."""
     prompt = list(range(100, 100 + 5 * B + 7))  # 5 complete blocks and a tail
-    a = replicas("A", load_mode=load_mode)
+    a = replicas("A", load_mode=load_mode, async_scheduling=async_scheduling)
     a.add("a1", prompt)
     a.run_until_idle()
     published = publishes_exactly(a, pool, prompt, 5)
     a_free = a.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-    b = replicas("B", load_mode=load_mode, connector=consumer, module=module)
+    b = replicas("B", load_mode=load_mode, connector=consumer, module=module, async_scheduling=async_scheduling)
     b.add("b0", list(range(3000, 3040)), max_tokens=8)
     b.step()
     b.add("b1", prompt[: 5 * B] + list(range(900, 913)))  # the same 5 blocks, another tail
@@ -163,9 +165,13 @@ def forward_at(events: list[str]) -> int:
     return next(i for i, e in enumerate(events) if e.startswith("forward"))
 
 
-@pytest.mark.parametrize("load_mode", ["sync", "async"])
-def test_a_pooled_prefix_round_trips_through_vllm_034s_scheduler_and_plumbing(replicas, pool, load_mode):
-    a, b, a_free, published, (so, events) = serve_and_reload(replicas, pool, load_mode)
+@pytest.mark.parametrize("load_mode,async_scheduling", [("sync", False), ("async", False), ("auto", True)])
+def test_a_pooled_prefix_round_trips_through_vllm_034s_scheduler_and_plumbing(replicas, pool, load_mode,
+                                                                              async_scheduling):
+    """`auto` under vLLM's AsyncScheduler (the default on CUDA): kvpool loads asynchronously."""
+    a, b, a_free, published, (so, events) = serve_and_reload(replicas, pool, load_mode,
+                                                             async_scheduling=async_scheduling)
+    assert kvpool_worker(b).settings.loads_async(b.vc) == (load_mode != "sync")
     assert published == [True] * 5  # the producer's blocks, byte-exact in the pool
     assert a_free == a.kv_cache_config.num_blocks - 1  # every block freed (finished_sending reported)
     assert b.loaded["b1"] == 5 * B  # vLLM scheduled the request with the pool's 5 blocks computed
