@@ -6,9 +6,11 @@ compatibility environment of `make compat-vllm034` (vLLM installed with --no-dep
 Prints every unconditional requirement of the installed distribution (those behind an extra
 are left out, as pip leaves them out), except GPU_ONLY: CUDA kernel and media packages the
 scheduler, the connector plumbing and the CPU tensors the compatibility suite drives never
-import. vllm 0.34.0's wheel pins one of them, flashinfer-python==0.7.3, to a release the
-package registry does not have, so a plain `pip install vllm==0.34.0` fails here; the others
-are left out with it because nothing on this host can run them. torch keeps vLLM's own pin.
+import (and media decoders for multimodal inputs it never sees). vllm 0.34.0's wheel pins one
+of them, flashinfer-python==0.7.3, to a release the package registry does not have, so a
+plain `pip install vllm==0.34.0` fails here; the others are left out with it because nothing
+on this host runs them. torch keeps vLLM's own pin. (Another requirement may still bring one
+in: xgrammar brings apache-tvm-ffi.)
 Exits 1 if a GPU_ONLY name is no longer among the wheel's requirements (the list is stale).
 """
 
@@ -35,8 +37,8 @@ GPU_ONLY = {
     "tokenspeed-mla": "CUDA MLA kernels",
     "humming-kernels": "CUDA kernels",
     "pynvvideocodec": "GPU video decoding",
-    "torchaudio": "media: 2.11.0 (the pin) is built for torch 2.11, not 2.14",
-    "torchvision": "media: breaks `import transformers` beside a torch it was not built for",
+    "torchaudio": "audio inputs (vLLM pins 2.11.0 beside torch 2.14.0)",
+    "torchvision": "image inputs",
     "torchcodec": "media decoding",
 }
 
