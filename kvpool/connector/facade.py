@@ -41,6 +41,35 @@ class KVPoolConnector(compat.KVConnectorBase_V1):
     def worker(self) -> KVPoolWorker | None:
         return self._worker
 
+    # what vLLM asks of the connector class (kvpool.connector.vllm_compat: the versions)
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config):  # noqa: ANN001, ANN206
+        """vLLM 0.34: the workers reach the KV cache in process only (the host copier's
+        numpy views, the CUDA copier's copies on the engine's device): no registration with
+        an RDMA engine, nothing exported to another process (the pool daemon never maps it)."""
+        return compat.IN_PROCESS
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config) -> bool:  # noqa: ANN001
+        """vLLM 0.34: no. kvpool keys blocks by the prompt's tokens (its own chain,
+        kvpool.connector.params), never by vLLM's block hashes, and moves the target model's
+        KV-cache group alone; vLLM then keeps EAGLE's drop of a hit's last block."""
+        return False
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:  # noqa: ANN001
+        """vLLM 0.34: yes: unregister_kv_caches ends every copy before the KV memory is
+        released and refuses new ones until restore_kv_caches; the tensors keep their
+        addresses across the sleep, so nothing is registered anew."""
+        return True
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """No (vLLM 0.32, 0.34; their default is the producer role, which kvpool's kv_both
+        is): the pool is a cache, a store dropped at a preemption is a later miss, so vLLM
+        need not drop a preempted request's in-flight output for it."""
+        return False
+
     # scheduler side
     def get_num_new_matched_tokens(self, request, num_computed_tokens):  # noqa: ANN001, ANN201
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -54,9 +83,33 @@ class KVPoolConnector(compat.KVConnectorBase_V1):
     def request_finished(self, request, block_ids):  # noqa: ANN001, ANN201
         return self._scheduler.request_finished(request, block_ids)
 
+    def get_external_cache_hit_sources(self, request, num_external_tokens):  # noqa: ANN001, ANN201
+        return self._scheduler.hit_sources(request, num_external_tokens)
+
     # worker side
     def register_kv_caches(self, kv_caches):  # noqa: ANN001, ANN201
         self._worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata):  # noqa: ANN001, ANN201
+        """vLLM 0.32 and 0.34 call it before every forward; start_load_kv only where the
+        step has a synchronous load. A preempted request's stores end here, before the
+        forward can write into its freed blocks."""
+        if self._worker is not None and isinstance(kv_connector_metadata, KVPoolMetadata):
+            self._worker.drain(kv_connector_metadata.drain)
+
+    def unregister_kv_caches(self):  # noqa: ANN201
+        if self._worker is not None:
+            self._worker.release()
+
+    def restore_kv_caches(self):  # noqa: ANN201
+        if self._worker is not None:
+            self._worker.restore()
+
+    def shutdown(self):  # noqa: ANN201
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
 
     def start_load_kv(self, forward_context, **kwargs):  # noqa: ANN001, ANN201
         meta = self._get_connector_metadata()

@@ -131,13 +131,14 @@ class KVPoolScheduler:
             if events and hasattr(events[0], "timestamp"):  # QUEUED: the engine core took the request in
                 st.timing["queued_us"] = round((called - events[0].timestamp) * 1e6, 1)
         record.update(st.timing)
-        if getattr(request, "skip_reading_prefix_cache", False):
+        if compat.skips_external_kv(request):
             # vLLM's flag of a request that must compute its whole prompt (prompt_logprobs sets
             # it: a log-probability exists only for a token the engine computes). vLLM 0.32's
-            # scheduler drops a connector's hit of such a request itself; before vllm#57269 it
-            # did not. No lookup, no claim: its attribution and counters say so. It publishes.
+            # and 0.34's schedulers drop a connector's hit of such a request themselves; before
+            # vllm#57269 they did not. No lookup, no claim: its attribution and counters say
+            # so. It publishes.
             self._note_lookup(st, **record, external_tokens=0, hit_blocks=0, outcome="skipped",
-                               reason="the request reads no prefix cache (skip_reading_prefix_cache)")
+                               reason="the request reads no external KV (vLLM's skip_reading_prefix_cache, 0.34's skip_reading_external_kv: prompt logprobs, a bounded hit)")
             return 0, False
         if st.loading_async:  # matched again before it was scheduled: vLLM dropped its failed load
             st.loading_async = False
@@ -315,6 +316,28 @@ class KVPoolScheduler:
         st.tier_from = max(b0, st.load[1] - st.tier_blocks) if st.tier_blocks else None
         if self.load_async:  # not scheduled before its load is done: its blocks are known only here
             st.block_ids = compat.allocated_block_ids(blocks)
+
+    def hit_sources(self, request, num_external_tokens: int) -> dict:  # noqa: ANN001
+        """vLLM's split of a request's external hit by source (get_external_cache_hit_sources,
+        asked after update_state_after_alloc): the tier's blocks of the load planned for it,
+        the pool's the rest. Empty where this vLLM has no sources."""
+        if num_external_tokens <= 0 or compat.HIT_SOURCE_POOL is None:
+            return {}
+        st = self._reqs.get(request.request_id)
+        tier = 0
+        if st is not None and st.load is not None and st.tier_from is not None:
+            tier = min(num_external_tokens, (st.load[1] - st.tier_from) * self.block_size)
+        split = {compat.HIT_SOURCE_POOL: num_external_tokens - tier, compat.HIT_SOURCE_TIER: tier}
+        return {source: n for source, n in split.items() if n}
+
+    def close(self) -> None:
+        """vLLM's shutdown: the lookup thread (its lookups cancelled) and the pool connection."""
+        self._lookup_thread.shutdown(wait=True, cancel_futures=True)
+        self._lookups.clear()
+        self.backend.close()
+        if self.tier is not None:
+            self.tier.close()
+        self.history.close()
 
     def build_connector_meta(self, scheduler_output) -> KVPoolMetadata:  # noqa: ANN001
         B = self.block_size

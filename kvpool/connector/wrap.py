@@ -20,9 +20,11 @@ AuditConnector and of any wrapper built outside kvpool (fault injection, instrum
                              copy engine); a wrapper passes its own through `inner_kwargs`.
   A subclass overrides the hooks it watches or changes and calls the inner connector's.
   The hooks newer vLLM versions added (FORWARDED: the worker's metadata back to the
-  scheduler, new-request and push-work notices, handshakes, ...) reach the inner connector
-  where this vLLM has them, and so does the class-level get_required_kvcache_layout
-  (the inner class is named in the same extra config, through every wrapper's key).
+  scheduler, new-request and push-work notices, handshakes, sleep mode's unregister and
+  restore, ...) reach the inner connector where this vLLM has them, and so do its
+  requires_kv_delivery and the class-level questions (get_required_kvcache_layout; vLLM
+  0.34's kv_cache_access, supports_lookahead_block_hashes, supports_sleep_mode: the inner
+  class is named in the same extra config, through every wrapper's key).
 Contract: a wrapper never changes what the inner connector does unless that is its job,
 and everything it does not override reaches the inner connector unchanged.
 """
@@ -161,10 +163,33 @@ class WrappingConnector(compat.KVConnectorBase_V1):
         reset = getattr(self._inner, "reset_cache", None)
         return reset() if reset is not None else None
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """The inner connector's (vLLM 0.32, 0.34): whether vLLM must drop a preempted
+        request's in-flight output for it."""
+        return bool(getattr(self._inner, "requires_kv_delivery", False))
+
     @classmethod
     def _inner_class(cls, vllm_config) -> type:  # noqa: ANN001
-        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        return cls._inner_class_of(vllm_config.kv_transfer_config)
+
+    @classmethod
+    def _inner_class_of(cls, kv_transfer_config) -> type:  # noqa: ANN001
+        extra = dict(kv_transfer_config.kv_connector_extra_config or {})
         return load_class(str(extra.get(cls.INNER_KEY, cls.DEFAULT_INNER)), cls.INNER_KEY)
+
+    # vLLM 0.34 asks these of the connector class: the inner class's answers
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config):  # noqa: ANN001, ANN206
+        return cls._inner_class_of(kv_transfer_config).kv_cache_access(kv_transfer_config)
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config) -> bool:  # noqa: ANN001
+        return cls._inner_class_of(kv_transfer_config).supports_lookahead_block_hashes(kv_transfer_config)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:  # noqa: ANN001
+        return cls._inner_class_of(kv_transfer_config).supports_sleep_mode(kv_transfer_config)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config):  # noqa: ANN001, ANN206
@@ -190,7 +215,8 @@ FORWARDED = ("on_new_request", "build_connector_worker_meta", "has_pending_push_
              "get_kv_connector_kv_cache_events", "get_handshake_metadata", "set_xfer_handshake_metadata",
              "set_host_xfer_buffer_ops", "bind_kv_cache_manager", "bind_gpu_block_pool", "get_finished_count",
              "finish_forward", "reset_capture_state", "get_loaded_kv_cache_group_ids",
-             "get_external_cache_hit_sources", "register_finished_partial_tail", "get_mem_pool_context")
+             "get_external_cache_hit_sources", "register_finished_partial_tail", "get_mem_pool_context",
+             "unregister_kv_caches", "restore_kv_caches", "may_load_async")
 
 
 def _forward(name: str):  # noqa: ANN202
