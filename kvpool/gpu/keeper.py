@@ -1,0 +1,236 @@
+"""The GPU tier's owner: one process per GPU (or the pool daemon's host, a keeper per GPU)
+allocates each tenant's device buffer, keeps the tier's bookkeeping (kvpool.gpu.tier) and hands
+the buffers out over its attach socket (kvpool.gpu.handout). The replicas never own tier
+memory: a replica that dies takes nothing of it with it, and the keeper's buffers outlive
+every replica.
+
+  GpuKeeper(config, run_dir, allocate)
+      allocate(label, size) -> Allocation for each tenant (vmm_allocator(device) in production:
+      cuMemCreate + one exported POSIX descriptor; memfd_allocation for the tests without a
+      GPU: host memory behind the same protocol), plus its private state (generations, heartbeat).
+      .start()                   bind run_dir/gpu-attach.sock (mode 0600; the run dir checked as
+                                 the pool's: kvpool.pool.private_dir) and serve it on a thread.
+      .mint_ticket(tenant)       a single-use ticket for one handout of that tenant's buffer,
+                                 valid `ticket_ttl_s` (the control connection that authenticated
+                                 the replica's tenant token gives it out, as the pool's hello does).
+      .tier                      the GpuTier (its catalogs use the private states' generations).
+      .peer_of(pid)              the tenant a process attached to, by SO_PEERCRED pid.
+      .beat()                    the heartbeat into every private state.
+      .outcomes                  handouts by outcome (ok, refused, malformed, timeout, ...).
+      .stop()                    the socket closed and removed, the owner's handles dropped: the
+                                 memory lives on in the replicas that mapped it until they unmap.
+
+Ordering across processes (kvpool.gpu.tier's docstring has the whole model): the keeper accepts
+a commit only as the producer's statement that its host saw the copy into the pages and the
+sketch of them complete, and frees a page only after every lease on it was released, which a
+consumer does after its host saw its copy out complete. Both edges are host-side completions,
+not interprocess events, because the digests must reach the host anyway (the producer's to
+commit, the consumer's verdict to install or recompute): the wait costs nothing extra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import fcntl
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from kvpool.gpu.handout import HandleKind, HandoutError, PrivateState, TierDescriptor, serve_handout
+from kvpool.gpu.tier import GpuTier, GpuTierConfig
+from kvpool.gpu.vmm import DeviceBuffer, Vmm
+from kvpool.pool.private_dir import ensure_private_dir
+
+HOST_GRANULARITY = 4096
+
+
+@dataclasses.dataclass
+class Allocation:
+    """A tenant's buffer as the keeper holds it: the descriptor it hands out (kept open; SCM_RIGHTS
+    duplicates it into each replica) and how to drop the keeper's own handle."""
+
+    kind: HandleKind
+    fd: int
+    size: int
+    granularity: int
+    device_uuid: bytes
+    release: Callable[[], None]
+
+
+def memfd_allocation(label: str, size: int) -> Allocation:
+    """Host memory behind the GPU tier's protocol: the stand-in of the tests without a GPU."""
+    size = (size + HOST_GRANULARITY - 1) // HOST_GRANULARITY * HOST_GRANULARITY
+    fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except OSError as exc:
+        os.close(fd)
+        raise HandoutError(f"cannot create a host stand-in buffer for {label!r}: {exc}") from exc
+    return Allocation(HandleKind.MEMFD, fd, size, HOST_GRANULARITY, bytes(16), lambda: os.close(fd))
+
+
+def vmm_allocator(device_index: int) -> Callable[[str, int], Allocation]:
+    """Device memory on `device_index`, exported once as a POSIX descriptor."""
+    vmm = Vmm(device_index)
+    vmm.require_export()
+
+    def allocate(label: str, size: int) -> Allocation:
+        buf = DeviceBuffer.create(vmm, size)
+        fd = buf.export_fd()
+
+        def release() -> None:
+            os.close(fd)
+            buf.release()
+
+        return Allocation(HandleKind.VMM_POSIX_FD, fd, buf.size, vmm.granularity, vmm.uuid, release)
+
+    allocate.vmm = vmm  # the keeper's own driver handle, for its mapping (demotion, scrub)
+    return allocate
+
+
+class GpuKeeper:
+    def __init__(self, config: GpuTierConfig, run_dir: str | os.PathLike,
+                 allocate: Callable[[str, int], Allocation], *, name: str = "gpu-tier",
+                 ticket_ttl_s: float = 5.0, handout_timeout_s: float = 5.0):
+        self.config = config
+        self.run_dir = ensure_private_dir(run_dir)
+        self.instance = secrets.token_bytes(16)
+        self.ticket_ttl_s = ticket_ttl_s
+        self.handout_timeout_s = handout_timeout_s
+        self.buffers: dict[str, Allocation] = {}
+        self.private: dict[str, PrivateState] = {}
+        try:
+            for tenant, pages in config.pages.items():
+                label = f"kvgate:{name}:{tenant}"
+                self.buffers[tenant] = allocate(label, pages * config.page_size)
+                self.private[tenant] = PrivateState(label, config.page_size, pages, self.instance)
+        except Exception:
+            self._release()
+            raise
+        self.tier = GpuTier(config, {t: p.generations for t, p in self.private.items()})
+        self.attach_path = self.run_dir / "gpu-attach.sock"
+        self.outcomes: dict[str, int] = {}
+        self._tickets: dict[bytes, tuple[str, float]] = {}
+        self._peers: dict[int, str] = {}
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._listener: socket.socket | None = None
+
+    # -- tickets and handouts -------------------------------------------------------------
+    def mint_ticket(self, tenant: str) -> bytes:
+        if tenant not in self.buffers:
+            raise HandoutError(f"tenant {tenant!r} has no buffer in this GPU tier")
+        ticket = secrets.token_bytes(16)
+        with self._lock:
+            self._tickets[ticket] = (tenant, time.monotonic() + self.ticket_ttl_s)
+        return ticket
+
+    def descriptor(self, tenant: str) -> TierDescriptor:
+        buf = self.buffers[tenant]
+        desc = TierDescriptor(self.instance, buf.device_uuid, buf.kind, buf.size, self.config.page_size,
+                              self.config.pages[tenant], buf.granularity, self.private[tenant].size)
+        desc.check()
+        return desc
+
+    def _resolve(self, ticket: bytes, pid: int) -> tuple[TierDescriptor, list[int]] | None:
+        with self._lock:
+            entry = self._tickets.pop(ticket, None)
+            if entry is None or entry[1] <= time.monotonic() or entry[0] not in self.buffers:
+                return None
+            self._peers[pid] = entry[0]
+        tenant = entry[0]
+        return self.descriptor(tenant), [self.buffers[tenant].fd, self.private[tenant].fd]
+
+    def peer_of(self, pid: int) -> str | None:
+        with self._lock:
+            return self._peers.get(pid)
+
+    def beat(self) -> None:
+        for p in self.private.values():
+            p.beat()
+
+    # -- serving --------------------------------------------------------------------------
+    def start(self) -> GpuKeeper:
+        if self.attach_path.exists():
+            self.attach_path.unlink()  # a socket a crashed keeper left behind
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(self.attach_path))
+        os.chmod(self.attach_path, 0o600)
+        listener.listen(64)
+        listener.setblocking(False)
+        self._listener = listener
+        self._loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, args=(ready,), name="gpu-keeper", daemon=True)
+        self._thread.start()
+        ready.wait()
+        return self
+
+    def _serve(self, ready: threading.Event) -> None:
+        loop = self._loop
+        asyncio.set_event_loop(loop)
+
+        async def accept() -> None:
+            ready.set()
+            while True:
+                conn, _ = await loop.sock_accept(self._listener)
+                task = loop.create_task(serve_handout(loop, conn, self._resolve, self.handout_timeout_s))
+                task.add_done_callback(self._count)
+
+        async def beat() -> None:
+            while True:
+                self.beat()
+                await asyncio.sleep(0.1)
+
+        loop.create_task(beat())
+        try:
+            loop.run_until_complete(accept())
+        except asyncio.CancelledError:
+            pass
+        finally:
+            for task in asyncio.all_tasks(loop):
+                task.cancel()
+            loop.run_until_complete(asyncio.sleep(0))
+            loop.close()
+
+    def _count(self, task: asyncio.Task) -> None:
+        outcome = "cancelled" if task.cancelled() else task.result()
+        with self._lock:
+            self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+    def stop(self) -> None:
+        if self._loop is not None and self._thread is not None:
+            def cancel() -> None:
+                for task in asyncio.all_tasks(self._loop):
+                    task.cancel()
+            self._loop.call_soon_threadsafe(cancel)
+            self._thread.join(10)
+            self._thread = self._loop = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+            try:
+                self.attach_path.unlink()
+            except FileNotFoundError:
+                pass
+        self._release()
+
+    def _release(self) -> None:
+        for buf in self.buffers.values():
+            buf.release()
+        for p in self.private.values():
+            p.close()
+        self.buffers, self.private = {}, {}
+
+    def __enter__(self) -> GpuKeeper:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
