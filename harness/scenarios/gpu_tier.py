@@ -9,8 +9,10 @@ is committed or released, so each ordering edge is the parent's to keep or drop.
       ("write", pages, seed, delay, edge)
                                        on a side stream: torch.cuda._sleep(delay) (the stream
                                        delay), then the seeded bytes into the pages. `edge`:
-                                       "host" answers once the host saw the copy complete (the
-                                       tier's commit edge); "ipc" records an interprocess event
+                                       "host" sketches the pages on the GPU after the copy (same
+                                       stream) and answers their kv-sketch-1 digests once the host
+                                       saw copy and sketch complete (the tier's commit edge: what
+                                       the keeper commits); "ipc" records an interprocess event
                                        after the copy and answers its handle at once; "none"
                                        answers at once (the control: the edge dropped).
       ("read", pages, delay, handle, edge)
@@ -21,6 +23,8 @@ is committed or released, so each ordering edge is the parent's to keep or drop.
                                        release edge), "none" at once (the control).
       ("check", seed)                  synchronize; the bytes of the worker's tensor that differ
                                        from the seed's (the byte-exact oracle).
+      ("verify", digests)              the pages read, sketched on the GPU, against the digests
+                                       the keeper committed: the indexes of those that differ.
       ("rate", pages, repeats)         seconds of `repeats` copies of the pages into the worker's
                                        tensor (one copy of the whole run of pages each).
       ("sync",) / ("exit",)
@@ -83,6 +87,8 @@ def host_worker(conn: Any, path: str, ticket: bytes) -> None:  # noqa: ANN401 - 
 def tier_worker(conn: Any, path: str, ticket: bytes, device: int = 0) -> None:  # noqa: ANN401, C901
     import torch
 
+    from kvpool.gpu.sketch import Sketcher, digests
+    from kvpool.pool.digest import SKETCH_COLS, SKETCH_ROW
     from kvpool.gpu.tier_map import TierMap
     from kvpool.gpu.vmm import IpcEvent
 
@@ -93,15 +99,36 @@ def tier_worker(conn: Any, path: str, ticket: bytes, device: int = 0) -> None:  
     size = tier.descriptor.page_size
     vmm = tier.mapping.vmm
     side = torch.cuda.Stream(dev)
+    assert size % SKETCH_ROW == 0, "the tests' pages are whole sketch rows"
+    sketcher = Sketcher(dev)
+
+    def sketched(data: torch.Tensor, n: int) -> list[bytes]:
+        """kv-sketch-1 digests of `n` pages laid end to end in `data` (on the current stream)."""
+        sk = sketcher.sketch(data.view(-1, SKETCH_ROW))
+        return digests(sk.cpu().numpy().reshape(n, size // SKETCH_ROW, SKETCH_COLS), size)
+
     own: torch.Tensor | None = None
     own_pages: list[int] = []
     events: list[IpcEvent] = []
 
+    def alias(view) -> torch.Tensor:  # noqa: ANN001 - a CudaArray
+        """The tier's bytes as a tensor that aliases them (never a copy: checked). Its device is
+        where the memory lives (the keeper's GPU), which torch reads from the pointer."""
+        t = torch.as_tensor(view)
+        if t.data_ptr() != view.ptr or t.device.type != "cuda":
+            raise RuntimeError(f"torch.as_tensor copied the tier's bytes (at {t.data_ptr():#x} on {t.device}, "
+                               f"not {view.ptr:#x}): a write would miss the tier")
+        return t
+
     def page(p: int) -> torch.Tensor:
-        return torch.as_tensor(tier.page_view(p), device=dev)
+        return alias(tier.page_view(p))
 
     def seeded(seed: int, p: int) -> torch.Tensor:
-        return torch.from_numpy(page_bytes(seed, p, size)).to(dev)
+        """The seeded content of page p, made on this GPU (the same in every process: torch's
+        CUDA generator is counter-based)."""
+        g = torch.Generator(device=dev)
+        g.manual_seed(int(digest(f"{seed}:{p}".encode())[:15], 16))
+        return torch.randint(0, 256, (size,), dtype=torch.uint8, device=dev, generator=g)
 
     conn.send(("ok", tier.same_gpu, torch.cuda.get_device_name(dev)))
     try:
@@ -130,8 +157,10 @@ def tier_worker(conn: Any, path: str, ticket: bytes, device: int = 0) -> None:  
                         events.append(ev)
                         conn.send(("ok", ev.handle()))
                     elif edge == "host":
+                        with torch.cuda.stream(side):  # the sketch reads the pages after the copy
+                            sums = sketched(torch.cat([page(p) for p in pages]), len(pages))
                         side.synchronize()
-                        conn.send(("ok", None))
+                        conn.send(("ok", sums))
                     else:
                         conn.send(("ok", None))
                 elif op == "read":
@@ -157,12 +186,18 @@ def tier_worker(conn: Any, path: str, ticket: bytes, device: int = 0) -> None:  
                     assert own is not None, "check before read"
                     want = torch.cat([seeded(seed, p) for p in own_pages])
                     conn.send(("ok", int((own != want).sum().item())))
+                elif op == "verify":
+                    _, want = cmd
+                    torch.cuda.synchronize(dev)
+                    assert own is not None, "verify before read"
+                    got = sketched(own, len(own_pages))
+                    conn.send(("ok", [i for i, (a, b) in enumerate(zip(got, want)) if a != b]))
                 elif op == "rate":
                     _, pages, repeats = cmd
                     first, n = min(pages), len(pages)
                     assert sorted(pages) == list(range(first, first + n)), "rate copies a run of pages"
-                    src = torch.as_tensor(tier.mapping.view(first * size, n * size), device=dev)
-                    dst = torch.empty_like(src)
+                    src = alias(tier.mapping.view(first * size, n * size))
+                    dst = torch.empty(n * size, dtype=torch.uint8, device=dev)
                     dst.copy_(src)
                     torch.cuda.synchronize(dev)
                     t0 = time.perf_counter()
