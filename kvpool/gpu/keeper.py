@@ -16,6 +16,14 @@ every replica.
       .tier                      the GpuTier (its catalogs use the private states' generations).
       .peer_of(pid)              the tenant a process attached to, by SO_PEERCRED pid.
       .beat()                    the heartbeat into every private state.
+      .register_client(client, pid)   a replica's tier client id and its process, by a pidfd
+                                 opened while it is connected (SO_PEERCRED's pid at its hello:
+                                 no pid reuse can make the keeper watch another process).
+      .client_gone(client)       its connection ended: GpuTier.disconnect; True if its
+                                 reservations are quarantined until its process exits.
+      .reap_exited()             the quarantined clients whose process has exited since (the
+                                 pidfd readable): GpuTier.exited for each; returns them.
+                                 The tier's calls (these three included) come from one thread.
       .outcomes                  handouts by outcome (ok, refused, malformed, timeout, ...).
       .stop()                    the socket closed and removed, the owner's handles dropped: the
                                  memory lives on in the replicas that mapped it until they unmap.
@@ -35,6 +43,7 @@ import dataclasses
 import fcntl
 import os
 import secrets
+import select
 import socket
 import threading
 import time
@@ -105,6 +114,7 @@ class GpuKeeper:
         self.handout_timeout_s = handout_timeout_s
         self.buffers: dict[str, Allocation] = {}
         self.private: dict[str, PrivateState] = {}
+        self._pidfds: dict[int, int] = {}  # tier client id -> pidfd of its process (-1: gone already)
         try:
             for tenant, pages in config.pages.items():
                 label = f"kvgate:{name}:{tenant}"
@@ -155,6 +165,44 @@ class GpuKeeper:
     def beat(self) -> None:
         for p in self.private.values():
             p.beat()
+
+    # -- a replica's process --------------------------------------------------------------
+    def register_client(self, client: int, pid: int) -> None:
+        """Watch `pid` as `client`'s process (call while it is connected). A process already
+        gone is recorded as exited."""
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            fd = -1
+        old = self._pidfds.pop(client, None)
+        if old is not None and old >= 0:
+            os.close(old)
+        self._pidfds[client] = fd
+
+    def client_gone(self, client: int) -> bool:
+        self.tier.disconnect(client)
+        if client in self.tier.quarantined():
+            return True
+        self._forget(client)
+        return False
+
+    def reap_exited(self) -> list[int]:
+        ended = []
+        for client in sorted(self.tier.quarantined()):
+            fd = self._pidfds.get(client)
+            if fd is None:
+                continue  # never registered: held until its reservations' TTL (GpuTier.reap)
+            if fd >= 0 and not select.select([fd], [], [], 0)[0]:
+                continue  # still running: its copies may still write
+            self.tier.exited(client)
+            self._forget(client)
+            ended.append(client)
+        return ended
+
+    def _forget(self, client: int) -> None:
+        fd = self._pidfds.pop(client, None)
+        if fd is not None and fd >= 0:
+            os.close(fd)
 
     # -- serving --------------------------------------------------------------------------
     def start(self) -> GpuKeeper:
@@ -223,6 +271,8 @@ class GpuKeeper:
         self._release()
 
     def _release(self) -> None:
+        for client in list(self._pidfds):
+            self._forget(client)
         for buf in self.buffers.values():
             buf.release()
         for p in self.private.values():

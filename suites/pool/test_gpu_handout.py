@@ -292,3 +292,37 @@ def test_a_stopped_keeper_leaves_mapped_replicas_their_bytes(tmp_path):
     time.sleep(0.3)
     assert tier.keeper_age_s() >= 0.2  # but the keeper's heartbeat stopped
     tier.close()
+
+
+def test_a_crashed_producers_quarantine_ends_when_its_process_exits_not_before(keeper):
+    import subprocess
+    import sys
+
+    from kvpool.pool.catalog import PageState
+    from kvpool.pool.records import SlotStatus
+
+    replica = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        keeper.register_client(5, replica.pid)  # at its hello, while it runs
+        res = keeper.tier.reserve(5, "default", NS, block_hashes(range(64), 16), [PAGE] * 4, 0.0)
+        pages = [s.page for s in res.slots if s.status == SlotStatus.RESERVED]
+        cat = keeper.tier.catalogs["default"]
+        assert keeper.client_gone(5)  # its connection ended: quarantined
+        time.sleep(0.2)
+        assert keeper.reap_exited() == []  # alive: its copies may still write
+        assert [int(cat.state[p]) for p in pages] == [PageState.RESERVED] * 4
+        replica.kill()
+        replica.wait(10)
+        assert keeper.reap_exited() == [5]
+        assert [int(cat.state[p]) for p in pages] == [PageState.FREE] * 4
+        assert keeper.tier.quarantined() == frozenset()
+    finally:
+        replica.kill()
+        replica.wait(10)
+    # a process gone before it was registered ends its quarantine at the next reap
+    keeper.register_client(6, replica.pid)  # reaped above: no such process now
+    keeper.tier.reserve(6, "default", NS, block_hashes(range(1000, 1016), 16), [PAGE], 0.0)
+    assert keeper.client_gone(6) and keeper.reap_exited() == [6]
+    # a client with nothing reserved is not quarantined, and its pidfd is closed
+    keeper.register_client(7, os.getpid())
+    assert not keeper.client_gone(7) and 7 not in keeper._pidfds
