@@ -25,6 +25,16 @@ every replica.
                                  pidfd readable): GpuTier.exited for each; returns them.
                                  The tier's calls (these three included) come from one thread.
       .outcomes                  handouts by outcome (ok, refused, malformed, timeout, ...).
+      .demote(tenant, host, now, read_page=None)
+                                 the demotion (kvpool.gpu.tier): when the tenant's free pages are
+                                 below the low watermark, its least recently used pages are
+                                 pinned, published to the host pool through `host` (a PoolClient
+                                 of that tenant) under their keys with their kv-sketch-1 digests
+                                 (`read_page(page, dst)` copies a page's bytes into the host
+                                 reservation; by default the allocation's read: a
+                                 device-to-host copy from the keeper's own mapping, or a
+                                 memcpy from a host stand-in), and leave the GPU
+                                 tier once the host pool committed them. Returns the outcomes.
       .stop()                    the socket closed and removed, the owner's handles dropped: the
                                  memory lives on in the replicas that mapped it until they unmap.
 
@@ -41,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import fcntl
+import mmap
 import os
 import secrets
 import select
@@ -50,10 +61,17 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
+from kvpool.client.pool_client import PoolClient
+from kvpool.errors import PoolError
 from kvpool.gpu.handout import HandleKind, HandoutError, PrivateState, TierDescriptor, serve_handout
-from kvpool.gpu.tier import GpuTier, GpuTierConfig
+from kvpool.gpu.tier import Demotion, GpuTier, GpuTierConfig
 from kvpool.gpu.vmm import DeviceBuffer, Vmm
+from kvpool.pool.digest import DigestKind
+from kvpool.pool.keys import Namespace
 from kvpool.pool.private_dir import ensure_private_dir
+from kvpool.pool.records import EvictOutcome, SlotStatus
 
 HOST_GRANULARITY = 4096
 
@@ -61,13 +79,16 @@ HOST_GRANULARITY = 4096
 @dataclasses.dataclass
 class Allocation:
     """A tenant's buffer as the keeper holds it: the descriptor it hands out (kept open; SCM_RIGHTS
-    duplicates it into each replica) and how to drop the keeper's own handle."""
+    duplicates it into each replica), the keeper's own read of its bytes (`read(offset, dst)`:
+    into a contiguous uint8 array, synchronously; what demotion copies) and how to drop the
+    keeper's own handle and mapping."""
 
     kind: HandleKind
     fd: int
     size: int
     granularity: int
     device_uuid: bytes
+    read: Callable[[int, np.ndarray], None]
     release: Callable[[], None]
 
 
@@ -78,10 +99,19 @@ def memfd_allocation(label: str, size: int) -> Allocation:
     try:
         os.ftruncate(fd, size)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
     except OSError as exc:
         os.close(fd)
         raise HandoutError(f"cannot create a host stand-in buffer for {label!r}: {exc}") from exc
-    return Allocation(HandleKind.MEMFD, fd, size, HOST_GRANULARITY, bytes(16), lambda: os.close(fd))
+
+    def read(offset: int, dst: np.ndarray) -> None:
+        dst[:] = np.frombuffer(mm, dtype=np.uint8, count=dst.size, offset=offset)
+
+    def release() -> None:
+        mm.close()
+        os.close(fd)
+
+    return Allocation(HandleKind.MEMFD, fd, size, HOST_GRANULARITY, bytes(16), read, release)
 
 
 def vmm_allocator(device_index: int) -> Callable[[str, int], Allocation]:
@@ -92,12 +122,24 @@ def vmm_allocator(device_index: int) -> Callable[[str, int], Allocation]:
     def allocate(label: str, size: int) -> Allocation:
         buf = DeviceBuffer.create(vmm, size)
         fd = buf.export_fd()
+        mine = buf.map()  # the keeper's own view: demotion reads committed pages through it
+
+        def read(offset: int, dst: np.ndarray) -> None:
+            """Device to host, synchronous: the pages read are committed, so every write into
+            them completed before their commit (the tier's commit edge)."""
+            if not dst.flags.c_contiguous or offset < 0 or offset + dst.nbytes > mine.size:
+                raise HandoutError(f"a read of {dst.nbytes} bytes at {offset} outside the buffer or into "
+                                   f"a non-contiguous array")
+            vmm.ensure_context()
+            vmm._check(vmm.d.cuMemcpyDtoH(dst.ctypes.data, vmm.d.CUdeviceptr(mine.ptr + offset), dst.nbytes),
+                       "cuMemcpyDtoH")
 
         def release() -> None:
+            mine.close()
             os.close(fd)
             buf.release()
 
-        return Allocation(HandleKind.VMM_POSIX_FD, fd, buf.size, vmm.granularity, vmm.uuid, release)
+        return Allocation(HandleKind.VMM_POSIX_FD, fd, buf.size, vmm.granularity, vmm.uuid, read, release)
 
     allocate.vmm = vmm  # the keeper's own driver handle, for its mapping (demotion, scrub)
     return allocate
@@ -203,6 +245,65 @@ class GpuKeeper:
         fd = self._pidfds.pop(client, None)
         if fd is not None and fd >= 0:
             os.close(fd)
+
+    # -- demotion to the host pool ---------------------------------------------------------
+    def demote(self, tenant: str, host: PoolClient, now: float,
+               read_page: Callable[[int, np.ndarray], None] | None = None) -> dict[str, int]:
+        """One round of demotion for `tenant` (see the class docstring). A block the host pool
+        has already counts as demoted; one it cannot take now (no capacity, not admitted, a
+        publish of it in flight there, a failed call) stays on the GPU. `read_page(page, dst)`:
+        by default the allocation's own read of the page."""
+        if read_page is None:
+            buf = self.buffers[tenant]
+
+            def read_page(page: int, dst: np.ndarray) -> None:
+                buf.read(self.tier.page_offset(page), dst)
+        out = {"demoted": 0, "kept": 0, "failed": 0}
+        due = self.tier.demotion_due(tenant)
+        if not due:
+            return out
+        by_ns: dict[Namespace, list[Demotion]] = {}
+        for d in self.tier.begin_demotion(tenant, due, now):
+            by_ns.setdefault(d.page.ns, []).append(d)
+        for ns, batch in by_ns.items():
+            for d, committed in zip(batch, self._publish_to_host(ns, batch, host, read_page)):
+                outcome = self.tier.finish_demotion(d, committed)
+                key = "failed" if outcome is None else ("demoted" if outcome == EvictOutcome.EVICTED else "kept")
+                out[key] += 1
+        return out
+
+    def _publish_to_host(self, ns: Namespace, batch: list[Demotion], host: PoolClient,
+                         read_page: Callable[[int, np.ndarray], None]) -> list[bool]:
+        """Whether the host pool holds each block of `batch` once this returns."""
+        try:
+            res = host.reserve(ns, [d.page.key for d in batch], [d.page.length for d in batch])
+        except PoolError:
+            return [False] * len(batch)
+        held = [s.status == SlotStatus.EXISTS for s in res.slots]
+        placed = [i for i, s in enumerate(res.slots) if s.status == SlotStatus.RESERVED]
+        if not placed:
+            return held
+        try:
+            for i in placed:
+                d = batch[i]
+                view = host.reserved_view(res, i)
+                if view is not None:
+                    read_page(d.page.page, view[: d.page.length])
+                else:  # the host pool's segment is not mapped here: the bytes go in a frame
+                    buf = np.empty(d.page.length, dtype=np.uint8)
+                    read_page(d.page.page, buf)
+                    host.write_page(res, i, buf)
+            result = host.commit(res.reservation_id, [batch[i].page.digest for i in placed], DigestKind.SKETCH)
+        except PoolError:
+            try:
+                host.abort(res.reservation_id)
+            except PoolError:
+                pass  # the pool reclaims it at its TTL or when this connection drops
+            return held
+        rejected = {placed[j] for j in result.rejected}
+        for i in placed:
+            held[i] = i not in rejected
+        return held
 
     # -- serving --------------------------------------------------------------------------
     def start(self) -> GpuKeeper:

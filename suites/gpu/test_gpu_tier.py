@@ -12,7 +12,9 @@ control (the edge dropped: the oracle must see stale bytes):
                  the copy complete, then the page reused and overwritten; control: released
                  right after the copy was enqueued.
 Plus: the kv-sketch-1 digests the producer committed verified on the consumer's GPU; a producer
-killed mid-copy leaves no page visible; the peer path (a replica on GPU 1) where two GPUs are.
+killed mid-copy leaves no page visible; demotion under pressure moves device pages to a host
+pool with their GPU digests (checked against the host's reference over the bytes moved); the
+peer path (a replica on GPU 1) where two GPUs are.
 """
 
 from __future__ import annotations
@@ -201,6 +203,50 @@ def test_a_producer_killed_mid_copy_leaves_no_page_visible(keeper, replicas, tes
     assert [int(cat.state[p]) for p in pages] == [PageState.FREE] * 4
     assert [int(cat.gen[p]) for p in pages] == [g + 1 for g in gens]
     assert keeper.tier.lookup("default", NS, hashes).miss.cause == MissCause.NEVER_PUBLISHED
+
+
+def test_pressure_demotes_device_pages_to_the_host_pool_with_their_gpu_digests(tmp_path, test_seed):
+    from kvgate.harness.system.pool import thread_pool
+    from kvpool.client.pool_client import PoolClient
+    from kvpool.gpu.keeper import GpuKeeper, vmm_allocator
+    from kvpool.gpu.tier import GpuTierConfig, fall_through
+    from kvpool.pool.digest import DigestKind, page_digest
+
+    run_dir = tmp_path / "small"
+    run_dir.mkdir(mode=0o700)
+    cfg = GpuTierConfig(page_size=PAGE, pages={"default": 8}, low_free=0.25, high_free=0.5)
+    pool = thread_pool(page_size=PAGE, num_pages=16)
+    host = PoolClient(f"unix:{pool.unix_path}", "default", "tok", name="keeper")
+    try:
+        with GpuKeeper(cfg, run_dir, vmm_allocator(0)) as small:
+            prod = Replica(small)
+            try:
+                chain = block_hashes(range(test_seed, test_seed + 16 * 8), 16)
+                rid, pages = reserve(small, chain)
+                sums = prod("write", pages, test_seed, 0, "host")  # kv-sketch-1 on the producer's GPU
+                small.tier.commit(PRODUCER, "default", rid, sums)
+            finally:
+                prod.close()
+            out = small.demote("default", host, 0.0)  # the keeper's own device-to-host reads
+            assert out == {"demoted": 4, "kept": 0, "failed": 0}
+            for h, want in zip(chain[:4], sums[:4]):  # the least recent: the first four committed
+                lease = host.acquire(NS, [h])
+                data = bytes(host.read_page(lease, 0))
+                host.release(lease.lease_id)
+                assert lease.hits[0].digest == want
+                assert page_digest(data, DigestKind.SKETCH) == want  # the host's reference over the bytes moved
+            def gpu(hs):  # noqa: E306
+                f = small.tier.lookup("default", NS, hs)
+                return len(f.hits), None if f.miss is None else f.miss.cause
+
+            def pooled(hs):
+                f = host.lookup(NS, hs)
+                return len(f.hits), None if f.miss is None else f.miss.cause
+
+            assert fall_through(chain, [("gpu", gpu), ("host", pooled)]).segments == (("host", 0, 4), ("gpu", 4, 8))
+    finally:
+        host.close()
+        pool.stop_thread()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="one GPU: the peer path needs a second")
