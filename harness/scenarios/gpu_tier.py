@@ -31,6 +31,11 @@ is committed or released, so each ordering edge is the parent's to keep or drop.
   host_worker(conn, path, ticket)      the same protocol's fill / check on a host stand-in
       (MEMFD) buffer, for the tests without a GPU.
 Answers are tuples whose first item is "ok" or "error" (with the exception's type and text).
+
+  ManualClock()                        the keeper's clock in the tests (GpuKeeper(clock=...)): it
+      moves only when the test advances it, so a ticket minted before a replica's (slow,
+      spawned) start is still valid when the replica presents it, and one expires when the
+      test says.
 """
 
 from __future__ import annotations
@@ -51,6 +56,17 @@ def page_bytes(seed: int, page: int, size: int) -> np.ndarray:
 
 def digest(data: bytes | memoryview) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+class ManualClock:
+    def __init__(self, start: float = 1000.0):
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 def host_worker(conn: Any, path: str, ticket: bytes) -> None:  # noqa: ANN401 - a multiprocessing connection

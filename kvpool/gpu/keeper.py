@@ -4,15 +4,19 @@ the buffers out over its attach socket (kvpool.gpu.handout). The replicas never 
 memory: a replica that dies takes nothing of it with it, and the keeper's buffers outlive
 every replica.
 
-  GpuKeeper(config, run_dir, allocate)
+  GpuKeeper(config, run_dir, allocate, *, name, ticket_ttl_s, handout_timeout_s, clock)
       allocate(label, size) -> Allocation for each tenant (vmm_allocator(device) in production:
       cuMemCreate + one exported POSIX descriptor; memfd_allocation for the tests without a
       GPU: host memory behind the same protocol), plus its private state (generations, heartbeat).
+      clock() (time.monotonic by default) dates the tickets: a test passes a clock of its own,
+      so that a ticket expires when the test says, not when a slow start of a replica happens
+      to outlast `ticket_ttl_s`.
       .start()                   bind run_dir/gpu-attach.sock (mode 0600; the run dir checked as
                                  the pool's: kvpool.pool.private_dir) and serve it on a thread.
       .mint_ticket(tenant)       a single-use ticket for one handout of that tenant's buffer,
-                                 valid `ticket_ttl_s` (the control connection that authenticated
-                                 the replica's tenant token gives it out, as the pool's hello does).
+                                 valid `ticket_ttl_s` by `clock` (the control connection that
+                                 authenticated the replica's tenant token gives it out, as the
+                                 pool's hello does).
       .tier                      the GpuTier (its catalogs use the private states' generations).
       .peer_of(pid)              the tenant a process attached to, by SO_PEERCRED pid.
       .beat()                    the heartbeat into every private state.
@@ -25,6 +29,8 @@ every replica.
                                  pidfd readable): GpuTier.exited for each; returns them.
                                  The tier's calls (these three included) come from one thread.
       .outcomes                  handouts by outcome (ok, refused, malformed, timeout, ...).
+      .served(n)                 the outcomes once at least n handouts have ended (their
+                                 connections closed), waiting for them.
       .demote(tenant, host, now, read_page=None)
                                  the demotion (kvpool.gpu.tier): when the tenant's free pages are
                                  below the low watermark, its least recently used pages are
@@ -35,8 +41,10 @@ every replica.
                                  device-to-host copy from the keeper's own mapping, or a
                                  memcpy from a host stand-in), and leave the GPU
                                  tier once the host pool committed them. Returns the outcomes.
-      .stop()                    the socket closed and removed, the owner's handles dropped: the
-                                 memory lives on in the replicas that mapped it until they unmap.
+      .stop()                    the serving thread ended (waited for: every step of its loop is
+                                 bounded by the handout timeout), the socket closed and removed,
+                                 the owner's handles dropped: the memory lives on in the replicas
+                                 that mapped it until they unmap.
 
 Ordering across processes (kvpool.gpu.tier's docstring has the whole model): the keeper accepts
 a commit only as the producer's statement that its host saw the copy into the pages and the
@@ -148,8 +156,10 @@ def vmm_allocator(device_index: int) -> Callable[[str, int], Allocation]:
 class GpuKeeper:
     def __init__(self, config: GpuTierConfig, run_dir: str | os.PathLike,
                  allocate: Callable[[str, int], Allocation], *, name: str = "gpu-tier",
-                 ticket_ttl_s: float = 5.0, handout_timeout_s: float = 5.0):
+                 ticket_ttl_s: float = 5.0, handout_timeout_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.config = config
+        self.clock = clock
         self.run_dir = ensure_private_dir(run_dir)
         self.instance = secrets.token_bytes(16)
         self.ticket_ttl_s = ticket_ttl_s
@@ -171,6 +181,7 @@ class GpuKeeper:
         self._tickets: dict[bytes, tuple[str, float]] = {}
         self._peers: dict[int, str] = {}
         self._lock = threading.Lock()
+        self._ended = threading.Condition(self._lock)  # a handout's connection ended (outcomes)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._listener: socket.socket | None = None
@@ -181,7 +192,7 @@ class GpuKeeper:
             raise HandoutError(f"tenant {tenant!r} has no buffer in this GPU tier")
         ticket = secrets.token_bytes(16)
         with self._lock:
-            self._tickets[ticket] = (tenant, time.monotonic() + self.ticket_ttl_s)
+            self._tickets[ticket] = (tenant, self.clock() + self.ticket_ttl_s)
         return ticket
 
     def descriptor(self, tenant: str) -> TierDescriptor:
@@ -194,7 +205,7 @@ class GpuKeeper:
     def _resolve(self, ticket: bytes, pid: int) -> tuple[TierDescriptor, list[int]] | None:
         with self._lock:
             entry = self._tickets.pop(ticket, None)
-            if entry is None or entry[1] <= time.monotonic() or entry[0] not in self.buffers:
+            if entry is None or entry[1] <= self.clock() or entry[0] not in self.buffers:
                 return None
             self._peers[pid] = entry[0]
         tenant = entry[0]
@@ -351,8 +362,16 @@ class GpuKeeper:
 
     def _count(self, task: asyncio.Task) -> None:
         outcome = "cancelled" if task.cancelled() else task.result()
-        with self._lock:
+        with self._ended:
             self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+            self._ended.notify_all()
+
+    def served(self, n: int, timeout: float | None = None) -> dict[str, int]:
+        """The outcomes once at least `n` handouts have ended (each connection closed by then),
+        or as they are when `timeout` (None: no bound) runs out first."""
+        with self._ended:
+            self._ended.wait_for(lambda: sum(self.outcomes.values()) >= n, timeout)
+            return dict(self.outcomes)
 
     def stop(self) -> None:
         if self._loop is not None and self._thread is not None:
@@ -360,7 +379,9 @@ class GpuKeeper:
                 for task in asyncio.all_tasks(self._loop):
                     task.cancel()
             self._loop.call_soon_threadsafe(cancel)
-            self._thread.join(10)
+            # no bound: the loop runs nothing unbounded (a handout's blocking send is bounded by
+            # handout_timeout_s), and the buffers below must outlive every step of it
+            self._thread.join()
             self._thread = self._loop = None
         if self._listener is not None:
             self._listener.close()

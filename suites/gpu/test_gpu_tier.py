@@ -54,6 +54,7 @@ class Replica:
         self.proc = ctx.Process(target=procs.tier_worker,
                                 args=(child, str(keeper.attach_path), keeper.mint_ticket("default"), device))
         self.proc.start()
+        child.close()  # the worker's end is the worker's alone: its death reads as EOF here
         ok, self.same_gpu, self.device_name = self._answer(120)
 
     def _answer(self, timeout: float = 60):  # noqa: ANN202
@@ -83,7 +84,10 @@ def keeper(tmp_path):
 
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)
-    with GpuKeeper(GpuTierConfig(page_size=PAGE, pages={"default": PAGES}), run_dir, vmm_allocator(0)) as k:
+    # a clock of the test's: a ticket minted before a replica's spawn (and its import of torch)
+    # is still valid when the replica presents it, however long the start took
+    with GpuKeeper(GpuTierConfig(page_size=PAGE, pages={"default": PAGES}), run_dir, vmm_allocator(0),
+                   clock=procs.ManualClock()) as k:
         yield k
 
 
@@ -218,7 +222,7 @@ def test_pressure_demotes_device_pages_to_the_host_pool_with_their_gpu_digests(t
     pool = thread_pool(page_size=PAGE, num_pages=16)
     host = PoolClient(f"unix:{pool.unix_path}", "default", "tok", name="keeper")
     try:
-        with GpuKeeper(cfg, run_dir, vmm_allocator(0)) as small:
+        with GpuKeeper(cfg, run_dir, vmm_allocator(0), clock=procs.ManualClock()) as small:
             prod = Replica(small)
             try:
                 chain = block_hashes(range(test_seed, test_seed + 16 * 8), 16)

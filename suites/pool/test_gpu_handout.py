@@ -31,21 +31,23 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def settled(keeper, served: int) -> dict:
-    """The keeper's outcomes once it has served `served` connections (each closed by then: the
-    keeper shares this process, so its descriptors are counted too)."""
-    deadline = time.monotonic() + 5
-    while sum(keeper.outcomes.values()) < served and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return dict(keeper.outcomes)
+TTL = 2.0  # the tickets' validity, by the keeper's clock (a ManualClock: it moves when a test says)
 
 
 @pytest.fixture
-def keeper(tmp_path):
+def clock():
+    return procs.ManualClock()
+
+
+@pytest.fixture
+def keeper(tmp_path, clock):
+    """A keeper whose tickets expire only when the test advances `clock`, and whose handout
+    timeout is the production one: a replica starved on a loaded host still gets its buffer
+    (the silent peer's timeout has a keeper of its own)."""
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)
     k = GpuKeeper(GpuTierConfig(page_size=PAGE, pages={"default": 8, "b": 4}), run_dir, memfd_allocation,
-                  ticket_ttl_s=2.0, handout_timeout_s=0.5)
+                  ticket_ttl_s=TTL, clock=clock)
     with k:
         yield k
 
@@ -67,7 +69,7 @@ def test_a_replica_maps_its_tenants_buffer_and_the_keepers_state(keeper):
         tier.page_view(7)[:4] = b"last"
         with pytest.raises(H.HandoutError):
             tier.page_view(8)
-    assert settled(keeper, 1) == {"ok": 1}
+    assert keeper.served(1) == {"ok": 1}  # its connection closed: the keeper shares this process
     assert open_fds() == before  # every descriptor received was closed
     assert keeper.peer_of(os.getpid()) == "default"
 
@@ -92,6 +94,7 @@ def test_two_processes_share_the_buffer_and_tenants_are_apart(keeper, test_seed)
     parent, child = ctx.Pipe()
     p = ctx.Process(target=procs.host_worker, args=(child, str(keeper.attach_path), keeper.mint_ticket("default")))
     p.start()
+    child.close()  # the worker's end is the worker's alone: if it dies, recv() raises EOFError
     try:
         parent.send(("fill", [0, 3, 7], test_seed))
         assert parent.recv() == ("ok",)
@@ -109,34 +112,42 @@ def test_two_processes_share_the_buffer_and_tenants_are_apart(keeper, test_seed)
         parent.send(("exit",))
         assert parent.recv() == ("ok",)
     finally:
-        p.join(60)
+        parent.close()
+        p.join()  # it exits at "exit", or at EOF on its pipe
     assert p.exitcode == 0
+    p.close()
 
 
-def test_tickets_are_single_use_expire_and_name_a_tenant(keeper):
+def test_tickets_are_single_use_expire_and_name_a_tenant(keeper, clock):
     ticket = keeper.mint_ticket("default")
     TierMap.attach(keeper.attach_path, ticket).close()
-    settled(keeper, 1)
+    keeper.served(1)
     before = open_fds()
     with pytest.raises(HandoutRefused):
         TierMap.attach(keeper.attach_path, ticket)
     with pytest.raises(HandoutRefused):
         fetch_handout(str(keeper.attach_path), os.urandom(16))
     late = keeper.mint_ticket("default")
-    keeper._tickets[late] = ("default", time.monotonic() - 1)  # expired
+    clock.advance(TTL)  # `late` expires now, TTL after its minting
+    fresh = keeper.mint_ticket("default")
     with pytest.raises(HandoutRefused):
         fetch_handout(str(keeper.attach_path), late)
+    clock.advance(TTL / 2)
+    _, fds = fetch_handout(str(keeper.attach_path), fresh)  # the control: a ticket within its TTL
+    for fd in fds:
+        os.close(fd)
     with pytest.raises(H.HandoutError):
         keeper.mint_ticket("nobody")
     with pytest.raises(H.HandoutError):
         fetch_handout(str(keeper.attach_path), b"short")
-    assert settled(keeper, 4) == {"ok": 1, "refused": 3}
+    assert keeper.served(5) == {"ok": 2, "refused": 3}
     assert open_fds() == before
 
 
 def _raw(keeper, payload: bytes, close_write: bool = True) -> bytes:
+    """What the keeper answers `payload`, read until it closes the connection (it always does:
+    after its answer, or at once, or at its handout timeout)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(5)
         s.connect(str(keeper.attach_path))
         s.sendall(payload)
         if close_write:
@@ -153,11 +164,20 @@ def test_malformed_requests_get_nothing_and_the_keeper_keeps_serving(keeper):
     assert _raw(keeper, H.REQUEST.pack(H.MAGIC, H.VERSION, 0, ticket)[:10]) == b""  # truncated
     wrong = _raw(keeper, H.REQUEST.pack(H.MAGIC, H.VERSION + 1, 0, ticket))
     assert H.ANSWER.unpack(wrong)[2] == H.Status.WRONG_VERSION
-    assert _raw(keeper, b"", close_write=False) == b""  # silent past the handout timeout
-    assert settled(keeper, 4) == {"malformed": 2, "wrong_version": 1, "timeout": 1}
+    assert keeper.served(3) == {"malformed": 2, "wrong_version": 1}
     # the ticket was never spent on any of them: it still works
     with TierMap.attach(keeper.attach_path, ticket) as tier:
         assert tier.descriptor.num_pages == 8
+
+
+def test_a_silent_peer_is_cut_at_the_handout_timeout(tmp_path, clock):
+    # a keeper of its own: a short handout timeout, and no other peer that could be cut by it
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    with GpuKeeper(GpuTierConfig(page_size=PAGE, pages={"default": 2}), run_dir, memfd_allocation,
+                   handout_timeout_s=0.2, clock=clock) as impatient:
+        assert _raw(impatient, b"", close_write=False) == b""  # closed by the keeper, nothing sent
+        assert impatient.served(1) == {"timeout": 1}
 
 
 class FakeKeeper:
@@ -168,16 +188,15 @@ class FakeKeeper:
         self.received = b""
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(self.path)
-        self.sock.listen(1)
+        self.sock.listen(2)
         self.thread = threading.Thread(target=self._one, args=(answer, list(fds)), daemon=True)
         self.thread.start()
 
     def _one(self, answer, fds):
         conn, _ = self.sock.accept()
         with conn:
-            conn.settimeout(5)
             try:
-                self.received = conn.recv(64)
+                self.received = conn.recv(64)  # the request, or b"" when the client closed
             except OSError:
                 return
             if fds:
@@ -186,7 +205,11 @@ class FakeKeeper:
                 conn.sendall(answer)
 
     def close(self):
-        self.thread.join(5)
+        # a connection of its own that closes at once: what the thread accepts (and reads EOF
+        # from) where the test's client never connected, queued behind the client's otherwise
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as wake:
+            wake.connect(self.path)
+        self.thread.join()
         self.sock.close()
 
 
@@ -280,10 +303,10 @@ def test_no_keeper_there_is_a_transport_error(tmp_path):
         s.close()
 
 
-def test_a_stopped_keeper_leaves_mapped_replicas_their_bytes(tmp_path):
+def test_a_stopped_keeper_leaves_mapped_replicas_their_bytes(tmp_path, clock):
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)
-    k = GpuKeeper(GpuTierConfig(page_size=PAGE, pages={"default": 2}), run_dir, memfd_allocation).start()
+    k = GpuKeeper(GpuTierConfig(page_size=PAGE, pages={"default": 2}), run_dir, memfd_allocation, clock=clock).start()
     tier = TierMap.attach(k.attach_path, k.mint_ticket("default"))
     tier.page_view(1)[:3] = b"abc"
     k.stop()
