@@ -1,5 +1,5 @@
 """The GPU engine: CUDA stream-ordered copies between an engine's KV tensors and the
-registered arena, and the GPU's page digest (sketch). Its modules, each importing only
+registered arena, the GPU's page digest (sketch), and the GPU tier. Its modules, each importing only
 those below it:
 
   transfer  TransferEngine: setup, the segment it follows, CUDA graphs, the hooks the
@@ -9,7 +9,14 @@ those below it:
             StoreHandle, StoreOutcome.
   load      Loads (TransferEngine's loads: staged copies, the check of what arrived, the
             install), LoadHandle, LoadOutcome, check_plan, arrived_digests.
+  keeper    the GPU tier's owner: each tenant's VMM buffer, the tier's bookkeeping, the
+            attach socket that hands the buffers out (GpuKeeper).
+  tier_map  a replica's side of the GPU tier: the buffer imported and mapped (TierMap).
   driver    the driver path's calls: raw-pointer copies through cuda-python (Driver).
+  vmm       device memory another process maps: VMM buffers, their export and import,
+            interprocess events (cuda-python).
+  tier      the GPU tier's bookkeeping: the pool's catalog per tenant, demotion (LRU), the
+            quarantine of a crashed producer's pages, the fall-through order across tiers.
   staging   host memory: the arena's registration, pinned sketch buffers, index rings.
   events    the host's waits for CUDA events.
   layout    the KV layout and the page order (KVLayout, block_page), the widest views.
@@ -17,4 +24,8 @@ those below it:
             the ordering edges each has: the registry the gate's matrix enumerates.
   config    TransferConfig, TransferCapabilities, the enums, the engine's errors.
   sketch    the digest a GPU takes of a page, the same function on the host.
+  handout   the GPU tier's handout protocol over a Unix socket (descriptors by SCM_RIGHTS),
+            the keeper's private state (generations, heartbeat).
+
+The GPU tier's design: docs/gpu-tier.md.
 """

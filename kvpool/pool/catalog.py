@@ -22,6 +22,9 @@ split into files would scatter.
                                         evicted, freed or reused until released), subject to
                                         the per-client and global load limits (THROTTLED).
   release(lease_id)                     unpin; re-checks every page's generation.
+  pin(client, page, generation, now)    a lease on one committed page by id, outside the load
+                                        limits and hit counters, not a touch (the GPU tier's
+                                        demotion reads pages this way).
   reserve(client, tenant, ns, hashes, lengths, boundary)
                                         phase one of publish: admission, then a RESERVED page
                                         per admitted block (evicting LRU victims if needed).
@@ -43,6 +46,10 @@ split into files would scatter.
   reap(now)                             expire reservations and leases past their deadline.
   evict(...) / set_capacity(pages)      forced eviction and capacity squeeze; leased pages
                                         are never evicted.
+  lru_pages(n)                          the next n pages an eviction would take (LruPage),
+                                        read-only: what the GPU tier demotes (with
+                                        CatalogConfig.evict_on_reserve False, a reserve at
+                                        capacity evicts nothing: its blocks get NO_CAPACITY).
   evict(tenant, ns, [NAMESPACE_RESET])  the namespace's reset (reset_namespace): every block
                                         committed under it leaves the index at once (freed, or
                                         DROPPED while leased), and every open publish under it is
@@ -140,8 +147,26 @@ class CatalogConfig:
     # open publish (with their ghosts and second-hit offers), then, if the table is still
     # full, is refused (InvalidRequest).
     max_namespaces: int = 4096
+    # A reserve that finds the pages at capacity evicts the least recently used (True), or
+    # leaves those blocks unreserved (NO_CAPACITY) for its owner to make room its own way
+    # (False: the GPU tier, which demotes to the host pool instead of dropping: kvpool.gpu.tier).
+    evict_on_reserve: bool = True
     reservation_ttl_s: float = 30.0
     lease_ttl_s: float = 60.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LruPage:
+    """A committed page as lru_pages lists it: where it is, which block it holds, its digest."""
+
+    page: int
+    generation: int
+    tenant: str
+    ns: Namespace
+    key: bytes
+    length: int
+    digest: bytes
+    kind: DigestKind
 
 
 @dataclasses.dataclass(slots=True)
@@ -369,6 +394,20 @@ class Catalog:
             self.miss_counters[found.miss.cause] += 1
         return AcquireResult(lease_id, found.hits, found.miss)
 
+    def pin(self, client: int, page: int, generation: int, now: float) -> int:
+        """A lease on one committed page by its id, outside the load limits and the hit
+        counters, and without making it recently used: the owner's own read of a page (the GPU
+        tier's demotion copies it out). Released with release(). 0: the page no longer holds
+        that commit."""
+        if self.committed_as(page, generation) is None:
+            return 0
+        self.leases_on[page] += 1
+        lease_id = next(self._ids)
+        self._leases[lease_id] = _Lease(client, [page], [generation], now + self.config.lease_ttl_s)
+        self._leases_by_client[client] = self._leases_by_client.get(client, 0) + 1
+        self._leased_pages_by_client[client] = self._leased_pages_by_client.get(client, 0) + 1
+        return lease_id
+
     def release(self, lease_id: int) -> ReleaseResult:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
@@ -464,7 +503,7 @@ class Catalog:
 
     def _allocate(self) -> int:
         if self.used_pages() >= self.capacity:
-            if not self._evict_lru(1):
+            if not self.config.evict_on_reserve or not self._evict_lru(1):
                 return -1
         if not self._free:
             return -1
@@ -681,6 +720,22 @@ class Catalog:
                 evicted += 1
             page = nxt
         return evicted
+
+    def lru_pages(self, n: int) -> list[LruPage]:
+        """The `n` least recently used committed pages no loader holds, least recent first:
+        what an eviction would take next (read-only; the GPU tier demotes them). O(n + leased)."""
+        names = {tid: name for name, tid in self._tenants.items()}
+        out: list[LruPage] = []
+        page = self._head
+        while len(out) < n and page >= 0:
+            if self._may_evict(page):
+                key = self.key_of[page]
+                assert key is not None
+                out.append(LruPage(page, int(self.gen[page]), names[int(self.tenant_of[page])],
+                                   self._namespaces[int(self.ns_of[page])], key, int(self.length[page]),
+                                   self.digest[page].tobytes(), KINDS[int(self.kind[page])]))
+            page = int(self._next[page])
+        return out
 
     def evict(self, tenant: str, ns: Namespace, hashes: Sequence[bytes]) -> list[EvictOutcome]:
         """Each block's outcome; the one key NAMESPACE_RESET: the namespace's reset
