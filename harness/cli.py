@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import io
 import json
-import json
 import sys
 from pathlib import Path
 

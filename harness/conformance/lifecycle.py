@@ -17,7 +17,6 @@ the scenario's Ctx (kvgate.harness.conformance.scenarios.Ctx) is its first argum
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 from typing import Any
 

@@ -5,6 +5,8 @@ sanitizer subprocess (harness/scenarios/gpu_sanitized.py).
                           page sizes, engine chunking small enough to reuse staging).
   Scenario                one per ordering edge; each delays the producing stream with
                           torch.cuda._sleep and runs `copies` transfers back to back.
+  pool_pages / scrubbed   the pool's committed pages of some hashes; its stats once every
+                          page committed on trust had its first scrub.
   run_scenario(...)       -> Verdict: valid iff every page byte is what it must be.
                           evidence: pages compared, stale pages, edges the engine skipped.
   engine_factory(...)     make(layers, drop): the engine, or the control dropping `drop`.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -202,6 +205,17 @@ def pool_pages(client: PoolClient, ns: Namespace, hashes: list[bytes]) -> np.nda
         return None
     return np.stack([np.array(client.arena.page(h.page, h.length)) for h in hits])
 
+
+
+def scrubbed(client: PoolClient, timeout_s: float = 60.0) -> dict:
+    """The pool's stats once every page committed on trust had its first scrub."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = client.stats()
+        if stats["scrub_queued"] == 0:
+            return stats
+        assert time.monotonic() < deadline, f"the pool's scrub did not finish within {timeout_s}s: {stats}"
+        time.sleep(0.05)
 
 # -- one scenario ----------------------------------------------------------------------------
 EngineFactory = Callable[[list[torch.Tensor], OrderingEdge | None], TransferEngine]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpool.connector import vllm_compat as compat
+import kvpool.connector.vllm_compat as compat
 from kvpool.connector.stats import KVPoolPromMetrics, KVPoolStats
 from kvpool.connector.params import KVPoolMetadata
 from kvpool.connector.scheduler import KVPoolScheduler

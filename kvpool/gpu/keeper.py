@@ -67,7 +67,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 

@@ -25,7 +25,6 @@ exactly where that check looks, and nowhere else:
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
@@ -33,7 +32,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvgate.faults.gpu_controls import FlipAtCommitLane, HostReadEngine, PageDigestLane, engine_class  # noqa: E402
-from kvgate.harness.scenarios.gpu_transfer import Geometry, fill, make_kv, namespace, read_pages  # noqa: E402
+from kvgate.harness.scenarios.gpu_transfer import Geometry, fill, make_kv, namespace, read_pages, scrubbed  # noqa: E402
 from kvpool.client.transfer import publish  # noqa: E402
 from kvpool.errors import MissCause  # noqa: E402
 from kvpool.gpu.config import CopyPath  # noqa: E402
@@ -69,17 +68,6 @@ def _offset(where: str, rng: np.random.Generator) -> int:
 def _hashes(rng: np.random.Generator, k: int) -> list[bytes]:
     base = int(rng.integers(1 << 28))
     return block_hashes(range(base, base + 16 * k), 16)
-
-
-def _scrubbed(client, timeout_s: float = 60.0) -> dict:  # noqa: ANN001
-    """The pool's stats once every page committed on trust had its first scrub."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = client.stats()
-        if stats["scrub_queued"] == 0:
-            return stats
-        assert time.monotonic() < deadline, f"the pool's scrub did not finish within {timeout_s}s: {stats}"
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("path", [CopyPath.TORCH, CopyPath.DRIVER])
@@ -144,13 +132,13 @@ def test_a_sketched_store_is_checked_against_its_source(control, path, client, t
     flips = {hashes[bad]: (offset, mask)}
     lanes = [FlipAtCommitLane(PageDigestLane(client) if control else client, flips)]
     torch.cuda.synchronize()
-    before = _scrubbed(client)
+    before = scrubbed(client)
     with TransferEngine(client, ns, src, ODD.config(path, digest=DigestKind.SKETCH), lanes=lanes) as engine:
         engine.store(blocks, hashes)
         (out,) = engine.drain(60)
     assert not flips, "the page never differed from its source: the test proves nothing"
     assert out.committed == K and out.rejected == 0, out  # committed on trust
-    after = _scrubbed(client)
+    after = scrubbed(client)
     found = client.lookup(ns, hashes).hits
     corrupt = after["scrub_corrupt"] - before["scrub_corrupt"]
     if not control:

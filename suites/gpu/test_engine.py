@@ -39,6 +39,7 @@ from kvgate.harness.scenarios.gpu_transfer import (  # noqa: E402
     make_kv,
     namespace,
     read_pages,
+    scrubbed,
 )
 
 pytestmark = [
@@ -83,17 +84,6 @@ def test_corrupt_page_is_reported_and_never_installed(path, client, test_seed, t
     assert np.array_equal(got[bad:], old[blocks[bad:]]), "the corrupt page and the ones after it must not be installed"
 
 
-def _scrubbed(client, timeout_s: float = 60.0) -> dict:  # noqa: ANN001
-    """The pool's stats once every page committed on trust had its first scrub."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = client.stats()
-        if stats["scrub_queued"] == 0:
-            return stats
-        assert time.monotonic() < deadline, f"the pool's scrub did not finish within {timeout_s}s: {stats}"
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("path", [CopyPath.TORCH, CopyPath.DRIVER])
 @pytest.mark.parametrize("engine_cls,checks", [(TransferEngine, True), (BlindLoadEngine, False)],
                          ids=["engine", "control-blind-load"])
@@ -123,7 +113,7 @@ def test_a_sketched_page_corrupted_at_rest_is_refused_on_the_gpu(engine_cls, che
     assert out.committed == k, out
     hits = client.lookup(ns, hashes).hits
     assert [h.kind for h in hits] == [DigestKind.SKETCH] * k
-    _scrubbed(client)  # their first scrub passed
+    scrubbed(client)  # their first scrub passed
     bad = int(rng.integers(1, k - 1))
     held = client.acquire(ns, hashes)  # while leased the scrub's cycle cannot drop the page: the load meets it
     client.arena.page(hits[bad].page)[int(rng.integers(geom.page_bytes))] ^= 0xFF  # memory corruption at rest
@@ -175,7 +165,7 @@ def test_engines_of_either_digest_kind_exchange_pages_and_the_scrub_agrees(path,
             consumer.drain()
         assert h.loaded == k and h.miss is None, (store_kind, load_kind, h)
         assert np.array_equal(got, host[blocks]), (store_kind, load_kind)
-        after = _scrubbed(client)  # this store's pages had their first scrub (the pool's counters are shared)
+        after = scrubbed(client)  # this store's pages had their first scrub (the pool's counters are shared)
         if store_kind is DigestKind.SKETCH:
             assert after["scrubbed_pages"] - before["scrubbed_pages"] >= k, (before, after)
         assert len(client.lookup(ns, hashes).hits) == k, "the scrub dropped a page stored from the GPU"
@@ -298,7 +288,7 @@ def test_the_engine_follows_its_pool_through_a_restart(engine_cls, follows, path
                 engine.store(list(range(2 * k, 3 * k)), stored)
                 outcomes = engine.drain()
                 reattached, memory = engine.reattached, engine.capabilities.host_memory
-            scrub = _scrubbed(client)
+            scrub = scrubbed(client)
             visible = len(client.lookup(ns, stored).hits)
     finally:
         pool.stop()

@@ -18,7 +18,6 @@ from kvpool.gpu.tier import GpuTierConfig, fall_through
 from kvpool.gpu.tier_map import TierMap
 from kvpool.pool.digest import DigestKind, page_digest
 from kvpool.pool.keys import Namespace, block_hashes
-from kvpool.pool.records import SlotStatus
 
 PAGE = 64 * 1024
 NS = Namespace("m", "r1", "tok", "bfloat16", "cuda", 16, 2, 2, 64)
