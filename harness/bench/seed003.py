@@ -258,13 +258,14 @@ def _stats(values: list[float]) -> dict:
 
 
 def ttft_blocks(cluster: Cluster, corpus: Corpus, n: int, reps: int, seed: int, h2d_GBps: float | None,
-                kv_per_token: int, block: int = BLOCK_SIZE) -> dict:
-    """The four-block cross-replica TTFT at prompt length n (tokens, BOS included)."""
+                kv_per_token: int, block: int = BLOCK_SIZE, rows_log: Path | None = None) -> dict:
+    """The four-block cross-replica TTFT at prompt length n (tokens, BOS included); each row
+    is also appended to `rows_log` (JSON lines) as it is measured."""
     from kvgate.harness.bench.live import median_phases, primer, remote_phases
     from kvgate.harness.checkers.history import records
     from kvgate.harness.client import http
     from kvgate.harness.client.http import complete
-    from kvgate.harness.scenarios.gpu_live import wait_published
+    from kvgate.harness.scenarios.gpu_live import publish_outcome, wait_published
 
     http.RECORDER = cluster.history
     A, B = cluster.replicas["A"].url, cluster.replicas["B"].url
@@ -285,9 +286,10 @@ def ttft_blocks(cluster: Cluster, corpus: Corpus, n: int, reps: int, seed: int, 
                 pub = complete(A, prompt, tag=f"{tag}-pub", replica="A", max_tokens=ORACLE_TOKENS, load=False,
                                cache_salt=salt)
                 t_pub = time.monotonic()
-                wait_published(hist, "A", f"{tag}-pub", n // block, timeout_s=300)
+                published = publish_outcome(wait_published(hist, "A", f"{tag}-pub", n // block, timeout_s=300))
                 row.update(producer_ttft_ms=round(pub.ttft_s * 1e3, 1), producer_tokens=pub.token_ids,
-                           producer_error=pub.error, publish_landed_after_response_s=round(time.monotonic() - t_pub, 3))
+                           producer_error=pub.error, publish_landed_after_response_s=round(time.monotonic() - t_pub, 3),
+                           publish=published, publish_landed=published["landed"] >= n // block)
                 prime(B, "B")
                 sent = time.time()  # the history's clock
                 hit = complete(B, prompt, tag=tag, replica="B", max_tokens=ORACLE_TOKENS, publish=False,
@@ -314,8 +316,12 @@ def ttft_blocks(cluster: Cluster, corpus: Corpus, n: int, reps: int, seed: int, 
                                 cache_salt=salt)
                 row.update(ttft_ms=round(cold.ttft_s * 1e3, 1), tokens=cold.token_ids, error=cold.error)
             rows.append(row)
+            if rows_log is not None:  # a long part's rows survive a run that ends inside it
+                with rows_log.open("a") as f:
+                    f.write(json.dumps({"part": f"ttft:{n}", **row}, default=str) + "\n")
             _say(f"  ttft {n}: block {label} rep {j}: {row['ttft_ms']:.0f} ms"
-                 + (f" (producer {row['producer_ttft_ms']:.0f} ms, loaded {row['blocks_loaded']}/{want}, output "
+                 + (f" (producer {row['producer_ttft_ms']:.0f} ms, published {row['publish']['landed']}/"
+                    f"{row['publish']['offered']} landed, loaded {row['blocks_loaded']}/{want}, output "
                     f"equal {row['output_equal_local_hit']})" if on else ""))
     off = [r["ttft_ms"] for r in rows if r["block"].endswith("off")]
     on_ = [r["ttft_ms"] for r in rows if r["block"].endswith(":on")]
@@ -333,6 +339,8 @@ def ttft_blocks(cluster: Cluster, corpus: Corpus, n: int, reps: int, seed: int, 
         "oracles": {
             "hits": len(on_),
             "hits_bytes_ok": sum(1 for r in rows if r.get("bytes_ok")),
+            "publishes_short": [{"block": r["block"], "rep": r["rep"], **r["publish"]} for r in rows
+                                if "publish" in r and not r["publish_landed"]],
             "hits_output_equal_local_hit": sum(1 for r in rows if r.get("output_equal_local_hit")),
             "producer_cold_tokens_equal_B_cold": sum(across), "compared_cold": len(across),
             "errors": [r["error"] for r in rows if r.get("error")] + [r["producer_error"] for r in rows
@@ -404,6 +412,10 @@ def failures(result: dict, plan: Plan) -> list[str]:
             continue
         o = part["oracles"]
         if key.startswith("ttft"):
+            for short in o.get("publishes_short", []):
+                out.append(f"{key}: block {short['block']} rep {short['rep']}: A's publish landed {short['landed']} of "
+                           f"{short['offered']} blocks (no capacity {short['no_capacity']}, not admitted "
+                           f"{short['not_admitted']}, rejected {short['rejected']}, errors {short['errors'][:2]})")
             if o["hits_bytes_ok"] < o["hits"]:
                 out.append(f"{key}: {o['hits'] - o['hits_bytes_ok']} of {o['hits']} hits did not load every block")
             if o["hits_output_equal_local_hit"] < o["hits"]:
@@ -646,7 +658,8 @@ def run(report_dir: Path, plan: Plan = Plan(), command: str = "") -> int:
             _say(f"bench seed003: {key} ({count} per block; about {est:.0f} s, {left:.0f} s left)")
             try:
                 if kind == "ttft":
-                    part = ttft_blocks(cluster, corpus, n, count, plan.seed, h2d, arch.kv_bytes_per_token, block)
+                    part = ttft_blocks(cluster, corpus, n, count, plan.seed, h2d, arch.kv_bytes_per_token, block,
+                                       rows_log=report_dir / "rows.jsonl")
                     cold_s[n] = part["off_ms"]["median"] / 1e3
                 else:
                     part = session_part(cluster, corpus, n, count, plan.seed,

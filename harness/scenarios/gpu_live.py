@@ -51,6 +51,10 @@ of the cross-replica turns per block, and the generated tokens compared across b
                         reported, not judged.
   wait_published(history_dir, replica, tag, blocks)   a replica's publish records of a
                         request covering `blocks` blocks (the bench waits on it too).
+  publish_outcome(records)   what those records say landed: blocks committed or already in
+                        the pool, and the ones that did not land (no capacity, not admitted,
+                        rejected, a store that failed) with the errors; a record covers the
+                        blocks it offered, landed or not, so covering is not landing.
 The command that runs these parts with the bench (kvgate.harness.bench.gpu_live) and writes the
 checklist is kvgate.harness.gpu_live; this module imports nothing of the bench.
 Each verdict says what it does not check. The delay is seeded only in its length; a seed
@@ -94,6 +98,25 @@ def wait_published(history_dir: Path, replica: str, tag: str, blocks: int, timeo
             raise GpuLiveError(f"{replica} published {sum(int(r['blocks']) for r in recs)} of {blocks} blocks of "
                                f"{tag} within {timeout_s}s: {recs}")
         time.sleep(0.1)
+
+
+PUBLISH_SHORT = ("no_capacity", "not_admitted", "rejected")
+
+
+def publish_outcome(recs: list[dict]) -> dict:
+    """Sum of a request's publish records: `offered` blocks, `landed` (committed or already
+    in the pool), `pending` (another producer's publish of the block was in flight), the
+    blocks refused by cause, and every store's error."""
+    out = {"offered": 0, "landed": 0, "pending": 0, **{k: 0 for k in PUBLISH_SHORT}, "errors": []}
+    for r in recs:
+        out["offered"] += int(r.get("blocks", 0))
+        out["landed"] += int(r.get("committed", 0)) + int(r.get("exists", 0))
+        out["pending"] += int(r.get("pending", 0))
+        for k in PUBLISH_SHORT:
+            out[k] += int(r.get(k, 0))
+        if r.get("error"):
+            out["errors"].append(f"blocks {r.get('first_block')}+{r.get('blocks')}: {r['error']}"[:300])
+    return out
 
 
 def published_exact(cluster: Cluster, producer: str, tag: str) -> Verdict:

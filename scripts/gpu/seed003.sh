@@ -9,8 +9,8 @@
 #       detached; its output in RUN/bench.log, its exit status in RUN/rc when it ends.
 #   scripts/gpu/seed003.sh wait RUN OUT [SECONDS]
 #       every 15 s, and once more at the end, copies into OUT what the bench has written
-#       (result.json, seed003.md, bench.log, provenance.json, logs.tar.gz with the pool's and
-#       the replicas' logs), until the bench ends or SECONDS (default 540) pass. Exit status:
+#       (result.json, seed003.md, rows.jsonl (each TTFT row as measured), bench.log, provenance.json,
+#       logs.tar.gz with the pool's and the replicas' logs and the connectors' history), until the bench ends or SECONDS (default 540) pass. Exit status:
 #       the bench's when it ended, 3 while it still runs, 1 for an unverified tree.
 #
 # Before `start`: the vLLM bundle installed (scripts/gpu/carry.sh install; SITE, default
@@ -24,11 +24,11 @@ shift
 collect() {  # RUN OUT
   local run=$1 out=$2
   mkdir -p "$out"
-  cp -f "$run/report/result.json" "$run/report/seed003.md" "$out/" 2>/dev/null
+  cp -f "$run/report/result.json" "$run/report/seed003.md" "$run/report/rows.jsonl" "$out/" 2>/dev/null
   cp -f "$run/bench.log" "$run/provenance.json" "$out/" 2>/dev/null
   [ -f "$run/rc" ] && cp -f "$run/rc" "$out/rc"
   if [ -d "$run/report/run" ]; then
-    tar -czf "$out/logs.tar.gz.tmp" -C "$run/report/run" --exclude=history --exclude=model . 2>/dev/null \
+    tar -czf "$out/logs.tar.gz.tmp" -C "$run/report/run" --exclude=model . 2>/dev/null \
       && mv -f "$out/logs.tar.gz.tmp" "$out/logs.tar.gz"
   fi
 }

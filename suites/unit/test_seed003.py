@@ -58,6 +58,24 @@ def test_a_clean_run_passes_and_every_broken_oracle_fails_it():
     assert failures({"parts": {}}, plan) == ["no part ran"]
 
 
+def test_a_publish_whose_records_cover_the_prompt_but_did_not_land_fails_the_run():
+    """A publish record covers the blocks it offered, landed or not: the 256k run on the H200
+    waited on such records while B then found only part of the prompt in the pool."""
+    from kvgate.harness.scenarios.gpu_live import publish_outcome
+
+    recs = [{"blocks": 512, "first_block": 0, "committed": 512},
+            {"blocks": 512, "first_block": 512, "committed": 500, "exists": 12},
+            {"blocks": 512, "first_block": 1024, "committed": 100, "no_capacity": 412,
+             "error": "reserve: NoCapacity: pool full"}]
+    out = publish_outcome(recs)
+    assert (out["offered"], out["landed"], out["no_capacity"]) == (1536, 1124, 412)
+    assert out["errors"] == ["blocks 1024+512: reserve: NoCapacity: pool full"]
+    part = _ttft()
+    part["oracles"]["publishes_short"] = [{"block": "1:on", "rep": 0, **out}]
+    msgs = failures({"parts": {"ttft:256000": part}}, Plan())
+    assert any("landed 1124 of 1536 blocks (no capacity 412" in m for m in msgs), msgs
+
+
 def test_the_table_sets_kvgate_beside_the_seed_with_ratio_and_floor():
     result = {"parts": {"ttft:128000": _ttft(), "sessions:131072": _sessions()}, "env": {}, "arch": {}}
     rows = {r["row"]: r for r in side_by_side(result)}
