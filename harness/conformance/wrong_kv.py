@@ -8,9 +8,11 @@ bytes are no computation of that block by a replica serving the same weights.
           * checked     a replica of its own identity computed the block (same token-chain
                         hash: the same tokens and adapter), and wrong if its bytes equal
                         none of those computations,
-          * foreign     no replica of its identity computed it, and its bytes are one that a
-                        replica of another identity computed (other weights: KV of another
-                        model revision, or of weights replaced in place): wrong,
+          * foreign     no replica of its identity computed it, and its bytes are those of
+                        another computation: of this block by a replica with other weights
+                        (another model revision, weights replaced in place), or of another
+                        block (other tokens, or the same tokens under another adapter):
+                        wrong,
           * unverified  nobody computed it in the run: not counted either way.
         `identity(replica, t)` names the weights a replica served at time t.
   of_run(ctx, t0, t1) -> dict
@@ -34,12 +36,14 @@ from kvgate.harness.checkers.history import read_history, within
 
 def count(recs: list[dict[str, Any]], identity: Callable[[str, float], str]) -> dict[str, Any]:
     produced: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+    computed_as: dict[str, set[tuple[str, str]]] = defaultdict(set)  # digest -> {(block, weights)}
     told_failed: dict[tuple[str, object, object], set[int]] = defaultdict(set)
     for r in recs:
         if r["ev"] == "audit" and r["kind"] == "produced":
             who = identity(r["replica"], r["t"])
             for h, d in zip(r["hashes"], r["digests"], strict=True):
                 produced[h][who].add(d)
+                computed_as[d].add((h, who))
         elif r["ev"] == "audit_load_errors":
             told_failed[(r["replica"], r.get("pid"), r.get("step"))].update(r["block_ids"])
     out = {"wrong": 0, "differ": 0, "foreign": 0, "checked": 0, "unverified": 0, "exempt": 0}
@@ -58,19 +62,19 @@ def count(recs: list[dict[str, Any]], identity: Callable[[str, float], str]) -> 
             if bid in failed:
                 out["exempt"] += 1
                 continue
-            by = produced.get(h, {})
-            own = by.get(who)
+            own = produced.get(h, {}).get(who)
             if own:
                 out["checked"] += 1
                 if d not in own:
                     out["differ"] += 1
                     first.append({"replica": r["replica"], "tag": r.get("tag"), "block_id": bid, "hash": h,
                                   "why": "differs from every computation of the block with its weights"})
-            elif any(d in ds for ds in by.values()):
+            elif computed_as.get(d, set()) - {(h, who)}:
                 out["checked"] += 1
                 out["foreign"] += 1
                 first.append({"replica": r["replica"], "tag": r.get("tag"), "block_id": bid, "hash": h,
-                              "why": "the bytes of a replica with other weights, none computed with its own"})
+                              "why": "the bytes of another computation (other weights, or another block), "
+                                     "none of this block with its own weights"})
             else:
                 out["unverified"] += 1
     out["wrong"] = out["differ"] + out["foreign"]

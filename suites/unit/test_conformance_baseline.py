@@ -252,6 +252,9 @@ def test_wrong_kv_counts_the_kv_of_other_weights_and_exempts_blocks_reported_fai
             failed]
     out = count(recs, _same)
     assert (out["wrong"], out["exempt"], out["checked"]) == (0, 1, 1), out
+    # the bytes of another block (the same tokens under another adapter: another token-chain hash)
+    out = count([_rec("produced", "E", ["h_w1"], ["d_w1"]), _rec("installed", "F", ["h_w2"], ["d_w1"], t=2)], _same)
+    assert (out["wrong"], out["foreign"]) == (1, 1), out
     # nobody computed it: unverified, never counted right or wrong
     out = count([_rec("installed", "B", ["h9"], ["d9"])], _same)
     assert (out["wrong"], out["unverified"], out["checked"]) == (0, 1, 0), out
