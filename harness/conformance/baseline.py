@@ -169,7 +169,9 @@ def load(path: Path | str = DEFAULT) -> Baseline:
         text = p.read_text()
     except OSError as exc:
         raise BaselineError(f"{p}: cannot read the baseline: {exc}") from exc
-    return parse(text, str(p), SCENARIOS)
+    repo = Path(__file__).resolve().parents[2]
+    shown = p.resolve().relative_to(repo) if p.resolve().is_relative_to(repo) else p  # as the repository names it
+    return parse(text, str(shown), SCENARIOS)
 
 
 def _outcome(row: dict[str, Any], name: str, cell: dict[str, Any], baseline: Baseline) -> dict[str, Any]:
