@@ -149,6 +149,14 @@ def test_a_malformed_baseline_is_refused_with_why(edit, message):
         B.parse(edit(TOML), "t", SCENARIOS)
 
 
+def test_the_committed_baseline_loads_and_every_entry_has_its_report():
+    base = B.load()
+    assert base.entries, "the committed baseline lists no red cell"
+    for e in base.entries:
+        assert (REPO / e.report).is_file(), (e.id, e.report)
+        assert e.connector in ("example", "lmcache-mp", "offloading"), e.id  # peers only: kvpool has none
+
+
 def test_a_cells_signature_names_what_failed_without_its_numbers():
     c = Checks()
     c.check("B installed at least 1 blocks", False, 0)
