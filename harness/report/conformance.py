@@ -80,7 +80,7 @@ def _header(doc: dict[str, Any]) -> tuple[str, list[str]]:
                      f"{'clean' if sp.get('clean') else 'uncommitted changes'}, seed {src.get('seed')}.")
     if prov.get("judged_on"):
         jp = prov["judged_on"]
-        lines.append(f"Read from the runs below and judged on commit {jp.get('short')} "
+        lines.append(f"Rows read from those runs and judged on commit {jp.get('short')} "
                      f"({'clean tree' if jp.get('clean') else 'uncommitted changes'}).")
     if j is not None:
         lines.append(f"Known-red baseline `{j['baseline']['path']}` (sha256 {j['baseline']['sha256'][:12]}, "
