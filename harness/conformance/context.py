@@ -36,10 +36,32 @@ class Ctx:
     # behind (held stores, blocks freed early, dropped reports) nothing promises, so the
     # runner restarts them before the next cell
     armed: set = dataclasses.field(default_factory=set)
+    # weights a replica loaded in place during the run (replica -> [(wall clock, what)]): the
+    # wrong-KV count (kvgate.harness.conformance.wrong_kv) compares a block only with blocks
+    # computed with the same weights
+    reloaded: dict = dataclasses.field(default_factory=dict)
+    wrong_kv: dict | None = None  # the last run's wrong-KV count (the runner sets it)
 
     @property
     def h(self):  # noqa: ANN201
         return self.cluster.history_dir
+
+    def reidentify(self, replica: str, weights: str | None) -> None:
+        """The replica serves other weights from now on (loaded in place); None: its own again."""
+        import time
+
+        self.reloaded.setdefault(replica, []).append((time.time(), weights))
+
+    def identity(self, replica: str, t: float) -> str:
+        """The weights the replica served at wall-clock time t: its model folder, or what it
+        loaded in place since (reidentify)."""
+        spec = self.cluster.replicas[replica].spec if replica in self.cluster.replicas else None
+        own = str((spec.model_dir if spec is not None else None) or self.cluster.model_dir)
+        now = own
+        for when, weights in self.reloaded.get(replica, ()):
+            if when <= t:
+                now = own if weights is None else f"{own} with {weights} loaded in place"
+        return now
 
     def url(self, replica: str) -> str:
         return self.cluster.replicas[replica].url

