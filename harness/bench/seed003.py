@@ -289,7 +289,7 @@ def ttft_blocks(cluster: Cluster, corpus: Corpus, n: int, reps: int, seed: int, 
                 published = publish_outcome(wait_published(hist, "A", f"{tag}-pub", n // block, timeout_s=300))
                 row.update(producer_ttft_ms=round(pub.ttft_s * 1e3, 1), producer_tokens=pub.token_ids,
                            producer_error=pub.error, publish_landed_after_response_s=round(time.monotonic() - t_pub, 3),
-                           publish=published, publish_landed=published["landed"] >= n // block)
+                           publish=published)
                 prime(B, "B")
                 sent = time.time()  # the history's clock
                 hit = complete(B, prompt, tag=tag, replica="B", max_tokens=ORACLE_TOKENS, publish=False,
@@ -340,7 +340,7 @@ def ttft_blocks(cluster: Cluster, corpus: Corpus, n: int, reps: int, seed: int, 
             "hits": len(on_),
             "hits_bytes_ok": sum(1 for r in rows if r.get("bytes_ok")),
             "publishes_short": [{"block": r["block"], "rep": r["rep"], **r["publish"]} for r in rows
-                                if "publish" in r and not r["publish_landed"]],
+                                if "publish" in r and r["publish"]["landed"] < n // block],
             "hits_output_equal_local_hit": sum(1 for r in rows if r.get("output_equal_local_hit")),
             "producer_cold_tokens_equal_B_cold": sum(across), "compared_cold": len(across),
             "errors": [r["error"] for r in rows if r.get("error")] + [r["producer_error"] for r in rows
@@ -609,6 +609,7 @@ def run(report_dir: Path, plan: Plan = Plan(), command: str = "") -> int:
     t_end = t0 + plan.deadline_s
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
+    (report_dir / "rows.jsonl").unlink(missing_ok=True)  # this run's rows only, as result.json
     arch, positions_note = with_positions(ARCHS[plan.arch], plan)
     probed = probe()
     env, h2d = probed["env"], probed["h2d"]

@@ -9,9 +9,10 @@
 #       detached; its output in RUN/bench.log, its exit status in RUN/rc when it ends.
 #   scripts/gpu/seed003.sh wait RUN OUT [SECONDS]
 #       every 15 s, and once more at the end, copies into OUT what the bench has written
-#       (result.json, seed003.md, rows.jsonl (each TTFT row as measured), bench.log, provenance.json,
-#       logs.tar.gz with the pool's and the replicas' logs and the connectors' history), until the bench ends or SECONDS (default 540) pass. Exit status:
-#       the bench's when it ended, 3 while it still runs, 1 for an unverified tree.
+#       (result.json, seed003.md, rows.jsonl with each TTFT row as measured, bench.log,
+#       provenance.json, logs.tar.gz with the pool's and the replicas' logs and the connectors'
+#       history), until the bench ends or SECONDS (default 540) pass. Exit status: the bench's
+#       when it ended, 3 while it still runs, 1 for an unverified tree.
 #
 # Before `start`: the vLLM bundle installed (scripts/gpu/carry.sh install; SITE, default
 # /tmp/site) and the tree stamped (python -m kvgate.harness.provenance --stamp) before it was carried.
