@@ -50,6 +50,7 @@ from kvgate.harness.system.cluster import Cluster
 from kvgate.harness.workload.prompts import Corpus, common_prefix_tails
 from kvgate.harness.scenarios.nemesis import wait_for, arm, arm_copier, pool_catalog
 from kvgate.harness.workload.sessions import off_on_on_off
+from kvpool.connector.settings import ConnectorSettings
 
 
 BLOCK = 128  # the tiny model's KV block, in tokens
@@ -444,6 +445,14 @@ def load_poison(cluster: Cluster, corpus: Corpus, seed: int, block: int = 5, con
                      f"all {len(compared)} pooled blocks equal a clean computation of the same partition")
 
 
+def _probe_fresh_s(cluster: Cluster, names: tuple[str, ...]) -> float:
+    """The longest heartbeat age at which these replicas' connectors still trust the
+    segment's index (kvpool.connector.settings.probe_fresh_s, or the replica's override)."""
+    return max(float(dict(cluster.replicas[n].spec.connector_extra).get("probe_fresh_s",
+                                                                        ConnectorSettings.probe_fresh_s))
+               for n in names)
+
+
 def pool_restart(cluster: Cluster, corpus: Corpus, seed: int, control: str | None = None) -> Verdict:
     """The pool daemon is killed (SIGKILL) under two live replicas, then restarted:
     while it is down every lookup is a transport_error and requests are computed
@@ -464,6 +473,12 @@ def pool_restart(cluster: Cluster, corpus: Corpus, seed: int, control: str | Non
     cluster.nemesis("pool_kill")
     cluster.pool.kill()
     try:
+        # The segment's index outlives the daemon, and a replica trusts it while its heartbeat
+        # is at most probe_fresh_s old: a request sent sooner may find A's blocks by the probe
+        # and meet the dead daemon only at its load (a transport_error there, recomputed). The
+        # scenario judges the lookup's own path, so it waits until every replica's probe must
+        # see the heartbeat stale (the daemon is dead: its last beat is behind us).
+        time.sleep(_probe_fresh_s(cluster, ("B",)) + 0.05)
         b1 = complete(B, p1, tag=f"{tag}-b1", replica="B")
         down = _one(h, "lookup", tag=f"{tag}-b1")
     finally:  # the heal step runs whatever happened

@@ -288,10 +288,12 @@ class PoolDaemon(RequestHandlers, LookupWaits, Scrubber, SegmentHandout):
         def target() -> None:
             try:
                 uvloop.run(self.serve())
-            except BaseException as exc:  # re-raised in the starting thread below
+            except BaseException as exc:
+                starting = not self.ready.is_set()  # then the starting thread re-raises it below
                 error.append(exc)
                 self.ready.set()
-                raise
+                if not starting:  # it stopped serving later: its thread's own error
+                    raise
 
         self._thread = threading.Thread(target=target, name=f"kvpool-{self.config.name}", daemon=True)
         self._thread.start()
