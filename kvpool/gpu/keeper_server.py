@@ -247,26 +247,24 @@ class KeeperServer:
                 await writer.drain()
                 return
             self.sessions[session.client] = session
-            hello_by = time.monotonic() + self.hello_timeout_s
+            hello_by = asyncio.get_running_loop().time() + self.hello_timeout_s
             while True:
                 try:
-                    if session.tenant is None:
-                        async with asyncio.timeout_at(asyncio.get_running_loop().time()
-                                                      + max(0.0, hello_by - time.monotonic())):
-                            header = await reader.readexactly(P.LENGTH.size)
-                    else:
+                    # before the hello, the whole frame (header and body) within the hello's deadline
+                    async with asyncio.timeout_at(hello_by if session.tenant is None else None):
                         header = await reader.readexactly(P.LENGTH.size)
+                        (n,) = P.LENGTH.unpack(header)
+                        limit = self._frame_limit(session)
+                        if n > limit:
+                            writer.write(self._error(0, OversizedFrame(f"a frame of {n} bytes, at most {limit} "
+                                                                       f"here")))
+                            await writer.drain()
+                            return  # the stream cannot be resynchronised
+                        payload = await reader.readexactly(n)
                 except TimeoutError:
                     writer.write(self._error(0, Unauthenticated(f"no hello within {self.hello_timeout_s}s")))
                     await writer.drain()
                     return
-                (n,) = P.LENGTH.unpack(header)
-                limit = self._frame_limit(session)
-                if n > limit:
-                    writer.write(self._error(0, OversizedFrame(f"a frame of {n} bytes, at most {limit} here")))
-                    await writer.drain()
-                    return
-                payload = await reader.readexactly(n)
                 writer.write(self._dispatch(session, payload))
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
