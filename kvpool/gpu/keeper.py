@@ -14,9 +14,9 @@ every replica.
       .start()                   bind run_dir/gpu-attach.sock (mode 0600; the run dir checked as
                                  the pool's: kvpool.pool.private_dir) and serve it on a thread.
       .mint_ticket(tenant)       a single-use ticket for one handout of that tenant's buffer,
-                                 valid `ticket_ttl_s` by `clock` (the control connection that
-                                 authenticated the replica's tenant token gives it out, as the
-                                 pool's hello does).
+                                 valid `ticket_ttl_s` by `clock` (the control plane's hello,
+                                 kvpool.gpu.keeper_server, gives it out once the replica's tenant
+                                 token checked, as the pool's hello does).
       .tier                      the GpuTier (its catalogs use the private states' generations).
       .peer_of(pid)              the tenant a process attached to, by SO_PEERCRED pid.
       .beat()                    the heartbeat into every private state.

@@ -12,6 +12,8 @@ part must catch the control:
   quarantine of a dead producer            byte-exact pages after reuse      EagerFreeKeeper
   heartbeat staleness                      KeeperStale, transport_error,     HeartbeatBlindTierClient
                                            falls through to the host pool
+  demotion by the maintenance round        the host pool holds the LRU       a server without a host pool
+                                           blocks byte-exact; fall-through   (demotes nothing)
 
 What is not checked here: device memory and CUDA ordering (suites/gpu/test_gpu_tier.py), the
 connector's use of the tier (not built yet).
@@ -425,3 +427,61 @@ def test_the_hello_binds_the_peers_process(tmp_path):
         with pytest.raises(PoolError) as bad:
             TierClient(path, "default", "wrong").connect()
         assert type(bad.value).__name__ == "Unauthenticated"
+
+
+# -- maintenance: demotion under pressure -----------------------------------------------------
+
+def test_the_maintenance_round_demotes_to_the_host_pool_and_a_lookup_falls_through(tmp_path, test_seed):
+    """In this process (the keeper's maintenance is a thread; the host pool a PoolDaemon on a
+    thread): a replica fills the tier over the wire, one maintenance round demotes the least
+    recently used pages, and the replica's lookup then falls through to the host pool for them.
+    Control: a server without a host pool for the tenant demotes nothing (the oracle, the host
+    pool holding the demoted blocks byte-exact, catches it)."""
+    from kvgate.harness.scenarios.gpu_tier import ManualClock
+    from kvpool.gpu.keeper import GpuKeeper, memfd_allocation
+    from kvpool.gpu.keeper_server import KeeperServer
+    from kvpool.gpu.tier import GpuTierConfig
+
+    keys = W.KEYS(8)
+
+    def held(host: PoolClient) -> list[int]:
+        out = []
+        for i, h in enumerate(keys):
+            if host.lookup(W.NS, [h]).miss is None:
+                lease = host.acquire(W.NS, [h])
+                data = bytes(host.read_page(lease, 0))
+                host.release(lease.lease_id)
+                if data == W.page_bytes(test_seed, i, PAGE).tobytes():
+                    out.append(i)
+        return out
+
+    def demoted(name: str, demote: bool) -> list[int]:
+        """Which of the 8 published blocks the host pool holds byte-exact after one round."""
+        host_pool = thread_pool(page_size=PAGE, num_pages=16)
+        host = PoolClient(f"unix:{host_pool.unix_path}", "default", "tok", name="keeper")
+        k = GpuKeeper(GpuTierConfig(page_size=PAGE, pages={"default": 8}, low_free=0.25, high_free=0.5),
+                      run_dir(tmp_path, name), memfd_allocation, clock=ManualClock())
+        try:
+            with k, KeeperServer(k, TOKENS, hosts={"default": host} if demote else {}, maintenance_s=3600.0) as s:
+                with TierClient(s.path, "default", "tok") as c:
+                    for i, h in enumerate(keys):
+                        data = W.page_bytes(test_seed, i, PAGE)
+                        res = c.reserve(W.NS, [h], [PAGE])
+                        c.tier.page_view(res.slots[0].page)[:] = data.tobytes()
+                        c.commit(res.reservation_id, [page_digest(data, DigestKind.SKETCH)])
+                    s.maintain()
+                    out = held(host)
+
+                    def host_run(hs):  # noqa: ANN001, ANN202
+                        found = host.lookup(W.NS, hs)
+                        return len(found.hits), None if found.miss is None else found.miss.cause
+                    segs = fall_through(keys, [("gpu", c.run(W.NS)), ("host", host_run)])
+                    assert segs.miss is None
+                    assert segs.segments == ((("host", 0, len(out)),) if out else ()) + (("gpu", len(out), 8),)
+                    return out
+        finally:
+            host.close()
+            host_pool.stop_thread()
+
+    assert demoted("k", True) == [0, 1, 2, 3]  # the least recently used half
+    assert demoted("control", False) == [], "the oracle missed a round that demoted nothing"
