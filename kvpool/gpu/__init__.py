@@ -5,6 +5,11 @@ those below it:
   transfer  TransferEngine: setup, the segment it follows, CUDA graphs, the hooks the
             negative controls replace, completion (poll, drain, close); the engine's
             contract is its docstring.
+  keeper_server  the keeper's control plane: one GpuKeeper served on a Unix socket in the
+            pool's wire protocol (hello, lookup, acquire, release, reserve, commit, abort), its
+            maintenance thread (reaps, demotion) (KeeperServer).
+  tier_client  a replica's client of it: the session, the mapping it hands out, the
+            keeper's staleness from its heartbeat (TierClient, KeeperStale).
   store     Stores (TransferEngine's stores: units, chunks, sketches, commits),
             StoreHandle, StoreOutcome.
   load      Loads (TransferEngine's loads: staged copies, the check of what arrived, the

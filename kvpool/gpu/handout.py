@@ -315,9 +315,13 @@ class PrivateView:
     def generation(self, page: int) -> int:
         return int(self.generations[page])
 
-    def heartbeat_age_s(self) -> float:
+    def heartbeat_ns(self) -> int:
+        """The keeper's last heartbeat, CLOCK_MONOTONIC nanoseconds (one clock for the host)."""
         (ns,) = struct.unpack_from("<Q", self._map, HEARTBEAT_OFF)
-        return (time.monotonic_ns() - ns) / 1e9
+        return ns
+
+    def heartbeat_age_s(self) -> float:
+        return (time.monotonic_ns() - self.heartbeat_ns()) / 1e9
 
     def close(self) -> None:
         self.generations = None

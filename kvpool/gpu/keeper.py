@@ -14,20 +14,24 @@ every replica.
       .start()                   bind run_dir/gpu-attach.sock (mode 0600; the run dir checked as
                                  the pool's: kvpool.pool.private_dir) and serve it on a thread.
       .mint_ticket(tenant)       a single-use ticket for one handout of that tenant's buffer,
-                                 valid `ticket_ttl_s` by `clock` (the control connection that
-                                 authenticated the replica's tenant token gives it out, as the
-                                 pool's hello does).
+                                 valid `ticket_ttl_s` by `clock` (the control plane's hello,
+                                 kvpool.gpu.keeper_server, gives it out once the replica's tenant
+                                 token checked, as the pool's hello does).
       .tier                      the GpuTier (its catalogs use the private states' generations).
       .peer_of(pid)              the tenant a process attached to, by SO_PEERCRED pid.
       .beat()                    the heartbeat into every private state.
-      .register_client(client, pid)   a replica's tier client id and its process, by a pidfd
-                                 opened while it is connected (SO_PEERCRED's pid at its hello:
-                                 no pid reuse can make the keeper watch another process).
+      .register_client(client, pid, pidfd=None)
+                                 a replica's tier client id and its process, by a pidfd: the
+                                 socket's own (SO_PEERPIDFD, taken over) or one opened while it is
+                                 connected (SO_PEERCRED's pid at its hello): no pid reuse can make
+                                 the keeper watch another process.
       .client_gone(client)       its connection ended: GpuTier.disconnect; True if its
                                  reservations are quarantined until its process exits.
       .reap_exited()             the quarantined clients whose process has exited since (the
                                  pidfd readable): GpuTier.exited for each; returns them.
-                                 The tier's calls (these three included) come from one thread.
+      .tier_lock                 every call into .tier holds it (these three and .demote take it
+                                 themselves): the control plane's handlers and its maintenance
+                                 thread (kvpool.gpu.keeper_server) never interleave on a catalog.
       .outcomes                  handouts by outcome (ok, refused, malformed, timeout, ...).
       .served(n)                 the outcomes once at least n handouts have ended (their
                                  connections closed), waiting for them.
@@ -41,6 +45,8 @@ every replica.
                                  device-to-host copy from the keeper's own mapping, or a
                                  memcpy from a host stand-in), and leave the GPU
                                  tier once the host pool committed them. Returns the outcomes.
+                                 The tier lock is held for the bookkeeping only, not across the
+                                 copy and the host pool's calls (the pages are pinned meanwhile).
       .stop()                    the serving thread ended (waited for: every step of its loop is
                                  bounded by the handout timeout), the socket closed and removed,
                                  the owner's handles dropped: the memory lives on in the replicas
@@ -166,6 +172,7 @@ class GpuKeeper:
         self.buffers: dict[str, Allocation] = {}
         self.private: dict[str, PrivateState] = {}
         self._pidfds: dict[int, int] = {}  # tier client id -> pidfd of its process (-1: gone already)
+        self.tier_lock = threading.RLock()  # held by every call into self.tier
         try:
             for tenant, pages in config.pages.items():
                 label = f"kvgate:{name}:{tenant}"
@@ -219,36 +226,41 @@ class GpuKeeper:
             p.beat()
 
     # -- a replica's process --------------------------------------------------------------
-    def register_client(self, client: int, pid: int) -> None:
-        """Watch `pid` as `client`'s process (call while it is connected). A process already
-        gone is recorded as exited."""
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            fd = -1
-        old = self._pidfds.pop(client, None)
-        if old is not None and old >= 0:
-            os.close(old)
-        self._pidfds[client] = fd
+    def register_client(self, client: int, pid: int, pidfd: int | None = None) -> None:
+        """Watch `client`'s process: `pidfd` (taken over: the socket's SO_PEERPIDFD) or, without
+        one, a pidfd of `pid` opened now (call while it is connected). A process already gone
+        is recorded as exited."""
+        if pidfd is None:
+            try:
+                pidfd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                pidfd = -1
+        with self.tier_lock:
+            old = self._pidfds.pop(client, None)
+            if old is not None and old >= 0:
+                os.close(old)
+            self._pidfds[client] = pidfd
 
     def client_gone(self, client: int) -> bool:
-        self.tier.disconnect(client)
-        if client in self.tier.quarantined():
-            return True
-        self._forget(client)
-        return False
+        with self.tier_lock:
+            self.tier.disconnect(client)
+            if client in self.tier.quarantined():
+                return True
+            self._forget(client)
+            return False
 
     def reap_exited(self) -> list[int]:
         ended = []
-        for client in sorted(self.tier.quarantined()):
-            fd = self._pidfds.get(client)
-            if fd is None:
-                continue  # never registered: held until its reservations' TTL (GpuTier.reap)
-            if fd >= 0 and not select.select([fd], [], [], 0)[0]:
-                continue  # still running: its copies may still write
-            self.tier.exited(client)
-            self._forget(client)
-            ended.append(client)
+        with self.tier_lock:
+            for client in sorted(self.tier.quarantined()):
+                fd = self._pidfds.get(client)
+                if fd is None:
+                    continue  # never registered: held until its reservations' TTL (GpuTier.reap)
+                if fd >= 0 and not select.select([fd], [], [], 0)[0]:
+                    continue  # still running: its copies may still write
+                self.tier.exited(client)
+                self._forget(client)
+                ended.append(client)
         return ended
 
     def _forget(self, client: int) -> None:
@@ -269,15 +281,17 @@ class GpuKeeper:
             def read_page(page: int, dst: np.ndarray) -> None:
                 buf.read(self.tier.page_offset(page), dst)
         out = {"demoted": 0, "kept": 0, "failed": 0}
-        due = self.tier.demotion_due(tenant)
-        if not due:
-            return out
         by_ns: dict[Namespace, list[Demotion]] = {}
-        for d in self.tier.begin_demotion(tenant, due, now):
-            by_ns.setdefault(d.page.ns, []).append(d)
+        with self.tier_lock:
+            due = self.tier.demotion_due(tenant)
+            if not due:
+                return out
+            for d in self.tier.begin_demotion(tenant, due, now):
+                by_ns.setdefault(d.page.ns, []).append(d)
         for ns, batch in by_ns.items():
             for d, committed in zip(batch, self._publish_to_host(ns, batch, host, read_page)):
-                outcome = self.tier.finish_demotion(d, committed)
+                with self.tier_lock:
+                    outcome = self.tier.finish_demotion(d, committed)
                 key = "failed" if outcome is None else ("demoted" if outcome == EvictOutcome.EVICTED else "kept")
                 out[key] += 1
         return out
@@ -392,8 +406,9 @@ class GpuKeeper:
         self._release()
 
     def _release(self) -> None:
-        for client in list(self._pidfds):
-            self._forget(client)
+        with self.tier_lock:
+            for client in list(self._pidfds):
+                self._forget(client)
         for buf in self.buffers.values():
             buf.release()
         for p in self.private.values():

@@ -176,6 +176,15 @@ class GpuTier:
         self._reservations.get(client, {}).get(tenant, set()).discard(reservation_id)
         return self._catalog(tenant).abort(reservation_id)
 
+    def holds_lease(self, client: int, tenant: str, lease_id: int) -> bool:
+        """`lease_id` was granted to `client` and not released since (its TTL may have run out:
+        the catalog says so at release)."""
+        return lease_id in self._leases.get(client, {}).get(tenant, ())
+
+    def holds_reservation(self, client: int, tenant: str, reservation_id: int) -> bool:
+        """`reservation_id` was granted to `client` and is neither committed, aborted nor reaped."""
+        return reservation_id in self._reservations.get(client, {}).get(tenant, ())
+
     def reap(self, now: float) -> tuple[int, int]:
         res = leases = 0
         for cat in self.catalogs.values():

@@ -16,6 +16,8 @@ attach socket (kvpool.gpu.handout), map it, read the keeper's private state.
   .generation(i)       page i's generation, as the keeper last wrote it.
   .keeper_age_s()      how old the keeper's heartbeat is (a dead keeper stops beating: the
                        mapping stays valid, but nothing new is committed or freed).
+  .keeper_heartbeat_ns()  the heartbeat itself (CLOCK_MONOTONIC ns), for a caller that judges
+                       its age on a clock of its own (kvpool.gpu.tier_client).
   .close()             unmapped; the memory stays with the keeper and the other replicas.
 """
 
@@ -91,6 +93,9 @@ class TierMap:
 
     def keeper_age_s(self) -> float:
         return self.private.heartbeat_age_s()
+
+    def keeper_heartbeat_ns(self) -> int:
+        return self.private.heartbeat_ns()
 
     def close(self) -> None:
         if self.closed:

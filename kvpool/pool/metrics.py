@@ -6,7 +6,8 @@
                   each tenant's pages by state and its evictions.
   ClientMetrics   a client (one per replica): loads by result, misses by cause including
                   the causes only a loader sees (corrupt, transport_error, timeout), load
-                  latency, bytes loaded and published.
+                  latency, bytes loaded and published; calls to a GPU keeper refused as
+                  stale (keeper_stale: kvpool.gpu.tier_client).
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ class ClientMetrics:
         self.bytes_published = Counter("kvpool_client_bytes_published", "Bytes published", registry=r)
         self.load_seconds = Histogram("kvpool_client_load_seconds", "Acquire to verified copy",
                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.keeper_stale = Counter("kvpool_client_keeper_stale",
+                                    "GPU tier calls refused: the keeper's heartbeat was stale or the keeper gone "
+                                    "(each a transport_error miss that falls through to the host pool)",
+                                    registry=r)
 
     def exposition(self) -> str:
         return generate_latest(self.registry).decode()

@@ -1,0 +1,74 @@
+"""Negative controls of the GPU keeper's control plane (kvpool.gpu.keeper_server,
+kvpool.gpu.tier_client): each is the production part with one guard dropped. Never served to a
+replica; suites/pool/test_gpu_keeper_wire.py runs each and asserts that the oracle it validates
+catches it.
+
+  PeerBlindKeeperServer    no peer check: any session may release another's lease and commit or
+                           abort another's reservation (the pool daemon's `_own_lease` /
+                           `_own_reservation`, dropped).
+  FragileKeeperServer      a frame that does not decode is not answered: the decode error ends
+                           the connection, so the peer sees a hang-up where a typed MALFORMED
+                           error was due.
+  UnboundedKeeperServer    no frame bound: a length prefix is believed whatever it says, so a
+                           4 GiB prefix makes the connection wait for bytes that never come
+                           instead of an OVERSIZED error.
+  EagerFreeKeeper          no quarantine: a producer's reservations are freed the moment its
+                           connection ends, while its process (and a copy of it still landing)
+                           may live on; the freed page is reused under the late write.
+  HeartbeatBlindTierClient the client that never reads the keeper's heartbeat: a stopped keeper's
+                           call waits for the socket's timeout and fails as PoolTimeout (a
+                           `timeout` miss, backed off), not as KeeperStale at once.
+  KEEPERS, SERVERS, CLIENTS  name -> class, for the worker processes that pick one by name.
+"""
+
+from __future__ import annotations
+
+from kvpool.errors import MalformedFrame
+from kvpool.gpu.keeper import GpuKeeper
+from kvpool.gpu.keeper_server import KeeperServer, KeeperSession
+from kvpool.gpu.tier_client import TierClient
+from kvpool.pool import protocol as P
+
+
+class PeerBlindKeeperServer(KeeperServer):
+    def _own_lease(self, session: KeeperSession, lease_id: int) -> None:
+        return None
+
+    def _own_reservation(self, session: KeeperSession, reservation_id: int) -> None:
+        return None
+
+
+class FragileKeeperServer(KeeperServer):
+    def _dispatch(self, session: KeeperSession, payload: bytes) -> bytes:
+        try:
+            P.decode_request(payload)
+        except MalformedFrame as exc:
+            raise ConnectionError(f"a frame that does not decode ends the connection: {exc}") from exc
+        return super()._dispatch(session, payload)
+
+
+class UnboundedKeeperServer(KeeperServer):
+    def _frame_limit(self, session: KeeperSession) -> int:
+        return 2**32
+
+
+class EagerFreeKeeper(GpuKeeper):
+    def client_gone(self, client: int) -> bool:
+        with self.tier_lock:
+            self.tier.disconnect(client)
+            self.tier.exited(client)  # as if its process were gone already
+            self._forget(client)
+        return False
+
+
+class HeartbeatBlindTierClient(TierClient):
+    def keeper_stale(self) -> bool:
+        return False
+
+
+KEEPERS: dict[str, type[GpuKeeper]] = {"GpuKeeper": GpuKeeper, "EagerFreeKeeper": EagerFreeKeeper}
+SERVERS: dict[str, type[KeeperServer]] = {
+    "KeeperServer": KeeperServer, "PeerBlindKeeperServer": PeerBlindKeeperServer,
+    "FragileKeeperServer": FragileKeeperServer, "UnboundedKeeperServer": UnboundedKeeperServer,
+}
+CLIENTS: dict[str, type[TierClient]] = {"TierClient": TierClient, "HeartbeatBlindTierClient": HeartbeatBlindTierClient}
