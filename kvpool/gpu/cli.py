@@ -398,16 +398,19 @@ class KeeperProcess:
     def run(self) -> int:
         """Start, serve until SIGTERM / SIGINT (or request_stop), stop. The signal handlers are
         installed before the start, so a signal during it stops the keeper once it is up."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self._stop.set())
-        self.start()
-        cfg = self.config
-        print(f"{COMMAND}: serving GPU {cfg.gpu} ({cfg.backing}), instance {self.keeper.instance.hex()}: "
-              f"{cfg.tier.pages} pages of {cfg.tier.page_size} bytes, control {self.server.path}, run dir "
-              f"{self.run_dir}", file=sys.stderr, flush=True)
-        while not self._stop.wait(0.5):
-            pass
-        ended = self.stop()
+        previous = {sig: signal.signal(sig, lambda *_: self._stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            self.start()
+            cfg = self.config
+            print(f"{COMMAND}: serving GPU {cfg.gpu} ({cfg.backing}), instance {self.keeper.instance.hex()}: "
+                  f"{cfg.tier.pages} pages of {cfg.tier.page_size} bytes, control {self.server.path}, run dir "
+                  f"{self.run_dir}", file=sys.stderr, flush=True)
+            while not self._stop.wait(0.5):
+                pass
+            ended = self.stop()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         print(f"{COMMAND}: stopped: {ended['sessions']} sessions ended, {ended['quarantined_clients']} producers' "
               f"reservations quarantined with the instance (never committed or reused)", file=sys.stderr, flush=True)
         return 0

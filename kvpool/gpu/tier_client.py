@@ -48,6 +48,8 @@ the keeper's state segment.
                            lease and page numbers of one instance name other pages, or another
                            client's lease, in the next.
       .lookup(ns, hashes), .stats(), .run(ns), .instance, .client, .reconnects, .close()
+      .metrics             one ClientMetrics for every session of the link (keeper_stale counts
+                           across reconnects).
   read_keeper_address(run_dir) -> KeeperAddress   the address file, parsed; TransportError if
                            it is missing (no keeper there now) or not a keeper's.
 
@@ -406,7 +408,8 @@ class TierLink:
         self.tenant = tenant
         self._token = token
         self._client_cls = client_cls
-        self._client_kw = client_kw
+        self.metrics = client_kw.pop("metrics", None) or ClientMetrics()  # one for every session of the link
+        self._client_kw = {**client_kw, "metrics": self.metrics}
         self.client: TierClient | None = None
         self.reconnects = 0  # sessions opened after the first
         self._lock = threading.RLock()

@@ -1,4 +1,5 @@
-"""The pool daemon's command: `kvpool serve` (console script) or `python -m kvpool serve`.
+"""The pool daemon's command: `kvpool serve` (console script) or `python -m kvpool serve`
+(kvpool.cli puts it beside `kvpool keeper`; main() here serves alone).
 
   kvpool serve [--name N] [--run-dir D] [--page-size 128KiB] [--capacity 1GiB | --pages N]
                [--tcp HOST:PORT | none] [--no-unix] [--tenant NAME=TOKEN ...] [--token-file F]
@@ -9,6 +10,8 @@
                          the same daemon with other parts, e.g. a known-bad catalog for a
                          negative control, reuses them)
   config_from_args(args) the PoolConfig those options describe
+  tenants_from_args, read_token_file, parse_quotas, parse_size
+                         the tenant, token-file, quota and size flags (kvpool keeper takes them too)
 With no tenant given, one tenant 'default' is created and its token written (mode 0600)
 to the run directory's tokens.json (created or checked first, with every directory above it:
 kvpool.pool.private_dir). A bad size or tenant, or a run directory another user can change, is a
@@ -68,7 +71,8 @@ def tenants_from_args(pairs: list[str], token_file: Path | None, run_dir: Path,
     for pair in pairs:
         name, sep, token = pair.partition("=")
         if not sep or not name or not token:
-            raise SystemExit(f"{command}: --tenant takes NAME=TOKEN, got {pair!r}")
+            print(f"{command}: --tenant takes NAME=TOKEN, got {pair!r}", file=sys.stderr)
+            raise SystemExit(2)
         tenants[name] = token
     if not tenants:
         tenants = {"default": secrets.token_hex(16)}
@@ -171,7 +175,8 @@ def parse_quotas(pairs: list[str], command: str = "kvpool serve") -> dict[str, i
     for pair in pairs:
         name, sep, pages = pair.partition("=")
         if not sep or not name or not pages.isdigit():
-            raise SystemExit(f"{command}: --quota {pair!r} is not TENANT=PAGES")
+            print(f"{command}: --quota {pair!r} is not TENANT=PAGES", file=sys.stderr)
+            raise SystemExit(2)
         quotas[name] = int(pages)
     return quotas
 
