@@ -18,6 +18,13 @@ catches it.
   HeartbeatBlindTierClient the client that never reads the keeper's heartbeat: a stopped keeper's
                            call waits for the socket's timeout and fails as PoolTimeout (a
                            `timeout` miss, backed off), not as KeeperStale at once.
+  InstanceBlindTierLink    the link that skips the instance check: a lease or reservation of a
+                           killed keeper's instance is sent to the restarted one, where its id
+                           names another grant (ids restart at 1), and its page numbers are read
+                           in the new buffer.
+  StaleMappingTierLink     the link that keeps its first mapping across a restart: its sessions
+                           follow the new instance, its page views stay in the old buffer (which
+                           lives on while mapped), so what it publishes never reaches the new one.
   KEEPERS, SERVERS, CLIENTS  name -> class, for the worker processes that pick one by name.
 """
 
@@ -26,7 +33,8 @@ from __future__ import annotations
 from kvpool.errors import MalformedFrame
 from kvpool.gpu.keeper import GpuKeeper
 from kvpool.gpu.keeper_server import KeeperServer, KeeperSession
-from kvpool.gpu.tier_client import TierClient
+from kvpool.gpu.tier_client import TierClient, TierLease, TierLink, TierReservation
+from kvpool.gpu.tier_map import TierMap
 from kvpool.pool import protocol as P
 
 
@@ -64,6 +72,25 @@ class EagerFreeKeeper(GpuKeeper):
 class HeartbeatBlindTierClient(TierClient):
     def keeper_stale(self) -> bool:
         return False
+
+
+class InstanceBlindTierLink(TierLink):
+    def _check(self, grant: TierLease | TierReservation) -> TierClient:
+        return self.client
+
+
+class StaleMappingTierLink(TierLink):
+    _first: TierMap | None = None
+
+    def _adopt(self, old: TierClient | None, new: TierClient) -> None:
+        if old is not None and self._first is None:
+            self._first = old.tier
+            old.tier = None  # kept open: old.close() leaves it mapped
+        super()._adopt(old, new)
+
+    def _mapping(self, grant: TierLease | TierReservation) -> TierMap:
+        self._check(grant)
+        return self._first if self._first is not None else self.client.tier
 
 
 KEEPERS: dict[str, type[GpuKeeper]] = {"GpuKeeper": GpuKeeper, "EagerFreeKeeper": EagerFreeKeeper}

@@ -1,7 +1,7 @@
-"""`python -m kvpool serve ...`: the pool daemon (kvpool.pool.cli)."""
+"""`python -m kvpool serve ...` / `python -m kvpool keeper ...` (kvpool.cli)."""
 
 import sys
 
-from kvpool.pool.cli import main
+from kvpool.cli import main
 
 sys.exit(main())

@@ -2,6 +2,8 @@
 registered arena, the GPU's page digest (sketch), and the GPU tier. Its modules, each importing only
 those below it:
 
+  cli       the keeper's command (`kvpool keeper`): one GPU's keeper and control plane as a
+            process, its run directory, its address file, its stop (KeeperProcess).
   transfer  TransferEngine: setup, the segment it follows, CUDA graphs, the hooks the
             negative controls replace, completion (poll, drain, close); the engine's
             contract is its docstring.
@@ -9,7 +11,8 @@ those below it:
             pool's wire protocol (hello, lookup, acquire, release, reserve, commit, abort), its
             maintenance thread (reaps, demotion) (KeeperServer).
   tier_client  a replica's client of it: the session, the mapping it hands out, the
-            keeper's staleness from its heartbeat (TierClient, KeeperStale).
+            keeper's staleness from its heartbeat (TierClient, KeeperStale); the link that
+            follows a restarted keeper through its address file (TierLink, WrongInstance).
   store     Stores (TransferEngine's stores: units, chunks, sketches, commits),
             StoreHandle, StoreOutcome.
   load      Loads (TransferEngine's loads: staged copies, the check of what arrived, the

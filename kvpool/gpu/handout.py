@@ -26,7 +26,7 @@ production, a memfd in the tests that run without a GPU.
 
 The private state (PrivateState, the keeper's; PrivateView, a replica's): a memfd of a 4 KiB
 header (magic, layout version, page size, pages, the keeper's instance id; at byte 512 the
-keeper's heartbeat, CLOCK_MONOTONIC nanoseconds) and the generation of every page (uint64,
+keeper's heartbeat, CLOCK_MONOTONIC nanoseconds; 0 once the keeper stopped) and the generation of every page (uint64,
 from byte 4096): the catalog's own array (kvpool.gpu.tier), so a replica checks that a page
 still holds what it leased without asking. Sealed as the host pool's private segment is
 (kvpool.pool.arena): its size cannot change, and after the keeper mapped it, nobody can write
@@ -278,6 +278,11 @@ class PrivateState:
 
     def beat(self) -> None:
         struct.pack_into("<Q", self._map, HEARTBEAT_OFF, time.monotonic_ns())
+
+    def retire(self) -> None:
+        """The heartbeat set to 0 (never): a keeper that stops says so at once to every replica that
+        still maps this state, which judges it stale without waiting out the bound."""
+        struct.pack_into("<Q", self._map, HEARTBEAT_OFF, 0)
 
     def close(self) -> None:
         self.generations = None  # the array's export of the mapping goes first

@@ -49,8 +49,12 @@ every replica.
                                  copy and the host pool's calls (the pages are pinned meanwhile).
       .stop()                    the serving thread ended (waited for: every step of its loop is
                                  bounded by the handout timeout), the socket closed and removed,
-                                 the owner's handles dropped: the memory lives on in the replicas
-                                 that mapped it until they unmap.
+                                 the heartbeat set to 0 in every private state (stale at once for
+                                 any replica still mapping it), the owner's handles dropped: the
+                                 memory lives on in the replicas that mapped it until they unmap.
+      .instance                  16 random bytes, new for every keeper: its hello, its descriptors
+                                 and its private states carry it (a restarted keeper is another
+                                 instance, with an empty tier).
 
 Ordering across processes (kvpool.gpu.tier's docstring has the whole model): the keeper accepts
 a commit only as the producer's statement that its host saw the copy into the pages and the
@@ -412,6 +416,7 @@ class GpuKeeper:
         for buf in self.buffers.values():
             buf.release()
         for p in self.private.values():
+            p.retire()  # a replica still mapping it judges this keeper stale at once
             p.close()
         self.buffers, self.private = {}, {}
 

@@ -22,7 +22,36 @@ the keeper's state segment.
       .run(ns) -> TierRun  the tier's lookup for kvpool.gpu.tier.fall_through: a TransportError
                            (KeeperStale included) is a run of 0 blocks missing as transport_error
                            (a PoolTimeout, as timeout), so the lookup falls through to the host pool.
+      .instance            the keeper's instance id this session is bound to (its hello's).
+      .connected           the session's socket is open (a call that failed closed it).
+      .peer_closed()       the keeper ended the session (EOF or reset while idle): closed here.
       .close()
+
+  TierLink(address_dir, tenant, token, **TierClient's keywords, client_cls=TierClient)
+      a replica's link to whichever keeper instance the run directory's keeper-address.json
+      names (written by `kvpool keeper`, kvpool.gpu.cli). Each call goes through the current
+      TierClient while its session is open and its keeper's heartbeat fresh; otherwise the
+      address file is read again, and if it names an instance (or a session) other than the
+      one held, a new TierClient connects to it and maps its buffer, and the old one is closed
+      (its mapping dropped). A call that fails is not repeated (a reserve or commit may have
+      reached the keeper); the next call reconnects. While no live keeper is there the calls
+      raise TransportError (KeeperStale once the old heartbeat is stale): the lookup falls
+      through to the host pool.
+      .acquire(ns, hashes) -> TierLease        .reserve(ns, hashes, lengths, boundary) -> TierReservation
+      .release(lease) / .commit(reservation, digests, kind) / .abort(reservation)
+      .page_view(grant, i) / .generation(grant, i)   the i-th page of a lease (its hits) or of a
+                           reservation (its slots), through the mapping of the instance that
+                           granted it.
+                           A grant carries the instance id and the session it was granted in;
+                           presented to another (a restarted keeper, a new session), it is
+                           refused with WrongInstance before a byte is sent or a page touched:
+                           lease and page numbers of one instance name other pages, or another
+                           client's lease, in the next.
+      .lookup(ns, hashes), .stats(), .run(ns), .instance, .client, .reconnects, .close()
+      .metrics             one ClientMetrics for every session of the link (keeper_stale counts
+                           across reconnects).
+  read_keeper_address(run_dir) -> KeeperAddress   the address file, parsed; TransportError if
+                           it is missing (no keeper there now) or not a keeper's.
 
 Errors are typed: the keeper's Error replies as kvpool.errors maps their codes; a socket that
 fails or closes, TransportError; a reply past the timeout, PoolTimeout; a reply that is not the
@@ -37,14 +66,19 @@ client works again once the keeper beats again.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import os
+import select
 import socket
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
+from pathlib import Path
 
 from kvpool.errors import (
+    LeaseLost,
     MalformedFrame,
     MissCause,
     PoolError,
@@ -62,9 +96,68 @@ from kvpool.pool.metrics import ClientMetrics
 from kvpool.pool.records import AcquireResult, CommitResult, LookupResult, ReleaseResult, ReserveResult
 
 
+ADDRESS_FILE = "keeper-address.json"
+ADDRESS_KIND = "kvgate-gpu-keeper"
+ADDRESS_VERSION = 1
+
+
 class KeeperStale(TransportError):
     """The GPU keeper's heartbeat in its state segment is stale (the keeper is stopped, wedged or
     dead): the tier is not used; the lookup or load falls through to the host pool."""
+
+
+class WrongInstance(LeaseLost):
+    """A lease or reservation granted by one keeper instance (or session) presented to another:
+    refused on the client, nothing sent, no page touched. Its pages are lost to the caller as
+    a lease is (the connector recomputes or republishes)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KeeperAddress:
+    """What a keeper's keeper-address.json says (kvpool.gpu.cli writes it once serving)."""
+
+    socket: str
+    attach: str
+    pid: int
+    instance: bytes
+    gpu: int
+    backing: str
+    device_uuid: bytes
+    page_size: int
+    tenant_pages: dict[str, int]
+    host_pool: str | None = None
+    recovery_note: str = ""
+
+    def to_json(self) -> dict[str, object]:
+        out = dataclasses.asdict(self)
+        out.update(kind=ADDRESS_KIND, version=ADDRESS_VERSION, instance=self.instance.hex(),
+                   device_uuid=self.device_uuid.hex())
+        return out
+
+    @classmethod
+    def from_json(cls, data: object) -> KeeperAddress:
+        if not isinstance(data, dict) or data.get("kind") != ADDRESS_KIND or data.get("version") != ADDRESS_VERSION:
+            raise ValueError(f"not a version-{ADDRESS_VERSION} {ADDRESS_KIND} address")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in fields}
+        values["instance"] = bytes.fromhex(values["instance"])
+        values["device_uuid"] = bytes.fromhex(values["device_uuid"])
+        if len(values["instance"]) != 16 or not isinstance(values["pid"], int):
+            raise ValueError("an instance id of 16 bytes and an integer pid are needed")
+        return cls(**values)
+
+
+def read_keeper_address(run_dir: str | os.PathLike) -> KeeperAddress:
+    """The keeper address in `run_dir` (or the file itself, if a file is named)."""
+    path = Path(run_dir)
+    if path.is_dir():
+        path = path / ADDRESS_FILE
+    try:
+        return KeeperAddress.from_json(json.loads(path.read_text()))
+    except FileNotFoundError as exc:
+        raise TransportError(f"no GPU keeper serves there now ({path} is absent)") from exc
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise TransportError(f"{path} is not a GPU keeper's address: {exc}") from exc
 
 
 class TierClient:
@@ -120,6 +213,27 @@ class TierClient:
             raise MalformedFrame("the buffer handed out is not the keeper's that said hello (instance ids differ)")
         self.hello, self.client_id = hello, hello.session
         return self
+
+    @property
+    def instance(self) -> bytes:
+        if self.hello is None:
+            raise TransportError("not connected to the GPU keeper")
+        return self.hello.arena_instance
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def peer_closed(self) -> bool:
+        """Between calls nothing may arrive: a readable idle session is at EOF or reset (its keeper
+        ended it or died) and is closed here. One zero-timeout poll."""
+        with self._lock:
+            if self._sock is None:
+                return True
+            if not select.select([self._sock], [], [], 0)[0]:
+                return False
+            self._break("the keeper ended the session")
+            return True
 
     def keeper_age_s(self) -> float:
         if self.tier is None:
@@ -253,6 +367,180 @@ class TierClient:
             self.tier = None
 
     def __enter__(self) -> TierClient:
+        return self.connect()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- a link that follows the keeper across restarts ---------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TierLease:
+    """A lease and the keeper instance and session that granted it."""
+
+    instance: bytes
+    session: int
+    result: AcquireResult
+
+    @property
+    def lease_id(self) -> int:
+        return self.result.lease_id
+
+
+@dataclasses.dataclass(frozen=True)
+class TierReservation:
+    """A reservation and the keeper instance and session that granted it."""
+
+    instance: bytes
+    session: int
+    result: ReserveResult
+
+    @property
+    def reservation_id(self) -> int:
+        return self.result.reservation_id
+
+
+class TierLink:
+    def __init__(self, address_dir: str | os.PathLike, tenant: str, token: str, *,
+                 client_cls: type[TierClient] = TierClient, **client_kw: object):
+        self.address_dir = Path(address_dir)
+        self.tenant = tenant
+        self._token = token
+        self._client_cls = client_cls
+        self.metrics = client_kw.pop("metrics", None) or ClientMetrics()  # one for every session of the link
+        self._client_kw = {**client_kw, "metrics": self.metrics}
+        self.client: TierClient | None = None
+        self.reconnects = 0  # sessions opened after the first
+        self._lock = threading.RLock()
+
+    @property
+    def instance(self) -> bytes | None:
+        return None if self.client is None else self.client.instance
+
+    # -- the session ------------------------------------------------------------------------
+    def _current(self) -> TierClient:
+        """The client to call: the one held while its session is open and its keeper beats; else
+        one connected to what the address file names now (see the class docstring)."""
+        old = self.client
+        if old is not None and not old.peer_closed() and not old.keeper_stale():
+            return old
+        try:
+            address = read_keeper_address(self.address_dir)
+        except TransportError as exc:
+            if old is not None and old.tier is not None and old.keeper_stale():
+                raise old._stale("no keeper's address") from exc
+            raise
+        if old is not None and old.connected and address.instance == old.instance:
+            return old  # stale, and no other instance there: its own call raises KeeperStale
+        try:
+            new = self._client_cls(address.socket, self.tenant, self._token, **self._client_kw).connect()
+        except (TransportError, PoolTimeout) as exc:
+            if old is not None and old.tier is not None and old.keeper_stale():
+                raise old._stale(f"reconnect to {address.socket}") from exc
+            raise
+        if new.instance != address.instance:  # the address file changed between its read and the hello
+            new.close()
+            raise TransportError(f"the keeper at {address.socket} is instance {new.instance.hex()}, its address "
+                                 f"file says {address.instance.hex()} (a restart in between)")
+        self._adopt(old, new)
+        return new
+
+    def _adopt(self, old: TierClient | None, new: TierClient) -> None:
+        """`new` becomes the link's client; the old one (its session, its mapping) is closed: no
+        grant of it is used again."""
+        if old is not None:
+            old.close()
+            self.reconnects += 1
+        self.client = new
+
+    def connect(self) -> TierLink:
+        with self._lock:
+            self._current()
+        return self
+
+    def _check(self, grant: TierLease | TierReservation) -> TierClient:
+        """The client a grant may be used through: the one of the instance and session that
+        granted it, still current; else WrongInstance (nothing sent, no page touched)."""
+        c = self.client
+        if c is None or c.hello is None or (grant.instance, grant.session) != (c.instance, c.client_id):
+            now = "none" if c is None or c.hello is None else f"instance {c.instance.hex()} session {c.client_id}"
+            raise WrongInstance(f"{type(grant).__name__} of instance {grant.instance.hex()} session {grant.session} "
+                                f"presented to {now}: refused, nothing sent")
+        return c
+
+    def _mapping(self, grant: TierLease | TierReservation) -> TierMap:
+        return self._check(grant).tier
+
+    # -- the operations ---------------------------------------------------------------------
+    def lookup(self, ns: Namespace, hashes: Sequence[bytes]) -> LookupResult:
+        with self._lock:
+            return self._current().lookup(ns, hashes)
+
+    def acquire(self, ns: Namespace, hashes: Sequence[bytes]) -> TierLease:
+        with self._lock:
+            c = self._current()
+            return TierLease(c.instance, c.client_id, c.acquire(ns, hashes))
+
+    def release(self, lease: TierLease) -> ReleaseResult:
+        with self._lock:
+            return self._check(lease).release(lease.lease_id)
+
+    def reserve(self, ns: Namespace, hashes: Sequence[bytes], lengths: Sequence[int],
+                boundary: int | None = None) -> TierReservation:
+        with self._lock:
+            c = self._current()
+            return TierReservation(c.instance, c.client_id, c.reserve(ns, hashes, lengths, boundary))
+
+    def commit(self, reservation: TierReservation, digests: Sequence[bytes],
+               kind: DigestKind = DigestKind.SKETCH) -> CommitResult:
+        with self._lock:
+            return self._check(reservation).commit(reservation.reservation_id, digests, kind)
+
+    def abort(self, reservation: TierReservation) -> int:
+        with self._lock:
+            return self._check(reservation).abort(reservation.reservation_id)
+
+    def _page(self, grant: TierLease | TierReservation, index: int) -> int:
+        if isinstance(grant, TierLease):
+            return grant.result.hits[index].page
+        slot = grant.result.slots[index]
+        if slot.page < 0:
+            raise WrongInstance(f"slot {index} of reservation {grant.reservation_id} holds no page "
+                                f"({slot.status.value})")
+        return slot.page
+
+    def page_view(self, grant: TierLease | TierReservation, index: int) -> object:
+        """The i-th page of the grant (a CudaArray on the GPU, a memoryview of a host stand-in)."""
+        with self._lock:
+            return self._mapping(grant).page_view(self._page(grant, index))
+
+    def generation(self, grant: TierLease | TierReservation, index: int) -> int:
+        with self._lock:
+            return self._mapping(grant).generation(self._page(grant, index))
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return self._current().stats()
+
+    def run(self, ns: Namespace) -> TierRun:
+        def run(hashes: Sequence[bytes]) -> tuple[int, MissCause | None]:
+            try:
+                found = self.lookup(ns, hashes)
+            except TransportError:
+                return 0, MissCause.TRANSPORT_ERROR
+            except PoolTimeout:
+                return 0, MissCause.TIMEOUT
+            return len(found.hits), None if found.miss is None else found.miss.cause
+        return run
+
+    def close(self) -> None:
+        with self._lock:
+            if self.client is not None:
+                self.client.close()
+                self.client = None
+
+    def __enter__(self) -> TierLink:
         return self.connect()
 
     def __exit__(self, *exc: object) -> None:

@@ -1,4 +1,5 @@
-"""The pool daemon's command: `kvpool serve` (console script) or `python -m kvpool serve`.
+"""The pool daemon's command: `kvpool serve` (console script) or `python -m kvpool serve`
+(kvpool.cli puts it beside `kvpool keeper`; main() here serves alone).
 
   kvpool serve [--name N] [--run-dir D] [--page-size 128KiB] [--capacity 1GiB | --pages N]
                [--tcp HOST:PORT | none] [--no-unix] [--tenant NAME=TOKEN ...] [--token-file F]
@@ -9,6 +10,8 @@
                          the same daemon with other parts, e.g. a known-bad catalog for a
                          negative control, reuses them)
   config_from_args(args) the PoolConfig those options describe
+  tenants_from_args, read_token_file, parse_quotas, parse_size
+                         the tenant, token-file, quota and size flags (kvpool keeper takes them too)
 With no tenant given, one tenant 'default' is created and its token written (mode 0600)
 to the run directory's tokens.json (created or checked first, with every directory above it:
 kvpool.pool.private_dir). A bad size or tenant, or a run directory another user can change, is a
@@ -43,27 +46,46 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 128KiB, 1GiB, 4096)") from exc
 
 
-def _tenants(pairs: list[str], token_file: Path | None, run_dir: Path) -> dict[str, str]:
+def read_token_file(token_file: Path, command: str = "kvpool serve", flag: str = "--token-file") -> dict[str, str]:
+    """A JSON object tenant -> token; a file that cannot be read or is not one is a usage error
+    (exit 2, naming the file)."""
+    try:
+        tokens = json.loads(token_file.read_text())
+    except (OSError, ValueError) as exc:
+        print(f"{command}: {flag} {token_file}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+    if not isinstance(tokens, dict) or not all(isinstance(k, str) and isinstance(v, str) and k and v
+                                               for k, v in tokens.items()):
+        print(f"{command}: {flag} {token_file}: not a JSON object of tenant names to tokens", file=sys.stderr)
+        raise SystemExit(2)
+    return tokens
+
+
+def tenants_from_args(pairs: list[str], token_file: Path | None, run_dir: Path,
+                      command: str = "kvpool serve") -> dict[str, str]:
+    """The tenants of --tenant NAME=TOKEN and --token-file; with none, one tenant 'default' whose
+    token is written (0600) to the run directory's tokens.json (the run directory checked first)."""
     tenants: dict[str, str] = {}
     if token_file is not None:
-        tenants.update(json.loads(token_file.read_text()))
+        tenants.update(read_token_file(token_file, command))
     for pair in pairs:
         name, sep, token = pair.partition("=")
         if not sep or not name or not token:
-            raise SystemExit(f"kvpool: --tenant takes NAME=TOKEN, got {pair!r}")
+            print(f"{command}: --tenant takes NAME=TOKEN, got {pair!r}", file=sys.stderr)
+            raise SystemExit(2)
         tenants[name] = token
     if not tenants:
         tenants = {"default": secrets.token_hex(16)}
         try:  # the token is only as private as every directory above it
             run_dir = ensure_private_dir(run_dir, error=InsecureRunDir)
         except InsecureRunDir as exc:
-            print(f"kvpool serve: {exc}", file=sys.stderr)
+            print(f"{command}: {exc}", file=sys.stderr)
             raise SystemExit(2) from exc
         path = run_dir / "tokens.json"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(tenants, f)
-        print(f"kvpool: no tenant given; token of tenant 'default' written to {path}", file=sys.stderr)
+        print(f"{command}: no tenant given; token of tenant 'default' written to {path}", file=sys.stderr)
     return tenants
 
 
@@ -135,25 +157,26 @@ def config_from_args(args: argparse.Namespace) -> PoolConfig:
     return PoolConfig(
         name=args.name, page_size=page_size, num_pages=num_pages, run_dir=run_dir,
         unix_socket=not args.no_unix, tcp_host=host, tcp_port=port,
-        tenants=_tenants(args.tenant, args.token_file, run_dir),
+        tenants=tenants_from_args(args.tenant, args.token_file, run_dir),
         max_clients=args.max_clients, max_queue=args.max_queue,
         admission=AdmissionPolicy(min_blocks=args.min_blocks, second_hit=args.second_hit),
         limits=LoadLimits(per_client=args.max_loads_per_client, total=args.max_loads),
         reservation_ttl_s=args.reservation_ttl, lease_ttl_s=args.lease_ttl, max_lookup_wait_s=args.max_lookup_wait,
         hello_timeout_s=args.hello_timeout, max_hello_frame=args.max_hello_frame,
-        max_unauthenticated=args.max_unauthenticated, admins=frozenset(args.admin), quotas=_quotas(args.quota),
+        max_unauthenticated=args.max_unauthenticated, admins=frozenset(args.admin), quotas=parse_quotas(args.quota),
         verify_commits=not args.trust_commits, heartbeat_s=args.heartbeat_s, metrics_addr=args.metrics,
         scrub_interval_s=args.scrub_interval, scrub_pages_per_round=args.scrub_fresh_pages,
         scrub_rest_pages_per_round=args.scrub_rest_pages, scrub_rest_bytes_per_s=args.scrub_rest_rate,
     )
 
 
-def _quotas(pairs: list[str]) -> dict[str, int]:
+def parse_quotas(pairs: list[str], command: str = "kvpool serve") -> dict[str, int]:
     quotas: dict[str, int] = {}
     for pair in pairs:
         name, sep, pages = pair.partition("=")
         if not sep or not name or not pages.isdigit():
-            raise SystemExit(f"kvpool serve: --quota {pair!r} is not TENANT=PAGES")
+            print(f"{command}: --quota {pair!r} is not TENANT=PAGES", file=sys.stderr)
+            raise SystemExit(2)
         quotas[name] = int(pages)
     return quotas
 

@@ -83,7 +83,7 @@ def test_each_wheel_installs_one_top_level_name_of_its_own(wheels):
     eps = entry_points(wheels["kvgate"])
     assert "[pytest11]" in eps and "kvgate.harness.plugin = kvgate.harness.plugin" in eps, eps
     assert "kvgate = kvgate.harness.cli:main" in eps, eps
-    assert "kvpool = kvpool.pool.cli:main" in entry_points(wheels["kvpool"])
+    assert "kvpool = kvpool.cli:main" in entry_points(wheels["kvpool"])
 
 
 def _venv(where: Path) -> Path:
