@@ -50,7 +50,6 @@ from kvgate.harness.system.cluster import Cluster
 from kvgate.harness.workload.prompts import Corpus, common_prefix_tails
 from kvgate.harness.scenarios.nemesis import wait_for, arm, arm_copier, pool_catalog
 from kvgate.harness.workload.sessions import off_on_on_off
-from kvpool.connector.settings import ConnectorSettings
 
 
 BLOCK = 128  # the tiny model's KV block, in tokens
@@ -448,6 +447,8 @@ def load_poison(cluster: Cluster, corpus: Corpus, seed: int, block: int = 5, con
 def _probe_fresh_s(cluster: Cluster, names: tuple[str, ...]) -> float:
     """The longest heartbeat age at which these replicas' connectors still trust the
     segment's index (kvpool.connector.settings.probe_fresh_s, or the replica's override)."""
+    from kvpool.connector.settings import ConnectorSettings  # imports vLLM: the gate's catalog does not
+
     return max(float(dict(cluster.replicas[n].spec.connector_extra).get("probe_fresh_s",
                                                                         ConnectorSettings.probe_fresh_s))
                for n in names)
