@@ -254,6 +254,9 @@ class FaultyBackend:
                 time.sleep(float(spec.get("seconds", 120)))
         return self.inner.commit(reservation_id, digests, *args, **kw)
 
+    def renew(self, reservations=(), leases=()):  # noqa: ANN001, ANN201 - unfaulted, but a dead client stays dead
+        return self._call(self.inner.renew, reservations, leases)
+
     def lookup(self, ns, hashes: Sequence[bytes], wait_pending_s: float = 0.0):  # noqa: ANN001, ANN201
         ns = self._ns(ns)
         delay = float((self._spec.get("lookup") or {}).get("delay_ms", 0)) / 1000

@@ -90,15 +90,17 @@ class UnorderedTransferEngine(TransferEngine):
         if not self._skip(edge):
             super()._order(edge, stream, event)
 
-    def _await_copy(self, edge: OrderingEdge, event: torch.cuda.Event, *args) -> None:  # noqa: ANN002
+    def _await_copy(self, edge: OrderingEdge, event: torch.cuda.Event, *args, **kw):  # noqa: ANN002, ANN003, ANN202
         if not self._skip(edge):
-            super()._await_copy(edge, event, *args)
+            return super()._await_copy(edge, event, *args, **kw)
+        return None
 
 
 class EagerReleaseEngine(TransferEngine):
-    def _await_copy(self, edge: OrderingEdge, event: torch.cuda.Event, *args) -> None:  # noqa: ANN002
+    def _await_copy(self, edge: OrderingEdge, event: torch.cuda.Event, *args, **kw):  # noqa: ANN002, ANN003, ANN202
         if edge is not OrderingEdge.RELEASE_AFTER_COPY:
-            super()._await_copy(edge, event, *args)
+            return super()._await_copy(edge, event, *args, **kw)
+        return None
 
 
 class TrustingReleaseEngine(TransferEngine):

@@ -6,7 +6,8 @@ breaks one of its guarantees (kvgate.faults.controls). Never the production daem
       (kvgate.faults.controls.CATALOG_CONTROLS: forgetful, leaseless, leaky, crossed,
       stale_index; kvgate.faults.race_controls.RACE_CATALOG_CONTROLS: abort_visible,
       lost_wakeup, late_visible, eager_drop, kept_drop, pinned_release, visible_at_reserve,
-      pending_leak); it says on stderr
+      pending_leak; kvgate.faults.renew_controls.RENEW_CATALOG_CONTROLS: owner_blind_renew,
+      resurrecting_renew, ageless_renew); it says on stderr
       that it is a negative control.
 """
 
@@ -17,9 +18,10 @@ import sys
 
 from kvgate.faults.controls import CATALOG_CONTROLS
 from kvgate.faults.race_controls import RACE_CATALOG_CONTROLS
+from kvgate.faults.renew_controls import RENEW_CATALOG_CONTROLS
 from kvpool.pool.cli import serve, serve_parser
 
-CATALOGS = {**CATALOG_CONTROLS, **RACE_CATALOG_CONTROLS}
+CATALOGS = {**CATALOG_CONTROLS, **RACE_CATALOG_CONTROLS, **RENEW_CATALOG_CONTROLS}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     cmd = serve_parser(sub.add_parser("serve", help="run the daemon on a known-bad catalog"))
     cmd.add_argument("--catalog", required=True, choices=sorted(CATALOGS),
-                     help="the known-bad catalog (kvgate.faults.controls, kvgate.faults.race_controls)")
+                     help="the known-bad catalog (kvgate.faults.controls, kvgate.faults.race_controls, "
+                          "kvgate.faults.renew_controls)")
     args = parser.parse_args(argv)
     print(f"kvgate.faults.pool: NEGATIVE CONTROL: known-bad catalog {args.catalog!r}", file=sys.stderr, flush=True)
     return serve(args, catalog_factory=CATALOGS[args.catalog])

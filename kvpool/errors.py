@@ -95,6 +95,12 @@ class CorruptPage(PoolError):
     """Client side: a page's bytes do not match the digest taken at publish."""
 
 
+class RenewRefused(PoolError):
+    """Client side: the pool refused to renew a reservation or lease the client is still
+    working on (expired, unknown, or not this session's; kvpool.pool.records.RenewRefusal).
+    What it held may already be reused: a publish ends as a failed commit does."""
+
+
 class ArenaError(PoolError):
     """The shared-memory arena could not be created, attached or addressed."""
 

@@ -43,6 +43,7 @@ from kvgate.harness.system.cluster import Cluster, ReplicaSpec
 from kvgate.harness.bench.live import local_phases, median_phases, primer, remote_phases, timed
 from kvgate.harness.scenarios.gpu_live import wait_published
 from kvgate.harness.system.gpu import BLOCK_SIZE, gpu_args
+from kvgate.harness.system.pool import PRODUCTION_TTL_ARGS
 from kvgate.harness.client.http import complete
 from kvgate.harness.workload.prompts import Corpus
 
@@ -81,7 +82,8 @@ def start_bench(report_dir: Path, max_len: int) -> Cluster:
                               max_num_batched_tokens=CHUNK,
                               extra_args=(*gpu_args(0.12), "--kv-offloading-size", str(CPU_TIER_GIB),
                                           "--kv-offloading-backend", "native"))
-    cluster = Cluster(model, report_dir, page_size=page, pool_pages=(8 << 30) // page)
+    cluster = Cluster(model, report_dir, page_size=page, pool_pages=(8 << 30) // page,
+                      pool_args=PRODUCTION_TTL_ARGS)  # the TTLs production runs with, named (long steps renew)
     cluster.start([*ours, peer, peer_cached], timeout=400.0)
     _say(f"bench gpu live: A, B, C up after {time.monotonic() - t0:.0f} s")
     return cluster

@@ -229,6 +229,7 @@ def probe() -> dict:
 def start(report_dir: Path, arch: Arch, plan: Plan, cuda: bool, block: int) -> Cluster:
     from kvgate.harness.system.cluster import Cluster, ReplicaSpec
     from kvgate.harness.system.gpu import gpu_args
+    from kvgate.harness.system.pool import PRODUCTION_TTL_ARGS
     model = write_arch(report_dir / "model", arch)
     page = arch.kv_bytes_per_token * block
     pool_bytes = plan.pool_bytes
@@ -242,7 +243,10 @@ def start(report_dir: Path, arch: Arch, plan: Plan, cuda: bool, block: int) -> C
     specs = [ReplicaSpec(name, core=str(i), kv_bytes=plan.kv_bytes, max_model_len=plan.max_len(),
                          max_num_batched_tokens=CHUNK, extra_args=extra)
              for i, name in enumerate(("A", "B"))]
-    cluster = Cluster(model, report_dir, page_size=page, pool_pages=pool_bytes // page)
+    # The production TTLs, named: a 256k prompt's chunks take ~17 s each, so a publish outlives
+    # the 30 s reservation TTL only by renewing (kvpool.gpu.store); the bench must see that.
+    cluster = Cluster(model, report_dir, page_size=page, pool_pages=pool_bytes // page,
+                      pool_args=PRODUCTION_TTL_ARGS)
     t0 = time.monotonic()
     cluster.start(specs, timeout=600.0)
     _say(f"bench seed003: replicas A, B of {arch.name} up after {time.monotonic() - t0:.0f} s "

@@ -104,9 +104,9 @@ class _Recording(TransferEngine):
         self._record(edge)
         return super()._order(edge, stream, event)
 
-    def _await_copy(self, edge, event, *args):  # noqa: ANN001, ANN002, ANN202
+    def _await_copy(self, edge, event, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
         self._record(edge)
-        return super()._await_copy(edge, event, *args)
+        return super()._await_copy(edge, event, *args, **kw)
 
 
 _RECORDING: dict[type, type] = {}

@@ -9,6 +9,7 @@
   pool.client(...)               a PoolClient over the Unix socket (or TCP).
   thread_pool(...)               the same daemon in a background thread (fast, for unit-level
                                  suites that still want real sockets and shared memory).
+  PRODUCTION_TTL_ARGS            `kvpool serve` options naming the grant TTLs production runs with.
 """
 
 from __future__ import annotations
@@ -33,6 +34,14 @@ _counter = itertools.count()
 class PoolStartError(StartError):
     """The pool daemon did not come up (the message carries its log's tail)."""
 DEFAULT_TENANT = "default"
+# The reservation and lease TTLs production runs with (kvpool's defaults), passed by name by the
+# benches of long forward steps (seed003's 256k prompts, the GPU live bench): their publishes and
+# loads must outlive these by renewing (kvpool.client.keepalive), and a change of kvpool's default
+# must not change what they measure unnoticed.
+PRODUCTION_RESERVATION_TTL_S = 30.0
+PRODUCTION_LEASE_TTL_S = 60.0
+PRODUCTION_TTL_ARGS = ("--reservation-ttl", str(PRODUCTION_RESERVATION_TTL_S),
+                       "--lease-ttl", str(PRODUCTION_LEASE_TTL_S))
 
 
 def unique_name(prefix: str = "kvg") -> str:

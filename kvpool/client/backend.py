@@ -18,6 +18,7 @@ from kvpool.pool.records import (
     LookupResult,
     Miss,
     ReleaseResult,
+    RenewResult,
     ReserveResult,
 )
 from kvpool.pool.digest import DigestKind
@@ -54,9 +55,15 @@ class LoadResult:
 
 
 class PoolBackend(Protocol):
-    """What a pool offers its users. Wrappers (faults, audit) implement it too."""
+    """What a pool offers its users. Wrappers (faults, audit) implement it too.
+
+    Renewal is a capability: `reservation_ttl_s` / `lease_ttl_s` are the TTLs the pool
+    advertised (0: it did not; a backend may lack them, and renew(), altogether), and
+    renew() moves the deadlines of this connection's own grants (kvpool.client.keepalive)."""
 
     page_size: int
+    reservation_ttl_s: float
+    lease_ttl_s: float
 
     def lookup(self, ns: Namespace, hashes: Sequence[bytes], wait_pending_s: float = 0.0) -> LookupResult: ...
     def acquire(self, ns: Namespace, hashes: Sequence[bytes]) -> AcquireResult: ...
@@ -69,6 +76,7 @@ class PoolBackend(Protocol):
     def commit(self, reservation_id: int, digests: Sequence[bytes],
                kind: DigestKind = DigestKind.XXH3) -> CommitResult: ...
     def abort(self, reservation_id: int) -> int: ...
+    def renew(self, reservations: Sequence[int] = (), leases: Sequence[int] = ()) -> RenewResult: ...
     def evict(self, ns: Namespace, hashes: Sequence[bytes]) -> list[EvictOutcome]: ...
     def stats(self) -> dict[str, int]: ...
     def close(self) -> None: ...

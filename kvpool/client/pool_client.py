@@ -28,6 +28,7 @@ from kvpool.pool.records import (
     EvictOutcome,
     LookupResult,
     ReleaseResult,
+    RenewResult,
     ReserveResult,
     SlotStatus,
 )
@@ -52,8 +53,9 @@ from kvpool.client.backend import parse_address
 # load's deadline, say: it unpins the pages at once instead of at the lease's TTL).
 MIN_CALL_S = 0.05
 
-# Requests whose repetition changes nothing: safe to resend when no reply byte arrived.
-_IDEMPOTENT = (P.Ping, P.Lookup, P.Stats, P.Metrics)
+# Requests whose repetition changes nothing: safe to resend when no reply byte arrived (a
+# Renew resent on a new connection is refused: the grants went with the old session).
+_IDEMPOTENT = (P.Ping, P.Lookup, P.Stats, P.Metrics, P.Renew)
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 PROBE_ORDERED = platform.machine() in ("x86_64", "AMD64")  # kvpool.pool.index's seqlock needs x86 ordering
 
@@ -502,6 +504,35 @@ class PoolClient:
     def abort(self, reservation_id: int) -> int:
         self._forget_grant("reservation", reservation_id)
         return self._expect(P.Abort(reservation_id), P.AbortOk).freed
+
+    @property
+    def reservation_ttl_s(self) -> float:
+        """The TTL of an open reservation the daemon advertised (0: it did not; do not renew)."""
+        hello = self.hello
+        return hello.reservation_ttl_s if hello is not None else 0.0
+
+    @property
+    def lease_ttl_s(self) -> float:
+        hello = self.hello
+        return hello.lease_ttl_s if hello is not None else 0.0
+
+    def renew(self, reservations: Sequence[int] = (), leases: Sequence[int] = ()) -> RenewResult:
+        """This session is still working on these reservations and leases: each deadline moves
+        to now + its TTL (never past the pool's maximum age), or is refused per id
+        (kvpool.pool.records.RenewRefusal); a frame carries at most MAX_RENEW_IDS of each.
+        Only for a daemon whose hello advertised the TTL (an older one answers MALFORMED)."""
+        res, lea = [int(i) for i in reservations], [int(i) for i in leases]
+        out_res: list = []
+        out_lea: list = []
+        step = P.MAX_RENEW_IDS
+        for k in range(0, max(len(res), len(lea), 1), step):
+            r = self._expect(P.Renew(res[k : k + step], lea[k : k + step]), P.RenewOk)
+            if len(r.reservations) != len(res[k : k + step]) or len(r.leases) != len(lea[k : k + step]):
+                raise MalformedFrame(f"Renew of {len(res[k : k + step])} reservations and {len(lea[k : k + step])} "
+                                     f"leases answered with {len(r.reservations)} and {len(r.leases)}")
+            out_res.extend(r.reservations)
+            out_lea.extend(r.leases)
+        return RenewResult(tuple(out_res), tuple(out_lea))
 
     def evict(self, ns: Namespace, hashes: Sequence[bytes]) -> list[EvictOutcome]:
         return list(self._expect(P.Evict(ns, list(hashes)), P.EvictOk).outcomes)

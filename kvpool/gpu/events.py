@@ -2,21 +2,30 @@
 sleeps on instead of spinning.
 
   host_event()   a blocking-sync CUDA event, marked so that await_event sleeps on it.
-  await_event(event, poll_s)   block the calling thread until `event` completed: through
-        cudaEventSynchronize of the loaded CUDA runtime, called with ctypes (the GIL is
-        released, and the wait is not one of torch's, which its stream sanitizer would take
-        for an ordering), for a host event; else by polling every `poll_s`.
+  await_event(event, poll_s, keepalive=None) -> PoolError | None
+        block the calling thread until `event` completed: through cudaEventSynchronize of
+        the loaded CUDA runtime, called with ctypes (the GIL is released, and the wait is
+        not one of torch's, which its stream sanitizer would take for an ordering), for a
+        host event; else by polling every `poll_s`. With a `keepalive`
+        (kvpool.client.keepalive), the wait is bounded by its renewal interval, in a loop
+        that renews the pool grants the waiter holds (the blocking sync runs on a helper
+        thread, the caller waits on it with a timeout): a renewal the pool refuses ends the
+        renewals, never the wait, and is returned once the event completed.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import ctypes
 import functools
+import threading
 import time
 from typing import Any
 
 import torch
 
+from kvpool.client.keepalive import Keepalive
+from kvpool.errors import PoolError
 from kvpool.gpu.config import TransferError
 
 _EVENT_POLL_S = 100e-6  # background workers poll CUDA events (a blocking sync would spin a core)
@@ -52,7 +61,34 @@ def _event_sync() -> Any:  # noqa: ANN401 - a ctypes function, or None
     return None
 
 
-def await_event(event: torch.cuda.Event, poll_s: float = _EVENT_POLL_S) -> None:
+def await_event(event: torch.cuda.Event, poll_s: float = _EVENT_POLL_S,
+                keepalive: Keepalive | None = None) -> PoolError | None:
+    if keepalive is None or event.query():
+        _until_done(event, poll_s)
+        return None
+    done: cf.Future = cf.Future()
+
+    def run() -> None:
+        try:
+            _until_done(event, poll_s)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter, which raises it
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
+
+    threading.Thread(target=run, name="kvpool-event-wait", daemon=True).start()
+
+    def wait(timeout_s: float | None) -> bool:
+        try:
+            done.result(timeout_s)  # raises what the sync raised (TransferError)
+        except cf.TimeoutError:
+            return False
+        return True
+
+    return keepalive.hold(wait)
+
+
+def _until_done(event: torch.cuda.Event, poll_s: float) -> None:
     sync = _event_sync() if getattr(event, "kvpool_blocking", False) else None
     if sync is not None:
         err = sync(event.cuda_event)

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kvpool.client.keepalive import Keepalive
 from kvpool.client.transfer import report_corrupt
 from kvpool.errors import (
     InvalidRequest,
@@ -418,7 +419,12 @@ class Loads:
 
     def _finish_load(self, handle: LoadHandle, lease: AcquireResult) -> tuple[tuple[int, ...], tuple[str, ...],
                                                                              MissCause | None]:
-        self._await_copy(OrderingEdge.RELEASE_AFTER_COPY, handle._done)
+        # `done` follows the installs, which follow the engine's reads queued before load()
+        # (LOAD_AFTER_READ): forwards still running under asynchronous scheduling. The lease
+        # is renewed meanwhile; a refused renewal needs no answer here: the release then
+        # fails (LeaseLost) and nothing the load read is vouched for (_release).
+        keepalive = Keepalive.of(self.backend, leases=(lease.lease_id,)) if lease.lease_id else None
+        self._await_copy(OrderingEdge.RELEASE_AFTER_COPY, handle._done, keepalive=keepalive)
         miss = handle.miss
         if miss is not None and miss.cause is MissCause.CORRUPT and lease.lease_id \
                 and miss.index < len(lease.hits.pages):

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvpool.client.keepalive import Keepalive
 from kvpool.errors import PoolError
 from kvpool.gpu.config import OrderingEdge
 from kvpool.gpu.events import host_event
@@ -335,11 +336,21 @@ class Stores:
             self._lane_done(unit.lane)
 
     def _finish_unit(self, unit: _Unit) -> tuple[int, int, str | None]:
-        """(committed, rejected, error) of one reservation, on its lane's thread."""
+        """(committed, rejected, error) of one reservation, on its lane's thread. The copies
+        may wait behind forwards still queued on the engine's stream (asynchronous scheduling,
+        long prefill chunks): meanwhile the lane renews the reservation on its connection
+        every third of the pool's TTL; a refused renewal ends the unit as a failed commit
+        does (after its copies completed)."""
         try:
-            self._await_copy(OrderingEdge.COMMIT_AFTER_COPY, unit.event)
+            keepalive = Keepalive.of(self._lanes[unit.lane], reservations=(unit.reservation.reservation_id,))
+            refused = self._await_copy(OrderingEdge.COMMIT_AFTER_COPY, unit.event, keepalive=keepalive)
+            if unit.host_sketch is not None:  # waited for in any case: its pinned buffer outlives the copy
+                again = self._await_copy(OrderingEdge.COMMIT_AFTER_COPY, unit.sketch_event,
+                                         keepalive=keepalive if refused is None else None)
+                refused = refused or again
+            if refused is not None:
+                raise refused
             if unit.host_sketch is not None:
-                self._await_copy(OrderingEdge.COMMIT_AFTER_COPY, unit.sketch_event)
                 sk = unit.host_sketch.numpy()
                 rows = [unit.sketch_index[p] for p in unit.pages]
                 digests = sketch_digests(sk[rows], self.layout.page_bytes)

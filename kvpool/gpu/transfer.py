@@ -129,7 +129,8 @@ import numpy as np
 import torch
 
 from kvpool.client.backend import PoolBackend
-from kvpool.errors import InvalidRequest, MissCause, PoolTimeout
+from kvpool.client.keepalive import Keepalive
+from kvpool.errors import InvalidRequest, MissCause, PoolError, PoolTimeout
 from kvpool.gpu.config import (
     CopyPath,
     HostMemory,
@@ -381,9 +382,12 @@ class TransferEngine(Stores, Loads):
     def _register_host(self, ptr: int, size: int) -> None:
         host_register(ptr, size)
 
-    def _await_copy(self, edge: OrderingEdge, event: torch.cuda.Event, poll_s: float = _COMMIT_POLL_S) -> None:
-        """Block this thread until the copies (or checks) before `event` completed."""
-        await_event(event, poll_s)
+    def _await_copy(self, edge: OrderingEdge, event: torch.cuda.Event, poll_s: float = _COMMIT_POLL_S,
+                    keepalive: Keepalive | None = None) -> PoolError | None:
+        """Block this thread until the copies (or checks) before `event` completed; with a
+        `keepalive`, renewing the pool grants it names meanwhile (kvpool.gpu.events): a
+        refusal is returned after the event completed (None: every renewal held)."""
+        return await_event(event, poll_s, keepalive)
 
     def _verified(self, got: Sequence[bytes], expected: Sequence[bytes]) -> int:
         """How many leading pages of a chunk match their digests (a sketched load's check)."""

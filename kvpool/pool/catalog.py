@@ -44,6 +44,15 @@ split into files would scatter.
   scrubbed(page, generation)            the page's first scrub is done (it leaves the fresh queue).
   abort(res_id) / drop_client(client)   an abandoned or crashed publish returns its pages.
   reap(now)                             expire reservations and leases past their deadline.
+  renew(client, reservations, now, leases)
+                                        a client still working on its own open reservations
+                                        (leases) moves their deadlines to now + TTL, never past
+                                        the grant's maximum age (reservation_max_s, lease_max_s);
+                                        per id a Renewal: the seconds ahead, or a refusal
+                                        (RenewRefusal: another client's, untouched; past its
+                                        deadline, even if not yet reaped, never resurrected;
+                                        unknown). The TTL still reclaims what a live client
+                                        forgot; the maximum age, what a stuck one keeps renewing.
   evict(...) / set_capacity(pages)      forced eviction and capacity squeeze; leased pages
                                         are never evicted.
   lru_pages(n)                          the next n pages an eviction would take (LruPage),
@@ -96,6 +105,9 @@ from kvpool.pool.records import (
     LookupResult,
     Miss,
     ReleaseResult,
+    RenewRefusal,
+    RenewResult,
+    Renewal,
     ReserveResult,
     Slot,
     SlotStatus,
@@ -153,6 +165,13 @@ class CatalogConfig:
     evict_on_reserve: bool = True
     reservation_ttl_s: float = 30.0
     lease_ttl_s: float = 60.0
+    # The oldest a renewed reservation (lease) may grow: renew() never moves a deadline past
+    # its grant + this, so a stuck client that keeps renewing still gives the pages back.
+    reservation_max_s: float = 3600.0
+    lease_max_s: float = 3600.0
+    # Ids of expired reservations and leases remembered (with their client), so a late renew
+    # is answered EXPIRED rather than UNKNOWN.
+    expired_memory: int = 4096
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -177,6 +196,7 @@ class _Reservation:
     keys: list[bytes]
     pages: list[int]  # -1 where the slot holds no page
     deadline: float
+    born: float = 0.0  # when it was granted: renewals stop at born + reservation_max_s
     cancelled: bool = False  # its namespace was reset while it was open: its commit rejects every page
 
 
@@ -186,6 +206,7 @@ class _Lease:
     pages: list[int]
     generations: list[int]
     deadline: float
+    born: float = 0.0  # when it was granted: renewals stop at born + lease_max_s
 
 
 class Catalog:
@@ -252,7 +273,9 @@ class Catalog:
             "hits": 0, "hit_blocks": 0, "evictions": 0, "commits": 0, "aborted_pages": 0,
             "rejected_pages": 0, "expired_reservations": 0, "expired_leases": 0,
             "discarded_corrupt": 0, "scrub_cycles": 0, "namespace_resets": 0, "reset_pages": 0,
+            "renewals": 0, "renewals_refused": 0,
         }
+        self._expired: OrderedDict[int, int] = OrderedDict()  # expired id -> its client (bounded)
         self.miss_counters: dict[MissCause, int] = {c: 0 for c in MissCause}
 
     # -- interning ---------------------------------------------------------------------
@@ -385,7 +408,7 @@ class Catalog:
             self._touch(p)
         lease_id = next(self._ids)
         self._leases[lease_id] = _Lease(client, pages, list(found.hits.generations),
-                                        now + self.config.lease_ttl_s)
+                                        now + self.config.lease_ttl_s, now)
         self._leases_by_client[client] = self._leases_by_client.get(client, 0) + 1
         self._leased_pages_by_client[client] = self._leased_pages_by_client.get(client, 0) + len(pages)
         self.counters["hits"] += 1
@@ -403,7 +426,7 @@ class Catalog:
             return 0
         self.leases_on[page] += 1
         lease_id = next(self._ids)
-        self._leases[lease_id] = _Lease(client, [page], [generation], now + self.config.lease_ttl_s)
+        self._leases[lease_id] = _Lease(client, [page], [generation], now + self.config.lease_ttl_s, now)
         self._leases_by_client[client] = self._leases_by_client.get(client, 0) + 1
         self._leased_pages_by_client[client] = self._leased_pages_by_client.get(client, 0) + 1
         return lease_id
@@ -476,7 +499,7 @@ class Catalog:
             return ReserveResult(0, tuple(slots))
         rid = next(self._ids)
         self._reservations[rid] = _Reservation(client, tid, nid, res_keys, res_pages,
-                                               now + self.config.reservation_ttl_s)
+                                               now + self.config.reservation_ttl_s, now)
         for key in res_keys:
             self._pending[(tid, nid, key)] = rid
         return ReserveResult(rid, tuple(slots))
@@ -821,13 +844,56 @@ class Catalog:
         """Expire reservations and leases whose deadline has passed."""
         res_ids = [r for r, res in self._reservations.items() if res.deadline <= now]
         for rid in res_ids:
-            self._abort(self._reservations.pop(rid))
+            res = self._reservations.pop(rid)
+            self._remember_expired(rid, res.client)
+            self._abort(res)
         lease_ids = [lid for lid, lease in self._leases.items() if lease.deadline <= now]
         for lid in lease_ids:
-            self._unpin(self._leases.pop(lid))
+            lease = self._leases.pop(lid)
+            self._remember_expired(lid, lease.client)
+            self._unpin(lease)
         self.counters["expired_reservations"] += len(res_ids)
         self.counters["expired_leases"] += len(lease_ids)
         return len(res_ids), len(lease_ids)
+
+    def _remember_expired(self, grant_id: int, client: int) -> None:
+        self._expired[grant_id] = client
+        while len(self._expired) > self.config.expired_memory:
+            self._expired.popitem(last=False)
+
+    def renew(self, client: int, reservations: Sequence[int], now: float,
+              leases: Sequence[int] = ()) -> RenewResult:
+        """Move the deadlines of `client`'s own open reservations and leases to now + their
+        TTL, capped at their grant + reservation_max_s (lease_max_s). Per id, in order, a
+        Renewal: the seconds from `now` to the new deadline, or why not (RenewRefusal):
+        NOT_YOURS (another client's; left as it was), EXPIRED (its deadline has passed, reaped
+        or not yet: it stays expired, and the next reap frees it), UNKNOWN (never granted, or
+        committed, aborted, released, or expired and forgotten). A grant at its maximum age
+        has nothing left to renew: EXPIRED once its deadline passes. O(ids)."""
+        cfg = self.config
+        out_res = tuple(self._renew_one(self._reservations.get(rid), rid, client, now, cfg.reservation_ttl_s,
+                                        cfg.reservation_max_s) for rid in reservations)
+        out_leases = tuple(self._renew_one(self._leases.get(lid), lid, client, now, cfg.lease_ttl_s, cfg.lease_max_s)
+                           for lid in leases)
+        return RenewResult(out_res, out_leases)
+
+    def _renew_one(self, grant: _Reservation | _Lease | None, grant_id: int, client: int, now: float,
+                   ttl_s: float, max_s: float) -> Renewal:
+        refusal: RenewRefusal | None = None
+        if grant is None:
+            owner = self._expired.get(grant_id)
+            refusal = (RenewRefusal.UNKNOWN if owner is None else
+                       RenewRefusal.EXPIRED if owner == client else RenewRefusal.NOT_YOURS)
+        elif grant.client != client:
+            refusal = RenewRefusal.NOT_YOURS
+        elif grant.deadline <= now:
+            refusal = RenewRefusal.EXPIRED
+        if refusal is not None:
+            self.counters["renewals_refused"] += 1
+            return Renewal(grant_id, 0.0, refusal)
+        grant.deadline = max(grant.deadline, min(now + ttl_s, grant.born + max_s))
+        self.counters["renewals"] += 1
+        return Renewal(grant_id, grant.deadline - now)
 
     # -- accounting --------------------------------------------------------------------
     def tenant_stats(self, tenant: str) -> dict[str, int]:

@@ -108,6 +108,10 @@ def serve_parser(serve: argparse.ArgumentParser) -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=int, default=64)
     serve.add_argument("--reservation-ttl", type=float, default=30.0, help="seconds before an open publish is reclaimed")
     serve.add_argument("--lease-ttl", type=float, default=60.0, help="seconds before an unreleased lease expires")
+    serve.add_argument("--reservation-max", type=float, default=3600.0,
+                       help="seconds a publish may stay open however often its client renews it")
+    serve.add_argument("--lease-max", type=float, default=3600.0,
+                       help="seconds a lease may be held however often its client renews it")
     serve.add_argument("--max-lookup-wait", type=float, default=2.0,
                        help="seconds a lookup may wait for a publish in flight, at most (whatever the client asks)")
     serve.add_argument("--admin", action="append", default=[], metavar="TENANT",
@@ -161,7 +165,8 @@ def config_from_args(args: argparse.Namespace) -> PoolConfig:
         max_clients=args.max_clients, max_queue=args.max_queue,
         admission=AdmissionPolicy(min_blocks=args.min_blocks, second_hit=args.second_hit),
         limits=LoadLimits(per_client=args.max_loads_per_client, total=args.max_loads),
-        reservation_ttl_s=args.reservation_ttl, lease_ttl_s=args.lease_ttl, max_lookup_wait_s=args.max_lookup_wait,
+        reservation_ttl_s=args.reservation_ttl, lease_ttl_s=args.lease_ttl,
+        reservation_max_s=args.reservation_max, lease_max_s=args.lease_max, max_lookup_wait_s=args.max_lookup_wait,
         hello_timeout_s=args.hello_timeout, max_hello_frame=args.max_hello_frame,
         max_unauthenticated=args.max_unauthenticated, admins=frozenset(args.admin), quotas=parse_quotas(args.quota),
         verify_commits=not args.trust_commits, heartbeat_s=args.heartbeat_s, metrics_addr=args.metrics,

@@ -40,8 +40,13 @@ class PoolConfig:
     io_threads: int = 2
     admission: AdmissionPolicy = AdmissionPolicy()
     limits: LoadLimits = LoadLimits()
+    # A reservation (lease) not committed (released) by its TTL is reclaimed by the reaper,
+    # unless its client renews it (Renew; the hello advertises both TTLs); renewals never take
+    # it past its grant + reservation_max_s (lease_max_s).
     reservation_ttl_s: float = 30.0
     lease_ttl_s: float = 60.0
+    reservation_max_s: float = 3600.0
+    lease_max_s: float = 3600.0
     reap_interval_s: float = 0.5
     # The heartbeat in each tenant's private segment (kvpool.pool.arena): same-host clients trust a probe of
     # the segment's index only while it is fresh, so a stopped daemon is noticed within a

@@ -156,7 +156,8 @@ class PoolDaemon(RequestHandlers, LookupWaits, Scrubber, SegmentHandout):
             catalog = self._catalog_factory(
                 CatalogConfig(num_pages=pages, page_size=cfg.page_size, admission=cfg.admission,
                               limits=cfg.limits, reservation_ttl_s=cfg.reservation_ttl_s,
-                              lease_ttl_s=cfg.lease_ttl_s),
+                              lease_ttl_s=cfg.lease_ttl_s, reservation_max_s=cfg.reservation_max_s,
+                              lease_max_s=cfg.lease_max_s),
                 generations=arena.generations, shm_index=ShmIndex(arena.index_entries),
             )
             self.pools[tenant] = TenantPool(tenant, arena, catalog)

@@ -33,6 +33,10 @@ Contracts:
     hostile loader cannot empty its tenant's pool of good pages this way, nor cost the
     daemon more than a read of the pages it already leases). Stats `report_dropped`,
     `report_intact`.
+  * Renew moves only the session's own open reservations and leases (another session's
+    id is refused per id, NOT_YOURS, and left as it was; one past its deadline is refused
+    EXPIRED and never resurrected), each at most to its grant + the pool's maximum age
+    (PoolConfig.reservation_max_s, lease_max_s). The hello advertises both TTLs.
   * Pool-wide operations (SetCapacity, Metrics, the pool's Stats) are for admin tenants
     (`admins`; by default the only tenant of a single-tenant pool). Another tenant's
     Stats counts only its own pages; its SetCapacity or Metrics is refused as
@@ -134,7 +138,8 @@ class RequestHandlers:
             session.tenant, session.name = op.tenant, op.client_name
             arena = self.pools[op.tenant].arena
             return P.HelloOk(session.client, str(self.attach_path), arena.instance, arena.page_size,
-                             arena.num_pages, SERVER_NAME, self.restarted_after_crash, self._ticket(op.tenant))
+                             arena.num_pages, SERVER_NAME, self.restarted_after_crash, self._ticket(op.tenant),
+                             self.config.reservation_ttl_s, self.config.lease_ttl_s)
         if session.tenant is None:
             raise Unauthenticated(f"{type(op).__name__} before a successful hello")
         self._check_bounds(op)
@@ -185,6 +190,9 @@ class RequestHandlers:
             freed = cat.abort(op.reservation_id)
             self._wake_closed(tp)
             return P.AbortOk(freed)
+        if isinstance(op, P.Renew):  # only the session's own grants move (the catalog checks the client)
+            got = cat.renew(session.client, op.reservations, now, op.leases)
+            return P.RenewOk(list(got.reservations), list(got.leases))
         if isinstance(op, P.ReadPages):
             return self._read_pages(session, op)
         if isinstance(op, P.Evict):
@@ -238,6 +246,9 @@ class RequestHandlers:
             _check_distinct("lease index", op.indexes)
         elif isinstance(op, P.WritePages):
             _check_distinct("reservation slot", op.slots)
+        elif isinstance(op, P.Renew):
+            _check_distinct("reservation id", op.reservations)
+            _check_distinct("lease id", op.leases)
 
     @staticmethod
     def _tenant_stats(tp: TenantPool) -> dict[str, int]:

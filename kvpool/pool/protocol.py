@@ -9,7 +9,10 @@ of another version is answered WRONG_VERSION rather than MALFORMED.
 
 Fields are added compatibly within a version: a new field has a default and its struct
 omits defaults when encoding, so a caller that does not use it sends the same frame as
-before (e.g. `Lookup.wait_pending_ms`).
+before (e.g. `Lookup.wait_pending_ms`). A new op is used only where the daemon says it
+serves it: a client renews (Renew) only when the hello advertised a reservation or lease TTL
+(`HelloOk.reservation_ttl_s`, `lease_ttl_s`, 0 from a daemon that predates them); an older
+daemon would answer the op MALFORMED.
 
   encode_request / decode_request   client -> daemon
   encode_reply / decode_reply       daemon -> client
@@ -22,6 +25,8 @@ Bounds (what one frame may make the daemon do; checked before any work):
     list is MALFORMED before its elements are read);
   * page bytes travel at most MAX_PAGES_PER_FRAME pages a frame (WritePages' slots and
     data, ReadPages' indexes and so its PagesOk);
+  * a Renew names at most MAX_RENEW_IDS reservation ids and as many lease ids (each at most
+    once: the daemon checks);
   * Hello's tenant and client name are at most MAX_NAME_CHARS characters, its token
     MAX_TOKEN_CHARS;
   * after a hello a frame (either way) is at most `frame_limit(page_size)` bytes:
@@ -37,7 +42,7 @@ from typing import Annotated, Union
 
 import msgspec
 
-from kvpool.pool.records import CorruptOutcome, EvictOutcome, Hits, Miss, Slot
+from kvpool.pool.records import CorruptOutcome, EvictOutcome, Hits, Miss, Renewal, Slot
 from kvpool.pool.digest import DIGEST_BYTES, DigestKind
 from kvpool.errors import ErrorCode, MalformedFrame, WrongVersion
 from kvpool.pool.keys import HASH_BYTES, Namespace
@@ -50,6 +55,7 @@ MAX_BLOCKS_PER_FRAME = 65536  # blocks named in one frame: a prompt of 1M tokens
 MAX_PAGES_PER_FRAME = 16  # pages of bytes in one WritePages or PagesOk (the client moves one at a time)
 MAX_NAME_CHARS = 256  # a tenant's or a client's name
 MAX_TOKEN_CHARS = 1024  # a tenant's token
+MAX_RENEW_IDS = 4096  # reservations (and as many leases) one Renew names: far more than a client holds at once
 # Every frame other than page bytes: a maximal Reserve (65536 hashes and lengths) is 1.5 MiB,
 # its ReserveOk, a maximal LookupOk / AcquireOk (65536 hits) 2.3 MiB, Metrics' text well under.
 CONTROL_FRAME_BYTES = 4 * 1024 * 1024
@@ -67,6 +73,7 @@ Digests = Annotated[list[Annotated[bytes, msgspec.Meta(max_length=DIGEST_BYTES)]
                     msgspec.Meta(max_length=MAX_BLOCKS_PER_FRAME)]
 PageIndexes = Annotated[list[int], msgspec.Meta(max_length=MAX_PAGES_PER_FRAME)]
 PageData = Annotated[list[bytes], msgspec.Meta(max_length=MAX_PAGES_PER_FRAME)]
+GrantIds = Annotated[list[int], msgspec.Meta(max_length=MAX_RENEW_IDS)]
 
 
 class Envelope(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -186,15 +193,28 @@ class ReportCorrupt(msgspec.Struct, tag="report_corrupt", forbid_unknown_fields=
     indexes: Annotated[list[int], msgspec.Meta(max_length=MAX_REPORT_INDEXES)]
 
 
+class Renew(msgspec.Struct, tag="renew", forbid_unknown_fields=True, omit_defaults=True):
+    """The session is still working on these reservations (leases) of its own: move each
+    deadline to now + its TTL (never past the grant's maximum age). Answered per id, in
+    order (RenewOk): the seconds to the new deadline, or a refusal (kvpool.pool.records.
+    RenewRefusal: unknown, expired, not_yours), the grant left as it was. Sent only to a
+    daemon whose hello advertised the TTL."""
+
+    reservations: GrantIds = msgspec.field(default_factory=list)
+    leases: GrantIds = msgspec.field(default_factory=list)
+
+
 Request = Union[Hello, Ping, Lookup, Acquire, Release, Reserve, WritePages, Commit, Abort,
-                ReadPages, Evict, SetCapacity, SetLimits, Stats, Metrics, ReportCorrupt]
+                ReadPages, Evict, SetCapacity, SetLimits, Stats, Metrics, ReportCorrupt, Renew]
 
 
 # -- replies ----------------------------------------------------------------------------
 class HelloOk(msgspec.Struct, tag="hello_ok"):
     """`arena`: the daemon's attach socket (a Unix socket path); a client on the same
     host connects to it and sends `ticket` (single-use, for this session, valid for the
-    daemon's hello timeout) to be handed its tenant's segment as a file descriptor."""
+    daemon's hello timeout) to be handed its tenant's segment as a file descriptor.
+    `reservation_ttl_s`, `lease_ttl_s`: how long a reservation or lease lives unless renewed
+    (Renew); 0: the daemon does not say (it predates Renew: a client does not renew)."""
     session: int
     arena: str
     arena_instance: bytes
@@ -203,6 +223,8 @@ class HelloOk(msgspec.Struct, tag="hello_ok"):
     server: str
     restarted_after_crash: bool
     ticket: bytes = b""
+    reservation_ttl_s: float = 0.0
+    lease_ttl_s: float = 0.0
 
 
 class Pong(msgspec.Struct, tag="pong"):
@@ -276,8 +298,13 @@ class ReportOk(msgspec.Struct, tag="report_ok"):
     outcomes: list[CorruptOutcome]  # per reported index: dropped (corrupt at rest) or intact
 
 
+class RenewOk(msgspec.Struct, tag="renew_ok"):
+    reservations: list[Renewal]  # one per id asked, in order
+    leases: list[Renewal]
+
+
 Reply = Union[HelloOk, Pong, LookupOk, AcquireOk, ReleaseOk, ReserveOk, WriteOk, CommitOk,
-              AbortOk, PagesOk, EvictOk, CapacityOk, LimitsOk, StatsOk, MetricsOk, Error, ReportOk]
+              AbortOk, PagesOk, EvictOk, CapacityOk, LimitsOk, StatsOk, MetricsOk, Error, ReportOk, RenewOk]
 
 _encoder = msgspec.msgpack.Encoder()
 _envelope = msgspec.msgpack.Decoder(Envelope)

@@ -9,6 +9,9 @@ the clients read. Plain values: no state, no I/O.
                                    the catalog's answer to each call (kvpool.pool.catalog).
   EvictOutcome, CorruptOutcome     one block's outcome of an evict; the daemon's answer to a
                                    loader's report of a corrupt page.
+  Renewal / RenewRefusal / RenewResult
+                                   one reservation's or lease's answer to a renew: the seconds
+                                   its new deadline lies ahead, or why it was refused.
 """
 
 from __future__ import annotations
@@ -44,6 +47,35 @@ class EvictOutcome(enum.StrEnum):
     # a namespace's reset only (reset_namespace): one outcome per page it took out of the pool
     DROPPED = "dropped"  # committed and leased: out of the index now, freed when its loaders release it
     CANCELLED = "cancelled"  # reserved by an open publish: its commit is rejected
+
+class RenewRefusal(enum.StrEnum):
+    """Why a reservation or lease was not renewed (it is left as it was)."""
+
+    UNKNOWN = "unknown"  # never granted, or committed, aborted, released, or expired long ago
+    EXPIRED = "expired"  # its deadline passed (reaped, or about to be): never resurrected
+    NOT_YOURS = "not_yours"  # another client's: untouched
+
+
+class Renewal(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """One id's answer to a renew: `ttl_s` seconds from now to its new deadline (seconds, not
+    a time: the daemon's clock is not the client's), or `refused` and ttl_s 0. The deadline
+    never moves past the grant's maximum age (CatalogConfig.reservation_max_s, lease_max_s):
+    near it, ttl_s is shorter than the TTL."""
+
+    id: int
+    ttl_s: float = 0.0
+    refused: RenewRefusal | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RenewResult:
+    reservations: tuple[Renewal, ...]
+    leases: tuple[Renewal, ...] = ()
+
+    @property
+    def refused(self) -> tuple[Renewal, ...]:
+        return tuple(r for r in (*self.reservations, *self.leases) if r.refused is not None)
+
 
 class PageRef(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     page: int

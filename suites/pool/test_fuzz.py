@@ -32,7 +32,7 @@ from suites.pool.test_malformed import _ask  # one frame, one reply (asserting t
 
 NS = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
 OPS = ["hello", "ping", "lookup", "acquire", "read", "release", "reserve", "write", "commit", "abort", "evict",
-       "capacity", "stats", "metrics"]
+       "capacity", "stats", "metrics", "renew"]
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(allow_nan=True),
                     st.text(max_size=20), st.binary(max_size=40))
@@ -41,7 +41,7 @@ values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=
                       max_leaves=12)
 field_names = st.sampled_from(["ns", "hashes", "lengths", "lease_id", "reservation_id", "indexes", "digests",
                                "slots", "data", "pages", "tenant", "token", "client_name", "wait_pending_ms",
-                               "boundary", "zz"])
+                               "boundary", "reservations", "leases", "zz"])
 bodies = st.one_of(values, st.builds(lambda op, fields: {"type": op, **fields}, st.sampled_from(OPS),
                                      st.dictionaries(field_names, st.one_of(values, st.just(NS.as_dict())),
                                                      max_size=4)))

@@ -4,7 +4,7 @@ import msgspec
 import pytest
 
 from kvpool.pool import protocol as P
-from kvpool.pool.records import EvictOutcome, Hits, Miss, Slot, SlotStatus
+from kvpool.pool.records import EvictOutcome, Hits, Miss, Renewal, RenewRefusal, Slot, SlotStatus
 from kvpool.errors import ErrorCode, MalformedFrame, MissCause, WrongVersion, error_from_code, Unauthenticated
 from kvpool.pool.keys import Namespace
 
@@ -14,7 +14,8 @@ H = [b"\x01" * 16, b"\x02" * 16]
 REQUESTS = [
     P.Hello("default", "secret", "replica-a"), P.Ping(), P.Lookup(NS, H), P.Acquire(NS, H), P.Release(3),
     P.Reserve(NS, H, [10, 20], 1), P.WritePages(4, [0], [b"abc"]), P.Commit(4, [b"d" * 16]), P.Abort(4),
-    P.ReadPages(3, [0, 1]), P.Evict(NS, H), P.SetCapacity(9), P.Stats(), P.Metrics(),
+    P.ReadPages(3, [0, 1]), P.Evict(NS, H), P.SetCapacity(9), P.Stats(), P.Metrics(), P.Renew([4, 5], [3]),
+    P.Renew(),
 ]
 REPLIES = [
     P.HelloOk(1, "arena", b"i" * 16, 4096, 8, "srv", False), P.Pong(),
@@ -23,6 +24,8 @@ REPLIES = [
     P.ReserveOk(7, [Slot(SlotStatus.RESERVED, 1, 0), Slot(SlotStatus.EXISTS)]), P.WriteOk(1),
     P.CommitOk(1, [2]), P.AbortOk(3), P.PagesOk([b"x"]), P.EvictOk([EvictOutcome.LEASED]),
     P.CapacityOk(2), P.StatsOk({"a": 1}), P.MetricsOk("m 1"), P.Error(ErrorCode.BUSY, "full"),
+    P.HelloOk(1, "arena", b"i" * 16, 4096, 8, "srv", False, b"t", 30.0, 60.0),
+    P.RenewOk([Renewal(4, 29.5), Renewal(5, 0.0, RenewRefusal.NOT_YOURS)], [Renewal(3, 0.0, RenewRefusal.EXPIRED)]),
 ]
 
 
@@ -77,3 +80,20 @@ def test_a_negative_wait_is_malformed():
     body = msgspec.msgpack.encode([1, 2, {"type": "lookup", "ns": NS.as_dict(), "hashes": [], "wait_pending_ms": -1}])
     with pytest.raises(MalformedFrame):
         P.decode_request(body)
+
+
+def test_a_renew_names_at_most_max_renew_ids_of_each():
+    P.decode_request(P.encode_request(1, P.Renew(list(range(P.MAX_RENEW_IDS))))[4:])
+    with pytest.raises(MalformedFrame):
+        P.decode_request(P.encode_request(1, P.Renew(list(range(P.MAX_RENEW_IDS + 1))))[4:])
+    with pytest.raises(MalformedFrame):
+        P.decode_request(P.encode_request(1, P.Renew([], list(range(P.MAX_RENEW_IDS + 1))))[4:])
+
+
+def test_hello_ok_of_a_daemon_before_renew_decodes_with_no_ttl():
+    """A daemon that predates Renew sends no TTLs: the client reads 0 (and does not renew)."""
+    old = msgspec.msgpack.encode([P.PROTOCOL_VERSION, 3, {"type": "hello_ok", "session": 1, "arena": "a",
+                                  "arena_instance": b"i", "page_size": 4096, "num_pages": 8, "server": "s",
+                                  "restarted_after_crash": False}])
+    _, hello = P.decode_reply(old)
+    assert isinstance(hello, P.HelloOk) and hello.reservation_ttl_s == 0.0 and hello.lease_ttl_s == 0.0

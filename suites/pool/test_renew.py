@@ -1,0 +1,183 @@
+"""Renewal over the wire, on a real daemon with a short TTL and a fast reaper: a publish whose
+copy completes long after its reservation's TTL (a GPU store's copies queued behind long
+forwards) commits and is served byte-exact when its waiting side renews, and, without the
+renewals (the negative control: the same wait), its commit is refused and a reader finds its
+blocks `never_published`, which the oracle catches. A renew of another session's reservation
+is refused and leaves it intact (control: OwnerBlindRenewCatalog, caught).
+
+The wait is kvpool.gpu.events.await_event, the one a store's lane runs, with a stand-in for
+the CUDA event whose query() turns true when the "copy" (a thread writing the reserved pages
+after a delay) is done. Margins: TTL 0.5 s, renewals every 1/6 s, the copy done at 5 x TTL,
+the reaper every 20 ms.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvgate.faults.renew_controls import OwnerBlindRenewCatalog
+from kvgate.harness.system.pool import thread_pool
+from kvpool.client.keepalive import Keepalive
+from kvpool.client.pool_client import PoolClient
+from kvpool.client.transfer import load
+from kvpool.errors import InvalidRequest, MissCause, PoolError
+from kvpool.pool.catalog import Catalog
+from kvpool.pool.digest import page_digest
+from kvpool.pool.keys import Namespace, block_hashes
+from kvpool.pool.records import RenewRefusal
+
+pytest.importorskip("torch")
+from kvpool.gpu.events import await_event  # noqa: E402 - after the skip
+
+NS = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
+TTL_S = 0.5
+HOLD_S = 5 * TTL_S
+PAGE = 4096
+
+
+def daemon(catalog=Catalog):
+    return thread_pool(page_size=PAGE, num_pages=16, reservation_ttl_s=TTL_S, reap_interval_s=0.02,
+                       scrub_rest_pages_per_round=0, catalog_factory=catalog)
+
+
+def client(d, name=""):
+    return PoolClient(f"unix:{d.unix_path}", "default", "tok", name=name)
+
+
+class CopyEvent:
+    """A stand-in for a store's CUDA event: done once the copy thread wrote every page."""
+
+    def __init__(self):
+        self.done = threading.Event()
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+
+def held_publish(c: PoolClient, hashes, pages, renew: bool) -> dict:
+    """Reserve, let a copy write the pages HOLD_S later, wait for it as a store's lane does
+    (renewing, or not), then commit: what happened."""
+    res = c.reserve(NS, hashes, [PAGE] * len(hashes))
+    event = CopyEvent()
+
+    def copy() -> None:
+        time.sleep(HOLD_S)  # the forward the copies are queued behind
+        for i, data in enumerate(pages):
+            c.reserved_view(res, i)[:PAGE] = data
+        event.done.set()
+
+    threading.Thread(target=copy, daemon=True).start()
+    keepalive = Keepalive.of(c, reservations=(res.reservation_id,)) if renew else None
+    t0 = time.monotonic()
+    refused = await_event(event, 1e-3, keepalive)
+    waited = time.monotonic() - t0
+    if refused is not None:
+        return {"waited": waited, "error": f"renew: {refused}", "committed": 0}
+    try:
+        out = c.commit(res.reservation_id, [page_digest(p) for p in pages])
+    except PoolError as exc:
+        return {"waited": waited, "error": f"{type(exc).__name__}: {exc}", "committed": 0, "exc": exc}
+    return {"waited": waited, "error": "", "committed": out.committed}
+
+
+def served_byte_exact(reader: PoolClient, hashes, pages) -> tuple[bool, MissCause | None]:
+    """The oracle: a reader loads every block, byte for byte what was published."""
+    out = [np.zeros(PAGE, np.uint8) for _ in pages]
+    got = load(reader, NS, hashes, out.__getitem__)
+    exact = got.loaded == len(pages) and all(np.array_equal(a, b) for a, b in zip(out, pages))
+    return exact, (got.miss.cause if got.miss is not None else None)
+
+
+def _blocks(seed: int, n: int = 3):
+    hashes = block_hashes(list(range(seed * 1000, seed * 1000 + 16 * n)), 16)
+    pages = [np.random.default_rng(seed * 10 + i).integers(0, 256, PAGE, dtype=np.uint8) for i in range(n)]
+    return hashes, pages
+
+
+def test_a_publish_held_past_the_ttl_with_renewals_commits_and_is_served_byte_exact():
+    d = daemon()
+    try:
+        with client(d, "writer") as w, client(d, "reader") as r:
+            assert w.reservation_ttl_s == TTL_S  # advertised at hello
+            hashes, pages = _blocks(1)
+            outcome = held_publish(w, hashes, pages, renew=True)
+            assert outcome["waited"] >= HOLD_S > 2 * TTL_S  # the grant outlived several TTLs
+            assert outcome["error"] == "" and outcome["committed"] == 3, outcome
+            assert served_byte_exact(r, hashes, pages) == (True, None)
+            stats = w.stats()
+            assert stats["renewals"] >= 3 and stats["expired_reservations"] == 0, stats
+    finally:
+        d.stop_thread()
+
+
+def test_control_the_same_wait_without_renewals_loses_the_publish_and_the_oracle_catches_it():
+    d = daemon()
+    try:
+        with client(d, "writer") as w, client(d, "reader") as r:
+            hashes, pages = _blocks(2)
+            outcome = held_publish(w, hashes, pages, renew=False)
+            assert outcome["committed"] == 0 and isinstance(outcome.get("exc"), InvalidRequest), outcome
+            exact, cause = served_byte_exact(r, hashes, pages)
+            assert not exact and cause is MissCause.NEVER_PUBLISHED  # caught: the seed003 run5 signature
+            assert w.stats()["expired_reservations"] == 1
+    finally:
+        d.stop_thread()
+
+
+def _renew_of_another_session(catalog) -> tuple[RenewRefusal | None, dict]:
+    """Session B renews A's open reservation, then A idles past the TTL without renewing:
+    (B's answer, A's commit outcome)."""
+    d = daemon(catalog)
+    try:
+        with client(d, "a") as a, client(d, "b") as b:
+            hashes, pages = _blocks(3)
+            res = a.reserve(NS, hashes, [PAGE] * 3)
+            for i, data in enumerate(pages):
+                a.reserved_view(res, i)[:PAGE] = data
+            answers = []
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < HOLD_S:  # B keeps "renewing" A's publish
+                answers.append(b.renew([res.reservation_id]).reservations[0].refused)
+                time.sleep(TTL_S / 3)
+            try:
+                committed = a.commit(res.reservation_id, [page_digest(p) for p in pages]).committed
+            except InvalidRequest:
+                committed = 0
+            return (answers[0] if len(set(answers)) == 1 else None), {"committed": committed,
+                                                                     "stats": a.stats()}
+    finally:
+        d.stop_thread()
+
+
+def test_a_renew_of_another_sessions_reservation_is_refused_and_leaves_it_intact():
+    answer, a = _renew_of_another_session(Catalog)
+    assert answer is RenewRefusal.NOT_YOURS
+    # intact: not extended by B (A's own TTL reclaimed it), not aborted early by B either
+    assert a["committed"] == 0 and a["stats"]["expired_reservations"] == 1 and a["stats"]["renewals"] == 0
+
+
+def test_control_an_owner_blind_renewal_is_caught():
+    answer, a = _renew_of_another_session(OwnerBlindRenewCatalog)
+    assert answer is None  # B's renewals were granted
+    assert a["committed"] == 3  # A's abandoned publish outlived its TTL on B's word: what the test refuses
+
+
+def test_renew_of_an_unknown_or_committed_id_is_refused_and_a_frame_names_each_id_once():
+    d = daemon()
+    try:
+        with client(d) as c:
+            hashes, pages = _blocks(4, 1)
+            res = c.reserve(NS, hashes, [PAGE])
+            c.reserved_view(res, 0)[:PAGE] = pages[0]
+            c.commit(res.reservation_id, [page_digest(pages[0])])
+            got = c.renew([res.reservation_id, 424242], [77])
+            assert [x.refused for x in (*got.reservations, *got.leases)] == [RenewRefusal.UNKNOWN] * 3
+            with pytest.raises(InvalidRequest):
+                c.renew([5, 5])
+            c.ping()  # the daemon serves on
+    finally:
+        d.stop_thread()
