@@ -17,9 +17,8 @@ BLOCK_SIZE = 16  # TRITON_ATTN needs a multiple of 16; set explicitly so kernel 
 
 
 def gpu_args(memory_utilization: float, block_size: int = BLOCK_SIZE) -> tuple[str, ...]:
-    """vLLM 0.24 flags for a replica sharing one GPU (the bundle has TRITON_ATTN only); every
-    replica of a Cluster runs eager (kvgate.harness.system.cluster)."""
-    return ("--attention-backend", "TRITON_ATTN", "--block-size", str(block_size),
+    """vLLM 0.24 flags for a replica sharing one GPU (the bundle has TRITON_ATTN only)."""
+    return ("--attention-backend", "TRITON_ATTN", "--enforce-eager", "--block-size", str(block_size),
             "--gpu-memory-utilization", str(memory_utilization))
 
 
