@@ -140,11 +140,12 @@ def _casualties(cluster) -> dict[str, str]:  # noqa: ANN001
 
 
 def _heal(cluster, names) -> list[str]:  # noqa: ANN001
-    """Restart the given replicas (killed first where the process is still there)."""
+    """Restart the given replicas (all killed first where the process is still there, in the
+    order given, then started together)."""
     for name in names:
         if cluster.replicas[name].proc.poll() is None:
             cluster.kill_replica(name)
-        cluster.restart_replica(name)
+    cluster.restart_replicas(list(names))
     return list(names)
 
 

@@ -255,14 +255,23 @@ class Cluster:
 
     def restart_replica(self, name: str, timeout: float = 600.0) -> Replica:
         """Start a killed (or stopped) replica again with the same spec: the heal step."""
-        old = self.replicas[name]
-        if old.proc.poll() is None:
-            raise RuntimeError(f"replica {name} is still running")
-        replica = self.replicas[name] = self._spawn(old.spec)
-        self._wait_healthy(replica, timeout)
-        self._killed.discard(name)
-        self.nemesis("replica_restart", replica=name, pid=replica.proc.pid)
-        return replica
+        return self.restart_replicas([name], timeout)[0]
+
+    def restart_replicas(self, names: list[str], timeout: float = 600.0) -> list[Replica]:
+        """Start several killed (or stopped) replicas again, all at once (their starts overlap,
+        as the cluster's own start does), and wait until each is healthy."""
+        for name in names:
+            if self.replicas[name].proc.poll() is None:
+                raise RuntimeError(f"replica {name} is still running")
+        started = []
+        for name in names:
+            self.replicas[name] = self._spawn(self.replicas[name].spec)
+            started.append(self.replicas[name])
+        for name, replica in zip(names, started):
+            self._wait_healthy(replica, timeout)
+            self._killed.discard(name)
+            self.nemesis("replica_restart", replica=name, pid=replica.proc.pid)
+        return started
 
     def pool_for(self, replica: str) -> PoolProcess | None:
         """The pool daemon a replica publishes to (None while it is down)."""

@@ -56,9 +56,10 @@ class _Cluster:
     def kill_replica(self, name: str) -> None:
         self.events.append(("kill_replica", name))
 
-    def restart_replica(self, name: str) -> None:
-        self.events.append(("restart_replica", name))
-        self.dead.discard(name)
+    def restart_replicas(self, names: list[str]) -> None:
+        for name in names:
+            self.events.append(("restart_replica", name))
+            self.dead.discard(name)
 
     def complete(self, url: str, prompt: str, *, tag: str, replica: str, load: bool = True, publish: bool = True,
                  cache_salt: str | None = None, timeout_s: float = 600.0) -> Completion:

@@ -70,8 +70,9 @@ def _heal_replicas(cluster: Cluster) -> list[str]:
         if not healthy(cluster.replicas[name].url, timeout_s=10.0):
             cluster.nemesis("replica_heal", replica=name, reason="unhealthy after the restart race")
             cluster.kill_replica(name)
-            cluster.restart_replica(name)
             healed.append(name)
+    if healed:
+        cluster.restart_replicas(healed)
     return healed
 
 
