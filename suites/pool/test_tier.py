@@ -243,6 +243,9 @@ def test_framing_errors_name_the_sizes():
         decode_record(AUTH, NS, b"\x01" * 16, bytes(35))
     with pytest.raises(TierRecordError, match=r"^a tier record's header claims 5 bytes; 4 follow$"):
         decode_record(AUTH, NS, b"\x01" * 16, bytes(32) + (5).to_bytes(4, "big") + b"abcd")
+    # a record of exactly its tag and length prefix is framed (a header of 0 bytes): the tag is checked next
+    with pytest.raises(TierCorrupt, match="not authenticated by tenant 'default'"):
+        decode_record(AUTH, NS, b"\x01" * 16, bytes(36))
     # a header that claims exactly what follows is framed: the tag is checked next
     with pytest.raises(TierCorrupt, match="not authenticated by tenant 'default'"):
         decode_record(AUTH, NS, b"\x01" * 16, bytes(32) + (4).to_bytes(4, "big") + b"abcd")
@@ -265,8 +268,14 @@ def test_each_check_after_the_tag_says_what_differs():
         decode_record(AUTH, NS, h, _signed(AUTH, page, namespace=NS.replace(model_revision="r2").as_dict()))
     with pytest.raises(TierCorrupt, match=r"^a record of another namespace \(tenant\) under this key"):
         decode_record(AUTH, NS, h, _signed(AUTH, page, namespace=NS.replace(tenant="bob").as_dict()))
+    with pytest.raises(TierCorrupt, match=r"^a record of another namespace \(model_revision, kv_dtype\) under this key"):
+        decode_record(AUTH, NS, h, _signed(AUTH, page, namespace=NS.replace(model_revision="r2", kv_dtype="fp8").as_dict()))
     with pytest.raises(TierCorrupt, match=r"^a record of another namespace \(namespace\) under this key"):
-        decode_record(AUTH, NS, h, _signed(AUTH, page, namespace={"model_id": "tiny"}))
+        decode_record(AUTH, NS, h, _signed(AUTH, page, namespace={"model_id": "tiny"}))  # not a namespace
+    # the same namespace written without its default tenant: no field differs, yet the dicts do
+    without_tenant = {k: v for k, v in NS.as_dict().items() if k != "tenant"}
+    with pytest.raises(TierCorrupt, match=r"^a record of another namespace \(namespace\) under this key"):
+        decode_record(AUTH, NS, h, _signed(AUTH, page, namespace=without_tenant))
     with pytest.raises(TierCorrupt, match=r"^a record of another block under this key: moved or copied there$"):
         decode_record(AUTH, NS, b"\x02" * 16, _signed(AUTH, page))
     with pytest.raises(TierCorrupt, match=r"^the record's page has 64 bytes; 65 were stored$"):
@@ -297,10 +306,9 @@ def test_tier_keys_derive_from_the_secret_by_blake2b_per_tenant():
     longer = TierAuth.from_secret("t1", b"k" * 65)
     root = hashlib.blake2b(b"k" * 65, person=b"kvpool-tier-root").digest()
     assert longer.name_key == hashlib.blake2b(b"t1", key=root, person=b"kvpool-tier-key", digest_size=32).digest()
-    with pytest.raises(ValueError, match=r"^tier keys are 32 bytes"):
-        TierAuth("t1", bytes(32), bytes(31))
-    with pytest.raises(ValueError, match=r"^tier keys are 32 bytes"):
-        TierAuth("t1", bytes(31), bytes(32))
+    for mac_key, name_key in ((bytes(32), bytes(31)), (bytes(31), bytes(32)), (bytes(33), bytes(33))):
+        with pytest.raises(ValueError, match=r"^tier keys are 32 bytes \(TierAuth\.from_secret derives them\)$"):
+            TierAuth("t1", mac_key, name_key)
 
 
 def test_a_tier_key_is_the_tenants_prefix_and_a_keyed_digest_of_namespace_and_block():
