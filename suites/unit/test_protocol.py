@@ -146,3 +146,39 @@ def test_hits_negative_index_counts_from_the_end_and_a_slice_gives_those_pages()
     assert hits[0:2] == [hits[0], hits[1]]
     assert [r.page for r in hits[::-1]] == [9, 8, 7]
     assert hits.total_bytes == 60 and len(hits) == 3 and bool(hits) and not Hits()
+
+
+# -- the envelope's checks and their messages (kvpool.pool.protocol) ------------------------
+
+def test_a_frame_after_the_hello_holds_max_pages_pages_and_the_control_bytes():
+    assert P.frame_limit(4096) == 16 * 4096 + 4 * 1024 * 1024
+    assert P.frame_limit(1) == P.MAX_PAGES_PER_FRAME + P.CONTROL_FRAME_BYTES
+
+
+@pytest.mark.parametrize("rid", [0, 1, 2**63 - 1])
+def test_a_request_id_from_0_to_2_63_minus_1_is_served(rid):
+    assert P.decode_request(msgspec.msgpack.encode([P.PROTOCOL_VERSION, rid, {"type": "ping"}])) == (rid, P.Ping())
+    assert P.decode_reply(msgspec.msgpack.encode([P.PROTOCOL_VERSION, rid, {"type": "pong"}])) == (rid, P.Pong())
+
+
+@pytest.mark.parametrize("rid", [-1, 2**63, 2**64 - 1])
+def test_a_request_id_outside_0_to_2_63_minus_1_is_malformed_and_says_so(rid):
+    with pytest.raises(MalformedFrame, match=rf"^request id {rid} out of range$"):
+        P.decode_request(msgspec.msgpack.encode([P.PROTOCOL_VERSION, rid, {"type": "ping"}]))
+
+
+def test_each_decoding_error_says_what_failed_and_carries_the_request_id():
+    with pytest.raises(MalformedFrame, match=r"^frame is not a \[version, id, body\] envelope: "):
+        P.decode_request(b"\xc1")
+    with pytest.raises(MalformedFrame, match=r"^frame is not a \[version, id, body\] envelope: "):
+        P.decode_reply(msgspec.msgpack.encode([1, 2]))
+    with pytest.raises(WrongVersion, match=rf"^protocol version 7 not served; this daemon speaks {P.PROTOCOL_VERSION}$") as info:
+        P.decode_request(msgspec.msgpack.encode([7, 11, {"type": "ping"}]))
+    assert info.value.request_id == 11
+    with pytest.raises(MalformedFrame, match=r"^request body does not decode: ") as info:
+        P.decode_request(msgspec.msgpack.encode([P.PROTOCOL_VERSION, 12, {"type": "nope"}]))
+    assert info.value.request_id == 12
+    with pytest.raises(WrongVersion, match=rf"^daemon replied with protocol version 7, expected {P.PROTOCOL_VERSION}$"):
+        P.decode_reply(msgspec.msgpack.encode([7, 13, {"type": "pong"}]))
+    with pytest.raises(MalformedFrame, match=r"^reply body does not decode: "):
+        P.decode_reply(msgspec.msgpack.encode([P.PROTOCOL_VERSION, 14, {"type": "nope"}]))
