@@ -429,9 +429,10 @@ def test_the_wait_time_counted_is_the_time_waited_summed_over_the_waits(daemon):
         elapsed = time.monotonic() - t0
         waited_us = cons.stats()["lookup_wait_us"]
         # each wait lasts its bound (0.2 s, on the loop's clock: 0.39 allows its rounding), the
-        # two are summed, and neither counts more than the time the test saw pass
-        assert 0.39e6 <= waited_us <= elapsed * 1e6, (waited_us, elapsed)
+        # two are summed, and they count no more than the time the test saw pass (plus 50 ms
+        # for the loop clock's own granularity: a wait can read a millisecond over it)
+        assert 0.39e6 <= waited_us <= (elapsed + 0.05) * 1e6, (waited_us, elapsed)
         text = cons.metrics_text()
         assert metric(text, "kvpool_lookup_wait_seconds_count") == 2.0
-        assert 0.39 <= metric(text, "kvpool_lookup_wait_seconds_sum") <= elapsed
+        assert 0.39 <= metric(text, "kvpool_lookup_wait_seconds_sum") <= elapsed + 0.05
         prod.abort(res.reservation_id)
