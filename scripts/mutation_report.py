@@ -191,7 +191,7 @@ def markdown(doc: dict) -> str:
                               for m in carried) + "."]
     selected = [m for m in doc["modules"] if m.get("selection") and not m.get("carried_from")]
     if selected:
-        lines += ["", "Tests per module (each its own run):", ""]
+        lines += ["", "Tests per module (the selection of the run its results come from):", ""]
         lines += [f"- {m['module']}: `{' '.join(m['selection'])}`" for m in selected]
     if doc.get("note"):
         lines += ["", doc["note"]]
