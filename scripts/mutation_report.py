@@ -27,7 +27,8 @@ whose pyproject.toml names fewer modules in only_mutate and fewer tests): one --
 run, each module scored from the first directory that holds its results, with the test
 selection of the pyproject.toml beside that directory (the run's own). --carry-over keeps,
 for a module no directory holds, its row of the scores.json being replaced, marked with the
-commit and date it was measured at.
+commit and date it was measured at, and names a module with neither as not measured (without
+--carry-over, a module without results is an error).
 """
 
 from __future__ import annotations
@@ -184,6 +185,9 @@ def markdown(doc: dict) -> str:
     t = doc["total"]
     lines.append(f"| **all** | {t['mutants']} | {t['killed']} | {t['timeout']} | {t['survived']} | {t['no_tests']} | "
                  f"{t['equivalent']} | {t['score']:.1f}% |")
+    if doc.get("not_measured"):
+        lines += ["", "Not measured (no results in any run given): "
+                  + ", ".join(module_name(p) for p in doc["not_measured"]) + "."]
     if carried:
         lines += ["", "Rows carried over from an earlier report (not measured at this commit): "
                   + "; ".join(f"{m['module']} at `{m['carried_from']['commit'][:12]}`"
@@ -229,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     conf = mutmut_config(args.config)
     dirs = args.mutants or [REPO / "mutants"]
-    previous = {}
+    previous, unmeasured = {}, []
     if args.carry_over and (args.out / "scores.json").exists():
         previous = carried_rows(json.loads((args.out / "scores.json").read_text()))
     for path in conf["only_mutate"]:
@@ -242,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         elif module_name(path) in previous:
             rows.append(previous[module_name(path)])
         elif args.carry_over:
-            continue  # neither measured now nor before: not in the report
+            unmeasured.append(path)  # neither measured now nor before: named as such
         else:
             print(f"no results for {path} (in {', '.join(map(str, dirs))}): run `make mutation` first",
                   file=sys.stderr)
@@ -261,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         "note": args.note,
         "target": TARGET,
         "modules": rows,
+        "not_measured": unmeasured,
         "total": total,
     }
     args.out.mkdir(parents=True, exist_ok=True)
