@@ -21,6 +21,14 @@ equivalent, and the score, with the commit and whether the tree was clean
   score       (killed + timeout) / (mutants - equivalent)
 
 Exits 1 if a module has mutants left unchecked (the run was interrupted) unless --partial.
+
+Results of several runs, each narrowed to some modules and their tests (a copy of the tree
+whose pyproject.toml names fewer modules in only_mutate and fewer tests): one --mutants per
+run, each module scored from the first directory that holds its results, with the test
+selection of the pyproject.toml beside that directory (the run's own). --carry-over keeps,
+for a module no directory holds, its row of the scores.json being replaced, marked with the
+commit and date it was measured at, and names a module with neither as not measured (without
+--carry-over, a module without results is an error).
 """
 
 from __future__ import annotations
@@ -122,6 +130,25 @@ def score_module(path: str, meta: dict, equivalent: dict[str, str]) -> dict:
     }
 
 
+def run_selection(mutants_dir: Path, default: dict) -> list[str]:
+    """The test selection of the run that left `mutants_dir`: its tree's pyproject.toml."""
+    conf_path = mutants_dir.parent / "pyproject.toml"
+    conf = mutmut_config(conf_path) if conf_path.exists() else default
+    return list(conf["pytest_add_cli_args_test_selection"])
+
+
+def carried_rows(doc: dict) -> dict[str, dict]:
+    """The module rows of a previous report, each marked with the commit and date it was
+    measured at (kept from an earlier carry-over)."""
+    out = {}
+    for row in doc.get("modules", []):
+        row = dict(row)
+        row.setdefault("carried_from", {"commit": doc["provenance"]["commit"], "clean": doc["provenance"]["clean"],
+                                        "date": doc["date"], "selection": doc.get("selection")})
+        out[row["module"]] = row
+    return out
+
+
 def _natural(name: str) -> tuple[str, int]:
     head, _, n = name.rpartition("__mutmut_")
     return head, int(n) if n.isdigit() else 0
@@ -134,8 +161,10 @@ def markdown(doc: dict) -> str:
         "",
         f"Commit `{prov['commit']}` ({'clean tree' if prov['clean'] else 'dirty tree: ' + ', '.join(prov['dirty'])}),"
         f" {doc['date']}, mutmut {doc['mutmut']}. Made by scripts/mutation_report.py from mutmut's results"
-        " (`make mutation` runs both). Tests: `" + " ".join(doc["selection"])
-        + "`, each mutant against those of them that called its function.",
+        " (`make mutation` runs both). Tests: "
+        + ("each module's run's own selection (below)" if any(m.get("selection") for m in doc["modules"])
+           else "`" + " ".join(doc["selection"]) + "`")
+        + ", each mutant against those of them that called its function.",
         "",
         "Score = (killed + timeout) / (mutants - equivalent); equivalents, with their reasons, in"
         f" [equivalent.md](equivalent.md). Target: {TARGET:.0f}% per module.",
@@ -149,11 +178,25 @@ def markdown(doc: dict) -> str:
             score += " (below target)"
         if m["not_checked"]:
             score += f" ({m['not_checked']} not checked)"
-        lines.append(f"| {m['module']} | {m['mutants']} | {m['killed']} | {m['timeout']} | {m['survived']} | "
+        name = m["module"] + (" (carried over)" if m.get("carried_from") else "")
+        lines.append(f"| {name} | {m['mutants']} | {m['killed']} | {m['timeout']} | {m['survived']} | "
                      f"{m['no_tests']} | {m['equivalent']} | {score} |")
+    carried = [m for m in doc["modules"] if m.get("carried_from")]
     t = doc["total"]
     lines.append(f"| **all** | {t['mutants']} | {t['killed']} | {t['timeout']} | {t['survived']} | {t['no_tests']} | "
                  f"{t['equivalent']} | {t['score']:.1f}% |")
+    if doc.get("not_measured"):
+        lines += ["", "Not measured (no results in any run given): "
+                  + ", ".join(module_name(p) for p in doc["not_measured"]) + "."]
+    if carried:
+        lines += ["", "Rows carried over from an earlier report (not measured at this commit): "
+                  + "; ".join(f"{m['module']} at `{m['carried_from']['commit'][:12]}`"
+                              f"{'' if m['carried_from']['clean'] else ' (dirty tree)'}, {m['carried_from']['date']}"
+                              for m in carried) + "."]
+    selected = [m for m in doc["modules"] if m.get("selection") and not m.get("carried_from")]
+    if selected:
+        lines += ["", "Tests per module (the selection of the run its results come from):", ""]
+        lines += [f"- {m['module']}: `{' '.join(m['selection'])}`" for m in selected]
     if doc.get("note"):
         lines += ["", doc["note"]]
     if doc.get("wall_s"):
@@ -171,13 +214,17 @@ def markdown(doc: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mutants", type=Path, default=REPO / "mutants")
+    ap.add_argument("--mutants", type=Path, action="append", default=None,
+                    help="a run's mutants/ directory (repeatable: the first holding a module's results wins);"
+                         " default: mutants/")
     ap.add_argument("--out", type=Path, default=REPO / "reports" / "mutation")
     ap.add_argument("--wall-s", type=float, default=None, help="the run's wall time, to record")
     ap.add_argument("--partial", action="store_true", help="write the report of an unfinished run")
     ap.add_argument("--config", type=Path, default=REPO / "pyproject.toml",
                     help="the pyproject.toml whose tool.mutmut the run used (its modules and tests)")
     ap.add_argument("--note", default="", help="a line on how the run was made, for the Markdown")
+    ap.add_argument("--carry-over", action="store_true",
+                    help="a module without results keeps its row of the scores.json in --out (marked as such)")
     args = ap.parse_args(argv)
 
     import mutmut  # the version the results came from
@@ -185,12 +232,25 @@ def main(argv: list[str] | None = None) -> int:
     equivalent = equivalents(args.out / "equivalent.md")
     rows = []
     conf = mutmut_config(args.config)
+    dirs = args.mutants or [REPO / "mutants"]
+    previous, unmeasured = {}, []
+    if args.carry_over and (args.out / "scores.json").exists():
+        previous = carried_rows(json.loads((args.out / "scores.json").read_text()))
     for path in conf["only_mutate"]:
-        meta_path = args.mutants / (path + ".meta")
-        if not meta_path.exists():
-            print(f"no results for {path} ({meta_path}): run `make mutation` first", file=sys.stderr)
+        found = [d for d in dirs if (d / (path + ".meta")).exists()]
+        if found:
+            row = score_module(path, json.loads((found[0] / (path + ".meta")).read_text()), equivalent)
+            if len(dirs) > 1:
+                row["selection"] = run_selection(found[0], conf)
+            rows.append(row)
+        elif module_name(path) in previous:
+            rows.append(previous[module_name(path)])
+        elif args.carry_over:
+            unmeasured.append(path)  # neither measured now nor before: named as such
+        else:
+            print(f"no results for {path} (in {', '.join(map(str, dirs))}): run `make mutation` first",
+                  file=sys.stderr)
             return 1
-        rows.append(score_module(path, json.loads(meta_path.read_text()), equivalent))
     total = {k: sum(m[k] for m in rows) for k in
              ("mutants", "killed", "timeout", "survived", "no_tests", "equivalent", "not_checked", "other")}
     judged = total["mutants"] - total["equivalent"]
@@ -205,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         "note": args.note,
         "target": TARGET,
         "modules": rows,
+        "not_measured": unmeasured,
         "total": total,
     }
     args.out.mkdir(parents=True, exist_ok=True)

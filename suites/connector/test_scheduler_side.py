@@ -467,3 +467,161 @@ def test_a_request_that_reads_no_prefix_cache_claims_nothing_and_still_publishes
     assert [(x.first_block, len(x.block_ids)) for x in meta.stores] == [(0, 7)] and not meta.loads
     rec = [x for x in read_history(tmp_path / "h") if x["ev"] == "lookup" and x["req"] == "logprobs"]
     assert [x["outcome"] for x in rec] == ["skipped"] and "skip_reading_prefix_cache" in rec[0]["reason"]
+
+
+# -- a request's parameters and chain inputs, checked alone (kvpool.connector.params) --------
+
+import hashlib  # noqa: E402
+
+from kvpool.connector.params import (  # noqa: E402
+    ChainInputs, RequestParams, UnsupportedInput, chain_inputs, kv_groups_unsupported, request_inputs, request_tag,
+    salt_root)
+from kvpool.pool.keys import HASH_BYTES, ROOT_HASH, block_hashes  # noqa: E402
+
+
+@pytest.mark.parametrize("raw", [None, {}, {"other": 1}, {"kvpool": None}, {"kvpool": {}}],
+                         ids=["none", "empty", "others_only", "kvpool_none", "kvpool_empty"])
+def test_request_params_without_a_kvpool_section_load_and_publish_untagged(raw):
+    assert RequestParams.parse(raw) == RequestParams(None, True, True, None, None)
+
+
+def test_request_params_read_each_field_as_given():
+    assert RequestParams.parse({"kvpool": {"tag": "t", "load": False, "publish": True, "publish_tokens": 32}}) == \
+        RequestParams("t", False, True, 32, None)
+    assert RequestParams.parse({"kvpool": {"tag": 7, "publish": False, "publish_tokens": 0}}) == \
+        RequestParams("7", True, False, 0, None)
+    # a flag given as null is the default
+    assert RequestParams.parse({"kvpool": {"load": None, "publish": None}}) == RequestParams()
+
+
+def test_request_params_that_are_not_objects_say_so_in_at_most_200_characters():
+    long = "x" * 300
+    p = RequestParams.parse(long)
+    assert (p.load, p.publish, p.tag) == (False, False, None)
+    assert p.error == f"kv_transfer_params must be an object, got {long!r}"[:200] and len(p.error) == 200
+    p = RequestParams.parse({"kvpool": [long]})
+    assert (p.load, p.publish, p.tag) == (False, False, None)
+    assert p.error == f"kv_transfer_params.kvpool must be an object, got {[long]!r}"[:200] and len(p.error) == 200
+
+
+def test_request_params_name_every_problem_turn_off_load_and_publish_and_keep_the_tag():
+    p = RequestParams.parse({"kvpool": {"typo": 1, "tag": 1.5, "load": 1, "publish": "no", "publish_tokens": -1}})
+    assert p == RequestParams(None, False, False, None,
+                              "kv_transfer_params.kvpool: unknown field 'typo'; tag must be a string, got 1.5; "
+                              "load must be true or false, got 1; publish must be true or false, got 'no'; "
+                              "publish_tokens must be a non-negative integer, got -1")
+    # the tag of a malformed request is kept (for its history), cut at 200 characters
+    p = RequestParams.parse({"kvpool": {"tag": "t" * 300, "load": "yes"}})
+    assert p.tag == "t" * 200 and p.error == "kv_transfer_params.kvpool: load must be true or false, got 'yes'"
+    assert RequestParams.parse({"kvpool": {"tag": 9, "x": 0}}).tag == "9"
+    # the whole error is cut at 400 characters
+    p = RequestParams.parse({"kvpool": {f"field{i:03d}": 0 for i in range(50)}})
+    assert len(p.error) == 400 and p.error.startswith("kv_transfer_params.kvpool: unknown field 'field000'; ")
+
+
+@pytest.mark.parametrize("limit", [True, False, "5", 1.0, -1], ids=["true", "false", "string", "float", "negative"])
+def test_publish_tokens_must_be_a_non_negative_integer_not_a_bool(limit):
+    p = RequestParams.parse({"kvpool": {"publish_tokens": limit}})
+    assert (p.load, p.publish) == (False, False)
+    assert p.error == f"kv_transfer_params.kvpool: publish_tokens must be a non-negative integer, got {limit!r}"
+
+
+def test_request_params_of_a_request_read_its_kv_transfer_params():
+    assert RequestParams.of(SimpleNamespace(kv_transfer_params={"kvpool": {"tag": "a"}})).tag == "a"
+    assert RequestParams.of(SimpleNamespace()) == RequestParams()
+
+
+def test_a_requests_tag_is_its_own_tag_else_its_id():
+    def req(**kvpool):
+        return SimpleNamespace(request_id=42, kv_transfer_params={"kvpool": kvpool} if kvpool else None)
+
+    assert request_tag(req(tag="mine")) == "mine"
+    assert request_tag(req()) == "42"
+    assert request_tag(req(tag="")) == "42"
+
+
+def test_a_cache_salt_seeds_the_chain_and_no_salt_leaves_the_root():
+    assert salt_root(SimpleNamespace()) == ROOT_HASH
+    assert salt_root(SimpleNamespace(cache_salt=None)) == ROOT_HASH
+    assert salt_root(SimpleNamespace(cache_salt="")) == ROOT_HASH
+    assert salt_root(SimpleNamespace(cache_salt="s1")) == \
+        hashlib.blake2b(b"kvgate/cache-salt/s1", digest_size=HASH_BYTES).digest()
+    assert salt_root(SimpleNamespace(cache_salt="s1")) != salt_root(SimpleNamespace(cache_salt="s2"))
+
+
+def test_chain_inputs_hash_complete_blocks_from_the_root_the_salt_or_both():
+    tokens, bs = list(range(70)), 16  # 4 complete blocks, 6 tokens left over
+    salt, root = b"\x05" * HASH_BYTES, b"\x09" * HASH_BYTES
+    assert ChainInputs().hashes(tokens, bs) == block_hashes(tokens[:64], bs, parent=ROOT_HASH)
+    assert ChainInputs(root).hashes(tokens, bs) == block_hashes(tokens[:64], bs, parent=root)
+    assert ChainInputs().hashes(tokens, bs, salt) == block_hashes(tokens[:64], bs, parent=salt)
+    both = hashlib.blake2b(salt + root, digest_size=HASH_BYTES).digest()
+    assert ChainInputs(root).hashes(tokens, bs, salt) == block_hashes(tokens[:64], bs, parent=both)
+    extras = (b"a", b"", b"b", b"", b"c", b"d")  # more than the complete blocks: cut to them
+    assert ChainInputs(root, extras).hashes(tokens, bs) == \
+        block_hashes(tokens[:64], bs, parent=root, extras=list(extras[:4]))
+    assert len(ChainInputs().hashes(tokens[:15], bs)) == 0
+
+
+def _mm(ident, offset, length, attr="identifier"):
+    return SimpleNamespace(**{attr: ident}, mm_position=SimpleNamespace(offset=offset, length=length))
+
+
+def _mm_digest(ident, offset):
+    return hashlib.blake2b(f"{ident}@{offset}".encode(), digest_size=HASH_BYTES).digest()
+
+
+def test_a_multimodal_item_is_mixed_into_exactly_the_blocks_it_overlaps():
+    r = SimpleNamespace(prompt_token_ids=list(range(100)), mm_features=[_mm("img", 20, 20), _mm("v", 64, 1, "mm_hash")])
+    got = chain_inputs(r, 16)  # 6 complete blocks; tokens 20-39: blocks 1 and 2; token 64: block 4
+    assert got.root == ROOT_HASH
+    assert got.extras == (b"", _mm_digest("img", 20), _mm_digest("img", 20), b"", _mm_digest("v", 64), b"")
+    # an item reaching past the complete blocks marks them up to the last; one at offset 0 starts at block 0
+    r = SimpleNamespace(prompt_token_ids=list(range(40)), mm_features=[_mm("a", 0, 1), _mm("b", 17, 100)])
+    assert chain_inputs(r, 16).extras == (_mm_digest("a", 0), _mm_digest("b", 17))
+    # two items in one block: both mixed into it, in their order
+    r = SimpleNamespace(prompt_token_ids=list(range(40)), mm_features=[_mm("a", 2, 3), _mm("b", 8, 2)])
+    assert chain_inputs(r, 16).extras == (_mm_digest("a", 2) + _mm_digest("b", 8), b"")
+    # no items: no extras
+    assert chain_inputs(SimpleNamespace(prompt_token_ids=list(range(40)), mm_features=[]), 16) == ChainInputs()
+    assert chain_inputs(SimpleNamespace(), 16) == ChainInputs()
+
+
+@pytest.mark.parametrize("feature", [
+    _mm("", 0, 4), _mm("i", None, 4), _mm("i", 0, None), _mm("i", 0, 0), _mm("i", -1, 4), _mm("i", 0.0, 4),
+    SimpleNamespace(identifier="i"), SimpleNamespace(identifier="i", mm_position=SimpleNamespace(offset=0)),
+    SimpleNamespace(identifier="i", mm_position=SimpleNamespace(length=4)),
+], ids=["no_hash", "no_offset", "no_length", "empty", "negative_offset", "float_offset", "no_position",
+        "position_without_length", "position_without_offset"])
+def test_a_multimodal_item_without_a_content_hash_or_position_is_unsupported(feature):
+    r = SimpleNamespace(prompt_token_ids=list(range(40)), mm_features=[feature])
+    with pytest.raises(UnsupportedInput, match=r"^a multimodal item without a content hash or a position \(SimpleNamespace\)$"):
+        chain_inputs(r, 16)
+    assert request_inputs(r, 16) == (ChainInputs(), "a multimodal item without a content hash or a position "
+                                                    "(SimpleNamespace)")
+
+
+def test_prompt_embeddings_are_unsupported_and_a_plain_request_is_not():
+    r = SimpleNamespace(prompt_token_ids=list(range(40)), prompt_embeds=object())
+    assert request_inputs(r, 16) == (ChainInputs(), "prompt embeddings: the KV depends on vectors the keys do not hash")
+    assert request_inputs(SimpleNamespace(prompt_token_ids=list(range(40)), prompt_embeds=None), 16) == \
+        (ChainInputs(), None)
+
+
+def test_an_adapter_roots_the_chain_by_its_content(tmp_path):
+    from kvpool.connector.adapter import adapter_identity
+
+    lora = _lora("ad", 1, _adapter(tmp_path / "ad", b"w1" * 64))
+    got = chain_inputs(SimpleNamespace(lora_request=lora), 16)
+    assert got == ChainInputs(hashlib.blake2b(b"kvgate/lora/" + adapter_identity(lora), digest_size=HASH_BYTES).digest())
+    r = SimpleNamespace(lora_request=_lora("gone", 1, tmp_path / "none"))
+    with pytest.raises(UnsupportedInput):
+        chain_inputs(r, 16)
+
+
+def test_only_an_engine_with_more_than_one_kv_cache_group_is_unsupported():
+    assert kv_groups_unsupported(None) is None
+    assert kv_groups_unsupported(SimpleNamespace(kv_cache_groups=None)) is None
+    assert kv_groups_unsupported(SimpleNamespace(kv_cache_groups=[object()])) is None
+    assert kv_groups_unsupported(SimpleNamespace(kv_cache_groups=[object()] * 3)) == \
+        "3 KV-cache groups: the connector moves one group's blocks"

@@ -347,3 +347,92 @@ def test_waiters_on_one_publish_wake_together_and_one_running_out_leaves_the_oth
             assert committed_at <= w.done_at < w.started + WAIT
         stats = obs.stats()
         assert (stats["lookup_waits"], stats["miss_in_flight"], stats["lookup_waiting"]) == (3, 1, 0)
+
+
+# -- what the waits leave behind, read from the daemon itself (kvpool.pool.lookup_wait) --------
+
+def tenant_pool(d):
+    return d.pools[DEFAULT_TENANT]
+
+
+def test_a_lookup_is_parked_on_its_own_reservation_and_only_that_reservations_close_wakes_it(daemon):
+    """The waiter's future sits under the pending publish's reservation id; another publish
+    of the tenant closing (a commit) neither wakes it nor makes it park again."""
+    hs, others = hashes(2), hashes(2, start=50)
+    tp = tenant_pool(daemon)
+    with client(daemon) as prod, client(daemon) as other, client(daemon) as cons, client(daemon) as obs:
+        res, digests = reserve_written(prod, NS, hs)
+        res_other, dig_other = reserve_written(other, NS, others, seed=4)
+        w = Waiter(cons, NS, hs)
+        parked(obs)
+        assert list(tp.parked) == [res.reservation_id] and len(tp.parked[res.reservation_id]) == 1
+        fut = tp.parked[res.reservation_id][0]
+        assert other.commit(res_other.reservation_id, dig_other).committed == 2
+        time.sleep(0.2)  # a waiter woken by that commit would have looked up and parked again by now
+        assert list(tp.parked) == [res.reservation_id] and tp.parked[res.reservation_id] == [fut]
+        assert not fut.done() and not w.done()
+        prod.commit(res.reservation_id, digests)
+        assert w.result().miss is None
+        assert tp.parked == {}
+
+
+@pytest.mark.parametrize("how", ["runs_out", "client_goes_away"])
+def test_a_wait_that_ends_without_its_publish_closing_leaves_nothing_parked(daemon, how):
+    """A waiter that runs out of its bound, or whose client disconnects, takes its future
+    out of the reservation's list (and the emptied list out of the map): nothing is left to
+    grow with every such wait."""
+    hs = hashes(2)
+    tp = tenant_pool(daemon)
+    with client(daemon) as prod, client(daemon) as obs:
+        res, digests = reserve_written(prod, NS, hs)
+        with client(daemon) as stays:  # a waiter parked beside it all along: its list stays
+            w = Waiter(stays, NS, hs)
+            parked(obs)
+            if how == "runs_out":
+                with client(daemon) as cons:
+                    assert cons.lookup(NS, hs, wait_pending_s=0.2).miss.cause == MissCause.IN_FLIGHT
+            else:
+                s = raw_session(daemon)
+                s.sendall(P.encode_request(2, P.Lookup(NS, hs, wait_pending_ms=60_000)))
+                parked(obs, 2)
+                s.close()
+            parked(obs, 1)
+            assert list(tp.parked) == [res.reservation_id] and len(tp.parked[res.reservation_id]) == 1
+            prod.commit(res.reservation_id, digests)
+            assert w.result().miss is None
+        res2, _ = reserve_written(prod, NS, hashes(1, start=80), seed=5)
+        with client(daemon) as cons:  # alone on its reservation: the map is emptied
+            assert cons.lookup(NS, hashes(1, start=80), wait_pending_s=0.2).miss.cause == MissCause.IN_FLIGHT
+        assert tp.parked == {}
+        prod.abort(res2.reservation_id)
+
+
+def test_a_session_is_no_longer_marked_waiting_once_its_lookup_answered(daemon):
+    """session.waiting keeps the connection reading while a lookup is parked, and tells a
+    disconnect to cancel the parked lookup: once the lookup has answered, it is off, so a
+    later op's task is neither read past nor cancelled as a parked lookup."""
+    hs = hashes(2)
+    with client(daemon) as prod, client(daemon) as cons, client(daemon) as obs:
+        res, _ = reserve_written(prod, NS, hs)
+        assert cons.lookup(NS, hs, wait_pending_s=0.1).miss.cause == MissCause.IN_FLIGHT
+        assert daemon._clients and not any(conn.session.waiting for conn in daemon._clients.values())
+        prod.abort(res.reservation_id)
+
+
+def test_the_wait_time_counted_is_the_time_waited_summed_over_the_waits(daemon):
+    hs = hashes(2)
+    with client(daemon) as prod, client(daemon) as cons:
+        res, _ = reserve_written(prod, NS, hs)
+        t0 = time.monotonic()
+        for _ in range(2):
+            assert cons.lookup(NS, hs, wait_pending_s=0.2).miss.cause == MissCause.IN_FLIGHT
+        elapsed = time.monotonic() - t0
+        waited_us = cons.stats()["lookup_wait_us"]
+        # each wait lasts its bound (0.2 s, on the loop's clock: 0.39 allows its rounding), the
+        # two are summed, and they count no more than the time the test saw pass (plus 50 ms
+        # for the loop clock's own granularity: a wait can read a millisecond over it)
+        assert 0.39e6 <= waited_us <= (elapsed + 0.05) * 1e6, (waited_us, elapsed)
+        text = cons.metrics_text()
+        assert metric(text, "kvpool_lookup_wait_seconds_count") == 2.0
+        assert 0.39 <= metric(text, "kvpool_lookup_wait_seconds_sum") <= elapsed + 0.05
+        prod.abort(res.reservation_id)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -185,3 +186,166 @@ def test_a_killed_node_is_unavailable_within_the_timeout_and_empty_after_restart
     redis_server.start()  # the heal: a node without persistence comes back empty
     assert t.get(NS, hashes[0]) is None
     assert t.put(NS, hashes[1], data[1], page_digest(data[1])) and t.get(NS, hashes[1]).data == data[1]
+
+
+# -- the record's format, keys and checks, each pinned (kvpool.tier.record), no server ------
+
+import hashlib  # noqa: E402
+import hmac  # noqa: E402
+
+from kvpool.pool.digest import DigestKind  # noqa: E402
+from kvpool.tier import record as R  # noqa: E402
+
+
+def _signed(auth, page: bytes, **header) -> bytes:
+    """A record of `page` whose header holds `header`'s fields, tagged with `auth`'s key (a
+    record the tenant's own writer could have made): what only the checks after the tag see."""
+    fields = dict(magic=R.RECORD_MAGIC, version=R.RECORD_VERSION, namespace=NS.as_dict(), block_hash=b"\x01" * 16,
+                  digest_kind=DigestKind.XXH3.code, digest=page_digest(page), length=len(page))
+    raw = R.HEADER_ENCODER.encode(R.RecordHeader(**{**fields, **header}))
+    body = len(raw).to_bytes(R.LENGTH_PREFIX, "big") + raw + page
+    return auth.tag(body) + body
+
+
+def test_a_record_is_its_hmac_then_a_4_byte_big_endian_header_length_header_and_page():
+    page = bytes(range(256)) * 4
+    record = encode_record(AUTH, NS, b"\x01" * 16, page, page_digest(page))
+    tag, n = record[:32], int.from_bytes(record[32:36], "big")
+    assert tag == hmac.new(AUTH.mac_key, record[32:], "sha256").digest() == AUTH.tag(record[32:])
+    header = msgspec.msgpack.decode(record[36:36 + n], type=R.RecordHeader)
+    assert header == R.RecordHeader("kvpool-tier", 2, NS.as_dict(), b"\x01" * 16, 0, page_digest(page), len(page))
+    assert record[36 + n:] == page and record == _signed(AUTH, page)
+    got = decode_record(AUTH, NS, b"\x01" * 16, record)
+    assert got == R.TierPage(page, page_digest(page), DigestKind.XXH3)
+    assert R.split_record(record) == (tag, header, page)
+    # the sketch kind is recorded by its code and read back as that kind
+    sketched = encode_record(AUTH, NS, b"\x01" * 16, page, page_digest(page, DigestKind.SKETCH), DigestKind.SKETCH)
+    assert R.split_record(sketched)[1].digest_kind == DigestKind.SKETCH.code
+    assert decode_record(AUTH, NS, b"\x01" * 16, sketched).kind is DigestKind.SKETCH
+
+
+def test_an_empty_page_round_trips():
+    record = encode_record(AUTH, NS, b"\x01" * 16, b"", page_digest(b""))
+    assert decode_record(AUTH, NS, b"\x01" * 16, record).data == b""
+
+
+def test_a_digest_of_another_size_is_refused_at_encode():
+    with pytest.raises(ValueError, match=r"^a page digest is 16 bytes, got 15$"):
+        encode_record(AUTH, NS, b"\x01" * 16, b"p", b"d" * 15)
+    with pytest.raises(ValueError, match=r"^a page digest is 16 bytes, got 17$"):
+        encode_record(AUTH, NS, b"\x01" * 16, b"p", b"d" * 17)
+    with pytest.raises(ValueError, match=r"^a tier of tenant 'default' asked for a page of tenant 'other'$"):
+        encode_record(AUTH, NS.replace(tenant="other"), b"\x01" * 16, b"p", b"d" * 16)
+
+
+def test_framing_errors_name_the_sizes():
+    with pytest.raises(TierRecordError, match=r"^a tier record of 35 bytes: shorter than its tag and length prefix$"):
+        decode_record(AUTH, NS, b"\x01" * 16, bytes(35))
+    with pytest.raises(TierRecordError, match=r"^a tier record's header claims 5 bytes; 4 follow$"):
+        decode_record(AUTH, NS, b"\x01" * 16, bytes(32) + (5).to_bytes(4, "big") + b"abcd")
+    # a record of exactly its tag and length prefix is framed (a header of 0 bytes): the tag is checked next
+    with pytest.raises(TierCorrupt, match="not authenticated by tenant 'default'"):
+        decode_record(AUTH, NS, b"\x01" * 16, bytes(36))
+    # a header that claims exactly what follows is framed: the tag is checked next
+    with pytest.raises(TierCorrupt, match="not authenticated by tenant 'default'"):
+        decode_record(AUTH, NS, b"\x01" * 16, bytes(32) + (4).to_bytes(4, "big") + b"abcd")
+    with pytest.raises(TierRecordError, match="header does not decode"):
+        R.split_record(bytes(32) + (4).to_bytes(4, "big") + b"abcd")
+
+
+def test_a_header_of_another_magic_or_version_is_not_read():
+    page = b"p" * 64
+    with pytest.raises(TierRecordError, match=r"^not a kvpool tier record of version 2: 'kvpool-other' v2$"):
+        decode_record(AUTH, NS, b"\x01" * 16, _signed(AUTH, page, magic="kvpool-other"))
+    with pytest.raises(TierRecordError, match=r"^not a kvpool tier record of version 2: 'kvpool-tier' v1$"):
+        decode_record(AUTH, NS, b"\x01" * 16, _signed(AUTH, page, version=1))
+
+
+def test_each_check_after_the_tag_says_what_differs():
+    page = b"p" * 64
+    h = b"\x01" * 16
+    with pytest.raises(TierCorrupt, match=r"^a record of another namespace \(model_revision\) under this key: moved or replayed there$"):
+        decode_record(AUTH, NS, h, _signed(AUTH, page, namespace=NS.replace(model_revision="r2").as_dict()))
+    with pytest.raises(TierCorrupt, match=r"^a record of another namespace \(tenant\) under this key"):
+        decode_record(AUTH, NS, h, _signed(AUTH, page, namespace=NS.replace(tenant="bob").as_dict()))
+    with pytest.raises(TierCorrupt, match=r"^a record of another namespace \(model_revision, kv_dtype\) under this key"):
+        decode_record(AUTH, NS, h, _signed(AUTH, page, namespace=NS.replace(model_revision="r2", kv_dtype="fp8").as_dict()))
+    with pytest.raises(TierCorrupt, match=r"^a record of another namespace \(namespace\) under this key"):
+        decode_record(AUTH, NS, h, _signed(AUTH, page, namespace={"model_id": "tiny"}))  # not a namespace
+    # the same namespace written without its default tenant: no field differs, yet the dicts do
+    without_tenant = {k: v for k, v in NS.as_dict().items() if k != "tenant"}
+    with pytest.raises(TierCorrupt, match=r"^a record of another namespace \(namespace\) under this key"):
+        decode_record(AUTH, NS, h, _signed(AUTH, page, namespace=without_tenant))
+    with pytest.raises(TierCorrupt, match=r"^a record of another block under this key: moved or copied there$"):
+        decode_record(AUTH, NS, b"\x02" * 16, _signed(AUTH, page))
+    with pytest.raises(TierCorrupt, match=r"^the record's page has 64 bytes; 65 were stored$"):
+        decode_record(AUTH, NS, h, _signed(AUTH, page, length=65))
+    with pytest.raises(TierRecordError, match=r"^unknown digest kind 2$"):
+        decode_record(AUTH, NS, h, _signed(AUTH, page, digest_kind=2))
+    with pytest.raises(TierCorrupt, match=r"^the record's page does not match the digest taken at publish$"):
+        decode_record(AUTH, NS, h, _signed(AUTH, page, digest=page_digest(b"q" * 64)))
+    with pytest.raises(TierCorrupt, match=r"^the record's page does not match"):  # the sketch of an xxh3 digest
+        decode_record(AUTH, NS, h, _signed(AUTH, page, digest_kind=DigestKind.SKETCH.code))
+    with pytest.raises(TierCorrupt, match=r"^the record under this key is not authenticated by tenant 'default'"
+                                          r"'s tier key \(forged, damaged, another tenant's, or written without the secret\)$"):
+        decode_record(AUTH, NS, h, _signed(TierAuth.from_secret("default", "another secret of the tenant"), page))
+
+
+def test_tier_keys_derive_from_the_secret_by_blake2b_per_tenant():
+    secret = "s" * 16  # the shortest secret taken
+    root = secret.encode()
+    auth = TierAuth.from_secret("t1", secret)
+    derive = lambda person: hashlib.blake2b(b"t1", key=root, person=person, digest_size=32).digest()  # noqa: E731
+    assert (auth.mac_key, auth.name_key) == (derive(b"kvpool-tier-mac"), derive(b"kvpool-tier-key"))
+    assert TierAuth.from_secret("t1", root) == auth  # bytes or str alike
+    with pytest.raises(ValueError, match=r"^a tier secret is at least 16 bytes, got 15$"):
+        TierAuth.from_secret("t1", "s" * 15)
+    # a secret up to blake2b's key size keys it as it is; a longer one by its digest first
+    at_max = TierAuth.from_secret("t1", b"k" * 64)
+    assert at_max.mac_key == hashlib.blake2b(b"t1", key=b"k" * 64, person=b"kvpool-tier-mac", digest_size=32).digest()
+    longer = TierAuth.from_secret("t1", b"k" * 65)
+    root = hashlib.blake2b(b"k" * 65, person=b"kvpool-tier-root").digest()
+    assert longer.name_key == hashlib.blake2b(b"t1", key=root, person=b"kvpool-tier-key", digest_size=32).digest()
+    for mac_key, name_key in ((bytes(32), bytes(31)), (bytes(31), bytes(32)), (bytes(33), bytes(33))):
+        with pytest.raises(ValueError, match=r"^tier keys are 32 bytes \(TierAuth\.from_secret derives them\)$"):
+            TierAuth("t1", mac_key, name_key)
+
+
+def test_a_tier_key_is_the_tenants_prefix_and_a_keyed_digest_of_namespace_and_block():
+    h = bytes(range(16))
+    name = hashlib.blake2b(msgspec.msgpack.encode(NS) + h, key=AUTH.name_key, digest_size=16).hexdigest()
+    assert tier_key(AUTH, NS, h) == AUTH.key(NS, h) == "kvpool:default:" + name
+    assert AUTH.prefix == R.tier_prefix("default") == "kvpool:default:"
+    with pytest.raises(ValueError, match=r"^a tier of tenant 'default' asked for a page of tenant 'x'$"):
+        AUTH.key(NS.replace(tenant="x"), h)
+
+
+@pytest.mark.parametrize("tenant,ok", [("a", True), ("A-z_0.9", True), ("x" * 64, True), ("x" * 65, False),
+                                       ("", False), ("a:b", False), ("a*", False), ("a b", False)])
+def test_a_tier_tenant_is_1_to_64_safe_characters(tenant, ok):
+    if ok:
+        assert R.tier_prefix(tenant) == f"kvpool:{tenant}:"
+    else:
+        with pytest.raises(ValueError, match=r"^a tier tenant's name is 1-64 of \[A-Za-z0-9_.-\] \(it is a store key prefix\)"):
+            R.tier_prefix(tenant)
+
+
+def test_a_records_bound_and_the_error_of_a_longer_one():
+    assert R.record_bound(1000) == 32 + 4 + 4096 + 1000
+    err = R.record_too_long(9000, 1000)
+    assert isinstance(err, TierCorrupt) and err.cause is MissCause.CORRUPT
+    assert str(err) == "a record of 9000+ bytes under this key; a page here has at most 1000 (a record is at most 5132): not read"
+
+
+def test_the_tier_errors_stand_for_their_miss_causes():
+    assert R.TierError("x").cause is MissCause.TRANSPORT_ERROR
+    assert R.TierUnavailable("x").cause is MissCause.TRANSPORT_ERROR
+    assert R.TierCorrupt("x").cause is MissCause.CORRUPT
+    assert R.TierRecordError("x").cause is MissCause.CORRUPT
+    inc = R.TierIncompatible("m", ("kv_dtype",))
+    assert inc.cause is MissCause.INCOMPATIBLE and inc.fields == ("kv_dtype",) and str(inc) == "m"
+
+
+def test_a_namespace_digest_is_12_bytes_of_blake2b_of_its_encoding():
+    assert R.namespace_digest(NS) == hashlib.blake2b(msgspec.msgpack.encode(NS), digest_size=12).hexdigest()
+    assert R.namespace_digest(NS) != R.namespace_digest(NS.replace(model_revision="r2"))

@@ -97,3 +97,88 @@ def test_hello_ok_of_a_daemon_before_renew_decodes_with_no_ttl():
                                   "restarted_after_crash": False}])
     _, hello = P.decode_reply(old)
     assert isinstance(hello, P.HelloOk) and hello.reservation_ttl_s == 0.0 and hello.lease_ttl_s == 0.0
+
+
+# -- the records the replies carry (kvpool.pool.records) ------------------------------------
+
+from kvpool.pool.digest import KINDS, DigestKind  # noqa: E402
+from kvpool.pool.records import PageRef  # noqa: E402
+
+
+def _hits3(kinds: bytes = b"") -> Hits:
+    return Hits([7, 8, 9], [1, 2, 3], [10, 20, 30], b"a" * 16 + b"b" * 16 + b"c" * 16, kinds)
+
+
+@pytest.mark.parametrize("columns", [
+    dict(generations=[1]),  # generations short, the rest agree
+    dict(lengths=[10]),  # lengths short, the rest agree
+    dict(digests=b"a" * 16),  # digests short, the rest agree
+], ids=["generations", "lengths", "digests"])
+def test_hits_refuse_any_one_column_that_disagrees_with_the_pages_and_say_how(columns):
+    base = dict(pages=[7, 8], generations=[1, 2], lengths=[10, 20], digests=b"a" * 32)
+    with pytest.raises(ValueError, match=r"Hits columns disagree: 2 pages, \d+ generations, \d+ lengths, \d+ digest bytes"):
+        Hits(**{**base, **columns})
+
+
+@pytest.mark.parametrize("kinds", [b"\x00", b"\x00\x01\x00\x00", bytes([0, 0, len(KINDS)])],
+                         ids=["too_few", "too_many", "one_past_the_last_code"])
+def test_hits_refuse_a_kinds_column_of_another_length_or_an_unknown_kind_and_say_how(kinds):
+    with pytest.raises(ValueError, match=r"Hits: \d+ digest kinds for 3 pages, or an unknown kind"):
+        _hits3(kinds)
+
+
+def test_hits_index_gives_each_page_its_own_columns_and_digest_kind():
+    hits = _hits3(bytes([DigestKind.SKETCH.code, DigestKind.XXH3.code, DigestKind.SKETCH.code]))
+    assert [hits[i] for i in range(3)] == [PageRef(7, 1, 10, b"a" * 16, DigestKind.SKETCH),
+                                           PageRef(8, 2, 20, b"b" * 16, DigestKind.XXH3),
+                                           PageRef(9, 3, 30, b"c" * 16, DigestKind.SKETCH)]
+    assert [hits.kind(i) for i in range(3)] == [DigestKind.SKETCH, DigestKind.XXH3, DigestKind.SKETCH]
+    assert list(hits) == [hits[0], hits[1], hits[2]]
+    # no kinds column: every page xxh3-128
+    assert [r.kind for r in _hits3()] == [DigestKind.XXH3] * 3
+
+
+def test_hits_negative_index_counts_from_the_end_and_a_slice_gives_those_pages():
+    hits = _hits3(bytes([DigestKind.XXH3.code, DigestKind.XXH3.code, DigestKind.SKETCH.code]))
+    assert hits[-1] == hits[2] and hits[-1].page == 9 and hits[-1].kind == DigestKind.SKETCH
+    assert hits[-3].page == 7
+    assert [r.page for r in hits[1:]] == [8, 9]
+    assert hits[0:2] == [hits[0], hits[1]]
+    assert [r.page for r in hits[::-1]] == [9, 8, 7]
+    assert hits.total_bytes == 60 and len(hits) == 3 and bool(hits) and not Hits()
+
+
+# -- the envelope's checks and their messages (kvpool.pool.protocol) ------------------------
+
+def test_a_frame_after_the_hello_holds_max_pages_pages_and_the_control_bytes():
+    assert P.frame_limit(4096) == 16 * 4096 + 4 * 1024 * 1024
+    assert P.frame_limit(1) == P.MAX_PAGES_PER_FRAME + P.CONTROL_FRAME_BYTES
+
+
+@pytest.mark.parametrize("rid", [0, 1, 2**63 - 1])
+def test_a_request_id_from_0_to_2_63_minus_1_is_served(rid):
+    assert P.decode_request(msgspec.msgpack.encode([P.PROTOCOL_VERSION, rid, {"type": "ping"}])) == (rid, P.Ping())
+    assert P.decode_reply(msgspec.msgpack.encode([P.PROTOCOL_VERSION, rid, {"type": "pong"}])) == (rid, P.Pong())
+
+
+@pytest.mark.parametrize("rid", [-1, 2**63, 2**64 - 1])
+def test_a_request_id_outside_0_to_2_63_minus_1_is_malformed_and_says_so(rid):
+    with pytest.raises(MalformedFrame, match=rf"^request id {rid} out of range$"):
+        P.decode_request(msgspec.msgpack.encode([P.PROTOCOL_VERSION, rid, {"type": "ping"}]))
+
+
+def test_each_decoding_error_says_what_failed_and_carries_the_request_id():
+    with pytest.raises(MalformedFrame, match=r"^frame is not a \[version, id, body\] envelope: "):
+        P.decode_request(b"\xc1")
+    with pytest.raises(MalformedFrame, match=r"^frame is not a \[version, id, body\] envelope: "):
+        P.decode_reply(msgspec.msgpack.encode([1, 2]))
+    with pytest.raises(WrongVersion, match=rf"^protocol version 7 not served; this daemon speaks {P.PROTOCOL_VERSION}$") as info:
+        P.decode_request(msgspec.msgpack.encode([7, 11, {"type": "ping"}]))
+    assert info.value.request_id == 11
+    with pytest.raises(MalformedFrame, match=r"^request body does not decode: ") as info:
+        P.decode_request(msgspec.msgpack.encode([P.PROTOCOL_VERSION, 12, {"type": "nope"}]))
+    assert info.value.request_id == 12
+    with pytest.raises(WrongVersion, match=rf"^daemon replied with protocol version 7, expected {P.PROTOCOL_VERSION}$"):
+        P.decode_reply(msgspec.msgpack.encode([7, 13, {"type": "pong"}]))
+    with pytest.raises(MalformedFrame, match=r"^reply body does not decode: "):
+        P.decode_reply(msgspec.msgpack.encode([P.PROTOCOL_VERSION, 14, {"type": "nope"}]))
