@@ -23,7 +23,6 @@ from collections.abc import Sequence
 
 import torch
 
-from kvpool.client.keepalive import Keepalive
 from kvpool.errors import PoolError
 from kvpool.gpu.config import OrderingEdge
 from kvpool.gpu.events import host_event
@@ -237,6 +236,8 @@ class Stores:
                                                  "re-registers it")
                             break
                         unit = _Unit(lane, res, [])
+                        if res.reservation_id:
+                            self._lane_grants[lane].opened(res.reservation_id)
                         for k, slot in enumerate(res.slots):
                             handle.counts[slot.status] += 1
                             if slot.status == SlotStatus.RESERVED:
@@ -327,6 +328,7 @@ class Stores:
             unit.sketch_index[page] = base + row
 
     def _abort(self, unit: _Unit) -> None:
+        self._lane_grants[unit.lane].closed(unit.reservation.reservation_id)
         try:
             self._lanes[unit.lane].abort(unit.reservation.reservation_id)
         except PoolError as exc:  # the daemon reclaims it at the TTL or when the connection drops
@@ -340,9 +342,10 @@ class Stores:
         may wait behind forwards still queued on the engine's stream (asynchronous scheduling,
         long prefill chunks): meanwhile the lane renews the reservation on its connection
         every third of the pool's TTL; a refused renewal ends the unit as a failed commit
-        does (after its copies completed)."""
+        does (after its copies completed). The lane renews every reservation it holds open,
+        not only this unit's: the units queued behind this one wait as long (LaneGrants)."""
         try:
-            keepalive = Keepalive.of(self._lanes[unit.lane], reservations=(unit.reservation.reservation_id,))
+            keepalive = self._lane_grants[unit.lane].keepalive(unit.reservation.reservation_id)
             refused = self._await_copy(OrderingEdge.COMMIT_AFTER_COPY, unit.event, keepalive=keepalive)
             if unit.host_sketch is not None:  # waited for in any case: its pinned buffer outlives the copy
                 again = self._await_copy(OrderingEdge.COMMIT_AFTER_COPY, unit.sketch_event,
@@ -362,6 +365,7 @@ class Stores:
                 self._lane_committing[unit.lane] += 1
             try:
                 out = self._lanes[unit.lane].commit(unit.reservation.reservation_id, digests, kind)
+                self._lane_grants[unit.lane].closed(unit.reservation.reservation_id)
             finally:
                 with self._lane_lock:
                     self._lane_committing[unit.lane] -= 1

@@ -129,7 +129,7 @@ import numpy as np
 import torch
 
 from kvpool.client.backend import PoolBackend
-from kvpool.client.keepalive import Keepalive
+from kvpool.client.keepalive import Keepalive, LaneGrants
 from kvpool.errors import InvalidRequest, MissCause, PoolError, PoolTimeout
 from kvpool.gpu.config import (
     CopyPath,
@@ -211,6 +211,9 @@ class TransferEngine(Stores, Loads):
         self._release_exec = cf.ThreadPoolExecutor(1, thread_name_prefix="kvpool-release")
         self._lane_busy = [0] * len(self._lanes)
         self._lane_committing = [0] * len(self._lanes)
+        # the reservations open on each lane, renewed together while its thread waits for any
+        # of them (a unit queued behind others would outlive the TTL unrenewed: kvpool.client.keepalive)
+        self._lane_grants = [LaneGrants(lane) for lane in self._lanes]
         self._lane_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._inflight: dict[int, StoreHandle | LoadHandle] = {}

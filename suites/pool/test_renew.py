@@ -3,7 +3,11 @@ copy completes long after its reservation's TTL (a GPU store's copies queued beh
 forwards) commits and is served byte-exact when its waiting side renews, and, without the
 renewals (the negative control: the same wait), its commit is refused and a reader finds its
 blocks `never_published`, which the oracle catches. A renew of another session's reservation
-is refused and leaves it intact (control: OwnerBlindRenewCatalog, caught).
+is refused and leaves it intact (control: OwnerBlindRenewCatalog, caught). A lane that
+commits its units one after another renews the units still queued while it waits for the
+first: the second unit's publish, reserved with the first, lands (control: each wait renewing
+only its own unit, as a per-unit keepalive does: the queued unit's commit is refused, caught
+by the reader's oracle).
 
 The wait is kvpool.gpu.events.await_event, the one a store's lane runs, with a stand-in for
 the CUDA event whose query() turns true when the "copy" (a thread writing the reserved pages
@@ -21,7 +25,7 @@ import pytest
 
 from kvgate.faults.renew_controls import OwnerBlindRenewCatalog
 from kvgate.harness.system.pool import thread_pool
-from kvpool.client.keepalive import Keepalive
+from kvpool.client.keepalive import Keepalive, LaneGrants
 from kvpool.client.pool_client import PoolClient
 from kvpool.client.transfer import load
 from kvpool.errors import InvalidRequest, MissCause, PoolError
@@ -179,5 +183,70 @@ def test_renew_of_an_unknown_or_committed_id_is_refused_and_a_frame_names_each_i
             with pytest.raises(InvalidRequest):
                 c.renew([5, 5])
             c.ping()  # the daemon serves on
+    finally:
+        d.stop_thread()
+
+
+def lane_publish(c: PoolClient, units, lane_wide: bool) -> list[dict]:
+    """Two units reserved at once on one connection, their copies done HOLD_S later (queued
+    behind one forward), committed one after the other on one thread as a store's lane does;
+    `lane_wide`: LaneGrants (every open reservation renewed), else a Keepalive per unit."""
+    grants = LaneGrants(c)
+    reserved = []
+    for hashes, pages in units:
+        res = c.reserve(NS, hashes, [PAGE] * len(hashes))
+        grants.opened(res.reservation_id)
+        reserved.append(res)
+    event = CopyEvent()
+
+    def copy() -> None:
+        time.sleep(HOLD_S)
+        for res, (_, pages) in zip(reserved, units):
+            for i, data in enumerate(pages):
+                c.reserved_view(res, i)[:PAGE] = data
+        event.done.set()
+
+    threading.Thread(target=copy, daemon=True).start()
+    out = []
+    for res, (_, pages) in zip(reserved, units):
+        own = res.reservation_id
+        keepalive = grants.keepalive(own) if lane_wide else Keepalive.of(c, reservations=(own,))
+        refused = await_event(event, 1e-3, keepalive)
+        try:
+            if refused is not None:
+                raise refused
+            committed = c.commit(own, [page_digest(p) for p in pages]).committed
+            grants.closed(own)
+            out.append({"committed": committed, "error": ""})
+        except PoolError as exc:
+            grants.closed(own)
+            out.append({"committed": 0, "error": f"{type(exc).__name__}: {exc}"})
+    return out
+
+
+def test_a_lane_renews_the_units_queued_behind_the_one_it_waits_for():
+    d = daemon()
+    try:
+        with client(d, "writer") as w, client(d, "reader") as r:
+            units = [_blocks(5), _blocks(6)]
+            outcome = lane_publish(w, units, lane_wide=True)
+            assert [o["committed"] for o in outcome] == [3, 3], outcome
+            for hashes, pages in units:
+                assert served_byte_exact(r, hashes, pages) == (True, None)
+            assert w.stats()["expired_reservations"] == 0
+    finally:
+        d.stop_thread()
+
+
+def test_control_per_unit_renewal_loses_the_queued_unit_and_the_oracle_catches_it():
+    d = daemon()
+    try:
+        with client(d, "writer") as w, client(d, "reader") as r:
+            units = [_blocks(7), _blocks(8)]
+            outcome = lane_publish(w, units, lane_wide=False)
+            assert outcome[0]["committed"] == 3 and outcome[1]["committed"] == 0, outcome
+            assert served_byte_exact(r, *units[0]) == (True, None)
+            exact, cause = served_byte_exact(r, *units[1])
+            assert not exact and cause is MissCause.NEVER_PUBLISHED  # caught: the queued unit's blocks
     finally:
         d.stop_thread()
