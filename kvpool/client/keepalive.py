@@ -5,7 +5,8 @@ working on a grant says so (Renew), every third of the TTL the pool advertised a
 
   wait_renewing(wait, renew, every_s) -> PoolError | None
       wait(every_s) until it answers True (done), renew() after each False. A refusal that
-      renew() raises (a PoolError) ends the renewals, not the wait: the wait goes on to its end
+      renew() raises (a PoolError other than PoolTimeout, which is tried again at the next
+      interval) ends the renewals, not the wait: the wait goes on to its end
       (what is in flight completes before its owner gives anything back or reports), and the
       refusal is returned; None when every renewal held. wait(None) waits without a bound.
   Keepalive.of(backend, reservations=(), leases=()) -> Keepalive | None
@@ -48,6 +49,8 @@ def wait_renewing(wait: Callable[[float | None], bool], renew: Callable[[], None
     while not wait(every_s):
         try:
             renew()
+        except PoolTimeout:  # the client's lock stayed busy, or the daemon was slow: the grant stands
+            continue
         except PoolError as exc:  # refused, or the connection failed: the grant may be gone
             wait(None)
             return exc

@@ -374,15 +374,17 @@ class KeeperProcess:
             return out
         (self.run_dir / ADDRESS_FILE).unlink(missing_ok=True)
         try:
-            if self.server is not None:
-                out["sessions"] = len(self.server.sessions)
-                server, self.server = self.server, None
-                server.stop()
-            if self.keeper is not None:
-                with self.keeper.tier_lock:
-                    out["quarantined_clients"] = len(self.keeper.tier.quarantined())
-                keeper, self.keeper = self.keeper, None
-                keeper.stop()
+            try:
+                if self.server is not None:
+                    out["sessions"] = len(self.server.sessions)
+                    server, self.server = self.server, None
+                    server.stop()  # raises what its maintenance thread raised, if anything
+            finally:  # the keeper stops whatever the server raised: heartbeat retired, sockets gone
+                if self.keeper is not None:
+                    with self.keeper.tier_lock:
+                        out["quarantined_clients"] = len(self.keeper.tier.quarantined())
+                    keeper, self.keeper = self.keeper, None
+                    keeper.stop()
         finally:
             for host in self.hosts.values():
                 host.close()

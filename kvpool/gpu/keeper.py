@@ -201,8 +201,13 @@ class GpuKeeper:
         if tenant not in self.buffers:
             raise HandoutError(f"tenant {tenant!r} has no buffer in this GPU tier")
         ticket = secrets.token_bytes(16)
+        now = self.clock()
         with self._lock:
-            self._tickets[ticket] = (tenant, self.clock() + self.ticket_ttl_s)
+            # tickets never redeemed (a hello then a hang-up, an attach that failed) expire here:
+            # a peer looping hellos cannot grow the table past what one TTL's hellos mint
+            for old in [t for t, (_, deadline) in self._tickets.items() if deadline <= now]:
+                del self._tickets[old]
+            self._tickets[ticket] = (tenant, now + self.ticket_ttl_s)
         return ticket
 
     def descriptor(self, tenant: str) -> TierDescriptor:

@@ -158,6 +158,8 @@ class KeeperServer:
             return self._encode(request_id, self._apply(session, op))
         except PoolError as err:
             return self._error(getattr(err, "request_id", request_id), err)
+        except Exception as exc:  # noqa: BLE001 - answered as the keeper's own failure (every frame gets one reply)
+            return self._error(request_id, InternalError(f"{type(exc).__name__}: {exc}"[:300]))
 
     def _apply(self, session: KeeperSession, op: P.Request) -> P.Reply:
         if isinstance(op, P.Hello):

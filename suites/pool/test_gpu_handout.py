@@ -349,3 +349,12 @@ def test_a_crashed_producers_quarantine_ends_when_its_process_exits_not_before(k
     # a client with nothing reserved is not quarantined, and its pidfd is closed
     keeper.register_client(7, os.getpid())
     assert not keeper.client_gone(7) and 7 not in keeper._pidfds
+
+
+def test_tickets_never_redeemed_expire_from_the_table(keeper, clock):
+    for _ in range(50):  # a peer looping hellos that never attach
+        keeper.mint_ticket("default")
+    assert len(keeper._tickets) == 50
+    clock.advance(TTL)
+    keeper.mint_ticket("default")  # minting prunes what expired
+    assert len(keeper._tickets) == 1

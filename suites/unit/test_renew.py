@@ -20,8 +20,8 @@ import threading
 import pytest
 
 from kvgate.faults.renew_controls import AgelessRenewCatalog, OwnerBlindRenewCatalog, ResurrectingRenewCatalog
-from kvpool.client.keepalive import Keepalive, wait_renewing
-from kvpool.errors import InvalidRequest, LeaseLost, RenewRefused, TransportError
+from kvpool.client.keepalive import Keepalive, LaneGrants, wait_renewing
+from kvpool.errors import InvalidRequest, LeaseLost, PoolTimeout, RenewRefused, TransportError
 from kvpool.pool.catalog import Catalog, CatalogConfig
 from kvpool.pool.keys import Namespace, block_hashes
 from kvpool.pool.records import RenewRefusal, RenewResult, Renewal, SlotStatus
@@ -237,3 +237,64 @@ def test_the_gpu_event_wait_renews_until_the_event_completes_without_cuda():
     err = await_event(ev2, 1e-3, Keepalive.of(refusing, reservations=(5,)))
     assert isinstance(err, RenewRefused) and ev2.query()  # returned only once the event completed
     assert len(refusing.calls) == 1
+
+
+def test_a_renewal_that_timed_out_is_tried_again_and_the_grant_is_kept():
+    wait, renewals = Scripted([False, False, True]), []
+
+    def renew():
+        renewals.append(1)
+        if len(renewals) == 1:
+            raise PoolTimeout("the client's lock stayed busy")
+
+    assert wait_renewing(wait, renew, 0.1) is None  # control: the test above, where a refusal ends it
+    assert len(renewals) == 2 and wait.asked == [0.1, 0.1, 0.1]
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_a_lane_renews_each_open_reservation_once_due_and_drops_those_refused():
+    lane, clock = FakeLane(ttl_s=3.0), Clock()
+    grants = LaneGrants(lane, clock)
+    grants.opened(1)
+    grants.opened(2)
+    hold = grants.keepalive(1)
+    steps = []
+
+    def wait(timeout_s):
+        steps.append(timeout_s)
+        if timeout_s is None:
+            return True
+        clock.t += timeout_s
+        return len(steps) >= 3
+
+    assert hold.hold(wait) is None
+    assert steps == [0.5, 0.5, 0.5]  # checked every sixth of the TTL
+    assert lane.calls == [((1, 2), ())]  # both renewed once a third of the TTL had passed, in one frame
+    grants.closed(1)
+    lane.refuse = RenewRefusal.EXPIRED
+    clock.t += 1.0
+    assert grants.renew_due(own=1) is None  # 2's refusal is 2's: its own commit fails
+    assert grants.open_ids() == []
+    assert LaneGrants(FakeLane(ttl_s=0.0)).keepalive(1) is None  # no TTL advertised: nothing to renew
+
+
+def test_a_lane_returns_the_refusal_of_its_own_reservation_after_the_wait():
+    lane, clock = FakeLane(ttl_s=3.0, refuse=RenewRefusal.NOT_YOURS), Clock()
+    grants = LaneGrants(lane, clock)
+    grants.opened(7)
+    clock.t += 1.0
+    asked = []
+
+    def wait(timeout_s):
+        asked.append(timeout_s)
+        return True
+
+    err = grants.keepalive(7).hold(wait)
+    assert isinstance(err, RenewRefused) and "7" in str(err) and asked == [None]
