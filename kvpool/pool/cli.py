@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import secrets
+import stat
 import sys
 from pathlib import Path
 
@@ -75,18 +76,41 @@ def tenants_from_args(pairs: list[str], token_file: Path | None, run_dir: Path,
             raise SystemExit(2)
         tenants[name] = token
     if not tenants:
-        tenants = {"default": secrets.token_hex(16)}
         try:  # the token is only as private as every directory above it
             run_dir = ensure_private_dir(run_dir, error=InsecureRunDir)
         except InsecureRunDir as exc:
             print(f"{command}: {exc}", file=sys.stderr)
             raise SystemExit(2) from exc
         path = run_dir / "tokens.json"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        tenants = {"default": secrets.token_hex(16)}
+        try:  # created once: a restart (or a second instance refused later) keeps its clients' token
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            tenants = _existing_tokens(path, command)
+            print(f"{command}: no tenant given; the tokens of {path} are kept", file=sys.stderr)
+            return tenants
         with os.fdopen(fd, "w") as f:
             json.dump(tenants, f)
         print(f"{command}: no tenant given; token of tenant 'default' written to {path}", file=sys.stderr)
     return tenants
+
+
+def _existing_tokens(path: Path, command: str) -> dict[str, str]:
+    """The tokens an earlier start wrote to the (private) run directory: a regular file of this
+    user's, readable by nobody else, holding a JSON object of tenants to tokens; else exit 2
+    naming the file (never overwritten: an operator removes it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        print(f"{command}: {path}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+    with os.fdopen(fd) as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            print(f"{command}: {path}: not a private file of this user (mode {oct(st.st_mode & 0o777)}, "
+                  f"uid {st.st_uid}): remove it or name the tenants", file=sys.stderr)
+            raise SystemExit(2)
+    return read_token_file(path, command, flag="tokens file")
 
 
 def serve_parser(serve: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -163,3 +163,35 @@ def test_client_keeps_its_attach_ticket_from_another_users_socket(base, tmp_path
     finally:
         daemon.stop_thread()
     assert got.strip() == ""  # the ticket never left
+
+
+def test_the_default_token_is_written_once_and_kept_by_a_restart(tmp_path):
+    from kvpool.pool.cli import tenants_from_args
+
+    run_dir = tmp_path / "run"
+    first = tenants_from_args([], None, run_dir)
+    assert set(first) == {"default"}
+    assert (run_dir / "tokens.json").stat().st_mode & 0o777 == 0o600
+    again = tenants_from_args([], None, run_dir, command="kvpool keeper")  # a restart, or a second instance
+    assert again == first  # its clients' token still holds
+
+
+@pytest.mark.parametrize("case", ["readable by others", "not JSON", "a link"])
+def test_a_tokens_file_that_is_not_private_or_not_tokens_is_refused_not_overwritten(tmp_path, case):
+    from kvpool.pool.cli import tenants_from_args
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    path = run_dir / "tokens.json"
+    if case == "a link":
+        (tmp_path / "elsewhere.json").write_text('{"default": "x"}')
+        path.symlink_to(tmp_path / "elsewhere.json")
+    else:
+        path.write_text('{"default": "x"}' if case == "readable by others" else "{")
+        path.chmod(0o644 if case == "readable by others" else 0o600)
+    before = path.read_bytes() if case != "a link" else None
+    with pytest.raises(SystemExit) as exc:
+        tenants_from_args([], None, run_dir)
+    assert exc.value.code == 2
+    if before is not None:
+        assert path.read_bytes() == before  # left as it was, for the operator
