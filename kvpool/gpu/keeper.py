@@ -262,6 +262,11 @@ class GpuKeeper:
         ended = []
         with self.tier_lock:
             for client in sorted(self.tier.quarantined()):
+                if not self.tier.holds_reservations(client):  # all expired (GpuTier.reap): nothing held
+                    self.tier.exited(client)
+                    self._forget(client)  # its pidfd too: a peer looping reserve-and-hang-up holds no fds
+                    ended.append(client)
+                    continue
                 fd = self._pidfds.get(client)
                 if fd is None:
                     continue  # never registered: held until its reservations' TTL (GpuTier.reap)

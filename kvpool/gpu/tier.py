@@ -236,6 +236,10 @@ class GpuTier:
     def quarantined(self) -> frozenset[int]:
         return frozenset(self._quarantined)
 
+    def holds_reservations(self, client: int) -> bool:
+        """The client still has a reservation open (not committed, aborted or expired)."""
+        return any(self._reservations.get(client, {}).values())
+
     # -- demotion ----------------------------------------------------------------------
     def demotion_due(self, tenant: str) -> int:
         """Pages to demote now for `tenant`: 0 while its free pages are at least `low_free`,

@@ -358,3 +358,17 @@ def test_tickets_never_redeemed_expire_from_the_table(keeper, clock):
     clock.advance(TTL)
     keeper.mint_ticket("default")  # minting prunes what expired
     assert len(keeper._tickets) == 1
+
+
+def test_a_quarantine_whose_reservations_all_expired_ends_and_closes_its_pidfd(keeper):
+    """A live replica that reserved and hung up, whose reservations the TTL then took, holds
+    nothing: its quarantine ends and its pidfd is closed at the next reap, though its process
+    runs on (a peer looping reserve-and-hang-up cannot pile up descriptors)."""
+    keeper.register_client(8, os.getpid())  # alive for the whole test
+    keeper.tier.reserve(8, "default", NS, block_hashes(range(2000, 2016), 16), [PAGE], 0.0)
+    assert keeper.client_gone(8)
+    assert keeper.reap_exited() == []  # reserved and alive: held
+    assert 8 in keeper._pidfds
+    keeper.tier.reap(10**9)  # the TTL ran out
+    assert keeper.reap_exited() == [8]
+    assert 8 not in keeper._pidfds and keeper.tier.quarantined() == frozenset()
