@@ -205,7 +205,7 @@ class TierClient:
             hello = self._exchange(P.Hello(self.tenant, self._token, self.name), P.HelloOk)
             self.tier = TierMap.attach(hello.arena, hello.ticket, self.device_index, self.access,
                                        self.timeout_s, self.trusted_uids)
-        except PoolError:
+        except BaseException:  # a typed refusal, or the mapping itself failing (OSError): no session left open
             self.close()
             raise
         if self.tier.descriptor.instance != hello.arena_instance:
@@ -439,6 +439,12 @@ class TierLink:
             if old is not None and old.tier is not None and old.keeper_stale():
                 raise old._stale(f"reconnect to {address.socket}") from exc
             raise
+        except PoolError as exc:  # refused (a token the new instance does not know, no room, a bad
+            # handout): the tier is unreachable for this replica, a transport_error miss to its lookups
+            if old is not None and old.tier is not None and old.keeper_stale():
+                raise old._stale(f"reconnect to {address.socket}: {type(exc).__name__}: {exc}") from exc
+            raise TransportError(f"reconnect to the keeper at {address.socket} refused: "
+                                 f"{type(exc).__name__}: {exc}") from exc
         if new.instance != address.instance:  # the address file changed between its read and the hello
             new.close()
             raise TransportError(f"the keeper at {address.socket} is instance {new.instance.hex()}, its address "

@@ -38,7 +38,7 @@ from kvgate.faults.keeper_controls import InstanceBlindTierLink, StaleMappingTie
 from kvgate.harness.scenarios import gpu_keeper_wire as W
 from kvgate.harness.system.pool import thread_pool
 from kvpool.client.pool_client import PoolClient
-from kvpool.errors import MissCause, PoolError
+from kvpool.errors import MissCause, PoolError, TransportError
 from kvpool.gpu import cli as keeper_cli
 from kvpool.gpu.tier import fall_through
 from kvpool.gpu.tier_client import ADDRESS_FILE, KeeperStale, TierLink, read_keeper_address
@@ -371,3 +371,28 @@ def test_every_bad_flag_is_a_typed_error_with_its_exit_code(tmp_path, capsys):
     except ImportError:
         code, err = run_main(["--tenant", "a=b", "--pages", "4", "--run-dir", rd, "--backing", "vmm"], capsys)
         assert code == 3 and "KeeperUnavailable: --backing vmm on GPU 0" in err
+
+
+def test_a_keeper_restarted_under_another_token_is_a_transport_error_miss_not_an_escape(tmp_path, test_seed):
+    """The new instance refuses the link's token (Unauthenticated): its lookups through the
+    fall-through run are transport_error misses (the host pool serves), and a direct call raises
+    a TransportError naming the refusal, never the hello's own error type (which escaped the
+    fall-through before)."""
+    run_dir = tmp_path / "k"
+    run_dir.mkdir(mode=0o700)
+    k, k2 = Keeper(run_dir), None
+    link = TierLink(run_dir, "default", "tok", name="P", stale_after_s=STALE_S).connect()
+    try:
+        publish(link, W.KEYS(2), test_seed)
+        assert k.terminate() == 0, k.output()
+        k2 = Keeper(run_dir, "--tenant", "default=another", before=k.address.instance)
+        assert link.run(W.NS)(W.KEYS(2)) == (0, MissCause.TRANSPORT_ERROR)
+        with pytest.raises(PoolError) as refused:
+            link.lookup(W.NS, W.KEYS(2))
+        # the old instance's heartbeat was retired at its stop: KeeperStale, a TransportError
+        assert isinstance(refused.value, TransportError) and "Unauthenticated" in str(refused.value), refused.value
+    finally:
+        link.close()
+        k.stop()
+        if k2 is not None:
+            k2.stop()
