@@ -101,6 +101,20 @@ ADDRESS_KIND = "kvgate-gpu-keeper"
 ADDRESS_VERSION = 1
 
 
+
+def _lookup_run(lookup, ns: Namespace) -> TierRun:  # noqa: ANN001 - a client's or a link's lookup
+    """The tier's run for kvpool.gpu.tier.fall_through: the hits of a lookup, its miss cause; a
+    keeper that cannot be reached (stale, gone, refusing) is a transport_error, a slow one a timeout."""
+    def run(hashes: Sequence[bytes]) -> tuple[int, MissCause | None]:
+        try:
+            found = lookup(ns, hashes)
+        except TransportError:
+            return 0, MissCause.TRANSPORT_ERROR
+        except PoolTimeout:
+            return 0, MissCause.TIMEOUT
+        return len(found.hits), None if found.miss is None else found.miss.cause
+    return run
+
 class KeeperStale(TransportError):
     """The GPU keeper's heartbeat in its state segment is stale (the keeper is stopped, wedged or
     dead): the tier is not used; the lookup or load falls through to the host pool."""
@@ -348,15 +362,7 @@ class TierClient:
         return dict(self._call(P.Stats(), P.StatsOk).stats)
 
     def run(self, ns: Namespace) -> TierRun:
-        def run(hashes: Sequence[bytes]) -> tuple[int, MissCause | None]:
-            try:
-                found = self.lookup(ns, hashes)
-            except TransportError:
-                return 0, MissCause.TRANSPORT_ERROR
-            except PoolTimeout:
-                return 0, MissCause.TIMEOUT
-            return len(found.hits), None if found.miss is None else found.miss.cause
-        return run
+        return _lookup_run(self.lookup, ns)
 
     def close(self) -> None:
         if self._sock is not None:
@@ -530,15 +536,7 @@ class TierLink:
             return self._current().stats()
 
     def run(self, ns: Namespace) -> TierRun:
-        def run(hashes: Sequence[bytes]) -> tuple[int, MissCause | None]:
-            try:
-                found = self.lookup(ns, hashes)
-            except TransportError:
-                return 0, MissCause.TRANSPORT_ERROR
-            except PoolTimeout:
-                return 0, MissCause.TIMEOUT
-            return len(found.hits), None if found.miss is None else found.miss.cause
-        return run
+        return _lookup_run(self.lookup, ns)
 
     def close(self) -> None:
         with self._lock:
