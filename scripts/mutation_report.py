@@ -193,10 +193,11 @@ def markdown(doc: dict) -> str:
                   + "; ".join(f"{m['module']} at `{m['carried_from']['commit'][:12]}`"
                               f"{'' if m['carried_from']['clean'] else ' (dirty tree)'}, {m['carried_from']['date']}"
                               for m in carried) + "."]
-    selected = [m for m in doc["modules"] if m.get("selection") and not m.get("carried_from")]
+    selected = [m for m in doc["modules"] if m.get("selection")]
     if selected:
         lines += ["", "Tests per module (the selection of the run its results come from):", ""]
-        lines += [f"- {m['module']}: `{' '.join(m['selection'])}`" for m in selected]
+        lines += [f"- {m['module']}{' (carried over)' if m.get('carried_from') else ''}: `{' '.join(m['selection'])}`"
+                  for m in selected]
     if doc.get("note"):
         lines += ["", doc["note"]]
     if doc.get("wall_s"):
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         found = [d for d in dirs if (d / (path + ".meta")).exists()]
         if found:
             row = score_module(path, json.loads((found[0] / (path + ".meta")).read_text()), equivalent)
-            if len(dirs) > 1:
+            if len(dirs) > 1 or args.carry_over:  # a narrowed run, scored beside others
                 row["selection"] = run_selection(found[0], conf)
             rows.append(row)
         elif module_name(path) in previous:
