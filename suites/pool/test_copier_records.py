@@ -249,3 +249,34 @@ def test_close_waits_for_the_copies_running():
     job = copier.submit(lambda: time.sleep(0.3), "store")
     copier.close()
     assert job.done()
+
+
+class SlowAcquire:
+    """The pool client, with every acquire 0.3 s late (a pool slow to answer)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def acquire(self, ns, hashes):
+        time.sleep(0.3)
+        return self.inner.acquire(ns, hashes)
+
+
+def test_a_load_is_held_to_the_deadline_left_after_its_queueing(daemon, tmp_path):
+    producer = copier_for(daemon, tmp_path)
+    producer.register(engine(8))
+    hs = keys(0, 2)
+    producer.wait([producer.store(NS, CopyRun("p", "p", 0, [0, 1], hs), [0, 1])], 30)
+    producer.close()
+    history = HistoryWriter(tmp_path / "history", "r", "worker")
+    copier = HostCopier(SlowAcquire(PoolClient(f"unix:{daemon.unix_path}", "default", "tok")), history)
+    copier.register(engine(9))
+    copier.wait([copier.load(NS, CopyRun("req-9", "tag-9", 0, [2, 3], hs), deadline_s=0.2)], 30)
+    copier.wait([copier.load(NS, CopyRun("req-10", "tag-10", 0, [4, 5], hs), deadline_s=5.0)], 30)
+    copier.close()
+    late, in_time = records(tmp_path, "load")
+    assert (late["loaded"], late["miss_cause"], late["failed_block_ids"]) == (0, "timeout", [2, 3])
+    assert (in_time["loaded"], in_time["miss_cause"]) == (2, None)
