@@ -280,3 +280,21 @@ def test_a_load_is_held_to_the_deadline_left_after_its_queueing(daemon, tmp_path
     late, in_time = records(tmp_path, "load")
     assert (late["loaded"], late["miss_cause"], late["failed_block_ids"]) == (0, "timeout", [2, 3])
     assert (in_time["loaded"], in_time["miss_cause"]) == (2, None)
+
+
+class DownTier(ListTier):
+    """A network tier that cannot be reached."""
+
+    def put(self, ns, block_hash, page, digest, kind=None):
+        from kvpool.tier.record import TierUnavailable
+
+        raise TierUnavailable("store down")
+
+
+def test_a_tier_publish_that_cannot_reach_the_store_records_why(tmp_path):
+    copier = HostCopier(None, HistoryWriter(tmp_path / "history", "r", "worker"))
+    copier.register(engine(10))
+    copier.wait([copier.tier_store(DownTier(), NS, CopyRun("req-11", "tag-11", 0, [0, 1], keys(0, 2)), [0, 1])], 30)
+    copier.close()
+    (rec,) = records(tmp_path, "tier_publish")
+    assert (rec["put"], rec["refused"], rec["error"]) == (0, 0, "TierUnavailable: store down")
