@@ -67,6 +67,19 @@ def _check_run(hits: object, asked: int, op: str) -> None:
         raise MalformedFrame(f"{op} of {asked} blocks answered with a run of {len(hits)}")
 
 
+def recv_exact(sock: socket.socket, n: int, peer: str) -> bytes:
+    """Exactly `n` bytes from a blocking socket; TransportError naming `peer` at EOF."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise TransportError(f"{peer} closed the connection")
+        got += k
+    return bytes(buf)
+
+
 def _peer_closed(sock: socket.socket) -> bool:
     """Between requests nothing may arrive: a readable idle socket is at EOF, reset, or
     out of step, and is not reused. One zero-timeout poll, no blocking."""
@@ -256,15 +269,7 @@ class PoolClient:
     # -- one request ---------------------------------------------------------------------
     def _recv_exact(self, n: int) -> bytes:
         assert self._sock is not None
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = self._sock.recv_into(view[got:], n - got)
-            if k == 0:
-                raise TransportError(f"pool at {self.address} closed the connection")
-            got += k
-        return bytes(buf)
+        return recv_exact(self._sock, n, f"pool at {self.address}")
 
     def _peer_closed(self) -> bool:
         assert self._sock is not None

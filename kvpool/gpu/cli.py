@@ -74,7 +74,7 @@ from kvpool.gpu.tier_client import ADDRESS_FILE, KeeperAddress, read_keeper_addr
 from kvpool.pool.catalog import AdmissionPolicy, LoadLimits
 from kvpool.pool.cli import parse_quotas, parse_size, read_token_file, tenants_from_args
 from kvpool.pool.config import default_run_dir
-from kvpool.pool.daemon import InsecureRunDir
+from kvpool.pool.daemon import InsecureRunDir, pid_alive
 from kvpool.pool.private_dir import ensure_private_dir
 
 log = logging.getLogger("kvpool.gpu.cli")
@@ -241,16 +241,6 @@ def config_from_args(args: argparse.Namespace) -> KeeperCommandConfig:
         hello_timeout_s=args.hello_timeout, max_clients=args.max_clients, ticket_ttl_s=args.ticket_ttl)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class KeeperProcess:
     """One keeper's run (see the module docstring). Not reentrant: start once, stop once."""
 
@@ -290,7 +280,7 @@ class KeeperProcess:
         if address.exists():
             try:
                 old = read_keeper_address(self.run_dir)
-                alive = _alive(old.pid)
+                alive = pid_alive(old.pid)
                 notes.append(f"the previous keeper (pid {old.pid}, instance {old.instance.hex()}) did not stop "
                              f"cleanly{' (its pid is alive: another process now)' if alive else ''}")
             except TransportError as exc:

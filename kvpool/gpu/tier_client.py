@@ -77,6 +77,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
+from kvpool.client.pool_client import recv_exact
 from kvpool.errors import (
     LeaseLost,
     MalformedFrame,
@@ -264,15 +265,7 @@ class TierClient:
 
     # -- one request ------------------------------------------------------------------------
     def _recv_exact(self, n: int) -> bytes:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = self._sock.recv_into(view[got:], n - got)
-            if k == 0:
-                raise TransportError(f"the GPU keeper at {self.path!r} closed the connection")
-            got += k
-        return bytes(buf)
+        return recv_exact(self._sock, n, f"the GPU keeper at {self.path!r}")
 
     def _break(self, why: str) -> None:
         self._broken = why

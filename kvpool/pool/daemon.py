@@ -136,7 +136,7 @@ class PoolDaemon(RequestHandlers, LookupWaits, Scrubber, SegmentHandout):
         pid_file = self.run_dir / "pid"
         if pid_file.exists():
             old = _read_pid(pid_file)
-            if old is not None and old != os.getpid() and _alive(old):
+            if old is not None and old != os.getpid() and pid_alive(old):
                 raise PoolAlreadyRunning(f"pool {self.config.name!r} is served by live pid {old} ({pid_file})")
             notes.append(f"previous daemon (pid {old}) did not shut down cleanly")
             pid_file.unlink()
@@ -348,7 +348,8 @@ def _read_pid(path: Path) -> int | None:
         return None
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """A process of this pid exists (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
