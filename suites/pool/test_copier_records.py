@@ -8,7 +8,6 @@ import time
 from concurrent.futures import Future
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 from kvgate.harness.system.pool import thread_pool
@@ -16,25 +15,13 @@ from kvpool.client.pool_client import PoolClient
 from kvpool.connector.copier import LOAD_THREADS, CopyRun, HostCopier, note_load, wait_all
 from kvpool.connector.history import HistoryWriter, read_history
 from kvpool.errors import MissCause, PoolTimeout
-from kvpool.pool.keys import Namespace, block_hashes
+from kvpool.pool.keys import block_hashes
 from kvpool.pool.metrics import ClientMetrics
 from kvpool.pool.records import Miss
 from kvpool.tier.record import TierPage
 
-NS = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
-LAYERS, BLOCKS, BLOCK_BYTES = 2, 8, 2048
-
-
-@pytest.fixture
-def daemon():
-    d = thread_pool(page_size=LAYERS * BLOCK_BYTES, num_pages=32)
-    yield d
-    d.stop_thread()
-
-
-def engine(seed):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, (BLOCKS, BLOCK_BYTES), dtype=np.uint8) for _ in range(LAYERS)]
+# the copier suite's geometry, pool and engine (one page = one block of both layers)
+from suites.pool.test_copier import BLOCK_BYTES, BLOCKS, LAYERS, NS, daemon, engine  # noqa: E402, F401
 
 
 def keys(start, n):
