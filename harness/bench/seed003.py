@@ -114,6 +114,10 @@ class Plan:
     seed: int = 3
     deadline_s: float = 1500.0
     order: tuple[str, ...] = ("ttft:0", "ttft:1", "sessions:0", "control:0", "sessions:1", "control:1")
+    # the TTFT part's blocks in order: "off" (a cold prefill on B) or "on" (A prefills and
+    # publishes, B loads); the seed's comparison is OFF, ON, ON, OFF; ("on",) measures a hit
+    # alone, at a quarter of the prefills, when the cold figure is known from an earlier run
+    ttft_blocks: tuple[str, ...] = ("off", "on", "on", "off")
     quantization: str = ""  # "" (the bf16 dummy weights) or "fp8" (vLLM's online quantization of them)
     # (n, seconds): cold prefills of n tokens measured by an earlier run of the same build, for
     # the time estimates of lengths this run has not measured itself
@@ -262,9 +266,11 @@ def _stats(values: list[float]) -> dict:
 
 
 def ttft_blocks(cluster: Cluster, corpus: Corpus, n: int, reps: int, seed: int, h2d_GBps: float | None,
-                kv_per_token: int, block: int = BLOCK_SIZE, rows_log: Path | None = None) -> dict:
-    """The four-block cross-replica TTFT at prompt length n (tokens, BOS included); each row
-    is also appended to `rows_log` (JSON lines) as it is measured."""
+                kv_per_token: int, block: int = BLOCK_SIZE, rows_log: Path | None = None,
+                blocks: tuple[str, ...] = ("off", "on", "on", "off")) -> dict:
+    """The cross-replica TTFT at prompt length n (tokens, BOS included) over `blocks` (the
+    seed's four, OFF ON ON OFF, unless told otherwise); each row is also appended to
+    `rows_log` (JSON lines) as it is measured."""
     from kvgate.harness.bench.live import median_phases, primer, remote_phases
     from kvgate.harness.checkers.history import records
     from kvgate.harness.client import http
@@ -280,7 +286,7 @@ def ttft_blocks(cluster: Cluster, corpus: Corpus, n: int, reps: int, seed: int, 
     want = (n - 1) // block
     rows: list[dict] = []
     t_part = time.monotonic()
-    for i, on in enumerate((False, True, True, False)):
+    for i, on in enumerate(b == "on" for b in blocks):
         label = f"{i}:{'on' if on else 'off'}"
         salt = f"seed003-{seed}-ttft-{n}-{i}"
         for j, prompt in enumerate(prompts):
@@ -329,14 +335,15 @@ def ttft_blocks(cluster: Cluster, corpus: Corpus, n: int, reps: int, seed: int, 
                     f"equal {row['output_equal_local_hit']})" if on else ""))
     off = [r["ttft_ms"] for r in rows if r["block"].endswith("off")]
     on_ = [r["ttft_ms"] for r in rows if r["block"].endswith(":on")]
-    cold_tokens = {r["rep"]: r["tokens"] for r in rows if r["block"] == "0:off"}
+    first_off = next((r["block"] for r in rows if r["block"].endswith(":off")), None)
+    cold_tokens = {r["rep"]: r["tokens"] for r in rows if r["block"] == first_off}
     across = [r["producer_tokens"] == cold_tokens.get(r["rep"]) for r in rows if "producer_tokens" in r]
     out = {
-        "prompt_tokens": n, "reps_per_block": reps, "kv_bytes": n * kv_per_token,
+        "prompt_tokens": n, "reps_per_block": reps, "kv_bytes": n * kv_per_token, "blocks": list(blocks),
         "off_ms": _stats(off), "on_ms": _stats(on_),
         "producer_cold_ms": _stats([r["producer_ttft_ms"] for r in rows if "producer_ttft_ms" in r]),
         "block_medians_ms": {b: round(statistics.median(r["ttft_ms"] for r in rows if r["block"] == b), 1)
-                             for b in ("0:off", "1:on", "2:on", "3:off")},
+                             for b in dict.fromkeys(r["block"] for r in rows)},
         "reduction": round(1 - statistics.median(on_) / statistics.median(off), 4) if off and on_ else None,
         "on_phases_ms": median_phases([r["phases_ms"] for r in rows if r.get("phases_ms")])
         if any(r.get("phases_ms") for r in rows) else None,
@@ -487,7 +494,9 @@ def side_by_side(result: dict) -> list[dict]:
             rows.append({"row": f"cross-replica TTFT {what}, {label}", "unit": "s", "part": key,
                          "paper": paper if paper else NO_FIGURE,
                          "kvgate": round(ours, 3) if ours is not None else None,
-                         "spread": f"{st['min'] / 1e3:.3f}-{st['max'] / 1e3:.3f} (n={st['n']})" if st["n"] else "",
+                         "spread": f"{st['min'] / 1e3:.3f}-{st['max'] / 1e3:.3f} (n={st['n']})" if st["n"] else
+                         f"no {'OFF' if k == 'ttft_off_s' else 'ON'} block in this run (blocks "
+                         f"{','.join(part.get('blocks', []))})",
                          "ratio": round(ours / paper, 3) if paper and ours else "n/a",
                          "floor": floor_s if k == "ttft_on_s" else "no load (a cold prefill)"})
         paper_red = (1 - PAPER["ttft_on_s"][paper_n] / PAPER["ttft_off_s"][paper_n]) if paper_n else None
@@ -583,7 +592,7 @@ def _write(report_dir: Path, result: dict) -> None:
 
 
 def _estimate_s(kind: str, n: int, count: int, cold_s: dict[int, float],
-                prior: dict[int, float] | None = None) -> tuple[float, str]:
+                prior: dict[int, float] | None = None, ttft_blocks: int = 4) -> tuple[float, str]:
     """Seconds a part is expected to take and how that was reckoned, from the cold prefills
     measured so far in this run, else those `prior` (an earlier run of the same build)
     gives: prefill grows faster than linearly with n, so scaled by (n / n0)^1.6 from the
@@ -593,7 +602,7 @@ def _estimate_s(kind: str, n: int, count: int, cold_s: dict[int, float],
             continue
         n0 = n if n in figures else max((k for k in figures if k <= n), default=min(figures))
         c = figures[n0] * (n / n0) ** 1.6
-        per = {"ttft": 4 * count, "sessions": 6 * count, "control": 4 * count}[kind]
+        per = {"ttft": ttft_blocks * count, "sessions": 6 * count, "control": 4 * count}[kind]
         scaled = "" if n0 == n else f" scaled by ({n}/{n0})^1.6"
         return per * c * 1.15 + 10, (f"{per} cold prefills of about {c:.0f} s: {figures[n0]:.1f} s at {n0} tokens "
                                       f"measured in {source}{scaled}, plus 15%")
@@ -654,7 +663,7 @@ def run(report_dir: Path, plan: Plan = Plan(), command: str = "") -> int:
             count = counts[min(i, len(counts) - 1)]
             key = f"{kind}:{n}"
             left = t_end - time.monotonic()
-            est, basis = _estimate_s(kind, n, count, cold_s, prior)
+            est, basis = _estimate_s(kind, n, count, cold_s, prior, len(plan.ttft_blocks))
             if est > left:
                 result["parts"][key] = {"not_run": f"about {est:.0f} s needed, {left:.0f} s left", "estimate": basis}
                 _say(f"bench seed003: {key} not run: about {est:.0f} s needed, {left:.0f} s left")
@@ -664,8 +673,11 @@ def run(report_dir: Path, plan: Plan = Plan(), command: str = "") -> int:
             try:
                 if kind == "ttft":
                     part = ttft_blocks(cluster, corpus, n, count, plan.seed, h2d, arch.kv_bytes_per_token, block,
-                                       rows_log=report_dir / "rows.jsonl")
-                    cold_s[n] = part["off_ms"]["median"] / 1e3
+                                       rows_log=report_dir / "rows.jsonl", blocks=plan.ttft_blocks)
+                    # B's cold prefills, else A's (the producer's prefill is cold too)
+                    cold_ms = part["off_ms"]["median"] or part["producer_cold_ms"]["median"]
+                    if cold_ms:
+                        cold_s[n] = cold_ms / 1e3
                 else:
                     part = session_part(cluster, corpus, n, count, plan.seed,
                                         "alternating" if kind == "sessions" else "sticky", block)
@@ -705,6 +717,12 @@ def plan_from_args(args) -> Plan:
     def ints(s: str) -> tuple[int, ...]:
         return tuple(int(x) for x in s.split(",") if x)
 
+    def blocks(s: str) -> tuple[str, ...]:
+        out = tuple(x for x in s.split(",") if x)
+        if not out or any(x not in ("off", "on") for x in out):
+            raise ValueError(f"--ttft-blocks takes off and on, comma-separated (e.g. off,on,on,off), not {s!r}")
+        return out
+
     def colds(s: str) -> tuple[tuple[int, float], ...]:
         pairs = [x.split("=") for x in s.split(",") if x]
         if any(len(p) != 2 for p in pairs):
@@ -716,7 +734,7 @@ def plan_from_args(args) -> Plan:
                 control_contexts=ints(args.control_contexts), kv_bytes=int(args.kv_gib * 2**30),
                 pool_bytes=int(args.pool_gib * 2**30), seed=args.seed, deadline_s=args.deadline,
                 order=tuple(x for x in args.order.split(",") if x), quantization=args.quantization,
-                prior_cold_s=colds(args.cold_s))
+                prior_cold_s=colds(args.cold_s), ttft_blocks=blocks(args.ttft_blocks))
 
 
 def add_arguments(p) -> None:
@@ -730,6 +748,9 @@ def add_arguments(p) -> None:
     p.add_argument("--order", default=",".join(d.order),
                    help="the parts in order (kind:index into its lengths); a part that would not finish in time "
                         "is not run")
+    p.add_argument("--ttft-blocks", default=",".join(d.ttft_blocks),
+                   help="the TTFT part's blocks in order (off: a cold prefill on B; on: A publishes, B loads); "
+                        "'on' alone measures the hit with a quarter of the seed's prefills")
     p.add_argument("--kv-gib", type=float, default=d.kv_bytes / 2**30, help="each replica's KV cache")
     p.add_argument("--pool-gib", type=float, default=d.pool_bytes / 2**30)
     p.add_argument("--seed", type=int, default=d.seed)

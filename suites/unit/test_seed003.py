@@ -171,6 +171,32 @@ def test_the_cli_takes_fp8_and_earlier_cold_prefills():
     assert plan_from_args(ap.parse_args([])).quantization == ""
 
 
+def test_a_hit_alone_is_planned_with_its_own_prefills_and_its_rows_say_which_block_did_not_run():
+    import argparse
+
+    import pytest
+
+    from kvgate.harness.bench.seed003 import _estimate_s, add_arguments, plan_from_args
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    assert plan_from_args(ap.parse_args([])).ttft_blocks == ("off", "on", "on", "off")
+    plan = plan_from_args(ap.parse_args(["--ttft-blocks", "on"]))
+    assert plan.ttft_blocks == ("on",)
+    for bad in ("", "on,of", "ON"):
+        with pytest.raises(ValueError):
+            plan_from_args(ap.parse_args(["--ttft-blocks", bad]))
+    est, basis = _estimate_s("ttft", 256000, 1, {}, {256000: 300.0}, ttft_blocks=1)
+    assert est == 300.0 * 1.15 + 10 and "1 cold prefills" in basis
+    part = {"prompt_tokens": 256000, "blocks": ["on"], "off_ms": {"median": None, "min": None, "max": None, "n": 0},
+            "on_ms": {"median": 900.0, "min": 900.0, "max": 900.0, "n": 1}, "reduction": None}
+    rows = side_by_side({"parts": {"ttft:256000": part}})
+    off = next(r for r in rows if "OFF (cold" in r["row"])
+    on = next(r for r in rows if "ON (B loads" in r["row"])
+    assert off["kvgate"] is None and "no OFF block" in off["spread"] and off["ratio"] == "n/a"
+    assert on["kvgate"] == 0.9 and on["ratio"] == round(0.9 / 0.79, 3)
+
+
 def _table_module():
     import importlib.util
     from pathlib import Path
