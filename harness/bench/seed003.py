@@ -265,6 +265,16 @@ def _stats(values: list[float]) -> dict:
             "max": round(max(values), 1), "n": len(values), "all": [round(v, 1) for v in values]}
 
 
+def producer_against_cold(rows: list[dict]) -> list[bool]:
+    """Per ON row whose prompt an OFF block also ran on B (the first OFF block's), whether A's
+    cold tokens (the producer's) equal B's: the replicas hold the same weights. A plan without
+    an OFF block compares nothing."""
+    first_off = next((r["block"] for r in rows if r["block"].endswith(":off")), None)
+    cold_tokens = {r["rep"]: r["tokens"] for r in rows if r["block"] == first_off}
+    return [r["producer_tokens"] == cold_tokens[r["rep"]] for r in rows
+            if "producer_tokens" in r and r["rep"] in cold_tokens]
+
+
 def ttft_blocks(cluster: Cluster, corpus: Corpus, n: int, reps: int, seed: int, h2d_GBps: float | None,
                 kv_per_token: int, block: int = BLOCK_SIZE, rows_log: Path | None = None,
                 blocks: tuple[str, ...] = ("off", "on", "on", "off")) -> dict:
@@ -335,9 +345,7 @@ def ttft_blocks(cluster: Cluster, corpus: Corpus, n: int, reps: int, seed: int, 
                     f"equal {row['output_equal_local_hit']})" if on else ""))
     off = [r["ttft_ms"] for r in rows if r["block"].endswith("off")]
     on_ = [r["ttft_ms"] for r in rows if r["block"].endswith(":on")]
-    first_off = next((r["block"] for r in rows if r["block"].endswith(":off")), None)
-    cold_tokens = {r["rep"]: r["tokens"] for r in rows if r["block"] == first_off}
-    across = [r["producer_tokens"] == cold_tokens.get(r["rep"]) for r in rows if "producer_tokens" in r]
+    across = producer_against_cold(rows)
     out = {
         "prompt_tokens": n, "reps_per_block": reps, "kv_bytes": n * kv_per_token, "blocks": list(blocks),
         "off_ms": _stats(off), "on_ms": _stats(on_),

@@ -7,7 +7,9 @@ carried tree matched its stamp, the command), as Markdown on stdout.
 
 With several runs, each part (ttft / sessions / control at one length) is taken from the first
 run that measured it (a part a run did not measure, "not run" or raised, is taken from a later
-run where there is one), and a column names the run each row comes from. A part a run
+run where there is one), and a column names the run each row comes from. The TTFT parts'
+weights oracle (A's cold tokens against B's) is computed again from each part's rows, and a
+row whose recorded figure differs says so. A part a run
 planned but never reached because the run raised first (its replicas did not start, say) is
 reported "not run" with that run's error, unless another run measured it. `--command`: the
 commands that made the runs, listed under the table (repeatable). `--why PART=TEXT` adds a
@@ -30,6 +32,7 @@ from kvgate.harness.bench.seed003 import (  # noqa: E402
     failures,
     h2d_floor_ms,
     memory_line,
+    producer_against_cold,
     render_markdown,
     side_by_side,
 )
@@ -87,6 +90,16 @@ def merge(results: list[dict], why: dict[str, str] | None = None) -> tuple[dict,
         had = (part or {}).get("not_run", "")
         merged["parts"][key] = {**(part or {}), "not_run": "; ".join(x for x in (had, text) if x)}
         merged["parts"][key].pop("error", None)
+    for key, part in merged["parts"].items():  # the weights oracle again, from the rows, by this code
+        o = part.get("oracles")
+        if not key.startswith("ttft") or not o or not part.get("rows"):
+            continue
+        across = producer_against_cold(part["rows"])
+        had = (o.get("producer_cold_tokens_equal_B_cold"), o.get("compared_cold"))
+        if had != (sum(across), len(across)):
+            part["oracles"] = {**o, "producer_cold_tokens_equal_B_cold": sum(across), "compared_cold": len(across)}
+            sources[key] += (f"; A's cold tokens against B's recomputed from the rows: {sum(across)} of "
+                             f"{len(across)} equal (the run recorded {had[0]} of {had[1]})")
     merged["failures"] = failures(merged, Plan())
     merged.pop("command", None)
     merged.pop("memory", None)  # each run's own, listed under the runs

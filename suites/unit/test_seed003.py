@@ -197,6 +197,20 @@ def test_a_hit_alone_is_planned_with_its_own_prefills_and_its_rows_say_which_blo
     assert on["kvgate"] == 0.9 and on["ratio"] == round(0.9 / 0.79, 3)
 
 
+def test_the_producers_cold_tokens_are_compared_with_b_s_only_where_an_off_block_ran_the_prompt():
+    from kvgate.harness.bench.seed003 import producer_against_cold
+
+    def on(block, rep, toks):
+        return {"block": block, "rep": rep, "tokens": [9], "producer_tokens": toks}
+
+    off = [{"block": "0:off", "rep": 0, "tokens": [1, 2]}, {"block": "0:off", "rep": 1, "tokens": [3, 4]}]
+    assert producer_against_cold([on("0:on", 0, [1, 2])]) == []  # no OFF block: nothing to compare
+    assert producer_against_cold([*off, on("1:on", 0, [1, 2]), on("2:on", 1, [3, 4])]) == [True, True]
+    assert producer_against_cold([*off, on("1:on", 0, [1, 2]), on("2:on", 1, [3, 5])]) == [True, False]
+    late = [on("0:on", 0, [7]), {"block": "1:off", "rep": 0, "tokens": [1, 2]}]  # the OFF block after
+    assert producer_against_cold(late) == [False]
+
+
 def _table_module():
     import importlib.util
     from pathlib import Path
@@ -229,3 +243,23 @@ def test_merged_runs_take_each_part_from_the_run_that_measured_it_and_keep_why_t
 
     with pytest.raises(SystemExit):  # a reason for a part a run measured is refused
         table.merge([run1, run2], {"ttft:128000": "no"})
+
+
+def test_the_table_recomputes_the_weights_oracle_from_the_rows_and_says_when_the_record_differs():
+    table = _table_module()
+    rows = [{"block": "0:on", "rep": 0, "tokens": [5], "producer_tokens": [5]}]
+    recorded = {**_ttft(cold_equal=0), "rows": rows}
+    recorded["oracles"] = {**recorded["oracles"], "compared_cold": 1}  # a hit alone compared with nothing
+    run = {"env": {"provenance": {"short": "ddddddd"}}, "plan": {"order": ["ttft:0"], "ttft_lengths": [256000]},
+           "parts": {"ttft:256000": recorded}}
+    assert any("same weights" in f for f in failures(run, Plan()))  # as the run itself judged it
+    merged, sources = table.merge([run])
+    assert merged["parts"]["ttft:256000"]["oracles"]["compared_cold"] == 0
+    assert "recomputed from the rows: 0 of 0 equal (the run recorded 0 of 1)" in sources["ttft:256000"]
+    assert not any("same weights" in f for f in merged["failures"])
+    off = [{"block": "0:off", "rep": 0, "tokens": [1]}, {"block": "1:on", "rep": 0, "tokens": [1],
+                                                          "producer_tokens": [2]}]
+    wrong = {**_ttft(cold_equal=1), "rows": off}  # recorded as if equal; the rows say otherwise
+    wrong["oracles"] = {**wrong["oracles"], "compared_cold": 1}
+    merged, sources = table.merge([{**run, "parts": {"ttft:256000": wrong}}])
+    assert any("same weights" in f for f in merged["failures"])
