@@ -6,7 +6,7 @@
 # checked against its stamp (python -m kvgate.harness.provenance --verify): a copy whose files changed
 # after stamping, or that has no stamp, is reported "(UNVERIFIED TREE)" and the script exits 1.
 #
-#   scripts/gpu/reports.sh OUT [suite|bench|live|timeline|conformance|gate ...]     (default: suite bench live)
+#   scripts/gpu/reports.sh OUT [suite|bench|live|timeline|tierload|conformance|gate ...]     (default: suite bench live)
 #
 # msgspec (kvpool's wire protocol) comes from the bundle's folder ($SITE), which is put on PYTHONPATH here;
 # other wheels the host lacks are installed from .gpu/extra/*.whl into $SITE if present.
@@ -17,7 +17,7 @@
 # `kvgate gate` with GATE_ARGS (e.g. one connector's scenarios under another config), under OUT/gate.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${1:?usage: scripts/gpu/reports.sh OUT [suite|bench|live|timeline|conformance|gate ...]}
+OUT=${1:?usage: scripts/gpu/reports.sh OUT [suite|bench|live|timeline|tierload|conformance|gate ...]}
 shift || true
 PARTS=${*:-suite bench live}
 SITE=${SITE:-/tmp/site}
@@ -57,6 +57,11 @@ for part in $PARTS; do
     # shellcheck disable=SC2086
     timeline) python3 scripts/gpu/load_timeline.py ${TIMELINE_ARGS:---chunk-mib 128} > "$OUT/load-timeline.json" \
              2> "$OUT/load-timeline.log" || status=1 ;;
+    # shellcheck disable=SC2086
+    tierload) for t in ${TIER_LOAD_TOKENS:-32768 65536 128000 256000}; do
+                python3 scripts/gpu/tier_load_bench.py "$OUT/tier-load-$t.json" --tokens "$t" \
+                  > "$OUT/tier-load-$t.log" 2>&1 || status=1
+              done ;;
     # shellcheck disable=SC2086
     conformance) python3 -m kvgate.harness.cli conformance --report-dir "$OUT/conformance" \
              ${CONFORMANCE_ARGS:---connectors kvpool,offloading} > "$OUT/conformance.log" 2>&1 || status=1 ;;

@@ -8,7 +8,12 @@ host waits for it, release), then checks every byte and every page's GPU sketch 
 committed digest. The baseline, in the same process and run: a plain device-to-device copy of
 the same bytes.
 
-    PYTHONPATH=/tmp/site:$PWD python3 scripts/gpu/tier_load_bench.py OUT.json [--tokens 128000] [--repeats 5]
+    scripts/gpu/reports.sh OUT tierload     (32k, 64k, 128k and 256k; TIER_LOAD_TOKENS="..." for others)
+    PYTHONPATH=/tmp/site:$PWD KVGATE_PROVENANCE=stamp python3 scripts/gpu/tier_load_bench.py OUT.json \
+        [--tokens 128000] [--repeats 5]
+
+On the GPU host, KVGATE_PROVENANCE=stamp (reports.sh sets it) makes the JSON's provenance the
+stamp's (.provenance.json, verified against the carried tree), not the copy's own git.
 
 What it is not: the connector's load into vLLM's paged KV cache (a scatter per layer, not one
 gather; kvpool's connector does not load from the GPU tier yet), nor a served request's TTFT.
@@ -101,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         got = ask(conns[1], "load_bulk", keys, a.seed, a.repeats)[0]
         med = {k: statistics.median(v) for k, v in got["times_s"].items()}
         raw = statistics.median(got["raw_copy_s"])
-        k = round(a.tokens / 1000)
+        k = a.tokens // 1000
         result.update({
             f"gpu_tier_load_s_27b_{k}k": round(med["load"], 4),
             "phases_median_s": {x: round(v, 4) for x, v in med.items()},
