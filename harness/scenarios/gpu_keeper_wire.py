@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -63,17 +64,25 @@ def _answer(conn: Any, fn) -> None:  # noqa: ANN001, ANN401 - a multiprocessing 
 
 def keeper_process(conn: Any, run_dir: str, page_size: int, pages: dict[str, int],  # noqa: ANN401
                    tokens: dict[str, str], keeper: str = "GpuKeeper", server: str = "KeeperServer",
-                   maintenance_s: float = 0.05) -> None:
+                   maintenance_s: float = 0.05, manual_clock: bool = False, tier: dict | None = None) -> None:
     from kvgate.faults.keeper_controls import KEEPERS, SERVERS
+    from kvgate.harness.scenarios.gpu_tier import ManualClock
     from kvpool.gpu.keeper import memfd_allocation
     from kvpool.gpu.tier import GpuTierConfig
 
-    k = KEEPERS[keeper](GpuTierConfig(page_size=page_size, pages=pages), run_dir, memfd_allocation)
-    with k, SERVERS[server](k, tokens, maintenance_s=maintenance_s) as s:
+    clock = ManualClock() if manual_clock else time.monotonic
+    k = KEEPERS[keeper](GpuTierConfig(page_size=page_size, pages=pages, **(tier or {})), run_dir, memfd_allocation)
+    with k, SERVERS[server](k, tokens, maintenance_s=maintenance_s, clock=clock) as s:
         conn.send(("ok", str(s.path), os.getpid()))
         while True:
             cmd = conn.recv()
-            if cmd[0] == "sessions":
+            if cmd[0] == "advance":  # the control plane's clock (manual_clock): TTLs run out when told
+                clock.advance(cmd[1])
+                conn.send(("ok",))
+            elif cmd[0] == "maintain":  # one maintenance round now, at the clock's time
+                m = s.maintain()
+                conn.send(("ok", m.expired))
+            elif cmd[0] == "sessions":
                 conn.send(("ok", len(s.sessions)))
             elif cmd[0] == "stats":
                 with k.tier_lock:
@@ -141,6 +150,14 @@ def replica_process(conn: Any, path: str, tenant: str, token: str, client: str =
                 _answer(conn, lambda: (c.commit(cmd[1], cmd[2]).committed,))
             elif op == "abort":
                 _answer(conn, lambda: (c.abort(cmd[1]),))
+            elif op == "renew":
+                def renew(res=cmd[1], leases=cmd[2]) -> tuple:  # noqa: ANN001
+                    got = c.renew(res, leases)
+                    return tuple([(r.id, r.ttl_s, None if r.refused is None else r.refused.value) for r in rs]
+                                 for rs in (got.reservations, got.leases))
+                _answer(conn, renew)
+            elif op == "ttls":
+                conn.send(("ok", c.reservation_ttl_s, c.lease_ttl_s))
             elif op == "release":
                 _answer(conn, lambda: (list(c.release(cmd[1]).stale),))
             elif op == "acquire":

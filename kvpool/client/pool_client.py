@@ -67,6 +67,25 @@ def _check_run(hits: object, asked: int, op: str) -> None:
         raise MalformedFrame(f"{op} of {asked} blocks answered with a run of {len(hits)}")
 
 
+def renew_in_frames(call: Callable[[P.Renew], P.RenewOk], reservations: Sequence[int],
+                    leases: Sequence[int]) -> RenewResult:
+    """One Renew per MAX_RENEW_IDS ids of each kind, through `call` (a client's request-reply:
+    the host pool's PoolClient or the GPU keeper's TierClient), the answers in order;
+    MalformedFrame when a reply does not answer every id it was asked."""
+    res, lea = [int(i) for i in reservations], [int(i) for i in leases]
+    out_res: list = []
+    out_lea: list = []
+    step = P.MAX_RENEW_IDS
+    for k in range(0, max(len(res), len(lea), 1), step):
+        r = call(P.Renew(res[k : k + step], lea[k : k + step]))
+        if len(r.reservations) != len(res[k : k + step]) or len(r.leases) != len(lea[k : k + step]):
+            raise MalformedFrame(f"Renew of {len(res[k : k + step])} reservations and {len(lea[k : k + step])} "
+                                 f"leases answered with {len(r.reservations)} and {len(r.leases)}")
+        out_res.extend(r.reservations)
+        out_lea.extend(r.leases)
+    return RenewResult(tuple(out_res), tuple(out_lea))
+
+
 def recv_exact(sock: socket.socket, n: int, peer: str) -> bytes:
     """Exactly `n` bytes from a blocking socket; TransportError naming `peer` at EOF."""
     buf = bytearray(n)
@@ -526,18 +545,7 @@ class PoolClient:
         to now + its TTL (never past the pool's maximum age), or is refused per id
         (kvpool.pool.records.RenewRefusal); a frame carries at most MAX_RENEW_IDS of each.
         Only for a daemon whose hello advertised the TTL (an older one answers MALFORMED)."""
-        res, lea = [int(i) for i in reservations], [int(i) for i in leases]
-        out_res: list = []
-        out_lea: list = []
-        step = P.MAX_RENEW_IDS
-        for k in range(0, max(len(res), len(lea), 1), step):
-            r = self._expect(P.Renew(res[k : k + step], lea[k : k + step]), P.RenewOk)
-            if len(r.reservations) != len(res[k : k + step]) or len(r.leases) != len(lea[k : k + step]):
-                raise MalformedFrame(f"Renew of {len(res[k : k + step])} reservations and {len(lea[k : k + step])} "
-                                     f"leases answered with {len(r.reservations)} and {len(r.leases)}")
-            out_res.extend(r.reservations)
-            out_lea.extend(r.leases)
-        return RenewResult(tuple(out_res), tuple(out_lea))
+        return renew_in_frames(lambda op: self._expect(op, P.RenewOk), reservations, leases)
 
     def evict(self, ns: Namespace, hashes: Sequence[bytes]) -> list[EvictOutcome]:
         return list(self._expect(P.Evict(ns, list(hashes)), P.EvictOk).outcomes)

@@ -166,6 +166,10 @@ def keeper_parser(keeper: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="seconds before an open publish is reclaimed")
     keeper.add_argument("--lease-ttl", type=_positive(float, "--lease-ttl"), default=60.0,
                         help="seconds before an unreleased lease expires")
+    keeper.add_argument("--reservation-max", type=_positive(float, "--reservation-max"), default=3600.0,
+                        help="seconds a publish may stay open however often its client renews it")
+    keeper.add_argument("--lease-max", type=_positive(float, "--lease-max"), default=3600.0,
+                        help="seconds a lease may be held however often its client renews it")
     keeper.add_argument("--min-blocks", type=int, default=1, help="admission: shortest publish")
     keeper.add_argument("--max-loads-per-client", type=int, default=0, help="concurrent leases per client (0: none)")
     keeper.add_argument("--max-loads", type=int, default=0, help="concurrent leases in all (0: no limit)")
@@ -232,7 +236,8 @@ def config_from_args(args: argparse.Namespace) -> KeeperCommandConfig:
         tier = GpuTierConfig(page_size=args.page_size, pages=pages, low_free=args.low_free, high_free=args.high_free,
                              admission=AdmissionPolicy(min_blocks=args.min_blocks),
                              limits=LoadLimits(per_client=args.max_loads_per_client, total=args.max_loads),
-                             reservation_ttl_s=args.reservation_ttl, lease_ttl_s=args.lease_ttl)
+                             reservation_ttl_s=args.reservation_ttl, lease_ttl_s=args.lease_ttl,
+                             reservation_max_s=args.reservation_max, lease_max_s=args.lease_max)
     except InvalidRequest as exc:
         raise KeeperUsage(f"--low-free / --high-free: {exc.message}") from exc
     return KeeperCommandConfig(

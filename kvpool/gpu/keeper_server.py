@@ -33,12 +33,14 @@ A session, on the wire:
     attach socket (HelloOk.arena), its instance id, the tenant's page size and pages, and a
     single-use ticket for the handout of the tenant's buffer and state segment
     (kvpool.gpu.handout). A connection says hello once.
-  * Then Lookup, Acquire, Release, Reserve, Commit, Abort, Ping, Stats (the tenant's gpu_tier_*
-    counters) in frames of at most kvpool.pool.protocol.CONTROL_FRAME_BYTES (no page bytes travel
+  * Then Lookup, Acquire, Release, Reserve, Commit, Abort, Renew, Ping, Stats (the tenant's
+    gpu_tier_* counters) in frames of at most kvpool.pool.protocol.CONTROL_FRAME_BYTES (no page bytes travel
     here: they are in the mapped buffer). A namespace must be the session's tenant's
     (UNAUTHENTICATED otherwise); hashes are distinct; a Release names a lease of this session, a
     Commit or Abort a reservation of this session (another session's is LEASE_LOST / INVALID
-    and touches nothing). Lookup answers at once (a pending publish reads as missing).
+    and touches nothing). Renew moves only this session's own open reservations and leases
+    (per id: the seconds ahead, or refused as not_yours / expired / unknown, left as it was;
+    the hello advertises both TTLs, so a client renews as it does with the host pool). Lookup answers at once (a pending publish reads as missing).
   * Every frame gets one reply: a malformed or wrong-version frame a typed Error, and the
     connection keeps serving; a length prefix past the bound is answered OVERSIZED and that
     connection closed (its stream cannot be resynchronised). Other sessions are never affected.
@@ -191,6 +193,9 @@ class KeeperServer:
             if isinstance(op, P.Abort):
                 self._own_reservation(session, op.reservation_id)
                 return P.AbortOk(tier.abort(client, tenant, op.reservation_id))
+            if isinstance(op, P.Renew):  # only the session's own grants move (the catalog checks the client)
+                got = tier.renew(client, tenant, op.reservations, op.leases, now)
+                return P.RenewOk(list(got.reservations), list(got.leases))
             if isinstance(op, P.Stats):
                 return P.StatsOk(tier.stats(tenant))
         raise InvalidRequest(f"{type(op).__name__} is not an operation of the GPU keeper")
@@ -208,8 +213,10 @@ class KeeperServer:
         session.pidfd = None  # the keeper's now
         session.tenant, session.name = op.tenant, op.client_name
         desc = self.keeper.descriptor(op.tenant)
+        cfg = self.keeper.tier.config
         return P.HelloOk(session.client, str(self.keeper.attach_path), self.keeper.instance, desc.page_size,
-                         desc.num_pages, SERVER_NAME, False, self.keeper.mint_ticket(op.tenant))
+                         desc.num_pages, SERVER_NAME, False, self.keeper.mint_ticket(op.tenant),
+                         reservation_ttl_s=cfg.reservation_ttl_s, lease_ttl_s=cfg.lease_ttl_s)
 
     @staticmethod
     def _check_bounds(session: KeeperSession, op: P.Request) -> None:
@@ -224,6 +231,10 @@ class KeeperServer:
                                          f"{MAX_NAMESPACE_FIELD_CHARS})")
             if len(set(op.hashes)) != len(op.hashes):
                 raise InvalidRequest("a block hash named twice in one request")
+        elif isinstance(op, P.Renew):
+            for what, ids in (("reservation id", op.reservations), ("lease id", op.leases)):
+                if len(set(ids)) != len(ids):
+                    raise InvalidRequest(f"a {what} named twice in one request")
 
     def _own_lease(self, session: KeeperSession, lease_id: int) -> None:
         """The peer check of a release: only the session the lease was granted to ends it."""

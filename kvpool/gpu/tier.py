@@ -66,6 +66,7 @@ from kvpool.pool.records import (
     EvictOutcome,
     LookupResult,
     ReleaseResult,
+    RenewResult,
     ReserveResult,
     SlotStatus,
 )
@@ -84,6 +85,8 @@ class GpuTierConfig:
     limits: LoadLimits = LoadLimits()
     reservation_ttl_s: float = 30.0
     lease_ttl_s: float = 60.0
+    reservation_max_s: float = 3600.0  # a reservation's age past which no renewal extends it
+    lease_max_s: float = 3600.0
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or not self.pages or any(n <= 0 for n in self.pages.values()):
@@ -116,7 +119,8 @@ class GpuTier:
         for tenant, n in config.pages.items():
             cfg = CatalogConfig(num_pages=n, page_size=config.page_size, admission=config.admission,
                                 limits=config.limits, evict_on_reserve=False,
-                                reservation_ttl_s=config.reservation_ttl_s, lease_ttl_s=config.lease_ttl_s)
+                                reservation_ttl_s=config.reservation_ttl_s, lease_ttl_s=config.lease_ttl_s,
+                                reservation_max_s=config.reservation_max_s, lease_max_s=config.lease_max_s)
             self.catalogs[tenant] = Catalog(cfg, (generations or {}).get(tenant))
         self._reservations: dict[int, dict[str, set[int]]] = {}  # client -> tenant -> open reservation ids
         self._leases: dict[int, dict[str, set[int]]] = {}  # client -> tenant -> held lease ids
@@ -175,6 +179,16 @@ class GpuTier:
     def abort(self, client: int, tenant: str, reservation_id: int) -> int:
         self._reservations.get(client, {}).get(tenant, set()).discard(reservation_id)
         return self._catalog(tenant).abort(reservation_id)
+
+    def renew(self, client: int, tenant: str, reservations: Sequence[int], leases: Sequence[int],
+              now: float) -> RenewResult:
+        """The host pool's renewal (Catalog.renew) on the tenant's catalog: `client`'s own open
+        reservations and leases move to now + their TTL, never past their grant + the maximum
+        age; another client's, an expired or an unknown id is refused per id and left as it
+        was. A quarantined client (disconnected, its process maybe still writing) renews
+        nothing (InvalidRequest): its reservations end when its process does."""
+        self._live_client(client)
+        return self._catalog(tenant).renew(client, reservations, now, leases)
 
     def holds_lease(self, client: int, tenant: str, lease_id: int) -> bool:
         """`lease_id` was granted to `client` and not released since (its TTL may have run out:

@@ -77,7 +77,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
-from kvpool.client.pool_client import recv_exact
+from kvpool.client.pool_client import recv_exact, renew_in_frames
 from kvpool.errors import (
     LeaseLost,
     MalformedFrame,
@@ -94,7 +94,7 @@ from kvpool.pool import protocol as P
 from kvpool.pool.digest import DigestKind
 from kvpool.pool.keys import Namespace
 from kvpool.pool.metrics import ClientMetrics
-from kvpool.pool.records import AcquireResult, CommitResult, LookupResult, ReleaseResult, ReserveResult
+from kvpool.pool.records import AcquireResult, CommitResult, LookupResult, ReleaseResult, RenewResult, ReserveResult
 
 
 ADDRESS_FILE = "keeper-address.json"
@@ -350,6 +350,23 @@ class TierClient:
 
     def abort(self, reservation_id: int) -> int:
         return self._call(P.Abort(reservation_id), P.AbortOk).freed
+
+    @property
+    def reservation_ttl_s(self) -> float:
+        """The TTL of an open reservation the keeper advertised at hello (0: none; do not renew)."""
+        return self.hello.reservation_ttl_s if self.hello is not None else 0.0
+
+    @property
+    def lease_ttl_s(self) -> float:
+        return self.hello.lease_ttl_s if self.hello is not None else 0.0
+
+    def renew(self, reservations: Sequence[int] = (), leases: Sequence[int] = ()) -> RenewResult:
+        """This session still works on these reservations and leases of its own (a copy into
+        the pages still queued behind a forward, say): each deadline moves to now + its TTL, or
+        is refused per id (kvpool.pool.records.RenewRefusal), as with the host pool
+        (PoolClient.renew; kvpool.client.keepalive drives either). At most MAX_RENEW_IDS of
+        each a frame."""
+        return renew_in_frames(lambda op: self._call(op, P.RenewOk), reservations, leases)
 
     def stats(self) -> dict[str, int]:
         return dict(self._call(P.Stats(), P.StatsOk).stats)
