@@ -25,6 +25,9 @@ catches it.
   StaleMappingTierLink     the link that keeps its first mapping across a restart: its sessions
                            follow the new instance, its page views stay in the old buffer (which
                            lives on while mapped), so what it publishes never reaches the new one.
+  EagerUnmapTierLink       the link that drops the old instance's mapping at the reconnect while a
+                           lease or reservation of it is still open: a copy out of (or into) those
+                           pages still running on the GPU reads (writes) unmapped memory.
   KEEPERS, SERVERS, CLIENTS  name -> class, for the worker processes that pick one by name.
 """
 
@@ -91,6 +94,14 @@ class StaleMappingTierLink(TierLink):
     def _mapping(self, grant: TierLease | TierReservation) -> TierMap:
         self._check(grant)
         return self._first if self._first is not None else self.client.tier
+
+
+class EagerUnmapTierLink(TierLink):
+    def _adopt(self, old: TierClient | None, new: TierClient) -> None:
+        if old is not None:
+            old.close()
+            self.reconnects += 1
+        self.client = new
 
 
 KEEPERS: dict[str, type[GpuKeeper]] = {"GpuKeeper": GpuKeeper, "EagerFreeKeeper": EagerFreeKeeper}

@@ -32,8 +32,10 @@ the keeper's state segment.
       names (written by `kvpool keeper`, kvpool.gpu.cli). Each call goes through the current
       TierClient while its session is open and its keeper's heartbeat fresh; otherwise the
       address file is read again, and if it names an instance (or a session) other than the
-      one held, a new TierClient connects to it and maps its buffer, and the old one is closed
-      (its mapping dropped). A call that fails is not repeated (a reserve or commit may have
+      one held, a new TierClient connects to it and maps its buffer, and the old one's session
+      is closed; its mapping is dropped then, or, while a lease or reservation of it is still
+      open, when the last of them ends through the link (release, commit, abort: each refused
+      as WrongInstance, the caller's copies done by then), never under a copy. A call that fails is not repeated (a reserve or commit may have
       reached the keeper); the next call reconnects. While no live keeper is there the calls
       raise TransportError (KeeperStale once the old heartbeat is stale): the lookup falls
       through to the host pool.
@@ -374,10 +376,15 @@ class TierClient:
     def run(self, ns: Namespace) -> TierRun:
         return _lookup_run(self.lookup, ns)
 
-    def close(self) -> None:
+    def end_session(self) -> None:
+        """Close the session's socket and keep the mapping (a copy into or out of its pages may
+        still run): TierLink retires a client this way while grants of it are open."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+    def close(self) -> None:
+        self.end_session()
         if self.tier is not None:
             self.tier.close()
             self.tier = None
@@ -429,6 +436,10 @@ class TierLink:
         self.client: TierClient | None = None
         self.reconnects = 0  # sessions opened after the first
         self._lock = threading.RLock()
+        # (instance, session) -> the grants of it not ended yet through this link: ("lease" |
+        # "reservation", id); a client replaced while some are open is retired, its mapping kept
+        self._open: dict[tuple[bytes, int], set[tuple[str, int]]] = {}
+        self._retired: dict[tuple[bytes, int], TierClient] = {}
 
     @property
     def instance(self) -> bytes | None:
@@ -469,12 +480,42 @@ class TierLink:
         return new
 
     def _adopt(self, old: TierClient | None, new: TierClient) -> None:
-        """`new` becomes the link's client; the old one (its session, its mapping) is closed: no
-        grant of it is used again."""
+        """`new` becomes the link's client. The old one's session ends, and no grant of it is used
+        again (WrongInstance) nor a new view of its pages handed out; its mapping is dropped at
+        once if no grant of it is open, else when the last open one ends through this link (a
+        lease released, a reservation committed or aborted: each refused as WrongInstance, and
+        the caller's copies into or out of those pages are done by then, as the release and
+        commit edges require). Unmapping under a copy still running would fault the GPU."""
         if old is not None:
-            old.close()
+            key = (old.hello.arena_instance, old.client_id) if old.hello is not None else None
+            if key is not None and self._open.get(key):
+                old.end_session()
+                self._retired[key] = old
+            else:
+                old.close()
             self.reconnects += 1
         self.client = new
+
+    def _granted(self, kind: str, c: TierClient, grant_id: int) -> None:
+        if grant_id:
+            self._open.setdefault((c.instance, c.client_id), set()).add((kind, grant_id))
+
+    def _ended(self, kind: str, grant: TierLease | TierReservation, grant_id: int) -> None:
+        key = (grant.instance, grant.session)
+        ids = self._open.get(key)
+        if ids is None:
+            return
+        ids.discard((kind, grant_id))
+        if not ids:
+            del self._open[key]
+            retired = self._retired.pop(key, None)
+            if retired is not None:
+                retired.close()
+
+    @property
+    def retired(self) -> int:
+        """Clients replaced while grants of theirs were open, their mappings still held."""
+        return len(self._retired)
 
     def connect(self) -> TierLink:
         with self._lock:
@@ -502,26 +543,41 @@ class TierLink:
     def acquire(self, ns: Namespace, hashes: Sequence[bytes]) -> TierLease:
         with self._lock:
             c = self._current()
-            return TierLease(c.instance, c.client_id, c.acquire(ns, hashes))
+            lease = TierLease(c.instance, c.client_id, c.acquire(ns, hashes))
+            self._granted("lease", c, lease.lease_id)
+            return lease
 
     def release(self, lease: TierLease) -> ReleaseResult:
+        """The lease ends here whatever the answer (the caller's copies out of it are done)."""
         with self._lock:
-            return self._check(lease).release(lease.lease_id)
+            try:
+                return self._check(lease).release(lease.lease_id)
+            finally:
+                self._ended("lease", lease, lease.lease_id)
 
     def reserve(self, ns: Namespace, hashes: Sequence[bytes], lengths: Sequence[int],
                 boundary: int | None = None) -> TierReservation:
         with self._lock:
             c = self._current()
-            return TierReservation(c.instance, c.client_id, c.reserve(ns, hashes, lengths, boundary))
+            res = TierReservation(c.instance, c.client_id, c.reserve(ns, hashes, lengths, boundary))
+            self._granted("reservation", c, res.reservation_id)
+            return res
 
     def commit(self, reservation: TierReservation, digests: Sequence[bytes],
                kind: DigestKind = DigestKind.SKETCH) -> CommitResult:
+        """The reservation ends here whatever the answer (the caller's copies into it are done)."""
         with self._lock:
-            return self._check(reservation).commit(reservation.reservation_id, digests, kind)
+            try:
+                return self._check(reservation).commit(reservation.reservation_id, digests, kind)
+            finally:
+                self._ended("reservation", reservation, reservation.reservation_id)
 
     def abort(self, reservation: TierReservation) -> int:
         with self._lock:
-            return self._check(reservation).abort(reservation.reservation_id)
+            try:
+                return self._check(reservation).abort(reservation.reservation_id)
+            finally:
+                self._ended("reservation", reservation, reservation.reservation_id)
 
     def _page(self, grant: TierLease | TierReservation, index: int) -> int:
         if isinstance(grant, TierLease):
@@ -549,10 +605,15 @@ class TierLink:
         return _lookup_run(self.lookup, ns)
 
     def close(self) -> None:
+        """The session and every mapping, retired ones included (the caller's copies are done)."""
         with self._lock:
             if self.client is not None:
                 self.client.close()
                 self.client = None
+            for retired in self._retired.values():
+                retired.close()
+            self._retired.clear()
+            self._open.clear()
 
     def __enter__(self) -> TierLink:
         return self.connect()

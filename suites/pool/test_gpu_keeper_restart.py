@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 
 import kvpool
-from kvgate.faults.keeper_controls import InstanceBlindTierLink, StaleMappingTierLink
+from kvgate.faults.keeper_controls import EagerUnmapTierLink, InstanceBlindTierLink, StaleMappingTierLink
 from kvgate.harness.scenarios import gpu_keeper_wire as W
 from kvgate.harness.system.pool import thread_pool
 from kvpool.client.pool_client import PoolClient
@@ -193,6 +193,7 @@ def restart_verdict(tmp_path: Path, name: str, seed: int, p_cls: type[TierLink] 
             blakes, bad = read(c, old_lease)
             out["instance1_byte_exact"] = blakes == expected(seed, 3) and bad == []
             old_res = p.reserve(W.NS, W.KEYS(1, base=40_000), [PAGE])
+            c_map1, p_map1 = c.client.tier, p.client.tier
 
             k1.kill()
             seg = fall_through(A, [("gpu", c.run(W.NS)), ("host", host_run(host))])
@@ -211,6 +212,8 @@ def restart_verdict(tmp_path: Path, name: str, seed: int, p_cls: type[TierLink] 
             out["after_restart"] = (len(found.hits), found.miss.cause if found.miss else None)
             out["c_instance"] = c.instance == k2.address.instance != first
             out["c_reconnects"] = c.reconnects
+            # C's instance-1 lease is still open: its mapping stays until that lease ends
+            out["old_map_kept"] = (c_map1.closed, c.retired)
 
             publish(p, B, seed + 1)
             new_lease = c.acquire(W.NS, B)
@@ -227,8 +230,10 @@ def restart_verdict(tmp_path: Path, name: str, seed: int, p_cls: type[TierLink] 
                 return "byte_exact" if W.blake(data) == expected(seed, 1)[0] else "other_bytes"
             out["old_view"] = old_view()
             out["old_release"] = outcome(lambda: c.release(old_lease))
+            out["old_map_dropped_at_release"] = (c_map1.closed, c.retired)
             out["new_release"] = outcome(lambda: c.release(new_lease))
             out["old_commit"] = outcome(lambda: p.commit(old_res, [b"\0" * 16]))
+            out["p_old_map_dropped_at_commit"] = p_map1.closed
         finally:
             p.close()
             c.close()
@@ -248,6 +253,7 @@ GOOD_RESTART = {
     "c_instance": True, "c_reconnects": 1,
     "instance2_byte_exact": True, "instance2_digest_bad": [],
     "old_view": "WrongInstance", "old_release": "WrongInstance", "new_release": "ok", "old_commit": "WrongInstance",
+    "old_map_kept": (False, 1), "old_map_dropped_at_release": (True, 0), "p_old_map_dropped_at_commit": True,
 }
 
 
@@ -270,6 +276,18 @@ def test_a_link_that_keeps_its_old_mapping_is_caught(tmp_path, test_seed):
     got = restart_verdict(tmp_path, "stalemap", test_seed, p_cls=StaleMappingTierLink)
     assert got["instance2_byte_exact"] is False, "the byte-exact oracle missed a write into the old mapping"
     assert got["instance2_digest_bad"] == [0, 1, 2]
+    assert got != GOOD_RESTART
+
+
+def test_a_link_that_unmaps_under_an_open_lease_is_caught(tmp_path, test_seed):
+    """Control: C's instance-1 mapping dropped at the reconnect while its instance-1 lease is
+    open (a copy out of those pages may still run on the GPU: it would read unmapped memory;
+    suites/gpu/test_gpu_keeper_socket.py runs that copy). Caught by the mapping's state at the
+    reconnect; everything else of the restart as before."""
+    got = restart_verdict(tmp_path, "eager", test_seed, c_cls=EagerUnmapTierLink)
+    assert got["old_map_kept"] == (True, 0), got
+    assert {k: v for k, v in got.items() if not k.startswith("old_map")} == \
+        {k: v for k, v in GOOD_RESTART.items() if not k.startswith("old_map")}
     assert got != GOOD_RESTART
 
 
