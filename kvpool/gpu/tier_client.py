@@ -41,6 +41,7 @@ the keeper's state segment.
       through to the host pool.
       .acquire(ns, hashes) -> TierLease        .reserve(ns, hashes, lengths, boundary) -> TierReservation
       .release(lease) / .commit(reservation, digests, kind) / .abort(reservation)
+      .renew(reservations, leases)  the grants' deadlines moved (TierClient.renew)
       .page_view(grant, i) / .generation(grant, i)   the i-th page of a lease (its hits) or of a
                            reservation (its slots), through the mapping of the instance that
                            granted it.
@@ -578,6 +579,16 @@ class TierLink:
                 return self._check(reservation).abort(reservation.reservation_id)
             finally:
                 self._ended("reservation", reservation, reservation.reservation_id)
+
+    def renew(self, reservations: Sequence[TierReservation] = (), leases: Sequence[TierLease] = ()) -> RenewResult:
+        """Renew grants of the current session (TierClient.renew); a grant of another instance
+        or session is refused as WrongInstance before anything is sent."""
+        with self._lock:
+            grants = [*reservations, *leases]
+            c = self._check(grants[0]) if grants else self._current()
+            for g in grants[1:]:
+                self._check(g)
+            return c.renew([r.reservation_id for r in reservations], [le.lease_id for le in leases])
 
     def _page(self, grant: TierLease | TierReservation, index: int) -> int:
         if isinstance(grant, TierLease):
