@@ -59,7 +59,10 @@ class PoolBackend(Protocol):
 
     Renewal is a capability: `reservation_ttl_s` / `lease_ttl_s` are the TTLs the pool
     advertised (0: it did not; a backend may lack them, and renew(), altogether), and
-    renew() moves the deadlines of this connection's own grants (kvpool.client.keepalive)."""
+    renew() moves the deadlines of this connection's own grants (kvpool.client.keepalive).
+    So is `digest_kind`: the kind of digest its commits must carry where it takes one kind
+    only (a GPU keeper's tier: kv-sketch-1); a backend without it takes XXH3 (the pool daemon
+    re-verifies those)."""
 
     page_size: int
     reservation_ttl_s: float

@@ -53,6 +53,7 @@ from kvpool.client.transfer import load, publish
 from kvpool.pool.records import Miss
 from kvpool.errors import MissCause, PoolError, PoolTimeout
 from kvpool.connector.history import HistoryWriter
+from kvpool.pool.digest import DigestKind
 from kvpool.pool.keys import Namespace
 from kvpool.pool.metrics import ClientMetrics
 
@@ -136,7 +137,8 @@ class HostCopier:
                       "queued_s": round(t0 - submitted, 6)}
             try:
                 blocks = [self.block_segments(run.block_ids[i]) for i in keep]
-                res = publish(self.backend, ns, [run.hashes[i] for i in keep], blocks, metrics=self.metrics)
+                res = publish(self.backend, ns, [run.hashes[i] for i in keep], blocks, metrics=self.metrics,
+                              kind=getattr(self.backend, "digest_kind", DigestKind.XXH3))
             except PoolError as exc:  # publishing is best effort: the request itself is fine
                 self.history.write("publish", **fields, error=f"{type(exc).__name__}: {exc}")
                 return None

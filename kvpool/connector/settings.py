@@ -32,13 +32,17 @@ Copier = Union[HostCopier, "CudaCopier"]  # one interface (kvpool.connector.copi
 
 
 LOAD_MODES = ("auto", "sync", "async")
+# A pool address naming a GPU keeper's run directory (`kvpool keeper --backing memfd`): the
+# connector's pool is then the keeper's tier in host memory (kvpool.gpu.tier_backend), with
+# kv-sketch-1 digests; its reset is refused (the keeper evicts nothing on a client's word).
+KEEPER_SCHEME = "keeper:"
 
 
 @dataclasses.dataclass(frozen=True)
 class ConnectorSettings:
     """`kv_connector_extra_config`, typed. Unknown keys are an error, not a silent default."""
 
-    pool: str  # "unix:PATH" or "tcp:HOST:PORT"
+    pool: str  # "unix:PATH", "tcp:HOST:PORT", or "keeper:RUN_DIR" (a GPU keeper's host-memory tier)
     tenant: str = "default"
     token: str = ""
     token_file: str = ""  # JSON {tenant: token}; used when token is empty
@@ -175,6 +179,13 @@ def connect_backend(settings: ConnectorSettings, role: str, history: HistoryWrit
     """The default BackendFactory: a PoolClient to the configured pool (the scheduler's
     with the scheduler's short timeout)."""
     timeout = settings.lookup_timeout_s if role == "scheduler" else settings.timeout_s
+    if settings.pool.startswith(KEEPER_SCHEME):  # a GPU keeper's tier in host memory (--backing memfd)
+        from kvpool.gpu.tier_backend import TierBackend
+        from kvpool.gpu.tier_client import TierLink
+
+        link = TierLink(settings.pool[len(KEEPER_SCHEME):], settings.tenant, settings.resolved_token(),
+                        name=f"{settings.replica}/{role}", timeout_s=timeout, metrics=metrics)
+        return TierBackend(link.connect())
     return PoolClient(settings.pool, settings.tenant, settings.resolved_token(),
                       name=f"{settings.replica}/{role}", timeout_s=timeout, metrics=metrics)
 

@@ -46,6 +46,8 @@ from kvpool.pool.records import (
 
 
 class TierBackend:
+    digest_kind = DigestKind.SKETCH  # the only kind the tier commits (the copier publishes with it)
+
     def __init__(self, link: TierLink):
         self.link = link
         self._lock = threading.Lock()

@@ -9,6 +9,10 @@ mapping). Faults where the data is: a bit of a committed page flipped in the kee
                                          flipped page is a corrupt miss at   flipped page is installed
                                          its index, the ones before it       and the byte-exact oracle
                                          loaded byte-exact                   names it
+The connector's copy engine (HostCopier) on the backend its settings make of `keeper:RUN_DIR`,
+under the stream-delay fault of the store: the bytes of save time land in the tier, and the
+early-completion control (the store said done before its copy ran) is caught by the byte-exact
+oracle in another copier's load of all four blocks.
 Plus: a commit of another digest kind is refused by the keeper and the reservation aborted
 (nothing visible); renewal through the backend; evict and device pages refused as typed errors.
 """
@@ -134,3 +138,79 @@ def test_device_pages_are_refused_to_the_host_path():
     b = TierBackend(DeviceLink())
     with pytest.raises(InvalidRequest, match="device memory"):
         b._host_view(object(), 0)  # noqa: SLF001
+
+
+# -- the connector's copy engine through the keeper ----------------------------------------------
+
+def copier(run_dir, tmp_path, name: str, spec: dict | None = None):  # noqa: ANN001, ANN201
+    """The connector's HostCopier on the backend its settings make of a keeper: address
+    (connect_backend), wrapped in the stream-delay fault (and its control) when `spec` says."""
+    import json
+
+    from kvgate.faults.copier import FaultyCopier
+    from kvpool.connector.copier import HostCopier
+    from kvpool.connector.history import HistoryWriter
+    from kvpool.connector.settings import ConnectorSettings, connect_backend
+
+    settings = ConnectorSettings.from_extra({"pool": f"keeper:{run_dir}", "token": "tok", "replica": name})
+    history = HistoryWriter(tmp_path / "history", name, "worker")
+    backend = connect_backend(settings, "worker", history)
+    assert isinstance(backend, TierBackend) and backend.digest_kind == DigestKind.SKETCH
+    inner = HostCopier(backend, history)
+    if spec is None:
+        return inner
+    control = tmp_path / f"faults-{name}.json"
+    control.write_text(json.dumps({"copier": spec}))
+    return FaultyCopier(inner, control, history)
+
+
+LAYERS, ENGINE_BLOCKS = 2, 8
+BLOCK_BYTES = PAGE // LAYERS  # a page = one block of both layers
+
+
+def engine(seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (ENGINE_BLOCKS, BLOCK_BYTES), dtype=np.uint8) for _ in range(LAYERS)]
+
+
+def page_of(layers: list[np.ndarray], block: int) -> bytes:
+    return np.concatenate([layer[block] for layer in layers]).tobytes()
+
+
+def store_then_reuse(run_dir, tmp_path, seed: int, spec: dict) -> tuple[list[bytes], list[bytes]]:  # noqa: ANN001
+    """Store blocks 0..3 through the keeper with the copy delayed; as soon as the copier says
+    the store is done the engine reuses the blocks; then another copier loads them. Returns
+    (the pages at save time, the pages loaded)."""
+    from kvpool.connector.copier import CopyRun
+
+    keys = W.KEYS(4, base=seed % 10_000 * 10)
+    p = copier(run_dir, tmp_path, "P", spec)
+    src = engine(seed)
+    p.register(src)
+    produced = [page_of(src, b) for b in range(4)]
+    p.wait([p.store(W.NS, CopyRun("p", "p", 0, [0, 1, 2, 3], keys), range(4))], timeout_s=30)
+    for layer in src:  # the blocks are freed and another request's prefill writes them
+        layer[:4] = np.random.default_rng(seed + 1).integers(0, 256, layer[:4].shape, dtype=np.uint8)
+    p.close()  # its lanes drained: a late copy has landed by now
+    c = copier(run_dir, tmp_path, "C")
+    dst = engine(seed + 7)
+    c.register(dst)
+    c.wait([c.load(W.NS, CopyRun("c", "c", 0, [4, 5, 6, 7], keys), deadline_s=10)], 30)
+    c.close()
+    return produced, [page_of(dst, b) for b in (4, 5, 6, 7)]
+
+
+def test_the_connectors_copier_stores_through_the_keeper_the_bytes_of_save_time_under_a_delay(keeper, tmp_path,
+                                                                                               test_seed):
+    produced, loaded = store_then_reuse(keeper, tmp_path, test_seed, {"store_delay_ms": 300})
+    assert loaded == produced  # byte-exact: the delayed copy was done before the store said so
+
+
+def test_the_early_completion_control_through_the_keeper_is_caught(keeper, tmp_path, test_seed):
+    from kvpool.connector.history import read_history
+
+    produced, loaded = store_then_reuse(keeper, tmp_path, test_seed,
+                                        {"store_delay_ms": 300, "control": "early_completion"})
+    loads = [r for r in read_history(tmp_path / "history") if r["ev"] == "load" and r.get("replica") == "C"]
+    assert loads and loads[-1]["loaded"] == 4, loads  # C loaded all four: what it got is what the tier holds
+    assert loaded != produced, "the byte-exact oracle missed a store that completed before its copy"
