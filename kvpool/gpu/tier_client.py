@@ -574,6 +574,8 @@ class TierLink:
                 self._ended("reservation", reservation, reservation.reservation_id)
 
     def abort(self, reservation: TierReservation) -> int:
+        """The reservation ends here whatever the answer: only once the caller's copies into it
+        are done (the keeper reuses its pages at once, and a retired mapping is dropped here)."""
         with self._lock:
             try:
                 return self._check(reservation).abort(reservation.reservation_id)

@@ -71,16 +71,20 @@ def test_renewals_stop_at_the_maximum_age_and_move_only_the_sessions_own_grants(
         k, path = manual_keeper(start, tmp_path)
         p, other = replica(start, path), replica(start, path)
         rid, _ = p.ok("reserve", W.KEYS(2))
-        assert other.ok("renew", [rid], []) == ([(rid, 0.0, "not_yours")], [])  # left as it was
+        theirs, _ = p.ok("reserve", W.KEYS(2, base=500))  # P's too: the other session tries to renew it
         got = []
         for _ in range(3):
             k.ok("advance", 25.0)
+            if not got:  # t+25: refused, and left due at t+30 (renewed, it would be due at t+55)
+                assert other.ok("renew", [theirs], []) == ([(theirs, 0.0, "not_yours")], [])
             got.append(p.ok("renew", [rid], [])[0][0])
+            if len(got) == 2:  # t+50: the other session's renewal moved nothing
+                assert p.ok("renew", [theirs], []) == ([(theirs, 0.0, "expired")], [])
         # t+25 -> t+55; t+50 -> t+80; t+75 -> min(t+105, t+100): the maximum age caps the last
         assert got == [(rid, TTL_S, None), (rid, TTL_S, None), (rid, 25.0, None)]
         k.ok("advance", 26.0)  # t+101: past the cap
         assert p.ok("renew", [rid], []) == ([(rid, 0.0, "expired")], [])
-        assert k.ok("maintain") == ((1, 0),)
+        assert k.ok("maintain") == ((2, 0),)
         refused = p.ask("renew", [rid, rid], [])
         assert refused[0] == "error" and refused[1] == "InvalidRequest", refused
         lease, _ = other.ok("acquire", W.KEYS(2))  # nothing committed: no lease to renew

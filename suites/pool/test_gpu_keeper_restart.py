@@ -14,6 +14,10 @@ memfds behind the same protocol), the host pool on a thread, the replicas' links
   the killed keeper's heartbeat              KeeperStale past the bound on a     (the existing HeartbeatBlindTierClient,
                                              pinned clock, served by the host    test_gpu_keeper_wire.py)
                                              pool meanwhile
+  a link keeps an old instance's mapping     C's (open lease) and P's (open      EagerUnmapTierLink as C, then
+  while a grant of it is open                reservation) instance-1 mappings    as P: that mapping closed at
+                                             open after the reconnect, closed    the reconnect
+                                             when that grant ends
 
 Also: the command's SIGTERM stop (address file first, sessions ended, heartbeat 0: KeeperStale at
 once, a clean restart after), and every bad flag's typed error and exit code.
@@ -215,7 +219,9 @@ def restart_verdict(tmp_path: Path, name: str, seed: int, p_cls: type[TierLink] 
             # C's instance-1 lease is still open: its mapping stays until that lease ends
             out["old_map_kept"] = (c_map1.closed, c.retired)
 
-            publish(p, B, seed + 1)
+            publish(p, B, seed + 1)  # P reconnects by itself
+            # P's instance-1 reservation is still open (a copy into it may still run): its mapping stays
+            out["p_old_map_kept"] = (p_map1.closed, p.retired)
             new_lease = c.acquire(W.NS, B)
             assert new_lease.lease_id == old_lease.lease_id, "the control needs colliding lease ids"
             blakes, bad = read(c, new_lease)
@@ -253,7 +259,8 @@ GOOD_RESTART = {
     "c_instance": True, "c_reconnects": 1,
     "instance2_byte_exact": True, "instance2_digest_bad": [],
     "old_view": "WrongInstance", "old_release": "WrongInstance", "new_release": "ok", "old_commit": "WrongInstance",
-    "old_map_kept": (False, 1), "old_map_dropped_at_release": (True, 0), "p_old_map_dropped_at_commit": True,
+    "old_map_kept": (False, 1), "old_map_dropped_at_release": (True, 0),
+    "p_old_map_kept": (False, 1), "p_old_map_dropped_at_commit": True,
 }
 
 
@@ -281,13 +288,24 @@ def test_a_link_that_keeps_its_old_mapping_is_caught(tmp_path, test_seed):
 
 def test_a_link_that_unmaps_under_an_open_lease_is_caught(tmp_path, test_seed):
     """Control: C's instance-1 mapping dropped at the reconnect while its instance-1 lease is
-    open (a copy out of those pages may still run on the GPU: it would read unmapped memory;
-    suites/gpu/test_gpu_keeper_socket.py runs that copy). Caught by the mapping's state at the
+    open (a copy out of those pages may still run on the GPU: it would read unmapped memory; no
+    GPU test runs such a copy across a restart yet). Caught by the mapping's state at the
     reconnect; everything else of the restart as before."""
     got = restart_verdict(tmp_path, "eager", test_seed, c_cls=EagerUnmapTierLink)
     assert got["old_map_kept"] == (True, 0), got
     assert {k: v for k, v in got.items() if not k.startswith("old_map")} == \
         {k: v for k, v in GOOD_RESTART.items() if not k.startswith("old_map")}
+    assert got != GOOD_RESTART
+
+
+def test_a_link_that_unmaps_under_an_open_reservation_is_caught(tmp_path, test_seed):
+    """Control: P's instance-1 mapping dropped at the reconnect while its instance-1 reservation
+    is open (a copy into those pages may still run on the GPU: it would write unmapped memory).
+    Caught by the mapping's state at the reconnect; everything else of the restart as before."""
+    got = restart_verdict(tmp_path, "eager-p", test_seed, p_cls=EagerUnmapTierLink)
+    assert got["p_old_map_kept"] == (True, 0), got
+    assert {k: v for k, v in got.items() if k != "p_old_map_kept"} == \
+        {k: v for k, v in GOOD_RESTART.items() if k != "p_old_map_kept"}
     assert got != GOOD_RESTART
 
 
