@@ -69,6 +69,7 @@ client works again once the keeper beats again.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -425,10 +426,16 @@ class TierReservation:
         return self.result.reservation_id
 
 
+RETIRE_DEFAULT_S = 60.0  # a replaced instance that advertised no TTL
+
+
 class TierLink:
     def __init__(self, address_dir: str | os.PathLike, tenant: str, token: str, *,
-                 client_cls: type[TierClient] = TierClient, **client_kw: object):
+                 client_cls: type[TierClient] = TierClient, retire_max_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic, **client_kw: object):
         self.address_dir = Path(address_dir)
+        self.retire_max_s = retire_max_s  # None: the replaced instance's own longest TTL
+        self._clock = clock
         self.tenant = tenant
         self._token = token
         self._client_cls = client_cls
@@ -440,7 +447,8 @@ class TierLink:
         # (instance, session) -> the grants of it not ended yet through this link: ("lease" |
         # "reservation", id); a client replaced while some are open is retired, its mapping kept
         self._open: dict[tuple[bytes, int], set[tuple[str, int]]] = {}
-        self._retired: dict[tuple[bytes, int], TierClient] = {}
+        self._retired: dict[tuple[bytes, int], tuple[TierClient, float]] = {}  # with when it is dropped
+        self.close_errors: list[str] = []  # a retired mapping's close that failed (kept, not raised)
 
     @property
     def instance(self) -> bytes | None:
@@ -450,6 +458,7 @@ class TierLink:
     def _current(self) -> TierClient:
         """The client to call: the one held while its session is open and its keeper beats; else
         one connected to what the address file names now (see the class docstring)."""
+        self._sweep_retired()
         old = self.client
         if old is not None and not old.peer_closed() and not old.keeper_stale():
             return old
@@ -491,7 +500,10 @@ class TierLink:
             key = (old.hello.arena_instance, old.client_id) if old.hello is not None else None
             if key is not None and self._open.get(key):
                 old.end_session()
-                self._retired[key] = old
+                bound = self.retire_max_s
+                if bound is None:  # a grant of it outlives neither TTL at its keeper
+                    bound = max(old.reservation_ttl_s, old.lease_ttl_s) or RETIRE_DEFAULT_S
+                self._retired[key] = (old, self._clock() + bound)
             else:
                 old.close()
             self.reconnects += 1
@@ -509,13 +521,34 @@ class TierLink:
         ids.discard((kind, grant_id))
         if not ids:
             del self._open[key]
-            retired = self._retired.pop(key, None)
-            if retired is not None:
-                retired.close()
+            self._drop_retired(key)
+
+    def _drop_retired(self, key: tuple[bytes, int]) -> None:
+        """Close a retired client's mapping. Called where another error may be on its way out
+        (a refused release in a finally): a close that fails is kept in close_errors, not
+        raised over it."""
+        entry = self._retired.pop(key, None)
+        self._open.pop(key, None)
+        if entry is None:
+            return
+        try:
+            entry[0].close()
+        except (OSError, PoolError) as exc:
+            self.close_errors.append(f"instance {key[0].hex()} session {key[1]}: {type(exc).__name__}: {exc}")
+
+    def _sweep_retired(self) -> None:
+        """Drop the retired mappings past their bound: a grant never ended through the link
+        (a caller that lost it) would otherwise keep a replaced instance's whole buffer mapped,
+        and under VMM its device memory allocated. By then the grant has expired at its keeper
+        (the bound is that instance's longest TTL), and no copy of a live caller runs that long."""
+        now = self._clock()
+        for key in [k for k, (_, until) in self._retired.items() if until <= now]:
+            self._drop_retired(key)
 
     @property
     def retired(self) -> int:
-        """Clients replaced while grants of theirs were open, their mappings still held."""
+        """Clients replaced while grants of theirs were open, their mappings still held (the old
+        buffer and the new one both mapped, and under VMM both allocated, meanwhile)."""
         return len(self._retired)
 
     def connect(self) -> TierLink:
@@ -620,13 +653,13 @@ class TierLink:
     def close(self) -> None:
         """The session and every mapping, retired ones included (the caller's copies are done)."""
         with self._lock:
-            if self.client is not None:
-                self.client.close()
-                self.client = None
-            for retired in self._retired.values():
-                retired.close()
+            clients = [c for c in (self.client, *(c for c, _ in self._retired.values())) if c is not None]
+            self.client = None
             self._retired.clear()
             self._open.clear()
+            with contextlib.ExitStack() as stack:  # every one closed, whichever raises
+                for c in clients:
+                    stack.callback(c.close)
 
     def __enter__(self) -> TierLink:
         return self.connect()

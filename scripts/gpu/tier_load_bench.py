@@ -46,6 +46,7 @@ KV_PER_TOKEN = 163840  # Mistral Small 3.1 24B (kvgate.fixtures.arch_model): 40 
 SEED003_ON_128K_S = 0.605  # the seed's cross-replica TTFT at 128k (host pool)
 TARGET_S = 0.05  # the GPU tier's target for 128k tokens of 27B-class KV
 TOKEN = "tier-load-bench"
+KEEPER_START_S = 120.0
 
 
 def ask(conn, *cmd, timeout: float = 600):  # noqa: ANN001, ANN002, ANN201
@@ -65,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seed", type=int, default=3)
     a = ap.parse_args(argv)
+    if a.repeats < 1 or a.tokens < BLOCK_TOKENS:
+        ap.error(f"--repeats must be at least 1 and --tokens at least {BLOCK_TOKENS}")
     page = BLOCK_TOKENS * KV_PER_TOKEN
     n = a.tokens // BLOCK_TOKENS
     pages = n + 64
@@ -79,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     while not address.exists():
         if keeper.poll() is not None:
             raise SystemExit(f"the keeper exited {keeper.returncode}: {keeper.stderr.read()[-2000:]}")
+        if time.perf_counter() - t0 > KEEPER_START_S:
+            keeper.kill()
+            raise SystemExit(f"the keeper wrote no address within {KEEPER_START_S} s")
         time.sleep(0.1)
     keeper_up_s = time.perf_counter() - t0
     sock = json.loads(address.read_text())["socket"]
@@ -131,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                 p.kill()
         keeper.send_signal(signal.SIGTERM)
         result["keeper_exit"] = keeper.wait(60)
-    ok = result.get("bytes_differ") == 0 and result.get("digests_differ") == 0 and result.get("committed") == n
+    ok = (result.get("bytes_differ") == 0 and result.get("digests_differ") == 0 and result.get("committed") == n
+          and result.get("keeper_exit") == 0 and not result.get("teardown_errors"))
     result["ok"] = ok
     a.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
