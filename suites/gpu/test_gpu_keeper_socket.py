@@ -39,7 +39,7 @@ pytestmark = [
 PAGE = 4 * 2**20  # whole kv-sketch-1 rows
 PAGES = 32
 TOKEN = "keeper-socket-token"
-DELAY_MS = 300  # the stream delay before the producer's write: longer than the consumer's whole load
+DELAY_MS = 2000  # the stream delay before the producer's write: far longer than the consumer's whole load (a few ms)
 
 
 class Replica:
