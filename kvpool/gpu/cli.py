@@ -232,6 +232,11 @@ def config_from_args(args: argparse.Namespace) -> KeeperCommandConfig:
                         ("--max-loads", args.max_loads)):
         if value < 0 or (flag == "--min-blocks" and value < 1):
             raise KeeperUsage(f"{flag} out of range: {value}")
+    for flag, most, ttl_flag, ttl in (("--reservation-max", args.reservation_max, "--reservation-ttl",
+                                       args.reservation_ttl), ("--lease-max", args.lease_max, "--lease-ttl",
+                                                               args.lease_ttl)):
+        if most < ttl:  # a grant could never be renewed: its first deadline already passes its maximum age
+            raise KeeperUsage(f"{flag} {most} is shorter than {ttl_flag} {ttl}")
     try:
         tier = GpuTierConfig(page_size=args.page_size, pages=pages, low_free=args.low_free, high_free=args.high_free,
                              admission=AdmissionPolicy(min_blocks=args.min_blocks),

@@ -90,3 +90,26 @@ def test_renewals_stop_at_the_maximum_age_and_move_only_the_sessions_own_grants(
         lease, _ = other.ok("acquire", W.KEYS(2))  # nothing committed: no lease to renew
         assert lease == 0
         assert p.ok("renew", [], [12345]) == ([], [(12345, 0.0, "unknown")])
+
+
+def test_a_lease_is_renewed_by_its_holder_and_the_max_flags_reach_the_tier(tmp_path, test_seed):
+    from kvpool.gpu import cli as keeper_cli
+
+    with procs() as start:
+        k, path = manual_keeper(start, tmp_path)
+        p, c = replica(start, path), replica(start, path)
+        p.ok("publish", W.KEYS(2), test_seed)
+        lease, _ = c.ok("acquire", W.KEYS(2))
+        assert lease
+        k.ok("advance", 50.0)  # the lease's TTL is 60 s
+        assert c.ok("renew", [], [lease]) == ([], [(lease, 60.0, None)])
+        assert p.ok("renew", [], [lease]) == ([], [(lease, 0.0, "not_yours")])
+        k.ok("advance", 50.0)  # t+100: past the first deadline (t+60), before the renewed one (t+110)
+        assert k.ok("maintain") == ((0, 0),)
+        assert c.ok("release", lease) == ([],)
+
+    parser = keeper_cli.keeper_parser(__import__("argparse").ArgumentParser())
+    args = parser.parse_args(["--backing", "memfd", "--tenant", "default=tok", "--pages", "4", "--run-dir",
+                              str(tmp_path / "rd"), "--reservation-max", "120", "--lease-max", "240"])
+    tier = keeper_cli.config_from_args(args).tier
+    assert (tier.reservation_max_s, tier.lease_max_s) == (120.0, 240.0)
