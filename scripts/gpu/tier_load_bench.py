@@ -122,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
             "gpu_tier_load_vs_raw_copy": round(med["load"] / raw, 3),
             "target_s": TARGET_S, "vs_target": round(med["load"] / TARGET_S, 3),
             "seed003_on_128k_s": SEED003_ON_128K_S,
-            "sketch_and_digests_s": round(got["sketch_and_digests_s"], 3),
+            "sketch_and_digests_s": round(got["sketch_and_digests_s"], 4),
+            "check_split_s": {k: round(v, 4) for k, v in got["check_s"].items()},
+            f"gpu_tier_verified_load_s_27b_{k}k": round(med["load"] + got["sketch_and_digests_s"], 4),
             "bytes_differ": got["bytes_differ"], "digests_differ": got["digests_differ"],
         })
     finally:
