@@ -106,7 +106,7 @@ def test_a_failed_close_of_a_retired_mapping_is_kept_not_raised_over_the_callers
 def test_close_closes_every_client_even_when_one_fails(tmp_path):
     link = TierLink(tmp_path, "default", "tok", clock=Clock())
     bad, good, current = FakeClient(b"\1" * 16, 1, fail_close=True), FakeClient(b"\2" * 16, 2), FakeClient(b"\3" * 16, 1)
-    retire(link, bad, FakeClient(b"\9" * 16, 9))
+    retire(link, bad, FakeClient(b"\x09" * 16, 9))
     retire(link, good, current, lease_id=6)
     with pytest.raises(OSError):
         link.close()
