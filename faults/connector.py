@@ -94,6 +94,7 @@ import time
 from typing import Any
 
 from kvgate.faults.backend import FaultyBackend
+from kvgate.faults.connector_controls import CONTROLS
 from kvgate.faults.control import ControlFile, ControlFileError
 from kvgate.faults.copier import FaultyCopier
 from kvpool.connector.settings import ConnectorSettings, connect_backend
@@ -101,9 +102,6 @@ from kvpool.connector.params import request_tag
 from kvpool.connector.copier import HostCopier
 from kvpool.connector.history import HistoryWriter
 from kvpool.connector.wrap import WrappingConnector
-
-CONTROLS = ("hide_failures", "claim_past_loaded", "claim_one_more", "double_count_stats", "late_store",
-            "deaf_tier_rule", "deaf_reset", "load_despite_skip", "adapter_by_name")
 
 
 class FaultConnector(WrappingConnector):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from kvgate.faults.connector_controls import restart_after
 from kvgate.harness.checkers.history import audit_digests, records
 from kvgate.harness.checkers.verdict import Checks
 from kvgate.harness.client.http import Completion, RequestFailed, complete
@@ -32,10 +33,13 @@ class Ctx:
     seed: int
     t0: float = 0.0  # wall clock at the scenario's start
     timeout_s: float = 600.0  # one request's limit: a request that hangs fails its cell after it
-    # replicas a negative control was armed on in this run: what a known-bad strategy leaves
-    # behind (held stores, blocks freed early, dropped reports) nothing promises, so the
-    # runner restarts them before the next cell
+    # replicas a negative control was armed on in this run (the runner disarms them), and those
+    # of them the runner must restart before the next cell: a control that keeps state of its
+    # own (held stores, ids of requests freed early; kvgate.faults.connector_controls), or a
+    # replica a scenario could not bring back to its own state
     armed: set = dataclasses.field(default_factory=set)
+    restart: set = dataclasses.field(default_factory=set)
+    healed: dict = dataclasses.field(default_factory=dict)  # after the last run: restarted, only disarmed
     # weights a replica loaded in place during the run (replica -> [(wall clock, what)]): the
     # wrong-KV count (kvgate.harness.conformance.wrong_kv) compares a block only with blocks
     # computed with the same weights
@@ -144,6 +148,8 @@ def arm_control(ctx: Ctx, replica: str, control: str) -> None:
     doc["connector"] = {"control": control}
     path.write_text(json.dumps(doc))
     ctx.armed.add(replica)
+    if restart_after(control):
+        ctx.restart.add(replica)
 
 
 def all_digests(ctx: Ctx, kind: str, replica: str, tag: str) -> dict[str, set[str]]:

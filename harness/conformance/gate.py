@@ -156,7 +156,7 @@ def _run_body(ctx: Ctx, sc: Scenario, **kw: Any) -> tuple[Checks | None, str | N
     if ctx.profile.reset is not None:
         ctx.profile.reset(ctx.cluster.report_dir)
     ctx.t0 = time.time()
-    ctx.armed = set()
+    ctx.armed, ctx.restart = set(), set()
     ctx.reloaded = {}
     checks, broke = None, None
     try:
@@ -167,13 +167,18 @@ def _run_body(ctx: Ctx, sc: Scenario, **kw: Any) -> tuple[Checks | None, str | N
         broke = f"{type(exc).__name__}: {str(exc)[:400]}"
     ctx.wrong_kv = wrong_kv.of_run(ctx, ctx.t0, time.time())
     down = _casualties(ctx.cluster)
-    # The replicas a control was armed on first: one left busy by the control (a connector
-    # whose held stores keep its engine stepping) must not starve the restart of the others.
-    heal = [*sorted(ctx.armed - set(down)), *down]
-    for name in ctx.armed:  # they come back disarmed
+    # Every armed replica is disarmed. Those a control with state of its own was armed on are
+    # restarted, first: one left busy by the control (a connector whose held stores keep its
+    # engine stepping) must not starve the restart of the others. The rest go on as they are:
+    # their controls keep nothing past a disarm (kvgate.faults.connector_controls), and the
+    # cluster's reset before the next run (their prefix caches; refused while a block is held)
+    # drops what the engine computed under them.
+    heal = [*sorted(ctx.restart - set(down)), *down]
+    for name in ctx.armed | ctx.restart:  # they come back disarmed
         ctx.cluster.faults[name].write_text("{}")
     if heal:
         _heal(ctx.cluster, heal)
+    ctx.healed = {"restarted": heal, "disarmed": sorted(ctx.armed - set(heal))}
     return checks, broke, down
 
 
@@ -246,6 +251,7 @@ def _run_control(ctx: Ctx, sc: Scenario, seed: int, name: str, oracle: str) -> d
         if cdown:  # the scenario declares it (control_down_judged): the oracle judged the run
             control["replica_down"] = {r: (text.splitlines() or [""])[0][-300:] for r, text in cdown.items()}
     control["wrong_kv"] = ctx.wrong_kv
+    control["after"] = ctx.healed  # the replicas restarted after it, and those only disarmed
     ctx.cluster.reset()
     return control
 

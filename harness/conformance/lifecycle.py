@@ -96,7 +96,7 @@ def reset_external(ctx: Any, prompt_tokens: int = 1200, control: str | None = No
                 engine_api.reload_weights(ctx.url(name), str(ctx.cluster.model_dir))
                 ctx.reidentify(name, None)
             except engine_api.RequestFailed:
-                ctx.armed.add(name)  # restarted by the runner instead
+                ctx.restart.add(name)  # restarted by the runner instead
     stale = {}
     for name, t in (("A", f"{tag}-a2"), ("B", f"{tag}-b2")):
         m = ctx.match(name, t)

@@ -144,3 +144,56 @@ def test_a_control_that_takes_its_replica_down_is_judged_only_where_the_scenario
         assert "OverflowError" in cell["control"]["replica_down"]["B"]
     else:
         assert cell["status"] == "fail" and "INCONCLUSIVE" in cell["control"]["why"], cell
+
+
+class _StandIn:
+    """A cluster of replicas that never start: the fault files are real, a kill and a restart
+    are recorded, a reset does nothing."""
+
+    def __init__(self, tmp_path, names):  # noqa: ANN001
+        from types import SimpleNamespace
+
+        self.faults = {n: tmp_path / f"faults-{n}.json" for n in names}
+        for path in self.faults.values():
+            path.write_text("{}")
+        self.replicas = {n: SimpleNamespace(proc=SimpleNamespace(poll=lambda: None)) for n in names}
+        self.report_dir, self.history_dir = tmp_path, tmp_path / "h"
+        self.killed, self.restarted = [], []
+
+    def reset(self) -> None:
+        pass
+
+    def kill_replica(self, name: str) -> None:
+        self.killed.append(name)
+
+    def restart_replicas(self, names: list[str]) -> None:
+        self.restarted.append(list(names))
+
+
+@pytest.mark.parametrize(("armed", "restarted"), [
+    ({"B": "claim_past_loaded"}, []),                          # healed by its disarm
+    ({"B": "hide_failures", "D": "late_store"}, [["D"]]),      # D keeps held saves: restarted
+    ({"E": "adapter_by_name", "F": "adapter_by_name"}, []),
+    ({"B": "a-control-nobody-declared"}, [["B"]]),             # unknown: restarted
+])
+def test_after_a_run_every_armed_replica_is_disarmed_and_only_a_stateful_controls_restarted(
+        tmp_path, monkeypatch, armed, restarted):
+    from kvgate.harness.conformance import gate
+    from kvgate.harness.conformance.context import arm_control
+    from kvgate.harness.conformance.scenarios import Scenario
+
+    monkeypatch.setattr(gate, "_casualties", lambda cluster: {})
+    monkeypatch.setattr(gate.wrong_kv, "of_run", lambda ctx, t0, t1: None)
+    cluster = _StandIn(tmp_path, ["A", "B", "D", "E", "F"])
+
+    def body(ctx, control=None):  # noqa: ANN001, ANN202
+        for name, c in armed.items():
+            arm_control(ctx, name, c)
+        return None
+
+    ctx = Ctx(cluster=cluster, corpus=None, profile=dataclasses.replace(CONNECTORS["kvpool"], reset=None), seed=0)
+    gate._run_body(ctx, Scenario("s", body, (), "a stand-in"))
+    assert cluster.restarted == restarted and cluster.killed == [n for r in restarted for n in r]
+    assert all(json.loads(p.read_text()) == {} for p in cluster.faults.values())
+    assert ctx.healed == {"restarted": [n for r in restarted for n in r],
+                          "disarmed": sorted(set(armed) - {n for r in restarted for n in r})}
