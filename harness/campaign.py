@@ -9,6 +9,12 @@ whatever the budget cuts. It starts no run past the budget (`minutes`) and stops
 `seeds` rounds. The default system serves every scenario that runs there; the multi-host
 system the hosts' scenarios, after it, with the time left.
 
+The soak's request streams are a kind of their own, `soak` (in the profile `all`, or named
+in a profile's list): each round runs one soak window of `soak_s` seconds on the default
+system (kvgate.harness.soak.soak_window: concurrent seeded streams over shared prefixes to
+A, B and D with the seeded nemesis arming load and transport faults), judged by the same
+oracles; its replay is `kvgate soak` with the window's length and seed (on a fresh system).
+
 It writes campaign.json and campaign.md under `report_dir`: the replay key, per fault kind
 the seeds run, the faults fired, loads, silent corruptions, lost requests, misclassified
 misses, outputs that differ and controls caught (kvgate.harness.gate.per_kind), and every
@@ -46,6 +52,41 @@ class Campaign:
         return [r for r in self.results if r.verdict.valid is not True]
 
 
+@dataclass(frozen=True)
+class SoakWindow:
+    """The soak's streams as a campaign's kind: one window of `seconds` per round."""
+
+    seconds: float
+    streams: int = 3
+    name: str = "soak-window"
+    fault: str = "soak"
+    replicas: tuple[str, ...] = ("A", "B", "D")
+
+    def replay(self, seed: int) -> str:
+        return f"kvgate soak --minutes {self.seconds / 60:g} --seed {seed} --streams {self.streams}"
+
+
+def run_window(system, corpus, window: SoakWindow, seed: int):  # noqa: ANN001, ANN201
+    """One soak window as a campaign's run (a ScenarioResult): the oracles' verdicts and the
+    soak's own judgement (kvgate.harness.soak.judge; growth is the soak command's, over minutes)."""
+    from kvgate.harness.checkers.verdict import Verdict
+    from kvgate.harness.scenarios.runner import ScenarioResult
+    from kvgate.harness.soak import judge as soak_judge
+    from kvgate.harness.soak import soak_window
+
+    t0 = time.monotonic()
+    w = soak_window(system, corpus, seed, window.seconds, window.streams)
+    failures = soak_judge(w.outcome, w.counts, w.verdicts, [])
+    c = w.counts
+    verdict = Verdict(not failures, "; ".join(failures) if failures else
+                      f"{c['requests']} requests, {c['faults_armed']} faults armed, {c['loads']} loads: every oracle valid",
+                      {"counts": c, "verdicts": w.verdicts, "faults": w.fired})
+    counts = {"faults_fired": c["faults_fired"], "loads": c["loads"], "silent_corruptions": c["silent_corruptions"],
+              "lost_requests": c["lost_requests"], "misclassified": c["misclassified"], "outputs_differ": 0}
+    return ScenarioResult(window.name, window.fault, seed, verdict, w.outcome, counts, None, window.replay(seed),
+                          time.monotonic() - t0)
+
+
 def rounds(chosen: list, root: int, seeds: int) -> Iterator[tuple[int, Any, int]]:
     """(round, scenario, seed): round i takes each fault kind in turn (sorted), the kind's
     scenarios in turn (the i-th of them, cycling), with the seed of (kind, i)."""
@@ -75,13 +116,14 @@ def _run_on(system_start: Callable[[], tuple], plan: list, campaign: Campaign, d
                 return
             _say(f"[campaign {n}/{len(plan)}] round {i} {sc.fault or 'none'}: {sc.name} (seed {seed}) ...")
             try:
-                r = run_scenario(system, corpus, sc, seed)
+                r = run_window(system, corpus, sc, seed) if isinstance(sc, SoakWindow) else \
+                    run_scenario(system, corpus, sc, seed)
             except Exception as exc:  # noqa: BLE001 - a harness defect: this run's failure, the campaign goes on
                 r = harness_failure(sc, seed, exc)
             campaign.results.append(r)
             _say(f"[campaign {n}/{len(plan)}] {sc.name}: {r.verdict.label} ({r.outcome}) in {r.seconds:.0f} s"
                  + ("" if r.verdict.valid else f" - {r.verdict.reason[:300]}\n    replay: {r.replay}"))
-            if r.verdict.valid is not True:
+            if r.verdict.valid is not True and not isinstance(sc, SoakWindow):
                 write_schedule(report_dir, sc.name, seed)
     finally:
         system.stop()
@@ -89,17 +131,17 @@ def _run_on(system_start: Callable[[], tuple], plan: list, campaign: Campaign, d
 
 def run_campaign(seed: int | None = None, seeds: int = 20, minutes: float = 60.0,
                  report_dir: Path = Path("reports/runs/campaign"), profile: str = "all",
-                 scenarios: list[str] | None = None) -> int:
+                 scenarios: list[str] | None = None, soak_s: float = 60.0) -> int:
     from kvgate.harness.scenarios.catalog import on_hosts, store_of
     from kvgate.harness.system.default import start_hosts_system, start_system
 
     root = seed if seed is not None else secrets.randbits(32)
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
-    chosen = select(profile, scenarios)
+    chosen = choose(profile, scenarios, soak_s)
     prov = provenance()
     key = {"seed": root, "commit": prov["short"], "clean": prov["clean"], "profile": profile, "seeds": seeds,
-           "minutes": minutes}
+           "minutes": minutes, "soak_s": soak_s}
     print(f"kvgate campaign: replay key seed={root} commit={key['commit']}{title_flag(prov)} profile={profile} "
           f"seeds={seeds} minutes={minutes}", flush=True)
     campaign = Campaign(key)
@@ -121,6 +163,16 @@ def run_campaign(seed: int | None = None, seeds: int = 20, minutes: float = 60.0
     print(f"kvgate campaign: {'PASS' if status == 0 else 'FAIL'} - {len(campaign.results)} runs in {wall:.0f} s"
           + ("" if status == 0 else ": " + "; ".join(reasons)) + f"; report {report_dir / 'campaign.md'}")
     return status
+
+
+def choose(profile: str, scenarios: list[str] | None, soak_s: float) -> list:
+    """The catalog's scenarios of the profile (kvgate.harness.gate.select), and the soak's
+    window where the profile is `all` (no scenario named) or lists `soak`."""
+    kinds = profile.split(",")
+    soak = ("soak" in kinds or (profile == "all" and not scenarios)) and soak_s > 0
+    rest = ",".join(k for k in kinds if k != "soak")
+    chosen = select(rest, scenarios) if rest else []
+    return chosen + ([SoakWindow(soak_s)] if soak else [])
 
 
 def judge(campaign: Campaign, plan: list) -> tuple[int, list[str]]:
@@ -169,7 +221,8 @@ def markdown(doc: dict) -> str:
     key, prov = doc["replay_key"], doc["provenance"]
     lines = [f"# kvgate campaign{title_flag(prov)}", "",
              f"Commit {prov['short']} (clean: {prov['clean']}); replay key: `kvgate campaign --seed {key['seed']} "
-             f"--seeds {key['seeds']} --minutes {key['minutes']} --profile {key['profile']}`; "
+             f"--seeds {key['seeds']} --minutes {key['minutes']} --profile {key['profile']}"
+             f"{'' if key.get('soak_s', 60.0) == 60.0 else ' --soak-s ' + format(key['soak_s'], 'g')}`; "
              f"{doc['runs']} of {doc['planned_runs']} planned runs in {doc['wall_s']} s.", "",
              "| fault kind | scenarios | seeds run | faults fired | loads | silent corruptions | lost requests "
              "| misclassified | outputs differ | controls caught |",

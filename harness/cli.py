@@ -277,7 +277,7 @@ def cmd_campaign(args: argparse.Namespace) -> int:
     from kvgate.harness.campaign import run_campaign
 
     return run_campaign(seed=args.seed, seeds=args.seeds, minutes=args.minutes, report_dir=args.report_dir,
-                        profile=args.profile, scenarios=args.scenario or None)
+                        profile=args.profile, scenarios=args.scenario or None, soak_s=args.soak_s)
 
 
 def _default_connectors() -> str:
@@ -585,7 +585,9 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--seed", type=int, default=None, help="root seed (default: drawn and printed)")
     ca.add_argument("--seeds", type=int, default=20, help="seeds per fault kind (rounds)")
     ca.add_argument("--minutes", type=float, default=60.0, help="time budget; no run starts past it")
-    ca.add_argument("--profile", default="all", help="fault kinds, as kvgate gate --profile")
+    ca.add_argument("--profile", default="all", help="fault kinds, as kvgate gate --profile, and `soak` (the soak's "
+                                                     "streams: one window a round; in `all`)")
+    ca.add_argument("--soak-s", type=float, default=60.0, help="seconds of each round's soak window (0: none)")
     ca.add_argument("--scenario", action="append", default=[], help="only this scenario (repeatable)")
     ca.add_argument("--report-dir", type=Path, default=Path("reports/runs/campaign"))
     ca.set_defaults(func=cmd_campaign)

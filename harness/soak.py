@@ -250,56 +250,66 @@ def _nemesis(cluster, seed: int, stop: threading.Event, fired: list) -> None:  #
         cluster.arm_proxy("D", {})
 
 
-def soak(report_dir: Path, minutes: float = 10.0, seed: int = 0, streams: int = 3, sample_s: float = 15.0) -> int:
+@dataclasses.dataclass
+class Window:
+    """One soak window's result (soak_window)."""
+
+    seed: int
+    seconds: float
+    counts: dict  # requests, errors, faults, loads, silent corruptions, lost, misclassified
+    verdicts: dict  # oracle -> {"valid", "reason"}
+    outcome: str  # ok | correctness | liveness | crash
+    fired: list  # what the nemesis armed, in order
+    samples: list  # resource samples (start, every sample_s, end)
+    parts: list  # the oracles' verdicts (kvgate.harness.scenarios.runner.ORACLES order)
+
+
+def soak_window(cluster, corpus: Corpus, seed: int, seconds: float, streams: int = 3,  # noqa: ANN001
+                sample_s: float = 15.0, say=None) -> Window:  # noqa: ANN001
+    """`streams` seeded request streams and the seeded nemesis on a running default system
+    (replicas A, B and D) for `seconds`, then every fault healed and the window judged by
+    the oracles; `say(samples, requests, faults)` after each resource sample."""
+    from kvgate.harness.checkers import history as H
     from kvgate.harness.checkers.verdict import Verdict
-    from kvgate.harness.provenance import provenance
     from kvgate.harness.scenarios.nemesis import arm
     from kvgate.harness.scenarios.runner import ORACLES, _judge, _Run
-    from kvgate.harness.system.default import start_system
-    from kvgate.harness.workload.prompts import Corpus
 
-    report_dir.mkdir(parents=True, exist_ok=True)
-    cluster, model = start_system(report_dir / "system", set(REPLICAS))
+    rng = random.Random(derive_seed(seed, "soak:prefixes"))
+    prefixes = [corpus.text(rng.choice(PREFIX_TOKENS), rng) for _ in range(10)]
+    cluster.reset()
+    t0 = time.time()
+    cluster.nemesis("scenario_start", scenario="soak", seed=seed, params={"seconds": seconds, "streams": streams})
+    stop = threading.Event()
+    tallies = [{"requests": 0, "errors": 0} for _ in range(streams)]
+    fired: list = []
+    threads = [threading.Thread(target=_stream, args=(cluster, corpus, prefixes, seed, k, stop, tallies[k]),
+                                name=f"soak-stream-{k}") for k in range(streams)]
+    threads.append(threading.Thread(target=_nemesis, args=(cluster, seed, stop, fired), name="soak-nemesis"))
+    samples = [{**_sample(cluster), "requests": 0}]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + seconds
     try:
-        corpus = Corpus(model)
-        rng = random.Random(derive_seed(seed, "soak:prefixes"))
-        prefixes = [corpus.text(rng.choice(PREFIX_TOKENS), rng) for _ in range(10)]
-        cluster.reset()
-        t0 = time.time()
-        cluster.nemesis("scenario_start", scenario="soak", seed=seed, params={"minutes": minutes})
-        stop = threading.Event()
-        tallies = [{"requests": 0, "errors": 0} for _ in range(streams)]
-        fired: list = []
-        threads = [threading.Thread(target=_stream, args=(cluster, corpus, prefixes, seed, k, stop, tallies[k]),
-                                    name=f"soak-stream-{k}") for k in range(streams)]
-        threads.append(threading.Thread(target=_nemesis, args=(cluster, seed, stop, fired), name="soak-nemesis"))
-        samples = [{**_sample(cluster), "requests": 0}]
-        for t in threads:
-            t.start()
-        end = time.monotonic() + minutes * 60
         while time.monotonic() < end:
             time.sleep(min(sample_s, max(0.0, end - time.monotonic())))
             done = sum(x["requests"] for x in tallies)
             samples.append({**_sample(cluster), "requests": done})
-            print(f"kvgate soak: {(time.monotonic() - end) / 60 + minutes:.1f} of {minutes} min, {done} requests, "
-                  f"{len(fired)} faults", file=sys.stderr, flush=True)
+            if say is not None:
+                say(seconds - max(0.0, end - time.monotonic()), done, len(fired))
+    finally:  # every fault healed, whatever happened
         stop.set()
         for t in threads:
             t.join(600)
         arm(cluster, "B", None)
         cluster.arm_proxy("D", {})
-        time.sleep(2.0)
-        samples.append({**_sample(cluster), "requests": sum(x["requests"] for x in tallies)})
-        cluster.nemesis("scenario_end", scenario="soak", seed=seed, crashed=cluster.crashed())
-        time.sleep(0.5)
-        from kvgate.harness.checkers import history as H
-
-        history = H.read_history(cluster.history_dir)
-        run = _Run(Verdict(True, "the soak ran"), H.within(history, t0, time.time()), H.namespaces(history),
-                   bool(cluster.crashed()), None)
-        parts, outcome = _judge(cluster, run)
-    finally:
-        cluster.stop()
+    time.sleep(2.0)
+    samples.append({**_sample(cluster), "requests": sum(x["requests"] for x in tallies)})
+    cluster.nemesis("scenario_end", scenario="soak", seed=seed, crashed=cluster.crashed())
+    time.sleep(0.5)
+    history = H.read_history(cluster.history_dir)
+    run = _Run(Verdict(True, "the soak ran"), H.within(history, t0, time.time()), H.namespaces(history),
+               bool(cluster.crashed()), None)
+    parts, outcome = _judge(cluster, run)
     recs = run.recs
     counts = {
         "requests": sum(x["requests"] for x in tallies),
@@ -316,15 +326,33 @@ def soak(report_dir: Path, minutes: float = 10.0, seed: int = 0, streams: int = 
         "lost_requests": int(parts[ORACLES.index("requests")].evidence.get("lost", 0)),
         "misclassified": int(parts[ORACLES.index("miss causes")].evidence.get("misclassified", 0)),
     }
-    growth, exceeded = judge_growth(samples, cluster.page_size * cluster.pool_pages)
     verdicts = {n: {"valid": p.valid, "reason": p.reason[:300]} for n, p in zip(ORACLES, parts)}
-    failures = judge(outcome, counts, verdicts, exceeded)
+    return Window(seed, seconds, counts, verdicts, outcome, fired, samples, parts)
+
+
+def soak(report_dir: Path, minutes: float = 10.0, seed: int = 0, streams: int = 3, sample_s: float = 15.0) -> int:
+    from kvgate.harness.provenance import provenance
+    from kvgate.harness.system.default import start_system
+    from kvgate.harness.workload.prompts import Corpus
+
+    def say(elapsed: float, done: int, faults: int) -> None:
+        print(f"kvgate soak: {elapsed / 60:.1f} of {minutes} min, {done} requests, {faults} faults",
+              file=sys.stderr, flush=True)
+
+    report_dir.mkdir(parents=True, exist_ok=True)
+    cluster, model = start_system(report_dir / "system", set(REPLICAS))
+    try:
+        w = soak_window(cluster, Corpus(model), seed, minutes * 60, streams, sample_s, say)
+    finally:
+        cluster.stop()
+    growth, exceeded = judge_growth(w.samples, cluster.page_size * cluster.pool_pages)
+    failures = judge(w.outcome, w.counts, w.verdicts, exceeded)
     ok = not failures
-    result = {"pass": ok, "outcome": outcome, "minutes": minutes, "seed": seed, "streams": streams,
+    result = {"pass": ok, "outcome": w.outcome, "minutes": minutes, "seed": seed, "streams": streams,
               "command": f"kvgate soak --minutes {minutes} --seed {seed} --streams {streams}",
-              "counts": counts, "growth_after_warmup": growth, "bounds": bounds_text(),
-              "bounds_exceeded": exceeded, "failures": failures, "verdicts": verdicts, "faults": fired,
-              "samples": samples, "provenance": provenance()}
+              "counts": w.counts, "growth_after_warmup": growth, "bounds": bounds_text(),
+              "bounds_exceeded": exceeded, "failures": failures, "verdicts": w.verdicts, "faults": w.fired,
+              "samples": w.samples, "provenance": provenance()}
     (report_dir / "soak.json").write_text(json.dumps(result, indent=2) + "\n")
     (report_dir / "soak.md").write_text(_markdown(result))
     print(_markdown(result))

@@ -53,7 +53,16 @@ def world(monkeypatch, tmp_path):
                               "ok" if ok else "correctness", {c: 0 for c in C.COUNTS}, None,
                               f"kvgate replay {sc.name} --seed {seed}", state["cost"])
 
+    def run_window(system, corpus, window, seed):  # noqa: ANN001, ANN202
+        log.append(("run", window.name, window.fault, seed))
+        clock.t += window.seconds
+        ok = not state["fail"](window, seed)
+        return ScenarioResult(window.name, window.fault, seed, Verdict(ok, "fine" if ok else "2 lost requests"),
+                              "ok" if ok else "liveness", {c: 0 for c in C.COUNTS}, None, window.replay(seed),
+                              window.seconds)
+
     monkeypatch.setattr(runner, "run_scenario", run_scenario)
+    monkeypatch.setattr(C, "run_window", run_window)
     monkeypatch.setattr(default, "start_system", lambda report_dir, replicas: (FakeSystem(log), tmp_path))
     monkeypatch.setattr(default, "start_hosts_system", lambda report_dir, store: (FakeSystem(log), tmp_path))
     monkeypatch.setattr(prompts, "Corpus", lambda model: object())
@@ -135,3 +144,24 @@ def test_a_campaign_that_ran_nothing_fails(world):
     assert C.run_campaign(seed=5, seeds=2, minutes=0, report_dir=out, profile="corrupt") == 1
     doc = json.loads((out / "campaign.json").read_text())
     assert "nothing ran" in doc["reasons"] and not runs(log) and "start" not in log
+
+
+def test_the_soaks_streams_are_a_kind_one_window_a_round_on_the_default_system(world):
+    log, _, state, out = world
+    assert C.run_campaign(seed=5, seeds=3, minutes=10_000, report_dir=out, profile="corrupt,soak", soak_s=45) == 0
+    assert [k for _, _, k, _ in runs(log)].count("soak") == 3 and log.count("start") == 1
+    doc = json.loads((out / "campaign.json").read_text())
+    assert doc["per_fault_kind"]["soak"]["seeds_run"] == 3 and doc["replay_key"]["soak_s"] == 45
+    assert "--soak-s 45" in (out / "campaign.md").read_text()
+    target = [s for _, sc, s in C.rounds(C.choose("soak", None, 45), 5, 3)][2]
+    state["fail"] = lambda sc, seed: seed == target
+    assert C.run_campaign(seed=5, seeds=3, minutes=10_000, report_dir=out, profile="soak", soak_s=45) == 1
+    doc = json.loads((out / "campaign.json").read_text())
+    assert [f["replay"] for f in doc["failures"]] == [f"kvgate soak --minutes 0.75 --seed {target} --streams 3"]
+
+
+def test_all_includes_the_soak_and_a_named_scenario_or_zero_seconds_leave_it_out():
+    assert any(isinstance(sc, C.SoakWindow) for sc in C.choose("all", None, 60))
+    assert not any(isinstance(sc, C.SoakWindow) for sc in C.choose("all", ["load-corrupt"], 60))
+    assert not any(isinstance(sc, C.SoakWindow) for sc in C.choose("all", None, 0))
+    assert C.choose("soak", None, 60) == [C.SoakWindow(60)]
