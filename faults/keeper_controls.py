@@ -28,6 +28,10 @@ catches it.
   EagerUnmapTierLink       the link that drops the old instance's mapping at the reconnect while a
                            lease or reservation of it is still open: a copy out of (or into) those
                            pages still running on the GPU reads (writes) unmapped memory.
+  KeeperIdTierBackend      the tier backend that hands out the keeper's own lease and
+                           reservation ids: after a restart the new instance counts from 1 again,
+                           so a lease of the old instance still open and the new instance's lease
+                           of the same number share one id, and the old one's release ends the new.
   KEEPERS, SERVERS, CLIENTS  name -> class, for the worker processes that pick one by name.
 """
 
@@ -36,6 +40,7 @@ from __future__ import annotations
 from kvpool.errors import MalformedFrame
 from kvpool.gpu.keeper import GpuKeeper
 from kvpool.gpu.keeper_server import KeeperServer, KeeperSession
+from kvpool.gpu.tier_backend import TierBackend
 from kvpool.gpu.tier_client import TierClient, TierLease, TierLink, TierReservation
 from kvpool.gpu.tier_map import TierMap
 from kvpool.pool import protocol as P
@@ -102,6 +107,22 @@ class EagerUnmapTierLink(TierLink):
             old.close()
             self.reconnects += 1
         self.client = new
+
+
+class KeeperIdTierBackend(TierBackend):
+    def acquire(self, ns, hashes):  # noqa: ANN001, ANN201
+        lease = self.link.acquire(ns, hashes)
+        if lease.lease_id:
+            with self._lock:
+                self._leases[lease.lease_id] = lease
+        return lease.result
+
+    def reserve(self, ns, hashes, lengths, boundary=None):  # noqa: ANN001, ANN201
+        res = self.link.reserve(ns, hashes, lengths, boundary)
+        if res.reservation_id:
+            with self._lock:
+                self._reservations[res.reservation_id] = res
+        return res.result
 
 
 KEEPERS: dict[str, type[GpuKeeper]] = {"GpuKeeper": GpuKeeper, "EagerFreeKeeper": EagerFreeKeeper}

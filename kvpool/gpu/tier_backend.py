@@ -14,6 +14,11 @@ every wrapper that speaks PoolBackend (the audit, the fault injectors) wraps it 
                                kind is refused by the keeper as an InvalidRequest).
       .renew(reservations, leases), .reservation_ttl_s, .lease_ttl_s
                                renewal as the host pool's client has it (kvpool.client.keepalive).
+      Lease and reservation ids are this backend's own (one count across every session and
+      instance of the link), not the keeper's: a restarted keeper counts its ids from 1 again,
+      and a lease of the old instance still open here must not name the new instance's lease of
+      the same number (its release would end the new lease under a copy out of its pages). The
+      results, renewals included, carry this backend's ids.
       .evict                   InvalidRequest: the tier makes room by demotion, not by a client.
 
 What it is not: the path for device memory (`--backing vmm`). A page there is a CudaArray that
@@ -25,12 +30,15 @@ functions count as a transport_error miss: the caller recomputes.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import threading
 from collections.abc import Sequence
 
+import msgspec
 import numpy as np
 
-from kvpool.errors import InvalidRequest, LeaseLost
+from kvpool.errors import InvalidRequest, LeaseLost, MalformedFrame
 from kvpool.gpu.tier_client import TierLease, TierLink, TierReservation
 from kvpool.pool.digest import DigestKind
 from kvpool.pool.keys import Namespace
@@ -40,9 +48,19 @@ from kvpool.pool.records import (
     EvictOutcome,
     LookupResult,
     ReleaseResult,
+    Renewal,
     RenewResult,
     ReserveResult,
 )
+
+
+def _own_ids(answers: Sequence[Renewal], own: dict[int, int]) -> tuple[Renewal, ...]:
+    """The keeper's renewal answers under this backend's ids; an answer for an id not asked for
+    is a malformed reply."""
+    stray = [a.id for a in answers if a.id not in own]
+    if stray:
+        raise MalformedFrame(f"the keeper answered a renewal of ids {stray[:4]} it was not asked to renew")
+    return tuple(msgspec.structs.replace(a, id=own[a.id]) for a in answers)
 
 
 class TierBackend:
@@ -51,8 +69,9 @@ class TierBackend:
     def __init__(self, link: TierLink):
         self.link = link
         self._lock = threading.Lock()
-        self._leases: dict[int, TierLease] = {}  # this backend's open leases, by id
+        self._leases: dict[int, TierLease] = {}  # this backend's open leases, by this backend's id
         self._reservations: dict[int, TierReservation] = {}
+        self._ids = itertools.count(1)  # this backend's grant ids (the keeper's restart at 1 per instance)
 
     # -- what the pool advertises -----------------------------------------------------------
     def _client(self):  # noqa: ANN202 - the link's current TierClient
@@ -79,10 +98,12 @@ class TierBackend:
 
     def acquire(self, ns: Namespace, hashes: Sequence[bytes]) -> AcquireResult:
         lease = self.link.acquire(ns, hashes)
-        if lease.lease_id:
-            with self._lock:
-                self._leases[lease.lease_id] = lease
-        return lease.result
+        if not lease.lease_id:
+            return lease.result
+        with self._lock:
+            own = next(self._ids)
+            self._leases[own] = lease
+        return dataclasses.replace(lease.result, lease_id=own)
 
     def _lease(self, lease_id: int) -> TierLease:
         with self._lock:
@@ -113,10 +134,12 @@ class TierBackend:
     def reserve(self, ns: Namespace, hashes: Sequence[bytes], lengths: Sequence[int],
                 boundary: int | None = None) -> ReserveResult:
         res = self.link.reserve(ns, hashes, lengths, boundary)
-        if res.reservation_id:
-            with self._lock:
-                self._reservations[res.reservation_id] = res
-        return res.result
+        if not res.reservation_id:
+            return res.result
+        with self._lock:
+            own = next(self._ids)
+            self._reservations[own] = res
+        return dataclasses.replace(res.result, reservation_id=own)
 
     def _reservation(self, reservation_id: int) -> TierReservation:
         with self._lock:
@@ -153,7 +176,13 @@ class TierBackend:
         return self.link.abort(self._end(reservation_id))
 
     def renew(self, reservations: Sequence[int] = (), leases: Sequence[int] = ()) -> RenewResult:
-        return self.link.renew([self._reservation(r) for r in reservations], [self._lease(i) for i in leases])
+        """The keeper's answers under this backend's ids (the link refuses grants of another
+        session before anything is sent, so the keeper's ids of one call are one session's)."""
+        res = {r: self._reservation(r) for r in reservations}
+        held = {i: self._lease(i) for i in leases}
+        got = self.link.renew(list(res.values()), list(held.values()))
+        return RenewResult(_own_ids(got.reservations, {g.reservation_id: own for own, g in res.items()}),
+                           _own_ids(got.leases, {g.lease_id: own for own, g in held.items()}))
 
     def evict(self, ns: Namespace, hashes: Sequence[bytes]) -> list[EvictOutcome]:
         raise InvalidRequest("the GPU tier makes room by demotion to the host pool; a client does not evict")

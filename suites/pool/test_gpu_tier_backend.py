@@ -13,6 +13,9 @@ The connector's copy engine (HostCopier) on the backend its settings make of `ke
 under the stream-delay fault of the store: the bytes of save time land in the tier, and the
 early-completion control (the store said done before its copy ran) is caught by the byte-exact
 oracle in another copier's load of all four blocks.
+A lease held across a keeper's restart: its release is refused and the new instance's lease of
+the same keeper id stays its holder's (the backend's ids are its own); control KeeperIdTierBackend,
+caught by the new lease's release.
 Plus: a commit of another digest kind is refused by the keeper and the reservation aborted
 (nothing visible); renewal through the backend; evict and device pages refused as typed errors.
 """
@@ -22,9 +25,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvgate.faults.keeper_controls import KeeperIdTierBackend
 from kvgate.harness.scenarios import gpu_keeper_wire as W
 from kvpool.client import transfer
-from kvpool.errors import InvalidRequest, MissCause
+from kvpool.errors import InvalidRequest, LeaseLost, MissCause
 from kvpool.gpu.tier_backend import TierBackend
 from kvpool.gpu.tier_client import TierLink
 from kvpool.pool.digest import DigestKind
@@ -214,3 +218,57 @@ def test_the_early_completion_control_through_the_keeper_is_caught(keeper, tmp_p
     loads = [r for r in read_history(tmp_path / "history") if r["ev"] == "load" and r.get("replica") == "C"]
     assert loads and loads[-1]["loaded"] == 4, loads  # C loaded all four: what it got is what the tier holds
     assert loaded != produced, "the byte-exact oracle missed a store that completed before its copy"
+
+
+@pytest.mark.fault_pool_restart
+@pytest.mark.parametrize("backend_cls,checked", [(TierBackend, True), (KeeperIdTierBackend, False)],
+                         ids=["backend", "control-keeper-ids"])
+def test_a_lease_held_across_a_keeper_restart_never_names_the_new_instances_lease(tmp_path, test_seed,
+                                                                                     backend_cls, checked):
+    """C holds a lease of instance 1 across the keeper's restart (a load whose copies still run)
+    and then takes a lease of instance 2 that the keeper numbers as the first (ids restart at
+    1). The old lease's release must be refused (WrongInstance) and the new lease must stay
+    C's until its own release; both renew under the backend's ids. Control
+    (KeeperIdTierBackend): the two share one id, the old release ends the new lease under its
+    holder, whose own release is then LeaseLost."""
+    run_dir = tmp_path / "k"
+    run_dir.mkdir(mode=0o700)
+    k1, k2 = Keeper(run_dir, "--pages", "16"), None
+    p = backend(run_dir, "P")
+    c = backend_cls(TierLink(run_dir, "default", "tok", name="C", timeout_s=10.0).connect())
+    keys, src = W.KEYS(3, base=test_seed % 1000), blocks(test_seed, 3)
+    try:
+        assert transfer.publish(p, W.NS, keys, src, kind=DigestKind.SKETCH).committed == 3
+        old = c.acquire(W.NS, keys)
+        old_keeper_id = c._leases[old.lease_id].lease_id  # noqa: SLF001
+        k1.kill()
+        k2 = Keeper(run_dir, "--pages", "16", before=k1.address.instance)
+        assert len(c.lookup(W.NS, keys).hits) == 0  # reconnected: an empty tier
+        assert transfer.publish(p, W.NS, keys, src, kind=DigestKind.SKETCH).committed == 3
+        new = c.acquire(W.NS, keys)
+        assert len(new.hits) == 3
+        assert c._leases[new.lease_id].lease_id == old_keeper_id  # noqa: SLF001 - the keeper counts from 1 again
+        renewed = c.renew([], [new.lease_id]).leases
+        try:
+            c.release(old.lease_id)
+            old_release = "released"
+        except LeaseLost as exc:
+            old_release = type(exc).__name__
+        try:
+            c.release(new.lease_id)
+            new_release = "released"
+        except LeaseLost as exc:
+            new_release = type(exc).__name__
+    finally:
+        p.close()
+        c.close()
+        k1.stop()
+        if k2 is not None:
+            k2.stop()
+    if checked:
+        assert old.lease_id != new.lease_id
+        assert [(r.id, r.refused) for r in renewed] == [(new.lease_id, None)], renewed
+        assert (old_release, new_release) == ("WrongInstance", "released"), (old_release, new_release)
+    else:
+        assert (old_release, new_release) == ("released", "LeaseLost"), \
+            f"negative control NOT caught: the old lease's release gave {old_release}, the new one's {new_release}"
