@@ -25,7 +25,8 @@ keeper killed (SIGKILL), a bit of a committed host-pool page flipped in the pool
   host: xxh3-128)                      blocks before it byte-exact; the     byte-exact oracle names it
                                        report reaches the host pool (the
                                        page is dropped: `evicted` next)
-Plus: a publish through the composite places in the tier what fits and the rest (the tier's
+Plus: with the host pool killed too, no member answers and the lookup raises (the host pool's
+TransportError, the tier's noted), as with one backend; a publish through the composite places in the tier what fits and the rest (the tier's
 NO_CAPACITY) in the host pool, with kv-sketch-1 digests the host pool takes; all of it loads
 byte-exact; renewal of a composite lease.
 What is not checked here: device memory (`--backing vmm`), demotion under the composite (the
@@ -209,12 +210,19 @@ def test_a_killed_keeper_is_a_transport_error_and_the_host_pool_still_serves(kee
         looked = c.lookup(W.NS, keys + keys_for(test_seed + 1, 1))
         got, dest = load_into(c, keys)
         stats = c.stats()
+        if checked:
+            pool.kill()  # now no member answers: the error is raised, as with one backend (the host pool's)
+            with pytest.raises(TransportError) as raised:
+                c.lookup(W.NS, keys)
+            none_left, _ = load_into(c, keys)
     finally:
         c.close()
     if not checked:
         assert (got.loaded, got.miss.cause if got.miss else None) == (0, MissCause.TRANSPORT_ERROR), \
             f"negative control NOT caught by the loaded-count / miss-cause oracle: {got}"
         return
+    assert any("could not be reached" in note for note in raised.value.__notes__)  # the tier's error noted
+    assert (none_left.loaded, none_left.miss.cause) == (0, MissCause.TRANSPORT_ERROR) and none_left.error
     assert stats["tiered_gpu_errors"] >= errors_before + 2  # its lookups and acquires failed, and fell through
     # every block from the host pool; the one nobody holds misses as the dead tier's transport_error
     assert len(looked.hits) == N and (looked.miss.index, looked.miss.cause) == (N, MissCause.TRANSPORT_ERROR)
