@@ -13,11 +13,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Union
 
 from kvpool.connector import vllm_compat as compat
-from kvpool.client.backend import PoolBackend
+from kvpool.client.backend import PoolBackend, parse_address
 from kvpool.client.pool_client import PoolClient
 from kvpool.connector.copier import HostCopier
 from kvpool.connector.history import HistoryWriter
 from kvpool.connector.identity import model_identity
+from kvpool.errors import InvalidRequest
 from kvpool.pool.keys import Namespace
 from kvpool.pool.metrics import ClientMetrics
 from kvpool.tier.record import TierAuth
@@ -35,6 +36,8 @@ LOAD_MODES = ("auto", "sync", "async")
 # A pool address naming a GPU keeper's run directory (`kvpool keeper --backing memfd`): the
 # connector's pool is then the keeper's tier in host memory (kvpool.gpu.tier_backend), with
 # kv-sketch-1 digests; its reset is refused (the keeper evicts nothing on a client's word).
+# With `host_pool` too, a lookup or load that misses the keeper's tier falls through to that
+# host pool (kvpool.gpu.tiered.TieredBackend: the tier, then the host pool).
 KEEPER_SCHEME = "keeper:"
 
 
@@ -46,6 +49,14 @@ class ConnectorSettings:
     tenant: str = "default"
     token: str = ""
     token_file: str = ""  # JSON {tenant: token}; used when token is empty
+    # With pool "keeper:RUN_DIR" only: the host pool ("unix:PATH" or "tcp:HOST:PORT") a lookup
+    # or load falls through to where the keeper's tier misses (its blocks, the ones it demoted,
+    # or all of them while the keeper is down: the tier's misses are then transport_error), and
+    # a publish where the tier has no room (kvpool.gpu.tiered). The tenant is the connector's;
+    # its token host_token, else host_token_file's (JSON {tenant: token}), else the connector's.
+    host_pool: str = ""
+    host_token: str = ""
+    host_token_file: str = ""
     replica: str = "replica"
     history_dir: str = ""
     load: bool = True
@@ -100,6 +111,9 @@ class ConnectorSettings:
     model_id: str = ""  # a stable model name for the namespace (default: the model path)
     model_revision: str = ""  # overrides the model fingerprint in the namespace
 
+    def __post_init__(self) -> None:
+        self.check_host_pool()
+
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
         extra = dict(extra or {})
@@ -112,6 +126,31 @@ class ConnectorSettings:
         if extra.get("load_mode", "auto") not in LOAD_MODES:
             raise ValueError(f"load_mode must be one of {LOAD_MODES}, got {extra['load_mode']!r}")
         return cls(**extra)
+
+    def check_host_pool(self) -> None:
+        """host_pool (and its token) only beside a keeper's pool, and an address of a pool daemon."""
+        if not self.host_pool:
+            if self.host_token or self.host_token_file:
+                raise ValueError("host_token / host_token_file are for a host_pool, and none is set")
+            return
+        if not (isinstance(self.pool, str) and self.pool.startswith(KEEPER_SCHEME)):
+            raise ValueError(f"host_pool is the pool a keeper's tier falls through to: it needs pool "
+                             f"'{KEEPER_SCHEME}RUN_DIR', not {self.pool!r}")
+        if not isinstance(self.host_pool, str):
+            raise ValueError(f"host_pool must be a pool daemon's address, got {self.host_pool!r}")
+        try:
+            parse_address(self.host_pool)
+        except InvalidRequest as exc:
+            raise ValueError(f"host_pool {self.host_pool!r} is not a pool daemon's address "
+                             "('unix:PATH' or 'tcp:HOST:PORT')") from exc
+
+    def resolved_host_token(self) -> str:
+        """The host pool's token for the connector's tenant."""
+        if self.host_token:
+            return self.host_token
+        if self.host_token_file:
+            return json.loads(Path(self.host_token_file).read_text())[self.tenant]
+        return self.resolved_token()
 
     def loads_async(self, vllm_config) -> bool:  # noqa: ANN001
         """Whether this engine's loads are asynchronous, by `load_mode`."""
@@ -177,7 +216,8 @@ def namespace_for(vllm_config, settings: ConnectorSettings, tp_rank: int = 0) ->
 def connect_backend(settings: ConnectorSettings, role: str, history: HistoryWriter,
                     metrics: ClientMetrics | None = None) -> PoolBackend:
     """The default BackendFactory: a PoolClient to the configured pool (the scheduler's
-    with the scheduler's short timeout)."""
+    with the scheduler's short timeout); a keeper's tier for `keeper:RUN_DIR`; with a host_pool
+    beside it, the two in lookup order (kvpool.gpu.tiered.TieredBackend: "gpu", then "host")."""
     timeout = settings.lookup_timeout_s if role == "scheduler" else settings.timeout_s
     if settings.pool.startswith(KEEPER_SCHEME):  # a GPU keeper's tier in host memory (--backing memfd)
         from kvpool.gpu.tier_backend import TierBackend
@@ -185,7 +225,23 @@ def connect_backend(settings: ConnectorSettings, role: str, history: HistoryWrit
 
         link = TierLink(settings.pool[len(KEEPER_SCHEME):], settings.tenant, settings.resolved_token(),
                         name=f"{settings.replica}/{role}", timeout_s=timeout, metrics=metrics)
-        return TierBackend(link.connect())
+        tier = TierBackend(link.connect())
+        if not settings.host_pool:
+            return tier
+        from kvpool.gpu.tiered import TieredBackend
+
+        try:
+            host = PoolClient(settings.host_pool, settings.tenant, settings.resolved_host_token(),
+                              name=f"{settings.replica}/{role}", timeout_s=timeout, metrics=metrics)
+        except BaseException:
+            tier.close()
+            raise
+        try:
+            return TieredBackend([("gpu", tier), ("host", host)])
+        except BaseException:  # TierMismatch: the keeper's and the pool's page sizes differ
+            tier.close()
+            host.close()
+            raise
     return PoolClient(settings.pool, settings.tenant, settings.resolved_token(),
                       name=f"{settings.replica}/{role}", timeout_s=timeout, metrics=metrics)
 

@@ -20,6 +20,8 @@ those below it:
   keeper    the GPU tier's owner: each tenant's VMM buffer, the tier's bookkeeping, the
             attach socket that hands the buffers out (GpuKeeper).
   tier_map  a replica's side of the GPU tier: the buffer imported and mapped (TierMap).
+  tiered    tiers in lookup order as one pool backend: a lookup, load or publish that misses
+            the first (a keeper's tier) falls through to the next (the host pool) (TieredBackend).
   driver    the driver path's calls: raw-pointer copies through cuda-python (Driver).
   vmm       device memory another process maps: VMM buffers, their export and import,
             interprocess events (cuda-python).
