@@ -29,7 +29,7 @@ from kvpool.pool.records import ReleaseResult
 
 
 class FirstTierOnlyBackend(TieredBackend):
-    def _order(self, hashes, runs):  # noqa: ANN001, ANN202
+    def _fall_through(self, hashes, runs):  # noqa: ANN001, ANN202
         return fall_through(hashes, runs[:1])
 
 

@@ -235,7 +235,7 @@ class TieredBackend:
             yield
 
     # -- the lookup order -----------------------------------------------------------------------
-    def _order(self, hashes: Sequence[bytes], runs: list[tuple[str, object]]):  # noqa: ANN202
+    def _fall_through(self, hashes: Sequence[bytes], runs: list[tuple[str, object]]):  # noqa: ANN202
         """The lookup order over the members' runs (kvpool.gpu.tier.fall_through)."""
         return fall_through(hashes, runs)
 
@@ -271,7 +271,7 @@ class TieredBackend:
                 return 0, cause
             return run
 
-        out = self._order(hashes, [(name, run_of(k)) for k, name in enumerate(self.names)])
+        out = self._fall_through(hashes, [(name, run_of(k)) for k, name in enumerate(self.names)])
         if not served and hashes and len(errors) == len(self.members):
             _raise_first(errors[::-1], "members that could not be reached")
         if out.miss is None:
