@@ -122,7 +122,10 @@ def test_the_control_arms_the_unguarded_probe_and_a_dead_engine_fails_the_run_an
         return real(url, prompt, **kw)
 
     restart.complete = spy  # the fixture's monkeypatch restores the module's own
-    v = restart.restart_under_probe(cluster, _Corpus(), 7, **{**sc.params, **sc.control.params, "restarts": 3})
+    v = restart.restart_under_probe(cluster, _Corpus(), 7, **{**sc.params, **sc.control.params, "restarts": 12})
     assert {"control": "unguarded_probe", "pause_ms": 50} in [d.get("client") for d in seen]
+    kinds = [a for a, _ in cluster.events]
+    # once a request of the control's run failed, the pool is not restarted again
+    assert "control_struck" in kinds and kinds.count("pool_kill") < 12, kinds
     assert v.valid is False and "no replica's engine died" in v.reason
     assert ("restart_replica", "B") in cluster.events and v.evidence["healed"] == ["B"]

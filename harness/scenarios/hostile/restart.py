@@ -27,8 +27,10 @@ claims blocks the new pool does not hold.
       at a time, pausing `pause_ms` between its reads), plugged in through the replicas'
       fault control (kvgate.faults.backend, section "client"). A restart swapping the segment
       under it raises TypeError out of get_num_new_matched_tokens: the engine core dies and
-      the requests oracle finds requests that failed without a failed load. A replica left
-      unhealthy is restarted at the end (recorded), so the gate goes on.
+      the requests oracle finds requests that failed without a failed load. The control's run
+      stops restarting the pool once a request of it has failed (its defect has struck; the
+      engines are gone). A replica left unhealthy is restarted at the end (recorded), so the
+      gate goes on.
 
 RUNNERS maps a scenario file's `runner` to its body (kvgate.harness.scenarios.catalog).
 """
@@ -122,6 +124,11 @@ def restart_under_probe(cluster: Cluster, corpus: Corpus, seed: int, *, restarts
     try:
         time.sleep(1.0)  # the senders' first requests probe a live pool
         for r in range(restarts):
+            with lock:
+                casualty = bool(control and failed)
+            if casualty:  # the control's defect struck (a request failed): no restart after it adds to the proof
+                cluster.nemesis("control_struck", iteration=r, failed=len(failed))
+                break
             time.sleep(rng.uniform(0.2, 1.0))
             cluster.nemesis("pool_kill", iteration=r)
             cluster.pool.kill()
