@@ -14,7 +14,9 @@ Options:
   --kv-profile NAME  which fault kinds run (kvgate.faults.schedule.PROFILES: transport, eviction,
                      crash, all); a test marked with a fault kind outside it is deselected
 Markers: slow, live, gpu and `fault_<kind>` for each fault kind (kvgate.faults.schedule.KINDS),
-registered here (prefixed: `timeout` is pytest-timeout's).
+registered here (prefixed: `timeout` is pytest-timeout's). Under pytest-xdist every test marked
+live is put in one xdist group (LIVE_GROUP): with `--dist loadgroup` one worker runs them all, in
+order, and the others run the rest beside it.
 Fixtures:
   kv_seed            the root seed (int)
   test_seed          a per-test seed derived from the root seed and the test's node id,
@@ -131,10 +133,23 @@ def _commit() -> str:
     return prov["short"] + ("" if prov["clean"] else "+dirty")
 
 
+LIVE_GROUP = "kvgate-live"
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not config.stash.get(_ON_KEY, False):
         return
     from kvgate.faults.schedule import KINDS, PROFILES
+
+    if config.pluginmanager.hasplugin("xdist"):
+        # Under `-n N --dist loadgroup` every live test runs on one worker, in collection order:
+        # the replicas a session or module starts are started once, and never two clusters at
+        # once (a replica holds about 2.5 GB); the other tests run beside them on the others.
+        group = pytest.mark.xdist_group(LIVE_GROUP)
+        for item in items:
+            if "live" in item.keywords and item.get_closest_marker("xdist_group") is None:
+                item.add_marker(group)
 
     selected = set(PROFILES[config.getoption("--kv-profile")])
     keep, drop = [], []
