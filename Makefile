@@ -52,11 +52,11 @@ servers:
 gate: setup servers
 	$(BIN)/kvgate gate
 
-# Two pytest-xdist workers: the live tests (vLLM replicas) all on one, in order (kvgate's plugin puts
-# them in one xdist group), every other test on the other, beside them.
+# Two pytest-xdist workers: the live tests (vLLM replicas; pyproject's kvgate_live_paths) all on one,
+# in order, every other test on the other, beside them (kvgate's plugin schedules them so).
 TEST_WORKERS ?= 2
 test: setup servers peers
-	$(BIN)/python -m pytest suites -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest suites -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 test-slow: setup
 	$(BIN)/python -m pytest suites --kv-slow $(PYTEST_ARGS)

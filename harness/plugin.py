@@ -14,9 +14,12 @@ Options:
   --kv-profile NAME  which fault kinds run (kvgate.faults.schedule.PROFILES: transport, eviction,
                      crash, all); a test marked with a fault kind outside it is deselected
 Markers: slow, live, gpu and `fault_<kind>` for each fault kind (kvgate.faults.schedule.KINDS),
-registered here (prefixed: `timeout` is pytest-timeout's). Under pytest-xdist every test marked
-live is put in one xdist group (LIVE_GROUP): with `--dist loadgroup` one worker runs them all, in
-order, and the others run the rest beside it.
+registered here (prefixed: `timeout` is pytest-timeout's).
+Ini `kvgate_live_paths`: under pytest-xdist with `--dist loadscope`, every test under these paths
+is one scope (LIVE_SCOPE): one worker runs them all, in collection order (the replicas a session
+or module starts are started once, never two clusters at once), the other workers the rest,
+module by module. (pytest-xdist's own xdist_group marker does not group on pytest 9.2: its
+worker renames a test's node id through an attribute pytest 9.2 no longer reads.)
 Fixtures:
   kv_seed            the root seed (int)
   test_seed          a per-test seed derived from the root seed and the test's node id,
@@ -39,6 +42,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kvgate")
     group.addoption("--kvgate", action="store_true", default=False, help="turn kvgate's plugin on for this run")
     parser.addini("kvgate", type="bool", default=False, help="turn kvgate's plugin on (as --kvgate)")
+    parser.addini("kvgate_live_paths", type="linelist", default=[],
+                  help="test paths whose tests start live replicas: under pytest-xdist's --dist loadscope "
+                       "one worker runs them all, in order, and the others the rest beside them")
     group.addoption("--kv-seed", default=None, help="root seed: an integer, or 'last' for the previous run's")
     group.addoption("--kv-slow", action="store_true", default=False, help="also run tests marked slow")
     group.addoption("--kv-report", default=None, metavar="DIR",
@@ -111,12 +117,38 @@ def pytest_configure(config: pytest.Config) -> None:
         config.cache.set(CACHE_KEY, seed)
 
 
+LIVE_SCOPE = "kvgate-live"
+
+
+def live_path(nodeid: str, paths: list[str]) -> bool:
+    """Whether a test's node id lies under one of the ini's kvgate_live_paths."""
+    where = nodeid.split("::", 1)[0]
+    return any(where == p or where.startswith(p.rstrip("/") + "/") for p in paths)
+
+
 class _XdistHooks:
-    """Registered only where pytest-xdist is loaded: hands the root seed to workers."""
+    """Registered only where pytest-xdist is loaded: hands the root seed to workers, and under
+    `--dist loadscope` schedules every test under the ini's kvgate_live_paths as one scope."""
 
     @staticmethod
     def pytest_configure_node(node) -> None:  # noqa: ANN001
         node.workerinput["kv_seed"] = node.config.stash[SEED_KEY]
+
+    @staticmethod
+    def pytest_xdist_make_scheduler(config, log):  # noqa: ANN001, ANN205
+        paths = config.getini("kvgate_live_paths")
+        if config.getoption("dist") != "loadscope" or not paths:
+            return None
+        from xdist.scheduler import LoadScopeScheduling
+
+        class LiveScopeScheduling(LoadScopeScheduling):
+            """pytest-xdist's loadscope (a module's tests on one worker), with every live test in
+            one scope: one worker runs them all, in collection order."""
+
+            def _split_scope(self, nodeid: str) -> str:
+                return LIVE_SCOPE if live_path(nodeid, paths) else super()._split_scope(nodeid)
+
+        return LiveScopeScheduling(config, log)
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
@@ -133,23 +165,10 @@ def _commit() -> str:
     return prov["short"] + ("" if prov["clean"] else "+dirty")
 
 
-LIVE_GROUP = "kvgate-live"
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not config.stash.get(_ON_KEY, False):
         return
     from kvgate.faults.schedule import KINDS, PROFILES
-
-    if config.pluginmanager.hasplugin("xdist"):
-        # Under `-n N --dist loadgroup` every live test runs on one worker, in collection order:
-        # the replicas a session or module starts are started once, and never two clusters at
-        # once (a replica holds about 2.5 GB); the other tests run beside them on the others.
-        group = pytest.mark.xdist_group(LIVE_GROUP)
-        for item in items:
-            if "live" in item.keywords and item.get_closest_marker("xdist_group") is None:
-                item.add_marker(group)
 
     selected = set(PROFILES[config.getoption("--kv-profile")])
     keep, drop = [], []

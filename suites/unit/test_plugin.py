@@ -97,3 +97,67 @@ def test_asking_for_it_with_dash_p(pytester):
     r = pytester.runpytest_subprocess("-p", "kvgate.harness.plugin", "-p", "no:randomly")
     r.assert_outcomes(passed=1, skipped=1)  # its slow test skipped, the kvgate profile loaded
     r.stdout.fnmatch_lines(["*kvgate replay key*"])
+
+
+LIVE_TESTS = {
+    "live/test_one.py": "import os, pytest\npytestmark = pytest.mark.live\n"
+                        "@pytest.mark.parametrize('i', range(3))\ndef test_a(i):\n    print('WORKER', os.environ['PYTEST_XDIST_WORKER'])\n",
+    "live/test_two.py": "import os, pytest\npytestmark = pytest.mark.live\n"
+                        "@pytest.mark.parametrize('i', range(3))\ndef test_b(i):\n    print('WORKER', os.environ['PYTEST_XDIST_WORKER'])\n",
+    "test_plain.py": "import os, time, pytest\n@pytest.mark.parametrize('i', range(3))\ndef test_c(i):\n"
+                     "    time.sleep(0.3)\n    print('WORKER', os.environ['PYTEST_XDIST_WORKER'])\n",
+}
+
+
+def _workers(pytester, *ini: str) -> dict[str, set[str]]:
+    for path, text in LIVE_TESTS.items():
+        pytester.path.joinpath(path).parent.mkdir(exist_ok=True)
+        pytester.path.joinpath(path).write_text(text)
+    pytester.makeini("[pytest]\nkvgate = true\n" + "".join(f"{line}\n" for line in ini))
+    r = pytester.runpytest_subprocess("-n", "2", "--dist", "loadscope", "-v", "-rA", "-s")
+    r.assert_outcomes(passed=9)
+    out: dict[str, set[str]] = {}
+    for line in r.outlines:  # "[gw0] PASSED live/test_one.py::test_a[0]" and the worker's own print
+        if "PASSED" in line and line.startswith("[gw"):
+            out.setdefault(line.split("PASSED", 1)[1].strip().split("::")[0], set()).add(line[1:4])
+    return out
+
+
+def test_under_xdist_every_test_of_the_live_paths_runs_on_one_worker(pytester):
+    got = _workers(pytester, "kvgate_live_paths = live")
+    assert len(got["live/test_one.py"] | got["live/test_two.py"]) == 1, got
+    assert got["test_plain.py"].isdisjoint(got["live/test_one.py"]), got  # the rest beside them
+
+
+def test_without_live_paths_loadscope_spreads_the_live_modules(pytester):
+    """The control: pytest-xdist's own loadscope, one scope per module."""
+    got = _workers(pytester)
+    assert got["live/test_one.py"] != got["live/test_two.py"], got
+
+
+def test_the_live_marks_and_the_live_paths_agree():
+    """Every test of this repository marked live lies under the ini's kvgate_live_paths (else
+    make test's two workers could start two clusters at once), and every test there is marked live."""
+    import subprocess
+    import sys
+
+    code = ("import json, pytest\n"
+            "class R:\n"
+            "    def pytest_collection_finish(self, session):\n"
+            "        print('ITEMS', json.dumps([(i.nodeid, 'live' in i.keywords) for i in session.items]))\n"
+            "pytest.main(['--co', '-q', '-p', 'no:cacheprovider', 'suites'], plugins=[R()])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("ITEMS "))
+    import json
+
+    from kvgate.harness.plugin import live_path
+
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    paths = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["kvgate_live_paths"]
+    items = json.loads(line.removeprefix("ITEMS "))
+    assert len(items) > 500
+    wrong = [(nodeid, live) for nodeid, live in items if live != live_path(nodeid, paths)]
+    assert not wrong, wrong[:5]
