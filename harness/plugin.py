@@ -18,8 +18,9 @@ registered here (prefixed: `timeout` is pytest-timeout's).
 Ini `kvgate_live_paths`: under pytest-xdist with `--dist loadscope`, every test under these paths
 is one scope (LIVE_SCOPE): one worker runs them all, in collection order (the replicas a session
 or module starts are started once, never two clusters at once), the other workers the rest,
-module by module. (pytest-xdist's own xdist_group marker does not group on pytest 9.2: its
-worker renames a test's node id through an attribute pytest 9.2 no longer reads.)
+module by module, at a low priority (nice 10: the replicas get most of the cores when they
+compute). (pytest-xdist's own xdist_group marker does not group on pytest 9.2: its worker
+renames a test's node id through an attribute pytest 9.2 no longer reads.)
 Fixtures:
   kv_seed            the root seed (int)
   test_seed          a per-test seed derived from the root seed and the test's node id,
@@ -30,6 +31,7 @@ The report header prints the replay key: seed and commit.
 from __future__ import annotations
 
 import hashlib
+import os
 import secrets
 
 import pytest
@@ -118,6 +120,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 LIVE_SCOPE = "kvgate-live"
+LOW_PRIORITY = 10  # the nice value of a worker running the tests beside the live ones
+_NICED_KEY = pytest.StashKey[bool]()
 
 
 def live_path(nodeid: str, paths: list[str]) -> bool:
@@ -133,6 +137,21 @@ class _XdistHooks:
     @staticmethod
     def pytest_configure_node(node) -> None:  # noqa: ANN001
         node.workerinput["kv_seed"] = node.config.stash[SEED_KEY]
+        node.workerinput["kv_live_scope"] = bool(node.config.getoption("dist") == "loadscope"
+                                                 and node.config.getini("kvgate_live_paths"))
+
+    @staticmethod
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(item: pytest.Item) -> None:
+        """Under the live scope, a worker that runs a test outside the live paths lowers its
+        priority (and its children's): the live worker's replicas get most of the cores
+        when they compute, the rest runs in what they leave."""
+        config = item.config
+        if not getattr(config, "workerinput", {}).get("kv_live_scope") or config.stash.get(_NICED_KEY, False):
+            return
+        if not live_path(item.nodeid, config.getini("kvgate_live_paths")):
+            os.nice(LOW_PRIORITY - os.nice(0))
+            config.stash[_NICED_KEY] = True
 
     @staticmethod
     def pytest_xdist_make_scheduler(config, log):  # noqa: ANN001, ANN205

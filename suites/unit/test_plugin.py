@@ -1,6 +1,10 @@
 """kvgate's pytest plugin, in an inner pytest run: replay key, seeds, profiles, and that it is
 opt-in (a project that does not ask for it sees none of it)."""
 
+import os
+
+from kvgate.harness.plugin import LOW_PRIORITY
+
 pytest_plugins = ["pytester"]
 
 TESTS = """
@@ -101,11 +105,11 @@ def test_asking_for_it_with_dash_p(pytester):
 
 LIVE_TESTS = {
     "live/test_one.py": "import os, pytest\npytestmark = pytest.mark.live\n"
-                        "@pytest.mark.parametrize('i', range(3))\ndef test_a(i):\n    print('WORKER', os.environ['PYTEST_XDIST_WORKER'])\n",
+                        "@pytest.mark.parametrize('i', range(3))\ndef test_a(i):\n    print('NICE', os.nice(0))\n",
     "live/test_two.py": "import os, pytest\npytestmark = pytest.mark.live\n"
-                        "@pytest.mark.parametrize('i', range(3))\ndef test_b(i):\n    print('WORKER', os.environ['PYTEST_XDIST_WORKER'])\n",
+                        "@pytest.mark.parametrize('i', range(3))\ndef test_b(i):\n    print('NICE', os.nice(0))\n",
     "test_plain.py": "import os, time, pytest\n@pytest.mark.parametrize('i', range(3))\ndef test_c(i):\n"
-                     "    time.sleep(0.3)\n    print('WORKER', os.environ['PYTEST_XDIST_WORKER'])\n",
+                     "    time.sleep(0.3)\n    print('NICE', os.nice(0))\n",
 }
 
 
@@ -114,12 +118,20 @@ def _workers(pytester, *ini: str) -> dict[str, set[str]]:
         pytester.path.joinpath(path).parent.mkdir(exist_ok=True)
         pytester.path.joinpath(path).write_text(text)
     pytester.makeini("[pytest]\nkvgate = true\n" + "".join(f"{line}\n" for line in ini))
-    r = pytester.runpytest_subprocess("-n", "2", "--dist", "loadscope", "-v", "-rA", "-s")
+    r = pytester.runpytest_subprocess("-n", "2", "--dist", "loadscope", "-v", "-rA")
     r.assert_outcomes(passed=9)
     out: dict[str, set[str]] = {}
-    for line in r.outlines:  # "[gw0] PASSED live/test_one.py::test_a[0]" and the worker's own print
+    for line in r.outlines:  # "[gw0] PASSED live/test_one.py::test_a[0]"; -rA's sections: the test's NICE print
         if "PASSED" in line and line.startswith("[gw"):
             out.setdefault(line.split("PASSED", 1)[1].strip().split("::")[0], set()).add(line[1:4])
+    nice: dict[str, set[int]] = {}
+    section = None
+    for line in r.outlines:
+        if line.startswith("_") and ("test_a[" in line or "test_b[" in line or "test_c[" in line):
+            section = "live" if ("test_a[" in line or "test_b[" in line) else "plain"
+        elif line.startswith("NICE ") and section:
+            nice.setdefault(section, set()).add(int(line.split()[1]))
+    out["nice"] = nice  # type: ignore[assignment]
     return out
 
 
@@ -127,12 +139,15 @@ def test_under_xdist_every_test_of_the_live_paths_runs_on_one_worker(pytester):
     got = _workers(pytester, "kvgate_live_paths = live")
     assert len(got["live/test_one.py"] | got["live/test_two.py"]) == 1, got
     assert got["test_plain.py"].isdisjoint(got["live/test_one.py"]), got  # the rest beside them
+    base = os.nice(0)
+    assert got["nice"] == {"live": {base}, "plain": {LOW_PRIORITY}}, got["nice"]  # the rest at a low priority
 
 
 def test_without_live_paths_loadscope_spreads_the_live_modules(pytester):
     """The control: pytest-xdist's own loadscope, one scope per module."""
     got = _workers(pytester)
     assert got["live/test_one.py"] != got["live/test_two.py"], got
+    assert got["nice"] == {"live": {os.nice(0)}, "plain": {os.nice(0)}}, got["nice"]  # and nothing lowered
 
 
 def test_the_live_marks_and_the_live_paths_agree():
