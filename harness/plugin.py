@@ -20,7 +20,7 @@ is one scope (LIVE_SCOPE): one worker runs them all, in collection order (the re
 or module starts are started once, never two clusters at once), the other workers the rest,
 module by module, at a low priority (nice 10: the replicas get most of the cores when they
 compute). (pytest-xdist's own xdist_group marker does not group on pytest 9.2: its worker
-renames a test's node id through an attribute pytest 9.2 no longer reads.)
+renames a test's node id through an attribute pytest 9.2 no longer reads; pytest-xdist#1386.)
 Fixtures:
   kv_seed            the root seed (int)
   test_seed          a per-test seed derived from the root seed and the test's node id,
