@@ -167,6 +167,13 @@ class _XdistHooks:
             def _split_scope(self, nodeid: str) -> str:
                 return LIVE_SCOPE if live_path(nodeid, paths) else super()._split_scope(nodeid)
 
+            def _assign_work_unit(self, node) -> None:  # noqa: ANN001
+                # the live scope first, whatever the order of the rest (loadscope puts the
+                # largest scopes first): the first worker to ask runs nothing before it
+                if LIVE_SCOPE in self.workqueue:
+                    self.workqueue.move_to_end(LIVE_SCOPE, last=False)
+                super()._assign_work_unit(node)
+
         return LiveScopeScheduling(config, log)
 
 

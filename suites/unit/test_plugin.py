@@ -104,12 +104,16 @@ def test_asking_for_it_with_dash_p(pytester):
 
 
 LIVE_TESTS = {
-    "live/test_one.py": "import os, pytest\npytestmark = pytest.mark.live\n"
-                        "@pytest.mark.parametrize('i', range(3))\ndef test_a(i):\n    print('NICE', os.nice(0))\n",
-    "live/test_two.py": "import os, pytest\npytestmark = pytest.mark.live\n"
-                        "@pytest.mark.parametrize('i', range(3))\ndef test_b(i):\n    print('NICE', os.nice(0))\n",
+    "live/test_one.py": "import os, time, pytest\npytestmark = pytest.mark.live\n"
+                        "@pytest.mark.parametrize('i', range(3))\ndef test_a(i):\n    time.sleep(1)\n    print('NICE', os.nice(0))\n",
+    "live/test_two.py": "import os, time, pytest\npytestmark = pytest.mark.live\n"
+                        "@pytest.mark.parametrize('i', range(3))\ndef test_b(i):\n    time.sleep(1)\n    print('NICE', os.nice(0))\n",
     "test_plain.py": "import os, time, pytest\n@pytest.mark.parametrize('i', range(3))\ndef test_c(i):\n"
-                     "    time.sleep(0.3)\n    print('NICE', os.nice(0))\n",
+                     "    print('NICE', os.nice(0))\n",
+    # two modules of more tests than the live scope: xdist's loadscope would hand them out first,
+    # and the live tests would then run on a worker that ran other tests before them
+    "test_many.py": "import pytest\n@pytest.mark.parametrize('i', range(12))\ndef test_d(i):\n    pass\n",
+    "test_more.py": "import pytest\n@pytest.mark.parametrize('i', range(12))\ndef test_e(i):\n    pass\n",
 }
 
 
@@ -119,7 +123,7 @@ def _workers(pytester, *ini: str) -> dict[str, set[str]]:
         pytester.path.joinpath(path).write_text(text)
     pytester.makeini("[pytest]\nkvgate = true\n" + "".join(f"{line}\n" for line in ini))
     r = pytester.runpytest_subprocess("-n", "2", "--dist", "loadscope", "-v", "-rA")
-    r.assert_outcomes(passed=9)
+    r.assert_outcomes(passed=33)
     out: dict[str, set[str]] = {}
     for line in r.outlines:  # "[gw0] PASSED live/test_one.py::test_a[0]"; -rA's sections: the test's NICE print
         if "PASSED" in line and line.startswith("[gw"):
