@@ -99,6 +99,23 @@ def test_miss_causes_catches(defect):
     assert v.valid is False and v.evidence["misclassified"] >= 1, v
 
 
+def test_two_loads_at_once_each_struck_by_its_own_firing_are_both_explained():
+    """Two loads of one replica run at once and each is struck by a firing of the evict fault;
+    the firings' records carry no tag, and the loads end in either order. Each firing explains
+    one load (the campaign's seed 16639218148766447083 of `soak`: the second load was called
+    unexplained when both firings were given to the first). Control: one firing for two short
+    loads leaves one unexplained."""
+    def history(firings: int) -> list[dict]:
+        return [rec("fault", 1.0 + 0.001 * i, "B", site="pool_client.acquire", kind="evict", block=3)
+                for i in range(firings)] + [
+            rec("load", 1.010, "B", tag="x", blocks=6, loaded=3, failed_block_ids=[4, 5, 6], miss_cause="evicted"),
+            rec("load", 1.011, "B", tag="y", blocks=6, loaded=3, failed_block_ids=[7, 8, 9], miss_cause="evicted")]
+    v = miss_causes(history(2))
+    assert v.valid is True, v
+    v = miss_causes(history(1))
+    assert v.valid is False and "load y on B: evicted with no injected fault" in v.reason, v
+
+
 def test_transport_errors_while_the_pool_is_down_are_explained():
     history = [rec("nemesis", 1.0, "harness", action="pool_kill"),
                rec("lookup", 2.0, "B", tag="x", outcome="miss", miss_cause="transport_error"),
