@@ -49,6 +49,7 @@ def miss_causes(recs: list[dict]) -> Verdict:
     # injected faults and the loads they strike, per replica, in time order
     faults = [r for r in recs if r["ev"] == "fault"]
     explained: set[int] = set()
+    ended: set[int] = set()  # loads a firing with a cause has ended
     for f in faults:
         kind = f["kind"]
         if f.get("job") in ("store", "report"):
@@ -56,15 +57,18 @@ def miss_causes(recs: list[dict]) -> Verdict:
         if kind not in EXPECTED_CAUSE:
             bad.append(f"fault {kind!r} on {f['replica']}: no expected cause is declared for it")
             continue
-        # One firing strikes one load: a load another firing already explains is not this one's
-        # (two loads of one replica running at once, each struck, end in either order).
+        want = EXPECTED_CAUSE[kind]
+        # A firing that ends a load (a cause) strikes one load: a load another such firing already
+        # ended is not this one's (two loads of one replica running at once, each struck, end in
+        # either order). Firings that end nothing (a slow frame, a delay) may strike one load many times.
         after = [r for r in loads if r["replica"] == f["replica"] and r["t"] >= f["t"] - 1e-3
-                 and (f.get("tag") is None or r["tag"] == f["tag"]) and id(r) not in explained]
+                 and (f.get("tag") is None or r["tag"] == f["tag"]) and (want is None or id(r) not in ended)]
         if not after:
             bad.append(f"fault {kind} on {f['replica']} at {f['t']:.3f}: no load followed it")
             continue
-        want = EXPECTED_CAUSE[kind]
         hit = after[0]
+        if want is not None:
+            ended.add(id(hit))
         if hit.get("miss_cause") != want:
             bad.append(f"fault {kind} on {f['replica']}: load {hit['tag']} ended as {hit.get('miss_cause')!r}, "
                        f"expected {want!r}")

@@ -116,6 +116,14 @@ def test_two_loads_at_once_each_struck_by_its_own_firing_are_both_explained():
     assert v.valid is False and "load y on B: evicted with no injected fault" in v.reason, v
 
 
+def test_many_firings_that_end_nothing_may_strike_one_load():
+    """A slow link fires on every page frame of one load, which ends with no miss."""
+    history = [rec("fault", 1.0 + 0.001 * i, "D", site="proxy", kind="slow") for i in range(6)] + [
+        rec("load", 1.5, "D", tag="s", blocks=6, loaded=6, failed_block_ids=[], miss_cause=None)]
+    v = miss_causes(history)
+    assert v.valid is True, v
+
+
 def test_transport_errors_while_the_pool_is_down_are_explained():
     history = [rec("nemesis", 1.0, "harness", action="pool_kill"),
                rec("lookup", 2.0, "B", tag="x", outcome="miss", miss_cause="transport_error"),
