@@ -9,6 +9,8 @@
   pool.client(...)               a PoolClient over the Unix socket (or TCP).
   thread_pool(...)               the same daemon in a background thread (fast, for unit-level
                                  suites that still want real sockets and shared memory).
+  ManualClock                    a clock for thread_pool(clock=...) that only the test moves: grant
+                                 expiry decided by the test, not by how the machine schedules it.
   PRODUCTION_TTL_ARGS            `kvpool serve` options naming the grant TTLs production runs with.
 """
 
@@ -21,6 +23,8 @@ import secrets
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 from kvgate.harness.system.procs import StartError, spawn, terminate, wait_ready
@@ -134,13 +138,39 @@ class PoolProcess:
         self.kill()
 
 
+class ManualClock:
+    """The time a thread_pool's grants live by (deadlines, renewals, the reaper), moved only by
+    `advance`; `settle(daemon)` returns once the daemon's reaper has finished a round at the
+    current time (PoolDaemon.reaped_at)."""
+
+    def __init__(self, start: float = 1000.0):
+        self._now = start
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self._now
+
+    def advance(self, seconds: float) -> float:
+        with self._lock:
+            self._now += seconds
+            return self._now
+
+    def settle(self, daemon: PoolDaemon, timeout_s: float = 30.0) -> None:
+        now = self()
+        give_up = time.monotonic() + timeout_s
+        while daemon.reaped_at is None or daemon.reaped_at < now:
+            if time.monotonic() > give_up:
+                raise TimeoutError(f"the pool's reaper did not finish a round at {now} within {timeout_s} s")
+            time.sleep(daemon.config.reap_interval_s / 4)
+
+
 def thread_pool(*, page_size: int = 4096, num_pages: int = 64, token: str = "tok", catalog_factory=None,  # noqa: ANN001
-                **kwargs) -> PoolDaemon:
+                clock=None, **kwargs) -> PoolDaemon:  # noqa: ANN001
     name = kwargs.pop("name", None) or unique_name("kvgt")
     run_dir = kwargs.pop("run_dir", None) or Path(tempfile.mkdtemp(prefix=f"{name}-"))
     tenants = kwargs.pop("tenants", None) or {DEFAULT_TENANT: token}
     config = PoolConfig(name=name, page_size=page_size, num_pages=num_pages, run_dir=run_dir,
                         tenants=tenants, **kwargs)
-    if catalog_factory is None:
-        return PoolDaemon(config).start_thread()
-    return PoolDaemon(config, catalog_factory=catalog_factory).start_thread()
+    extra = {k: v for k, v in (("catalog_factory", catalog_factory), ("clock", clock)) if v is not None}
+    return PoolDaemon(config, **extra).start_thread()

@@ -90,7 +90,7 @@ ArenaFactory = Callable[[str, int, int], Arena]  # (label, page_size, num_pages)
 
 class PoolDaemon(RequestHandlers, LookupWaits, Scrubber, SegmentHandout):
     def __init__(self, config: PoolConfig, catalog_factory: type[Catalog] = Catalog,
-                 arena_factory: ArenaFactory = Arena.anonymous):
+                 arena_factory: ArenaFactory = Arena.anonymous, clock: Callable[[], float] = time.monotonic):
         if not config.tenants:
             raise InvalidRequest("a pool needs at least one tenant token (PoolConfig.tenants)")
         if not (config.scrub_interval_s > 0 and config.scrub_pages_per_round >= 0
@@ -99,6 +99,11 @@ class PoolDaemon(RequestHandlers, LookupWaits, Scrubber, SegmentHandout):
                                  f"{config.scrub_interval_s} s, {config.scrub_pages_per_round} fresh pages a round, "
                                  f"{config.scrub_rest_pages()} pages a round at rest")
         self.config = config
+        # The time grants live by (reservation and lease deadlines, renewals, the reaper); a
+        # test may pass a clock it moves itself, so that an expiry is decided by the test and
+        # not by how the machine schedules it. Waits and timeouts keep the real clock.
+        self.clock = clock
+        self.reaped_at: float | None = None  # the clock's time at the end of the reaper's last round
         self._quota = config.tenant_pages()
         self._catalog_factory = catalog_factory
         self._arena_factory = arena_factory
@@ -312,12 +317,13 @@ class PoolDaemon(RequestHandlers, LookupWaits, Scrubber, SegmentHandout):
     async def _reap(self) -> None:
         while True:
             await asyncio.sleep(self.config.reap_interval_s)
-            now = time.monotonic()
+            now = self.clock()
             for tp in self.pools.values():
                 tp.catalog.reap(now)
                 self._wake_closed(tp)
             for ticket in [t for t, (_, deadline) in self._tickets.items() if deadline <= now]:
                 del self._tickets[ticket]
+            self.reaped_at = now
 
     async def _heartbeat(self) -> None:
         """Beat on the event loop itself: a loop that is stopped, wedged or far behind stops

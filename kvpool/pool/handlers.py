@@ -49,8 +49,7 @@ import asyncio
 import hmac
 import inspect
 import logging
-import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -77,13 +76,14 @@ MAX_NAMESPACE_FIELD_CHARS = 1024  # each text field of a namespace (a model id, 
 
 class RequestHandlers:
     """The request handlers of PoolDaemon. Of the daemon they use its config, tenant pools,
-    metrics, loop, thread pool and queue count, and what its other parts provide: the
+    metrics, clock (the time grants live by), loop, thread pool and queue count, and what its other parts provide: the
     attach ticket of a hello (SegmentHandout._ticket, kvpool.pool.attach) and the lookup
     waits (LookupWaits._lookup_waiting and _wake_closed, kvpool.pool.lookup_wait)."""
 
     config: PoolConfig
     pools: dict[str, TenantPool]
     metrics: PoolMetrics
+    clock: Callable[[], float]
     attach_path: Path | None
     restarted_after_crash: bool
     _loop: asyncio.AbstractEventLoop | None
@@ -146,7 +146,7 @@ class RequestHandlers:
         tenant = session.tenant
         tp = self.pools[tenant]
         cat = tp.catalog
-        now = time.monotonic()
+        now = self.clock()
         if isinstance(op, P.Ping):
             return P.Pong()
         if isinstance(op, P.Lookup):

@@ -11,8 +11,11 @@ by the reader's oracle).
 
 The wait is kvpool.gpu.events.await_event, the one a store's lane runs, with a stand-in for
 the CUDA event whose query() turns true when the "copy" (a thread writing the reserved pages
-after a delay) is done. Margins: TTL 0.5 s, renewals every 1/6 s, the copy done at 5 x TTL,
-the reaper every 20 ms.
+after a delay) is done. The pool's grants live by a ManualClock that the copy thread moves: 5 x
+TTL in steps of TTL/6, each step waiting for the waiting side's next renewal (when it renews)
+and for a whole round of the reaper. So a grant expires exactly when no renewal covered it, and
+never because the machine was slow to run a renewal (real-time margins failed that way on a
+loaded CI machine). TTL 0.5 s, renewals every 1/6 s of real time, the reaper every 20 ms.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import numpy as np
 import pytest
 
 from kvgate.faults.renew_controls import OwnerBlindRenewCatalog
-from kvgate.harness.system.pool import thread_pool
+from kvgate.harness.system.pool import DEFAULT_TENANT, ManualClock, thread_pool
 from kvpool.client.keepalive import Keepalive, LaneGrants
 from kvpool.client.pool_client import PoolClient
 from kvpool.client.transfer import load
@@ -43,9 +46,9 @@ HOLD_S = 5 * TTL_S
 PAGE = 4096
 
 
-def daemon(catalog=Catalog):
+def daemon(catalog=Catalog, clock=None):  # noqa: ANN001
     return thread_pool(page_size=PAGE, num_pages=16, reservation_ttl_s=TTL_S, reap_interval_s=0.02,
-                       scrub_rest_pages_per_round=0, catalog_factory=catalog)
+                       scrub_rest_pages_per_round=0, catalog_factory=catalog, clock=clock)
 
 
 def client(d, name=""):
@@ -62,23 +65,43 @@ class CopyEvent:
         return self.done.is_set()
 
 
-def held_publish(c: PoolClient, hashes, pages, renew: bool) -> dict:
+def renewals(d) -> int:  # noqa: ANN001
+    counters = d.pools[DEFAULT_TENANT].catalog.counters
+    return counters["renewals"] + counters["renewals_refused"]
+
+
+def pool_time_passes(d, clock: ManualClock, seconds: float, renewed: bool) -> None:  # noqa: ANN001
+    """The forward the copies are queued behind: the pool's clock moves `seconds` in steps of
+    TTL/6; after each step, the next renewal (when the waiting side renews) and a whole round
+    of the reaper."""
+    for _ in range(round(seconds / (TTL_S / 6))):
+        seen = renewals(d)
+        clock.advance(TTL_S / 6)
+        give_up = time.monotonic() + 30
+        while renewed and renewals(d) == seen:
+            if time.monotonic() > give_up:
+                raise TimeoutError("the waiting side sent no renewal in 30 s")
+            time.sleep(0.005)
+        clock.settle(d)
+
+
+def held_publish(d, clock: ManualClock, c: PoolClient, hashes, pages, renew: bool) -> dict:  # noqa: ANN001
     """Reserve, let a copy write the pages HOLD_S later, wait for it as a store's lane does
     (renewing, or not), then commit: what happened."""
     res = c.reserve(NS, hashes, [PAGE] * len(hashes))
     event = CopyEvent()
 
     def copy() -> None:
-        time.sleep(HOLD_S)  # the forward the copies are queued behind
+        pool_time_passes(d, clock, HOLD_S, renew)
         for i, data in enumerate(pages):
             c.reserved_view(res, i)[:PAGE] = data
         event.done.set()
 
+    t0 = clock()
     threading.Thread(target=copy, daemon=True).start()
     keepalive = Keepalive.of(c, reservations=(res.reservation_id,)) if renew else None
-    t0 = time.monotonic()
     refused = await_event(event, 1e-3, keepalive)
-    waited = time.monotonic() - t0
+    waited = clock() - t0  # pool time
     if refused is not None:
         return {"waited": waited, "error": f"renew: {refused}", "committed": 0}
     try:
@@ -103,13 +126,14 @@ def _blocks(seed: int, n: int = 3):
 
 
 def test_a_publish_held_past_the_ttl_with_renewals_commits_and_is_served_byte_exact():
-    d = daemon()
+    clock = ManualClock()
+    d = daemon(clock=clock)
     try:
         with client(d, "writer") as w, client(d, "reader") as r:
             assert w.reservation_ttl_s == TTL_S  # advertised at hello
             hashes, pages = _blocks(1)
-            outcome = held_publish(w, hashes, pages, renew=True)
-            assert outcome["waited"] >= HOLD_S > 2 * TTL_S  # the grant outlived several TTLs
+            outcome = held_publish(d, clock, w, hashes, pages, renew=True)
+            assert outcome["waited"] >= HOLD_S - 1e-6 > 2 * TTL_S  # the grant outlived several TTLs
             assert outcome["error"] == "" and outcome["committed"] == 3, outcome
             assert served_byte_exact(r, hashes, pages) == (True, None)
             stats = w.stats()
@@ -119,11 +143,12 @@ def test_a_publish_held_past_the_ttl_with_renewals_commits_and_is_served_byte_ex
 
 
 def test_control_the_same_wait_without_renewals_loses_the_publish_and_the_oracle_catches_it():
-    d = daemon()
+    clock = ManualClock()
+    d = daemon(clock=clock)
     try:
         with client(d, "writer") as w, client(d, "reader") as r:
             hashes, pages = _blocks(2)
-            outcome = held_publish(w, hashes, pages, renew=False)
+            outcome = held_publish(d, clock, w, hashes, pages, renew=False)
             assert outcome["committed"] == 0 and isinstance(outcome.get("exc"), InvalidRequest), outcome
             exact, cause = served_byte_exact(r, hashes, pages)
             assert not exact and cause is MissCause.NEVER_PUBLISHED  # caught: the seed003 run5 signature
@@ -132,10 +157,14 @@ def test_control_the_same_wait_without_renewals_loses_the_publish_and_the_oracle
         d.stop_thread()
 
 
-def _renew_of_another_session(catalog) -> tuple[RenewRefusal | None, dict]:
-    """Session B renews A's open reservation, then A idles past the TTL without renewing:
-    (B's answer, A's commit outcome)."""
-    d = daemon(catalog)
+def _renew_of_another_session(catalog) -> tuple[RenewRefusal | None, dict]:  # noqa: ANN001
+    """Session B renews A's open reservation every third of a TTL while A idles for HOLD_S
+    without renewing, then A commits: (B's answer, A's commit outcome). The pool's time is a
+    ManualClock that only this test moves, and the reaper runs a whole round after each step:
+    whether A's grant outlives its TTL is decided by the renewals alone, never by how late the
+    machine schedules B (a starved B on a loaded machine let the grant expire in the control)."""
+    clock = ManualClock()
+    d = daemon(catalog, clock)
     try:
         with client(d, "a") as a, client(d, "b") as b:
             hashes, pages = _blocks(3)
@@ -143,10 +172,10 @@ def _renew_of_another_session(catalog) -> tuple[RenewRefusal | None, dict]:
             for i, data in enumerate(pages):
                 a.reserved_view(res, i)[:PAGE] = data
             answers = []
-            t0 = time.monotonic()
-            while time.monotonic() - t0 < HOLD_S:  # B keeps "renewing" A's publish
+            for _ in range(round(HOLD_S / (TTL_S / 3))):  # B keeps "renewing" A's publish
+                clock.advance(TTL_S / 3)
                 answers.append(b.renew([res.reservation_id]).reservations[0].refused)
-                time.sleep(TTL_S / 3)
+                clock.settle(d)
             try:
                 committed = a.commit(res.reservation_id, [page_digest(p) for p in pages]).committed
             except InvalidRequest:
@@ -187,7 +216,7 @@ def test_renew_of_an_unknown_or_committed_id_is_refused_and_a_frame_names_each_i
         d.stop_thread()
 
 
-def lane_publish(c: PoolClient, units, lane_wide: bool) -> list[dict]:
+def lane_publish(d, clock: ManualClock, c: PoolClient, units, lane_wide: bool) -> list[dict]:  # noqa: ANN001
     """Two units reserved at once on one connection, their copies done HOLD_S later (queued
     behind one forward), committed one after the other on one thread as a store's lane does;
     `lane_wide`: LaneGrants (every open reservation renewed), else a Keepalive per unit."""
@@ -200,7 +229,7 @@ def lane_publish(c: PoolClient, units, lane_wide: bool) -> list[dict]:
     event = CopyEvent()
 
     def copy() -> None:
-        time.sleep(HOLD_S)
+        pool_time_passes(d, clock, HOLD_S, renewed=True)  # the first unit's wait renews, either way
         for res, (_, pages) in zip(reserved, units):
             for i, data in enumerate(pages):
                 c.reserved_view(res, i)[:PAGE] = data
@@ -225,11 +254,12 @@ def lane_publish(c: PoolClient, units, lane_wide: bool) -> list[dict]:
 
 
 def test_a_lane_renews_the_units_queued_behind_the_one_it_waits_for():
-    d = daemon()
+    clock = ManualClock()
+    d = daemon(clock=clock)
     try:
         with client(d, "writer") as w, client(d, "reader") as r:
             units = [_blocks(5), _blocks(6)]
-            outcome = lane_publish(w, units, lane_wide=True)
+            outcome = lane_publish(d, clock, w, units, lane_wide=True)
             assert [o["committed"] for o in outcome] == [3, 3], outcome
             for hashes, pages in units:
                 assert served_byte_exact(r, hashes, pages) == (True, None)
@@ -239,11 +269,12 @@ def test_a_lane_renews_the_units_queued_behind_the_one_it_waits_for():
 
 
 def test_control_per_unit_renewal_loses_the_queued_unit_and_the_oracle_catches_it():
-    d = daemon()
+    clock = ManualClock()
+    d = daemon(clock=clock)
     try:
         with client(d, "writer") as w, client(d, "reader") as r:
             units = [_blocks(7), _blocks(8)]
-            outcome = lane_publish(w, units, lane_wide=False)
+            outcome = lane_publish(d, clock, w, units, lane_wide=False)
             assert outcome[0]["committed"] == 3 and outcome[1]["committed"] == 0, outcome
             assert served_byte_exact(r, *units[0]) == (True, None)
             exact, cause = served_byte_exact(r, *units[1])
