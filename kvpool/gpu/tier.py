@@ -40,6 +40,9 @@ limits and miss causes. What differs:
     late write of its into a page another block now holds is caught by that block's digest,
     which every load verifies on the GPU (a `corrupt` miss, recomputed; never a silent one).
 
+  WrongInstance   a lease or reservation of one keeper instance (or session) presented to
+        another (kvpool.gpu.tier_client.TierLink refuses it; the GPU engine counts it as a
+        transport_error: kvpool.gpu.load).
   fall_through(hashes, tiers) -> FallThrough   the lookup order across tiers: at each block the
         first tier (GPU, then the host pool, then the network tier) that holds a run from there
         serves the whole run it holds (one lease per tier and run), and the block where that run
@@ -70,6 +73,13 @@ from kvpool.pool.records import (
     ReserveResult,
     SlotStatus,
 )
+
+
+class WrongInstance(LeaseLost):
+    """A lease or reservation granted by one keeper instance (or session) presented to another:
+    refused on the client, nothing sent, no page touched. Its pages are lost to the caller as
+    a lease is (the connector recomputes or republishes)."""
+
 
 DEMOTER = 0  # the client id of the keeper's demoter (replicas' ids start at 1)
 

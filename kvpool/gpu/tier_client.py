@@ -83,7 +83,6 @@ from pathlib import Path
 
 from kvpool.client.pool_client import recv_exact, renew_in_frames
 from kvpool.errors import (
-    LeaseLost,
     MalformedFrame,
     MissCause,
     PoolError,
@@ -92,7 +91,7 @@ from kvpool.errors import (
     error_from_code,
 )
 from kvpool.gpu.handout import verify_listener
-from kvpool.gpu.tier import TierRun
+from kvpool.gpu.tier import TierRun, WrongInstance
 from kvpool.gpu.tier_map import TierMap
 from kvpool.pool import protocol as P
 from kvpool.pool.digest import DigestKind
@@ -123,12 +122,6 @@ def _lookup_run(lookup, ns: Namespace) -> TierRun:  # noqa: ANN001 - a client's 
 class KeeperStale(TransportError):
     """The GPU keeper's heartbeat in its state segment is stale (the keeper is stopped, wedged or
     dead): the tier is not used; the lookup or load falls through to the host pool."""
-
-
-class WrongInstance(LeaseLost):
-    """A lease or reservation granted by one keeper instance (or session) presented to another:
-    refused on the client, nothing sent, no page touched. Its pages are lost to the caller as
-    a lease is (the connector recomputes or republishes)."""
 
 
 @dataclasses.dataclass(frozen=True)
