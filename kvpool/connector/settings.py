@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
 from functools import lru_cache
 from pathlib import Path
 from collections.abc import Callable
@@ -33,11 +34,13 @@ Copier = Union[HostCopier, "CudaCopier"]  # one interface (kvpool.connector.copi
 
 
 LOAD_MODES = ("auto", "sync", "async")
-# A pool address naming a GPU keeper's run directory (`kvpool keeper --backing memfd`): the
-# connector's pool is then the keeper's tier in host memory (kvpool.gpu.tier_backend), with
-# kv-sketch-1 digests; its reset is refused (the keeper evicts nothing on a client's word).
-# With `host_pool` too, a lookup or load that misses the keeper's tier falls through to that
-# host pool (kvpool.gpu.tiered.TieredBackend: the tier, then the host pool).
+# A pool address naming a GPU keeper's run directory (`kvpool keeper`): the connector's pool is
+# then the keeper's tier (kvpool.gpu.tier_backend), with kv-sketch-1 digests; its reset is
+# refused (the keeper evicts nothing on a client's word). In host memory (--backing memfd) either
+# copier moves its pages; in device memory (--backing vmm) the GPU copier does (CudaCopier: the
+# transfer engine on the device pages, mapped on the worker's CUDA device). With `host_pool`
+# too, a lookup or load that misses the keeper's tier falls through to that host pool
+# (kvpool.gpu.tiered.TieredBackend: the tier, then the host pool).
 KEEPER_SCHEME = "keeper:"
 
 
@@ -45,7 +48,7 @@ KEEPER_SCHEME = "keeper:"
 class ConnectorSettings:
     """`kv_connector_extra_config`, typed. Unknown keys are an error, not a silent default."""
 
-    pool: str  # "unix:PATH", "tcp:HOST:PORT", or "keeper:RUN_DIR" (a GPU keeper's host-memory tier)
+    pool: str  # "unix:PATH", "tcp:HOST:PORT", or "keeper:RUN_DIR" (a GPU keeper's tier)
     tenant: str = "default"
     token: str = ""
     token_file: str = ""  # JSON {tenant: token}; used when token is empty
@@ -213,18 +216,33 @@ def namespace_for(vllm_config, settings: ConnectorSettings, tp_rank: int = 0) ->
     )
 
 
+def tier_device_index(role: str) -> int | None:
+    """The CUDA device on which a role maps a keeper's buffer: the worker's, the device torch
+    has made current in this process (vLLM's worker sets it before its connector starts); None
+    (the mapping's default, device 0; nothing on the GPU for a memfd keeper) for the scheduler
+    and wherever torch has not started CUDA (a CPU replica). torch is not imported here."""
+    if role != "worker":
+        return None
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.current_device())
+
+
 def connect_backend(settings: ConnectorSettings, role: str, history: HistoryWriter,
                     metrics: ClientMetrics | None = None) -> PoolBackend:
     """The default BackendFactory: a PoolClient to the configured pool (the scheduler's
-    with the scheduler's short timeout); a keeper's tier for `keeper:RUN_DIR`; with a host_pool
-    beside it, the two in lookup order (kvpool.gpu.tiered.TieredBackend: "gpu", then "host")."""
+    with the scheduler's short timeout); a TierBackend of the keeper a `keeper:` address names
+    (the worker's mapping on its own CUDA device: tier_device_index); with a host_pool beside
+    it, the two in lookup order (kvpool.gpu.tiered.TieredBackend: "gpu", then "host")."""
     timeout = settings.lookup_timeout_s if role == "scheduler" else settings.timeout_s
-    if settings.pool.startswith(KEEPER_SCHEME):  # a GPU keeper's tier in host memory (--backing memfd)
+    if settings.pool.startswith(KEEPER_SCHEME):  # a GPU keeper's tier (memfd: host memory; vmm: device memory)
         from kvpool.gpu.tier_backend import TierBackend
         from kvpool.gpu.tier_client import TierLink
 
         link = TierLink(settings.pool[len(KEEPER_SCHEME):], settings.tenant, settings.resolved_token(),
-                        name=f"{settings.replica}/{role}", timeout_s=timeout, metrics=metrics)
+                        name=f"{settings.replica}/{role}", timeout_s=timeout, metrics=metrics,
+                        device_index=tier_device_index(role))
         tier = TierBackend(link.connect())
         if not settings.host_pool:
             return tier

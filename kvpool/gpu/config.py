@@ -5,6 +5,8 @@
         tensors do not fit the declared layout; cudaHostRegister refused the arena.
   CopyPath       torch | driver: how the bytes move (kvpool.gpu.transfer says how each works).
   HostMemory     registered | pageable: the arena as the copies see it.
+  PageMemory     host | device: where the pool's pages lie (the host pool's segment, or a GPU
+                 keeper's tier in device memory; kvpool.gpu.region).
   OrderingEdge   the dependencies that make a transfer correct (the hooks
                  TransferEngine._order and TransferEngine._await_copy take one of these).
   TransferConfig         the engine's settings (copy path, block dim, chunk and commit
@@ -46,6 +48,11 @@ class CopyPath(enum.StrEnum):
 class HostMemory(enum.StrEnum):
     REGISTERED = "registered"  # cudaHostRegister'ed arena: asynchronous DMA at link speed
     PAGEABLE = "pageable"  # the fallback: same ordering, slower, the host waits for copies
+
+
+class PageMemory(enum.StrEnum):
+    HOST = "host"  # host memory: the pool's shared segment (or a keeper's memfd tier), registered or pageable
+    DEVICE = "device"  # device memory: a GPU keeper's VMM tier mapped here; copies device to device
 
 
 class OrderingEdge(enum.StrEnum):
@@ -105,11 +112,12 @@ class TransferConfig:
 class TransferCapabilities:
     path: CopyPath
     device: str
-    host_memory: HostMemory
-    host_memory_reason: str  # why pageable (empty when registered)
+    host_memory: HostMemory | None  # None: the pages are device memory (no host memory in the copies)
+    host_memory_reason: str  # why pageable, or why no host memory (empty when registered)
     batched_copies: bool  # driver path: cuMemcpyBatchAsync in use
     batched_reason: str  # why not batched (empty when batched, or on the torch path)
     digest: str = DigestKind.XXH3.value  # how stores digest their pages
     sketch_impl: str = ""  # kv-sketch-1 on the GPU (stores, and loads' checks): "int8-mm" or "float64-mm"
     sketch_reason: str = ""  # why not int8-mm
     graphs: str = ""  # the CUDA graphs in use ("gather,scatter"), or why none
+    pages: PageMemory = PageMemory.HOST  # where the pool's pages lie

@@ -44,6 +44,7 @@ from kvpool.gpu.layout import as_width
 from kvpool.gpu.sketch import Sketcher, staged_width
 from kvpool.gpu.sketch import digests as sketch_digests
 from kvpool.gpu.staging import IndexRing
+from kvpool.gpu.tier import WrongInstance
 from kvpool.pool.records import AcquireResult, Miss
 from kvpool.pool.digest import (
     DIGEST_BYTES,
@@ -177,14 +178,16 @@ class Loads:
 
     def _h2d(self, pages: Sequence[int], stage: torch.Tensor) -> None:
         """Pages -> rows of `stage` (one row per page, any row width), on the current stream
-        (driver path: driver copies)."""
+        (driver path: driver copies); host to device, or device to device from a keeper's
+        tier in device memory."""
         pb = self.layout.page_bytes
         if self._driver is not None:
             ps, w, at = self._page_size, stage.stride(0), stage.data_ptr()
             runs = self._runs(pages) if w == pb else [(row, page, 1) for row, page in enumerate(pages)]
             self._driver.copies([at + row * w for row, _, _ in runs],
                                 [self._region_ptr + page * ps for _, page, _ in runs],
-                                [(k - 1) * ps + pb for _, _, k in runs], torch.cuda.current_stream(), to_host=False)
+                                [(k - 1) * ps + pb for _, _, k in runs], torch.cuda.current_stream(),
+                                to_host=self._arena.from_pages)
             return
         if stage.shape[1] == pb:
             for row, page, k in self._runs(pages):
@@ -407,11 +410,14 @@ class Loads:
     def _release(self, lease: AcquireResult) -> tuple[tuple[int, ...], str | None, MissCause | None]:
         """(stale pages, error, cause): where the release fails the pages' generations were not
         checked, so nothing the copy read can be vouched for: `cause` says why (the lease had
-        expired under a slow copy: timeout; the connection went: transport_error)."""
+        expired under a slow copy: timeout; the connection went, or a keeper's link refused a
+        lease of the instance or session it replaced: transport_error)."""
         if not lease.lease_id:
             return (), None, None
         try:
             return tuple(self.backend.release(lease.lease_id).stale), None, None
+        except WrongInstance as exc:  # a keeper's grant of a replaced instance or session: refused unsent
+            return (), f"release: {type(exc).__name__}: {exc}", MissCause.TRANSPORT_ERROR
         except LeaseLost as exc:  # the daemon reaped it: its pages may have been reused while we copied
             return (), f"release: {type(exc).__name__}: {exc}", MissCause.TIMEOUT
         except (PoolTimeout, TransportError, MalformedFrame) as exc:  # the connection and its lease are gone

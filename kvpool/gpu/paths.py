@@ -32,6 +32,11 @@ A load's digest kind is the kind of the pages it loads (each page is checked by 
 kind); a store's, the kind it digests its pages with (TransferConfig.digest).
 The network tier (kvpool.tier) has no GPU copy path: it moves pages between the pool's
 host memory and a store. A tier path that touches GPU memory would be a new Direction here.
+Pages in device memory (a GPU keeper's tier, kvpool.gpu.region.PageMemory.DEVICE) take these
+same paths with device-to-device copies: the same code, edges and hooks, no host memory (as
+registered memory, the copies never make the host wait). They are not a dimension of this
+registry yet, so the gate's matrix runs none of them; suites/gpu/test_gpu_tier_engine.py runs
+the store and load edges through a keeper under stream delays, each with its control.
 """
 
 from __future__ import annotations

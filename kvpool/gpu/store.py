@@ -116,7 +116,8 @@ class Stores:
 
     # -- copies -----------------------------------------------------------------------------
     def _driver_lists(self, block_ids: Sequence[int], pages: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
-        """(host addresses, device addresses, sizes) of every run of every layer of the blocks."""
+        """(page addresses, KV addresses, sizes) of every run of every layer of the blocks (the
+        pages in host memory, or in a keeper's tier in device memory)."""
         ps = self._page_size
         host: list[int] = []
         dev: list[int] = []
@@ -139,7 +140,7 @@ class Stores:
         read = torch.cuda.Event()
         if self._driver is not None:
             host, dev, sizes = self._driver_lists(block_ids, pages)
-            self._driver.copies(host, dev, sizes, self.store_stream, to_host=True)
+            self._driver.copies(host, dev, sizes, self.store_stream, to_host=self._arena.to_pages)
             read.record(self.store_stream)
             return read
         n = len(block_ids)
@@ -309,7 +310,7 @@ class Stores:
             sketched.record(self._store_k)
         if self._driver is not None:
             host_at, dev_at, sizes = self._driver_lists(ids, pages)
-            self._driver.copies(host_at, dev_at, sizes, self.store_stream, to_host=True)
+            self._driver.copies(host_at, dev_at, sizes, self.store_stream, to_host=self._arena.to_pages)
             read = torch.cuda.Event()
             read.record(self.store_stream)
             self._kv_read = [gathered, read]  # both read the KV

@@ -1,7 +1,9 @@
-"""A keeper's tier as a pool backend (kvpool.client.backend.PoolBackend) over a TierLink, for a
-tier in host memory (`kvpool keeper --backing memfd`): the generic publish and load
+"""A keeper's tier as a pool backend (kvpool.client.backend.PoolBackend) over a TierLink: for a
+tier in host memory (`kvpool keeper --backing memfd`) the generic publish and load
 (kvpool.client.transfer) then move blocks through the keeper as through the pool daemon, and
-every wrapper that speaks PoolBackend (the audit, the fault injectors) wraps it unchanged.
+every wrapper that speaks PoolBackend (the audit, the fault injectors) wraps it unchanged; for
+either backing the GPU transfer engine (kvpool.gpu.transfer) copies through the mapping its
+`arena` names, as it copies through the host pool's segment.
 
   TierBackend(link)            link: a connected kvpool.gpu.tier_client.TierLink.
       .lookup / .acquire / .release / .read_page        the load's half: a lease's pages are read
@@ -20,12 +22,26 @@ every wrapper that speaks PoolBackend (the audit, the fault injectors) wraps it 
       the same number (its release would end the new lease under a copy out of its pages). The
       results, renewals included, carry this backend's ids.
       .evict                   InvalidRequest: the tier makes room by demotion, not by a client.
+      .arena                   the TierArena of the link's current session (None while it has
+                               none): what the GPU transfer engine copies through.
 
-What it is not: the path for device memory (`--backing vmm`). A page there is a CudaArray that
-the host cannot read; read_page and reserved_view refuse it (InvalidRequest) and the copies are
-the GPU engine's. A grant of a keeper instance that has been replaced (the keeper restarted)
-is refused as WrongInstance before anything is sent or touched (TierLink), which the transfer
-functions count as a transport_error miss: the caller recomputes.
+  TierArena.of(client)     one session's mapping of the tier as a pool's arena is to the GPU
+                           engine (kvpool.gpu.region.page_region): `instance` (the keeper's
+                           instance id and the session's id: another session maps the buffer
+                           at another address, so the engine follows a new session as it
+                           follows a restarted pool), `session`, `page_size`, `num_pages`,
+                           `same_gpu`, and every page as one range: `device_pages` (a CudaArray,
+                           `--backing vmm`) or `pages_region` (a numpy view, `--backing memfd`).
+
+The host path is not the path for device memory (`--backing vmm`): a page there is a CudaArray
+that the host cannot read; read_page and reserved_view refuse it (InvalidRequest) and the copies
+are the GPU engine's. A grant of a keeper instance that has been replaced (the keeper
+restarted) is refused as WrongInstance before anything is sent or touched (TierLink), which the
+transfer functions and the GPU engine count as a transport_error miss: the caller recomputes.
+The engine never copies through a replaced session's range: it compares the arena's instance
+before each transfer and after each acquire and reserve (kvpool.gpu.transfer), and the link
+keeps a replaced mapping while a grant of it is open, so a copy already enqueued completes
+against mapped memory before its release or commit ends the grant.
 """
 
 from __future__ import annotations
@@ -39,7 +55,8 @@ import msgspec
 import numpy as np
 
 from kvpool.errors import InvalidRequest, LeaseLost, MalformedFrame
-from kvpool.gpu.tier_client import TierLease, TierLink, TierReservation
+from kvpool.gpu.tier_client import TierClient, TierLease, TierLink, TierReservation
+from kvpool.gpu.vmm import CudaArray
 from kvpool.pool.digest import DigestKind
 from kvpool.pool.keys import Namespace
 from kvpool.pool.records import (
@@ -52,6 +69,33 @@ from kvpool.pool.records import (
     RenewResult,
     ReserveResult,
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class TierArena:
+    """One session's mapping of the tier, as the GPU transfer engine takes a pool's arena."""
+
+    instance: bytes  # the keeper instance's 16 bytes, then the session's id (8 bytes, big-endian)
+    session: int
+    page_size: int
+    num_pages: int
+    same_gpu: bool
+    device_pages: CudaArray | None = None  # --backing vmm
+    pages_region: np.ndarray | None = None  # --backing memfd
+
+    @classmethod
+    def of(cls, client: TierClient) -> TierArena:
+        tier = client.tier
+        if tier is None or client.hello is None:
+            raise InvalidRequest("the tier client is not connected: no mapping to name")
+        desc = tier.descriptor
+        whole = tier.pages()
+        key = bytes(client.instance) + int(client.client_id).to_bytes(8, "big")
+        common = dict(instance=key, session=int(client.client_id), page_size=desc.page_size,
+                      num_pages=desc.num_pages, same_gpu=bool(tier.same_gpu))
+        if isinstance(whole, memoryview):
+            return cls(**common, pages_region=np.frombuffer(whole, dtype=np.uint8))
+        return cls(**common, device_pages=whole)
 
 
 def _own_ids(answers: Sequence[Renewal], own: dict[int, int]) -> tuple[Renewal, ...]:
@@ -72,6 +116,21 @@ class TierBackend:
         self._leases: dict[int, TierLease] = {}  # this backend's open leases, by this backend's id
         self._reservations: dict[int, TierReservation] = {}
         self._ids = itertools.count(1)  # this backend's grant ids (the keeper's restart at 1 per instance)
+        self._arena: tuple[TierClient, TierArena] | None = None  # the last arena named, and its client
+
+    @property
+    def arena(self) -> TierArena | None:
+        """The TierArena of the link's current session, None while it has none (the engine's
+        next call into the link connects, or fails as a transport error)."""
+        client = self.link.client
+        if client is None or client.tier is None or client.hello is None:
+            return None
+        cached = self._arena
+        if cached is not None and cached[0] is client:
+            return cached[1]
+        arena = TierArena.of(client)
+        self._arena = (client, arena)
+        return arena
 
     # -- what the pool advertises -----------------------------------------------------------
     def _client(self):  # noqa: ANN202 - the link's current TierClient
@@ -191,4 +250,5 @@ class TierBackend:
         with self._lock:
             self._leases.clear()
             self._reservations.clear()
+        self._arena = None
         self.link.close()

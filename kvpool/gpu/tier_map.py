@@ -13,6 +13,9 @@ attach socket (kvpool.gpu.handout), map it, read the keeper's private state.
                        device-to-device copies; else peer copies (NVLink where the GPUs have it).
   .page_view(i)        page i: a kvpool.gpu.vmm.CudaArray on the GPU, a memoryview on the host.
   .page_ptr(i)         page i's device address (VMM only).
+  .pages()             every page as one range (page i at byte i x page size): a CudaArray on
+                       the GPU, a memoryview on the host (the GPU engine copies through it:
+                       kvpool.gpu.tier_backend.TierArena).
   .generation(i)       page i's generation, as the keeper last wrote it.
   .keeper_age_s()      how old the keeper's heartbeat is (a dead keeper stops beating: the
                        mapping stays valid, but nothing new is committed or freed).
@@ -80,6 +83,14 @@ class TierMap:
         if self.mapping is not None:
             return self.mapping.view(off, self.descriptor.page_size)
         return memoryview(self.host)[off: off + self.descriptor.page_size]
+
+    def pages(self) -> CudaArray | memoryview:
+        if self.closed:
+            raise HandoutError("the tier's mapping was closed")
+        n = self.descriptor.num_pages * self.descriptor.page_size
+        if self.mapping is not None:
+            return self.mapping.view(0, n)
+        return memoryview(self.host)[:n]
 
     def page_ptr(self, page: int) -> int:
         off = self._page(page)

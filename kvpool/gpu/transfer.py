@@ -7,14 +7,22 @@ the bytes of `layer.select(block_dim, block_id)` in C order (the CPU connector's
 GPU `(num_blocks, 2, B, H, D)` has block_dim 0, FlashAttention's `(2, num_blocks, B, H,
 D)` has block_dim 1. The pages live in the pool's shared-memory arena, registered with
 `cudaHostRegister` in this process, so copies run at link speed; two processes (two CUDA
-contexts) each register their own mapping of the same arena.
+contexts) each register their own mapping of the same arena. Or they live in device memory: a
+GPU keeper's tier (`kvpool keeper --backing vmm`) mapped in this process, its backend a
+kvpool.gpu.tier_backend.TierBackend; then nothing is registered and every copy between the
+pages and the staging buffers or the KV tensors is device to device, through the same torch
+and driver calls, with the same staging, checks, installs, ordering edges and hooks
+(kvpool.gpu.region says what differs).
 
   TransferEngine(backend, ns, layers, config, lanes=())
         `layers`: one CUDA tensor per layer, in layer order, all on one device, each with a
         contiguous last dimension; `config.block_dim` says which dimension indexes blocks.
-        `backend`: a PoolClient whose arena is mapped here (same host). `lanes`: further
-        connections to the same pool; commits run on them in parallel (the daemon
-        re-verifies each commit in its own thread).
+        `backend`: a PoolClient whose arena is mapped here (same host), or a TierBackend
+        whose keeper's buffer is mapped here (its `arena`: the pages in device memory, or in
+        host memory for a memfd keeper). `lanes`: further connections to the same pool;
+        commits run on them in parallel (the daemon re-verifies each commit in its own
+        thread). A keeper's tier is mapped per session: its lanes must be its backend (the
+        connector's are), or TransferError.
 
   store(block_ids, hashes, boundary=None) -> StoreHandle      [vLLM: wait_for_save]
         Records an event on the engine's current stream *before returning* (the KV the
@@ -73,7 +81,13 @@ Contracts:
     old mapping and registers the new one (`reattached` counts this). A transfer whose
     own reserve or acquire met the restart is not copied at all: its reservation is
     aborted (the store reports the error) or its lease released (the load ends as
-    transport_error), never copied against the other segment.
+    transport_error), never copied against the other segment. On a keeper's tier the
+    segment is the keeper instance and the session (a new session maps the buffer at
+    another address): the same steps, nothing to register; a grant of the replaced
+    instance that the link refuses at its release (WrongInstance) fails the load's blocks
+    as transport_error, at its commit fails the store's unit (never visible).
+  * Stores into a keeper's tier commit kv-sketch-1 (its `digest_kind`; device pages
+    cannot be digested on the host): any other TransferConfig.digest is a TransferError.
   * Where host memory cannot be registered the engine says so (`capabilities`, a
     warning in the log) and copies from pageable memory, with the same stream ordering
     (such copies also block the host; they are slower, never less ordered).
@@ -137,6 +151,7 @@ from kvpool.gpu.config import (
     HostRegistrationError,
     KVLayoutError,
     OrderingEdge,
+    PageMemory,
     TransferCapabilities,
     TransferConfig,
     TransferError,
@@ -145,6 +160,7 @@ from kvpool.gpu.driver import MIN_RUN_BYTES, Driver
 from kvpool.gpu.events import await_event
 from kvpool.gpu.layout import KVLayout, as_width, require_cuda, widest_views
 from kvpool.gpu.load import LoadHandle, LoadOutcome, Loads
+from kvpool.gpu.region import PageRegion, check_store_digest, moved_to, off_session, page_region
 from kvpool.gpu.sketch import Sketcher
 from kvpool.gpu.staging import IndexRing, host_register, host_unregister
 from kvpool.gpu.store import StoreHandle, StoreOutcome, Stores
@@ -173,15 +189,22 @@ class TransferEngine(Stores, Loads):
         arena = getattr(backend, "arena", None)
         if arena is None:
             raise TransferError("the GPU transfer engine needs the pool's arena mapped in this process "
-                                "(a PoolClient on the daemon's host, zero_copy=True)")
-        if self.layout.page_bytes > arena.page_size:
-            raise KVLayoutError(f"a block is {self.layout.page_bytes} bytes, the pool's pages {arena.page_size}")
+                                "(a PoolClient on the daemon's host, zero_copy=True, or a TierBackend of a "
+                                "connected keeper)")
+        region = page_region(arena)
+        if self.layout.page_bytes > region.page_size:
+            raise KVLayoutError(f"a block is {self.layout.page_bytes} bytes, the pool's pages {region.page_size}")
+        check_store_digest(region, config.digest, getattr(backend, "digest_kind", None))
         self._layers = list(layers)
         self._layers_u8 = [t.view(torch.uint8) for t in layers]
         self._width, self._layers_w = widest_views(self._layers_u8, self.layout)
-        self._map_region(arena)
+        self._map_region(region)
         self.reattached = 0  # times the engine moved to a new segment of its pool (a pool restart)
         self._lanes: list[PoolBackend] = list(lanes) or [backend]
+        other = off_session(region, [self._segment(lane) for lane in self._lanes])
+        if other:  # mapped per session: a lane of another session names other addresses
+            raise TransferError(f"lanes {other} are not on the session whose mapping the engine copies "
+                                "through (a keeper's tier: give the engine its backend as its only lane)")
         pb = self.layout.page_bytes
         self._chunk_pages = max(1, config.chunk_bytes // pb)
         if config.commit_blocks:
@@ -219,14 +242,35 @@ class TransferEngine(Stores, Loads):
         self._inflight: dict[int, StoreHandle | LoadHandle] = {}
         self._closed = False
 
-    def _map_region(self, arena) -> None:  # noqa: ANN001 - the backend's Arena
-        self._arena = arena
-        self._page_size = arena.page_size
-        self._region_np = arena.pages_region  # holds the mapping alive while the engine uses it
-        self._region_ptr = int(self._region_np.ctypes.data)
+    def _map_region(self, region: PageRegion) -> None:
+        """The pages the copies go to and come from: a torch view of the host range (which
+        holds the host mapping alive while the engine uses it), or a torch tensor aliasing
+        the device range (no copy: checked)."""
+        self._arena = region  # .instance: the segment the engine follows
+        self._page_size = region.page_size
+        self._region_ptr = region.ptr
+        if region.memory is PageMemory.DEVICE:
+            self._region_np = None
+            t = torch.as_tensor(region.device)
+            if t.data_ptr() != region.ptr or t.dtype != torch.uint8 or t.numel() != region.nbytes:
+                raise TransferError("torch did not alias the device pages (a copy, or another range): a write "
+                                    "would miss the pool")
+            if t.device != self.device:
+                raise TransferError(f"the device pages are on {t.device}, the KV cache on {self.device}")
+            self._region = t
+            return
+        self._region_np = region.host
         self._region = torch.frombuffer(self._region_np, dtype=torch.uint8)
 
+    def _host_memory(self) -> HostMemory | None:
+        if self._arena.memory is PageMemory.DEVICE:
+            return None
+        return HostMemory.REGISTERED if self._registered else HostMemory.PAGEABLE
+
     def _register_region(self) -> None:
+        if not self._arena.registers:
+            self._host_reason = "none: the pages are device memory (a keeper's tier), copied device to device"
+            return
         if not self.config.register_host:
             self._host_reason = "registration disabled by TransferConfig.register_host=False"
             return
@@ -248,23 +292,25 @@ class TransferEngine(Stores, Loads):
 
     def _follow_segment(self) -> None:
         """Move to the backend's segment if it is no longer the one the engine copies to."""
-        arena = getattr(self.backend, "arena", None)
-        if arena is None or arena.instance == self._arena.instance:
+        region = moved_to(self._arena, getattr(self.backend, "arena", None))
+        if region is None:
             return  # unmapped (the op's own call will fail or reconnect), or the same segment
-        if self.layout.page_bytes > arena.page_size:
-            raise KVLayoutError(f"the restarted pool's pages are {arena.page_size} bytes, a block "
+        if self.layout.page_bytes > region.page_size:
+            raise KVLayoutError(f"the restarted pool's pages are {region.page_size} bytes, a block "
                                 f"{self.layout.page_bytes}")
+        check_store_digest(region, self.config.digest, getattr(self.backend, "digest_kind", None))
         self.drain()  # what is in flight read or wrote the old segment: let it end first
         torch.cuda.synchronize(self.device)  # every stream of the engine: nothing reads the old pages
         if self._registered:
             self._registered = False
             host_unregister(self._region_ptr)
-        log.warning("kvpool GPU transfer: the pool's segment changed (a restart): re-registering its pages")
-        self._map_region(arena)
+        log.warning("kvpool GPU transfer: the pool's segment changed (a restart, or a keeper's new session): "
+                    "mapping its pages again")
+        self._map_region(region)
         self._register_region()
         self.capabilities = dataclasses.replace(
-            self.capabilities, host_memory=HostMemory.REGISTERED if self._registered else HostMemory.PAGEABLE,
-            host_memory_reason=self._host_reason)
+            self.capabilities, host_memory=self._host_memory(), host_memory_reason=self._host_reason,
+            pages=region.memory)
         self.reattached += 1
 
     def _init_path(self, layers: Sequence[torch.Tensor]) -> None:
@@ -279,7 +325,7 @@ class TransferEngine(Stores, Loads):
             self._driver = Driver(self.device.index if self.device.index is not None else torch.cuda.current_device())
             if not config.batched:
                 batched_reason = "disabled by TransferConfig.batched=False"
-            elif not self._registered:
+            elif not self._registered and self._arena.registers:
                 batched_reason = "host memory is pageable"
             else:
                 self._driver.probe_batched(self.store_stream, self.device)
@@ -301,9 +347,9 @@ class TransferEngine(Stores, Loads):
             self._init_sketch(layers)
         self._graphs_note = self._init_graphs()
         self.capabilities = TransferCapabilities(
-            config.path, torch.cuda.get_device_name(self.device),
-            HostMemory.REGISTERED if self._registered else HostMemory.PAGEABLE, self._host_reason, batched,
-            batched_reason, config.digest.value, self._sketch_gpu.impl, self._sketch_gpu.reason, self._graphs_note)
+            config.path, torch.cuda.get_device_name(self.device), self._host_memory(), self._host_reason, batched,
+            batched_reason, config.digest.value, self._sketch_gpu.impl, self._sketch_gpu.reason, self._graphs_note,
+            self._arena.memory)
 
     def _init_graphs(self) -> str:
         """Capture a full chunk's gather into each store staging buffer and scatter out of
@@ -412,6 +458,8 @@ class TransferEngine(Stores, Loads):
         return ids
 
     def _page_np(self, page: int, length: int | None = None) -> np.ndarray:
+        if self._region_np is None:
+            raise TransferError("the pages are device memory: the host cannot read them")
         start = page * self._page_size
         return self._region_np[start : start + (self.layout.page_bytes if length is None else length)]
 
