@@ -130,8 +130,9 @@ def test_a_keepers_memfd_mapping_is_a_host_region_over_the_mapped_pages():
                                           same_gpu=False), "another GPU"),
     ("not cuda", types.SimpleNamespace(instance=b"i", page_size=PAGE, device_pages=object(), same_gpu=True),
      "not a CUDA array"),
-    ("not bytes", types.SimpleNamespace(instance=b"i", page_size=PAGE, same_gpu=True, device_pages=types.SimpleNamespace(
-        __cuda_array_interface__={"shape": (PAGE // 2,), "typestr": "<u2", "data": (BASE, False), "version": 3})),
+    ("not bytes", types.SimpleNamespace(
+        instance=b"i", page_size=PAGE, same_gpu=True, device_pages=types.SimpleNamespace(
+            __cuda_array_interface__={"shape": (PAGE // 2,), "typestr": "<u2", "data": (BASE, False), "version": 3})),
      "one run of bytes"),
     ("host not bytes", types.SimpleNamespace(instance=b"i", page_size=PAGE, pages_region=np.zeros(PAGE, np.uint16)),
      "contiguous numpy uint8"),
