@@ -17,6 +17,10 @@ suites/pool/test_gpu_tiered.py runs each and asserts that the oracle it validate
                            (LEASED where they must be EVICTED).
   LeakyAcquireBackend      an acquire that fails midway releases nothing it leased. Caught the
                            same way.
+  NeverJoinsBackend        a member that could not be reached at construction is left out for
+                           good instead of joining once it answers: a keeper started after the
+                           replica is never used. Caught by where a publish lands (the host
+                           pool, not the tier) and by the blocks the tier serves (none).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvpool.gpu.tier import fall_through
-from kvpool.gpu.tiered import Segment, TieredBackend
+from kvpool.gpu.tiered import MemberLeftOut, Segment, TieredBackend
 from kvpool.pool.records import ReleaseResult
 
 
@@ -52,3 +56,10 @@ class ShortCircuitReleaseBackend(TieredBackend):
 class LeakyAcquireBackend(TieredBackend):
     def _undo_acquire(self, segments: Sequence[Segment]) -> None:
         return None
+
+
+class NeverJoinsBackend(TieredBackend):
+    def _member(self, k):  # noqa: ANN001, ANN202
+        if k in self._late:
+            raise MemberLeftOut(f"member {self.names[k]!r} was not reachable at start: never asked")
+        return super()._member(k)

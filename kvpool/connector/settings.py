@@ -234,7 +234,8 @@ def connect_backend(settings: ConnectorSettings, role: str, history: HistoryWrit
     """The default BackendFactory: a PoolClient to the configured pool (the scheduler's
     with the scheduler's short timeout); a TierBackend of the keeper a `keeper:` address names
     (the worker's mapping on its own CUDA device: tier_device_index); with a host_pool beside
-    it, the two in lookup order (kvpool.gpu.tiered.TieredBackend: "gpu", then "host")."""
+    it, the two in lookup order (kvpool.gpu.tiered.TieredBackend: "gpu", then "host"), where a
+    keeper that is not up yet joins when it answers (the host pool serves meanwhile)."""
     timeout = settings.lookup_timeout_s if role == "scheduler" else settings.timeout_s
     if settings.pool.startswith(KEEPER_SCHEME):  # a GPU keeper's tier (memfd: host memory; vmm: device memory)
         from kvpool.gpu.tier_backend import TierBackend
@@ -243,10 +244,11 @@ def connect_backend(settings: ConnectorSettings, role: str, history: HistoryWrit
         link = TierLink(settings.pool[len(KEEPER_SCHEME):], settings.tenant, settings.resolved_token(),
                         name=f"{settings.replica}/{role}", timeout_s=timeout, metrics=metrics,
                         device_index=tier_device_index(role))
-        tier = TierBackend(link.connect())
         if not settings.host_pool:
-            return tier
+            return TierBackend(link.connect())
         from kvpool.gpu.tiered import TieredBackend
+
+        tier = TierBackend(link)  # not connected yet: a keeper not started joins when it answers
 
         try:
             host = PoolClient(settings.host_pool, settings.tenant, settings.resolved_host_token(),

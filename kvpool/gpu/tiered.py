@@ -9,6 +9,14 @@ PoolBackend (the audit, the fault injectors) use it unchanged.
       (`digest_kind`) must take the first's (a publish falls through to it with the first's
       digests): else TierMismatch at construction. `page_size` is theirs; `digest_kind` the
       first's (TierBackend: kv-sketch-1, which the host pool takes too, trusted and scrubbed).
+      A member that cannot be reached at construction (a keeper not started yet: its page size
+      raises TransportError, PoolTimeout or Busy) joins late, as long as another member answered
+      (else its error is raised): until its page size can be read it is asked nothing, each
+      call that would have asked it counts an error (tiered_<name>_errors) and takes its miss
+      (transport_error), and the next member is asked. The first call that reads its page size
+      lets it in; one of another page size is left out for good (MemberLeftOut, a
+      TransportError: its miss stays transport_error; `left_out` names why, stats count
+      tiered_<name>_left_out) and logged once.
   .lookup(ns, hashes, wait_pending_s)   fall_through over the members' lookups (each gives how
       many blocks from the first it holds, and its miss cause): the first member holding a run
       at a block serves the whole run, where it stops the first member is asked again; the
@@ -83,6 +91,7 @@ import bisect
 import contextlib
 import dataclasses
 import itertools
+import logging
 import threading
 from collections.abc import Iterator, Sequence
 
@@ -118,7 +127,13 @@ from kvpool.pool.records import (
     SlotStatus,
 )
 
+log = logging.getLogger(__name__)
+
 UNREACHABLE = (TransportError, PoolTimeout, Busy)  # a member that cannot answer now: the next one is asked
+
+
+class MemberLeftOut(TransportError):
+    """A member that joined late with another page size than the others': never asked again."""
 
 
 class TierMismatch(InvalidRequest):
@@ -183,10 +198,18 @@ class TieredBackend:
             raise InvalidRequest(f"member names must be distinct and non-empty, got {names}")
         self.names = tuple(names)
         self.members = tuple(b for _, b in members)
-        sizes = {name: int(b.page_size) for name, b in members}
+        sizes: dict[str, int] = {}
+        late: dict[int, PoolError] = {}  # member -> why its page size could not be read
+        for k, (name, b) in enumerate(members):
+            try:
+                sizes[name] = int(b.page_size)
+            except UNREACHABLE as exc:
+                late[k] = exc
+        if not sizes:
+            _raise_first(list(late.values())[::-1], "members that could not be reached")
         if len(set(sizes.values())) != 1:
             raise TierMismatch(f"the members' page sizes differ: {sizes}")
-        self.page_size = sizes[names[0]]
+        self.page_size = next(iter(sizes.values()))
         self.digest_kind = DigestKind(getattr(self.members[0], "digest_kind", DigestKind.XXH3))
         for name, b in members[1:]:
             fixed = getattr(b, "digest_kind", None)
@@ -197,7 +220,33 @@ class TieredBackend:
         self._ids = itertools.count(1)
         self._leases: dict[int, tuple[Segment, ...]] = {}
         self._reservations: dict[int, list[_Part]] = {}
-        self.counters: dict[str, int] = {f"tiered_{n}_{what}": 0 for n in names for what in ("blocks", "errors")}
+        self._late = set(late)  # members not asked yet: their page size is read at their first call
+        self.left_out: dict[str, str] = {}  # member name -> why it is never asked
+        self.counters: dict[str, int] = {f"tiered_{n}_{what}": 0 for n in names
+                                         for what in ("blocks", "errors", "left_out")}
+        for k, exc in late.items():
+            log.warning("tier member %r could not be reached at start (%s: %s): the next member serves its "
+                        "blocks until it answers", names[k], type(exc).__name__, exc)
+
+    def _member(self, k: int) -> PoolBackend:
+        """Member k, to be asked: a late member's page size is read first (its error is the
+        caller's, a miss of that member), and one of another page size is left out for good."""
+        name = self.names[k]
+        if name in self.left_out:
+            raise MemberLeftOut(self.left_out[name])
+        if k in self._late:
+            size = int(self.members[k].page_size)
+            with self._lock:
+                self._late.discard(k)
+                if size != self.page_size:
+                    self.left_out[name] = (f"member {name!r} joined with pages of {size} bytes, the others' are "
+                                           f"{self.page_size}: left out")
+                    self.counters[f"tiered_{name}_left_out"] = 1
+            if name in self.left_out:
+                log.error("%s", self.left_out[name])
+                raise MemberLeftOut(self.left_out[name])
+            log.info("tier member %r answered: asked from now on", name)
+        return self.members[k]
 
     def _count(self, member: int, what: str, n: int = 1) -> None:
         with self._lock:
@@ -280,7 +329,7 @@ class TieredBackend:
 
     def lookup(self, ns: Namespace, hashes: Sequence[bytes], wait_pending_s: float = 0.0) -> LookupResult:
         def call(k: int, tail: Sequence[bytes]):  # noqa: ANN202
-            found = self.members[k].lookup(ns, tail, wait_pending_s=wait_pending_s)
+            found = self._member(k).lookup(ns, tail, wait_pending_s=wait_pending_s)
             if len(found.hits) > len(tail):
                 raise MalformedFrame(f"member {self.names[k]!r}: a lookup of {len(tail)} blocks answered "
                                      f"{len(found.hits)}")
@@ -292,7 +341,7 @@ class TieredBackend:
 
     def acquire(self, ns: Namespace, hashes: Sequence[bytes]) -> AcquireResult:
         def call(k: int, tail: Sequence[bytes]):  # noqa: ANN202
-            got = self.members[k].acquire(ns, tail)
+            got = self._member(k).acquire(ns, tail)
             if got.lease_id and (not got.hits or len(got.hits) > len(tail)):  # a lease of nothing, or not ours
                 with contextlib.suppress(PoolError):  # else its pool reclaims it at its TTL or disconnect
                     self.members[k].release(got.lease_id)
@@ -430,11 +479,11 @@ class TieredBackend:
         answered = False
         unreachable: list[PoolError] = []
         try:
-            for k, member in enumerate(self.members):
+            for k in range(len(self.members)):
                 if not todo:
                     break
                 try:
-                    got = member.reserve(ns, [hashes[i] for i in todo], [lengths[i] for i in todo], bound)
+                    got = self._member(k).reserve(ns, [hashes[i] for i in todo], [lengths[i] for i in todo], bound)
                 except UNREACHABLE as exc:
                     self._count(k, "errors")
                     unreachable.append(exc)

@@ -11,6 +11,7 @@ What is not checked here: vLLM replicas (suites/live), the faults' controls (sui
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -28,6 +29,7 @@ from kvpool.gpu.tier_backend import TierBackend
 from kvpool.gpu.tier_client import TierLink
 from kvpool.gpu.tiered import TieredBackend, TierMismatch
 from kvpool.pool.digest import DigestKind
+from kvpool.pool.keys import block_hashes
 from suites.connector.engine_calls import ask_matched, finished
 from suites.pool.test_gpu_keeper_restart import Keeper
 
@@ -70,16 +72,19 @@ def system(tmp_path):
             pool.cleanup()
 
 
-def _settings(tmp_path, keeper: Keeper, pool: PoolProcess) -> ConnectorSettings:  # noqa: ANN001
-    return ConnectorSettings.from_extra({"pool": f"keeper:{keeper.run_dir}", "token": "tok", "host_pool": pool.unix,
+def _settings(tmp_path, keeper: Keeper | Path, pool: PoolProcess) -> ConnectorSettings:  # noqa: ANN001
+    run_dir = keeper if isinstance(keeper, Path) else keeper.run_dir
+    return ConnectorSettings.from_extra({"pool": f"keeper:{run_dir}", "token": "tok", "host_pool": pool.unix,
                                          "host_token": pool.token, "replica": "W",
                                          "history_dir": str(tmp_path / "h")})
 
 
-def _run(tmp_path, keeper: Keeper, pool: PoolProcess, seed: int, kill_keeper: bool):  # noqa: ANN001, ANN202
-    """(the pages installed in the consumer's blocks, the producer's pages, failed block ids,
-    the history, the chain, the namespace)."""
-    settings = _settings(tmp_path, keeper, pool)
+def _serve(tmp_path, settings: ConnectorSettings, seed: int, place, after=None):  # noqa: ANN001, ANN202
+    """One request through the connector's scheduler and worker on `settings`: place(chain,
+    producer pages, ns) puts the blocks where the case wants them, the scheduler claims, the
+    worker loads and saves the step's block, after(worker, chain, producer, ns) runs before the
+    connector closes. (the pages installed in the consumer's blocks, the producer's pages, failed
+    block ids, the history, the chain, the namespace, the backend's stats)."""
     sched = KVPoolScheduler(_config(tmp_path), settings)
     worker = KVPoolWorker(_config(tmp_path), settings)
     try:
@@ -92,17 +97,7 @@ def _run(tmp_path, keeper: Keeper, pool: PoolProcess, seed: int, kill_keeper: bo
                                   kv_transfer_params=None)
         chain = request_inputs(request, B)[0].hashes(tokens, B, salt_root(request))
         producer = [rng.integers(0, 256, PAGE, dtype=np.uint8) for _ in range(N)]
-        tier = TierBackend(TierLink(keeper.run_dir, "default", "tok", name="producer").connect())
-        try:  # another replica of this host: blocks 0-2 in the tier
-            assert transfer.publish(tier, sched.ns, chain[:IN_TIER], producer[:IN_TIER],
-                                    kind=DigestKind.SKETCH).committed == IN_TIER
-        finally:
-            tier.close()
-        with pool.client(name="producer") as host:  # blocks 3-4 in the host pool (all 5 with the keeper dead)
-            first = 0 if kill_keeper else IN_TIER
-            assert transfer.publish(host, sched.ns, chain[first:5], producer[first:5]).committed == 5 - first
-        if kill_keeper:
-            keeper.kill()
+        place(chain, producer, sched.ns)
 
         assert ask_matched(sched, request, 0) == (5 * B, False)  # claimed whole: one source, the composite
         sched.update_state_after_alloc(request, None, 5 * B)
@@ -115,11 +110,30 @@ def _run(tmp_path, keeper: Keeper, pool: PoolProcess, seed: int, kill_keeper: bo
         installed = [b"".join(bytes(s) for s in worker.copier.block_segments(b)) for b in ids[:5]]
         worker.save(meta)  # block 5, computed in this step
         assert finished(worker, {"r"}) == {"r"}
+        if after is not None:
+            after(worker, chain, producer, sched.ns)
         stats = worker.backend.stats()
     finally:
         worker.close()
         sched.close()
     return installed, [p.tobytes() for p in producer], failed, read_history(tmp_path / "h"), chain, sched.ns, stats
+
+
+def _run(tmp_path, keeper: Keeper, pool: PoolProcess, seed: int, kill_keeper: bool):  # noqa: ANN001, ANN202
+    def place(chain, producer, ns) -> None:  # noqa: ANN001
+        tier = TierBackend(TierLink(keeper.run_dir, "default", "tok", name="producer").connect())
+        try:  # another replica of this host: blocks 0-2 in the tier
+            assert transfer.publish(tier, ns, chain[:IN_TIER], producer[:IN_TIER],
+                                    kind=DigestKind.SKETCH).committed == IN_TIER
+        finally:
+            tier.close()
+        with pool.client(name="producer") as host:  # blocks 3-4 in the host pool (all 5 with the keeper dead)
+            first = 0 if kill_keeper else IN_TIER
+            assert transfer.publish(host, ns, chain[first:5], producer[first:5]).committed == 5 - first
+        if kill_keeper:
+            keeper.kill()
+
+    return _serve(tmp_path, _settings(tmp_path, keeper, pool), seed, place)
 
 
 def test_a_prompt_in_the_tier_and_then_the_host_pool_is_claimed_whole_and_installed_byte_exact(system, tmp_path,
@@ -154,6 +168,79 @@ def test_with_the_keeper_killed_the_lookup_load_and_publish_fall_through_to_the_
     assert [r.get("committed") for r in recs if r["ev"] == "publish"] == [1]
     with pool.client(name="check") as host:  # the step's block, published where it could be
         assert len(host.lookup(ns, chain[:6]).hits) == 6
+
+
+def _dirs(tmp_path):  # noqa: ANN001, ANN202
+    run_dir, pool_dir = tmp_path / "k", tmp_path / "pool"
+    run_dir.mkdir(mode=0o700)
+    pool_dir.mkdir(mode=0o700)
+    return run_dir, pool_dir
+
+
+@pytest.mark.fault_pool_restart
+def test_a_keeper_that_starts_after_the_connector_joins_and_the_host_pool_serves_until_then(tmp_path, test_seed):
+    run_dir, pool_dir = _dirs(tmp_path)
+    pool = PoolProcess.start(page_size=PAGE, num_pages=32, run_dir=pool_dir, token="host-token")
+    keepers: list[Keeper] = []
+
+    def place(chain, producer, ns) -> None:  # noqa: ANN001
+        with pool.client(name="producer") as host:  # no keeper yet: everything in the host pool
+            assert transfer.publish(host, ns, chain[:5], producer[:5]).committed == 5
+
+    def after(worker, chain, producer, ns) -> None:  # noqa: ANN001
+        assert worker.backend.stats()["tiered_gpu_errors"] >= 2  # the worker's acquire and its publish's reserve
+        keepers.append(Keeper(run_dir, "--page-size", "16KiB", "--pages", "16"))
+        late = block_hashes(list(range(7000, 7000 + 2 * B)), B)  # a publish once the keeper answers
+        pages = [np.full(PAGE, 7 + i, np.uint8) for i in range(2)]
+        assert transfer.publish(worker.backend, ns, late, pages, kind=DigestKind.SKETCH).committed == 2
+        tier = TierBackend(TierLink(run_dir, "default", "tok", name="check").connect())
+        try:  # it went to the tier, which now serves it to the composite's load
+            assert len(tier.lookup(ns, late).hits) == 2
+        finally:
+            tier.close()
+        got = [np.zeros(PAGE, np.uint8) for _ in range(2)]
+        assert transfer.load(worker.backend, ns, late, got.__getitem__).loaded == 2
+        assert all(np.array_equal(a, b) for a, b in zip(got, pages))
+
+    try:
+        installed, producer, failed, recs, chain, ns, stats = _serve(
+            tmp_path, _settings(tmp_path, run_dir, pool), test_seed, place, after)
+        assert failed == set() and installed == producer[:5]  # the host pool served, byte-exact
+        assert [r.get("committed") for r in recs if r["ev"] == "publish"] == [1]  # the step's block: the host's
+        with pool.client(name="check") as host:
+            assert len(host.lookup(ns, chain[:6]).hits) == 6
+        assert (stats["tiered_gpu_blocks"], stats["tiered_host_blocks"], stats["tiered_gpu_left_out"]) == (2, 5, 0)
+    finally:
+        for k in keepers:
+            k.stop()
+        pool.cleanup()
+
+
+def test_a_late_keeper_of_another_page_size_is_left_out_and_the_host_pool_serves(tmp_path):
+    run_dir, pool_dir = _dirs(tmp_path)
+    pool = PoolProcess.start(page_size=PAGE, num_pages=8, run_dir=pool_dir, token="host-token")
+    keeper = None
+    try:
+        sched = KVPoolScheduler(_config(tmp_path), _settings(tmp_path, run_dir, pool))
+        ns = sched.ns
+        sched.close()
+        backend = connect_backend(_settings(tmp_path, run_dir, pool), "worker", None)  # type: ignore[arg-type]
+        try:
+            keeper = Keeper(run_dir, "--page-size", "32KiB")
+            hashes = block_hashes(list(range(2 * B)), B)
+            with pool.client(name="producer") as host:
+                assert transfer.publish(host, ns, hashes, [np.ones(PAGE, np.uint8)] * 2).committed == 2
+            for _ in range(2):  # left out once, then never asked
+                assert len(backend.lookup(ns, hashes).hits) == 2
+            assert list(backend.left_out) == ["gpu"] and "32768" in backend.left_out["gpu"]
+            stats = backend.stats()
+            assert (stats["tiered_gpu_left_out"], stats["tiered_gpu_errors"]) == (1, 2)
+        finally:
+            backend.close()
+    finally:
+        if keeper is not None:
+            keeper.stop()
+        pool.cleanup()
 
 
 # -- the settings, typed at start, and the composite's own checks --------------------------------

@@ -25,6 +25,9 @@ keeper killed (SIGKILL), a bit of a committed host-pool page flipped in the pool
   host: xxh3-128)                      blocks before it byte-exact; the     byte-exact oracle names it
                                        report reaches the host pool (the
                                        page is dropped: `evicted` next)
+  a keeper not up when the composite   a publish after the keeper answers   NeverJoinsBackend: the
+  is built joins once it answers       lands in the tier; the tier serves   late member left out for
+  (the host pool serves meanwhile)     it to the composite's load           good
 Plus: with the host pool killed too, no member answers and the lookup raises (the host pool's
 TransportError, the tier's noted), as with one backend; a publish through the composite places in the tier what fits and the rest (the tier's
 NO_CAPACITY) in the host pool, with kv-sketch-1 digests the host pool takes; all of it loads
@@ -42,6 +45,7 @@ from kvgate.faults.tiered_controls import (
     FirstMemberReadBackend,
     FirstTierOnlyBackend,
     LeakyAcquireBackend,
+    NeverJoinsBackend,
     ShortCircuitReleaseBackend,
 )
 from kvgate.harness.scenarios import gpu_keeper_wire as W
@@ -351,3 +355,39 @@ def test_a_publish_through_the_composite_places_what_the_tier_cannot_in_the_host
     finally:
         c.close()
         small.stop()
+
+
+# -- a keeper that starts after the composite ----------------------------------------------------
+
+@pytest.mark.fault_pool_restart
+@pytest.mark.parametrize("cls,checked", [(TieredBackend, True), (NeverJoinsBackend, False)],
+                         ids=["tiered", "control-never-joins"])
+def test_a_keeper_started_after_the_composite_joins_it(tmp_path, pool, test_seed, cls, checked):
+    run_dir = tmp_path / "late"
+    run_dir.mkdir(mode=0o700)
+    b = cls([("gpu", TierBackend(TierLink(run_dir, "default", "tok", name="late/gpu", timeout_s=10.0))),
+             ("host", pool.client(name="late/host"))])
+    keeper = None
+    try:
+        keys, src = keys_for(test_seed), blocks(test_seed)
+        before = transfer.publish(b, W.NS, keys[:2], src[:2], kind=DigestKind.SKETCH)  # no keeper: the host pool
+        assert before.committed == 2 and b.stats()["tiered_gpu_errors"] >= 1
+        keeper = Keeper(run_dir, "--pages", "16")
+        after = transfer.publish(b, W.NS, keys[2:], src[2:], kind=DigestKind.SKETCH)
+        assert after.committed == N - 2
+        got, dest = load_into(b, keys)
+        assert got.loaded == N and differing(dest, src, N) == []  # byte-exact, from wherever it lies
+        p = tier_of(keeper, "check")
+        try:
+            in_tier = len(p.lookup(W.NS, keys[2:]).hits)
+        finally:
+            p.close()
+        stats = b.stats()
+        if checked:
+            assert in_tier == N - 2 and stats["tiered_gpu_blocks"] == N - 2 and stats["tiered_host_blocks"] == 2
+        else:  # caught: the keeper that came up is never used
+            assert in_tier == 0 and stats["tiered_gpu_blocks"] == 0
+    finally:
+        b.close()
+        if keeper is not None:
+            keeper.stop()
