@@ -195,7 +195,7 @@ def cmd_gpu_live(args: argparse.Namespace) -> int:
     return gpu_live(args.report_dir, seed=args.seed, bench=args.bench, bench_reps=args.bench_reps,
                     bench_lengths=lengths, deadline_s=args.deadline, gpus=args.gpus, sessions=args.sessions,
                     session_contexts=contexts, session_count=args.session_count, turns=args.turns,
-                    exchanges=not args.no_exchanges, session_audit=args.session_audit)
+                    exchanges=not args.no_exchanges, session_audit=args.session_audit, bench_tier=args.bench_tier)
 
 
 def _connector_extra(text: str | None) -> dict | None:
@@ -561,6 +561,9 @@ def build_parser() -> argparse.ArgumentParser:
     gl.add_argument("--seed", type=int, default=20261129, help="seed of the prompts")
     gl.add_argument("--bench", action="store_true", help="also the live rows of bench gpu part 2")
     gl.add_argument("--bench-reps", type=int, default=1)
+    gl.add_argument("--bench-tier", action="store_true",
+                    help="also the GPU tier in the bench: a keeper in device memory and a replica pair on it "
+                         "(gpu_tier_* keys: against the local hit and OffloadingConnector's CPU-tier hit)")
     gl.add_argument("--bench-lengths", default="8192,32768,65536")
     gl.add_argument("--deadline", type=float, default=540.0, help="seconds for the whole run (bench stops early)")
     gl.add_argument("--gpus", type=int, default=1,

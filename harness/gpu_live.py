@@ -73,10 +73,10 @@ def _run_part(result: dict, name: str, started, body) -> None:  # noqa: ANN001 -
 def main(report_dir: Path, seed: int = 20261129, bench: bool = False, bench_reps: int = 1,
          bench_lengths: tuple[int, ...] = (8192, 32768, 65536), deadline_s: float = 540.0, gpus: int = 1,
          sessions: bool = False, session_contexts: tuple[int, ...] = (32768,), session_count: int = 2,
-         turns: int = 6, exchanges: bool = True, session_audit: bool = False) -> int:
+         turns: int = 6, exchanges: bool = True, session_audit: bool = False, bench_tier: bool = False) -> int:
     """Start the tiny replicas (and, with `sessions`, the session replicas; with `bench`, the
-    bench trio) at the same time, run the live exchanges, then the sessions, then the bench
-    rows while time is left; write live.json (and the rest) under report_dir as each part
+    bench replicas, and with `bench_tier` the GPU tier's keeper and its pair too) at the same
+    time, run the live exchanges, then the sessions, then the bench rows while time is left; write live.json (and the rest) under report_dir as each part
     finishes."""
     t0 = time.monotonic()
     deadline = t0 + deadline_s
@@ -90,7 +90,7 @@ def main(report_dir: Path, seed: int = 20261129, bench: bool = False, bench_reps
             sess_f = ex.submit(live.start_sessions, report_dir / "sessions", gpus, max(session_contexts), turns,
                                session_audit)
         if bench:
-            bench_f = ex.submit(bench_live.start_bench, report_dir / "bench", max(bench_lengths))
+            bench_f = ex.submit(bench_live.start_bench, report_dir / "bench", max(bench_lengths), bench_tier)
         if live_f is not None:
             try:
                 live_f.result()

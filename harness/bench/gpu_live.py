@@ -17,6 +17,15 @@ apart by cache_salt):
   peer_hit_ttft_ms    TTFT on C of the prompt C computed and offloaded before
   peer_cached_hit_ttft_ms  the same on D; each peer's own transfer counters over its hits
                       (`peer_loaded_bytes`, `peer_cached_loaded_bytes`) show what it loaded
+With `tier` (the GPU tier, issue 33's targets), also:
+  T, U   kvpool's connector on a GPU keeper's tier in device memory (`python -m kvpool keeper
+         --backing vmm`, TIER_GIB on the same GPU; `pool = "keeper:RUN_DIR"`): the GPU engine
+         copies device to device from the keeper's buffer, every page's sketch checked.
+  gpu_tier_hit_ttft_ms    TTFT on U of the prompt T computed and published into the tier
+  gpu_tier_local_hit_ttft_ms  the same prompt again on U (its own GPU prefix cache)
+  gpu_tier_remote_vs_local, gpu_tier_vs_peer, gpu_tier_vs_peer_cached: the ratios the issue
+                      names (at most 1.05x the local hit; at most 0.5x OffloadingConnector's
+                      CPU-tier hit)
 Medians; ratios remote/peer and remote/local; `remote_phases_ms` and `local_phases_ms`:
 where the remote and the local hit's TTFT go (kvgate bench live's phases). Every measured
 request follows a small primer request on the same replica. `h2d_floor_ms`: the prefix's
@@ -24,7 +33,8 @@ bytes at a plain pinned host-to-device copy's rate measured in the same run
 (`pinned_h2d_GBps`), the least a load from host memory adds to the local hit;
 `floor_vs_local` is that bound as a ratio. Not a test: nothing is asserted.
 
-  start_bench(report_dir, max_len) -> Cluster     builds the model, starts A, B, S, C, D
+  start_bench(report_dir, max_len, tier=False) -> Cluster     builds the model, starts A, B, S, C, D
+                      (and the keeper, T and U)
   measure(cluster, lengths, reps, deadline_s) -> dict
 """
 
@@ -50,6 +60,8 @@ from kvgate.harness.workload.prompts import Corpus
 KV_BYTES = 10 << 30  # per replica's GPU KV cache: a 64k prefix (4 GiB) stays cached
 CPU_TIER_GIB = 8  # holds one repetition of 8k + 32k + 64k (6.5 GiB); older prefixes are evicted
 CHUNK = 8192
+TIER_GIB = 16  # the keeper's device buffer: one repetition of 8k + 32k + 64k (6.5 GiB) twice over
+TIER_TOKEN = "tier-bench"
 PEER_SETTLE_S = 1.5  # C's offload of a finished request is asynchronous; no completion signal is exposed
 
 
@@ -57,8 +69,9 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def start_bench(report_dir: Path, max_len: int) -> Cluster:
+def start_bench(report_dir: Path, max_len: int, tier: bool = False) -> Cluster:
     from kvgate.fixtures.gpu_model import build_llama
+    from kvgate.harness.system.keeper import KeeperProcess
 
     t0 = time.monotonic()
     model = build_llama(report_dir / "model", BENCH_SHAPE, seed=0)
@@ -84,17 +97,35 @@ def start_bench(report_dir: Path, max_len: int) -> Cluster:
                                           "--kv-offloading-backend", "native"))
     cluster = Cluster(model, report_dir, page_size=page, pool_pages=(8 << 30) // page,
                       pool_args=PRODUCTION_TTL_ARGS)  # the TTLs production runs with, named (long steps renew)
-    cluster.start([*ours, peer, peer_cached], timeout=400.0)
-    _say(f"bench gpu live: A, B, C up after {time.monotonic() - t0:.0f} s")
+    tiered: list[ReplicaSpec] = []
+    if tier:
+        run_dir = report_dir / "keeper-run"
+        run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        cluster.companions.append(KeeperProcess(
+            run_dir, "--gpu", "0", "--page-size", str(page), "--pages", str((TIER_GIB << 30) // page),
+            "--tenant", f"default={TIER_TOKEN}", "--maintenance-s", "0.5", backing="vmm"))
+        extra = (("pool", f"keeper:{run_dir}"), ("token", TIER_TOKEN))
+        tiered = [ReplicaSpec(name, core=str(5 + i), kv_bytes=KV_BYTES, max_model_len=n_len,
+                              max_num_batched_tokens=CHUNK, extra_args=gpu_args(0.12), connector_extra=extra)
+                  for i, name in enumerate(("T", "U"))]
+    try:
+        cluster.start([*ours, peer, peer_cached, *tiered], timeout=400.0)
+    except BaseException:
+        for companion in cluster.companions:
+            companion.stop()
+        raise
+    _say(f"bench gpu live: {', '.join(cluster.replicas)} up after {time.monotonic() - t0:.0f} s")
     return cluster
 
 
 def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: float) -> dict:
     t_end = time.monotonic() + deadline_s
     A, B, C, S, D = (cluster.replicas[n].url for n in ("A", "B", "C", "S", "D"))
+    tier = "U" in cluster.replicas
+    T, U = (cluster.replicas[n].url for n in ("T", "U")) if tier else ("", "")
     corpus = Corpus(cluster.model_dir)
     rng = random.Random("bench-gpu-live:20261129")
-    for url, name in ((A, "A"), (B, "B"), (C, "C"), (S, "S"), (D, "D")):
+    for url, name in ((A, "A"), (B, "B"), (C, "C"), (S, "S"), (D, "D"), *(((T, "T"), (U, "U")) if tier else ())):
         complete(url, corpus.text(64, rng), tag=f"warmup-{name}", replica=name, max_tokens=2, load=False,
                  publish=False)
     prime = primer(corpus, rng)
@@ -115,6 +146,10 @@ def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: f
         peer_moved: list[dict[str, float]] = []  # the peer's own counters over its hit: what it loaded
         peer_cached: list[float] = []
         peer_cached_moved: list[dict[str, float]] = []
+        tier_hit: list[float] = []
+        tier_local: list[float] = []
+        tphases: list[dict[str, float]] = []
+        tlphases: list[dict[str, float]] = []
         for rep in range(reps):
             if time.monotonic() > t_end - 30:
                 _say(f"bench gpu live: out of time before {n} tokens, rep {rep}")
@@ -136,6 +171,15 @@ def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: f
             phc, moved = _peer_hit(D, "D", prompt, f"{n}-{rep}", salt + "-peer-cached", prime, reset=True)
             peer_cached_moved.append(moved)
             peer_cached.append(phc.ttft_s * 1e3)
+            if tier:  # T publishes into the keeper's device buffer, U loads device to device
+                complete(T, prompt, tag=f"tierpub-{n}-{rep}", replica="T", max_tokens=1, cache_salt=salt + "-tier")
+                wait_published(cluster.history_dir, "T", f"tierpub-{n}-{rep}", n // BLOCK_SIZE, timeout_s=60)
+                th = hit(U, "U", f"tier-{n}-{rep}", prompt, tphases, remote_phases, cache_salt=salt + "-tier")
+                tl = hit(U, "U", f"tier-local-{n}-{rep}", prompt, tlphases, local_phases, load=False,
+                         publish=False, cache_salt=salt + "-tier")
+                tier_hit.append(th.ttft_s * 1e3)
+                tier_local.append(tl.ttft_s * 1e3)
+                _say(f"  {n:>6} rep {rep}: GPU tier hit {tier_hit[-1]:.0f} ms, its local hit {tier_local[-1]:.0f} ms")
             cold.append(c.ttft_s * 1e3)
             local.append(loc.ttft_s * 1e3)
             remote.append(rem.ttft_s * 1e3)
@@ -176,6 +220,20 @@ def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: f
             row["remote_sync_phases_ms"] = median_phases(sphases)
         if lphases:
             row["local_phases_ms"] = median_phases(lphases)
+        if tier_hit:
+            tier_loads = [r for r in _records(cluster, "load", "U") if str(r.get("tag", "")).startswith(f"tier-{n}-")]
+            row["gpu_tier_blocks_loaded"] = sum(int(r["loaded"]) for r in tier_loads)
+            row["gpu_tier_blocks_expected"] = len(tier_hit) * ((n - 1) // BLOCK_SIZE)
+            row["gpu_tier_hit_ttft_ms"] = round(statistics.median(tier_hit), 1)
+            row["gpu_tier_hit_ttft_ms_all"] = [round(v, 1) for v in tier_hit]
+            row["gpu_tier_local_hit_ttft_ms"] = round(statistics.median(tier_local), 1)
+            row["gpu_tier_local_hit_ttft_ms_all"] = [round(v, 1) for v in tier_local]
+            row["gpu_tier_remote_vs_local"] = round(row["gpu_tier_hit_ttft_ms"] / row["gpu_tier_local_hit_ttft_ms"], 3)
+            row["gpu_tier_vs_peer"] = round(row["gpu_tier_hit_ttft_ms"] / row["peer_hit_ttft_ms"], 3)
+            row["gpu_tier_vs_peer_cached"] = round(row["gpu_tier_hit_ttft_ms"] / row["peer_cached_hit_ttft_ms"], 3)
+            row["gpu_tier_phases_ms"] = median_phases(tphases)
+            if tlphases:
+                row["gpu_tier_local_phases_ms"] = median_phases(tlphases)
         # The least any host-memory pool adds to the local hit: the prefix's bytes at the
         # pinned host-to-device rate measured in this run.
         floor_ms = row["kv_bytes"] / (h2d * 1e9) * 1e3
@@ -183,6 +241,14 @@ def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: f
         row["floor_vs_local"] = round((row["local_hit_ttft_ms"] + floor_ms) / row["local_hit_ttft_ms"], 3)
         rows.append(row)
     s = BENCH_SHAPE
+    tiered = [r for r in rows if "gpu_tier_hit_ttft_ms" in r]
+    tier_targets = {"gpu_tier_at_most_1.05x_local_at_every_length":
+                    bool(tiered) and all(r["gpu_tier_remote_vs_local"] <= 1.05 for r in tiered),
+                    "gpu_tier_at_most_0.5x_peer_at_every_length":
+                    bool(tiered) and all(r["gpu_tier_vs_peer"] <= 0.5 for r in tiered),
+                    "gpu_tier_every_block_loaded":
+                    bool(tiered) and all(r["gpu_tier_blocks_loaded"] == r["gpu_tier_blocks_expected"]
+                                         for r in tiered)} if tier else {}
     return {
         "model": f"random-weight Llama, {s.layers} layers, hidden {s.hidden}, {s.kv_heads} KV heads, head "
                  f"{s.head_dim}, bf16 ({s.kv_bytes_per_token // 1024} KiB of KV per token); block {BLOCK_SIZE}; "
@@ -197,7 +263,9 @@ def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: f
                     "remote_at_most_1.2x_local_at_every_length":
                     bool(rows) and all(r["remote_vs_local"] <= 1.2 for r in rows),
                     "floor_at_most_1.2x_local_at_every_length":
-                    bool(rows) and all(r["floor_vs_local"] <= 1.2 for r in rows)},
+                    bool(rows) and all(r["floor_vs_local"] <= 1.2 for r in rows), **tier_targets},
+        **({"gpu_tier": f"a GPU keeper's tier in device memory ({TIER_GIB} GiB, CUDA VMM) on the same GPU; "
+                        f"T publishes, U loads device to device"} if tier else {}),
     }
 
 

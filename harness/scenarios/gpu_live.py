@@ -616,4 +616,7 @@ def failures(result: dict, *, exchanges: bool, sessions: bool, bench: bool,
                 if key in r and r[key] < r["remote_blocks_expected"]:
                     out.append(f"bench at {n} tokens: {key.replace('_', ' ')} {r[key]} of "
                                f"{r['remote_blocks_expected']}")
+            if "gpu_tier_blocks_loaded" in r and r["gpu_tier_blocks_loaded"] < r["gpu_tier_blocks_expected"]:
+                out.append(f"bench at {n} tokens: the GPU tier loaded {r['gpu_tier_blocks_loaded']} of "
+                           f"{r['gpu_tier_blocks_expected']} blocks")
     return out

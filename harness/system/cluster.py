@@ -117,6 +117,9 @@ class Cluster:
         self.pool_tcp_port = free_port()  # fixed, so a restarted pool keeps its address for the proxies
         self._killed: set[str] = set()  # replicas the nemesis killed (not a crash of their own)
         self._sockdirs: list[str] = []  # directories of the local proxies' sockets
+        # processes the replicas depend on besides the pool (a GPU keeper: kvgate.harness.system.keeper),
+        # each with stop(): stopped after the replicas, before the pool
+        self.companions: list = []
         self._stopped = False
 
     # -- start ---------------------------------------------------------------------------
@@ -312,6 +315,8 @@ class Cluster:
             stop_group(r.proc)
         for proxy in self.proxies.values():
             proxy.stop()
+        for companion in self.companions:
+            companion.stop()
         for sockdir in self._sockdirs:
             shutil.rmtree(sockdir, ignore_errors=True)
         if self.pool is not None:
@@ -322,6 +327,7 @@ class Cluster:
         left = [f"replica {r.spec.name} process group {r.proc.pid}" for r in self.replicas.values()
                 if group_alive(r.proc.pid)]
         left += [f"proxy of {name} (pid {p.proc.pid})" for name, p in self.proxies.items() if p.proc.poll() is None]
+        left += [f"{type(c).__name__} (pid {c.proc.pid})" for c in self.companions if c.proc.poll() is None]
         if self.pool is not None:
             mapping = {pid: labels for pid, labels in processes_mapping(segment_label(self.pool.name, "")).items()
                        if pid != os.getpid()}

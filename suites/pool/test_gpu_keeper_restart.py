@@ -28,18 +28,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-import kvpool
 from kvgate.faults.keeper_controls import EagerUnmapTierLink, InstanceBlindTierLink, StaleMappingTierLink
 from kvgate.harness.scenarios import gpu_keeper_wire as W
+from kvgate.harness.system.keeper import KeeperProcess
 from kvgate.harness.system.pool import thread_pool
 from kvpool.client.pool_client import PoolClient
 from kvpool.errors import MissCause, PoolError, TransportError
@@ -49,8 +46,6 @@ from kvpool.gpu.tier_client import ADDRESS_FILE, KeeperStale, TierLink, read_kee
 from kvpool.pool.digest import DigestKind, page_digest
 
 PAGE = 64 * 1024
-ROOT = Path(kvpool.__file__).resolve().parent.parent  # this tree, for the keeper's process too
-START_S = 60.0
 STALE_S = 5.0
 
 
@@ -62,47 +57,7 @@ class PinnedClock:
         return time.monotonic_ns() if self.pinned is None else self.pinned
 
 
-class Keeper:
-    """`python -m kvpool keeper` in its own process, waited for until its address file names a
-    new instance."""
-
-    def __init__(self, run_dir: Path, *extra: str, before: bytes | None = None):
-        self.run_dir = run_dir
-        self.log = run_dir.parent / f"{run_dir.name}-{time.monotonic_ns()}.log"
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvpool", "keeper", "--backing", "memfd", "--run-dir", str(run_dir),
-                 "--tenant", "default=tok", "--page-size", "64KiB", "--pages", "8", "--maintenance-s", "0.05",
-                 *extra], stdout=log, stderr=subprocess.STDOUT, env=env)
-        end = time.monotonic() + START_S
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the keeper exited {self.proc.returncode}: {self.output()}")
-            with contextlib.suppress(PoolError):
-                addr = read_keeper_address(run_dir)
-                if addr.instance != before and addr.pid == self.proc.pid:
-                    self.address = addr
-                    return
-            if time.monotonic() > end:
-                raise AssertionError(f"no address from the keeper within {START_S}s: {self.output()}")
-            time.sleep(0.05)
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(10)
-
-    def terminate(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(20)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+Keeper = KeeperProcess  # `python -m kvpool keeper` in its own process (kvgate.harness.system.keeper)
 
 
 @contextlib.contextmanager

@@ -147,7 +147,7 @@ def parts(monkeypatch):
     monkeypatch.setattr(live_main, "run_live", lambda cluster, model, seed: dict(state["live"]))
     monkeypatch.setattr(live_main, "environment", lambda: {"gpu": "stand-in", "provenance": {"short": "x", "clean": True}})
     monkeypatch.setattr(command, "_stop", lambda cluster: "")
-    monkeypatch.setattr(bench, "start_bench", lambda report_dir, max_len: _Cluster())
+    monkeypatch.setattr(bench, "start_bench", lambda report_dir, max_len, tier=False: _Cluster())
     monkeypatch.setattr(bench, "measure", measure)
     return state
 
@@ -190,6 +190,11 @@ def test_gpu_live_fails_on_a_short_remote_load_and_on_a_bench_length_not_run(tmp
     assert command.main(tmp_path / "b", bench=True, exchanges=False, bench_lengths=(1024, 4096)) == 1
     doc = json.loads((tmp_path / "b" / "result.json").read_text())
     assert doc["failures"] == ["bench at 4096 tokens: not run"]
+    parts["bench"] = _bench_doc((1024,))
+    parts["bench"]["rows"][0].update(gpu_tier_blocks_loaded=10, gpu_tier_blocks_expected=63)  # the tier's load cut short
+    assert command.main(tmp_path / "c", bench=True, exchanges=False, bench_lengths=(1024,), bench_tier=True) == 1
+    doc = json.loads((tmp_path / "c" / "result.json").read_text())
+    assert doc["failures"] == ["bench at 1024 tokens: the GPU tier loaded 10 of 63 blocks"]
 
 
 def test_gpu_live_fails_on_a_failed_exchange_and_when_nothing_was_asked_for(tmp_path, parts):
