@@ -4,6 +4,16 @@ fault is followed by a load of that replica ending in the fault's expected cause
 load ends short without an injected fault to explain it (a pool-side nemesis explains
 transport errors while the pool is down).
 
+Which load a firing struck: one of its replica that ended after it; where the firing names
+the block it struck (its index in the lease), a load with at least that many blocks, and
+first the one that ended with the expected cause at that very block (a shorter load that
+happened to end just after the firing is not it: the campaign's soak seed
+7303238380334646157, a one-block load ending 1 ms after a timeout firing at block 3). A
+corruption written into a page of the pool's shared segment (site pool_arena.page) is in
+that page for every reader until its heal: a corrupt load of another replica that read the
+same page in that span is explained by it (soak seed 7080717195702607883: B's firing, D's
+load of the same page 4 ms later).
+
   miss_causes(recs) -> Verdict
   expected_causes(recs, load_causes, lookup_causes, load_causes_allowed=()) -> Verdict
                      a scenario's declared causes: its loads end in exactly `load_causes`
@@ -13,6 +23,7 @@ transport errors while the pool is down).
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 from kvgate.harness.checkers.verdict import Verdict
@@ -62,20 +73,26 @@ def miss_causes(recs: list[dict]) -> Verdict:
         # ended is not this one's (two loads of one replica running at once, each struck, end in
         # either order). Firings that end nothing (a slow frame, a delay) may strike one load many times.
         after = [r for r in loads if r["replica"] == f["replica"] and r["t"] >= f["t"] - 1e-3
-                 and (f.get("tag") is None or r["tag"] == f["tag"]) and (want is None or id(r) not in ended)]
+                 and (f.get("tag") is None or r["tag"] == f["tag"]) and (want is None or id(r) not in ended)
+                 and (f.get("block") is None or r["blocks"] > f["block"])]
         if not after:
             bad.append(f"fault {kind} on {f['replica']} at {f['t']:.3f}: no load followed it")
             continue
-        hit = after[0]
+        hit = next((r for r in after if _ended_there(f, r, want)), after[0])
         if want is not None:
             ended.add(id(hit))
         if hit.get("miss_cause") != want:
             bad.append(f"fault {kind} on {f['replica']}: load {hit['tag']} ended as {hit.get('miss_cause')!r}, "
                        f"expected {want!r}")
+        elif not _ended_there(f, hit, want) and want is not None:
+            bad.append(f"fault {kind} on {f['replica']}: load {hit['tag']} ended {want} at block "
+                       f"{hit['miss_index'] - hit.get('first_block', 0)}, the firing struck block {f['block']}")
         explained.add(id(hit))
     down = _pool_down_intervals(recs)
+    shared = _shared_page_spans(recs, faults)
     for r in loads:
-        if r["loaded"] < r["blocks"] and id(r) not in explained and not _within(r["t"], down):
+        if r["loaded"] < r["blocks"] and id(r) not in explained and not _within(r["t"], down) \
+                and not _read_a_corrupted_page(r, shared):
             bad.append(f"load {r['tag']} on {r['replica']}: {r.get('miss_cause')} with no injected fault to explain it")
     for r in lookups:
         if r.get("miss_cause") == "transport_error" and not _within(r["t"], down) \
@@ -90,6 +107,42 @@ def miss_causes(recs: list[dict]) -> Verdict:
         return Verdict(False, f"{len(bad)} misclassified: {bad[0]}", evidence, not_checked)
     return Verdict(True, f"{len(lookups)} lookups and {len(loads)} loads each end in a hit or exactly one cause; "
                    f"{len(explained)} injected faults each produced their expected cause", evidence, not_checked)
+
+
+def _ended_there(f: dict, r: dict, want: str | None) -> bool:
+    """Load r ended with firing f's cause at the block f names (where both say which)."""
+    if want is None or r.get("miss_cause") != want:
+        return False
+    index = r.get("miss_index")
+    return f.get("block") is None or index is None or index - r.get("first_block", 0) == f["block"]
+
+
+def _shared_page_spans(recs: list[dict], faults: list[dict]) -> list[tuple[float, float, int | None]]:
+    """(from, until, page) of each corruption written into a page of the pool's shared segment:
+    from its firing to its heal (the same replica, site and lease; none: to the end)."""
+    heals = [r for r in recs if r["ev"] == "heal" and r.get("site") == "pool_arena.page"]
+    out = []
+    for f in faults:
+        if f.get("site") != "pool_arena.page" or f["kind"] != "corrupt":
+            continue
+        until = min((h["t"] for h in heals if h["replica"] == f["replica"] and h.get("lease") == f.get("lease")
+                     and h["t"] >= f["t"]), default=float("inf"))
+        out.append((f["t"], until, f.get("page")))
+    return out
+
+
+PAGE_IN_ERROR = re.compile(r"\(page (\d+)\)")
+
+
+def _read_a_corrupted_page(r: dict, spans: list[tuple[float, float, int | None]]) -> bool:
+    """A corrupt load that ran while a page it names (its error's "(page N)") held a corruption."""
+    if r.get("miss_cause") != "corrupt":
+        return False
+    start = r["t"] - float(r.get("seconds") or 0.0)
+    m = PAGE_IN_ERROR.search(str(r.get("error") or ""))
+    page = int(m.group(1)) if m else None
+    return any(start <= until + 1e-3 and r["t"] >= since - 1e-3 and (page is None or p is None or page == p)
+               for since, until, p in spans)
 
 
 def _pool_down_intervals(recs: list[dict]) -> list[tuple[float, float]]:

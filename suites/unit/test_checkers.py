@@ -124,6 +124,42 @@ def test_many_firings_that_end_nothing_may_strike_one_load():
     assert v.valid is True, v
 
 
+def test_a_firing_strikes_a_load_that_reaches_its_block_not_a_shorter_one_ending_just_after():
+    """The campaign's soak seed 7303238380334646157: a timeout firing at block 3 of B's lease,
+    a one-block load of B ending 1 ms after it (not struck), the struck twelve-block load ending
+    10 s later with a timeout at block 3. Control: the struck load ending at another block is
+    caught."""
+    def history(miss_index: int) -> list[dict]:
+        return [rec("fault", 1.0, "B", site="pool_client.read_page", kind="timeout", block=3, lease=7),
+                rec("load", 1.001, "B", tag="short", first_block=0, blocks=1, loaded=1, failed_block_ids=[],
+                    miss_cause=None, miss_index=None, seconds=0.004),
+                rec("load", 11.25, "B", tag="struck", first_block=0, blocks=12, loaded=miss_index,
+                    failed_block_ids=list(range(12 - miss_index)), miss_cause="timeout", miss_index=miss_index,
+                    seconds=10.26)]
+    v = miss_causes(history(3))
+    assert v.valid is True, v
+    v = miss_causes(history(5))  # a timeout where the firing was not
+    assert v.valid is False and "load struck ended timeout at block 5, the firing struck block 3" in v.reason, v
+
+
+def test_a_corruption_in_a_shared_page_explains_another_replicas_corrupt_load_of_that_page():
+    """The campaign's soak seed 7080717195702607883: B's corrupt firing flips a bit in page 466
+    of the pool's shared segment and heals it 4 ms later; D's load read page 466 in between and
+    ended corrupt. Controls: D's load of another page, or after the heal, stays unexplained."""
+    def history(page: int, at: float) -> list[dict]:
+        return [rec("fault", 1.000, "B", site="pool_arena.page", kind="corrupt", block=0, lease=9, page=466),
+                rec("heal", 1.004, "B", site="pool_arena.page", kind="corrupt", lease=9),
+                rec("load", 1.005, "B", tag="b", first_block=0, blocks=3, loaded=0, failed_block_ids=[1, 2, 3],
+                    miss_cause="corrupt", miss_index=0, seconds=0.02),
+                rec("load", at, "D", tag="d", first_block=0, blocks=3, loaded=0, failed_block_ids=[4, 5, 6],
+                    miss_cause="corrupt", miss_index=0, seconds=0.02,
+                    error=f"CorruptPage: block 0 (page {page}): installed bytes do not match the published digest")]
+    assert miss_causes(history(466, 1.016)).valid is True
+    for page, at in ((467, 1.016), (466, 1.5)):
+        v = miss_causes(history(page, at))
+        assert v.valid is False and "load d on D: corrupt with no injected fault" in v.reason, (page, at, v)
+
+
 def test_transport_errors_while_the_pool_is_down_are_explained():
     history = [rec("nemesis", 1.0, "harness", action="pool_kill"),
                rec("lookup", 2.0, "B", tag="x", outcome="miss", miss_cause="transport_error"),
