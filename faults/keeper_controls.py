@@ -32,12 +32,21 @@ catches it.
                            reservation ids: after a restart the new instance counts from 1 again,
                            so a lease of the old instance still open and the new instance's lease
                            of the same number share one id, and the old one's release ends the new.
+  BytewiseBeatState / BytewiseBeatView
+                           the heartbeat word written (read) with struct, one byte at a time: a
+                           replica reading while the keeper beats can see half of one beat and
+                           half of the next (a beating keeper taken for stale, or a dead one for
+                           alive).
   KEEPERS, SERVERS, CLIENTS  name -> class, for the worker processes that pick one by name.
 """
 
 from __future__ import annotations
 
+import struct
+import time
+
 from kvpool.errors import MalformedFrame
+from kvpool.gpu.handout import HEARTBEAT_OFF, PrivateState, PrivateView
 from kvpool.gpu.keeper import GpuKeeper
 from kvpool.gpu.keeper_server import KeeperServer, KeeperSession
 from kvpool.gpu.tier_backend import TierBackend
@@ -131,3 +140,21 @@ SERVERS: dict[str, type[KeeperServer]] = {
     "FragileKeeperServer": FragileKeeperServer, "UnboundedKeeperServer": UnboundedKeeperServer,
 }
 CLIENTS: dict[str, type[TierClient]] = {"TierClient": TierClient, "HeartbeatBlindTierClient": HeartbeatBlindTierClient}
+
+
+# -- the heartbeat word, moved byte by byte (suites/pool/test_heartbeat_race.py) ---------------------
+
+class BytewiseBeatState(PrivateState):
+    """The keeper's private state writing its heartbeat with struct.pack_into (one byte at a time
+    in CPython): a replica reading meanwhile can see half of one beat and half of the next."""
+
+    def beat(self) -> None:
+        struct.pack_into("<Q", self._map, HEARTBEAT_OFF, time.monotonic_ns())
+
+
+class BytewiseBeatView(PrivateView):
+    """A replica's view reading the heartbeat with struct.unpack_from (byte by byte)."""
+
+    def heartbeat_ns(self) -> int:
+        (ns,) = struct.unpack_from("<Q", self._map, HEARTBEAT_OFF)
+        return ns

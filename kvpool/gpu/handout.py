@@ -255,6 +255,15 @@ F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux >= 
 SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
+def heartbeat_word(buf: mmap.mmap) -> np.ndarray:
+    """The heartbeat as one aligned 64-bit word of the mapping: the keeper writes it and a replica
+    reads it with a single 8-byte store and load, so a reader never sees half of one beat and
+    half of another. (struct.pack_into and unpack_from move the bytes one at a time: on the
+    H200 a replica once read a beating keeper's heartbeat as more than 30 s old, and the same
+    check a moment later as 0.00 s, and failed a transfer with KeeperStale.)"""
+    return np.frombuffer(buf, dtype=np.uint64, count=1, offset=HEARTBEAT_OFF)
+
+
 def private_size(num_pages: int) -> int:
     return (GENERATIONS_OFF + 8 * num_pages + 4095) // 4096 * 4096
 
@@ -274,18 +283,19 @@ class PrivateState:
             os.close(self.fd)
             raise HandoutError(f"cannot create the GPU tier's private state for {label!r}: {exc}") from exc
         self.generations = np.frombuffer(self._map, dtype=np.uint64, count=num_pages, offset=GENERATIONS_OFF)
+        self._heartbeat = heartbeat_word(self._map)
         self.beat()
 
     def beat(self) -> None:
-        struct.pack_into("<Q", self._map, HEARTBEAT_OFF, time.monotonic_ns())
+        self._heartbeat[0] = time.monotonic_ns()
 
     def retire(self) -> None:
         """The heartbeat set to 0 (never): a keeper that stops says so at once to every replica that
         still maps this state, which judges it stale without waiting out the bound."""
-        struct.pack_into("<Q", self._map, HEARTBEAT_OFF, 0)
+        self._heartbeat[0] = 0
 
     def close(self) -> None:
-        self.generations = None  # the array's export of the mapping goes first
+        self.generations = self._heartbeat = None  # the arrays' exports of the mapping go first
         try:
             self._map.close()
         except BufferError:
@@ -316,20 +326,20 @@ class PrivateView:
             raise MalformedHandout("the private state's header is not the descriptor's (magic, version, "
                                    "geometry or instance)")
         self.generations = np.frombuffer(self._map, dtype=np.uint64, count=pages, offset=GENERATIONS_OFF)
+        self._heartbeat = heartbeat_word(self._map)
 
     def generation(self, page: int) -> int:
         return int(self.generations[page])
 
     def heartbeat_ns(self) -> int:
         """The keeper's last heartbeat, CLOCK_MONOTONIC nanoseconds (one clock for the host)."""
-        (ns,) = struct.unpack_from("<Q", self._map, HEARTBEAT_OFF)
-        return ns
+        return int(self._heartbeat[0])
 
     def heartbeat_age_s(self) -> float:
         return (time.monotonic_ns() - self.heartbeat_ns()) / 1e9
 
     def close(self) -> None:
-        self.generations = None
+        self.generations = self._heartbeat = None
         try:
             self._map.close()
         except BufferError:

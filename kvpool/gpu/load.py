@@ -402,7 +402,7 @@ class Loads:
     def _finished_load(self, ids: tuple[int, ...], miss: Miss, done: torch.cuda.Event, t0: float) -> LoadHandle:
         handle = LoadHandle(next(self._ids), ids, 0, miss, done, t0)
         future: cf.Future = cf.Future()
-        future.set_result(((), ()))
+        future.set_result(((), (), None))  # (stale pages, errors, unverified): as _finish_load answers
         handle._future = future
         self._watch(handle)
         return handle
