@@ -5,7 +5,9 @@ VLLM_ALLOW_RUNTIME_LORA_UPDATING=True for the adapters'):
   reset_external(url)              POST /reset_prefix_cache?reset_external=true: the local
                                    prefix cache and the connector's (vLLM's reset_cache),
                                    asked again while the answer is {"success": false} (held
-                                   blocks, a connector that asks to retry), within a bound.
+                                   blocks, a connector that asks to retry), within a bound. A
+                                   server that answers 200 with no body (vLLM 0.24: it reports
+                                   no outcome) is asked once: success None, reported False.
   reload_weights(url, path)        POST /collective_rpc reload_weights(weights_path=...):
                                    the workers load other weights in place (a weight update:
                                    the served model's name and files do not change).
@@ -42,11 +44,20 @@ def reset_external(url: str, timeout_s: float = 60.0) -> dict:
         r = _post(url, "/reset_prefix_cache", 30.0, params={"reset_external": "true"})
         if r.status_code != 200:
             raise RequestFailed(f"{url}: reset_prefix_cache?reset_external=true: HTTP {r.status_code}: {r.text[:300]}")
-        body = r.json()
+        if not r.content.strip():  # vLLM 0.24: 200 and nothing else, whatever the reset did
+            return {"success": None, "reported": False, "tries": tries, "seconds": round(time.monotonic() - t0, 2),
+                    "answers": []}
+        try:
+            body = r.json()
+        except ValueError as exc:
+            raise RequestFailed(f"{url}: reset_prefix_cache?reset_external=true answered what is not JSON: "
+                                f"{r.text[:300]!r}") from exc
+        if not isinstance(body, dict):
+            raise RequestFailed(f"{url}: reset_prefix_cache?reset_external=true answered {body!r}, not an object")
         if body not in answers:
             answers.append(body)
         if body.get("success") or time.monotonic() - t0 > timeout_s:
-            return {"success": bool(body.get("success")), "tries": tries,
+            return {"success": bool(body.get("success")), "reported": True, "tries": tries,
                     "seconds": round(time.monotonic() - t0, 2), "answers": answers}
         time.sleep(0.2)
 

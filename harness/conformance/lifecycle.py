@@ -62,7 +62,8 @@ def reset_external(ctx: Any, prompt_tokens: int = 1200, control: str | None = No
     for the second: no block published before the reset may be claimed or installed
     (nothing was published since: any hit is stale), and each output equals its
     replica's cold run on r2 (under a cache_salt of its own, checked cold: nothing
-    installed) to the last bit. Positive
+    installed) to the last bit (vLLM 0.24 answers the reset with no outcome: then only
+    what follows it is judged). Positive
     control: after the reset A computes a third prompt and B installs A's blocks of it
     (the connector still shares). The replicas load r1 again at the end. Negative control
     `deaf_reset` (on A): reset_cache answers None and keeps the store, vLLM reports
@@ -84,7 +85,8 @@ def reset_external(ctx: Any, prompt_tokens: int = 1200, control: str | None = No
         if control:
             arm_control(ctx, "A", control)
         reset = engine_api.reset_external(ctx.url("A"))
-        c.check("the reset (reset_external=true) reported success", reset["success"], reset)
+        if reset["reported"]:  # a server that reports no outcome (vLLM 0.24) is judged by what follows alone
+            c.check("the reset (reset_external=true) reported success", reset["success"], reset)
         after = {"A": ctx.run("A", p_a, f"{tag}-a2"), "B": ctx.run("B", p_b, f"{tag}-b2")}
         refs = {"A": ctx.run("A", p_a, f"{tag}-aref", cache_salt=f"{tag}-ref"),
                 "B": ctx.run("B", p_b, f"{tag}-bref", cache_salt=f"{tag}-ref")}
