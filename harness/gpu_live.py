@@ -78,6 +78,8 @@ def main(report_dir: Path, seed: int = 20261129, bench: bool = False, bench_reps
     bench replicas, and with `bench_tier` the GPU tier's keeper and its pair too) at the same
     time, run the live exchanges, then the sessions, then the bench rows while time is left; write live.json (and the rest) under report_dir as each part
     finishes."""
+    if bench and bench_tier:  # a tier too large for the GPU is refused before anything starts
+        bench_live.tier_gib(bench_reps * sum(bench_lengths))
     t0 = time.monotonic()
     deadline = t0 + deadline_s
     report_dir.mkdir(parents=True, exist_ok=True)
@@ -90,7 +92,8 @@ def main(report_dir: Path, seed: int = 20261129, bench: bool = False, bench_reps
             sess_f = ex.submit(live.start_sessions, report_dir / "sessions", gpus, max(session_contexts), turns,
                                session_audit)
         if bench:
-            bench_f = ex.submit(bench_live.start_bench, report_dir / "bench", max(bench_lengths), bench_tier)
+            bench_f = ex.submit(bench_live.start_bench, report_dir / "bench", max(bench_lengths), bench_tier,
+                                bench_reps * sum(bench_lengths))
         if live_f is not None:
             try:
                 live_f.result()

@@ -19,7 +19,8 @@ apart by cache_salt):
                       (`peer_loaded_bytes`, `peer_cached_loaded_bytes`) show what it loaded
 With `tier` (the GPU tier, issue 33's targets), also:
   T, U   kvpool's connector on a GPU keeper's tier in device memory (`python -m kvpool keeper
-         --backing vmm`, TIER_GIB on the same GPU; `pool = "keeper:RUN_DIR"`): the GPU engine
+         --backing vmm` on the same GPU, sized for every prefix the run publishes (tier_gib);
+         `pool = "keeper:RUN_DIR"`): the GPU engine
          copies device to device from the keeper's buffer, every page's sketch checked.
   gpu_tier_hit_ttft_ms    TTFT on U of the prompt T computed and published into the tier
   gpu_tier_local_hit_ttft_ms  the same prompt again on U (its own GPU prefix cache)
@@ -33,7 +34,7 @@ bytes at a plain pinned host-to-device copy's rate measured in the same run
 (`pinned_h2d_GBps`), the least a load from host memory adds to the local hit;
 `floor_vs_local` is that bound as a ratio. Not a test: nothing is asserted.
 
-  start_bench(report_dir, max_len, tier=False) -> Cluster     builds the model, starts A, B, S, C, D
+  start_bench(report_dir, max_len, tier=False, tier_tokens=0) -> Cluster     builds the model, starts A, B, S, C, D
                       (and the keeper, T and U)
   measure(cluster, lengths, reps, deadline_s) -> dict
 """
@@ -60,7 +61,9 @@ from kvgate.harness.workload.prompts import Corpus
 KV_BYTES = 10 << 30  # per replica's GPU KV cache: a 64k prefix (4 GiB) stays cached
 CPU_TIER_GIB = 8  # holds one repetition of 8k + 32k + 64k (6.5 GiB); older prefixes are evicted
 CHUNK = 8192
-TIER_GIB = 16  # the keeper's device buffer: one repetition of 8k + 32k + 64k (6.5 GiB) twice over
+# The keeper's device buffer: every prefix the bench publishes, within these. Seven replicas of
+# 0.12 of an H200 (16.8 GiB each) leave about 20 GiB; the keeper must fit in it.
+TIER_GIB_MIN, TIER_GIB_MAX = 4, 18
 TIER_TOKEN = "tier-bench"
 PEER_SETTLE_S = 1.5  # C's offload of a finished request is asynchronous; no completion signal is exposed
 
@@ -69,7 +72,18 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def start_bench(report_dir: Path, max_len: int, tier: bool = False) -> Cluster:
+def tier_gib(tier_tokens: int) -> int:
+    """GiB of the keeper's buffer for `tier_tokens` published (every repetition of every length:
+    the keeper evicts nothing without a host pool, and a full tier answers NO_CAPACITY); a run
+    asking for more than TIER_GIB_MAX is refused before anything starts."""
+    need = -(-tier_tokens * BENCH_SHAPE.kv_bytes_per_token * 11 // 10 // (1 << 30))  # 10% for the pages' rounding
+    if need > TIER_GIB_MAX:
+        raise ValueError(f"the GPU tier would need {need} GiB for {tier_tokens} tokens of prefixes; at most "
+                         f"{TIER_GIB_MAX} GiB fit beside the bench replicas: fewer repetitions or lengths")
+    return max(TIER_GIB_MIN, need)
+
+
+def start_bench(report_dir: Path, max_len: int, tier: bool = False, tier_tokens: int = 0) -> Cluster:
     from kvgate.fixtures.gpu_model import build_llama
     from kvgate.harness.system.keeper import KeeperProcess
 
@@ -101,8 +115,9 @@ def start_bench(report_dir: Path, max_len: int, tier: bool = False) -> Cluster:
     if tier:
         run_dir = report_dir / "keeper-run"
         run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        gib = tier_gib(tier_tokens or max_len)
         cluster.companions.append(KeeperProcess(
-            run_dir, "--gpu", "0", "--page-size", str(page), "--pages", str((TIER_GIB << 30) // page),
+            run_dir, "--gpu", "0", "--page-size", str(page), "--pages", str((gib << 30) // page),
             "--tenant", f"default={TIER_TOKEN}", "--maintenance-s", "0.5", backing="vmm"))
         extra = (("pool", f"keeper:{run_dir}"), ("token", TIER_TOKEN))
         tiered = [ReplicaSpec(name, core=str(5 + i), kv_bytes=KV_BYTES, max_model_len=n_len,
@@ -264,8 +279,8 @@ def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: f
                     bool(rows) and all(r["remote_vs_local"] <= 1.2 for r in rows),
                     "floor_at_most_1.2x_local_at_every_length":
                     bool(rows) and all(r["floor_vs_local"] <= 1.2 for r in rows), **tier_targets},
-        **({"gpu_tier": f"a GPU keeper's tier in device memory ({TIER_GIB} GiB, CUDA VMM) on the same GPU; "
-                        f"T publishes, U loads device to device"} if tier else {}),
+        **({"gpu_tier": "a GPU keeper's tier in device memory (CUDA VMM, sized for every prefix the run "
+                        "publishes) on the same GPU; T publishes, U loads device to device"} if tier else {}),
     }
 
 

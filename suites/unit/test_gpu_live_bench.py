@@ -147,7 +147,7 @@ def parts(monkeypatch):
     monkeypatch.setattr(live_main, "run_live", lambda cluster, model, seed: dict(state["live"]))
     monkeypatch.setattr(live_main, "environment", lambda: {"gpu": "stand-in", "provenance": {"short": "x", "clean": True}})
     monkeypatch.setattr(command, "_stop", lambda cluster: "")
-    monkeypatch.setattr(bench, "start_bench", lambda report_dir, max_len, tier=False: _Cluster())
+    monkeypatch.setattr(bench, "start_bench", lambda report_dir, max_len, tier=False, tier_tokens=0: _Cluster())
     monkeypatch.setattr(bench, "measure", measure)
     return state
 
@@ -202,3 +202,13 @@ def test_gpu_live_fails_on_a_failed_exchange_and_when_nothing_was_asked_for(tmp_
     parts["live"] = {"passed": False, "seed": 1, "env": {}, "exchanges": [_exchange("stream_delay", False)]}
     assert command.main(tmp_path / "bad") == 1
     assert command.main(tmp_path / "none", exchanges=False) == 1  # nothing asked for: not run is not a pass
+
+
+def test_the_gpu_tier_is_sized_for_every_prefix_the_bench_publishes():
+    """The H200 run of 2026-12-05: 16 GiB held two repetitions of 8k + 32k + 64k, and the third
+    64k publish found the tier full. Two repetitions need 13 GiB (+10%); three (19.5 GiB + 10%)
+    do not fit beside the seven replicas and are refused before anything starts."""
+    assert bench.tier_gib(2 * (8192 + 32768 + 65536)) == 15
+    assert bench.tier_gib(1024) == bench.TIER_GIB_MIN
+    with pytest.raises(ValueError, match="fewer repetitions"):
+        bench.tier_gib(3 * (8192 + 32768 + 65536))
