@@ -148,8 +148,8 @@ class BytewiseBeatState(PrivateState):
     """The keeper's private state writing its heartbeat with struct.pack_into (one byte at a time
     in CPython): a replica reading meanwhile can see half of one beat and half of the next."""
 
-    def beat(self) -> None:
-        struct.pack_into("<Q", self._map, HEARTBEAT_OFF, time.monotonic_ns())
+    def beat(self, now_ns: int | None = None) -> None:
+        struct.pack_into("<Q", self._map, HEARTBEAT_OFF, time.monotonic_ns() if now_ns is None else now_ns)
 
 
 class BytewiseBeatView(PrivateView):

@@ -286,8 +286,9 @@ class PrivateState:
         self._heartbeat = heartbeat_word(self._map)
         self.beat()
 
-    def beat(self) -> None:
-        self._heartbeat[0] = time.monotonic_ns()
+    def beat(self, now_ns: int | None = None) -> None:
+        """The heartbeat is now (CLOCK_MONOTONIC, one clock for the host), or `now_ns`."""
+        self._heartbeat[0] = time.monotonic_ns() if now_ns is None else now_ns
 
     def retire(self) -> None:
         """The heartbeat set to 0 (never): a keeper that stops says so at once to every replica that
