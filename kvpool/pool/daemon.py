@@ -321,7 +321,8 @@ class PoolDaemon(RequestHandlers, LookupWaits, Scrubber, SegmentHandout):
             for tp in self.pools.values():
                 tp.catalog.reap(now)
                 self._wake_closed(tp)
-            for ticket in [t for t, (_, deadline) in self._tickets.items() if deadline <= now]:
+            real = time.monotonic()  # attach tickets are a wait of the real clock, not grants
+            for ticket in [t for t, (_, deadline) in self._tickets.items() if deadline <= real]:
                 del self._tickets[ticket]
             self.reaped_at = now
 

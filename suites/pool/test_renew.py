@@ -20,6 +20,7 @@ loaded CI machine). TTL 0.5 s, renewals every 1/6 s of real time, the reaper eve
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -279,5 +280,26 @@ def test_control_per_unit_renewal_loses_the_queued_unit_and_the_oracle_catches_i
             assert served_byte_exact(r, *units[0]) == (True, None)
             exact, cause = served_byte_exact(r, *units[1])
             assert not exact and cause is MissCause.NEVER_PUBLISHED  # caught: the queued unit's blocks
+    finally:
+        d.stop_thread()
+
+
+def test_a_pool_clock_far_ahead_of_the_real_one_leaves_the_attach_tickets_alone():
+    """Attach tickets (the hello's handout of the segment) are a wait of the real clock: a
+    ManualClock thousands of seconds ahead must not reap them (it did, racing each client's
+    attach: clients came up with no arena mapped, a reserved_view of None). A ticket issued
+    as a hello issues it survives a whole reaper round; a client still attaches."""
+    clock = ManualClock(start=time.monotonic() + 10_000.0)
+    d = daemon(clock=clock)
+    try:
+        async def issue() -> bytes:  # on the daemon's loop, as a hello issues it
+            return d._ticket(DEFAULT_TENANT)
+
+        issued = asyncio.run_coroutine_threadsafe(issue(), d._loop).result(10)
+        clock.settle(d)
+        clock.settle(d)  # two whole rounds after the ticket was issued
+        assert issued in d._tickets, "the reaper took an attach ticket by the pool's clock"
+        with client(d, "c") as c:
+            assert c.arena is not None
     finally:
         d.stop_thread()
