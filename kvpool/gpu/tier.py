@@ -59,7 +59,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvpool.errors import InvalidRequest, LeaseLost, MissCause
+from kvpool.errors import InvalidRequest, LeaseLost, MissCause, TransportError
 from kvpool.pool.catalog import AdmissionPolicy, Catalog, CatalogConfig, LoadLimits, LruPage
 from kvpool.pool.digest import DigestKind
 from kvpool.pool.keys import Namespace
@@ -79,6 +79,12 @@ class WrongInstance(LeaseLost):
     """A lease or reservation granted by one keeper instance (or session) presented to another:
     refused on the client, nothing sent, no page touched. Its pages are lost to the caller as
     a lease is (the connector recomputes or republishes)."""
+
+
+class KeeperRefused(TransportError):
+    """The keeper answered and refused this replica's hello (a token it does not know, no room
+    for another session, a handout it would not give): unreachable for its calls, as a transport
+    error; at a replica's start, a configuration to fix rather than a keeper to wait for."""
 
 
 DEMOTER = 0  # the client id of the keeper's demoter (replicas' ids start at 1)

@@ -91,7 +91,7 @@ from kvpool.errors import (
     error_from_code,
 )
 from kvpool.gpu.handout import verify_listener
-from kvpool.gpu.tier import TierRun, WrongInstance
+from kvpool.gpu.tier import KeeperRefused, TierRun, WrongInstance
 from kvpool.gpu.tier_map import TierMap
 from kvpool.pool import protocol as P
 from kvpool.pool.digest import DigestKind
@@ -473,8 +473,8 @@ class TierLink:
             # handout): the tier is unreachable for this replica, a transport_error miss to its lookups
             if old is not None and old.tier is not None and old.keeper_stale():
                 raise old._stale(f"reconnect to {address.socket}: {type(exc).__name__}: {exc}") from exc
-            raise TransportError(f"reconnect to the keeper at {address.socket} refused: "
-                                 f"{type(exc).__name__}: {exc}") from exc
+            raise KeeperRefused(f"reconnect to the keeper at {address.socket} refused: "
+                                f"{type(exc).__name__}: {exc}") from exc
         if new.instance != address.instance:  # the address file changed between its read and the hello
             new.close()
             raise TransportError(f"the keeper at {address.socket} is instance {new.instance.hex()}, its address "

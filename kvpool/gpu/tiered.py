@@ -108,7 +108,7 @@ from kvpool.errors import (
     PoolTimeout,
     TransportError,
 )
-from kvpool.gpu.tier import fall_through
+from kvpool.gpu.tier import KeeperRefused, fall_through
 from kvpool.pool.digest import DigestKind
 from kvpool.pool.keys import NAMESPACE_RESET, Namespace
 from kvpool.pool.records import (
@@ -203,6 +203,8 @@ class TieredBackend:
         for k, (name, b) in enumerate(members):
             try:
                 sizes[name] = int(b.page_size)
+            except KeeperRefused:  # it answered and refused this replica: a configuration to fix, not to wait for
+                raise
             except UNREACHABLE as exc:
                 late[k] = exc
         if not sizes:
@@ -230,23 +232,40 @@ class TieredBackend:
 
     def _member(self, k: int) -> PoolBackend:
         """Member k, to be asked: a late member's page size is read first (its error is the
-        caller's, a miss of that member), and one of another page size is left out for good."""
+        caller's, a miss of that member), and one of another page size is left out for good.
+        Two threads may read a late member's page size at once; one decides, under the lock."""
         name = self.names[k]
-        if name in self.left_out:
-            raise MemberLeftOut(self.left_out[name])
-        if k in self._late:
-            size = int(self.members[k].page_size)
-            with self._lock:
-                self._late.discard(k)
-                if size != self.page_size:
-                    self.left_out[name] = (f"member {name!r} joined with pages of {size} bytes, the others' are "
-                                           f"{self.page_size}: left out")
-                    self.counters[f"tiered_{name}_left_out"] = 1
+        with self._lock:
             if name in self.left_out:
-                log.error("%s", self.left_out[name])
                 raise MemberLeftOut(self.left_out[name])
-            log.info("tier member %r answered: asked from now on", name)
+            late = k in self._late
+        if late:
+            size = int(self.members[k].page_size)
+            decided = False
+            with self._lock:
+                if k in self._late:
+                    self._late.discard(k)
+                    decided = True
+                    if size != self.page_size:
+                        self.left_out[name] = (f"member {name!r} joined with pages of {size} bytes, the others' "
+                                               f"are {self.page_size}: left out")
+                        self.counters[f"tiered_{name}_left_out"] = 1
+                refused = self.left_out.get(name)
+            if refused is not None:
+                if decided:
+                    log.error("%s", refused)
+                raise MemberLeftOut(refused)
+            if decided:
+                log.info("tier member %r answered: asked from now on", name)
         return self.members[k]
+
+    def _asked(self, late: bool = False) -> list[tuple[int, PoolBackend]]:
+        """The members a call to every member asks (stats, the TTLs, deadlines): all but those
+        left out and (unless `late`) those not reached yet. An evict asks the late ones too: a
+        reset must not succeed past a tier it could not reach."""
+        with self._lock:
+            return [(k, b) for k, b in enumerate(self.members) if (late or k not in self._late)
+                    and self.names[k] not in self.left_out]
 
     def _count(self, member: int, what: str, n: int = 1) -> None:
         with self._lock:
@@ -255,7 +274,7 @@ class TieredBackend:
     # -- what the pool advertises -------------------------------------------------------------
     def _shortest(self, attr: str) -> float:
         ttls = []
-        for b in self.members:
+        for _, b in self._asked():
             if getattr(b, "renew", None) is None:
                 continue
             try:
@@ -277,7 +296,7 @@ class TieredBackend:
     @contextlib.contextmanager
     def call_deadline(self, seconds: float) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
-            for b in self.members:
+            for _, b in self._asked():
                 bound = getattr(b, "call_deadline", None)
                 if bound is not None:
                     stack.enter_context(bound(seconds))
@@ -601,17 +620,19 @@ class TieredBackend:
     def evict(self, ns: Namespace, hashes: Sequence[bytes]) -> list[EvictOutcome]:
         reset = list(hashes) == [NAMESPACE_RESET]
         answers: list[list[EvictOutcome]] = []
+        asked: list[int] = []
         errors: list[BaseException] = []
-        for k, member in enumerate(self.members):
+        for k, member in self._asked(late=True):
             try:
                 answers.append(list(member.evict(ns, hashes)))
+                asked.append(k)
             except PoolError as exc:
                 exc.add_note(f"evicting from member {self.names[k]!r}")
                 errors.append(exc)
         _raise_first(errors, "evictions")
         if reset:
             return [o for a in answers for o in a]
-        for k, a in enumerate(answers):
+        for k, a in zip(asked, answers):
             if len(a) != len(hashes):
                 raise MalformedFrame(f"member {self.names[k]!r}: an evict of {len(hashes)} blocks answered {len(a)}")
         out = []
@@ -622,7 +643,8 @@ class TieredBackend:
 
     def stats(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        for name, member in zip(self.names, self.members):
+        for k, member in self._asked():
+            name = self.names[k]
             stats = getattr(member, "stats", None)
             if stats is None:
                 continue

@@ -25,6 +25,7 @@ from kvpool.connector.params import request_inputs, salt_root
 from kvpool.connector.scheduler import KVPoolScheduler
 from kvpool.connector.settings import ConnectorSettings, connect_backend
 from kvpool.connector.worker import KVPoolWorker
+from kvpool.gpu.tier import KeeperRefused
 from kvpool.gpu.tier_backend import TierBackend
 from kvpool.gpu.tier_client import TierLink
 from kvpool.gpu.tiered import TieredBackend, TierMismatch
@@ -240,6 +241,22 @@ def test_a_late_keeper_of_another_page_size_is_left_out_and_the_host_pool_serves
     finally:
         if keeper is not None:
             keeper.stop()
+        pool.cleanup()
+
+
+def test_a_keeper_that_refuses_the_replica_is_an_error_at_start_not_a_keeper_to_wait_for(tmp_path):
+    """A keeper that is up and answers the hello with a refusal (a token it does not know) is a
+    configuration to fix: connect_backend raises KeeperRefused; it is not taken for a keeper
+    not started yet (found in review: the replica ran on the host pool, retrying the hello on
+    every call)."""
+    run_dir, pool_dir = _dirs(tmp_path)
+    pool = PoolProcess.start(page_size=PAGE, num_pages=8, run_dir=pool_dir, token="host-token")
+    keeper = Keeper(run_dir, "--page-size", "16KiB", "--tenant", "default=another-token")
+    try:
+        with pytest.raises(KeeperRefused, match="refused"):
+            connect_backend(_settings(tmp_path, run_dir, pool), "worker", None)  # type: ignore[arg-type]
+    finally:
+        keeper.stop()
         pool.cleanup()
 
 
