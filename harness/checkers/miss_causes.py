@@ -12,7 +12,10 @@ happened to end just after the firing is not it: the campaign's soak seed
 corruption written into a page of the pool's shared segment (site pool_arena.page) is in
 that page for every reader until its heal: a corrupt load of another replica that read the
 same page in that span is explained by it (soak seed 7080717195702607883: B's firing, D's
-load of the same page 4 ms later).
+load of the same page 4 ms later): the load must name the page (its error's "(page N)"), and a
+corruption with no heal on record lasts at most SHARED_SPAN_MAX_S. Pages are not told apart by
+tenant (the records do not say which segment): a page number of one tenant's segment explains the
+same number of another's, within that span.
 
   miss_causes(recs) -> Verdict
   expected_causes(recs, load_causes, lookup_causes, load_causes_allowed=()) -> Verdict
@@ -78,13 +81,13 @@ def miss_causes(recs: list[dict]) -> Verdict:
         if not after:
             bad.append(f"fault {kind} on {f['replica']} at {f['t']:.3f}: no load followed it")
             continue
-        hit = next((r for r in after if _ended_there(f, r, want)), after[0])
+        hit = next((r for r in after if _running_at(f, r) and _ended_there(f, r, want)), after[0])
         if want is not None:
             ended.add(id(hit))
         if hit.get("miss_cause") != want:
             bad.append(f"fault {kind} on {f['replica']}: load {hit['tag']} ended as {hit.get('miss_cause')!r}, "
                        f"expected {want!r}")
-        elif not _ended_there(f, hit, want) and want is not None:
+        elif want is not None and not _ended_there(f, hit, want):
             bad.append(f"fault {kind} on {f['replica']}: load {hit['tag']} ended {want} at block "
                        f"{hit['miss_index'] - hit.get('first_block', 0)}, the firing struck block {f['block']}")
         explained.add(id(hit))
@@ -109,12 +112,22 @@ def miss_causes(recs: list[dict]) -> Verdict:
                    f"{len(explained)} injected faults each produced their expected cause", evidence, not_checked)
 
 
+def _running_at(f: dict, r: dict) -> bool:
+    """Load r was under way when firing f fired (where its record says how long it ran)."""
+    return "seconds" not in r or r["t"] - float(r["seconds"]) <= f["t"] + 1e-3
+
+
 def _ended_there(f: dict, r: dict, want: str | None) -> bool:
-    """Load r ended with firing f's cause at the block f names (where both say which)."""
+    """Load r ended with firing f's cause at the block f names (where both say which). An evict
+    firing names the first block of its run; a block of it that another load holds leased stays
+    (LEASED), so the load ends evicted at that block or after it."""
     if want is None or r.get("miss_cause") != want:
         return False
     index = r.get("miss_index")
-    return f.get("block") is None or index is None or index - r.get("first_block", 0) == f["block"]
+    if f.get("block") is None or index is None:
+        return True
+    at = index - r.get("first_block", 0)
+    return at == f["block"] or (f["kind"] == "evict" and at > f["block"])
 
 
 def _shared_page_spans(recs: list[dict], faults: list[dict]) -> list[tuple[float, float, int | None]]:
@@ -126,11 +139,15 @@ def _shared_page_spans(recs: list[dict], faults: list[dict]) -> list[tuple[float
         if f.get("site") != "pool_arena.page" or f["kind"] != "corrupt":
             continue
         until = min((h["t"] for h in heals if h["replica"] == f["replica"] and h.get("lease") == f.get("lease")
-                     and h["t"] >= f["t"]), default=float("inf"))
-        out.append((f["t"], until, f.get("page")))
+                     and h["t"] >= f["t"]), default=f["t"] + SHARED_SPAN_MAX_S)
+        if f.get("page") is not None:
+            out.append((f["t"], until, int(f["page"])))
     return out
 
 
+# A shared page's corruption with no heal on record (its lease dropped unreleased) is taken to
+# last at most the pool's default lease TTL (kvpool.pool.config: 60 s), after which the page is reaped.
+SHARED_SPAN_MAX_S = 60.0
 PAGE_IN_ERROR = re.compile(r"\(page (\d+)\)")
 
 
@@ -138,11 +155,11 @@ def _read_a_corrupted_page(r: dict, spans: list[tuple[float, float, int | None]]
     """A corrupt load that ran while a page it names (its error's "(page N)") held a corruption."""
     if r.get("miss_cause") != "corrupt":
         return False
-    start = r["t"] - float(r.get("seconds") or 0.0)
     m = PAGE_IN_ERROR.search(str(r.get("error") or ""))
-    page = int(m.group(1)) if m else None
-    return any(start <= until + 1e-3 and r["t"] >= since - 1e-3 and (page is None or p is None or page == p)
-               for since, until, p in spans)
+    if m is None:  # a load that names no page is explained by its own replica's faults only
+        return False
+    start, page = r["t"] - float(r.get("seconds") or 0.0), int(m.group(1))
+    return any(start <= until + 1e-3 and r["t"] >= since - 1e-3 and page == p for since, until, p in spans)
 
 
 def _pool_down_intervals(recs: list[dict]) -> list[tuple[float, float]]:
