@@ -46,6 +46,7 @@ def test_reset_external_reads_each_versions_answer(bodies, want):
         got = engine_api.reset_external(url)
     finally:
         server.shutdown()
+        server.server_close()
     assert {k: got[k] for k in want} == want
     assert asked[0] == "/reset_prefix_cache?reset_external=true"
 
@@ -58,3 +59,4 @@ def test_reset_external_refuses_an_answer_it_cannot_read(body):
             engine_api.reset_external(url)
     finally:
         server.shutdown()
+        server.server_close()
