@@ -195,7 +195,8 @@ def cmd_gpu_live(args: argparse.Namespace) -> int:
     return gpu_live(args.report_dir, seed=args.seed, bench=args.bench, bench_reps=args.bench_reps,
                     bench_lengths=lengths, deadline_s=args.deadline, gpus=args.gpus, sessions=args.sessions,
                     session_contexts=contexts, session_count=args.session_count, turns=args.turns,
-                    exchanges=not args.no_exchanges, session_audit=args.session_audit, bench_tier=args.bench_tier)
+                    exchanges=not args.no_exchanges, session_audit=args.session_audit, bench_tier=args.bench_tier,
+                    bench_tier_only=args.bench_tier_only, bench_tier_extra=_connector_extra(args.bench_tier_config))
 
 
 def _connector_extra(text: str | None) -> dict | None:
@@ -564,6 +565,11 @@ def build_parser() -> argparse.ArgumentParser:
     gl.add_argument("--bench-tier", action="store_true",
                     help="also the GPU tier in the bench: a keeper in device memory and a replica pair on it "
                          "(gpu_tier_* keys: against the local hit and OffloadingConnector's CPU-tier hit)")
+    gl.add_argument("--bench-tier-only", action="store_true",
+                    help="the GPU tier's rows alone: OffloadingConnector (C), the keeper, T publishing, U loading "
+                         "asynchronously and V with load_mode sync (fewer replicas: fits an 80 GiB GPU)")
+    gl.add_argument("--bench-tier-config", default=None,
+                    help='JSON: more connector settings of the tier\'s replicas, e.g. {"gpu_chunk_mib": 512}')
     gl.add_argument("--bench-lengths", default="8192,32768,65536")
     gl.add_argument("--deadline", type=float, default=540.0, help="seconds for the whole run (bench stops early)")
     gl.add_argument("--gpus", type=int, default=1,

@@ -73,13 +73,15 @@ def _run_part(result: dict, name: str, started, body) -> None:  # noqa: ANN001 -
 def main(report_dir: Path, seed: int = 20261129, bench: bool = False, bench_reps: int = 1,
          bench_lengths: tuple[int, ...] = (8192, 32768, 65536), deadline_s: float = 540.0, gpus: int = 1,
          sessions: bool = False, session_contexts: tuple[int, ...] = (32768,), session_count: int = 2,
-         turns: int = 6, exchanges: bool = True, session_audit: bool = False, bench_tier: bool = False) -> int:
+         turns: int = 6, exchanges: bool = True, session_audit: bool = False, bench_tier: bool = False,
+         bench_tier_only: bool = False, bench_tier_extra: dict | None = None) -> int:
     """Start the tiny replicas (and, with `sessions`, the session replicas; with `bench`, the
     bench replicas, and with `bench_tier` the GPU tier's keeper and its pair too) at the same
     time, run the live exchanges, then the sessions, then the bench rows while time is left; write live.json (and the rest) under report_dir as each part
     finishes."""
+    bench_tier = bench_tier or bench_tier_only
     if bench and bench_tier:  # a tier too large for the GPU is refused before anything starts
-        bench_live.tier_gib(bench_reps * sum(bench_lengths))
+        bench_live.tier_gib(bench_reps * sum(bench_lengths), bench_tier_only)
     t0 = time.monotonic()
     deadline = t0 + deadline_s
     report_dir.mkdir(parents=True, exist_ok=True)
@@ -93,7 +95,7 @@ def main(report_dir: Path, seed: int = 20261129, bench: bool = False, bench_reps
                                session_audit)
         if bench:
             bench_f = ex.submit(bench_live.start_bench, report_dir / "bench", max(bench_lengths), bench_tier,
-                                bench_reps * sum(bench_lengths))
+                                bench_reps * sum(bench_lengths), bench_tier_only, bench_tier_extra)
         if live_f is not None:
             try:
                 live_f.result()
@@ -116,8 +118,8 @@ def main(report_dir: Path, seed: int = 20261129, bench: bool = False, bench_reps
             (report_dir / "sessions.json").write_text(json.dumps(result.get("sessions"), indent=1, default=str))
         if bench_f is not None:
             _run_part(result, "bench", bench_f,
-                      lambda c: bench_live.measure(c, bench_lengths, bench_reps,
-                                                   deadline_s=deadline - time.monotonic()))
+                      lambda c: (bench_live.measure_tier if bench_tier_only else bench_live.measure)(
+                          c, bench_lengths, bench_reps, deadline_s=deadline - time.monotonic()))
     result["wall_s"] = round(time.monotonic() - t0)
     result["failures"] = live.failures(result, exchanges=exchanges, sessions=sessions, bench=bench,
                                   session_contexts=session_contexts, bench_lengths=bench_lengths,

@@ -37,6 +37,8 @@ bytes at a plain pinned host-to-device copy's rate measured in the same run
   start_bench(report_dir, max_len, tier=False, tier_tokens=0) -> Cluster     builds the model, starts A, B, S, C, D
                       (and the keeper, T and U)
   measure(cluster, lengths, reps, deadline_s) -> dict
+  start_bench(..., tier_only=True, tier_extra={...}) -> Cluster   C, the keeper, T, U and V only
+  measure_tier(cluster, lengths, reps, deadline_s) -> dict   the tier's rows alone, both load modes
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ CHUNK = 8192
 # The keeper's device buffer: every prefix the bench publishes, within these. Seven replicas of
 # 0.12 of an H200 (16.8 GiB each) leave about 20 GiB; the keeper must fit in it.
 TIER_GIB_MIN, TIER_GIB_MAX = 4, 18
+# With the tier alone (C, T, U, V: four replicas of about 12 GiB each), the keeper may take more;
+# this bound fits an 80 GiB H100 too.
+TIER_ONLY_GIB_MAX = 24
 TIER_TOKEN = "tier-bench"
 PEER_SETTLE_S = 1.5  # C's offload of a finished request is asynchronous; no completion signal is exposed
 
@@ -72,21 +77,28 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def tier_gib(tier_tokens: int) -> int:
+def tier_gib(tier_tokens: int, tier_only: bool = False) -> int:
     """GiB of the keeper's buffer for `tier_tokens` published (every repetition of every length:
     the keeper evicts nothing without a host pool, and a full tier answers NO_CAPACITY); a run
-    asking for more than TIER_GIB_MAX is refused before anything starts."""
+    asking for more than fits (TIER_GIB_MAX beside the seven replicas, TIER_ONLY_GIB_MAX beside
+    the tier's four) is refused before anything starts."""
     need = -(-tier_tokens * BENCH_SHAPE.kv_bytes_per_token * 11 // 10 // (1 << 30))  # 10% for the pages' rounding
-    if need > TIER_GIB_MAX:
+    most = TIER_ONLY_GIB_MAX if tier_only else TIER_GIB_MAX
+    if need > most:
         raise ValueError(f"the GPU tier would need {need} GiB for {tier_tokens} tokens of prefixes; at most "
-                         f"{TIER_GIB_MAX} GiB fit beside the bench replicas: fewer repetitions or lengths")
+                         f"{most} GiB fit beside the bench replicas: fewer repetitions or lengths")
     return max(TIER_GIB_MIN, need)
 
 
-def start_bench(report_dir: Path, max_len: int, tier: bool = False, tier_tokens: int = 0) -> Cluster:
+def start_bench(report_dir: Path, max_len: int, tier: bool = False, tier_tokens: int = 0,
+                tier_only: bool = False, tier_extra: dict | None = None) -> Cluster:
+    """`tier_only`: C and the tier's replicas alone (T, U and V, a consumer with load_mode sync),
+    for measure_tier. `tier_extra`: more connector settings of T, U and V (for example
+    {"gpu_chunk_mib": 512, "gpu_sketch": "triton-dot"})."""
     from kvgate.fixtures.gpu_model import build_llama
     from kvgate.harness.system.keeper import KeeperProcess
 
+    tier = tier or tier_only
     t0 = time.monotonic()
     model = build_llama(report_dir / "model", BENCH_SHAPE, seed=0)
     _say(f"bench gpu live: model built in {time.monotonic() - t0:.0f} s")
@@ -115,16 +127,18 @@ def start_bench(report_dir: Path, max_len: int, tier: bool = False, tier_tokens:
     if tier:
         run_dir = report_dir / "keeper-run"
         run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        gib = tier_gib(tier_tokens or max_len)
+        gib = tier_gib(tier_tokens or max_len, tier_only)
         cluster.companions.append(KeeperProcess(
             run_dir, "--gpu", "0", "--page-size", str(page), "--pages", str((gib << 30) // page),
             "--tenant", f"default={TIER_TOKEN}", "--maintenance-s", "0.5", backing="vmm"))
-        extra = (("pool", f"keeper:{run_dir}"), ("token", TIER_TOKEN))
+        extra = (("pool", f"keeper:{run_dir}"), ("token", TIER_TOKEN), *sorted((tier_extra or {}).items()))
+        names = (("T", ()), ("U", ()), *((("V", (("load_mode", "sync"),)),) if tier_only else ()))
         tiered = [ReplicaSpec(name, core=str(5 + i), kv_bytes=KV_BYTES, max_model_len=n_len,
-                              max_num_batched_tokens=CHUNK, extra_args=gpu_args(0.12), connector_extra=extra)
-                  for i, name in enumerate(("T", "U"))]
+                              max_num_batched_tokens=CHUNK, extra_args=gpu_args(0.12),
+                              connector_extra=(*extra, *more))
+                  for i, (name, more) in enumerate(names)]
     try:
-        cluster.start([*ours, peer, peer_cached, *tiered], timeout=400.0)
+        cluster.start([peer, *tiered] if tier_only else [*ours, peer, peer_cached, *tiered], timeout=400.0)
     except BaseException:
         for companion in cluster.companions:
             companion.stop()
@@ -281,6 +295,97 @@ def measure(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: f
                     bool(rows) and all(r["floor_vs_local"] <= 1.2 for r in rows), **tier_targets},
         **({"gpu_tier": "a GPU keeper's tier in device memory (CUDA VMM, sized for every prefix the run "
                         "publishes) on the same GPU; T publishes, U loads device to device"} if tier else {}),
+    }
+
+
+def measure_tier(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline_s: float) -> dict:
+    """The GPU tier alone (start_bench(tier_only=True)): per length and repetition, a fresh
+    seeded prompt that T computes and publishes into the keeper's device buffer; U (the
+    default load mode: asynchronous on CUDA) and V (load_mode sync) each load it device to
+    device and then hit it again in their own prefix cache; C, OffloadingConnector, computes
+    and offloads it and hits its CPU tier. The ratios of issue 33 per load mode, and
+    `gpu_tier_local_vs_peer`: the consumer's own local hit against C's CPU-tier hit, the least
+    any tier's hit can be (it pays for everything a local hit pays for, and its load)."""
+    t_end = time.monotonic() + deadline_s
+    C, T, U, V = (cluster.replicas[n].url for n in ("C", "T", "U", "V"))
+    corpus = Corpus(cluster.model_dir)
+    rng = random.Random("bench-gpu-tier:20261205")
+    for url, name in ((C, "C"), (T, "T"), (U, "U"), (V, "V")):
+        complete(url, corpus.text(64, rng), tag=f"warmup-{name}", replica=name, max_tokens=2, load=False,
+                 publish=False)
+    prime = primer(corpus, rng)
+    modes = (("", "U", U), ("sync_", "V", V))  # (key prefix, replica, url); tags say "sync-"
+    rows = []
+    for n in lengths:
+        ttft: dict[str, list[float]] = {k: [] for m, _, _ in modes for k in (f"{m}hit", f"{m}local")}
+        phases: dict[str, list[dict[str, float]]] = {k: [] for k in ttft}
+        peer: list[float] = []
+        peer_moved: list[dict[str, float]] = []
+        for rep in range(reps):
+            if time.monotonic() > t_end - 30:
+                _say(f"bench gpu tier: out of time before {n} tokens, rep {rep}")
+                break
+            prompt = corpus.text(n - 1, rng)  # + BOS = n tokens
+            salt = f"tier-{n}-{rep}"
+            complete(T, prompt, tag=f"tierpub-{n}-{rep}", replica="T", max_tokens=1, cache_salt=salt)
+            wait_published(cluster.history_dir, "T", f"tierpub-{n}-{rep}", n // BLOCK_SIZE, timeout_s=60)
+            for m, name, url in modes:
+                t = m.replace("_", "-")
+                h = timed(url, name, f"tier-{t}{n}-{rep}", prompt, prime=prime, history_dir=cluster.history_dir,
+                          phases=phases[f"{m}hit"], phase_of=remote_phases, cache_salt=salt)
+                loc = timed(url, name, f"tierlocal-{t}{n}-{rep}", prompt, prime=prime,
+                            history_dir=cluster.history_dir, phases=phases[f"{m}local"], phase_of=local_phases,
+                            load=False, publish=False, cache_salt=salt)
+                ttft[f"{m}hit"].append(h.ttft_s * 1e3)
+                ttft[f"{m}local"].append(loc.ttft_s * 1e3)
+            ph, moved = _peer_hit(C, "C", prompt, f"{n}-{rep}", salt + "-peer", prime, reset=False)
+            peer.append(ph.ttft_s * 1e3)
+            peer_moved.append(moved)
+            _say(f"  {n:>6} rep {rep}: GPU tier hit {ttft['hit'][-1]:.0f} ms (local {ttft['local'][-1]:.0f} ms), "
+                 f"sync loads {ttft['sync_hit'][-1]:.0f} ms (local {ttft['sync_local'][-1]:.0f} ms), "
+                 f"OffloadingConnector CPU hit {peer[-1]:.0f} ms")
+        if not peer:
+            break
+        row: dict[str, Any] = {"prefix_tokens": n, "runs": len(peer), "kv_bytes": n * BENCH_SHAPE.kv_bytes_per_token,
+                               "peer_hit_ttft_ms": round(statistics.median(peer), 1),
+                               "peer_hit_ttft_ms_all": [round(v, 1) for v in peer]}
+        if all(peer_moved):
+            row["peer_loaded_bytes"] = statistics.median(m.get("load_bytes", 0.0) for m in peer_moved)
+            row["peer_load_seconds"] = round(statistics.median(m.get("load_seconds", 0.0) for m in peer_moved), 4)
+        for m, name, _ in modes:
+            loads = [r for r in _records(cluster, "load", name)
+                     if str(r.get("tag", "")).startswith(f"tier-{m.replace('_', '-')}{n}-")]
+            key = f"gpu_tier_{m}"
+            row[f"{key}blocks_loaded"] = sum(int(r["loaded"]) for r in loads)
+            row[f"{key}blocks_expected"] = len(peer) * ((n - 1) // BLOCK_SIZE)
+            for what, label in (("hit", "hit"), ("local", "local_hit")):
+                values = ttft[f"{m}{what}"]
+                row[f"{key}{label}_ttft_ms"] = round(statistics.median(values), 1)
+                row[f"{key}{label}_ttft_ms_all"] = [round(v, 1) for v in values]
+                row[f"{key}{'phases' if what == 'hit' else 'local_phases'}_ms"] = median_phases(phases[f"{m}{what}"])
+            row[f"{key}remote_vs_local"] = round(row[f"{key}hit_ttft_ms"] / row[f"{key}local_hit_ttft_ms"], 3)
+            row[f"{key}vs_peer"] = round(row[f"{key}hit_ttft_ms"] / row["peer_hit_ttft_ms"], 3)
+            row[f"{key}local_vs_peer"] = round(row[f"{key}local_hit_ttft_ms"] / row["peer_hit_ttft_ms"], 3)
+        rows.append(row)
+    targets: dict[str, bool] = {}
+    for m, _, _ in modes:
+        key = f"gpu_tier_{m}"
+        targets[f"{key}at_most_1.05x_local_at_every_length"] = bool(rows) and all(
+            r[f"{key}remote_vs_local"] <= 1.05 for r in rows)
+        targets[f"{key}at_most_0.5x_peer_at_every_length"] = bool(rows) and all(
+            r[f"{key}vs_peer"] <= 0.5 for r in rows)
+        targets[f"{key}every_block_loaded"] = bool(rows) and all(
+            r[f"{key}blocks_loaded"] == r[f"{key}blocks_expected"] for r in rows)
+    s = BENCH_SHAPE
+    return {
+        "model": f"random-weight Llama, {s.layers} layers, hidden {s.hidden}, {s.kv_heads} KV heads, head "
+                 f"{s.head_dim}, bf16 ({s.kv_bytes_per_token // 1024} KiB of KV per token); block {BLOCK_SIZE}; "
+                 f"chunk {CHUNK}; peer: OffloadingConnector, CPU tier {CPU_TIER_GIB} GiB, prefix caching off (C)",
+        "gpu_tier": "a GPU keeper's tier in device memory (CUDA VMM, sized for every prefix the run publishes) on "
+                    "the same GPU; T publishes, U (asynchronous loads) and V (load_mode sync) load device to device",
+        "tier_settings": {k: v for k, v in cluster.replicas["U"].spec.connector_extra if k != "token"},
+        "rows": rows,
+        "targets": targets,
     }
 
 

@@ -72,7 +72,9 @@ def render_markdown(result: dict, date: str) -> str:
     if "sessions_error" in result:
         lines += ["Sessions raised:", "", "```", result["sessions_error"][-1500:], "```", ""]
     bench = result.get("bench")
-    if bench:
+    if bench and bench.get("rows") and "cold_prefill_ms" not in bench["rows"][0]:  # the tier's rows alone
+        lines += _tier_rows(bench)
+    elif bench:
         lines += ["## `kvgate bench gpu` part 2 (live TTFT)", "", bench.get("model", ""), "",
                   *table(("prefix tokens", "cold ms", "local hit ms", "kvgate remote hit ms",
                           "kvgate, sync loads ms", "OffloadingConnector CPU hit ms",
@@ -97,6 +99,8 @@ def render_markdown(result: dict, date: str) -> str:
                 met = bench["targets"][key]
                 lines += [f"- [{'x' if met else ' '}] {text} ({'met' if met else 'NOT met'})"]
         lines += [""]
+        if any("gpu_tier_hit_ttft_ms" in r for r in bench["rows"]):
+            lines += _tier_rows(bench, heading=False)
     if "failures" in result:  # every failure the run measured, of the parts asked for (the exit status)
         lines += [f"## Overall: {'PASS' if not result['failures'] else 'FAIL'}", ""]
         lines += [f"- {f}" for f in result["failures"]] or ["- nothing failed of what was asked for"]
@@ -106,3 +110,27 @@ def render_markdown(result: dict, date: str) -> str:
     if result.get("command"):
         lines += ["", f"Command: `{result['command']}`"]
     return "\n".join(lines) + "\n"
+
+
+def _tier_rows(bench: dict, heading: bool = True) -> list[str]:
+    """The GPU tier's rows (kvgate.harness.bench.gpu_live: measure_tier, or measure with the tier)."""
+    rows = [r for r in bench["rows"] if "gpu_tier_hit_ttft_ms" in r]
+    lines = (["## The GPU tier, live (TTFT)", "", bench.get("model", ""), "", bench.get("gpu_tier", ""), ""]
+             if heading else ["### The GPU tier", "", bench.get("gpu_tier", ""), ""])
+    if bench.get("tier_settings"):
+        lines += [f"Tier replicas' settings: `{bench['tier_settings']}`", ""]
+    lines += [*table(("prefix tokens", "tier hit ms", "its local hit ms", "tier / local", "tier, sync loads ms",
+                      "its local hit ms", "sync / local", "OffloadingConnector CPU hit ms", "tier / peer",
+                      "sync / peer", "local / peer", "blocks loaded"),
+                     [(r["prefix_tokens"], r["gpu_tier_hit_ttft_ms"], r["gpu_tier_local_hit_ttft_ms"],
+                       r["gpu_tier_remote_vs_local"], r.get("gpu_tier_sync_hit_ttft_ms", "-"),
+                       r.get("gpu_tier_sync_local_hit_ttft_ms", "-"), r.get("gpu_tier_sync_remote_vs_local", "-"),
+                       r["peer_hit_ttft_ms"], r["gpu_tier_vs_peer"], r.get("gpu_tier_sync_vs_peer", "-"),
+                       r.get("gpu_tier_local_vs_peer", "-"),
+                       f"{r['gpu_tier_blocks_loaded']}/{r['gpu_tier_blocks_expected']}"
+                       + (f", {r['gpu_tier_sync_blocks_loaded']}/{r['gpu_tier_sync_blocks_expected']}"
+                          if "gpu_tier_sync_blocks_loaded" in r else "")) for r in rows]), ""]
+    for key, met in sorted(bench.get("targets", {}).items()):
+        if key.startswith("gpu_tier"):
+            lines.append(f"- [{'x' if met else ' '}] {key.replace('_', ' ')} ({'met' if met else 'NOT met'})")
+    return lines + [""]

@@ -616,7 +616,9 @@ def failures(result: dict, *, exchanges: bool, sessions: bool, bench: bool,
                 if key in r and r[key] < r["remote_blocks_expected"]:
                     out.append(f"bench at {n} tokens: {key.replace('_', ' ')} {r[key]} of "
                                f"{r['remote_blocks_expected']}")
-            if "gpu_tier_blocks_loaded" in r and r["gpu_tier_blocks_loaded"] < r["gpu_tier_blocks_expected"]:
-                out.append(f"bench at {n} tokens: the GPU tier loaded {r['gpu_tier_blocks_loaded']} of "
-                           f"{r['gpu_tier_blocks_expected']} blocks")
+            for mode in ("", "sync_"):
+                got, want = r.get(f"gpu_tier_{mode}blocks_loaded"), r.get(f"gpu_tier_{mode}blocks_expected")
+                if got is not None and got < want:
+                    out.append(f"bench at {n} tokens: the GPU tier loaded {got} of {want} blocks"
+                               f"{' (load_mode sync)' if mode else ''}")
     return out

@@ -34,6 +34,7 @@ Copier = Union[HostCopier, "CudaCopier"]  # one interface (kvpool.connector.copi
 
 
 LOAD_MODES = ("auto", "sync", "async")
+GPU_SKETCHES = ("auto", "triton-dot", "int8-mm", "float64-mm")  # kvpool.gpu.sketch.IMPLS, and auto
 # A pool address naming a GPU keeper's run directory (`kvpool keeper`): the connector's pool is
 # then the keeper's tier (kvpool.gpu.tier_backend), with kv-sketch-1 digests; its reset is
 # refused (the keeper evicts nothing on a client's word). In host memory (--backing memfd) either
@@ -111,6 +112,13 @@ class ConnectorSettings:
     # On CPU: fault the engine's KV tensors in at registration (kvpool.pool.copy.prefault), so that
     # a load into blocks the engine never touched does not pay a page fault per 4 KiB.
     prefault_kv: bool = True
+    # On CUDA (kvpool.gpu.config.TransferConfig): the staged copy chunk of the GPU engine in MiB
+    # (0: the engine's 128 MiB; the host waits once per chunk of a load for its checks, so a
+    # keeper's tier in device memory, whose copies take microseconds, gains from larger ones;
+    # three staging buffers of it are allocated on the GPU), and how kv-sketch-1 runs there
+    # ("auto", "triton-dot", "int8-mm", "float64-mm": kvpool.gpu.sketch).
+    gpu_chunk_mib: int = 0
+    gpu_sketch: str = "auto"
     model_id: str = ""  # a stable model name for the namespace (default: the model path)
     model_revision: str = ""  # overrides the model fingerprint in the namespace
 
@@ -126,6 +134,10 @@ class ConnectorSettings:
             raise ValueError(f"unknown kvpool connector settings {unknown}; known: {sorted(names)}")
         if "pool" not in extra:
             raise ValueError("kv_connector_extra_config needs 'pool' (e.g. 'unix:/path/pool.sock')")
+        if extra.get("gpu_sketch", "auto") not in GPU_SKETCHES:
+            raise ValueError(f"gpu_sketch must be one of {GPU_SKETCHES}, got {extra['gpu_sketch']!r}")
+        if type(extra.get("gpu_chunk_mib", 0)) is not int or extra.get("gpu_chunk_mib", 0) < 0:
+            raise ValueError(f"gpu_chunk_mib must be a whole number of MiB >= 0, got {extra['gpu_chunk_mib']!r}")
         if extra.get("load_mode", "auto") not in LOAD_MODES:
             raise ValueError(f"load_mode must be one of {LOAD_MODES}, got {extra['load_mode']!r}")
         return cls(**extra)

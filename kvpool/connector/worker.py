@@ -284,6 +284,9 @@ def default_copier(settings: ConnectorSettings, backend: PoolBackend, history: H
     """The default CopierFactory, by device: HostCopier on CPU, CudaCopier on CUDA."""
     if device == "cuda":
         from kvpool.connector.gpu_copier import CudaCopier
+        from kvpool.gpu.config import TransferConfig
 
-        return CudaCopier(backend, history, metrics)
+        config = TransferConfig(sketch_impl=settings.gpu_sketch,
+                                **({"chunk_bytes": settings.gpu_chunk_mib << 20} if settings.gpu_chunk_mib else {}))
+        return CudaCopier(backend, history, metrics, config=config)
     return HostCopier(backend, history, metrics)

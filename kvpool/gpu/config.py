@@ -97,6 +97,10 @@ class TransferConfig:
     # blocks-first layouts. torch's stream sanitizer does not see inside graphs: its runs
     # turn them off.
     graphs: bool = True
+    # How kv-sketch-1 runs on the GPU (kvpool.gpu.sketch.Sketcher): "auto" takes the first of
+    # triton-dot, int8-mm, float64-mm that equals the host reference here; a named one is used
+    # or the engine does not start.
+    sketch_impl: str = "auto"
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0 or self.commit_bytes <= 0 or self.hash_threads <= 0:
@@ -106,6 +110,8 @@ class TransferConfig:
         if self.load_buffers < 2:
             raise InvalidRequest("load_buffers must be at least 2")
         object.__setattr__(self, "digest", DigestKind(self.digest))
+        if self.sketch_impl not in ("auto", "triton-dot", "int8-mm", "float64-mm"):
+            raise InvalidRequest(f"sketch_impl {self.sketch_impl!r}: one of auto, triton-dot, int8-mm, float64-mm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +123,7 @@ class TransferCapabilities:
     batched_copies: bool  # driver path: cuMemcpyBatchAsync in use
     batched_reason: str  # why not batched (empty when batched, or on the torch path)
     digest: str = DigestKind.XXH3.value  # how stores digest their pages
-    sketch_impl: str = ""  # kv-sketch-1 on the GPU (stores, and loads' checks): "int8-mm" or "float64-mm"
-    sketch_reason: str = ""  # why not int8-mm
+    sketch_impl: str = ""  # kv-sketch-1 on the GPU (stores, and loads' checks): "triton-dot", "int8-mm" or "float64-mm"
+    sketch_reason: str = ""  # why a faster one was not used
     graphs: str = ""  # the CUDA graphs in use ("gather,scatter"), or why none
     pages: PageMemory = PageMemory.HOST  # where the pool's pages lie

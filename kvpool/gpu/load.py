@@ -142,7 +142,7 @@ class Loads:
         streams: copies (load_stream), checks (sketches, read-backs), installs."""
         pb, cp = self.layout.page_bytes, self._chunk_pages
         dev = self.device
-        self._sketch_gpu = Sketcher(dev)
+        self._sketch_gpu = Sketcher(dev, self.config.sketch_impl)
         self._sk_rows = sketch_rows(pb)
         width = staged_width(pb)
         n = self.config.load_buffers

@@ -246,6 +246,9 @@ OTHER_FIELDS: dict[str, str] = {
     "hash_threads": "host threads for xxh3-128 digests: no copy, no wait",
     "load_buffers": "how many staging buffers a load cycles through: refills wait for their readers "
                     "(REFILL_AFTER_INSTALL) whatever their number",
+    "sketch_impl": "how kv-sketch-1's sums are computed (a Triton kernel, cuBLASLt int8, float64): one kernel "
+                   "in the same place on the same stream, after the same waits; each is probed exact against "
+                   "the host reference at the engine's start, and the matrix runs the one auto takes",
 }
 
 

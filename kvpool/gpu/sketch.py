@@ -1,14 +1,20 @@
 """kv-sketch-1 (kvpool.pool.digest) on a torch device: pages in rows of SKETCH_ROW bytes times
-the fixed int8 key, as one integer matrix product.
+the fixed int8 key, in exact integer arithmetic.
 
-  Sketcher(device)
-      the key on `device`; `impl` says how the products run: "int8-mm" (torch._int_mm:
-      int8 tensor cores on CUDA, int32 accumulation, exact) or "float64-mm" (exact too:
-      every sum is an integer below 2^28), whichever passed the probe against the host
-      reference (kvpool.pool.digest.page_sketch) first; `reason` says why int8-mm was not used.
+  Sketcher(device, impl="auto")
+      the key on `device`; `impl` says how the products run, the first of these that passed
+      the probe against the host reference (kvpool.pool.digest.page_sketch), or the one asked for:
+        "triton-dot"  a Triton kernel of our own (kvpool.gpu.sketch_kernel): each program reads
+                      SKETCH_BM whole rows once and multiplies them by the key on int8 tensor
+                      cores (int32 accumulation, exact); the memory-bound shape the product has
+                      (16 outputs per 16 KiB row), which a GEMM library tiles for a wide output
+        "int8-mm"     torch._int_mm (cuBLASLt int8, int32 accumulation, exact)
+        "float64-mm"  float64 products (exact too: every sum is an integer below 2^28)
+      `reason` says why a faster one was not used. `impl` may be forced (TransferConfig's
+      sketch_impl): a forced one that fails its probe is a RuntimeError, never a fallback.
   .sketch(rows, out=None) -> int32 (m, SKETCH_COLS)
-      `rows`: uint8 or int8 (m, SKETCH_ROW), contiguous, on the device. Runs on the current
-      stream; nothing is synchronized.
+      `rows`: uint8 or int8 (m, SKETCH_ROW), rows contiguous (any row stride), on the device.
+      Runs on the current stream; nothing is synchronized.
   staged_width(page_bytes) -> bytes per staged page (page_bytes rounded up to whole rows:
       a staging row's padding is zero and stays zero, so the sketch of a staged page is the
       sketch of the page).
@@ -21,12 +27,15 @@ The host reads only the sketches; the page bytes stay on the link and the GPU.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
 from kvpool.pool.digest import SKETCH_COLS, SKETCH_ROW, page_sketch, sketch_digest, sketch_key, sketch_rows
 
-_PROBE_ROWS = 40  # > 16: torch._int_mm's smallest m on CUDA
+_PROBE_ROWS = 200  # > 16 (torch._int_mm's smallest m on CUDA), and not a multiple of a kernel's rows per program
+IMPLS = ("triton-dot", "int8-mm", "float64-mm")  # "auto" tries them in this order
 
 
 def staged_width(page_bytes: int) -> int:
@@ -34,44 +43,63 @@ def staged_width(page_bytes: int) -> int:
 
 
 class Sketcher:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, impl: str = "auto"):
+        if impl != "auto" and impl not in IMPLS:
+            raise ValueError(f"unknown kv-sketch-1 implementation {impl!r}: one of auto, {', '.join(IMPLS)}")
         self.device = device
         key = torch.from_numpy(np.array(sketch_key()))
         self._key_i8 = key.to(device)
         self._key_f64 = key.to(torch.float64).to(device)
-        self.impl = "float64-mm"
-        self.reason = ""
+        self._kernel = None
         rows = np.random.default_rng(0).integers(0, 256, (_PROBE_ROWS, SKETCH_ROW), dtype=np.uint8)
         want = page_sketch(rows)
-        try:
-            got = torch._int_mm(torch.from_numpy(rows).to(device).view(torch.int8), self._key_i8).cpu().numpy()
-        except (RuntimeError, NotImplementedError, AttributeError) as exc:  # no int8 mm on this device/build
-            self.reason = f"torch._int_mm: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        probe = torch.from_numpy(rows).to(device).view(torch.int8)
+        reasons: list[str] = []
+        for name in (IMPLS if impl == "auto" else (impl,)):
+            why = self._probe(name, probe, want)
+            if why is None:
+                self.impl = name
+                break
+            reasons.append(f"{name}: {why}")
         else:
-            if np.array_equal(got, want):
-                self.impl = "int8-mm"
-            else:
-                self.reason = "torch._int_mm returned other values than the host reference"
-        if self.impl != "int8-mm":
-            check = self._f64(torch.from_numpy(rows).to(device).view(torch.int8)).cpu().numpy()
-            if not np.array_equal(check, want):
-                raise RuntimeError("kv-sketch-1 on this device differs from the host reference on both paths")
+            raise RuntimeError("kv-sketch-1 on this device: no implementation equals the host reference ("
+                               + "; ".join(reasons) + ")")
+        self.reason = "; ".join(reasons)
 
-    def _f64(self, rows_i8: torch.Tensor) -> torch.Tensor:
-        return (rows_i8.to(torch.float64) @ self._key_f64).to(torch.int32)
+    def _probe(self, name: str, probe: torch.Tensor, want: np.ndarray) -> str | None:
+        """None where `name` runs here and equals the host reference on the probe rows; else why not."""
+        try:
+            if name == "triton-dot":
+                if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+                    return "needs a CUDA device (or Triton's interpreter: TRITON_INTERPRET=1)"
+                from kvpool.gpu.sketch_kernel import SketchKernel  # imports triton
 
-    def sketch(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        rows_i8 = rows.view(torch.int8)
-        m = rows_i8.shape[0]
-        if self.impl == "int8-mm" and m > 16:
+                self._kernel = SketchKernel()
+            got = self._run(name, probe, None).cpu().numpy()
+        except ImportError as exc:  # no triton in this environment
+            return f"{type(exc).__name__}: {exc}"
+        except (RuntimeError, NotImplementedError, AttributeError, ValueError) as exc:  # not on this device/build
+            return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        if not np.array_equal(got, want):
+            return "returned other values than the host reference"
+        return None
+
+    def _run(self, name: str, rows_i8: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        if name == "triton-dot":
+            return self._kernel(rows_i8, self._key_i8, out)
+        if name == "int8-mm" and rows_i8.shape[0] > 16:
             if out is not None:
                 return torch._int_mm(rows_i8, self._key_i8, out=out)
             return torch._int_mm(rows_i8, self._key_i8)
-        res = self._f64(rows_i8)
+        # float64-mm, and int8-mm's products of too few rows for cuBLASLt: the exact float64 one
+        res = (rows_i8.to(torch.float64) @ self._key_f64).to(torch.int32)
         if out is not None:
             out.copy_(res)
             return out
         return res
+
+    def sketch(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._run(self.impl, rows.view(torch.int8), out)
 
 
 def digests(host_sketch: np.ndarray, page_bytes: int) -> list[bytes]:
@@ -80,4 +108,4 @@ def digests(host_sketch: np.ndarray, page_bytes: int) -> list[bytes]:
     return [sketch_digest(flat[i], page_bytes) for i in range(flat.shape[0])]
 
 
-__all__ = ["SKETCH_COLS", "Sketcher", "digests", "staged_width"]
+__all__ = ["IMPLS", "SKETCH_COLS", "Sketcher", "digests", "staged_width"]

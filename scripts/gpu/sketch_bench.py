@@ -9,6 +9,8 @@ measured on the H200 against a 2 TB/s copy: 84 ms to sketch 21 GB). The ways tri
   key_x_rows_t    the same sums as key^T (16 x 16384) times rows^T: a wide product
   split_k         rows as (m*4 x 4096) times each quarter of the key, the partial sums added
   float16_mm      rows and key in float16 (not exact: sums above 2^11 round; shown for the rate)
+  triton_BMxBK_wW the engine's "triton-dot" (kvpool.gpu.sketch_kernel) with BM rows a program, BK
+                  bytes a step and W warps; the engine's default is triton_64x256_w4
 
   python3 scripts/gpu/sketch_bench.py [GiB]     (default 4)
 """
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 
 from kvpool.gpu.sketch import Sketcher
+from kvpool.gpu.sketch_kernel import SketchKernel
 from kvpool.pool.digest import SKETCH_COLS, SKETCH_ROW, sketch_key
 
 
@@ -45,7 +48,7 @@ def main(gib: float) -> dict:
     m = nbytes // SKETCH_ROW
     rows = torch.randint(-128, 128, (m, SKETCH_ROW), dtype=torch.int8, device=dev)
     copy_dst = torch.empty_like(rows)
-    sk = Sketcher(dev)
+    sk = Sketcher(dev, "int8-mm")  # the reference every way is compared with (itself probed against the host's)
     key = torch.from_numpy(np.array(sketch_key())).to(dev)  # int8 (16384, 16)
     key_t = key.t().contiguous()
     quarters = [key[q * 4096:(q + 1) * 4096].contiguous() for q in range(4)]
@@ -61,8 +64,11 @@ def main(gib: float) -> dict:
         "split_k": split_k,
         "float16_mm": lambda: (rows.to(torch.float16) @ key.to(torch.float16)),
     }
+    for bm, bk, w in ((64, 256, 4), (128, 256, 4), (128, 128, 8), (32, 512, 4), (256, 128, 8), (64, 512, 8)):
+        kern = SketchKernel(bm=bm, bk=bk, warps=w)
+        ways[f"triton_{bm}x{bk}_w{w}"] = (lambda k: lambda: k(rows, key))(kern)
     out = {"device": torch.cuda.get_device_name(dev), "bytes": nbytes, "rows": m, "sketch_cols": SKETCH_COLS,
-           "engine_impl": sk.impl, "copy_s": _timed(lambda: copy_dst.copy_(rows))}
+           "reference_impl": sk.impl, "auto_impl": Sketcher(dev).impl, "copy_s": _timed(lambda: copy_dst.copy_(rows))}
     out["copy_GBps"] = round(nbytes / out["copy_s"] / 1e9, 1)
     for name, fn in ways.items():
         try:

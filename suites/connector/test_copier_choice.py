@@ -105,6 +105,20 @@ def test_on_cuda_the_fault_connector_builds_the_controlled_twin(tmp_path, pool):
     assert type(_chain(tmp_path, pool, "cuda").inner.inner.worker.copier) is ControlledCudaCopier
 
 
+def test_the_cuda_copier_takes_the_engines_chunk_and_sketch_from_the_settings():
+    pytest.importorskip("torch")
+    settings = ConnectorSettings.from_extra({"pool": "unix:/x", "gpu_chunk_mib": 512, "gpu_sketch": "int8-mm"})
+    copier = default_copier(settings, _NoBackend(), HistoryWriter(None, "r", "worker"), ClientMetrics(), "cuda")
+    assert (copier.config.chunk_bytes, copier.config.sketch_impl) == (512 << 20, "int8-mm")
+    default = _default("cuda").config
+    assert (default.chunk_bytes, default.sketch_impl) == (128 << 20, "auto")
+    for bad, match in (({"gpu_sketch": "fast"}, "gpu_sketch must be one of"),
+                       ({"gpu_chunk_mib": -1}, "gpu_chunk_mib must be"), ({"gpu_chunk_mib": True}, "gpu_chunk_mib must be"),
+                       ({"gpu_chunk_mib": "512"}, "gpu_chunk_mib must be")):
+        with pytest.raises(ValueError, match=match):
+            ConnectorSettings.from_extra({"pool": "unix:/x", **bad})
+
+
 def test_kvpool_refuses_a_wrappers_setting_it_does_not_know(tmp_path):
     with pytest.raises(ValueError, match="unknown kvpool connector settings"):
         ConnectorSettings.from_extra({"pool": "unix:/x", "faults_file": "f"})

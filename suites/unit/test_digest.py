@@ -4,6 +4,8 @@ digest sees every changed byte, its position and the page length."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -44,13 +46,23 @@ def test_the_torch_sketch_of_a_staged_page_equals_the_host_reference(nbytes, tes
 
 
 def test_both_torch_products_agree_at_the_largest_sums():
-    """All bytes -128 against the key: the largest sums the rows can reach stay exact."""
-    sk = Sketcher(torch.device("cpu"))
+    """All bytes -128 against the key: the largest sums the rows can reach stay exact, on every
+    implementation that runs here (the Triton kernel's are suites/unit/test_sketch_kernel.py's)."""
     rows = torch.full((20, SKETCH_ROW), 0x80, dtype=torch.uint8)
     want = page_sketch(rows.numpy())
+    sk = Sketcher(torch.device("cpu"))
     assert np.array_equal(sk.sketch(rows).numpy(), want)
-    assert np.array_equal(sk._f64(rows.view(torch.int8)).numpy(), want)
+    for impl in ("int8-mm", "float64-mm"):
+        assert np.array_equal(Sketcher(torch.device("cpu"), impl).sketch(rows).numpy(), want), impl
     assert int(np.abs(want).max()) <= SKETCH_ROW * 128 * 128
+
+
+def test_an_unknown_or_unusable_implementation_is_refused():
+    with pytest.raises(ValueError, match="unknown kv-sketch-1 implementation"):
+        Sketcher(torch.device("cpu"), "fast")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(RuntimeError, match="triton-dot: needs a CUDA device"):
+            Sketcher(torch.device("cpu"), "triton-dot")
 
 
 @settings(max_examples=40, deadline=None)

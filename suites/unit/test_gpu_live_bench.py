@@ -57,6 +57,54 @@ def stand_ins(monkeypatch):
     return cluster, sent, posted
 
 
+TIER_MS = {"tier": 50.0, "tierlocal": 40.0, "tier-sync": 44.0, "tierlocal-sync": 41.0, "peer-hit": 80.0}
+
+
+def test_the_tier_rows_carry_both_load_modes_their_ratios_and_the_local_bound(stand_ins, monkeypatch):
+    cluster, sent, posted = stand_ins
+
+    def complete(url, prompt, *, tag, replica, **kwargs):  # noqa: ANN001, ANN202
+        sent.append((replica, tag))
+        return types.SimpleNamespace(ttft_s=TIER_MS.get(tag.rsplit("-", 2)[0], 10.0) / 1e3)
+
+    import kvgate.harness.bench.live as live
+
+    monkeypatch.setattr(bench, "complete", complete)
+    monkeypatch.setattr(live, "complete", complete)
+    loads = {"U": [{"tag": "tier-8192-0", "loaded": 511}, {"tag": "tier-8192-1", "loaded": 511}],
+             "V": [{"tag": "tier-sync-8192-0", "loaded": 511}, {"tag": "tier-sync-8192-1", "loaded": 500}]}
+    monkeypatch.setattr(bench, "_records", lambda cluster, ev, replica: loads.get(replica, []) if ev == "load" else [])
+    spec = types.SimpleNamespace(connector_extra=(("pool", "keeper:/k"), ("token", "secret"), ("gpu_chunk_mib", 512)))
+    cluster.replicas = {n: types.SimpleNamespace(url=f"http://{n}", spec=spec) for n in "CTUV"}
+    out = bench.measure_tier(cluster, (8192,), reps=2, deadline_s=600.0)
+    (row,) = out["rows"]
+    assert row["runs"] == 2
+    assert (row["gpu_tier_hit_ttft_ms"], row["gpu_tier_local_hit_ttft_ms"], row["gpu_tier_sync_hit_ttft_ms"],
+            row["gpu_tier_sync_local_hit_ttft_ms"], row["peer_hit_ttft_ms"]) == (50.0, 40.0, 44.0, 41.0, 80.0)
+    assert row["gpu_tier_remote_vs_local"] == 1.25 and row["gpu_tier_sync_remote_vs_local"] == round(44 / 41, 3)
+    assert row["gpu_tier_vs_peer"] == 0.625 and row["gpu_tier_local_vs_peer"] == 0.5
+    assert (row["gpu_tier_blocks_loaded"], row["gpu_tier_sync_blocks_loaded"], row["gpu_tier_blocks_expected"]) == (
+        1022, 1011, 1022)
+    assert out["targets"]["gpu_tier_at_most_1.05x_local_at_every_length"] is False
+    assert out["targets"]["gpu_tier_sync_at_most_1.05x_local_at_every_length"] is False
+    assert out["targets"]["gpu_tier_every_block_loaded"] is True
+    assert out["targets"]["gpu_tier_sync_every_block_loaded"] is False  # V's second load was short
+    assert out["tier_settings"] == {"pool": "keeper:/k", "gpu_chunk_mib": 512}  # never the token
+    assert posted == []  # C's prefix caching is off: nothing to reset
+    for i, (replica, tag) in enumerate(sent):  # every measured request follows a primer on its replica
+        if tag.startswith(("tier-", "tierlocal-", "peer-hit")):
+            assert sent[i - 1] == (replica, f"primer-{replica}"), (i, replica, tag)
+    # the checklist renders the tier's rows alone, and the run's failures name the short load
+    from kvgate.harness.report.gpu_live import render_markdown
+
+    result = {"bench": out, "exchanges_skipped": True, "seed": 1, "env": {"gpu": "stand-in"}}
+    result["failures"] = live_main.failures(result, exchanges=False, sessions=False, bench=True,
+                                            bench_lengths=(8192,), bench_reps=2)
+    assert result["failures"] == ["bench at 8192 tokens: the GPU tier loaded 1011 of 1022 blocks (load_mode sync)"]
+    text = render_markdown(result, "2026-12-05")
+    assert "## The GPU tier, live (TTFT)" in text and "| 8192 | 50.0 | 40.0 | 1.25 |" in text
+
+
 def test_the_rows_carry_every_kind_their_ratios_and_the_floor(stand_ins):
     cluster, sent, posted = stand_ins
     out = bench.measure(cluster, (8192,), reps=2, deadline_s=600.0)
@@ -125,7 +173,7 @@ def _exchange(name: str, valid: bool) -> dict:
 def parts(monkeypatch):
     """main()'s parts as stand-ins; `set` holds what each returns (or raises)."""
     state = {"live": {"passed": True, "seed": 1, "env": {}, "exchanges": [_exchange("cross_replica_hit", True)]},
-             "sessions": lambda contexts: [], "bench": None}
+             "sessions": lambda contexts: [], "bench": None, "tier": None}
 
     class _Cluster:
         replicas: dict = {}
@@ -147,8 +195,10 @@ def parts(monkeypatch):
     monkeypatch.setattr(live_main, "run_live", lambda cluster, model, seed: dict(state["live"]))
     monkeypatch.setattr(live_main, "environment", lambda: {"gpu": "stand-in", "provenance": {"short": "x", "clean": True}})
     monkeypatch.setattr(command, "_stop", lambda cluster: "")
-    monkeypatch.setattr(bench, "start_bench", lambda report_dir, max_len, tier=False, tier_tokens=0: _Cluster())
+    monkeypatch.setattr(bench, "start_bench", lambda report_dir, max_len, tier=False, tier_tokens=0,
+                        tier_only=False, tier_extra=None: _Cluster())
     monkeypatch.setattr(bench, "measure", measure)
+    monkeypatch.setattr(bench, "measure_tier", lambda *a, **k: state["tier"])
     return state
 
 

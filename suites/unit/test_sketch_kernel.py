@@ -1,0 +1,81 @@
+"""kv-sketch-1's Triton kernel (kvpool.gpu.sketch_kernel, the engine's "triton-dot") against the
+host reference (kvpool.pool.digest.page_sketch), on this machine's CPU through Triton's
+interpreter (TRITON_INTERPRET=1, in a process of its own: the variable is read when the kernel is
+defined): exact sums over rows that fill a program and rows that do not, rows with a stride
+(staging rows are padded), a given output; the Sketcher's probe takes it where it is exact and
+refuses the LastTileSkipped control (kvgate.faults.sketch_controls), whose sums miss the last
+tile of each row. On a GPU the same probe runs at every engine's start (suites/gpu)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent("""
+    import json, numpy as np, torch
+    from kvpool.gpu import sketch as S
+    from kvpool.gpu.sketch_kernel import SketchKernel
+    from kvpool.pool.digest import SKETCH_ROW, page_sketch, sketch_key
+
+    key = torch.from_numpy(np.array(sketch_key()))
+    rng = np.random.default_rng(7)
+    out = {}
+    for bm, m in ((16, 37), (64, 64), (64, 3)):
+        rows = rng.integers(0, 256, (m, SKETCH_ROW), dtype=np.uint8)
+        got = SketchKernel(bm=bm, bk=512)(torch.from_numpy(rows).view(torch.int8), key).numpy()
+        out[f"bm{bm}_m{m}"] = bool(np.array_equal(got, page_sketch(rows)))
+    padded = torch.from_numpy(rng.integers(0, 256, (5, SKETCH_ROW + 4096), dtype=np.uint8)).view(torch.int8)
+    given = torch.full((5, 16), -1, dtype=torch.int32)
+    got = SketchKernel(bm=16, bk=512)(padded[:, :SKETCH_ROW], key, given)
+    out["strided_into_out"] = bool(got.data_ptr() == given.data_ptr() and np.array_equal(
+        given.numpy(), page_sketch(np.ascontiguousarray(padded[:, :SKETCH_ROW].numpy()).view(np.uint8))))
+    sk = S.Sketcher(torch.device("cpu"), "triton-dot")
+    out["probe_took"] = sk.impl
+    if CONTROL:
+        import kvgate.faults.sketch_controls as C
+        import kvpool.gpu.sketch_kernel as K
+        K.SketchKernel = C.LastTileSkipped
+        rows = rng.integers(0, 256, (20, SKETCH_ROW), dtype=np.uint8)
+        out["control_differs"] = not np.array_equal(
+            C.LastTileSkipped(bm=16, bk=512)(torch.from_numpy(rows).view(torch.int8), key).numpy(), page_sketch(rows))
+        try:
+            S.Sketcher(torch.device("cpu"), "triton-dot")
+            out["control_forced"] = "taken"
+        except RuntimeError as exc:
+            out["control_forced"] = str(exc)
+        auto = S.Sketcher(torch.device("cpu"))
+        out["control_auto"] = [auto.impl, auto.reason]
+    print(json.dumps(out))
+""")
+
+
+def _run(control: bool) -> dict:
+    import json
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", f"CONTROL = {control}\n" + SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_kernel_sums_every_row_exactly_and_the_probe_takes_it():
+    out = _run(control=False)
+    assert out == {"bm16_m37": True, "bm64_m64": True, "bm64_m3": True, "strided_into_out": True,
+                   "probe_took": "triton-dot"}
+
+
+def test_a_kernel_that_skips_the_last_tile_is_refused_by_the_probe():
+    out = _run(control=True)
+    assert out["probe_took"] == "triton-dot"  # the real kernel, in the same process, first
+    assert out["control_differs"] is True
+    assert "no implementation equals the host reference" in out["control_forced"]
+    assert "triton-dot: returned other values than the host reference" in out["control_forced"]
+    impl, reason = out["control_auto"]
+    assert impl != "triton-dot" and "triton-dot: returned other values" in reason
