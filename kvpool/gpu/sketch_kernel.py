@@ -11,6 +11,14 @@ int32, and int8 products accumulated in int32 are exact; kvpool.gpu.sketch probe
 against the host reference before using it.
 
   SketchKernel(bm=64, bk=256, warps=4, stages=3)(rows, key, out=None) -> out
+  CopySketchKernel(bm=64, bk=256, warps=4, stages=3)(src, pages, stride, page_bytes, dst, width, key, out)
+      a load's copy and its check in one pass (kvpool.gpu.load, pages in device memory): the
+      first `page_bytes` of each page `pages[i]` of `src` (int8, page p at p * stride) into row i
+      of `dst` (int8, rows `width` bytes apart), every byte read once, and the sketch of the
+      bytes written into `out` (int32, the page_bytes / SKETCH_ROW rows of page i from row
+      i * page_bytes / SKETCH_ROW): the values SketchKernel gives for the staged rows, from the
+      registers that were stored, so what is checked is what was written. Pages of whole sketch
+      rows only (page_bytes a multiple of SKETCH_ROW).
 """
 
 from __future__ import annotations
@@ -42,6 +50,29 @@ def _sketch_rows(rows_ptr, key_ptr, out_ptr, m, row_stride,
     tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :], acc, mask=live[:, None])
 
 
+@triton.jit
+def _copy_sketch_pages(src_ptr, pages_ptr, dst_ptr, key_ptr, out_ptr, m, stride, dst_width,
+                       R: tl.constexpr, K: tl.constexpr, N: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BM + tl.arange(0, BM)  # sketch rows of the chunk: page i = row // R, its part row % R
+    live = rows < m
+    page_i = rows // R
+    part = (rows % R).to(tl.int64)
+    page = tl.load(pages_ptr + page_i, mask=live, other=0)
+    src_row = page * stride + part * K
+    dst_row = page_i.to(tl.int64) * dst_width + part * K
+    offs_k = tl.arange(0, BK)
+    offs_n = tl.arange(0, N)
+    b_ptrs = key_ptr + offs_k[:, None] * N + offs_n[None, :]
+    acc = tl.zeros((BM, N), dtype=tl.int32)
+    for k0 in range(0, K, BK):
+        a = tl.load(src_ptr + src_row[:, None] + k0 + offs_k[None, :], mask=live[:, None], other=0)
+        tl.store(dst_ptr + dst_row[:, None] + k0 + offs_k[None, :], a, mask=live[:, None])
+        b = tl.load(b_ptrs + k0 * N)
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :], acc, mask=live[:, None])
+
+
 class SketchKernel:
     def __init__(self, bm: int = 64, bk: int = 256, warps: int = 4, stages: int = 3):
         if SKETCH_ROW % bk:
@@ -66,4 +97,30 @@ class SketchKernel:
         return out
 
 
-__all__ = ["SketchKernel"]
+class CopySketchKernel(SketchKernel):
+    def __call__(self, src: torch.Tensor, pages: torch.Tensor, stride: int, page_size: int,  # type: ignore[override]
+                 dst: torch.Tensor, width: int, key: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        n = pages.numel()
+        if page_size <= 0 or page_size % SKETCH_ROW or stride < page_size:
+            raise ValueError(f"pages of {page_size} bytes {stride} apart are not whole sketch rows of {SKETCH_ROW}")
+        r = page_size // SKETCH_ROW
+        if src.dtype != torch.int8 or dst.dtype != torch.int8 or src.dim() != 1 or not dst.is_contiguous():
+            raise ValueError("src and dst must be int8, src one-dimensional and dst contiguous")
+        if pages.dtype != torch.int64 or pages.dim() != 1 or not pages.is_contiguous():
+            raise ValueError("pages must be a contiguous int64 vector")
+        if width < page_size or (n and dst.numel() < (n - 1) * width + page_size):
+            raise ValueError(f"dst holds fewer than {n} rows of {page_size} bytes {width} apart")
+        if key.dtype != torch.int8 or tuple(key.shape) != (SKETCH_ROW, SKETCH_COLS) or not key.is_contiguous():
+            raise ValueError("the key must be the contiguous int8 kv-sketch-1 key")
+        if out.dtype != torch.int32 or out.shape[0] < n * r or out.shape[1:] != (SKETCH_COLS,) \
+                or not out.is_contiguous():
+            raise ValueError(f"out must be contiguous int32 with at least {n * r} rows of {SKETCH_COLS}")
+        m = n * r
+        if m:
+            _copy_sketch_pages[(triton.cdiv(m, self.bm),)](src, pages, dst, key, out, m, stride, width, R=r,
+                                                           K=SKETCH_ROW, N=SKETCH_COLS, BM=self.bm, BK=self.bk,
+                                                           num_warps=self.warps, num_stages=self.stages)
+        return out
+
+
+__all__ = ["CopySketchKernel", "SketchKernel"]

@@ -230,21 +230,21 @@ class Catalog:
         self.kind = np.zeros(n, dtype=np.uint8)  # DigestKind.code of each committed page's digest
         self.ns_of = np.full(n, -1, dtype=np.int32)
         self.tenant_of = np.full(n, -1, dtype=np.int32)
-        self.tick = np.zeros(n, dtype=np.uint64)
         self.leases_on = np.zeros(n, dtype=np.uint32)
         self.key_of: list[bytes | None] = [None] * n
         # Free pages in a min-heap: a reservation gets the lowest free pages, in ascending
         # order along its blocks, so a run published together lies in consecutive pages
         # where it can (one copy per run instead of one per page, both ways).
         self._free: list[int] = list(range(n))
-        self._clock = itertools.count(1)
-        # Eviction order: the committed pages in a doubly linked list (two int32 arrays), least
-        # recently touched first; a touch moves a page to the tail, freeing unlinks it. An
-        # eviction walks from the head past the pages a loader holds (at most the lease
-        # limits' worth), so it costs O(1) per page evicted, not a scan of the arena.
-        self._prev = np.full(n, -1, dtype=np.int32)
-        self._next = np.full(n, -1, dtype=np.int32)
-        self._linked = np.zeros(n, dtype=bool)
+        # Eviction order: the committed pages in a doubly linked list, least recently touched
+        # first; a touch moves a page to the tail, freeing unlinks it. An eviction walks from
+        # the head past the pages a loader holds (at most the lease limits' worth), so it
+        # costs O(1) per page evicted, not a scan of the arena. Plain lists, not numpy arrays:
+        # a lease of 8,000 pages touches each one, and a numpy element read or written from
+        # Python costs several times a list's (the acquire's 8,000 touches took 6 ms).
+        self._prev: list[int] = [-1] * n
+        self._next: list[int] = [-1] * n
+        self._linked: list[bool] = [False] * n
         self._head = self._tail = -1
         self.capacity = n  # pages that may be reserved or committed (set_capacity)
         # tenant id -> {block hash -> page, or a tuple of pages under several namespaces}
@@ -350,8 +350,9 @@ class Catalog:
     def _refs(self, pages: list[int]) -> Hits:
         if not pages:
             return Hits()
-        kinds = self.kind[pages]
-        return Hits(pages, self.gen[pages].tolist(), self.length[pages].tolist(), self.digest[pages].tobytes(),
+        at = np.asarray(pages, dtype=np.int64)  # once: each column below is a gather by it
+        kinds = self.kind[at]
+        return Hits(pages, self.gen[at].tolist(), self.length[at].tolist(), self.digest[at].tobytes(),
                     kinds.tobytes() if kinds.any() else b"")
 
     def lookup(self, tenant: str, ns: Namespace, hashes: Sequence[bytes]) -> LookupResult:
@@ -403,9 +404,8 @@ class Catalog:
         ) or self._leased_pages_by_client.get(client, 0) + len(pages) > self._leased_pages_cap:
             self.miss_counters[MissCause.THROTTLED] += 1
             return AcquireResult(0, Hits(), Miss(0, MissCause.THROTTLED))
-        for p in pages:
-            self.leases_on[p] += 1
-            self._touch(p)
+        np.add.at(self.leases_on, pages, 1)  # a page named twice is leased twice, as released twice
+        self._touch_all(pages)
         lease_id = next(self._ids)
         self._leases[lease_id] = _Lease(client, pages, list(found.hits.generations),
                                         now + self.config.lease_ttl_s, now)
@@ -437,16 +437,22 @@ class Catalog:
             raise LeaseLost(f"lease {lease_id} is not held (released, expired, or never granted)")
         # Taken before the unpin, which frees a page dropped under this lease: what the lease
         # read was not reused while it held it.
-        stale = tuple(p for p, g in zip(lease.pages, lease.generations) if int(self.gen[p]) != g)
+        if lease.pages:
+            moved = self.gen[lease.pages] != np.asarray(lease.generations, dtype=self.gen.dtype)
+            stale = tuple(int(p) for p in np.asarray(lease.pages)[moved])
+        else:
+            stale = ()
         self._unpin(lease)
         return ReleaseResult(stale)
 
     def _unpin(self, lease: _Lease) -> None:
-        for p in lease.pages:
-            self.leases_on[p] -= 1
-            # int(): a numpy element compared with an enum member costs ~7 us (numpy probes the
-            # member for its array protocols), a release of 1,024 pages 7 ms of the daemon's loop
-            if self.leases_on[p] == 0 and int(self.state[p]) == PageState.DROPPED:
+        if lease.pages:
+            pages = np.asarray(lease.pages, dtype=np.int64)
+            np.subtract.at(self.leases_on, pages, 1)
+            # the pages this release left unleased that were dropped under a lease: freed now
+            # (once each, a page named twice in the lease included)
+            done = pages[(self.leases_on[pages] == 0) & (self.state[pages] == int(PageState.DROPPED))]
+            for p in np.unique(done).tolist():
                 self._free_page(p)
         left = self._leases_by_client[lease.client] - 1
         if left:
@@ -705,7 +711,6 @@ class Catalog:
         """A committed page was used (committed, found on offer, leased): it becomes the most
         recently used."""
         page = int(page)
-        self.tick[page] = next(self._clock)
         self._unlink(page)
         prev, self._prev[page], self._next[page] = self._tail, self._tail, -1
         if prev >= 0:
@@ -715,10 +720,40 @@ class Catalog:
         self._tail = page
         self._linked[page] = True
 
+    def _touch_all(self, pages: list[int]) -> None:
+        """_touch of each page in turn (the last one the most recently used), in two passes over
+        the lists: every page out of the list, then all of them at its tail in order."""
+        if len(set(pages)) != len(pages):  # a page named again moves to its last place, as touched in turn
+            pages = list(dict.fromkeys(reversed(pages)))[::-1]
+        prev_of, next_of, linked = self._prev, self._next, self._linked
+        head, tail = self._head, self._tail
+        for page in pages:
+            if linked[page]:
+                prev, nxt = prev_of[page], next_of[page]
+                if prev >= 0:
+                    next_of[prev] = nxt
+                else:
+                    head = nxt
+                if nxt >= 0:
+                    prev_of[nxt] = prev
+                else:
+                    tail = prev
+        for page in pages:
+            page = int(page)
+            prev_of[page] = tail
+            next_of[page] = -1
+            if tail >= 0:
+                next_of[tail] = page
+            else:
+                head = page
+            tail = page
+            linked[page] = True
+        self._head, self._tail = head, tail
+
     def _unlink(self, page: int) -> None:
         if not self._linked[page]:
             return
-        prev, nxt = int(self._prev[page]), int(self._next[page])
+        prev, nxt = self._prev[page], self._next[page]
         if prev >= 0:
             self._next[prev] = nxt
         else:
@@ -737,7 +772,7 @@ class Catalog:
         """Evict the `n` least recently used unleased committed pages; returns how many."""
         evicted, page = 0, self._head
         while evicted < n and page >= 0:
-            nxt = int(self._next[page])
+            nxt = self._next[page]
             if self._may_evict(page):  # a leased page stays where it is, in its turn
                 self._evict_page(page)
                 evicted += 1
@@ -757,7 +792,7 @@ class Catalog:
                 out.append(LruPage(page, int(self.gen[page]), names[int(self.tenant_of[page])],
                                    self._namespaces[int(self.ns_of[page])], key, int(self.length[page]),
                                    self.digest[page].tobytes(), KINDS[int(self.kind[page])]))
-            page = int(self._next[page])
+            page = self._next[page]
         return out
 
     def evict(self, tenant: str, ns: Namespace, hashes: Sequence[bytes]) -> list[EvictOutcome]:

@@ -100,7 +100,7 @@ class Hits(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=T
         if len(self.generations) != n or len(self.lengths) != n or len(self.digests) != n * DIGEST_BYTES:
             raise ValueError(f"Hits columns disagree: {n} pages, {len(self.generations)} generations, "
                              f"{len(self.lengths)} lengths, {len(self.digests)} digest bytes")
-        if len(self.kinds) not in (0, n) or any(k >= len(KINDS) for k in self.kinds):
+        if len(self.kinds) not in (0, n) or (self.kinds and max(self.kinds) >= len(KINDS)):
             raise ValueError(f"Hits: {len(self.kinds)} digest kinds for {n} pages, or an unknown kind")
 
     def kind(self, i: int) -> DigestKind:

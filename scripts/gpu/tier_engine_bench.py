@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="SKETCH_IMPL:CHUNK_MIB,... (the first is the default way, whose median the key gives)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=20261205)
+    ap.add_argument("--profile", action="store_true",
+                    help="also one load of the first way under cProfile (the host's side: where its time goes)")
     a = ap.parse_args(argv)
     dev = torch.device("cuda", 0)
     torch.zeros(1, device=dev)  # torch's primary context first: the mappings are made in it
@@ -157,6 +159,16 @@ def main(argv: list[str] | None = None) -> int:
             sk = Sketcher(dev, impl)
             result["sketch_s"][impl] = round(_gpu_time(lambda: sk.sketch(rows)), 5)
         _say(f"plain copy {result['copy_s'] * 1e3:.1f} ms, sketch alone {result['sketch_s']}")
+        acq, rel = [], []  # the control plane alone: the consumer's acquire and release of every page
+        for _ in range(a.repeats):
+            t0 = time.perf_counter()
+            lease = consumer.backend.acquire(ns, hashes)
+            t1 = time.perf_counter()
+            consumer.backend.release(lease.lease_id)
+            acq.append(t1 - t0)
+            rel.append(time.perf_counter() - t1)
+        result["acquire"], result["release"] = _ms(acq), _ms(rel)
+        _say(f"acquire {statistics.median(acq) * 1e3:.1f} ms, release {statistics.median(rel) * 1e3:.1f} ms")
         for impl, chunk_mib in ways:
             name = f"{impl}:{chunk_mib}"
             cfg = TransferConfig(block_dim=0, sketch_impl=impl, chunk_bytes=chunk_mib << 20)
@@ -194,6 +206,28 @@ def main(argv: list[str] | None = None) -> int:
             _say(f"{name} ({impl_used}): load {statistics.median(loads) * 1e3:.1f} ms "
                  f"({min(loads) * 1e3:.1f}-{max(loads) * 1e3:.1f}), released {statistics.median(releases) * 1e3:.1f} ms")
         first = f"{ways[0][0]}:{ways[0][1]}"
+        if a.profile:
+            import cProfile
+            import io
+            import pstats
+
+            impl, chunk_mib = ways[0]
+            cfg = TransferConfig(block_dim=0, sketch_impl=impl, chunk_bytes=chunk_mib << 20)
+            with TransferEngine(consumer.backend, ns, layers, cfg) as eng:
+                h = eng.load(ids[:8], hashes[:8])
+                eng.wait_for_load(h)
+                eng.drain(60.0)
+                prof = cProfile.Profile()
+                prof.enable()
+                h = eng.load(ids, hashes)
+                eng.wait_for_load(h)
+                torch.cuda.synchronize()
+                prof.disable()
+                eng.drain(60.0)
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+            result["profile"] = text.getvalue()
+            _say(result["profile"][:6000])
         key = f"gpu_tier_engine_load_s_{a.geometry}_{a.tokens // 1000}k"
         result[key] = result["ways"][first]["load"]["median_s"]
         best = min(result["ways"], key=lambda w: result["ways"][w]["load"]["median_s"])
