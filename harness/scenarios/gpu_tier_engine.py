@@ -32,6 +32,9 @@ out of it through a session of its own (TierSide), page digests on the host.
   run_corrupt_page(geom, engine_cls, producer, consumer, ns, seed, path) -> Verdict
         a committed page flipped in the tier: the load stops there as corrupt, the pages before
         it byte-exact, the flipped one never installed.
+  run_check_after_copy(geom, engine_cls, producer, consumer, ns, seed, delay_cycles) -> Verdict
+        the load's copy (the fused copy and sketch of device pages) held back: the check waits for
+        it; with CHECK_AFTER_COPY dropped it reads another chunk's sketches.
   run_release_held(geom, engine_cls, producer, consumer, ns, seed, delay_cycles, path) -> Verdict
         the load's lease held at the keeper (gpu_tier_leased_pages) while its installs run.
   run_restart(geom, engine_cls, producer, consumer, ns, seed, delay_cycles, restart, path) -> Verdict
@@ -238,7 +241,8 @@ def run_scenario(scenario: TierScenario, geom: Geometry, make_engine: EngineFact
                 return Verdict(None, f"could not publish the reference pages: {got} of {k} committed")
     engine = make_engine(layers, side.backend, lanes, scenario.edge if drop else None)
     evidence: dict = {"scenario": scenario.value, "control": drop, "delay_cycles": delay_cycles,
-                      "path": engine.capabilities.path.value, "pages_memory": engine.capabilities.pages.value}
+                      "path": engine.capabilities.path.value, "pages_memory": engine.capabilities.pages.value,
+                      "fused_copy": engine._fused_copy(), "sketch_impl": engine.capabilities.sketch_impl}
     try:
         torch.cuda.synchronize()
         # warm-up, synchronized: every kernel and copy runs once before any delay
@@ -393,6 +397,45 @@ def run_corrupt_page(geom: Geometry, engine_cls: type[TransferEngine], producer:
                        NOT_CHECKED)
     return Verdict(True, "the pages before the flipped one installed byte-exact, the flipped one refused", ev,
                    NOT_CHECKED)
+
+
+def run_check_after_copy(geom: Geometry, engine_cls: type[TransferEngine], producer: TierSide,
+                         consumer: TierSide, ns: Namespace, seed: int, delay_cycles: int, **engine_kw) -> Verdict:
+    """The load's copy held back on the GPU (the fused copy and sketch of device pages, on the copy
+    stream): the check must read the sketches the copy wrote, so every block is installed
+    byte-exact. With CHECK_AFTER_COPY dropped the host compares the sketches a staging buffer held
+    before (another chunk's): the byte-exact oracle sees blocks that are not the committed pages
+    (not installed, or installed wrong)."""
+    rng = np.random.default_rng([seed, 29])
+    device, d, pb = consumer.device, geom.block_dim, geom.page_bytes
+    k = geom.num_blocks // 2
+    pages = rng.integers(0, 256, (2 * k, pb), dtype=np.uint8)
+    base = int(rng.integers(1 << 28))
+    hashes = block_hashes(range(base, base + 16 * 2 * k), 16)
+    if producer.publish(ns, hashes, pages) != 2 * k:
+        return Verdict(None, "could not publish the reference pages")
+    layers = make_kv(geom, device)
+    fill(layers, d, rng, pb)
+    torch.cuda.synchronize()
+    with engine_cls(consumer.backend, ns, layers, geom.config(CopyPath.TORCH), **engine_kw) as engine:
+        fused = engine._fused_copy()  # noqa: SLF001 - the path under test
+        h = engine.load(list(range(k)), hashes[:k])  # the first half: every staging buffer used once
+        engine.wait_for_load(h)
+        torch.cuda.synchronize()
+        engine.drain(DRAIN_S)
+        delay_stream(engine.load_stream, delay_cycles)
+        h = engine.load(list(range(k, 2 * k)), hashes[k:])
+        engine.wait_for_load(h)
+        torch.cuda.synchronize()
+        got = read_pages(layers, d, list(range(k, 2 * k))).cpu().numpy()
+        engine.drain(DRAIN_S)
+    stale = int(np.count_nonzero((got != pages[k:]).any(axis=1)))
+    ev = {"fused_copy": fused, "loaded": h.loaded, "of": k, "miss": str(h.miss), "stale_pages": stale,
+          "dropped_edges": getattr(engine, "dropped", 0), "engine": engine_cls.__name__}
+    if stale:
+        return Verdict(False, f"{stale} of {k} blocks are not the committed pages ({h.loaded} installed)", ev,
+                       NOT_CHECKED)
+    return Verdict(True, "every block installed byte-exact with the copy held back", ev, NOT_CHECKED)
 
 
 def run_release_held(geom: Geometry, engine_cls: type[TransferEngine], producer: TierSide, consumer: TierSide,

@@ -101,6 +101,10 @@ class TransferConfig:
     # triton-dot, int8-mm, float64-mm that equals the host reference here; a named one is used
     # or the engine does not start.
     sketch_impl: str = "auto"
+    # With the Triton sketch, a load of pages in device memory copies each chunk into staging
+    # and sketches it in one kernel (kvpool.gpu.sketch_kernel.CopySketchKernel); False: a copy,
+    # then the sketch of the staged rows on the check stream, as for host pages.
+    fuse_loads: bool = True
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0 or self.commit_bytes <= 0 or self.hash_threads <= 0:

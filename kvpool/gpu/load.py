@@ -5,7 +5,9 @@ arrived -> installed into the blocks (kvpool.gpu.transfer describes load() and i
           stream brings the pages into a staging buffer; the check stream sketches the
           staged rows or reads them back; the host compares the digests; the install
           stream writes the verified prefix into the blocks: scatter kernels, or driver
-          copies device to device), the lease's release and the report of a corrupt page,
+          copies device to device; pages in device memory on the torch path with the Triton
+          sketch: the copy stream's one kernel copies and sketches, CopySketchKernel, and the
+          check stream copies the sketches out), the lease's release and the report of a corrupt page,
           wait_for_load; the resources of loads (_init_load). Its methods read the
           engine's state (layout, streams, staging buffers), which TransferEngine sets up.
   LoadHandle    a load in flight: loaded, miss, failed_block_ids final at load()'s return.
@@ -38,7 +40,7 @@ from kvpool.errors import (
     PoolTimeout,
     TransportError,
 )
-from kvpool.gpu.config import KVLayoutError, OrderingEdge
+from kvpool.gpu.config import KVLayoutError, OrderingEdge, PageMemory
 from kvpool.gpu.events import host_event
 from kvpool.gpu.layout import as_width
 from kvpool.gpu.sketch import Sketcher, staged_width
@@ -49,6 +51,7 @@ from kvpool.pool.records import AcquireResult, Miss
 from kvpool.pool.digest import (
     DIGEST_BYTES,
     SKETCH_COLS,
+    SKETCH_ROW,
     DigestKind,
     page_digest,
     sketch_rows,
@@ -164,6 +167,14 @@ class Loads:
                 self._readback_buffer(b)
         with torch.cuda.device(dev), torch.cuda.stream(self._load_s):  # the scatters' ids (torch path)
             self._sk_scatter_ring = IndexRing(dev, self._load_s, max(4096, 4 * cp))
+        with torch.cuda.device(dev), torch.cuda.stream(self.load_stream):  # the fused copies' page numbers
+            self._page_ring = IndexRing(dev, self.load_stream, max(4096, 4 * cp))
+        # kvpool.gpu.sketch_kernel.CopySketchKernel, probed here; None where loads cannot fuse
+        # (another sketch, the driver path, pages of part sketch rows), False where it failed its probe
+        self._copy_sketch = None
+        if (self.config.fuse_loads and self._sketch_gpu.impl == "triton-dot" and self._driver is None
+                and self.layout.page_bytes % SKETCH_ROW == 0):
+            self._copy_sketch = self._probe_copy_sketch()
         self._load_free: list[torch.cuda.Event | None] = [None] * n  # per buffer: its last install
         self._load_sketched: list[torch.cuda.Event | None] = [None] * n  # per buffer: its last check
         torch.cuda.synchronize(dev)  # the zeroed staging rows exist before any copy writes them
@@ -195,6 +206,51 @@ class Loads:
             return
         for row, page in enumerate(pages):
             stage[row, :pb].copy_(self._host_rows(page, 1), non_blocking=True)
+
+    def _fused_copy(self) -> bool:
+        """Whether a chunk of kv-sketch-1 pages is copied and sketched in one pass: pages in
+        device memory (a keeper's tier), the torch path, the Triton sketch, whole sketch rows.
+        Then the copy stream's one kernel writes the staged rows and their sketches from the
+        same registers; the check stream only copies the sketches to the host."""
+        return bool(self._copy_sketch) and self._arena.memory is PageMemory.DEVICE
+
+    def _probe_copy_sketch(self):  # noqa: ANN202 - a CopySketchKernel, or False
+        """The fused kernel, once it copied three seeded pages (out of order, into padded rows)
+        byte-exact with the probed sketcher's sketches of them; False (logged) otherwise, and the
+        loads copy then sketch."""
+        from kvpool.gpu.sketch_kernel import CopySketchKernel
+
+        pb, dev = self.layout.page_bytes, self.device
+        kernel = CopySketchKernel()
+        with torch.cuda.device(dev), torch.cuda.stream(self._load_k):  # a stream of the engine's own, not the caller's
+            g = torch.Generator(device=dev)
+            g.manual_seed(0x6B7673)
+            src = torch.randint(-128, 128, (4 * pb,), dtype=torch.int8, device=dev, generator=g)
+            order = torch.tensor([2, 0, 3], dtype=torch.int64, device=dev)
+            width = pb + SKETCH_ROW
+            dst = torch.zeros((3, width), dtype=torch.int8, device=dev)
+            out = torch.empty((3 * (pb // SKETCH_ROW), SKETCH_COLS), dtype=torch.int32, device=dev)
+            try:
+                kernel(src, order, pb, pb, dst.view(-1), width, self._sketch_gpu.key, out)
+                want = src.view(4, pb)[order]
+                ok = (torch.equal(dst[:, :pb], want) and not dst[:, pb:].any().item()
+                      and torch.equal(out, self._sketch_gpu.sketch(want.reshape(-1, SKETCH_ROW))))
+            except (RuntimeError, ValueError) as exc:  # the kernel does not build or run here
+                log.warning("kvpool GPU transfer: the fused copy and sketch failed its probe (%s): loads copy, "
+                            "then sketch", exc)
+                return False
+        if not ok:
+            log.warning("kvpool GPU transfer: the fused copy and sketch differs from a copy and the sketch: loads "
+                        "copy, then sketch")
+            return False
+        return kernel
+
+    def _copy_and_sketch(self, pages: Sequence[int], stage: torch.Tensor, dev_out: torch.Tensor) -> None:
+        """Pages -> rows of `stage` and their sketches -> `dev_out`, one kernel on the current
+        stream (the load's copy stream)."""
+        idx = self._index(pages, self._page_ring)
+        self._copy_sketch(self._region.view(torch.int8), idx, self._page_size, self.layout.page_bytes,
+                          stage.view(torch.int8).view(-1), stage.stride(0), self._sketch_gpu.key, dev_out)
 
     def _scatter(self, block_ids: Sequence[int], buf: int, stage: torch.Tensor | None = None,
                  ring: IndexRing | None = None) -> None:
@@ -337,6 +393,7 @@ class Loads:
         copied: list[torch.cuda.Event] = []
         checked: list[torch.cuda.Event] = []
         installed = self._load_free  # per buffer: the last install that read it (this load's or an earlier one's)
+        fuse = self._fused_copy()
         check_read = self._load_sketched  # per buffer: the last check (sketch, read-back) that read it
         self._order(OrderingEdge.LOAD_AFTER_READ, self._load_s, read)  # the installs write the blocks
 
@@ -346,17 +403,25 @@ class Loads:
             m = len(chunk)
             sketch, read_back = check_plan([kinds[j] for j in chunk])
             host_rows = self._readback_buffer(b) if read_back else None
+            fused = sketch and not read_back and fuse
             with torch.cuda.stream(self.load_stream):
                 for reader in (installed[b], check_read[b]):  # the buffer's last install and check read it
                     if reader is not None:
                         self._order(OrderingEdge.REFILL_AFTER_INSTALL, self.load_stream, reader)
-                self._h2d([pages[j] for j in chunk], stage)
+                if fused:  # the staged rows and their sketches, from the same registers
+                    self._copy_and_sketch([pages[j] for j in chunk], stage, self._sk_load_dev[b])
+                else:
+                    self._h2d([pages[j] for j in chunk], stage)
                 ev = torch.cuda.Event()
                 ev.record(self.load_stream)
                 copied.append(ev)
             with torch.cuda.stream(self._load_k):
                 self._order(OrderingEdge.CHECK_AFTER_COPY, self._load_k, ev)  # the check reads what the copy delivered
-                if sketch:
+                if fused:
+                    rows = m * self._sk_rows
+                    self._sk_load_host[b][:m].view(rows, SKETCH_COLS).copy_(self._sk_load_dev[b][:rows],
+                                                                            non_blocking=True)
+                elif sketch:
                     self._sketch_to_host(stage, m, self._sk_load_dev[b], self._sk_load_host[b][:m])
                 if read_back:
                     self._read_back(stage, m, host_rows)

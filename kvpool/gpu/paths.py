@@ -249,6 +249,9 @@ OTHER_FIELDS: dict[str, str] = {
     "sketch_impl": "how kv-sketch-1's sums are computed (a Triton kernel, cuBLASLt int8, float64): one kernel "
                    "in the same place on the same stream, after the same waits; each is probed exact against "
                    "the host reference at the engine's start, and the matrix runs the one auto takes",
+    "fuse_loads": "device pages only (a keeper's tier), which the matrix does not enumerate: a load's copy and "
+                  "sketch as one kernel on the copy stream, the check stream copying the sketches out after "
+                  "the same CHECK_AFTER_COPY wait; suites/gpu/test_gpu_tier_engine.py runs it on the torch path",
 }
 
 

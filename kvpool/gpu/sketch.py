@@ -98,6 +98,11 @@ class Sketcher:
             return out
         return res
 
+    @property
+    def key(self) -> torch.Tensor:
+        """The int8 key on the device (SKETCH_ROW x SKETCH_COLS)."""
+        return self._key_i8
+
     def sketch(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return self._run(self.impl, rows.view(torch.int8), out)
 

@@ -81,8 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="27b")
     ap.add_argument("--tokens", type=int, default=128000)
-    ap.add_argument("--ways", default="auto:128,int8-mm:128,triton-dot:128,triton-dot:512,triton-dot:1024",
-                    help="SKETCH_IMPL:CHUNK_MIB,... (the first is the default way, whose median the key gives)")
+    ap.add_argument("--ways", default="auto:128,int8-mm:128,triton-dot:128:nofuse,triton-dot:1024:nofuse,"
+                                      "triton-dot:512,triton-dot:1024",
+                    help="SKETCH_IMPL:CHUNK_MIB[:nofuse],... (the first is the default way, whose median the key "
+                         "gives; nofuse: the copy, then the sketch, as before the fused kernel)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=20261205)
     ap.add_argument("--profile", action="store_true",
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     n = a.tokens // BLOCK
     shape = (n, 2, BLOCK, HEADS, HEAD_DIM)
     pb = layers_n * 2 * BLOCK * HEADS * HEAD_DIM * 2
-    ways = [(w.split(":")[0], int(w.split(":")[1])) for w in a.ways.split(",") if w]
+    ways = [(w.split(":")[0], int(w.split(":")[1]), w.endswith(":nofuse")) for w in a.ways.split(",") if w]
     result: dict = {"provenance": provenance(), "device": torch.cuda.get_device_name(dev), "geometry": a.geometry,
                     "layers": layers_n, "tokens": a.tokens, "blocks": n, "page_bytes": pb, "bytes": n * pb,
                     "repeats": a.repeats, "ways": {}, "ok": False}
@@ -155,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         result["copy_GBps"] = round(n * pb / result["copy_s"] / 1e9, 1)
         rows = tier.view(-1, SKETCH_ROW)
         result["sketch_s"] = {}
-        for impl in sorted({w for w, _ in ways if w != "auto"} | {Sketcher(dev).impl}):
+        for impl in sorted({w for w, _, _ in ways if w != "auto"} | {Sketcher(dev).impl}):
             sk = Sketcher(dev, impl)
             result["sketch_s"][impl] = round(_gpu_time(lambda: sk.sketch(rows)), 5)
         _say(f"plain copy {result['copy_s'] * 1e3:.1f} ms, sketch alone {result['sketch_s']}")
@@ -169,9 +171,9 @@ def main(argv: list[str] | None = None) -> int:
             rel.append(time.perf_counter() - t1)
         result["acquire"], result["release"] = _ms(acq), _ms(rel)
         _say(f"acquire {statistics.median(acq) * 1e3:.1f} ms, release {statistics.median(rel) * 1e3:.1f} ms")
-        for impl, chunk_mib in ways:
-            name = f"{impl}:{chunk_mib}"
-            cfg = TransferConfig(block_dim=0, sketch_impl=impl, chunk_bytes=chunk_mib << 20)
+        for impl, chunk_mib, nofuse in ways:
+            name = f"{impl}:{chunk_mib}" + (":nofuse" if nofuse else "")
+            cfg = TransferConfig(block_dim=0, sketch_impl=impl, chunk_bytes=chunk_mib << 20, fuse_loads=not nofuse)
             loads, returns, releases, wrong = [], [], [], []
             with TransferEngine(consumer.backend, ns, layers, cfg) as eng:
                 h = eng.load(ids[:8], hashes[:8])  # warm-up: the kernels and the keeper's path once
@@ -196,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                         bad.append(f"{name}: a load installed {out.loaded} of {n} blocks ({out.miss})")
                     wrong.append(differs())
                 impl_used = eng.capabilities.sketch_impl
-            result["ways"][name] = {"sketch_impl": impl_used, "chunk_mib": chunk_mib, "load": _ms(loads),
+                fused = eng._fused_copy()  # noqa: SLF001 - which load path the way took
+            result["ways"][name] = {"sketch_impl": impl_used, "chunk_mib": chunk_mib, "fused": fused, "load": _ms(loads),
                                     "returned": _ms(returns), "released": _ms(releases),
                                     "GBps": round(n * pb / statistics.median(loads) / 1e9, 1),
                                     "vs_copy": round(statistics.median(loads) / result["copy_s"], 2),
@@ -205,14 +208,14 @@ def main(argv: list[str] | None = None) -> int:
                 bad.append(f"{name}: blocks differing from the seeded bytes after the load: {wrong}")
             _say(f"{name} ({impl_used}): load {statistics.median(loads) * 1e3:.1f} ms "
                  f"({min(loads) * 1e3:.1f}-{max(loads) * 1e3:.1f}), released {statistics.median(releases) * 1e3:.1f} ms")
-        first = f"{ways[0][0]}:{ways[0][1]}"
+        first = next(iter(result["ways"]))
         if a.profile:
             import cProfile
             import io
             import pstats
 
-            impl, chunk_mib = ways[0]
-            cfg = TransferConfig(block_dim=0, sketch_impl=impl, chunk_bytes=chunk_mib << 20)
+            impl, chunk_mib, nofuse = ways[0]
+            cfg = TransferConfig(block_dim=0, sketch_impl=impl, chunk_bytes=chunk_mib << 20, fuse_loads=not nofuse)
             with TransferEngine(consumer.backend, ns, layers, cfg) as eng:
                 h = eng.load(ids[:8], hashes[:8])
                 eng.wait_for_load(h)

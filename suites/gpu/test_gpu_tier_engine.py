@@ -48,13 +48,14 @@ from kvgate.faults.gpu_controls import (  # noqa: E402
 from kvgate.harness.scenarios.gpu_tier_engine import (  # noqa: E402
     TierScenario,
     TierSide,
+    run_check_after_copy,
     run_corrupt_page,
     run_release_held,
     run_restart,
     run_scenario,
 )
 from kvgate.harness.scenarios.gpu_transfer import GEOMETRIES, namespace  # noqa: E402
-from kvpool.gpu.config import CopyPath, PageMemory  # noqa: E402
+from kvpool.gpu.config import CopyPath, OrderingEdge, PageMemory  # noqa: E402
 from kvpool.gpu.transfer import TransferEngine  # noqa: E402
 
 from ..pool.test_gpu_keeper_restart import Keeper  # noqa: E402
@@ -143,9 +144,27 @@ def test_an_edge_of_the_engine_through_the_tier_holds_under_a_stream_delay_and_i
     control = run_scenario(scenario, GEOM, make, producer, consumer, ns, test_seed, delay_cycles, drop=True)
     assert ordered.valid is True, f"ordered transfer: {ordered}"
     assert ordered.evidence["pages_memory"] == PageMemory.DEVICE.value, ordered
+    if path is CopyPath.TORCH and ordered.evidence["sketch_impl"] == "triton-dot":
+        assert ordered.evidence["fused_copy"] is True, f"the torch path did not take the fused copy: {ordered}"
     assert control.evidence.get("dropped_edges", 0) > 0, f"the control never reached its edge: {control}"
     assert control.valid is False and control.evidence.get("stale_pages", 0) > 0, \
         f"negative control NOT caught by the byte-exact oracle (the check cannot fail as run): {control}"
+
+
+@pytest.mark.fault_stream_delay
+def test_the_fused_copy_and_sketch_is_checked_after_it_ran_and_the_dropped_edge_is_caught(
+        sides, delay_cycles, test_seed, tag):
+    producer, consumer = sides
+    ordered = run_check_after_copy(GEOM, TransferEngine, producer, consumer, namespace(GEOM, f"{tag}-cac"),
+                                   test_seed, delay_cycles)
+    control = run_check_after_copy(GEOM, UnorderedTransferEngine, producer, consumer,
+                                   namespace(GEOM, f"{tag}-cac-drop"), test_seed, delay_cycles,
+                                   drop=OrderingEdge.CHECK_AFTER_COPY)
+    assert ordered.evidence["fused_copy"] is True, f"the torch path did not take the fused copy: {ordered}"
+    assert ordered.valid is True, ordered
+    assert control.evidence["dropped_edges"] > 0, f"the control never reached its edge: {control}"
+    assert control.valid is False and control.evidence["stale_pages"] > 0, \
+        f"negative control NOT caught by the byte-exact oracle: {control}"
 
 
 @pytest.mark.fault_corrupt

@@ -4,7 +4,8 @@ interpreter (TRITON_INTERPRET=1, in a process of its own: the variable is read w
 defined): exact sums over rows that fill a program and rows that do not, rows with a stride
 (staging rows are padded), a given output; the Sketcher's probe takes it where it is exact and
 refuses the LastTileSkipped control (kvgate.faults.sketch_controls), whose sums miss the last
-tile of each row. On a GPU the same probe runs at every engine's start (suites/gpu)."""
+tile of each row. The fused copy and sketch of a load (CopySketchKernel): the bytes of pages taken
+out of order and a stride apart, in padded rows, and their sketches; malformed geometry refused. On a GPU the same probe runs at every engine's start (suites/gpu)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,30 @@ SCRIPT = textwrap.dedent("""
         given.numpy(), page_sketch(np.ascontiguousarray(padded[:, :SKETCH_ROW].numpy()).view(np.uint8))))
     sk = S.Sketcher(torch.device("cpu"), "triton-dot")
     out["probe_took"] = sk.impl
+    # the fused copy and sketch: pages out of order, 2 sketch rows each, a stride past them, padded rows
+    from kvpool.gpu.sketch_kernel import CopySketchKernel
+    pb, stride = 2 * SKETCH_ROW, 2 * SKETCH_ROW + 4096
+    arena = torch.from_numpy(rng.integers(0, 256, 9 * stride, dtype=np.uint8)).view(torch.int8)
+    order = [6, 1, 8, 0]
+    width = pb + 8192
+    dst = torch.zeros((4, width), dtype=torch.int8)
+    sk_out = torch.full((8, 16), -3, dtype=torch.int32)
+    CopySketchKernel(bm=16, bk=512)(arena, torch.tensor(order, dtype=torch.int64), stride, pb, dst.view(-1), width,
+                                    key, sk_out)
+    a = arena.numpy().view(np.uint8)
+    src = [a[p * stride : p * stride + pb] for p in order]
+    out["fused_bytes"] = all(np.array_equal(dst[i, :pb].numpy().view(np.uint8), src[i]) for i in range(4))
+    out["fused_padding_untouched"] = not bool(dst[:, pb:].any())
+    out["fused_sketch"] = bool(np.array_equal(sk_out.numpy(), np.concatenate([page_sketch(x) for x in src])))
+    refused = []
+    for bad in ({"page": SKETCH_ROW + 1}, {"stride": SKETCH_ROW}, {"width": SKETCH_ROW}):
+        try:
+            CopySketchKernel()(arena, torch.tensor(order, dtype=torch.int64), bad.get("stride", stride),
+                               bad.get("page", pb), dst.view(-1), bad.get("width", width), key, sk_out)
+            refused.append(False)
+        except ValueError:
+            refused.append(True)
+    out["fused_refuses"] = refused
     if CONTROL:
         import kvgate.faults.sketch_controls as C
         import kvpool.gpu.sketch_kernel as K
@@ -68,7 +93,8 @@ def _run(control: bool) -> dict:
 def test_the_kernel_sums_every_row_exactly_and_the_probe_takes_it():
     out = _run(control=False)
     assert out == {"bm16_m37": True, "bm64_m64": True, "bm64_m3": True, "strided_into_out": True,
-                   "probe_took": "triton-dot"}
+                   "probe_took": "triton-dot", "fused_bytes": True, "fused_padding_untouched": True,
+                   "fused_sketch": True, "fused_refuses": [True, True, True]}
 
 
 def test_a_kernel_that_skips_the_last_tile_is_refused_by_the_probe():
