@@ -248,7 +248,7 @@ class Loads:
     def _copy_and_sketch(self, pages: Sequence[int], stage: torch.Tensor, dev_out: torch.Tensor) -> None:
         """Pages -> rows of `stage` and their sketches -> `dev_out`, one kernel on the current
         stream (the load's copy stream)."""
-        idx = self._index(pages, self._page_ring)
+        idx = self._page_ring.upload(pages, align=2)  # a 16-byte boundary: the kernel compiled once
         self._copy_sketch(self._region.view(torch.int8), idx, self._page_size, self.layout.page_bytes,
                           stage.view(torch.int8).view(-1), stage.stride(0), self._sketch_gpu.key, dev_out)
 

@@ -30,7 +30,9 @@ import triton.language as tl
 from kvpool.pool.digest import SKETCH_COLS, SKETCH_ROW
 
 
-@triton.jit
+# The sizes are not specialized on (Triton compiles a kernel again for each new divisibility of
+# an integer argument): a load's first chunk of an unseen length would pay a compile.
+@triton.jit(do_not_specialize=["m", "row_stride"])
 def _sketch_rows(rows_ptr, key_ptr, out_ptr, m, row_stride,
                  K: tl.constexpr, N: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     pid = tl.program_id(0)
@@ -50,7 +52,7 @@ def _sketch_rows(rows_ptr, key_ptr, out_ptr, m, row_stride,
     tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :], acc, mask=live[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["m", "stride", "dst_width"])
 def _copy_sketch_pages(src_ptr, pages_ptr, dst_ptr, key_ptr, out_ptr, m, stride, dst_width,
                        R: tl.constexpr, K: tl.constexpr, N: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     pid = tl.program_id(0)
@@ -106,8 +108,8 @@ class CopySketchKernel(SketchKernel):
         r = page_size // SKETCH_ROW
         if src.dtype != torch.int8 or dst.dtype != torch.int8 or src.dim() != 1 or not dst.is_contiguous():
             raise ValueError("src and dst must be int8, src one-dimensional and dst contiguous")
-        if pages.dtype != torch.int64 or pages.dim() != 1 or not pages.is_contiguous():
-            raise ValueError("pages must be a contiguous int64 vector")
+        if pages.dtype != torch.int64 or pages.dim() != 1 or not pages.is_contiguous() or pages.data_ptr() % 16:
+            raise ValueError("pages must be a contiguous int64 vector at a 16-byte boundary (one compiled kernel)")
         if width < page_size or (n and dst.numel() < (n - 1) * width + page_size):
             raise ValueError(f"dst holds fewer than {n} rows of {page_size} bytes {width} apart")
         if key.dtype != torch.int8 or tuple(key.shape) != (SKETCH_ROW, SKETCH_COLS) or not key.is_contiguous():

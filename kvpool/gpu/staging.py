@@ -121,10 +121,12 @@ class IndexRing:
         self.pos = 0
         self.inflight: deque[tuple[int, int, torch.cuda.Event]] = deque()
 
-    def upload(self, ids: Sequence[int]) -> torch.Tensor:
+    def upload(self, ids: Sequence[int], align: int = 1) -> torch.Tensor:
+        """`align`: the slot starts at a multiple of that many ids (2: a 16-byte boundary)."""
         n = len(ids)
         if n > self.capacity:
             raise TransferError(f"{n} block ids in one chunk; the index ring holds {self.capacity}")
+        self.pos = -(-self.pos // align) * align
         if self.pos + n > self.capacity:
             self.pos = 0
         a, b = self.pos, self.pos + n
