@@ -215,9 +215,9 @@ class Loads:
         return bool(self._copy_sketch) and self._arena.memory is PageMemory.DEVICE
 
     def _probe_copy_sketch(self):  # noqa: ANN202 - a CopySketchKernel, or False
-        """The fused kernel, once it copied three seeded pages (out of order, into padded rows)
-        byte-exact with the probed sketcher's sketches of them; False (logged) otherwise, and the
-        loads copy then sketch."""
+        """The fused kernel, once it copied three seeded pages (out of order) byte-exact with the
+        probed sketcher's sketches of them; False (logged) otherwise, and the loads copy then
+        sketch."""
         from kvpool.gpu.sketch_kernel import CopySketchKernel
 
         pb, dev = self.layout.page_bytes, self.device
@@ -226,15 +226,15 @@ class Loads:
             g = torch.Generator(device=dev)
             g.manual_seed(0x6B7673)
             src = torch.randint(-128, 128, (4 * pb,), dtype=torch.int8, device=dev, generator=g)
+            # the loads' shape (their staged rows are the pages' width: whole sketch rows), so the
+            # kernel compiled here is the one they run
             order = torch.tensor([2, 0, 3], dtype=torch.int64, device=dev)
-            width = pb + SKETCH_ROW
-            dst = torch.zeros((3, width), dtype=torch.int8, device=dev)
+            dst = torch.zeros((3, pb), dtype=torch.int8, device=dev)
             out = torch.empty((3 * (pb // SKETCH_ROW), SKETCH_COLS), dtype=torch.int32, device=dev)
             try:
-                kernel(src, order, pb, pb, dst.view(-1), width, self._sketch_gpu.key, out)
+                kernel(src, order, pb, pb, dst.view(-1), pb, self._sketch_gpu.key, out)
                 want = src.view(4, pb)[order]
-                ok = (torch.equal(dst[:, :pb], want) and not dst[:, pb:].any().item()
-                      and torch.equal(out, self._sketch_gpu.sketch(want.reshape(-1, SKETCH_ROW))))
+                ok = torch.equal(dst, want) and torch.equal(out, self._sketch_gpu.sketch(want.reshape(-1, SKETCH_ROW)))
             except (RuntimeError, ValueError) as exc:  # the kernel does not build or run here
                 log.warning("kvpool GPU transfer: the fused copy and sketch failed its probe (%s): loads copy, "
                             "then sketch", exc)
