@@ -310,19 +310,36 @@ def _conformance_from(sources: list[Path], report_dir: Path, baseline: object) -
     from kvgate.harness.conformance.baseline import judge
     from kvgate.harness.conformance.gate import write_matrix
 
-    rows, recorded = [], []
+    rows: list[dict] = []
+    recorded = []
     for path in sources:
         try:
             doc = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise SystemExit(f"kvgate conformance --from {path}: {exc}") from exc
-        taken = {r["connector"] for r in rows}
-        again = [r["connector"] for r in doc["rows"] if r["connector"] in taken]
-        if again:
-            raise SystemExit(f"kvgate conformance --from {path}: rows {again} are already given by an earlier source")
-        rows += doc["rows"]
+        by_name = {r["connector"]: r for r in rows}
+        replaced: list[str] = []
+        for row in doc["rows"]:
+            have = by_name.get(row["connector"])
+            if have is None:
+                row = {**row, "cells": dict(row["cells"])}
+                rows.append(row)
+                by_name[row["connector"]] = row
+                continue
+            # a later run of the same connector, versions and device: its cells join the row,
+            # replacing the earlier run's cell of the same scenario (the source says which)
+            if (have.get("versions"), have.get("device")) != (row.get("versions"), row.get("device")):
+                raise SystemExit(f"kvgate conformance --from {path}: {row['connector']} ran {row.get('versions')} on "
+                                 f"{row.get('device')} there, {have.get('versions')} on {have.get('device')} in an "
+                                 f"earlier source: one row is one set of versions")
+            for name, cell in row["cells"].items():
+                if name in have["cells"]:
+                    replaced.append(f"{row['connector']}/{name}")
+                have["cells"][name] = cell
         recorded.append({"path": str(path), "provenance": doc["provenance"], "seed": doc.get("seed"),
-                         "connectors": [r["connector"] for r in doc["rows"]]})
+                         "connectors": [r["connector"] for r in doc["rows"]],
+                         "cells": sorted(f"{r['connector']}/{c}" for r in doc["rows"] for c in r["cells"]),
+                         **({"replaced": replaced} if replaced else {})})
     provs = [s["provenance"] for s in recorded]
     one = len({p["commit"] for p in provs}) == 1 and all(p.get("clean") for p in provs)
     prov = dict(provs[0]) if one else {**provs[0], "clean": False, "mixed": True}

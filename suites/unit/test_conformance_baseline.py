@@ -203,6 +203,30 @@ def test_kvgate_conformance_fails_on_a_new_red_cell_and_passes_a_known_one(tmp_p
     assert "tracked example / salt_isolation: fixed upstream" in out and "kvgate conformance: FAIL" in out
 
 
+def test_a_later_run_of_a_connector_adds_and_replaces_its_cells_and_says_so(tmp_path, capsys):
+    (tmp_path / "b.toml").write_text(TOML)
+    first = _matrix(tmp_path, [_row("example", {"salt_isolation": _cell("fail", SALT_SIG),
+                                                "cross_replica_hit": _cell("fail", ["B generated 16 tokens"])})],
+                    "first.json")
+    later = _matrix(tmp_path, [_row("example", {"cross_replica_hit": _cell("pass"),
+                                                "reset_external": _cell("pass")})], "later.json")
+    rc = cli.main(["conformance", "--from", str(first), "--from", str(later), "--baseline",
+                   str(tmp_path / "b.toml"), "--report-dir", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    doc = json.loads((tmp_path / "out" / "matrix.json").read_text())
+    (row,) = doc["rows"]
+    assert {k: v["status"] for k, v in row["cells"].items()} == {
+        "salt_isolation": "fail", "cross_replica_hit": "pass", "reset_external": "pass"}
+    assert doc["sources"][1]["replaced"] == ["example/cross_replica_hit"]
+    assert doc["sources"][1]["cells"] == ["example/cross_replica_hit", "example/reset_external"]
+    other = _matrix(tmp_path, [_row("example", {"reset_external": _cell("pass")}, versions={"vllm": "vllm 9.9"})],
+                    "other.json")
+    with pytest.raises(SystemExit, match="one row is one set of versions"):
+        cli.main(["conformance", "--from", str(first), "--from", str(other), "--baseline", str(tmp_path / "b.toml"),
+                  "--report-dir", str(tmp_path / "out2")])
+
+
 def test_kvgate_conformance_fails_where_a_connector_is_not_run(tmp_path, capsys, monkeypatch):
     import kvgate.fixtures.tiny_model
     import kvgate.harness.system.cluster

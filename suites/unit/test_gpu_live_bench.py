@@ -91,6 +91,9 @@ def test_the_tier_rows_carry_both_load_modes_their_ratios_and_the_local_bound(st
     assert out["targets"]["gpu_tier_sync_every_block_loaded"] is False  # V's second load was short
     assert out["tier_settings"] == {"pool": "keeper:/k", "gpu_chunk_mib": 512}  # never the token
     assert posted == []  # C's prefix caching is off: nothing to reset
+    # each tier replica loads once before the first measured load
+    first = next(i for i, (_, tag) in enumerate(sent) if tag.startswith("tier-"))
+    assert {("T", "tierwarm-pub"), ("U", "tierwarm-U"), ("V", "tierwarm-V")} <= set(sent[:first])
     for i, (replica, tag) in enumerate(sent):  # every measured request follows a primer on its replica
         if tag.startswith(("tier-", "tierlocal-", "peer-hit")):
             assert sent[i - 1] == (replica, f"primer-{replica}"), (i, replica, tag)
