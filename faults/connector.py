@@ -98,6 +98,7 @@ from kvgate.faults.connector_controls import CONTROLS
 from kvgate.faults.control import ControlFile, ControlFileError
 from kvgate.faults.copier import FaultyCopier
 from kvpool.connector.settings import ConnectorSettings, connect_backend
+from kvpool.connector.worker import transfer_config
 from kvpool.connector.params import request_tag
 from kvpool.connector.copier import HostCopier
 from kvpool.connector.history import HistoryWriter
@@ -148,7 +149,8 @@ class FaultConnector(WrappingConnector):
             from kvgate.faults.gpu_live import ControlledCudaCopier, StreamDelay
 
             self._stream_delay = StreamDelay(self.control, history)
-            return ControlledCudaCopier(backend, history, metrics, control=self.control)
+            return ControlledCudaCopier(backend, history, metrics, control=self.control,
+                                        config=transfer_config(settings))
         return FaultyCopier(HostCopier(backend, history, metrics), self.control, history)
 
     # -- the connector API ---------------------------------------------------------------------

@@ -111,8 +111,8 @@ class ControlledCudaCopier(CudaCopier):
     """A CudaCopier on a SwitchableTransferEngine (armed by the replica's control file)."""
 
     def __init__(self, backend: PoolBackend, history: HistoryWriter, metrics: ClientMetrics | None = None, *,
-                 control: str | Path | ControlFile):
-        super().__init__(backend, history, metrics)
+                 control: str | Path | ControlFile, config: TransferConfig = TransferConfig()):
+        super().__init__(backend, history, metrics, config=config)
         self.control = control if isinstance(control, ControlFile) else ControlFile(control)
 
     def _new_engine(self, ns: Namespace, layers: Sequence[torch.Tensor], config: TransferConfig) -> TransferEngine:

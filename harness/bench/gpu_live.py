@@ -371,7 +371,8 @@ def measure_tier(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline
                 values = ttft[f"{m}{what}"]
                 row[f"{key}{label}_ttft_ms"] = round(statistics.median(values), 1)
                 row[f"{key}{label}_ttft_ms_all"] = [round(v, 1) for v in values]
-                row[f"{key}{'phases' if what == 'hit' else 'local_phases'}_ms"] = median_phases(phases[f"{m}{what}"])
+                if phases[f"{m}{what}"]:  # none where no request's records had them (a load that moved nothing)
+                    row[f"{key}{'phases' if what == 'hit' else 'local_phases'}_ms"] = median_phases(phases[f"{m}{what}"])
             row[f"{key}remote_vs_local"] = round(row[f"{key}hit_ttft_ms"] / row[f"{key}local_hit_ttft_ms"], 3)
             row[f"{key}vs_peer"] = round(row[f"{key}hit_ttft_ms"] / row["peer_hit_ttft_ms"], 3)
             row[f"{key}local_vs_peer"] = round(row[f"{key}local_hit_ttft_ms"] / row["peer_hit_ttft_ms"], 3)
@@ -384,7 +385,7 @@ def measure_tier(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline
         targets[f"{key}at_most_0.5x_peer_at_every_length"] = bool(rows) and all(
             r[f"{key}vs_peer"] <= 0.5 for r in rows)
         targets[f"{key}every_block_loaded"] = bool(rows) and all(
-            r[f"{key}blocks_loaded"] == r[f"{key}blocks_expected"] for r in rows)
+            r[f"{key}blocks_loaded"] >= r[f"{key}blocks_expected"] for r in rows)
     s = BENCH_SHAPE
     return {
         "model": f"random-weight Llama, {s.layers} layers, hidden {s.hidden}, {s.kv_heads} KV heads, head "

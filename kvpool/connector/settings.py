@@ -20,6 +20,7 @@ from kvpool.connector.copier import HostCopier
 from kvpool.connector.history import HistoryWriter
 from kvpool.connector.identity import model_identity
 from kvpool.errors import InvalidRequest
+from kvpool.gpu.config import SKETCH_IMPLS
 from kvpool.pool.keys import Namespace
 from kvpool.pool.metrics import ClientMetrics
 from kvpool.tier.record import TierAuth
@@ -34,7 +35,7 @@ Copier = Union[HostCopier, "CudaCopier"]  # one interface (kvpool.connector.copi
 
 
 LOAD_MODES = ("auto", "sync", "async")
-GPU_SKETCHES = ("auto", "triton-dot", "int8-mm", "float64-mm")  # kvpool.gpu.sketch.IMPLS, and auto
+GPU_SKETCHES = ("auto", *SKETCH_IMPLS)
 # A pool address naming a GPU keeper's run directory (`kvpool keeper`): the connector's pool is
 # then the keeper's tier (kvpool.gpu.tier_backend), with kv-sketch-1 digests; its reset is
 # refused (the keeper evicts nothing on a client's word). In host memory (--backing memfd) either

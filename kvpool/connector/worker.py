@@ -279,14 +279,20 @@ class KVPoolWorker:
         return self.copier.take_failed()
 
 
+def transfer_config(settings: ConnectorSettings):  # noqa: ANN201 - a kvpool.gpu.config.TransferConfig
+    """The GPU engine's settings from the connector's (gpu_chunk_mib, gpu_sketch): what every
+    CUDA copier of a replica is built with, kvpool's and a wrapper's alike."""
+    from kvpool.gpu.config import TransferConfig
+
+    return TransferConfig(sketch_impl=settings.gpu_sketch,
+                          **({"chunk_bytes": settings.gpu_chunk_mib << 20} if settings.gpu_chunk_mib else {}))
+
+
 def default_copier(settings: ConnectorSettings, backend: PoolBackend, history: HistoryWriter,
                    metrics: ClientMetrics, device: str = "cpu") -> Copier:
     """The default CopierFactory, by device: HostCopier on CPU, CudaCopier on CUDA."""
     if device == "cuda":
         from kvpool.connector.gpu_copier import CudaCopier
-        from kvpool.gpu.config import TransferConfig
 
-        config = TransferConfig(sketch_impl=settings.gpu_sketch,
-                                **({"chunk_bytes": settings.gpu_chunk_mib << 20} if settings.gpu_chunk_mib else {}))
-        return CudaCopier(backend, history, metrics, config=config)
+        return CudaCopier(backend, history, metrics, config=transfer_config(settings))
     return HostCopier(backend, history, metrics)

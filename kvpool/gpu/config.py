@@ -75,6 +75,11 @@ class OrderingEdge(enum.StrEnum):
     RELEASE_AFTER_COPY = "release_after_copy"  # a load's lease is released after every copy of the load completed
 
 
+# How kv-sketch-1 may run on a GPU (kvpool.gpu.sketch), fastest first: "auto" takes the first
+# that equals the host reference on the device.
+SKETCH_IMPLS = ("triton-dot", "int8-mm", "float64-mm")
+
+
 @dataclasses.dataclass(frozen=True)
 class TransferConfig:
     path: CopyPath = CopyPath.TORCH
@@ -114,8 +119,8 @@ class TransferConfig:
         if self.load_buffers < 2:
             raise InvalidRequest("load_buffers must be at least 2")
         object.__setattr__(self, "digest", DigestKind(self.digest))
-        if self.sketch_impl not in ("auto", "triton-dot", "int8-mm", "float64-mm"):
-            raise InvalidRequest(f"sketch_impl {self.sketch_impl!r}: one of auto, triton-dot, int8-mm, float64-mm")
+        if self.sketch_impl != "auto" and self.sketch_impl not in SKETCH_IMPLS:
+            raise InvalidRequest(f"sketch_impl {self.sketch_impl!r}: one of auto, {', '.join(SKETCH_IMPLS)}")
 
 
 @dataclasses.dataclass(frozen=True)

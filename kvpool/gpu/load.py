@@ -40,7 +40,7 @@ from kvpool.errors import (
     PoolTimeout,
     TransportError,
 )
-from kvpool.gpu.config import KVLayoutError, OrderingEdge, PageMemory
+from kvpool.gpu.config import KVLayoutError, OrderingEdge, PageMemory, TransferError
 from kvpool.gpu.events import host_event
 from kvpool.gpu.layout import as_width
 from kvpool.gpu.sketch import Sketcher, staged_width
@@ -169,11 +169,14 @@ class Loads:
             self._sk_scatter_ring = IndexRing(dev, self._load_s, max(4096, 4 * cp))
         with torch.cuda.device(dev), torch.cuda.stream(self.load_stream):  # the fused copies' page numbers
             self._page_ring = IndexRing(dev, self.load_stream, max(4096, 4 * cp))
-        # kvpool.gpu.sketch_kernel.CopySketchKernel, probed here; None where loads cannot fuse
-        # (another sketch, the driver path, pages of part sketch rows), False where it failed its probe
+        # kvpool.gpu.sketch_kernel.CopySketchKernel once probed (on the first pages in device
+        # memory: here, or when the engine follows its backend there); False where loads do not
+        # fuse (another sketch, the driver path, pages of part sketch rows, a failed probe)
         self._copy_sketch = None
-        if (self.config.fuse_loads and self._sketch_gpu.impl == "triton-dot" and self._driver is None
+        if not (self.config.fuse_loads and self._sketch_gpu.impl == "triton-dot" and self._driver is None
                 and self.layout.page_bytes % SKETCH_ROW == 0):
+            self._copy_sketch = False
+        elif self._arena.memory is PageMemory.DEVICE:
             self._copy_sketch = self._probe_copy_sketch()
         self._load_free: list[torch.cuda.Event | None] = [None] * n  # per buffer: its last install
         self._load_sketched: list[torch.cuda.Event | None] = [None] * n  # per buffer: its last check
@@ -212,33 +215,43 @@ class Loads:
         device memory (a keeper's tier), the torch path, the Triton sketch, whole sketch rows.
         Then the copy stream's one kernel writes the staged rows and their sketches from the
         same registers; the check stream only copies the sketches to the host."""
-        return bool(self._copy_sketch) and self._arena.memory is PageMemory.DEVICE
+        if self._arena.memory is not PageMemory.DEVICE or self._copy_sketch is False:
+            return False
+        if self._copy_sketch is None:  # the first device pages since the engine started on host pages
+            self._copy_sketch = self._probe_copy_sketch()
+        return self._copy_sketch is not False
 
     def _probe_copy_sketch(self):  # noqa: ANN202 - a CopySketchKernel, or False
-        """The fused kernel, once it copied three seeded pages (out of order) byte-exact with the
-        probed sketcher's sketches of them; False (logged) otherwise, and the loads copy then
-        sketch."""
+        """The fused kernel, once it copied seeded pages (out of order, 3 and 16 of them: Triton
+        compiles a kernel for sizes that are multiples of 16 and one for those that are not, and
+        a load's chunks can be either) byte-exact with the probed sketcher's sketches of them;
+        False (logged) otherwise, and the loads copy then sketch. On a stream of its own: the
+        caller's streams may hold work back (a fault delaying them) that this must not wait for."""
         from kvpool.gpu.sketch_kernel import CopySketchKernel
 
         pb, dev = self.layout.page_bytes, self.device
         kernel = CopySketchKernel()
-        with torch.cuda.device(dev), torch.cuda.stream(self._load_k):  # a stream of the engine's own, not the caller's
-            g = torch.Generator(device=dev)
-            g.manual_seed(0x6B7673)
-            src = torch.randint(-128, 128, (4 * pb,), dtype=torch.int8, device=dev, generator=g)
-            # the loads' shape (their staged rows are the pages' width: whole sketch rows), so the
-            # kernel compiled here is the one they run
-            order = torch.tensor([2, 0, 3], dtype=torch.int64, device=dev)
-            dst = torch.zeros((3, pb), dtype=torch.int8, device=dev)
-            out = torch.empty((3 * (pb // SKETCH_ROW), SKETCH_COLS), dtype=torch.int32, device=dev)
-            try:
-                kernel(src, order, pb, pb, dst.view(-1), pb, self._sketch_gpu.key, out)
-                want = src.view(4, pb)[order]
-                ok = torch.equal(dst, want) and torch.equal(out, self._sketch_gpu.sketch(want.reshape(-1, SKETCH_ROW)))
-            except (RuntimeError, ValueError) as exc:  # the kernel does not build or run here
-                log.warning("kvpool GPU transfer: the fused copy and sketch failed its probe (%s): loads copy, "
-                            "then sketch", exc)
-                return False
+        try:
+            with torch.cuda.device(dev), torch.cuda.stream(torch.cuda.Stream(dev)):
+                g = torch.Generator(device=dev)
+                g.manual_seed(0x6B7673)
+                src = torch.randint(-128, 128, (17 * pb,), dtype=torch.int8, device=dev, generator=g)
+                ok = True
+                # the loads' shape: staged rows as wide as a page (whole sketch rows)
+                for order in ([2, 0, 3], [16 - i for i in range(16)]):
+                    idx = torch.tensor(order, dtype=torch.int64, device=dev)
+                    dst = torch.zeros((len(order), pb), dtype=torch.int8, device=dev)
+                    out = torch.empty((len(order) * (pb // SKETCH_ROW), SKETCH_COLS), dtype=torch.int32, device=dev)
+                    kernel(src, idx, pb, pb, dst.view(-1), pb, self._sketch_gpu.key, out)
+                    want = src.view(17, pb)[idx]
+                    ok = ok and torch.equal(dst, want) and torch.equal(
+                        out, self._sketch_gpu.sketch(want.reshape(-1, SKETCH_ROW)))
+        # Triton's compile and resource errors are not RuntimeErrors: any failure to build or run
+        # the kernel here leaves the loads on the copy-then-sketch path, logged with its cause
+        except Exception as exc:  # noqa: BLE001 - logged with its cause, the loads fall back
+            log.warning("kvpool GPU transfer: the fused copy and sketch failed its probe (%s: %s): loads copy, "
+                        "then sketch", type(exc).__name__, exc)
+            return False
         if not ok:
             log.warning("kvpool GPU transfer: the fused copy and sketch differs from a copy and the sketch: loads "
                         "copy, then sketch")
@@ -248,7 +261,12 @@ class Loads:
     def _copy_and_sketch(self, pages: Sequence[int], stage: torch.Tensor, dev_out: torch.Tensor) -> None:
         """Pages -> rows of `stage` and their sketches -> `dev_out`, one kernel on the current
         stream (the load's copy stream)."""
-        idx = self._page_ring.upload(pages, align=2)  # a 16-byte boundary: the kernel compiled once
+        # the kernel reads page * page_size unchecked: a page the pool names outside the mapped
+        # range is refused here, as the torch path's slice of the region refuses it
+        if pages and (min(pages) < 0 or max(pages) * self._page_size + self.layout.page_bytes > self._region.numel()):
+            raise TransferError(f"pages {min(pages)}..{max(pages)} of {self._page_size} bytes lie outside the "
+                                f"{self._region.numel()}-byte mapping")
+        idx = self._page_ring.upload(pages, align=2)  # a 16-byte boundary: one compiled kernel
         self._copy_sketch(self._region.view(torch.int8), idx, self._page_size, self.layout.page_bytes,
                           stage.view(torch.int8).view(-1), stage.stride(0), self._sketch_gpu.key, dev_out)
 

@@ -23,6 +23,8 @@ against the host reference before using it.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -78,10 +80,17 @@ def _copy_sketch_pages(src_ptr, pages_ptr, dst_ptr, key_ptr, out_ptr, m, stride,
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :], acc, mask=live[:, None])
 
 
+def _on(t: torch.Tensor):  # noqa: ANN202 - a context manager
+    """The tensor's CUDA device made current: Triton launches on the current device, whatever
+    device the pointers it is given are on."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 class SketchKernel:
     def __init__(self, bm: int = 64, bk: int = 256, warps: int = 4, stages: int = 3):
-        if SKETCH_ROW % bk:
-            raise ValueError(f"bk={bk} does not divide a sketch row of {SKETCH_ROW} bytes")
+        if SKETCH_ROW % bk or bm < 16 or bk < 32:
+            raise ValueError(f"bm={bm}, bk={bk}: tl.dot needs 16 rows and 32 bytes a step at least, and bk must "
+                             f"divide a sketch row of {SKETCH_ROW} bytes")
         self.bm, self.bk, self.warps, self.stages = bm, bk, warps, stages
 
     def __call__(self, rows: torch.Tensor, key: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -96,9 +105,10 @@ class SketchKernel:
         elif out.dtype != torch.int32 or tuple(out.shape) != (m, SKETCH_COLS) or not out.is_contiguous():
             raise ValueError(f"out must be contiguous int32 ({m}, {SKETCH_COLS})")
         if m:
-            _sketch_rows[(triton.cdiv(m, self.bm),)](rows, key, out, m, rows.stride(0), K=SKETCH_ROW, N=SKETCH_COLS,
-                                                     BM=self.bm, BK=self.bk, num_warps=self.warps,
-                                                     num_stages=self.stages)
+            with _on(rows):
+                    _sketch_rows[(triton.cdiv(m, self.bm),)](rows, key, out, m, rows.stride(0), K=SKETCH_ROW, N=SKETCH_COLS,
+                                                         BM=self.bm, BK=self.bk, num_warps=self.warps,
+                                                         num_stages=self.stages)
         return out
 
 
@@ -122,9 +132,10 @@ class CopySketchKernel(SketchKernel):
             raise ValueError(f"out must be contiguous int32 with at least {n * r} rows of {SKETCH_COLS}")
         m = n * r
         if m:
-            _copy_sketch_pages[(triton.cdiv(m, self.bm),)](src, pages, dst, key, out, m, stride, width, R=r,
-                                                           K=SKETCH_ROW, N=SKETCH_COLS, BM=self.bm, BK=self.bk,
-                                                           num_warps=self.warps, num_stages=self.stages)
+            with _on(src):
+                _copy_sketch_pages[(triton.cdiv(m, self.bm),)](src, pages, dst, key, out, m, stride, width, R=r,
+                                                               K=SKETCH_ROW, N=SKETCH_COLS, BM=self.bm, BK=self.bk,
+                                                               num_warps=self.warps, num_stages=self.stages)
         return out
 
 

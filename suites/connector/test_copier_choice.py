@@ -58,13 +58,14 @@ def pool():
     d.stop_thread()
 
 
-def _chain(tmp_path, pool, device: str = "cpu", faults: bool = True):  # noqa: ANN001, ANN202
+def _chain(tmp_path, pool, device: str = "cpu", faults: bool = True, **more):  # noqa: ANN001, ANN003, ANN202
     """The worker side of AuditConnector(FaultConnector(KVPoolConnector)) as the harness
     configures a replica (kvgate.harness.system.cluster.connector_config)."""
     from kvgate.harness.system.cluster import CONNECTOR, connector_config
     from kvpool.connector.wrap import load_class
 
-    extra = {"pool": f"unix:{pool.unix_path}", "token": "tok", "replica": "R", "history_dir": str(tmp_path / "h")}
+    extra = {"pool": f"unix:{pool.unix_path}", "token": "tok", "replica": "R", "history_dir": str(tmp_path / "h"),
+             **more}
     config = connector_config(CONNECTOR, extra, "recompute", audit=True,
                               faults_file=str(tmp_path / "faults.json") if faults else "")
     cls = load_class(f"{config['kv_connector_module_path']}:{config['kv_connector']}")
@@ -117,6 +118,12 @@ def test_the_cuda_copier_takes_the_engines_chunk_and_sketch_from_the_settings():
                        ({"gpu_chunk_mib": "512"}, "gpu_chunk_mib must be")):
         with pytest.raises(ValueError, match=match):
             ConnectorSettings.from_extra({"pool": "unix:/x", **bad})
+
+
+def test_the_fault_connectors_cuda_copier_takes_the_replicas_engine_settings(tmp_path, pool):
+    pytest.importorskip("torch")
+    copier = _chain(tmp_path, pool, "cuda", gpu_chunk_mib=256, gpu_sketch="float64-mm").inner.inner.worker.copier
+    assert (copier.config.chunk_bytes, copier.config.sketch_impl) == (256 << 20, "float64-mm")
 
 
 def test_kvpool_refuses_a_wrappers_setting_it_does_not_know(tmp_path):

@@ -106,6 +106,10 @@ def test_the_tier_rows_carry_both_load_modes_their_ratios_and_the_local_bound(st
     assert result["failures"] == ["bench at 8192 tokens: the GPU tier loaded 1011 of 1022 blocks (load_mode sync)"]
     text = render_markdown(result, "2026-12-05")
     assert "## The GPU tier, live (TTFT)" in text and "| 8192 | 50.0 | 40.0 | 1.25 |" in text
+    # a hit whose records give no phases (a load that moved nothing): its row stands without them
+    monkeypatch.setattr(bench, "remote_phases", lambda h, tag, t0, ttft: None if "sync" in tag else {"load": 1.0})
+    (row,) = bench.measure_tier(cluster, (8192,), reps=1, deadline_s=600.0)["rows"]
+    assert "gpu_tier_sync_phases_ms" not in row and row["gpu_tier_phases_ms"] == {"load": 1.0}
 
 
 def test_the_rows_carry_every_kind_their_ratios_and_the_floor(stand_ins):

@@ -76,6 +76,14 @@ SCRIPT = textwrap.dedent("""
             out["control_forced"] = str(exc)
         auto = S.Sketcher(torch.device("cpu"))
         out["control_auto"] = [auto.impl, auto.reason]
+        class OutOfResources(Exception):  # Triton's own errors are not RuntimeErrors
+            pass
+        class Unbuildable(C.LastTileSkipped):
+            def __call__(self, *a, **k):
+                raise OutOfResources("shared memory")
+        K.SketchKernel = Unbuildable
+        built = S.Sketcher(torch.device("cpu"))
+        out["unbuildable_auto"] = [built.impl, built.reason]
     print(json.dumps(out))
 """)
 
@@ -105,3 +113,5 @@ def test_a_kernel_that_skips_the_last_tile_is_refused_by_the_probe():
     assert "triton-dot: returned other values than the host reference" in out["control_forced"]
     impl, reason = out["control_auto"]
     assert impl != "triton-dot" and "triton-dot: returned other values" in reason
+    impl, reason = out["unbuildable_auto"]  # a kernel that does not build: the next implementation, and why
+    assert impl != "triton-dot" and "triton-dot: OutOfResources: shared memory" in reason
