@@ -71,6 +71,24 @@ SEED_LOAD_S_128K = 0.605
 NS = Namespace("bench-27b", "r1", "tok", "bfloat16", "cuda:N,2,B,H,D", BLOCK_TOKENS, LAYERS, KV_HEADS, HEAD_SIZE)
 
 
+def gpu_seconds(fn, reps: int = 5) -> float:  # noqa: ANN001 - a callable enqueuing GPU work
+    """`fn`'s time on the GPU, by CUDA events on the current stream: the median of `reps` runs,
+    after one run and a device sync (the warm-up)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 

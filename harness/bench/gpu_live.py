@@ -439,21 +439,14 @@ def pinned_h2d_GBps(nbytes: int = 1 << 30, reps: int = 5) -> float:
     """A plain pinned host-to-device copy's rate on this GPU (median of `reps`)."""
     import torch
 
+    from kvgate.harness.bench.gpu import gpu_seconds
+
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src, non_blocking=True)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+    seconds = gpu_seconds(lambda: dst.copy_(src, non_blocking=True), reps)
     del src, dst
     torch.cuda.empty_cache()
-    return nbytes / statistics.median(times) / 1e9
+    return nbytes / seconds / 1e9
 
 
 def _records(cluster: Cluster, ev: str, replica: str) -> list[dict]:

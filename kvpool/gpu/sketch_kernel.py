@@ -106,9 +106,9 @@ class SketchKernel:
             raise ValueError(f"out must be contiguous int32 ({m}, {SKETCH_COLS})")
         if m:
             with _on(rows):
-                    _sketch_rows[(triton.cdiv(m, self.bm),)](rows, key, out, m, rows.stride(0), K=SKETCH_ROW, N=SKETCH_COLS,
-                                                         BM=self.bm, BK=self.bk, num_warps=self.warps,
-                                                         num_stages=self.stages)
+                _sketch_rows[(triton.cdiv(m, self.bm),)](rows, key, out, m, rows.stride(0), K=SKETCH_ROW,
+                                                         N=SKETCH_COLS, BM=self.bm, BK=self.bk,
+                                                         num_warps=self.warps, num_stages=self.stages)
         return out
 
 

@@ -710,34 +710,17 @@ class Catalog:
     def _touch(self, page: int) -> None:
         """A committed page was used (committed, found on offer, leased): it becomes the most
         recently used."""
-        page = int(page)
-        self._unlink(page)
-        prev, self._prev[page], self._next[page] = self._tail, self._tail, -1
-        if prev >= 0:
-            self._next[prev] = page
-        else:
-            self._head = page
-        self._tail = page
-        self._linked[page] = True
+        self._touch_all((int(page),))
 
     def _touch_all(self, pages: list[int]) -> None:
         """_touch of each page in turn (the last one the most recently used), in two passes over
         the lists: every page out of the list, then all of them at its tail in order."""
         if len(set(pages)) != len(pages):  # a page named again moves to its last place, as touched in turn
             pages = list(dict.fromkeys(reversed(pages)))[::-1]
+        for page in pages:
+            self._unlink(page)
         prev_of, next_of, linked = self._prev, self._next, self._linked
         head, tail = self._head, self._tail
-        for page in pages:
-            if linked[page]:
-                prev, nxt = prev_of[page], next_of[page]
-                if prev >= 0:
-                    next_of[prev] = nxt
-                else:
-                    head = nxt
-                if nxt >= 0:
-                    prev_of[nxt] = prev
-                else:
-                    tail = prev
         for page in pages:
             page = int(page)
             prev_of[page] = tail

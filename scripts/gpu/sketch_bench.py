@@ -23,23 +23,10 @@ import sys
 import numpy as np
 import torch
 
+from kvgate.harness.bench.gpu import gpu_seconds
 from kvpool.gpu.sketch import Sketcher
 from kvpool.gpu.sketch_kernel import SketchKernel
 from kvpool.pool.digest import SKETCH_COLS, SKETCH_ROW, sketch_key
-
-
-def _timed(fn, reps: int = 5) -> float:  # noqa: ANN001 - a callable enqueuing GPU work
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return float(np.median(times))
 
 
 def main(gib: float) -> dict:
@@ -68,13 +55,13 @@ def main(gib: float) -> dict:
         kern = SketchKernel(bm=bm, bk=bk, warps=w)
         ways[f"triton_{bm}x{bk}_w{w}"] = (lambda k: lambda: k(rows, key))(kern)
     out = {"device": torch.cuda.get_device_name(dev), "bytes": nbytes, "rows": m, "sketch_cols": SKETCH_COLS,
-           "reference_impl": sk.impl, "auto_impl": Sketcher(dev).impl, "copy_s": _timed(lambda: copy_dst.copy_(rows))}
+           "reference_impl": sk.impl, "auto_impl": Sketcher(dev).impl, "copy_s": gpu_seconds(lambda: copy_dst.copy_(rows))}
     out["copy_GBps"] = round(nbytes / out["copy_s"] / 1e9, 1)
     for name, fn in ways.items():
         try:
             got = fn()
             exact = bool(torch.equal(got.to(torch.int64), want.to(torch.int64))) if name != "float16_mm" else None
-            s = _timed(fn)
+            s = gpu_seconds(fn)
         except (RuntimeError, NotImplementedError) as exc:
             out[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
             continue

@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from kvgate.harness.bench.gpu import gpu_seconds  # noqa: E402
 from kvgate.harness.provenance import provenance  # noqa: E402
 from kvgate.harness.scenarios.gpu_tier_engine import TierSide  # noqa: E402
 from kvgate.harness.system.keeper import KeeperProcess  # noqa: E402
@@ -60,20 +61,6 @@ def _say(msg: str) -> None:
 def _ms(xs: list[float]) -> dict:
     return {"median_s": round(statistics.median(xs), 5), "min_s": round(min(xs), 5), "max_s": round(max(xs), 5),
             "all_s": [round(x, 5) for x in xs]}
-
-
-def _gpu_time(fn, reps: int = 3) -> float:  # noqa: ANN001 - a callable enqueuing GPU work
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,13 +140,13 @@ def main(argv: list[str] | None = None) -> int:
                 f.copy_(tier[off: off + f.numel()])
                 off += f.numel()
 
-        result["copy_s"] = round(_gpu_time(plain_copy), 5)
+        result["copy_s"] = round(gpu_seconds(plain_copy, 3), 5)
         result["copy_GBps"] = round(n * pb / result["copy_s"] / 1e9, 1)
         rows = tier.view(-1, SKETCH_ROW)
         result["sketch_s"] = {}
         for impl in sorted({w for w, _, _ in ways if w != "auto"} | {Sketcher(dev).impl}):
             sk = Sketcher(dev, impl)
-            result["sketch_s"][impl] = round(_gpu_time(lambda: sk.sketch(rows)), 5)
+            result["sketch_s"][impl] = round(gpu_seconds(lambda: sk.sketch(rows), 3), 5)
         _say(f"plain copy {result['copy_s'] * 1e3:.1f} ms, sketch alone {result['sketch_s']}")
         acq, rel = [], []  # the control plane alone: the consumer's acquire and release of every page
         for _ in range(a.repeats):
