@@ -67,8 +67,9 @@ class Profile:
     # the servers it needs, started before the replicas: report_dir -> Service
     service: Callable[[Path], Service] | None = None
     # after each request: wait until what the connector stores asynchronously outside the
-    # engine has landed where another replica looks it up (report_dir -> None)
-    settle: Callable[[Path], None] | None = None
+    # engine has landed where another replica looks it up (report_dir, replica, request tag ->
+    # None; a store that does not land within the hook's time is left to the oracles)
+    settle: Callable[[Path, str, str], None] | None = None
     given: str = ""  # the extra config given on the command line (JSON), over `settings`
     # its own unit of storage, in tokens, where it is not the KV block (LMCache's chunks):
     # the exact_boundaries scenario adds a multiple of it; 0: none
@@ -151,6 +152,54 @@ class Profile:
 
 
 # -- kvpool ------------------------------------------------------------------------------------
+def kvpool_unsettled(history_dir: Path, replica: str, tag: str) -> list[dict]:
+    """The publishes of the request `tag` on `replica` still to land: each store its worker
+    queued (`store_queued`, written in the step, before the response) without its record
+    (`publish`, and `tier_publish` where it also went to the network tier) or a drop
+    (`publish_dropped`: a preempted request's queued stores)."""
+    from collections import Counter
+
+    from kvgate.harness.checkers.history import read_history
+
+    queued, done, dropped = [], Counter(), Counter()
+    for r in read_history(history_dir):
+        if r.get("replica") != replica or r.get("tag", tag) != tag:
+            continue
+        if r["ev"] == "store_queued":
+            queued.append(r)
+        elif r["ev"] in ("publish", "tier_publish"):
+            done[(r["ev"], r["req"], r["first_block"])] += 1
+        elif r["ev"] == "publish_dropped":
+            dropped[r["req"]] += int(r.get("stores") or 0)
+    left = []
+    for q in queued:
+        if dropped[q["req"]] > 0:  # dropped before it started: no record will come
+            dropped[q["req"]] -= 1
+            continue
+        wants = ["publish"] + (["tier_publish"] if q.get("tier") else [])
+        missing = [ev for ev in wants if done[(ev, q["req"], q["first_block"])] <= 0]
+        for ev in wants:
+            if ev not in missing:
+                done[(ev, q["req"], q["first_block"])] -= 1
+        if missing:
+            left.append({**q, "missing": missing})
+    return left
+
+
+def _kvpool_settle(report_dir: Path, replica: str, tag: str, timeout_s: float = 20.0) -> None:
+    """kvpool's worker publishes on its store lane after the step: the response can be back
+    before the pages are committed, and the next request (on another replica) would find
+    them still reserved (its lookup waits `lookup_wait_pending_s`, then misses: in flight).
+    Wait until every store the request queued has its record. One that does not land within
+    `timeout_s` (a fault holding the pool, say) is left to the scenario's oracles."""
+    import time
+
+    hist = report_dir / "history"
+    deadline = time.monotonic() + timeout_s
+    while kvpool_unsettled(hist, replica, tag) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def _kvpool_break(cluster, consumer: str) -> dict[str, Any]:  # noqa: ANN001
     """Arm the consumer's pool client: at its next acquire, flip one bit of block 0's
     committed page in the arena (healed at the release)."""
@@ -255,10 +304,12 @@ def _offloading_reset(report_dir: Path) -> None:
         f.unlink()
 
 
-def _offloading_settle(report_dir: Path, quiet_s: float = 1.0, timeout_s: float = 30.0) -> None:
+def _offloading_settle(report_dir: Path, replica: str = "", tag: str = "", quiet_s: float = 1.0,
+                       timeout_s: float = 30.0) -> None:
     """The file-system tier writes a block's file after the request finished, from the
     CPU tier, on its own threads: wait until no temporary file is left and the block
-    files have not changed for `quiet_s` (a write publishes with an atomic rename)."""
+    files have not changed for `quiet_s` (a write publishes with an atomic rename). Any
+    replica's, any request's: the files do not say whose they are."""
     import time
 
     root = _offload_root(report_dir)
@@ -300,7 +351,7 @@ CONNECTORS: dict[str, Profile] = {
                                           "the pool's stats and committed copies are read by an oracle client"),
          "own_load_stats": Capability(True, "vllm:kvpool_loaded_blocks and vllm:kvpool_loaded_bytes")},
         break_stored=_kvpool_break, packages=("vllm",), store=KVPOOL_STORE, load_metrics=kvpool_loads,
-        block_bytes=kvpool_block_bytes),
+        block_bytes=kvpool_block_bytes, settle=_kvpool_settle),
     "example": Profile(
         "example", EXAMPLE, "vLLM's ExampleConnector (KV of whole prompts in safetensors files on a shared path)",
         {"shared_store": Capability(True, "replicas given one shared_storage_path share its files"),

@@ -82,7 +82,7 @@ class Ctx:
                                    f"gone: {gone}") from exc
             raise
         if self.profile.settle is not None:
-            self.profile.settle(self.cluster.report_dir)
+            self.profile.settle(self.cluster.report_dir, replica, tag)
         return out
 
     def match(self, replica: str, tag: str) -> dict | None:

@@ -143,7 +143,7 @@ def prompt_logprobs_warm(ctx: Any, prompt_tokens: int = 1500, control: str | Non
     except engine_api.RequestFailed as exc:  # judged below: the list never came
         warm, failed = None, str(exc)[:300]
     if ctx.profile.settle is not None:
-        ctx.profile.settle(ctx.cluster.report_dir)
+        ctx.profile.settle(ctx.cluster.report_dir, "B", f"{tag}-b")
     c = Checks()
     n = cold.prompt_tokens
     _cold(c, ctx, [("B", f"{tag}-bcold")])

@@ -248,10 +248,15 @@ class KVPoolWorker:
                     break
                 keep.append(i)
             if keep:
+                tier = self.tier is not None and self.settings.tier_publish
+                # before the step's outputs reach the engine: a reader of the history knows, once
+                # the request's response is back, which publishes of it are still to land
+                self.history.write("store_queued", req=run.req_id, tag=run.tag, first_block=run.first_block,
+                                   blocks=len(keep), tier=tier)
                 store = self.copier.store(self.ns, run, keep)
                 store.add_done_callback(self._note_store)
                 sending.append(store)
-                if self.tier is not None and self.settings.tier_publish:
+                if tier:
                     sending.append(self.copier.tier_store(self.tier, self.ns, run, keep))
 
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:

@@ -197,3 +197,37 @@ def test_after_a_run_every_armed_replica_is_disarmed_and_only_a_stateful_control
     assert all(json.loads(p.read_text()) == {} for p in cluster.faults.values())
     assert ctx.healed == {"restarted": [n for r in restarted for n in r],
                           "disarmed": sorted(set(armed) - {n for r in restarted for n in r})}
+
+
+def _hist(tmp_path, recs):
+    from kvpool.connector.history import HistoryWriter
+
+    w = HistoryWriter(tmp_path, "A", "worker")
+    for ev, fields in recs:
+        w.write(ev, **fields)
+    w.close()
+    return tmp_path
+
+
+def test_kvpool_unsettled_names_each_queued_store_without_its_record(tmp_path):
+    from kvgate.harness.conformance.connectors import kvpool_unsettled
+
+    q = {"req": "r1", "tag": "t", "blocks": 4, "tier": False}
+    h = _hist(tmp_path, [("store_queued", {**q, "first_block": 0}), ("store_queued", {**q, "first_block": 4}),
+                         ("store_queued", {**q, "req": "r2", "tag": "other", "first_block": 0}),
+                         ("publish", {"req": "r1", "tag": "t", "first_block": 0, "blocks": 4, "committed": 4})])
+    left = kvpool_unsettled(h, "A", "t")
+    assert [(r["req"], r["first_block"], r["missing"]) for r in left] == [("r1", 4, ["publish"])]
+    assert kvpool_unsettled(h, "B", "t") == []  # another replica's stores are not this request's
+
+
+def test_kvpool_unsettled_waits_for_the_tier_record_and_counts_a_drop(tmp_path):
+    from kvgate.harness.conformance.connectors import kvpool_unsettled
+
+    h = _hist(tmp_path, [("store_queued", {"req": "r1", "tag": "t", "first_block": 0, "blocks": 2, "tier": True}),
+                         ("publish", {"req": "r1", "tag": "t", "first_block": 0, "blocks": 2, "error": "PoolTimeout"}),
+                         ("store_queued", {"req": "r3", "tag": "t", "first_block": 0, "blocks": 2, "tier": False}),
+                         ("publish_dropped", {"req": "r3", "stores": 1, "reason": "preempted"})])
+    assert [(r["req"], r["missing"]) for r in kvpool_unsettled(h, "A", "t")] == [("r1", ["tier_publish"])]
+    _hist(tmp_path, [("tier_publish", {"req": "r1", "tag": "t", "first_block": 0, "blocks": 2, "put": 2})])
+    assert kvpool_unsettled(h, "A", "t") == []
