@@ -242,7 +242,8 @@ def run_scenario(scenario: TierScenario, geom: Geometry, make_engine: EngineFact
     engine = make_engine(layers, side.backend, lanes, scenario.edge if drop else None)
     evidence: dict = {"scenario": scenario.value, "control": drop, "delay_cycles": delay_cycles,
                       "path": engine.capabilities.path.value, "pages_memory": engine.capabilities.pages.value,
-                      "fused_copy": engine._fused_copy(), "sketch_impl": engine.capabilities.sketch_impl}
+                      "fused_copy": engine._fused_copy(), "direct_install": engine._direct_install(),
+                "sketch_impl": engine.capabilities.sketch_impl}
     try:
         torch.cuda.synchronize()
         # warm-up, synchronized: every kernel and copy runs once before any delay
@@ -365,7 +366,9 @@ def _judge_store(geom: Geometry, make_engine: EngineFactory, consumer: TierSide,
 def run_corrupt_page(geom: Geometry, engine_cls: type[TransferEngine], producer: TierSide, consumer: TierSide,
                      ns: Namespace, seed: int, path: CopyPath) -> Verdict:
     """A committed page's byte flipped in the tier: the load must stop there (corrupt), install
-    the pages before it byte-exact and leave the flipped one's block as it was."""
+    the pages before it byte-exact and leave the flipped one's block as it was (where chunks
+    are staged; with the direct install the blocks of the flipped page and those after it
+    hold what arrived, reported failed: counted, not judged)."""
     rng = np.random.default_rng([seed, 17])
     device, d, pb, k = consumer.device, geom.block_dim, geom.page_bytes, BLOCKS
     pages = rng.integers(0, 256, (k, pb), dtype=np.uint8)
@@ -380,15 +383,18 @@ def run_corrupt_page(geom: Geometry, engine_cls: type[TransferEngine], producer:
     blocks = [int(b) for b in rng.permutation(geom.num_blocks)[:k]]
     torch.cuda.synchronize()
     with engine_cls(consumer.backend, ns, layers, geom.config(path)) as engine:
+        direct = engine._direct_install()  # noqa: SLF001 - the contract depends on the path
         h = engine.load(blocks, hashes)
         engine.wait_for_load(h)
         got = read_pages(layers, d, blocks).cpu().numpy()
         engine.drain(DRAIN_S)
     n = h.loaded
     stale = int(np.count_nonzero((got[:n] != pages[:n]).any(axis=1)))  # installed, yet not the committed page
-    touched = int(np.count_nonzero((got[n:] != old[blocks[n:]]).any(axis=1)))  # not installed, yet written
+    written = int(np.count_nonzero((got[n:] != old[blocks[n:]]).any(axis=1)))  # reported failed, yet written
+    touched = 0 if direct else written
     ev = {"flipped_index": bad, "loaded": n, "miss": str(h.miss), "stale_pages": stale + touched,
-          "engine": engine_cls.__name__, "path": path.value}
+          "direct_install": direct, "failed_blocks_written": written, "engine": engine_cls.__name__,
+          "path": path.value}
     if stale or touched:
         return Verdict(False, f"{stale} blocks reported loaded hold other bytes than the committed pages, {touched} "
                        f"blocks not loaded were written", ev, NOT_CHECKED)
@@ -400,12 +406,13 @@ def run_corrupt_page(geom: Geometry, engine_cls: type[TransferEngine], producer:
 
 
 def run_check_after_copy(geom: Geometry, engine_cls: type[TransferEngine], producer: TierSide,
-                         consumer: TierSide, ns: Namespace, seed: int, delay_cycles: int, **engine_kw) -> Verdict:
+                         consumer: TierSide, ns: Namespace, seed: int, delay_cycles: int, install_direct: bool = True,
+                         **engine_kw) -> Verdict:
     """The load's copy held back on the GPU (the fused copy and sketch of device pages, on the copy
     stream): the check must read the sketches the copy wrote, so every block is installed
-    byte-exact. With CHECK_AFTER_COPY dropped the host compares the sketches a staging buffer held
+    byte-exact. With CHECK_AFTER_COPY dropped the host compares the sketches a buffer held
     before (another chunk's): the byte-exact oracle sees blocks that are not the committed pages
-    (not installed, or installed wrong)."""
+    or are not reported loaded (refused intact, installed wrong, or not installed)."""
     rng = np.random.default_rng([seed, 29])
     device, d, pb = consumer.device, geom.block_dim, geom.page_bytes
     k = geom.num_blocks // 2
@@ -417,8 +424,10 @@ def run_check_after_copy(geom: Geometry, engine_cls: type[TransferEngine], produ
     layers = make_kv(geom, device)
     fill(layers, d, rng, pb)
     torch.cuda.synchronize()
-    with engine_cls(consumer.backend, ns, layers, geom.config(CopyPath.TORCH), **engine_kw) as engine:
+    with engine_cls(consumer.backend, ns, layers, geom.config(CopyPath.TORCH, install_direct=install_direct),
+                    **engine_kw) as engine:
         fused = engine._fused_copy()  # noqa: SLF001 - the path under test
+        direct = engine._direct_install()  # noqa: SLF001
         h = engine.load(list(range(k)), hashes[:k])  # the first half: every staging buffer used once
         engine.wait_for_load(h)
         torch.cuda.synchronize()
@@ -429,8 +438,12 @@ def run_check_after_copy(geom: Geometry, engine_cls: type[TransferEngine], produ
         torch.cuda.synchronize()
         got = read_pages(layers, d, list(range(k, 2 * k))).cpu().numpy()
         engine.drain(DRAIN_S)
-    stale = int(np.count_nonzero((got != pages[k:]).any(axis=1)))
-    ev = {"fused_copy": fused, "loaded": h.loaded, "of": k, "miss": str(h.miss), "stale_pages": stale,
+    # a block the engine does not hold verified committed bytes for: not the committed page, or
+    # not reported loaded (with the direct install a refused block may hold the right bytes)
+    wrong = (got != pages[k:]).any(axis=1)
+    wrong[h.loaded:] = True
+    stale = int(np.count_nonzero(wrong))
+    ev = {"fused_copy": fused, "direct_install": direct, "loaded": h.loaded, "of": k, "miss": str(h.miss), "stale_pages": stale,
           "dropped_edges": getattr(engine, "dropped", 0), "engine": engine_cls.__name__}
     if stale:
         return Verdict(False, f"{stale} of {k} blocks are not the committed pages ({h.loaded} installed)", ev,

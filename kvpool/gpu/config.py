@@ -110,6 +110,13 @@ class TransferConfig:
     # and sketches it in one kernel (kvpool.gpu.sketch_kernel.CopySketchKernel); False: a copy,
     # then the sketch of the staged rows on the check stream, as for host pages.
     fuse_loads: bool = True
+    # With the fused copy, each chunk is written straight into its blocks as it is sketched
+    # (kvpool.gpu.sketch_kernel.InstallSketchKernel: no staging row, no second pass over the
+    # bytes), where every run of the layout is whole pieces of the kernel's step. A page that
+    # fails its check, and the pages after it that were already in flight, then hold what
+    # arrived: they are reported failed as always (the engine recomputes them, as any block a
+    # load did not fill). False: staged, checked, and only the verified prefix installed.
+    install_direct: bool = True
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0 or self.commit_bytes <= 0 or self.hash_threads <= 0:

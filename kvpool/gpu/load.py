@@ -7,7 +7,9 @@ arrived -> installed into the blocks (kvpool.gpu.transfer describes load() and i
           stream writes the verified prefix into the blocks: scatter kernels, or driver
           copies device to device; pages in device memory on the torch path with the Triton
           sketch: the copy stream's one kernel copies and sketches, CopySketchKernel, and the
-          check stream copies the sketches out), the lease's release and the report of a corrupt page,
+          check stream copies the sketches out; with install_direct and a layout of whole
+          pieces that kernel writes each page straight into its block, InstallSketchKernel,
+          and there is no install pass), the lease's release and the report of a corrupt page,
           wait_for_load; the resources of loads (_init_load). Its methods read the
           engine's state (layout, streams, staging buffers), which TransferEngine sets up.
   LoadHandle    a load in flight: loaded, miss, failed_block_ids final at load()'s return.
@@ -167,17 +169,22 @@ class Loads:
                 self._readback_buffer(b)
         with torch.cuda.device(dev), torch.cuda.stream(self._load_s):  # the scatters' ids (torch path)
             self._sk_scatter_ring = IndexRing(dev, self._load_s, max(4096, 4 * cp))
-        with torch.cuda.device(dev), torch.cuda.stream(self.load_stream):  # the fused copies' page numbers
-            self._page_ring = IndexRing(dev, self.load_stream, max(4096, 4 * cp))
+        with torch.cuda.device(dev), torch.cuda.stream(self.load_stream):  # the fused copies' page (and block) numbers
+            self._page_ring = IndexRing(dev, self.load_stream, max(4096, 2 * (n + 1) * cp))
         # kvpool.gpu.sketch_kernel.CopySketchKernel once probed (on the first pages in device
         # memory: here, or when the engine follows its backend there); False where loads do not
         # fuse (another sketch, the driver path, pages of part sketch rows, a failed probe)
         self._copy_sketch = None
+        # kvpool.gpu.sketch_kernel.InstallSketchKernel and the layout's pieces once probed (with
+        # the fused copy), False where chunks are staged (install_direct off, a layout of part
+        # pieces, a failed probe)
+        self._direct = None if self.config.install_direct else False
         if not (self.config.fuse_loads and self._sketch_gpu.impl == "triton-dot" and self._driver is None
                 and self.layout.page_bytes % SKETCH_ROW == 0):
-            self._copy_sketch = False
+            self._copy_sketch = self._direct = False
         elif self._arena.memory is PageMemory.DEVICE:
             self._copy_sketch = self._probe_copy_sketch()
+            self._direct_install()
         self._load_free: list[torch.cuda.Event | None] = [None] * n  # per buffer: its last install
         self._load_sketched: list[torch.cuda.Event | None] = [None] * n  # per buffer: its last check
         torch.cuda.synchronize(dev)  # the zeroed staging rows exist before any copy writes them
@@ -221,6 +228,77 @@ class Loads:
             self._copy_sketch = self._probe_copy_sketch()
         return self._copy_sketch is not False
 
+    def _direct_install(self) -> bool:
+        """Whether fused chunks are written straight into the blocks (install_direct, the
+        layout's runs whole pieces of the kernel's step, the kernel probed exact)."""
+        if self._direct is None and self._fused_copy():
+            self._direct = self._probe_install()
+        return bool(self._direct) and self._fused_copy()
+
+    def _probe_install(self):  # noqa: ANN202 - (InstallSketchKernel, InstallPieces), or False
+        """The direct install, once it wrote seeded pages (3 and 16, out of order) into scratch
+        blocks of pieces scattered as a layout's are, byte-exact, with the probed sketcher's
+        sketches; False (logged) where the layout is not whole pieces or the probe fails. On a
+        stream of its own, never into the engine's blocks."""
+        from kvpool.gpu.sketch_kernel import InstallPieces, InstallSketchKernel, install_pieces
+
+        pb, dev = self.layout.page_bytes, self.device
+        kernel = InstallSketchKernel()
+        try:
+            pieces = install_pieces([(t, lb.block_stride, lb.runs) for t, lb in zip(self._layers, self.layout.layers)],
+                                    pb, kernel.bk, dev)
+        except ValueError as exc:
+            log.info("kvpool GPU transfer: loads stage their chunks (%s)", exc)
+            return False
+        try:
+            with torch.cuda.device(dev), torch.cuda.stream(torch.cuda.Stream(dev)):
+                g = torch.Generator(device=dev)
+                g.manual_seed(0x6B7674)
+                src = torch.randint(-128, 128, (17 * pb,), dtype=torch.int8, device=dev, generator=g)
+                q = pb // kernel.bk
+                slots = torch.randperm(q, generator=g, device=dev)  # piece q of a block at slot[q]
+                ok = True
+                for order in ([2, 0, 3], [16 - i for i in range(16)]):
+                    n = len(order)
+                    idx = torch.tensor(order, dtype=torch.int64, device=dev)
+                    blocks = torch.tensor([(5 * i + 3) % n for i in range(n)], dtype=torch.int64, device=dev)
+                    dst = torch.zeros((n * pb,), dtype=torch.int8, device=dev)
+                    scratch = InstallPieces(dst, slots * kernel.bk, torch.full((q,), pb, dtype=torch.int64,
+                                                                               device=dev), kernel.bk)
+                    out = torch.empty((n * (pb // SKETCH_ROW), SKETCH_COLS), dtype=torch.int32, device=dev)
+                    kernel(src, idx, blocks, pb, pb, scratch, self._sketch_gpu.key, out)
+                    want = src.view(17, pb)[idx]
+                    got = dst.view(n, q, kernel.bk)[blocks][:, slots].reshape(n, pb)
+                    ok = ok and torch.equal(got, want) and torch.equal(
+                        out, self._sketch_gpu.sketch(want.reshape(-1, SKETCH_ROW)))
+        # as the fused copy's probe: Triton's errors are not RuntimeErrors
+        except Exception as exc:  # noqa: BLE001 - logged with its cause, the loads stage
+            log.warning("kvpool GPU transfer: the direct install failed its probe (%s: %s): loads stage their chunks",
+                        type(exc).__name__, exc)
+            return False
+        if not ok:
+            log.warning("kvpool GPU transfer: the direct install differs from a copy and the sketch: loads stage "
+                        "their chunks")
+            return False
+        return kernel, pieces
+
+    def _install_and_sketch(self, pages: Sequence[int], block_ids: Sequence[int], dev_out: torch.Tensor) -> None:
+        """Pages -> their blocks and their sketches -> `dev_out`, one kernel on the current
+        stream (the load's copy stream, ordered after the engine's reads of the blocks)."""
+        self._check_pages(pages)
+        kernel, pieces = self._direct
+        idx = self._page_ring.upload(pages, align=2)
+        blocks = self._page_ring.upload(block_ids, align=2)
+        kernel(self._region.view(torch.int8), idx, blocks, self._page_size, self.layout.page_bytes, pieces,
+               self._sketch_gpu.key, dev_out)
+
+    def _check_pages(self, pages: Sequence[int]) -> None:
+        # the kernels read page * page_size unchecked: a page the pool names outside the mapped
+        # range is refused here, as the torch path's slice of the region refuses it
+        if pages and (min(pages) < 0 or max(pages) * self._page_size + self.layout.page_bytes > self._region.numel()):
+            raise TransferError(f"pages {min(pages)}..{max(pages)} of {self._page_size} bytes lie outside the "
+                                f"{self._region.numel()}-byte mapping")
+
     def _probe_copy_sketch(self):  # noqa: ANN202 - a CopySketchKernel, or False
         """The fused kernel, once it copied seeded pages (out of order, 3 and 16 of them: Triton
         compiles a kernel for sizes that are multiples of 16 and one for those that are not, and
@@ -261,11 +339,7 @@ class Loads:
     def _copy_and_sketch(self, pages: Sequence[int], stage: torch.Tensor, dev_out: torch.Tensor) -> None:
         """Pages -> rows of `stage` and their sketches -> `dev_out`, one kernel on the current
         stream (the load's copy stream)."""
-        # the kernel reads page * page_size unchecked: a page the pool names outside the mapped
-        # range is refused here, as the torch path's slice of the region refuses it
-        if pages and (min(pages) < 0 or max(pages) * self._page_size + self.layout.page_bytes > self._region.numel()):
-            raise TransferError(f"pages {min(pages)}..{max(pages)} of {self._page_size} bytes lie outside the "
-                                f"{self._region.numel()}-byte mapping")
+        self._check_pages(pages)
         idx = self._page_ring.upload(pages, align=2)  # a 16-byte boundary: one compiled kernel
         self._copy_sketch(self._region.view(torch.int8), idx, self._page_size, self.layout.page_bytes,
                           stage.view(torch.int8).view(-1), stage.stride(0), self._sketch_gpu.key, dev_out)
@@ -400,6 +474,11 @@ class Loads:
         chunk's copy, so the bytes installed are the bytes checked; the pool's shared
         page, which other processes can write, is never read by the host here.
         `load_buffers` staging buffers: copies run that many chunks ahead of the checks.
+        The direct install (fused chunks, install_direct): the copy stream's kernel writes
+        the pages straight into their blocks, after the engine's earlier reads of them
+        (LOAD_AFTER_READ), and sketches the bytes it wrote; the host's check then only
+        counts: a page that fails, and the pages after it already in flight, are in their
+        blocks and reported failed (what a failed block holds is never read as loaded).
         `done` is recorded once every copy reading the pages and every kernel or copy
         touching the staged rows and the blocks is enqueued."""
         n = len(hits)
@@ -408,12 +487,16 @@ class Loads:
         expected = [hits.digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES] for i in range(n)]
         chunks = [range(a, min(a + self._chunk_pages, n)) for a in range(0, n, self._chunk_pages)]
         nbuf = len(self._sk_load_stage)
+        fuse_of = [False] * len(chunks)
         copied: list[torch.cuda.Event] = []
         checked: list[torch.cuda.Event] = []
         installed = self._load_free  # per buffer: the last install that read it (this load's or an earlier one's)
         fuse = self._fused_copy()
+        direct = self._direct_install()
         check_read = self._load_sketched  # per buffer: the last check (sketch, read-back) that read it
         self._order(OrderingEdge.LOAD_AFTER_READ, self._load_s, read)  # the installs write the blocks
+        if direct:  # and so do the fused chunks' copies
+            self._order(OrderingEdge.LOAD_AFTER_READ, self.load_stream, read)
 
         def issue(i: int) -> None:
             chunk, b = chunks[i], i % nbuf
@@ -421,12 +504,14 @@ class Loads:
             m = len(chunk)
             sketch, read_back = check_plan([kinds[j] for j in chunk])
             host_rows = self._readback_buffer(b) if read_back else None
-            fused = sketch and not read_back and fuse
+            fused = fuse_of[i] = sketch and not read_back and fuse
             with torch.cuda.stream(self.load_stream):
                 for reader in (installed[b], check_read[b]):  # the buffer's last install and check read it
                     if reader is not None:
                         self._order(OrderingEdge.REFILL_AFTER_INSTALL, self.load_stream, reader)
-                if fused:  # the staged rows and their sketches, from the same registers
+                if fused and direct:  # the blocks and their sketches, from the same registers
+                    self._install_and_sketch([pages[j] for j in chunk], [ids[j] for j in chunk], self._sk_load_dev[b])
+                elif fused:  # the staged rows and their sketches, from the same registers
                     self._copy_and_sketch([pages[j] for j in chunk], stage, self._sk_load_dev[b])
                 else:
                     self._h2d([pages[j] for j in chunk], stage)
@@ -461,7 +546,7 @@ class Loads:
             if deadline_s is not None and time.monotonic() - t0 > deadline_s:
                 stop = Miss(loaded, MissCause.TIMEOUT)
                 break
-            if ok:
+            if ok and not (direct and fuse_of[i]):  # a direct chunk is in its blocks already
                 with torch.cuda.stream(self._load_s):
                     # after its copy: already so, through the check the host waited for
                     # (CHECK_AFTER_COPY, VERIFY_AFTER_CHECK); kept as the stream's own order

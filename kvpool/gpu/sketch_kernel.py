@@ -19,6 +19,10 @@ against the host reference before using it.
       i * page_bytes / SKETCH_ROW): the values SketchKernel gives for the staged rows, from the
       registers that were stored, so what is checked is what was written. Pages of whole sketch
       rows only (page_bytes a multiple of SKETCH_ROW).
+  InstallSketchKernel(...)(src, pages, blocks, stride, page_bytes, pieces, key, out)
+      the same pass writing each page straight into its block of the engine's layers
+      (install_pieces(layers, page_bytes, bk, device) says where each bk bytes of a page go):
+      no staging row, no second pass; the sketch is of the bytes installed.
 """
 
 from __future__ import annotations
@@ -75,6 +79,34 @@ def _copy_sketch_pages(src_ptr, pages_ptr, dst_ptr, key_ptr, out_ptr, m, stride,
     for k0 in range(0, K, BK):
         a = tl.load(src_ptr + src_row[:, None] + k0 + offs_k[None, :], mask=live[:, None], other=0)
         tl.store(dst_ptr + dst_row[:, None] + k0 + offs_k[None, :], a, mask=live[:, None])
+        b = tl.load(b_ptrs + k0 * N)
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :], acc, mask=live[:, None])
+
+
+@triton.jit
+def _install_sketch_pages(src_ptr, pages_ptr, blocks_ptr, dst_ptr, piece_off_ptr, piece_stride_ptr, key_ptr, out_ptr,
+                          m, stride, R: tl.constexpr, K: tl.constexpr, N: tl.constexpr, BM: tl.constexpr,
+                          BK: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BM + tl.arange(0, BM)  # sketch rows of the chunk: page i = row // R, its part row % R
+    live = rows < m
+    page_i = rows // R
+    part = (rows % R).to(tl.int64)
+    page = tl.load(pages_ptr + page_i, mask=live, other=0)
+    block = tl.load(blocks_ptr + page_i, mask=live, other=0)
+    src_row = page * stride + part * K
+    piece0 = part * (K // BK)  # the row's first piece: BK bytes of the page, one run of one layer's block
+    offs_k = tl.arange(0, BK)
+    offs_n = tl.arange(0, N)
+    b_ptrs = key_ptr + offs_k[:, None] * N + offs_n[None, :]
+    acc = tl.zeros((BM, N), dtype=tl.int32)
+    for k0 in range(0, K, BK):
+        a = tl.load(src_ptr + src_row[:, None] + k0 + offs_k[None, :], mask=live[:, None], other=0)
+        q = piece0 + k0 // BK
+        at = tl.load(piece_off_ptr + q, mask=live, other=0) + block * tl.load(piece_stride_ptr + q, mask=live, other=0)
+        at = tl.multiple_of(at, 16)  # the pieces' offsets and strides are (install_pieces checks it)
+        tl.store(dst_ptr + at[:, None] + offs_k[None, :], a, mask=live[:, None])
         b = tl.load(b_ptrs + k0 * N)
         acc = tl.dot(a, b, acc, out_dtype=tl.int32)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :], acc, mask=live[:, None])
@@ -139,4 +171,86 @@ class CopySketchKernel(SketchKernel):
         return out
 
 
-__all__ = ["CopySketchKernel", "SketchKernel"]
+class InstallPieces:
+    """Where each piece of a page goes in the blocks: the page's bytes in pieces of `piece`
+    bytes, piece q of block b at `base + off[q] + b * stride[q]` (byte addresses; `base` the
+    lowest of the layers' tensors, whose view the kernel writes through). Built by
+    install_pieces from the layers' runs."""
+
+    def __init__(self, base: torch.Tensor, off: torch.Tensor, stride: torch.Tensor, piece: int):
+        self.base, self.off, self.stride, self.piece = base, off, stride, piece
+
+
+def install_pieces(layers: list[tuple[torch.Tensor, int, tuple[tuple[int, int], ...]]], page_bytes: int,
+                   piece: int, device: torch.device) -> InstallPieces:
+    """The pieces of a page for InstallSketchKernel: `layers` in page order, each (its tensor,
+    the bytes between consecutive blocks, its runs: (offset from the block's first byte,
+    length) in page order). ValueError where the page is not whole pieces, a run is not
+    (its length and its offset in the block multiples of `piece`) or a stride or an address
+    is not a multiple of 16 (the kernel's stores are 16-byte wide), or the runs do not add up
+    to the page."""
+    import numpy as np
+
+    if piece <= 0 or piece % 16 or page_bytes % piece:
+        raise ValueError(f"a page of {page_bytes} bytes is not whole pieces of {piece}")
+    base = min(layers, key=lambda layer: layer[0].data_ptr())[0]
+    at0 = base.data_ptr()
+    off: list[int] = []
+    stride: list[int] = []
+    for t, block_stride, runs in layers:
+        if t.device != base.device:
+            raise ValueError("the layers' tensors must be on one device")
+        if (t.data_ptr() - at0) % 16 or block_stride % 16:
+            raise ValueError(f"a layer at {t.data_ptr():#x} with blocks {block_stride} bytes apart: not 16-byte aligned")
+        for o, n in runs:
+            if o % piece or n % piece:
+                raise ValueError(f"a run of {n} bytes at {o} in the block is not whole pieces of {piece}")
+            for k in range(0, n, piece):
+                off.append(t.data_ptr() - at0 + o + k)
+                stride.append(block_stride)
+    if len(off) * piece != page_bytes:
+        raise ValueError(f"the layers' runs are {len(off) * piece} bytes, the page {page_bytes}")
+    as_t = lambda v: torch.from_numpy(np.asarray(v, dtype=np.int64)).to(device)  # noqa: E731
+    return InstallPieces(base.view(torch.int8).view(-1), as_t(off), as_t(stride), piece)
+
+
+class InstallSketchKernel(SketchKernel):
+    """A load's copy, check and install in one pass, for pages in device memory: page
+    `pages[i]` of `src` (int8, page p at p * stride) written straight into block `blocks[i]`
+    of the layers (InstallPieces), every byte read once, and the sketch of the bytes written
+    into `out` (int32, as CopySketchKernel's): what is checked is what was installed. The
+    pieces are this kernel's step (bk bytes)."""
+
+    def __call__(self, src: torch.Tensor, pages: torch.Tensor, blocks: torch.Tensor,  # type: ignore[override]
+                 stride: int, page_size: int, pieces: InstallPieces, key: torch.Tensor,
+                 out: torch.Tensor) -> torch.Tensor:
+        n = pages.numel()
+        if page_size <= 0 or page_size % SKETCH_ROW or stride < page_size:
+            raise ValueError(f"pages of {page_size} bytes {stride} apart are not whole sketch rows of {SKETCH_ROW}")
+        if pieces.piece != self.bk or pieces.off.numel() * self.bk != page_size:
+            raise ValueError(f"pieces of {pieces.piece} bytes covering {pieces.off.numel() * pieces.piece}: this "
+                             f"kernel steps {self.bk} bytes over pages of {page_size}")
+        if src.dtype != torch.int8 or src.dim() != 1:
+            raise ValueError("src must be one-dimensional int8")
+        for name, v in (("pages", pages), ("blocks", blocks)):
+            if v.dtype != torch.int64 or v.dim() != 1 or not v.is_contiguous() or v.data_ptr() % 16:
+                raise ValueError(f"{name} must be a contiguous int64 vector at a 16-byte boundary (one compiled kernel)")
+        if blocks.numel() != n:
+            raise ValueError(f"{n} pages for {blocks.numel()} blocks")
+        if key.dtype != torch.int8 or tuple(key.shape) != (SKETCH_ROW, SKETCH_COLS) or not key.is_contiguous():
+            raise ValueError("the key must be the contiguous int8 kv-sketch-1 key")
+        r = page_size // SKETCH_ROW
+        if out.dtype != torch.int32 or out.shape[0] < n * r or out.shape[1:] != (SKETCH_COLS,) \
+                or not out.is_contiguous():
+            raise ValueError(f"out must be contiguous int32 with at least {n * r} rows of {SKETCH_COLS}")
+        m = n * r
+        if m:
+            with _on(src):
+                _install_sketch_pages[(triton.cdiv(m, self.bm),)](
+                    src, pages, blocks, pieces.base, pieces.off, pieces.stride, key, out, m, stride, R=r,
+                    K=SKETCH_ROW, N=SKETCH_COLS, BM=self.bm, BK=self.bk, num_warps=self.warps,
+                    num_stages=self.stages)
+        return out
+
+
+__all__ = ["CopySketchKernel", "InstallPieces", "InstallSketchKernel", "SketchKernel", "install_pieces"]

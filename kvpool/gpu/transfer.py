@@ -49,7 +49,13 @@ and driver calls, with the same staging, checks, installs, ordering edges and ho
                        to this engine, and the host takes XXH3-128 of that.
         The pool's shared page is never what is checked: another process may write it
         between a host read and the DMA. A page whose digest does not match is never
-        installed: the load stops there with MissCause.CORRUPT. load() returns once every
+        installed: the load stops there with MissCause.CORRUPT. The exception, the direct
+        install (kv-sketch-1 pages in device memory, a keeper's tier, with the fused copy
+        and TransferConfig.install_direct): one kernel writes each page straight into its
+        block and sketches the bytes it wrote, so the check is over the bytes installed; a
+        page that fails, and the pages after it already in flight, are then in their blocks
+        and reported failed with MissCause.CORRUPT (the engine recomputes failed blocks, as
+        it does any block a load did not fill). load() returns once every
         chunk was checked (the installs may still run). Cost, one H200, 128 MiB of 512 KiB
         pages, load to installed: kv-sketch-1 pages 6.5 ms (torch) / 19 ms (driver: one
         device-to-device copy per layer and block); xxh3-128 pages 17 ms / 32 ms (the
@@ -419,8 +425,12 @@ class TransferEngine(Stores, Loads):
         return self._load_k
 
     def load_write_stream(self, kind: DigestKind | None = None) -> torch.cuda.Stream:
-        """The stream whose work writes the blocks of a load (the installs of verified
-        chunks, on either path and for pages of either kind)."""
+        """The stream whose work writes the blocks of a load: the installs of verified
+        chunks (either path, pages of either kind), or with the direct install (kv-sketch-1
+        pages in device memory; `kind` None: the engine's own kind) the copy stream's fused
+        kernel."""
+        if (kind or self.config.digest) is DigestKind.SKETCH and self._direct_install():
+            return self.load_stream
         return self._load_s
 
     # -- the ordering edges (two hooks, so a control can drop one) ----------------------------

@@ -54,6 +54,16 @@ TOKEN = "tok"  # the tenant default's token KeeperProcess starts the keeper with
 TARGET_27B_128K_S = 0.05
 
 
+def _way(spec: str) -> tuple[str, TransferConfig]:
+    """SKETCH_IMPL:CHUNK_MIB[:nofuse][:staged] -> (its name, the engine's config)."""
+    impl, chunk, *flags = spec.split(":")
+    unknown = set(flags) - {"nofuse", "staged"}
+    if unknown:
+        raise SystemExit(f"way {spec!r}: unknown flags {sorted(unknown)} (nofuse, staged)")
+    return spec, TransferConfig(block_dim=0, sketch_impl=impl, chunk_bytes=int(chunk) << 20,
+                                fuse_loads="nofuse" not in flags, install_direct="staged" not in flags)
+
+
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -70,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=128000)
     ap.add_argument("--ways", default="auto:128,int8-mm:128,triton-dot:128:nofuse,triton-dot:1024:nofuse,"
                                       "triton-dot:512,triton-dot:1024",
-                    help="SKETCH_IMPL:CHUNK_MIB[:nofuse],... (the first is the default way, whose median the key "
-                         "gives; nofuse: the copy, then the sketch, as before the fused kernel)")
+                    help="SKETCH_IMPL:CHUNK_MIB[:nofuse][:staged],... (the first is the default way, whose median "
+                         "the key gives; nofuse: the copy, then the sketch, as before the fused kernel; staged: the "
+                         "fused copy into staging, then the install, as before the direct install)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=20261205)
     ap.add_argument("--profile", action="store_true",
@@ -83,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     n = a.tokens // BLOCK
     shape = (n, 2, BLOCK, HEADS, HEAD_DIM)
     pb = layers_n * 2 * BLOCK * HEADS * HEAD_DIM * 2
-    ways = [(w.split(":")[0], int(w.split(":")[1]), w.endswith(":nofuse")) for w in a.ways.split(",") if w]
+    ways = [_way(w) for w in a.ways.split(",") if w]
     result: dict = {"provenance": provenance(), "device": torch.cuda.get_device_name(dev), "geometry": a.geometry,
                     "layers": layers_n, "tokens": a.tokens, "blocks": n, "page_bytes": pb, "bytes": n * pb,
                     "repeats": a.repeats, "ways": {}, "ok": False}
@@ -158,9 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             rel.append(time.perf_counter() - t1)
         result["acquire"], result["release"] = _ms(acq), _ms(rel)
         _say(f"acquire {statistics.median(acq) * 1e3:.1f} ms, release {statistics.median(rel) * 1e3:.1f} ms")
-        for impl, chunk_mib, nofuse in ways:
-            name = f"{impl}:{chunk_mib}" + (":nofuse" if nofuse else "")
-            cfg = TransferConfig(block_dim=0, sketch_impl=impl, chunk_bytes=chunk_mib << 20, fuse_loads=not nofuse)
+        for name, cfg in ways:
             loads, returns, releases, wrong = [], [], [], []
             with TransferEngine(consumer.backend, ns, layers, cfg) as eng:
                 h = eng.load(ids[:8], hashes[:8])  # warm-up: the kernels and the keeper's path once
@@ -186,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
                     wrong.append(differs())
                 impl_used = eng.capabilities.sketch_impl
                 fused = eng._fused_copy()  # noqa: SLF001 - which load path the way took
-            result["ways"][name] = {"sketch_impl": impl_used, "chunk_mib": chunk_mib, "fused": fused, "load": _ms(loads),
+                direct = eng._direct_install()  # noqa: SLF001
+            result["ways"][name] = {"sketch_impl": impl_used, "chunk_mib": cfg.chunk_bytes >> 20, "fused": fused,
+                                    "direct_install": direct, "load": _ms(loads),
                                     "returned": _ms(returns), "released": _ms(releases),
                                     "GBps": round(n * pb / statistics.median(loads) / 1e9, 1),
                                     "vs_copy": round(statistics.median(loads) / result["copy_s"], 2),
@@ -201,8 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             import io
             import pstats
 
-            impl, chunk_mib, nofuse = ways[0]
-            cfg = TransferConfig(block_dim=0, sketch_impl=impl, chunk_bytes=chunk_mib << 20, fuse_loads=not nofuse)
+            cfg = ways[0][1]
             with TransferEngine(consumer.backend, ns, layers, cfg) as eng:
                 h = eng.load(ids[:8], hashes[:8])
                 eng.wait_for_load(h)

@@ -146,21 +146,24 @@ def test_an_edge_of_the_engine_through_the_tier_holds_under_a_stream_delay_and_i
     assert ordered.evidence["pages_memory"] == PageMemory.DEVICE.value, ordered
     if path is CopyPath.TORCH and ordered.evidence["sketch_impl"] == "triton-dot":
         assert ordered.evidence["fused_copy"] is True, f"the torch path did not take the fused copy: {ordered}"
+        assert ordered.evidence["direct_install"] is True, f"the fused copy did not install directly: {ordered}"
     assert control.evidence.get("dropped_edges", 0) > 0, f"the control never reached its edge: {control}"
     assert control.valid is False and control.evidence.get("stale_pages", 0) > 0, \
         f"negative control NOT caught by the byte-exact oracle (the check cannot fail as run): {control}"
 
 
 @pytest.mark.fault_stream_delay
+@pytest.mark.parametrize("direct", [True, False], ids=["direct-install", "staged"])
 def test_the_fused_copy_and_sketch_is_checked_after_it_ran_and_the_dropped_edge_is_caught(
-        sides, delay_cycles, test_seed, tag):
+        direct, sides, delay_cycles, test_seed, tag):
     producer, consumer = sides
-    ordered = run_check_after_copy(GEOM, TransferEngine, producer, consumer, namespace(GEOM, f"{tag}-cac"),
-                                   test_seed, delay_cycles)
+    ordered = run_check_after_copy(GEOM, TransferEngine, producer, consumer, namespace(GEOM, f"{tag}-cac{direct}"),
+                                   test_seed, delay_cycles, install_direct=direct)
     control = run_check_after_copy(GEOM, UnorderedTransferEngine, producer, consumer,
-                                   namespace(GEOM, f"{tag}-cac-drop"), test_seed, delay_cycles,
-                                   drop=OrderingEdge.CHECK_AFTER_COPY)
+                                   namespace(GEOM, f"{tag}-cac-drop{direct}"), test_seed, delay_cycles,
+                                   install_direct=direct, drop=OrderingEdge.CHECK_AFTER_COPY)
     assert ordered.evidence["fused_copy"] is True, f"the torch path did not take the fused copy: {ordered}"
+    assert ordered.evidence["direct_install"] is direct, ordered
     assert ordered.valid is True, ordered
     assert control.evidence["dropped_edges"] > 0, f"the control never reached its edge: {control}"
     assert control.valid is False and control.evidence["stale_pages"] > 0, \

@@ -115,3 +115,92 @@ def test_a_kernel_that_skips_the_last_tile_is_refused_by_the_probe():
     assert impl != "triton-dot" and "triton-dot: returned other values" in reason
     impl, reason = out["unbuildable_auto"]  # a kernel that does not build: the next implementation, and why
     assert impl != "triton-dot" and "triton-dot: OutOfResources: shared memory" in reason
+
+
+INSTALL_SCRIPT = textwrap.dedent("""
+    import json, numpy as np, torch
+    from kvpool.gpu.layout import KVLayout, block_page
+    from kvpool.gpu.sketch_kernel import InstallSketchKernel, install_pieces
+    from kvpool.pool.digest import SKETCH_ROW, page_sketch, sketch_key
+
+    key = torch.from_numpy(np.array(sketch_key()))
+    rng = np.random.default_rng(11)
+    nb, per = 9, 2 * 9 * 16 * 4 * 32
+    # four layers in one allocation, a gap after the second: blocks on dim 1, so each block of a
+    # layer is two runs (K and V) far apart, the way vLLM's FlashAttention layout lies
+    store = torch.from_numpy(rng.integers(-9000, 9000, 4 * per + 128, dtype=np.int16)).view(torch.bfloat16)
+    starts = [0, per, 2 * per + 64, 3 * per + 64]
+    layers = [store[a : a + per].view(2, nb, 16, 4, 32) for a in starts]
+    lay = KVLayout.of(layers, 1)
+    pb, stride = lay.page_bytes, lay.page_bytes + 4096
+    spec = [(t, lb.block_stride, lb.runs) for t, lb in zip(layers, lay.layers)]
+    pieces = install_pieces(spec, pb, 512, torch.device("cpu"))
+    arena = torch.from_numpy(rng.integers(0, 256, 7 * stride, dtype=np.uint8)).view(torch.int8)
+    pages, blocks = [5, 0, 3], [7, 2, 4]
+    sk_out = torch.full((3 * pb // SKETCH_ROW, 16), -1, dtype=torch.int32)
+    page_of = lambda b: block_page(layers, 1, b).numpy().view(np.uint8).copy()  # noqa: E731
+    before = {b: page_of(b) for b in range(nb)}
+    if CONTROL:  # two pieces of the page trade places: every byte is written, two runs in the wrong block part
+        off = pieces.off.clone()
+        off[[1, 9]] = off[[9, 1]]
+        pieces.off = off
+    InstallSketchKernel(bm=16, bk=512)(arena, torch.tensor(pages), torch.tensor(blocks), stride, pb, pieces, key,
+                                       sk_out)
+    a = arena.numpy().view(np.uint8)
+    src = [a[p * stride : p * stride + pb] for p in pages]
+    out = {"page_bytes": pb, "runs_per_layer": len(lay.layers[0].runs),
+           "installed": [bool(np.array_equal(page_of(b), s)) for b, s in zip(blocks, src)],
+           "others_untouched": all(np.array_equal(page_of(b), before[b])
+                                   for b in range(nb) if b not in blocks),
+           "sketch": bool(np.array_equal(sk_out.numpy(), np.concatenate([page_sketch(x) for x in src])))}
+    refused = []
+    narrow = [torch.zeros((2, nb, 16, 1, 4), dtype=torch.bfloat16) for _ in range(2)]  # runs of 128 bytes
+    nl = KVLayout.of(narrow, 1)
+    for bad in (lambda: install_pieces([(t, lb.block_stride, lb.runs) for t, lb in zip(narrow, nl.layers)],
+                                       nl.page_bytes, 512, torch.device("cpu")),
+                lambda: install_pieces(spec, pb + 512, 512, torch.device("cpu")),
+                lambda: install_pieces(spec, pb, 24, torch.device("cpu")),
+                lambda: InstallSketchKernel(bm=16, bk=256)(arena, torch.tensor(pages), torch.tensor(blocks), stride,
+                                                           pb, pieces, key, sk_out),
+                lambda: InstallSketchKernel(bm=16, bk=512)(arena, torch.tensor(pages), torch.tensor(blocks[:2]),
+                                                           stride, pb, pieces, key, sk_out)):
+        try:
+            bad()
+            refused.append(False)
+        except ValueError:
+            refused.append(True)
+    out["refuses"] = refused
+    print(json.dumps(out))
+""")
+
+
+def _run_install(control: bool) -> dict:
+    import json
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", f"CONTROL = {control}\n" + INSTALL_SCRIPT], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_direct_install_writes_each_page_into_its_block_and_sketches_what_it_wrote():
+    """InstallSketchKernel (a load's copy, check and install in one pass, pages in device
+    memory): pages taken out of order a stride apart land in their blocks of four layers whose
+    blocks are two runs each (K and V) and whose tensors lie at irregular addresses; no other
+    block changes; the sketches are the host reference's of the pages; layouts that are not
+    whole pieces, pieces of another step and a block list of another length are refused."""
+    out = _run_install(control=False)
+    assert out == {"page_bytes": 32768, "runs_per_layer": 2, "installed": [True, True, True],
+                   "others_untouched": True, "sketch": True, "refuses": [True] * 5}
+
+
+def test_two_pieces_installed_in_each_others_place_are_seen_by_the_byte_oracle():
+    """The control: the same install with two pieces' destinations exchanged writes every byte
+    of each page into its block, two runs in the wrong part; the byte oracle (the block's
+    page order, kvpool.gpu.layout.block_page) must see it in every block, while the sketch of
+    what was read stays right (the check covers the bytes, not where they went: the layout's
+    pieces are built and probed once, at the engine's start)."""
+    out = _run_install(control=True)
+    assert out["installed"] == [False, False, False], "negative control NOT caught by the byte oracle"
+    assert out["sketch"] is True and out["others_untouched"] is True
