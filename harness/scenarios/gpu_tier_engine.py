@@ -364,7 +364,7 @@ def _judge_store(geom: Geometry, make_engine: EngineFactory, consumer: TierSide,
 
 
 def run_corrupt_page(geom: Geometry, engine_cls: type[TransferEngine], producer: TierSide, consumer: TierSide,
-                     ns: Namespace, seed: int, path: CopyPath) -> Verdict:
+                     ns: Namespace, seed: int, path: CopyPath, install_direct: bool = False) -> Verdict:
     """A committed page's byte flipped in the tier: the load must stop there (corrupt), install
     the pages before it byte-exact and leave the flipped one's block as it was (where chunks
     are staged; with the direct install the blocks of the flipped page and those after it
@@ -382,7 +382,7 @@ def run_corrupt_page(geom: Geometry, engine_cls: type[TransferEngine], producer:
     old = fill(layers, d, rng, pb)
     blocks = [int(b) for b in rng.permutation(geom.num_blocks)[:k]]
     torch.cuda.synchronize()
-    with engine_cls(consumer.backend, ns, layers, geom.config(path)) as engine:
+    with engine_cls(consumer.backend, ns, layers, geom.config(path, install_direct=install_direct)) as engine:
         direct = engine._direct_install()  # noqa: SLF001 - the contract depends on the path
         h = engine.load(blocks, hashes)
         engine.wait_for_load(h)
@@ -406,7 +406,7 @@ def run_corrupt_page(geom: Geometry, engine_cls: type[TransferEngine], producer:
 
 
 def run_check_after_copy(geom: Geometry, engine_cls: type[TransferEngine], producer: TierSide,
-                         consumer: TierSide, ns: Namespace, seed: int, delay_cycles: int, install_direct: bool = True,
+                         consumer: TierSide, ns: Namespace, seed: int, delay_cycles: int, install_direct: bool = False,
                          **engine_kw) -> Verdict:
     """The load's copy held back on the GPU (the fused copy and sketch of device pages, on the copy
     stream): the check must read the sketches the copy wrote, so every block is installed

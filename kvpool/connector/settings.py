@@ -120,6 +120,9 @@ class ConnectorSettings:
     # ("auto", "triton-dot", "int8-mm", "float64-mm": kvpool.gpu.sketch).
     gpu_chunk_mib: int = 0
     gpu_sketch: str = "auto"
+    # On CUDA, out of a keeper's tier in device memory: each chunk written straight into the
+    # blocks by the kernel that sketches it (kvpool.gpu.config.TransferConfig.install_direct)
+    gpu_install_direct: bool = False
     model_id: str = ""  # a stable model name for the namespace (default: the model path)
     model_revision: str = ""  # overrides the model fingerprint in the namespace
 
@@ -139,6 +142,8 @@ class ConnectorSettings:
             raise ValueError(f"gpu_sketch must be one of {GPU_SKETCHES}, got {extra['gpu_sketch']!r}")
         if type(extra.get("gpu_chunk_mib", 0)) is not int or extra.get("gpu_chunk_mib", 0) < 0:
             raise ValueError(f"gpu_chunk_mib must be a whole number of MiB >= 0, got {extra['gpu_chunk_mib']!r}")
+        if type(extra.get("gpu_install_direct", False)) is not bool:
+            raise ValueError(f"gpu_install_direct must be true or false, got {extra['gpu_install_direct']!r}")
         if extra.get("load_mode", "auto") not in LOAD_MODES:
             raise ValueError(f"load_mode must be one of {LOAD_MODES}, got {extra['load_mode']!r}")
         return cls(**extra)

@@ -285,11 +285,12 @@ class KVPoolWorker:
 
 
 def transfer_config(settings: ConnectorSettings):  # noqa: ANN201 - a kvpool.gpu.config.TransferConfig
-    """The GPU engine's settings from the connector's (gpu_chunk_mib, gpu_sketch): what every
-    CUDA copier of a replica is built with, kvpool's and a wrapper's alike."""
+    """The GPU engine's settings from the connector's (gpu_chunk_mib, gpu_sketch,
+    gpu_install_direct): what every CUDA copier of a replica is built with, kvpool's and a
+    wrapper's alike."""
     from kvpool.gpu.config import TransferConfig
 
-    return TransferConfig(sketch_impl=settings.gpu_sketch,
+    return TransferConfig(sketch_impl=settings.gpu_sketch, install_direct=settings.gpu_install_direct,
                           **({"chunk_bytes": settings.gpu_chunk_mib << 20} if settings.gpu_chunk_mib else {}))
 
 

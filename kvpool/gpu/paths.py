@@ -254,8 +254,8 @@ OTHER_FIELDS: dict[str, str] = {
                   "the same CHECK_AFTER_COPY wait; suites/gpu/test_gpu_tier_engine.py runs it on the torch path",
     "install_direct": "device pages only, with the fused copy: the copy stream's kernel writes the blocks (after "
                       "LOAD_AFTER_READ) instead of staging rows, and there is no install pass; "
-                      "suites/gpu/test_gpu_tier_engine.py runs every edge with it and the check-after-copy edge "
-                      "both ways",
+                      "suites/gpu/test_gpu_tier_engine.py runs every edge, the corrupt page and the "
+                      "check-after-copy edge both ways",
 }
 
 

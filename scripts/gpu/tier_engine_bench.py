@@ -55,13 +55,13 @@ TARGET_27B_128K_S = 0.05
 
 
 def _way(spec: str) -> tuple[str, TransferConfig]:
-    """SKETCH_IMPL:CHUNK_MIB[:nofuse][:staged] -> (its name, the engine's config)."""
+    """SKETCH_IMPL:CHUNK_MIB[:nofuse][:direct] -> (its name, the engine's config)."""
     impl, chunk, *flags = spec.split(":")
-    unknown = set(flags) - {"nofuse", "staged"}
+    unknown = set(flags) - {"nofuse", "direct"}
     if unknown:
-        raise SystemExit(f"way {spec!r}: unknown flags {sorted(unknown)} (nofuse, staged)")
+        raise SystemExit(f"way {spec!r}: unknown flags {sorted(unknown)} (nofuse, direct)")
     return spec, TransferConfig(block_dim=0, sketch_impl=impl, chunk_bytes=int(chunk) << 20,
-                                fuse_loads="nofuse" not in flags, install_direct="staged" not in flags)
+                                fuse_loads="nofuse" not in flags, install_direct="direct" in flags)
 
 
 def _say(msg: str) -> None:
@@ -79,10 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="27b")
     ap.add_argument("--tokens", type=int, default=128000)
     ap.add_argument("--ways", default="auto:128,int8-mm:128,triton-dot:128:nofuse,triton-dot:1024:nofuse,"
-                                      "triton-dot:512,triton-dot:1024",
-                    help="SKETCH_IMPL:CHUNK_MIB[:nofuse][:staged],... (the first is the default way, whose median "
-                         "the key gives; nofuse: the copy, then the sketch, as before the fused kernel; staged: the "
-                         "fused copy into staging, then the install, as before the direct install)")
+                                      "triton-dot:512,triton-dot:1024,triton-dot:128:direct,triton-dot:1024:direct",
+                    help="SKETCH_IMPL:CHUNK_MIB[:nofuse][:direct],... (the first is the default way, whose median "
+                         "the key gives; nofuse: the copy, then the sketch, as before the fused kernel; direct: the "
+                         "fused kernel writes the blocks, no staging, TransferConfig.install_direct)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=20261205)
     ap.add_argument("--profile", action="store_true",

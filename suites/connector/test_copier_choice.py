@@ -106,14 +106,18 @@ def test_on_cuda_the_fault_connector_builds_the_controlled_twin(tmp_path, pool):
     assert type(_chain(tmp_path, pool, "cuda").inner.inner.worker.copier) is ControlledCudaCopier
 
 
-def test_the_cuda_copier_takes_the_engines_chunk_and_sketch_from_the_settings():
+def test_the_cuda_copier_takes_the_engines_chunk_sketch_and_install_from_the_settings():
     pytest.importorskip("torch")
-    settings = ConnectorSettings.from_extra({"pool": "unix:/x", "gpu_chunk_mib": 512, "gpu_sketch": "int8-mm"})
+    settings = ConnectorSettings.from_extra({"pool": "unix:/x", "gpu_chunk_mib": 512, "gpu_sketch": "int8-mm",
+                                             "gpu_install_direct": True})
     copier = default_copier(settings, _NoBackend(), HistoryWriter(None, "r", "worker"), ClientMetrics(), "cuda")
-    assert (copier.config.chunk_bytes, copier.config.sketch_impl) == (512 << 20, "int8-mm")
+    assert (copier.config.chunk_bytes, copier.config.sketch_impl, copier.config.install_direct) == \
+        (512 << 20, "int8-mm", True)
     default = _default("cuda").config
-    assert (default.chunk_bytes, default.sketch_impl) == (128 << 20, "auto")
+    assert (default.chunk_bytes, default.sketch_impl, default.install_direct) == (128 << 20, "auto", False)
     for bad, match in (({"gpu_sketch": "fast"}, "gpu_sketch must be one of"),
+                       ({"gpu_install_direct": "yes"}, "gpu_install_direct must be"),
+                       ({"gpu_install_direct": 1}, "gpu_install_direct must be"),
                        ({"gpu_chunk_mib": -1}, "gpu_chunk_mib must be"), ({"gpu_chunk_mib": True}, "gpu_chunk_mib must be"),
                        ({"gpu_chunk_mib": "512"}, "gpu_chunk_mib must be")):
         with pytest.raises(ValueError, match=match):
