@@ -36,6 +36,7 @@ Copier = Union[HostCopier, "CudaCopier"]  # one interface (kvpool.connector.copi
 
 LOAD_MODES = ("auto", "sync", "async")
 GPU_SKETCHES = ("auto", *SKETCH_IMPLS)
+GPU_CHUNK_MIB_MAX = 4096  # three staging buffers of 4 GiB: past this a chunk only costs GPU memory
 # A pool address naming a GPU keeper's run directory (`kvpool keeper`): the connector's pool is
 # then the keeper's tier (kvpool.gpu.tier_backend), with kv-sketch-1 digests; its reset is
 # refused (the keeper evicts nothing on a client's word). In host memory (--backing memfd) either
@@ -140,8 +141,10 @@ class ConnectorSettings:
             raise ValueError("kv_connector_extra_config needs 'pool' (e.g. 'unix:/path/pool.sock')")
         if extra.get("gpu_sketch", "auto") not in GPU_SKETCHES:
             raise ValueError(f"gpu_sketch must be one of {GPU_SKETCHES}, got {extra['gpu_sketch']!r}")
-        if type(extra.get("gpu_chunk_mib", 0)) is not int or extra.get("gpu_chunk_mib", 0) < 0:
-            raise ValueError(f"gpu_chunk_mib must be a whole number of MiB >= 0, got {extra['gpu_chunk_mib']!r}")
+        chunk = extra.get("gpu_chunk_mib", 0)
+        if type(chunk) is not int or not 0 <= chunk <= GPU_CHUNK_MIB_MAX:
+            raise ValueError(f"gpu_chunk_mib must be a whole number of MiB from 0 to {GPU_CHUNK_MIB_MAX} (three "
+                             f"staging buffers of it go on the GPU), got {chunk!r}")
         if type(extra.get("gpu_install_direct", False)) is not bool:
             raise ValueError(f"gpu_install_direct must be true or false, got {extra['gpu_install_direct']!r}")
         if extra.get("load_mode", "auto") not in LOAD_MODES:

@@ -118,7 +118,7 @@ def test_the_cuda_copier_takes_the_engines_chunk_sketch_and_install_from_the_set
     for bad, match in (({"gpu_sketch": "fast"}, "gpu_sketch must be one of"),
                        ({"gpu_install_direct": "yes"}, "gpu_install_direct must be"),
                        ({"gpu_install_direct": 1}, "gpu_install_direct must be"),
-                       ({"gpu_chunk_mib": -1}, "gpu_chunk_mib must be"), ({"gpu_chunk_mib": True}, "gpu_chunk_mib must be"),
+                       ({"gpu_chunk_mib": -1}, "gpu_chunk_mib must be"), ({"gpu_chunk_mib": 4097}, "from 0 to 4096"), ({"gpu_chunk_mib": True}, "gpu_chunk_mib must be"),
                        ({"gpu_chunk_mib": "512"}, "gpu_chunk_mib must be")):
         with pytest.raises(ValueError, match=match):
             ConnectorSettings.from_extra({"pool": "unix:/x", **bad})
