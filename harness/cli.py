@@ -196,7 +196,8 @@ def cmd_gpu_live(args: argparse.Namespace) -> int:
                     bench_lengths=lengths, deadline_s=args.deadline, gpus=args.gpus, sessions=args.sessions,
                     session_contexts=contexts, session_count=args.session_count, turns=args.turns,
                     exchanges=not args.no_exchanges, session_audit=args.session_audit, bench_tier=args.bench_tier,
-                    bench_tier_only=args.bench_tier_only, bench_tier_extra=_connector_extra(args.bench_tier_config))
+                    bench_tier_only=args.bench_tier_only, bench_tier_extra=_connector_extra(args.bench_tier_config),
+                    tier_exchanges=args.tier_exchanges)
 
 
 def _connector_extra(text: str | None) -> dict | None:
@@ -597,6 +598,9 @@ def build_parser() -> argparse.ArgumentParser:
     gl.add_argument("--session-count", type=int, default=2, help="sessions per block")
     gl.add_argument("--turns", type=int, default=6, help="turns per session")
     gl.add_argument("--no-exchanges", action="store_true", help="skip the tiny replicas' exchanges (sessions only)")
+    gl.add_argument("--tier-exchanges", action="store_true",
+                    help="also the exchanges (hit, stream delay, its control) on tiny replicas sharing a GPU keeper's "
+                         "tier in device memory instead of the host pool; the oracle reads the tier's pages")
     gl.add_argument("--session-audit", action="store_true",
                     help="audit the session replicas (kvpool.connector.audit): loaded blocks against their producer's bytes, "
                          "and the KV bytes of the OFF blocks and of the ON blocks compared with each other")

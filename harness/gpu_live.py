@@ -4,7 +4,8 @@ together and judged as one.
   main(report_dir, seed, bench, sessions, exchanges, ...) -> int
       starts the tiny replicas (the live exchanges), the session replicas (`sessions`) and
       the bench replicas (`bench`) at the same time, runs the exchanges
-      (kvgate.harness.scenarios.gpu_live.run_live), then the OFF-ON-ON-OFF sessions
+      (kvgate.harness.scenarios.gpu_live.run_live), with `tier_exchanges` the same exchanges
+      on replicas sharing a GPU keeper's tier (tier.json), then the OFF-ON-ON-OFF sessions
       (kvgate.harness.scenarios.gpu_live.run_sessions), then the bench rows
       (kvgate.harness.bench.gpu_live.measure) while time is left; writes live.json,
       sessions.json, result.json and checklist.md (kvgate.harness.report.gpu_live) under
@@ -74,11 +75,13 @@ def main(report_dir: Path, seed: int = 20261129, bench: bool = False, bench_reps
          bench_lengths: tuple[int, ...] = (8192, 32768, 65536), deadline_s: float = 540.0, gpus: int = 1,
          sessions: bool = False, session_contexts: tuple[int, ...] = (32768,), session_count: int = 2,
          turns: int = 6, exchanges: bool = True, session_audit: bool = False, bench_tier: bool = False,
-         bench_tier_only: bool = False, bench_tier_extra: dict | None = None) -> int:
+         bench_tier_only: bool = False, bench_tier_extra: dict | None = None, tier_exchanges: bool = False) -> int:
     """Start the tiny replicas (and, with `sessions`, the session replicas; with `bench`, the
     bench replicas, and with `bench_tier` the GPU tier's keeper and its pair too) at the same
     time, run the live exchanges, then the sessions, then the bench rows while time is left; write live.json (and the rest) under report_dir as each part
-    finishes."""
+    finishes. `tier_exchanges`: the same exchanges again on tiny replicas whose pool is a GPU
+    keeper's tier in device memory (kvgate.harness.scenarios.gpu_live.tiny_tier_cluster), the
+    oracle reading the tier's pages; under result["tier"], tier.json."""
     bench_tier = bench_tier or bench_tier_only
     if bench and bench_tier:  # a tier too large for the GPU is refused before anything starts
         bench_live.tier_gib(bench_reps * sum(bench_lengths), bench_tier_only)
@@ -86,10 +89,12 @@ def main(report_dir: Path, seed: int = 20261129, bench: bool = False, bench_reps
     deadline = t0 + deadline_s
     report_dir.mkdir(parents=True, exist_ok=True)
     cluster, specs, model = live.tiny_cluster(report_dir / "live", gpus)
-    bench_f = sess_f = None
+    bench_f = sess_f = tier_f = None
     result: dict = {"passed": False, "gpus": gpus}
-    with ThreadPoolExecutor(3) as ex:
+    with ThreadPoolExecutor(4) as ex:
         live_f = ex.submit(cluster.start, specs, 400.0) if exchanges else None
+        if tier_exchanges:
+            tier_f = ex.submit(live.start_tier_cluster, report_dir / "tier", gpus)
         if sessions:
             sess_f = ex.submit(live.start_sessions, report_dir / "sessions", gpus, max(session_contexts), turns,
                                session_audit)
@@ -111,6 +116,11 @@ def main(report_dir: Path, seed: int = 20261129, bench: bool = False, bench_reps
                  f"{time.monotonic() - t0:.0f} s")
         else:
             result.update(seed=seed, env=live.environment(), exchanges_skipped=True)
+        if tier_f is not None:
+            _run_part(result, "tier", tier_f, lambda c: live.run_live(c, c.model_dir, seed, pool=c.tier_oracle))
+            (report_dir / "tier.json").write_text(json.dumps(result.get("tier"), indent=1, default=str))
+            _say(f"kvgate gpu-live: tier exchanges {'PASS' if (result.get('tier') or {}).get('passed') else 'FAIL'} "
+                 f"after {time.monotonic() - t0:.0f} s")
         if sess_f is not None:
             _run_part(result, "sessions", sess_f,
                       lambda c: live.run_sessions(c, seed, session_contexts, session_count, turns, deadline - 30,
@@ -123,7 +133,7 @@ def main(report_dir: Path, seed: int = 20261129, bench: bool = False, bench_reps
     result["wall_s"] = round(time.monotonic() - t0)
     result["failures"] = live.failures(result, exchanges=exchanges, sessions=sessions, bench=bench,
                                   session_contexts=session_contexts, bench_lengths=bench_lengths,
-                                  bench_reps=bench_reps)
+                                  bench_reps=bench_reps, tier_exchanges=tier_exchanges)
     result["ok"] = not result["failures"]
     (report_dir / "result.json").write_text(json.dumps(result, indent=1, default=str))
     (report_dir / "checklist.md").write_text(render_markdown(result, time.strftime("%Y-%m-%d")))

@@ -118,14 +118,16 @@ def pool_digests(pool, ns: Namespace, hashes: list[str]) -> dict[str, str]:  # n
 
 
 def exchange_exact(cluster, producer: tuple[str, str], consumer: tuple[str, str],  # noqa: ANN001
-                   cold: tuple[str, str] | None) -> Verdict:
-    """One exchange on a live cluster: producer / consumer / cold are (replica, tag)."""
+                   cold: tuple[str, str] | None, pool=None) -> Verdict:  # noqa: ANN001
+    """One exchange on a live cluster: producer / consumer / cold are (replica, tag); `pool`
+    the store the replicas share, read by the oracle (`.client(name)`; default the cluster's
+    pool daemon; a GPU keeper's tier: kvgate.harness.scenarios.gpu_tier_engine.TierOracle)."""
     h = cluster.history_dir
     produced = audit_digests(h, "produced", producer[1], producer[0])
     installed = audit_digests(h, "installed", consumer[1], consumer[0])
     if not installed:
         return Verdict(False, f"{consumer[0]} installed no block for {consumer[1]}", {"produced": len(produced)})
-    pool = pool_digests(cluster.pool, namespace_of(h, consumer[0]), list(installed))
+    pool = pool_digests(cluster.pool if pool is None else pool, namespace_of(h, consumer[0]), list(installed))
     evidence: dict[str, object] = {"installed": len(installed), "produced": len(produced), "in_pool": len(pool)}
     bad_producer = [k for k, d in installed.items() if produced.get(k) != d]
     bad_pool = [k for k, d in installed.items() if k in pool and pool[k] != d]

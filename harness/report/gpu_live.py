@@ -27,29 +27,50 @@ def render_markdown(result: dict, date: str) -> str:
              f"{BLOCK_SIZE}), all on one kvpool pool (one tenant: one segment of the host's pool), TRITON_ATTN, eager; "
              f"seed {result['seed']}; directions {', '.join(result.get('directions', ['A->B']))}.", ""]
     for ex in result.get("exchanges", []):
-        v = ex["verdict"]
-        mark = "x" if v["valid"] else " "
-        label = "negative control caught" if ex["expect_caught"] and v["valid"] else (
-            "pass" if v["valid"] else "FAIL")
-        be = ex["byte_exact"]["evidence"]
-        p, c = ex.get("producer", "A"), ex.get("consumer", "B")
-        lines += [f"- [{mark}] **{ex['name']}** {p} → {c} ({label}): {v['reason']}",
-                  f"    - prompt {ex['prompt_tokens']} tokens; {c} loaded {ex['blocks_loaded_B']} of "
-                  f"{ex['blocks_expected']} blocks; installed {be.get('installed')}, differ from {p}'s "
-                  f"{be.get('differs_from_producer')}, from the pool's {be.get('differs_from_pool')}; cold recompute "
-                  f"compared {be.get('cold_compared', 'n/a (stopped at the first failure)')}, differ "
-                  f"{be.get('cold_differs', 'n/a')}",
-                  f"    - TTFT {p} {ex['A']['ttft_ms']} ms, {c} hit {ex['B_hit']['ttft_ms']} ms, {c} cold "
-                  f"{ex['B_cold']['ttft_ms']} ms; tokens {c} hit == {c} cold: {ex['tokens_equal_B_hit_vs_cold']}, "
-                  f"{p} == {c} cold: {ex['tokens_equal_A_vs_B_cold']}"
-                  + (f", {c} hit == {c} local prefix hit: {ex['tokens_equal_B_hit_vs_local_hit']}, local prefix hit == "
-                     f"cold: {ex['tokens_equal_B_local_hit_vs_cold']}" if "B_local_hit" in ex else ""),
-                  f"    - not checked: {v['not_checked']}"]
+        lines += _exchange_lines(ex)
     if "error" in result:
         lines += ["", "Live part raised:", "", "```", result["error"][-1500:], "```"]
     live = ("not run (--no-exchanges)" if result.get("exchanges_skipped")
             else "PASS" if result.get("passed") else "FAIL")
     lines += ["", f"Overall (live exchanges): {live}", ""]
+    if "tier" in result or "tier_error" in result:
+        tier = result.get("tier") or {}
+        lines += ["## The exchanges on a GPU keeper's tier", "",
+                  "The same exchanges on two more replicas of the tiny model whose pool is a keeper's tier in device "
+                  "memory (`kvpool keeper --backing vmm` on GPU 0; the replicas' GPU engines copy device to device); "
+                  "the pool oracle reads each committed page out of the tier under a lease of its own.", ""]
+        for ex in tier.get("exchanges", []):
+            lines += _exchange_lines(ex)
+        if result.get("tier_error"):
+            lines += ["", "The tier exchanges raised:", "", "```", result["tier_error"][-1500:], "```"]
+        lines += ["", f"Overall (tier exchanges): {'PASS' if tier.get('passed') else 'FAIL'}", ""]
+    return _rest(result, lines)
+
+
+def _exchange_lines(ex: dict) -> list[str]:
+    lines: list[str] = []
+    v = ex["verdict"]
+    mark = "x" if v["valid"] else " "
+    label = "negative control caught" if ex["expect_caught"] and v["valid"] else (
+        "pass" if v["valid"] else "FAIL")
+    be = ex["byte_exact"]["evidence"]
+    p, c = ex.get("producer", "A"), ex.get("consumer", "B")
+    lines += [f"- [{mark}] **{ex['name']}** {p} → {c} ({label}): {v['reason']}",
+              f"    - prompt {ex['prompt_tokens']} tokens; {c} loaded {ex['blocks_loaded_B']} of "
+              f"{ex['blocks_expected']} blocks; installed {be.get('installed')}, differ from {p}'s "
+              f"{be.get('differs_from_producer')}, from the pool's {be.get('differs_from_pool')}; cold recompute "
+              f"compared {be.get('cold_compared', 'n/a (stopped at the first failure)')}, differ "
+              f"{be.get('cold_differs', 'n/a')}",
+              f"    - TTFT {p} {ex['A']['ttft_ms']} ms, {c} hit {ex['B_hit']['ttft_ms']} ms, {c} cold "
+              f"{ex['B_cold']['ttft_ms']} ms; tokens {c} hit == {c} cold: {ex['tokens_equal_B_hit_vs_cold']}, "
+              f"{p} == {c} cold: {ex['tokens_equal_A_vs_B_cold']}"
+              + (f", {c} hit == {c} local prefix hit: {ex['tokens_equal_B_hit_vs_local_hit']}, local prefix hit == "
+                 f"cold: {ex['tokens_equal_B_local_hit_vs_cold']}" if "B_local_hit" in ex else ""),
+              f"    - not checked: {v['not_checked']}"]
+    return lines
+
+
+def _rest(result: dict, lines: list[str]) -> str:
     for s in result.get("sessions", []):
         if "skipped" in s:
             lines += [f"## OFF-ON-ON-OFF at {s['context_tokens']} tokens: not run ({s['skipped']})", ""]

@@ -27,6 +27,13 @@ reset, pool bypassed):
                       kvgate.faults.gpu_live.SwitchableTransferEngine): the byte-exact check must
                       catch it (a FAIL verdict there is the expected outcome).
 
+The tier's exchanges (`--tier-exchanges`): the same three exchanges on two more tiny replicas
+whose pool is a GPU keeper's tier in device memory (tiny_tier_cluster: `kvpool keeper --backing
+vmm` on GPU 0, each replica's pool `keeper:RUN_DIR`); the oracle's "pool" is the tier, each
+committed page copied out under a lease of the oracle's own session (TierOracle). The store's
+edge the control drops is the same: the producer's copy into the tier must follow the forward's
+KV write, and the committed page is checked against the producer's bytes.
+
 Sessions (`--sessions`): the OFF-ON-ON-OFF comparison of the seed (003_...) on a second
 set of replicas of the bench model (kvgate.fixtures.gpu_model, 64 KiB of KV per token), placed
 like the tiny ones: six-turn sessions whose turns alternate replicas, run four times
@@ -36,7 +43,10 @@ of the cross-replica turns per block, and the generated tokens compared across b
   GpuCluster            kvgate.harness.system.gpu: the cluster with vLLM 0.24 GPU flags.
   placement(gpus)       -> [(replica, CUDA_VISIBLE_DEVICES or None)]
   directions(names)     -> [(producer, consumer)]
-  run_live(cluster, model, seed)  -> dict    the exchanges and their verdicts.
+  run_live(cluster, model, seed, pool=None)  -> dict    the exchanges and their verdicts (`pool`:
+                        what the oracle reads as the shared store; default the cluster's daemon).
+  tiny_tier_cluster(report_dir, gpus) / start_tier_cluster(report_dir, gpus)
+                        the tiny replicas on a keeper's tier, and its oracle (TierOracle).
   environment() -> dict  the GPUs, vLLM, torch and CUDA versions and the tree's provenance.
   run_session_blocks(cluster, corpus, seed, ...) -> dict   OFF-ON-ON-OFF at one context.
   failures(result, ...)  -> [str]    every failure the run measured, of the parts it was asked for:
@@ -119,10 +129,12 @@ def publish_outcome(recs: list[dict]) -> dict:
     return out
 
 
-def published_exact(cluster: Cluster, producer: str, tag: str) -> Verdict:
-    """Every block the producer computed for `tag` equals the pool's committed copy."""
+def published_exact(cluster: Cluster, producer: str, tag: str, pool=None) -> Verdict:  # noqa: ANN001
+    """Every block the producer computed for `tag` equals the pool's committed copy (`pool`: as
+    exchange_exact's)."""
     produced = audit_digests(cluster.history_dir, "produced", tag, producer)
-    pool = pool_digests(cluster.pool, namespace_of(cluster.history_dir, producer), list(produced))
+    pool = pool_digests(cluster.pool if pool is None else pool, namespace_of(cluster.history_dir, producer),
+                        list(produced))
     differ = [k for k, d in produced.items() if k in pool and pool[k] != d]
     evidence = {"produced": len(produced), "in_pool": len(pool), "pool_differs": len(differ)}
     if not pool:
@@ -178,7 +190,7 @@ def _gpu_env(device: str | None) -> tuple[tuple[str, str], ...]:
 
 
 def run_exchange(cluster: GpuCluster, corpus: Corpus, ex: Exchange, rng: random.Random,
-                 max_tokens: int = 16, producer: str = "A", consumer: str = "B") -> dict:
+                 max_tokens: int = 16, producer: str = "A", consumer: str = "B", pool=None) -> dict:  # noqa: ANN001
     P, C = cluster.replicas[producer].url, cluster.replicas[consumer].url
     h = cluster.history_dir
     prompt = corpus.text(ex.prompt_tokens, rng)  # + BOS
@@ -205,8 +217,8 @@ def run_exchange(cluster: GpuCluster, corpus: Corpus, ex: Exchange, rng: random.
     loads = records(h, "load", replica=consumer, tag=hit)
     faults = [r for r in records(h, "fault", replica=producer) if pub in (r.get("tags") or [])]
     dropped = [r for r in records(h, "fault", replica=producer, site="gpu_transfer") if t_arm <= r["t"] <= t_heal]
-    exact = exchange_exact(cluster, (producer, pub), (consumer, hit), (consumer, cold))
-    pooled = published_exact(cluster, producer, pub)
+    exact = exchange_exact(cluster, (producer, pub), (consumer, hit), (consumer, cold), pool=pool)
+    pooled = published_exact(cluster, producer, pub, pool=pool)
     # The fallback oracle's baseline is a run with the same prefill partition: the consumer's
     # own prefix hit on the same prompt (all blocks reused, the tail computed), as on CPU
     # (README, "Faults, scenarios and the gate"). Equality with the cold run is reported.
@@ -282,7 +294,45 @@ def tiny_cluster(report_dir: Path, gpus: int = 1) -> tuple[GpuCluster, list[Repl
     return GpuCluster(model, report_dir, page_size=64 * 1024, pool_pages=4096), specs, model
 
 
-def run_live(cluster: GpuCluster, model: Path, seed: int) -> dict:
+TIER_TOKEN = "tier-live"  # the tier exchanges' tenant token at their keeper
+
+
+def tiny_tier_cluster(report_dir: Path, gpus: int = 1):  # noqa: ANN201 - (GpuCluster, specs, model, TierOracle)
+    """The tiny replicas on a GPU keeper's tier instead of the host pool: a keeper with its pages
+    in device memory (`kvpool keeper --backing vmm`, on GPU 0, a companion of the cluster) and
+    each replica's pool `keeper:RUN_DIR` (its GPU engine copies device to device, or GPU to GPU
+    where the replica is on another one). The oracle reads the tier through a session of its own."""
+    import torch
+
+    from kvgate.harness.scenarios.gpu_tier_engine import TierOracle
+    from kvgate.harness.system.keeper import KeeperProcess
+
+    cluster, specs, model = tiny_cluster(report_dir, gpus)
+    run_dir = report_dir / "keeper-run"
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    cluster.companions.append(KeeperProcess(
+        run_dir, "--gpu", "0", "--page-size", str(cluster.page_size), "--pages", str(cluster.pool_pages),
+        "--tenant", f"default={TIER_TOKEN}", "--maintenance-s", "0.5", backing="vmm"))
+    tier = (("pool", f"keeper:{run_dir}"), ("token", TIER_TOKEN))
+    specs = [dataclasses.replace(s, connector_extra=(*s.connector_extra, *tier)) for s in specs]
+    return cluster, specs, model, TierOracle(run_dir, "default", TIER_TOKEN, torch.device("cuda", 0))
+
+
+def start_tier_cluster(report_dir: Path, gpus: int = 1) -> GpuCluster:
+    """tiny_tier_cluster, started; its oracle as `.tier_oracle` (run_live's `pool`)."""
+    cluster, specs, _, oracle = tiny_tier_cluster(report_dir, gpus)
+    try:
+        cluster.start(specs, 400.0)
+    except BaseException:
+        for companion in cluster.companions:
+            companion.stop()
+        raise
+    cluster.tier_oracle = oracle
+    return cluster
+
+
+def run_live(cluster: GpuCluster, model: Path, seed: int, pool=None) -> dict:  # noqa: ANN001
+    """The exchanges in every direction; `pool`: the store the oracle reads (run_exchange's)."""
 
     http.RECORDER = cluster.history
     corpus = Corpus(model)
@@ -292,7 +342,8 @@ def run_live(cluster: GpuCluster, model: Path, seed: int) -> dict:
         complete(cluster.replicas[name].url, corpus.text(40, rng), tag=f"warmup-{name}", replica=name,
                  load=False, publish=False)
     pairs = directions(names)
-    results = [run_exchange(cluster, corpus, ex, rng, producer=p, consumer=c) for ex in EXCHANGES for p, c in pairs]
+    results = [run_exchange(cluster, corpus, ex, rng, producer=p, consumer=c, pool=pool)
+               for ex in EXCHANGES for p, c in pairs]
     reg = records(cluster.history_dir, "register")
     gpu = records(cluster.history_dir, "gpu_transfer")
     return {
@@ -550,12 +601,24 @@ def _say(msg: str) -> None:
 
 def failures(result: dict, *, exchanges: bool, sessions: bool, bench: bool,
              session_contexts: tuple[int, ...] = (), bench_lengths: tuple[int, ...] = (),
-             bench_reps: int = 1) -> list[str]:
+             bench_reps: int = 1, tier_exchanges: bool = False) -> list[str]:
     """Every failure the run measured, of the parts that were asked for (see the module's
     docstring); empty when the run passed."""
     out: list[str] = []
-    if not (exchanges or sessions or bench):
+    if not (exchanges or sessions or bench or tier_exchanges):
         return ["nothing was asked for: no exchanges, sessions or bench ran"]
+    if tier_exchanges:
+        tier = result.get("tier") or {}
+        if result.get("tier_error"):
+            out.append("the tier exchanges raised: " + result["tier_error"].strip().splitlines()[-1][:300])
+        bad = [f"{ex['name']} {ex.get('producer', 'A')}->{ex.get('consumer', 'B')}"
+               for ex in tier.get("exchanges", []) if ex["verdict"]["valid"] is not True]
+        if bad:
+            out.append(f"tier exchanges failed: {', '.join(bad)}")
+        if not tier.get("exchanges") and not result.get("tier_error"):
+            out.append("the tier exchanges did not run")
+        if result.get("tier_stop_error"):
+            out.append(f"the tier replicas' cluster: {result['tier_stop_error'][:300]}")
     if exchanges:
         if result.get("error"):
             out.append("the live exchanges raised: " + result["error"].strip().splitlines()[-1][:300])

@@ -15,6 +15,10 @@ out of it through a session of its own (TierSide), page digests on the host.
         None if any is not committed. Only while no stream delay is pending (it syncs the device).
       .flip(ns, hashes, index, offset, mask)     one byte of a committed page XORed in the tier:
         the fault at rest (after the commit; the keeper does not scrub).
+  TierOracle(run_dir, tenant, token, device)
+        the tier as the byte-exact oracle reads a pool (`client(name)`: acquire, read_page,
+        release; each page copied out of device memory under its lease): kvgate gpu-live's
+        tier exchanges pass it as their pool.
   TierCommitTap(side, device, rows)
         the oracle at the keeper: every page's bytes and digest at the moment its commit is sent
         (after the engine decided the page is ready, before the keeper makes it visible), copied
@@ -54,6 +58,7 @@ cross-process edges are suites/gpu/test_gpu_tier.py's); a keeper on another GPU.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import threading
 import time
@@ -155,6 +160,40 @@ class TierSide:
     def close(self) -> None:
         self._pages = None
         self.backend.close()
+
+
+class TierOracle:
+    """The keeper's tier as the byte-exact oracle reads a pool (kvgate.harness.checkers.byte_exact.
+    pool_digests: `client(name)` -> acquire, read_page, release): a session of its own per client,
+    each committed page copied out of device memory to the host under its lease (the copy
+    completes before the release), so the digest is of the tier's bytes, not of the digest the
+    keeper recorded at commit."""
+
+    def __init__(self, run_dir: str | Path, tenant: str, token: str, device: torch.device):
+        self.run_dir, self.tenant, self.token, self.device = Path(run_dir), tenant, token, device
+
+    @contextlib.contextmanager
+    def client(self, name: str = "oracle"):  # noqa: ANN201 - a _TierReader
+        side = TierSide(self.run_dir, self.tenant, self.token, name, self.device)
+        try:
+            yield _TierReader(side)
+        finally:
+            side.close()
+
+
+class _TierReader:
+    def __init__(self, side: TierSide):
+        self.side = side
+
+    def acquire(self, ns: Namespace, hashes: list[bytes]):  # noqa: ANN201 - an AcquireResult
+        return self.side.backend.acquire(ns, hashes)
+
+    def read_page(self, lease, index: int) -> np.ndarray:  # noqa: ANN001 - an AcquireResult
+        ref = lease.hits[index]
+        return self.side._page(ref.page, ref.length).cpu().numpy()  # .cpu(): the copy out completed
+
+    def release(self, lease_id: int):  # noqa: ANN201
+        return self.side.backend.release(lease_id)
 
 
 # -- the oracle at the keeper -----------------------------------------------------------------------

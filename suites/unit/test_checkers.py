@@ -313,3 +313,50 @@ def test_output_across_partitions_requires_tokens_and_reports_the_log_probabilit
     assert c.outputs[-1]["partitions_differ"] and c.outputs[-1]["max_logprob_diff"] > 0
     assert not c.output("other partition, other tokens", other, ref, cached=(1280, 1408))
     assert "the partitions differ" in c.output_failed[-1] and "position 1" in c.output_failed[-1]
+
+
+def test_exchange_exact_reads_the_pool_it_is_given_and_sees_a_page_that_differs_there(tmp_path):
+    """The pool the oracle reads is the one passed (a GPU keeper's tier in gpu-live's tier
+    exchanges), not the cluster's pool daemon: the same history judged against a stand-in
+    store holding the producer's bytes passes, and against one where a page differs fails."""
+    import contextlib
+    import types
+
+    from kvgate.harness.checkers.byte_exact import exchange_exact
+    from kvpool.connector.history import HistoryWriter
+    from kvpool.pool.digest import page_digest
+    from kvpool.pool.keys import Namespace
+
+    ns = Namespace("m", "r", "t", "bfloat16", "nhd", 16, 2, 2, 64)
+    pages = {bytes([i]) * 16: bytes([i + 1]) * 64 for i in range(3)}
+    keys = [k.hex() for k in pages]
+    digests = [page_digest(p).hex() for p in pages.values()]
+    for replica in ("A", "B"):
+        w = HistoryWriter(tmp_path, replica, "worker")
+        w.write("namespace", ns=ns.as_dict())
+        kind, tag = ("produced", "a") if replica == "A" else ("installed", "b")
+        w.write("audit", kind=kind, tag=tag, first_block=0, hashes=keys, digests=digests)
+        w.close()
+
+    class Store:
+        def __init__(self, held):  # noqa: ANN001
+            self.held = held
+
+        @contextlib.contextmanager
+        def client(self, name="oracle"):  # noqa: ANN001, ANN202
+            yield self
+
+        def acquire(self, ns_, hashes):  # noqa: ANN001, ANN202
+            return types.SimpleNamespace(hits=[self.held[h] for h in hashes], lease_id=0)
+
+        def read_page(self, lease, i):  # noqa: ANN001, ANN202
+            return lease.hits[i]
+
+    daemon = types.SimpleNamespace(client=lambda name="oracle": (_ for _ in ()).throw(AssertionError("not this one")))
+    cluster = types.SimpleNamespace(history_dir=tmp_path, pool=daemon)
+    good = exchange_exact(cluster, ("A", "a"), ("B", "b"), None, pool=Store(pages))
+    assert good.valid is True and good.evidence["in_pool"] == 3, good
+    moved = dict(pages)
+    moved[next(iter(pages))] = b"\x09" * 64
+    bad = exchange_exact(cluster, ("A", "a"), ("B", "b"), None, pool=Store(moved))
+    assert bad.valid is False and bad.evidence["differs_from_pool"] == 1, bad

@@ -180,10 +180,14 @@ def _exchange(name: str, valid: bool) -> dict:
 def parts(monkeypatch):
     """main()'s parts as stand-ins; `set` holds what each returns (or raises)."""
     state = {"live": {"passed": True, "seed": 1, "env": {}, "exchanges": [_exchange("cross_replica_hit", True)]},
-             "sessions": lambda contexts: [], "bench": None, "tier": None}
+             "sessions": lambda contexts: [], "bench": None, "tier": None,
+             "tier_live": {"passed": True, "seed": 1, "env": {}, "exchanges": [_exchange("cross_replica_hit", True)]}}
+    oracle = object()
 
     class _Cluster:
         replicas: dict = {}
+        model_dir = "stand-in model"
+        tier_oracle = oracle
 
         def start(self, specs, timeout):  # noqa: ANN001, ANN202
             return self
@@ -199,7 +203,21 @@ def parts(monkeypatch):
     monkeypatch.setattr(live_main, "tiny_cluster", lambda report_dir, gpus: (_Cluster(), [], None))
     monkeypatch.setattr(live_main, "start_sessions", lambda *a, **k: _Cluster())
     monkeypatch.setattr(live_main, "run_sessions", run_sessions)
-    monkeypatch.setattr(live_main, "run_live", lambda cluster, model, seed: dict(state["live"]))
+    def run_live(cluster, model, seed, pool=None):  # noqa: ANN001, ANN202
+        if pool is None:
+            return dict(state["live"])
+        assert pool is oracle and model == "stand-in model"  # the tier's oracle reads the tier
+        if isinstance(state["tier_live"], BaseException):
+            raise state["tier_live"]
+        return dict(state["tier_live"])
+
+    def start_tier_cluster(report_dir, gpus):  # noqa: ANN001, ANN202
+        if isinstance(state["tier_live"], KeyError):
+            raise RuntimeError("the keeper exited 1")
+        return _Cluster()
+
+    monkeypatch.setattr(live_main, "run_live", run_live)
+    monkeypatch.setattr(live_main, "start_tier_cluster", start_tier_cluster)
     monkeypatch.setattr(live_main, "environment", lambda: {"gpu": "stand-in", "provenance": {"short": "x", "clean": True}})
     monkeypatch.setattr(command, "_stop", lambda cluster: "")
     monkeypatch.setattr(bench, "start_bench", lambda report_dir, max_len, tier=False, tier_tokens=0,
@@ -269,3 +287,24 @@ def test_the_gpu_tier_is_sized_for_every_prefix_the_bench_publishes():
     assert bench.tier_gib(1024) == bench.TIER_GIB_MIN
     with pytest.raises(ValueError, match="fewer repetitions"):
         bench.tier_gib(3 * (8192 + 32768 + 65536))
+
+
+def test_gpu_live_runs_the_exchanges_on_a_keepers_tier_with_its_oracle_and_fails_on_each_failure(tmp_path, parts):
+    assert command.main(tmp_path / "ok", tier_exchanges=True) == 0
+    md = (tmp_path / "ok" / "checklist.md").read_text()
+    assert "## The exchanges on a GPU keeper's tier" in md and "Overall (tier exchanges): PASS" in md
+    assert json.loads((tmp_path / "ok" / "tier.json").read_text())["passed"] is True
+    parts["tier_live"] = {"passed": False, "seed": 1, "env": {},
+                          "exchanges": [_exchange("cross_replica_hit", True), _exchange("stream_delay_control", False)]}
+    assert command.main(tmp_path / "bad", tier_exchanges=True) == 1
+    doc = json.loads((tmp_path / "bad" / "result.json").read_text())
+    assert doc["failures"] == ["tier exchanges failed: stream_delay_control A->B"]
+    assert "Overall (tier exchanges): FAIL" in (tmp_path / "bad" / "checklist.md").read_text()
+    parts["tier_live"] = KeyError("start")  # the tier's cluster does not start
+    assert command.main(tmp_path / "down", tier_exchanges=True) == 1
+    doc = json.loads((tmp_path / "down" / "result.json").read_text())
+    assert any("the tier exchanges raised" in f and "the keeper exited 1" in f for f in doc["failures"]), doc
+    assert any(f == "the tier exchanges did not run" for f in doc["failures"]) is False
+    assert command.main(tmp_path / "alone", exchanges=False, tier_exchanges=True) == 1  # the tier's start still fails
+    parts["tier_live"] = {"passed": True, "seed": 1, "env": {}, "exchanges": [_exchange("cross_replica_hit", True)]}
+    assert command.main(tmp_path / "alone2", exchanges=False, tier_exchanges=True) == 0
