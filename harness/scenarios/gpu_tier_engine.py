@@ -282,7 +282,7 @@ def run_scenario(scenario: TierScenario, geom: Geometry, make_engine: EngineFact
     evidence: dict = {"scenario": scenario.value, "control": drop, "delay_cycles": delay_cycles,
                       "path": engine.capabilities.path.value, "pages_memory": engine.capabilities.pages.value,
                       "fused_copy": engine._fused_copy(), "direct_install": engine._direct_install(),
-                "sketch_impl": engine.capabilities.sketch_impl}
+                      "sketch_impl": engine.capabilities.sketch_impl}
     try:
         torch.cuda.synchronize()
         # warm-up, synchronized: every kernel and copy runs once before any delay

@@ -137,9 +137,18 @@ def _factory(ns, path: CopyPath, scenario: TierScenario, direct: bool = False): 
     return make
 
 
+# With the direct install the load's writes are the fused kernel's, on the copy stream, and the host
+# waits for each chunk's check, which follows its copy: every block is written before load()
+# returns, so there is no read-after-load edge to drop (the engine's reads cannot pass writes that
+# are over). That cell is not generated; the host's wait is what the corrupt page's and the other
+# edges' cells run through.
+EDGE_CELLS = [pytest.param(scenario, *way.values, id=f"{scenario.value}-{way.id}")
+              for scenario in TierScenario for way in WAYS
+              if not (scenario is TierScenario.READ_AFTER_LOAD and way.values[1])]
+
+
 @pytest.mark.fault_stream_delay
-@pytest.mark.parametrize("path,direct", WAYS)
-@pytest.mark.parametrize("scenario", list(TierScenario))
+@pytest.mark.parametrize("scenario,path,direct", EDGE_CELLS)
 def test_an_edge_of_the_engine_through_the_tier_holds_under_a_stream_delay_and_its_control_is_caught(
         scenario, path, direct, sides, delay_cycles, test_seed, tag):
     producer, consumer = sides
