@@ -152,38 +152,49 @@ class Profile:
 
 
 # -- kvpool ------------------------------------------------------------------------------------
+def _worker_records(history_dir: Path, replica: str) -> list[dict]:
+    """The replica's worker records (its connector's and copier's: `{replica}.worker.PID.jsonl`),
+    complete lines only: the worker may be writing the last one as this reads."""
+    out = []
+    for path in sorted(history_dir.glob(f"{replica}.worker.*.jsonl")):
+        with open(path) as f:
+            for line in f:
+                if line.endswith("\n") and line.strip():
+                    out.append(json.loads(line))
+    return out
+
+
 def kvpool_unsettled(history_dir: Path, replica: str, tag: str) -> list[dict]:
     """The publishes of the request `tag` on `replica` still to land: each store its worker
     queued (`store_queued`, written in the step, before the response) without its record
-    (`publish`, and `tier_publish` where it also went to the network tier) or a drop
-    (`publish_dropped`: a preempted request's queued stores)."""
+    (`publish`, and `tier_publish` where it also went to the network tier). A preempted
+    request's stores that had not started are dropped (`publish_dropped`, counting futures:
+    a store and its tier store are two), the latest first: a drop stands for a record missing
+    from the latest stores."""
     from collections import Counter
 
-    from kvgate.harness.checkers.history import read_history
-
     queued, done, dropped = [], Counter(), Counter()
-    for r in read_history(history_dir):
-        if r.get("replica") != replica or r.get("tag", tag) != tag:
-            continue
-        if r["ev"] == "store_queued":
+    for r in _worker_records(history_dir, replica):
+        if r["ev"] == "store_queued" and r.get("tag") == tag:
             queued.append(r)
-        elif r["ev"] in ("publish", "tier_publish"):
+        elif r["ev"] in ("publish", "tier_publish") and r.get("tag") == tag:
             done[(r["ev"], r["req"], r["first_block"])] += 1
         elif r["ev"] == "publish_dropped":
             dropped[r["req"]] += int(r.get("stores") or 0)
     left = []
-    for q in queued:
-        if dropped[q["req"]] > 0:  # dropped before it started: no record will come
-            dropped[q["req"]] -= 1
-            continue
-        wants = ["publish"] + (["tier_publish"] if q.get("tier") else [])
-        missing = [ev for ev in wants if done[(ev, q["req"], q["first_block"])] <= 0]
-        for ev in wants:
-            if ev not in missing:
-                done[(ev, q["req"], q["first_block"])] -= 1
+    for q in reversed(queued):  # the latest first: those are the ones a drop can have cancelled
+        missing = []
+        for ev in ("publish", *(("tier_publish",) if q.get("tier") else ())):
+            key = (ev, q["req"], q["first_block"])
+            if done[key] > 0:
+                done[key] -= 1
+            elif dropped[q["req"]] > 0:
+                dropped[q["req"]] -= 1
+            else:
+                missing.append(ev)
         if missing:
             left.append({**q, "missing": missing})
-    return left
+    return left[::-1]
 
 
 def _kvpool_settle(report_dir: Path, replica: str, tag: str, timeout_s: float = 20.0) -> None:
@@ -197,7 +208,7 @@ def _kvpool_settle(report_dir: Path, replica: str, tag: str, timeout_s: float = 
     hist = report_dir / "history"
     deadline = time.monotonic() + timeout_s
     while kvpool_unsettled(hist, replica, tag) and time.monotonic() < deadline:
-        time.sleep(0.02)
+        time.sleep(0.05)
 
 
 def _kvpool_break(cluster, consumer: str) -> dict[str, Any]:  # noqa: ANN001

@@ -422,8 +422,8 @@ def run_corrupt_page(geom: Geometry, engine_cls: type[TransferEngine], producer:
     blocks = [int(b) for b in rng.permutation(geom.num_blocks)[:k]]
     torch.cuda.synchronize()
     with engine_cls(consumer.backend, ns, layers, geom.config(path, install_direct=install_direct)) as engine:
-        direct = engine._direct_install()  # noqa: SLF001 - the contract depends on the path
         h = engine.load(blocks, hashes)
+        direct = engine.direct_loads > 0  # the contract depends on the path this load took
         engine.wait_for_load(h)
         got = read_pages(layers, d, blocks).cpu().numpy()
         engine.drain(DRAIN_S)
@@ -466,7 +466,6 @@ def run_check_after_copy(geom: Geometry, engine_cls: type[TransferEngine], produ
     with engine_cls(consumer.backend, ns, layers, geom.config(CopyPath.TORCH, install_direct=install_direct),
                     **engine_kw) as engine:
         fused = engine._fused_copy()  # noqa: SLF001 - the path under test
-        direct = engine._direct_install()  # noqa: SLF001
         h = engine.load(list(range(k)), hashes[:k])  # the first half: every staging buffer used once
         engine.wait_for_load(h)
         torch.cuda.synchronize()
@@ -477,6 +476,7 @@ def run_check_after_copy(geom: Geometry, engine_cls: type[TransferEngine], produ
         torch.cuda.synchronize()
         got = read_pages(layers, d, list(range(k, 2 * k))).cpu().numpy()
         engine.drain(DRAIN_S)
+        direct = engine.direct_loads  # both loads took the direct install, or none
     # a block the engine does not hold verified committed bytes for: not the committed page, or
     # not reported loaded (with the direct install a refused block may hold the right bytes)
     wrong = (got != pages[k:]).any(axis=1)

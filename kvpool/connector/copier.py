@@ -142,6 +142,9 @@ class HostCopier:
             except PoolError as exc:  # publishing is best effort: the request itself is fine
                 self.history.write("publish", **fields, error=f"{type(exc).__name__}: {exc}")
                 return None
+            except BaseException as exc:  # not the pool's: raised on (the worker's wait), recorded first
+                self.history.write("publish", **fields, error=f"{type(exc).__name__}: {exc}"[:400], raised=True)
+                raise
             self.history.write("publish", **fields, committed=res.committed, exists=res.exists,
                                pending=res.pending, not_admitted=res.not_admitted, no_capacity=res.no_capacity,
                                rejected=res.rejected, seconds=round(time.monotonic() - t0, 6))
@@ -191,8 +194,14 @@ class HostCopier:
 
         def job() -> Any:
             t0 = time.monotonic()
-            res = tier_publish(tier, ns, [run.hashes[i] for i in keep],
-                               [self.block_segments(run.block_ids[i]) for i in keep])
+            try:
+                res = tier_publish(tier, ns, [run.hashes[i] for i in keep],
+                                   [self.block_segments(run.block_ids[i]) for i in keep])
+            except BaseException as exc:  # tier_publish ends the tier's own failures; this is not one
+                self.history.write("tier_publish", req=run.req_id, tag=run.tag, first_block=run.first_block,
+                                   blocks=len(keep), error=f"{type(exc).__name__}: {exc}"[:400], raised=True,
+                                   seconds=round(time.monotonic() - t0, 6))
+                raise
             self.history.write("tier_publish", req=run.req_id, tag=run.tag, first_block=run.first_block,
                                blocks=len(keep), put=res.put, refused=res.refused, error=res.error,
                                seconds=round(time.monotonic() - t0, 6))

@@ -195,8 +195,15 @@ class CudaCopier:
             return failed
 
         def record(f: Future) -> None:
-            o: StoreOutcome = f.result()
             fields = {"req": run.req_id, "tag": run.tag, "first_block": run.first_block, "blocks": len(keep)}
+            if f.cancelled():  # never started: nothing to record
+                return
+            exc = f.exception()
+            if exc is not None:  # raised to the worker's wait on it; recorded here
+                self.history.write("publish", **fields, error=f"{type(exc).__name__}: {exc}"[:400], raised=True,
+                                   committed=0, seconds=round(time.monotonic() - t0, 6))
+                return
+            o: StoreOutcome = f.result()
             if o.errors:
                 fields["error"] = "; ".join(o.errors)
             self.history.write("publish", **fields, committed=o.committed, exists=o.exists, pending=o.pending,

@@ -249,15 +249,16 @@ class KVPoolWorker:
                 keep.append(i)
             if keep:
                 tier = self.tier is not None and self.settings.tier_publish
-                # before the step's outputs reach the engine: a reader of the history knows, once
-                # the request's response is back, which publishes of it are still to land
-                self.history.write("store_queued", req=run.req_id, tag=run.tag, first_block=run.first_block,
-                                   blocks=len(keep), tier=tier)
                 store = self.copier.store(self.ns, run, keep)
                 store.add_done_callback(self._note_store)
                 sending.append(store)
                 if tier:
                     sending.append(self.copier.tier_store(self.tier, self.ns, run, keep))
+                # in the step, before its outputs reach the engine: once the request's response is
+                # back, a reader of the history knows which of its publishes are still to land
+                # (each store ends with its record: `publish`, `tier_publish`, or a drop)
+                self.history.write("store_queued", req=run.req_id, tag=run.tag, first_block=run.first_block,
+                                   blocks=len(keep), tier=tier)
 
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         """Requests the scheduler finished (now or at an earlier call) whose stores are all

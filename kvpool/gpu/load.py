@@ -179,6 +179,7 @@ class Loads:
         # the fused copy), False where chunks are staged (install_direct off, a layout of part
         # pieces, a failed probe)
         self._direct = None if self.config.install_direct else False
+        self.direct_loads = 0  # loads that took the direct install (_copy_in says when one can)
         if not (self.config.fuse_loads and self._sketch_gpu.impl == "triton-dot" and self._driver is None
                 and self.layout.page_bytes % SKETCH_ROW == 0):
             self._copy_sketch = self._direct = False
@@ -247,14 +248,15 @@ class Loads:
         try:
             pieces = install_pieces([(t, lb.block_stride, lb.runs) for t, lb in zip(self._layers, self.layout.layers)],
                                     pb, kernel.bk, dev)
-        except ValueError as exc:
-            log.info("kvpool GPU transfer: loads stage their chunks (%s)", exc)
+        except (ValueError, RuntimeError) as exc:  # a layout of part pieces; a tensor torch cannot view so
+            log.info("kvpool GPU transfer: loads stage their chunks (%s: %s)", type(exc).__name__, exc)
             return False
         try:
             with torch.cuda.device(dev), torch.cuda.stream(torch.cuda.Stream(dev)):
                 g = torch.Generator(device=dev)
                 g.manual_seed(0x6B7674)
-                src = torch.randint(-128, 128, (17 * pb,), dtype=torch.int8, device=dev, generator=g)
+                ps = self._page_size  # the loads' page stride
+                src = torch.randint(-128, 128, (16 * ps + pb,), dtype=torch.int8, device=dev, generator=g)
                 q = pb // kernel.bk
                 slots = torch.randperm(q, generator=g, device=dev)  # piece q of a block at slot[q]
                 ok = True
@@ -266,8 +268,8 @@ class Loads:
                     scratch = InstallPieces(dst, slots * kernel.bk, torch.full((q,), pb, dtype=torch.int64,
                                                                                device=dev), kernel.bk)
                     out = torch.empty((n * (pb // SKETCH_ROW), SKETCH_COLS), dtype=torch.int32, device=dev)
-                    kernel(src, idx, blocks, pb, pb, scratch, self._sketch_gpu.key, out)
-                    want = src.view(17, pb)[idx]
+                    kernel(src, idx, blocks, ps, pb, scratch, self._sketch_gpu.key, out)
+                    want = torch.stack([src[p * ps : p * ps + pb] for p in order])
                     got = dst.view(n, q, kernel.bk)[blocks][:, slots].reshape(n, pb)
                     ok = ok and torch.equal(got, want) and torch.equal(
                         out, self._sketch_gpu.sketch(want.reshape(-1, SKETCH_ROW)))
@@ -474,11 +476,11 @@ class Loads:
         chunk's copy, so the bytes installed are the bytes checked; the pool's shared
         page, which other processes can write, is never read by the host here.
         `load_buffers` staging buffers: copies run that many chunks ahead of the checks.
-        The direct install (fused chunks, install_direct): the copy stream's kernel writes
-        the pages straight into their blocks, after the engine's earlier reads of them
-        (LOAD_AFTER_READ), and sketches the bytes it wrote; the host's check then only
-        counts: a page that fails, and the pages after it already in flight, are in their
-        blocks and reported failed (what a failed block holds is never read as loaded).
+        The direct install (fused chunks, install_direct, the engine's earlier work over):
+        the copy stream's kernel writes the pages straight into their blocks and sketches the
+        bytes it wrote; the host's check then only counts: a page that fails, and the pages
+        after it already in flight, are in their blocks and reported failed (what a failed
+        block holds is never read as loaded).
         `done` is recorded once every copy reading the pages and every kernel or copy
         touching the staged rows and the blocks is enqueued."""
         n = len(hits)
@@ -492,10 +494,16 @@ class Loads:
         checked: list[torch.cuda.Event] = []
         installed = self._load_free  # per buffer: the last install that read it (this load's or an earlier one's)
         fuse = self._fused_copy()
-        direct = self._direct_install()
+        # Direct only where the engine's work queued before the load is over (`read` completed,
+        # as it has by now on an idle engine: the acquire came between): the host waits for each
+        # chunk's copy, and a copy into the blocks must follow that work (LOAD_AFTER_READ), so on
+        # an engine still running a forward (asynchronous scheduling) the host would wait for the
+        # forward; the staged chunks' copies overlap it, and only their installs wait.
+        direct = self._direct_install() and read.query()
         check_read = self._load_sketched  # per buffer: the last check (sketch, read-back) that read it
         self._order(OrderingEdge.LOAD_AFTER_READ, self._load_s, read)  # the installs write the blocks
-        if direct:  # and so do the fused chunks' copies
+        if direct:  # and so do the fused chunks' copies (over already: kept as the stream's own order)
+            self.direct_loads += 1
             self._order(OrderingEdge.LOAD_AFTER_READ, self.load_stream, read)
 
         def issue(i: int) -> None:

@@ -211,7 +211,15 @@ def install_pieces(layers: list[tuple[torch.Tensor, int, tuple[tuple[int, int], 
     if len(off) * piece != page_bytes:
         raise ValueError(f"the layers' runs are {len(off) * piece} bytes, the page {page_bytes}")
     as_t = lambda v: torch.from_numpy(np.asarray(v, dtype=np.int64)).to(device)  # noqa: E731
-    return InstallPieces(base.view(torch.int8).view(-1), as_t(off), as_t(stride), piece)
+    # the kernel's base: bytes from the lowest tensor's first element on, as a view of its storage
+    # (never a copy: a reshape of a strided tensor would copy, and the kernel would write there);
+    # the layers' views may have any strides (vLLM's permuted layouts)
+    storage = base.untyped_storage()
+    first = base.storage_offset() * base.element_size()
+    flat = torch.empty(0, dtype=torch.int8, device=base.device).set_(storage, first, (storage.nbytes() - first,), (1,))
+    if flat.data_ptr() != at0:
+        raise ValueError("the lowest layer's storage does not start where its tensor does")
+    return InstallPieces(flat, as_t(off), as_t(stride), piece)
 
 
 class InstallSketchKernel(SketchKernel):

@@ -52,7 +52,9 @@ and driver calls, with the same staging, checks, installs, ordering edges and ho
         installed: the load stops there with MissCause.CORRUPT. The exception, the direct
         install (kv-sketch-1 pages in device memory, a keeper's tier, with the fused copy
         and TransferConfig.install_direct): one kernel writes each page straight into its
-        block and sketches the bytes it wrote, so the check is over the bytes installed; a
+        block and sketches the bytes it wrote, so the check is over the bytes installed (taken
+        only where the engine's work queued before the load is over: the host waits for the
+        copies, which must follow that work, so on a busy engine chunks are staged); a
         page that fails, and the pages after it already in flight, are then in their blocks
         and reported failed with MissCause.CORRUPT (the engine recomputes failed blocks, as
         it does any block a load did not fill). load() returns once every

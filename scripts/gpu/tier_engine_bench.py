@@ -195,9 +195,9 @@ def main(argv: list[str] | None = None) -> int:
                     wrong.append(differs())
                 impl_used = eng.capabilities.sketch_impl
                 fused = eng._fused_copy()  # noqa: SLF001 - which load path the way took
-                direct = eng._direct_install()  # noqa: SLF001
+                direct = eng.direct_loads  # loads (the warm-up's included) that took the direct install
             result["ways"][name] = {"sketch_impl": impl_used, "chunk_mib": cfg.chunk_bytes >> 20, "fused": fused,
-                                    "direct_install": direct, "load": _ms(loads),
+                                    "direct_loads": direct, "load": _ms(loads),
                                     "returned": _ms(returns), "released": _ms(releases),
                                     "GBps": round(n * pb / statistics.median(loads) / 1e9, 1),
                                     "vs_copy": round(statistics.median(loads) / result["copy_s"], 2),

@@ -285,3 +285,26 @@ def test_a_tier_publish_that_cannot_reach_the_store_records_why(tmp_path):
     copier.close()
     (rec,) = records(tmp_path, "tier_publish")
     assert (rec["put"], rec["refused"], rec["error"]) == (0, 0, "TierUnavailable: store down")
+
+
+def test_a_store_that_raises_is_recorded_before_it_raises_and_so_is_a_tier_store(tmp_path):
+    """A store job's failure that is not the pool's (here: the engine's KV released under it) is
+    raised on to the worker's wait, and its `publish` record is written first (with the error):
+    every queued store ends with a record, so nothing that waits for the record waits for ever.
+    The same for a tier store."""
+    history = HistoryWriter(tmp_path / "history", "r", "worker")
+    copier = HostCopier(SimpleNamespace(), history)  # no pool is reached: the KV read fails first
+
+    def gone(block_id):  # noqa: ANN001, ANN202
+        raise RuntimeError("KV caches released")
+
+    copier.block_segments = gone
+    run = CopyRun("req-1", "tag-1", 4, [0, 1], keys(0, 2))
+    for submit, ev in ((lambda: copier.store(NS, run, [0, 1]), "publish"),
+                       (lambda: copier.tier_store(SimpleNamespace(), NS, run, [0, 1]), "tier_publish")):
+        with pytest.raises(RuntimeError, match="KV caches released"):
+            copier.wait([submit()], 30)
+        (rec,) = records(tmp_path, ev)
+        assert (rec["req"], rec["tag"], rec["first_block"], rec["blocks"], rec["raised"]) == ("req-1", "tag-1", 4, 2, True)
+        assert rec["error"] == "RuntimeError: KV caches released"
+    copier.close()

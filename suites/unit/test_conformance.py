@@ -231,3 +231,21 @@ def test_kvpool_unsettled_waits_for_the_tier_record_and_counts_a_drop(tmp_path):
     assert [(r["req"], r["missing"]) for r in kvpool_unsettled(h, "A", "t")] == [("r1", ["tier_publish"])]
     _hist(tmp_path, [("tier_publish", {"req": "r1", "tag": "t", "first_block": 0, "blocks": 2, "put": 2})])
     assert kvpool_unsettled(h, "A", "t") == []
+
+
+def test_kvpool_unsettled_spends_a_drop_on_the_latest_store_and_reads_complete_lines_only(tmp_path):
+    """A preemption cancels the stores that had not started, the latest ones: a drop stands for
+    the latest store's missing record, never for one that landed (the hook would otherwise wait
+    for a record that cannot come); a line the worker is still writing is not read."""
+    from kvgate.harness.conformance.connectors import kvpool_unsettled
+
+    q = {"req": "r1", "tag": "t", "blocks": 8, "tier": False}
+    h = _hist(tmp_path, [("store_queued", {**q, "first_block": 0}),
+                         ("publish", {"req": "r1", "tag": "t", "first_block": 0, "blocks": 8, "committed": 8}),
+                         ("store_queued", {**q, "first_block": 8}), ("store_queued", {**q, "first_block": 16}),
+                         ("publish_dropped", {"req": "r1", "stores": 1, "reason": "preempted"})])
+    assert [(r["first_block"], r["missing"]) for r in kvpool_unsettled(h, "A", "t")] == [(8, ["publish"])]
+    (path,) = tmp_path.glob("A.worker.*.jsonl")
+    with open(path, "a") as f:
+        f.write('{"ev": "publish", "t": 1.0, "replica": "A", "tag": "t", "req": "r1", "first_bl')  # half a line
+    assert [(r["first_block"], r["missing"]) for r in kvpool_unsettled(h, "A", "t")] == [(8, ["publish"])]

@@ -153,6 +153,21 @@ INSTALL_SCRIPT = textwrap.dedent("""
            "others_untouched": all(np.array_equal(page_of(b), before[b])
                                    for b in range(nb) if b not in blocks),
            "sketch": bool(np.array_equal(sk_out.numpy(), np.concatenate([page_sketch(x) for x in src])))}
+    # layers that are permuted views (blocks-first memory seen K/V-first, as vLLM's layouts are
+    # views): the kernel writes through their storage, never a copy of them
+    flat = torch.zeros(2 * nb * 2 * 16 * 4 * 32, dtype=torch.bfloat16)
+    perm = [flat[i * nb * 4096 : (i + 1) * nb * 4096].view(nb, 2, 16, 4, 32).permute(1, 0, 2, 3, 4) for i in range(2)]
+    pl = KVLayout.of(perm, 1)
+    pp = install_pieces([(t, lb.block_stride, lb.runs) for t, lb in zip(perm, pl.layers)], pl.page_bytes, 512,
+                        torch.device("cpu"))
+    src2 = torch.from_numpy(rng.integers(0, 256, 4 * pl.page_bytes, dtype=np.uint8)).view(torch.int8)
+    sk2 = torch.empty((3 * pl.page_bytes // SKETCH_ROW, 16), dtype=torch.int32)
+    InstallSketchKernel(bm=16, bk=512)(src2, torch.tensor([3, 1, 0]), torch.tensor([5, 0, 8]), pl.page_bytes,
+                                       pl.page_bytes, pp, key, sk2)
+    s2 = src2.numpy().view(np.uint8)
+    out["permuted_views"] = [bool(np.array_equal(block_page(perm, 1, b).numpy().view(np.uint8),
+                                                 s2[p * pl.page_bytes : (p + 1) * pl.page_bytes]))
+                             for p, b in ((3, 5), (1, 0), (0, 8))]
     refused = []
     narrow = [torch.zeros((2, nb, 16, 1, 4), dtype=torch.bfloat16) for _ in range(2)]  # runs of 128 bytes
     nl = KVLayout.of(narrow, 1)
@@ -187,12 +202,13 @@ def _run_install(control: bool) -> dict:
 def test_the_direct_install_writes_each_page_into_its_block_and_sketches_what_it_wrote():
     """InstallSketchKernel (a load's copy, check and install in one pass, pages in device
     memory): pages taken out of order a stride apart land in their blocks of four layers whose
-    blocks are two runs each (K and V) and whose tensors lie at irregular addresses; no other
-    block changes; the sketches are the host reference's of the pages; layouts that are not
+    blocks are two runs each (K and V) and whose tensors lie at irregular addresses, and in the
+    blocks of layers that are permuted views of their memory; no other block changes; the sketches are the host reference's of the pages; layouts that are not
     whole pieces, pieces of another step and a block list of another length are refused."""
     out = _run_install(control=False)
     assert out == {"page_bytes": 32768, "runs_per_layer": 2, "installed": [True, True, True],
-                   "others_untouched": True, "sketch": True, "refuses": [True] * 5}
+                   "others_untouched": True, "sketch": True, "permuted_views": [True, True, True],
+                   "refuses": [True] * 5}
 
 
 def test_two_pieces_installed_in_each_others_place_are_seen_by_the_byte_oracle():
