@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import msgspec
@@ -240,10 +241,15 @@ class _Cluster:
         self.events.append((action, fields))
 
 
-def _hit(*args, **kwargs):  # noqa: ANN002, ANN003 - live.cross_replica_hit's stand-in: a passing hit
+def _hit(*args, flood_past=None, **kwargs):  # noqa: ANN002, ANN003 - live.cross_replica_hit's stand-in
+    """A passing hit that takes a while: 1 s, or (`flood_past`, an Event) until the flood beside it
+    is past its first rounds, however slow the machine."""
     from types import SimpleNamespace
 
-    time.sleep(1.0)  # the replicas' requests take a while: the flood goes on meanwhile
+    if flood_past is None:
+        time.sleep(1.0)
+    else:
+        assert flood_past.wait(120), "the flood never went past its first rounds"
     c = Checks()
     run = SimpleNamespace(token_ids=[1, 2, 3], logprobs=[-0.5, -0.25, -0.125])
     c.output("B's tokens and log-probabilities equal A's prefix hit of the same prompt", run, run)
@@ -256,8 +262,28 @@ def test_frame_flood_runner_judges_the_flood_and_its_control(pool, test_seed, mo
     from kvgate.harness.scenarios import live
     from kvgate.harness.scenarios.catalog import RUNNERS, find
 
+    from kvgate.harness.scenarios.hostile import frames
+
     sc = find("hostile-frame-flood")
-    monkeypatch.setattr(live, "cross_replica_hit", _hit)
+    past = threading.Event()
+    if control is None:
+        # the flood asks whether the hit is over only once its first `rounds` rounds are done: at its
+        # second ask it has flooded one round more, and the hit may end (no race on the machine's speed)
+        real, asks = frames.flood, []
+
+        class _Until:
+            def __init__(self, over: threading.Event):
+                self.over = over
+
+            def wait(self, timeout: float) -> bool:
+                asks.append(timeout)
+                if len(asks) >= 2:
+                    past.set()
+                return self.over.wait(timeout)
+
+        monkeypatch.setattr(frames, "flood", lambda *a, until=None, **k: real(*a, until=_Until(until), **k))
+    monkeypatch.setattr(live, "cross_replica_hit",
+                        lambda *a, **k: _hit(*a, flood_past=past if control is None else None, **k))
     cluster = _Cluster(pool)
     params = {**sc.params, **(sc.control.params if control else {})}
     v = RUNNERS[sc.runner](cluster, None, test_seed, **params)
