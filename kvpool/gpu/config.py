@@ -144,3 +144,8 @@ class TransferCapabilities:
     sketch_reason: str = ""  # why a faster one was not used
     graphs: str = ""  # the CUDA graphs in use ("gather,scatter"), or why none
     pages: PageMemory = PageMemory.HOST  # where the pool's pages lie
+    # how a load of device pages installs at the engine's start: "direct" (install_direct and its
+    # probe passed: taken per load once the engine's earlier work is over), "staged", or why not
+    # yet known ("staged until pages in device memory": decided when the engine first follows its
+    # pool there)
+    install: str = "staged"

@@ -229,6 +229,16 @@ class Loads:
             self._copy_sketch = self._probe_copy_sketch()
         return self._copy_sketch is not False
 
+    def _install_note(self) -> str:
+        """TransferCapabilities.install at the engine's start."""
+        if self._direct:
+            return "direct"
+        if self._direct is None and self.config.install_direct:
+            return "staged until pages in device memory (decided then)"
+        if self.config.install_direct and self._arena.memory is PageMemory.DEVICE:
+            return "staged (the direct install's layout or probe failed: logged)"
+        return "staged"
+
     def _direct_install(self) -> bool:
         """Whether fused chunks are written straight into the blocks (install_direct, the
         layout's runs whole pieces of the kernel's step, the kernel probed exact)."""

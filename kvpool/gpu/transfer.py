@@ -357,7 +357,7 @@ class TransferEngine(Stores, Loads):
         self.capabilities = TransferCapabilities(
             config.path, torch.cuda.get_device_name(self.device), self._host_memory(), self._host_reason, batched,
             batched_reason, config.digest.value, self._sketch_gpu.impl, self._sketch_gpu.reason, self._graphs_note,
-            self._arena.memory)
+            self._arena.memory, self._install_note())
 
     def _init_graphs(self) -> str:
         """Capture a full chunk's gather into each store staging buffer and scatter out of
