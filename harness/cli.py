@@ -493,7 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.set_defaults(func=cmd_bench_stall)
 
     bl = bench.add_parser("live", help="cold / local / remote / peer TTFT by prefix length on live replicas")
-    bl.add_argument("--reps", type=int, default=5, help="fresh prompts per length (half at 16k)")
+    bl.add_argument("--reps", type=int, default=5, help="fresh prompts per length (half at 16k, 3 at least)")
     bl.add_argument("--lengths", default="", help="comma-separated prefix lengths (default 1k..16k)")
     bl.add_argument("--report-dir", type=Path, default=None, help="logs and history (default: a temp dir)")
     bl.set_defaults(func=cmd_bench_live)
