@@ -1,7 +1,8 @@
 """Reading the run's history (the JSON lines every connector, audit wrapper, fault
 injector and the harness's own client wrote; kvpool.connector.history) for the checkers.
 
-  read_history(dir)                      every record of the run, ordered by time.
+  read_history(dir, pattern)             every record of the run (of the files matching), ordered by
+                                         time; a record still being written is not read.
   window(dir, t0, t1) / within(recs, t0, t1)
                                          the records of one scenario run.
   namespaces(recs)                       replica -> its namespace (canonical JSON).

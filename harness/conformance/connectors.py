@@ -152,18 +152,6 @@ class Profile:
 
 
 # -- kvpool ------------------------------------------------------------------------------------
-def _worker_records(history_dir: Path, replica: str) -> list[dict]:
-    """The replica's worker records (its connector's and copier's: `{replica}.worker.PID.jsonl`),
-    complete lines only: the worker may be writing the last one as this reads."""
-    out = []
-    for path in sorted(history_dir.glob(f"{replica}.worker.*.jsonl")):
-        with open(path) as f:
-            for line in f:
-                if line.endswith("\n") and line.strip():
-                    out.append(json.loads(line))
-    return out
-
-
 def kvpool_unsettled(history_dir: Path, replica: str, tag: str) -> list[dict]:
     """The publishes of the request `tag` on `replica` still to land: each store its worker
     queued (`store_queued`, written in the step, before the response) without its record
@@ -173,8 +161,11 @@ def kvpool_unsettled(history_dir: Path, replica: str, tag: str) -> list[dict]:
     from the latest stores."""
     from collections import Counter
 
+    from kvgate.harness.checkers.history import read_history
+
     queued, done, dropped = [], Counter(), Counter()
-    for r in _worker_records(history_dir, replica):
+    # the replica's worker records only (its connector's and copier's: REPLICA.worker.PID.jsonl)
+    for r in read_history(history_dir, f"{replica}.worker.*.jsonl"):
         if r["ev"] == "store_queued" and r.get("tag") == tag:
             queued.append(r)
         elif r["ev"] in ("publish", "tier_publish") and r.get("tag") == tag:

@@ -48,26 +48,24 @@ def render_markdown(result: dict, date: str) -> str:
 
 
 def _exchange_lines(ex: dict) -> list[str]:
-    lines: list[str] = []
     v = ex["verdict"]
     mark = "x" if v["valid"] else " "
     label = "negative control caught" if ex["expect_caught"] and v["valid"] else (
         "pass" if v["valid"] else "FAIL")
     be = ex["byte_exact"]["evidence"]
     p, c = ex.get("producer", "A"), ex.get("consumer", "B")
-    lines += [f"- [{mark}] **{ex['name']}** {p} → {c} ({label}): {v['reason']}",
-              f"    - prompt {ex['prompt_tokens']} tokens; {c} loaded {ex['blocks_loaded_B']} of "
-              f"{ex['blocks_expected']} blocks; installed {be.get('installed')}, differ from {p}'s "
-              f"{be.get('differs_from_producer')}, from the pool's {be.get('differs_from_pool')}; cold recompute "
-              f"compared {be.get('cold_compared', 'n/a (stopped at the first failure)')}, differ "
-              f"{be.get('cold_differs', 'n/a')}",
-              f"    - TTFT {p} {ex['A']['ttft_ms']} ms, {c} hit {ex['B_hit']['ttft_ms']} ms, {c} cold "
-              f"{ex['B_cold']['ttft_ms']} ms; tokens {c} hit == {c} cold: {ex['tokens_equal_B_hit_vs_cold']}, "
-              f"{p} == {c} cold: {ex['tokens_equal_A_vs_B_cold']}"
-              + (f", {c} hit == {c} local prefix hit: {ex['tokens_equal_B_hit_vs_local_hit']}, local prefix hit == "
-                 f"cold: {ex['tokens_equal_B_local_hit_vs_cold']}" if "B_local_hit" in ex else ""),
-              f"    - not checked: {v['not_checked']}"]
-    return lines
+    return [f"- [{mark}] **{ex['name']}** {p} → {c} ({label}): {v['reason']}",
+           f"    - prompt {ex['prompt_tokens']} tokens; {c} loaded {ex['blocks_loaded_B']} of "
+           f"{ex['blocks_expected']} blocks; installed {be.get('installed')}, differ from {p}'s "
+           f"{be.get('differs_from_producer')}, from the pool's {be.get('differs_from_pool')}; cold recompute "
+           f"compared {be.get('cold_compared', 'n/a (stopped at the first failure)')}, differ "
+           f"{be.get('cold_differs', 'n/a')}",
+           f"    - TTFT {p} {ex['A']['ttft_ms']} ms, {c} hit {ex['B_hit']['ttft_ms']} ms, {c} cold "
+           f"{ex['B_cold']['ttft_ms']} ms; tokens {c} hit == {c} cold: {ex['tokens_equal_B_hit_vs_cold']}, "
+           f"{p} == {c} cold: {ex['tokens_equal_A_vs_B_cold']}"
+           + (f", {c} hit == {c} local prefix hit: {ex['tokens_equal_B_hit_vs_local_hit']}, local prefix hit == "
+              f"cold: {ex['tokens_equal_B_local_hit_vs_cold']}" if "B_local_hit" in ex else ""),
+           f"    - not checked: {v['not_checked']}"]
 
 
 def _rest(result: dict, lines: list[str]) -> str:

@@ -599,6 +599,25 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _exchange_failures(part: dict, error: str | None, stop_error: str | None, what: str, cluster: str) -> list[str]:
+    """The failures of one set of exchanges (run_live's result `part`, the error its part raised
+    and its cluster's stop error), named `what` ("live", "tier")."""
+    out = []
+    if error:
+        out.append(f"the {what} exchanges raised: " + error.strip().splitlines()[-1][:300])
+    bad = [f"{ex['name']} {ex.get('producer', 'A')}->{ex.get('consumer', 'B')}"
+           for ex in part.get("exchanges", []) if ex["verdict"]["valid"] is not True]
+    if bad:
+        out.append(f"{what} exchanges failed: {', '.join(bad)}")
+    if not part.get("exchanges") and not error:
+        out.append(f"the {what} exchanges did not run")
+    elif not part.get("passed") and not bad and not error:
+        out.append(f"the {what} exchanges did not pass")
+    if stop_error:
+        out.append(f"{cluster}: {stop_error[:300]}")
+    return out
+
+
 def failures(result: dict, *, exchanges: bool, sessions: bool, bench: bool,
              session_contexts: tuple[int, ...] = (), bench_lengths: tuple[int, ...] = (),
              bench_reps: int = 1, tier_exchanges: bool = False) -> list[str]:
@@ -608,30 +627,11 @@ def failures(result: dict, *, exchanges: bool, sessions: bool, bench: bool,
     if not (exchanges or sessions or bench or tier_exchanges):
         return ["nothing was asked for: no exchanges, sessions or bench ran"]
     if tier_exchanges:
-        tier = result.get("tier") or {}
-        if result.get("tier_error"):
-            out.append("the tier exchanges raised: " + result["tier_error"].strip().splitlines()[-1][:300])
-        bad = [f"{ex['name']} {ex.get('producer', 'A')}->{ex.get('consumer', 'B')}"
-               for ex in tier.get("exchanges", []) if ex["verdict"]["valid"] is not True]
-        if bad:
-            out.append(f"tier exchanges failed: {', '.join(bad)}")
-        if not tier.get("exchanges") and not result.get("tier_error"):
-            out.append("the tier exchanges did not run")
-        if result.get("tier_stop_error"):
-            out.append(f"the tier replicas' cluster: {result['tier_stop_error'][:300]}")
+        out += _exchange_failures(result.get("tier") or {}, result.get("tier_error"), result.get("tier_stop_error"),
+                                  "tier", "the tier replicas' cluster")
     if exchanges:
-        if result.get("error"):
-            out.append("the live exchanges raised: " + result["error"].strip().splitlines()[-1][:300])
-        bad = [f"{ex['name']} {ex.get('producer', 'A')}->{ex.get('consumer', 'B')}"
-               for ex in result.get("exchanges", []) if ex["verdict"]["valid"] is not True]
-        if bad:
-            out.append(f"live exchanges failed: {', '.join(bad)}")
-        if not result.get("exchanges") and not result.get("error"):
-            out.append("the live exchanges did not run")
-        elif not result.get("passed") and not bad and not result.get("error"):
-            out.append("the live exchanges did not pass")
-        if result.get("stop_error"):
-            out.append(f"the tiny replicas' cluster: {result['stop_error'][:300]}")
+        out += _exchange_failures(result, result.get("error"), result.get("stop_error"), "live",
+                                  "the tiny replicas' cluster")
     if sessions:
         if result.get("sessions_error"):
             out.append("the sessions raised: " + result["sessions_error"].strip().splitlines()[-1][:300])

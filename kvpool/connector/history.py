@@ -3,7 +3,9 @@ the connector sees, one object per line, appended by each process to its own fil
 (`<dir>/<replica>.<role>.<pid>.jsonl`), so no two writers share a file.
 
   HistoryWriter(dir, replica, role)   .write(event, **fields): appends and flushes.
-  read_history(dir)                   every record of every file, ordered by time.
+  read_history(dir, pattern="*.jsonl")   every record of those files, ordered by time; a
+        file's last line without its newline is a record still being written (a writer's line
+        may reach the file in more than one write) and is not read.
 """
 
 from __future__ import annotations
@@ -44,13 +46,12 @@ class HistoryWriter:
             self._file = None
 
 
-def read_history(directory: str | Path) -> list[dict]:
+def read_history(directory: str | Path, pattern: str = "*.jsonl") -> list[dict]:
     records: list[dict] = []
-    for path in sorted(Path(directory).glob("*.jsonl")):
+    for path in sorted(Path(directory).glob(pattern)):
         with open(path) as f:
             for line in f:
-                line = line.strip()
-                if line:
+                if line.endswith("\n") and line.strip():  # only the last line can lack its newline
                     records.append(json.loads(line))
     records.sort(key=lambda r: r["t"])
     return records

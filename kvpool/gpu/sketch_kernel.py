@@ -118,6 +118,29 @@ def _on(t: torch.Tensor):  # noqa: ANN202 - a context manager
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+def _check_key(key: torch.Tensor) -> None:
+    if key.dtype != torch.int8 or tuple(key.shape) != (SKETCH_ROW, SKETCH_COLS) or not key.is_contiguous():
+        raise ValueError("the key must be the contiguous int8 kv-sketch-1 key")
+
+
+def _check_page_args(src: torch.Tensor, pages: torch.Tensor, stride: int, page_size: int, key: torch.Tensor,
+                     out: torch.Tensor) -> int:
+    """The arguments both page kernels share (src, the page numbers, their geometry, the key and
+    the sketches' output), checked; the sketch rows of one page."""
+    if page_size <= 0 or page_size % SKETCH_ROW or stride < page_size:
+        raise ValueError(f"pages of {page_size} bytes {stride} apart are not whole sketch rows of {SKETCH_ROW}")
+    if src.dtype != torch.int8 or src.dim() != 1:
+        raise ValueError("src must be one-dimensional int8")
+    if pages.dtype != torch.int64 or pages.dim() != 1 or not pages.is_contiguous() or pages.data_ptr() % 16:
+        raise ValueError("pages must be a contiguous int64 vector at a 16-byte boundary (one compiled kernel)")
+    _check_key(key)
+    r = page_size // SKETCH_ROW
+    n = pages.numel()
+    if out.dtype != torch.int32 or out.shape[0] < n * r or out.shape[1:] != (SKETCH_COLS,) or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous int32 with at least {n * r} rows of {SKETCH_COLS}")
+    return r
+
+
 class SketchKernel:
     def __init__(self, bm: int = 64, bk: int = 256, warps: int = 4, stages: int = 3):
         if SKETCH_ROW % bk or bm < 16 or bk < 32:
@@ -130,8 +153,7 @@ class SketchKernel:
         if rows.dtype != torch.int8 or rows.dim() != 2 or rows.shape[1] != SKETCH_ROW or rows.stride(1) != 1:
             raise ValueError(f"rows must be int8 (m, {SKETCH_ROW}) with contiguous rows, not {rows.dtype} "
                              f"{tuple(rows.shape)} strides {rows.stride()}")
-        if key.dtype != torch.int8 or tuple(key.shape) != (SKETCH_ROW, SKETCH_COLS) or not key.is_contiguous():
-            raise ValueError("the key must be the contiguous int8 kv-sketch-1 key")
+        _check_key(key)
         if out is None:
             out = torch.empty((m, SKETCH_COLS), dtype=torch.int32, device=rows.device)
         elif out.dtype != torch.int32 or tuple(out.shape) != (m, SKETCH_COLS) or not out.is_contiguous():
@@ -148,20 +170,11 @@ class CopySketchKernel(SketchKernel):
     def __call__(self, src: torch.Tensor, pages: torch.Tensor, stride: int, page_size: int,  # type: ignore[override]
                  dst: torch.Tensor, width: int, key: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         n = pages.numel()
-        if page_size <= 0 or page_size % SKETCH_ROW or stride < page_size:
-            raise ValueError(f"pages of {page_size} bytes {stride} apart are not whole sketch rows of {SKETCH_ROW}")
-        r = page_size // SKETCH_ROW
-        if src.dtype != torch.int8 or dst.dtype != torch.int8 or src.dim() != 1 or not dst.is_contiguous():
-            raise ValueError("src and dst must be int8, src one-dimensional and dst contiguous")
-        if pages.dtype != torch.int64 or pages.dim() != 1 or not pages.is_contiguous() or pages.data_ptr() % 16:
-            raise ValueError("pages must be a contiguous int64 vector at a 16-byte boundary (one compiled kernel)")
+        r = _check_page_args(src, pages, stride, page_size, key, out)
+        if dst.dtype != torch.int8 or not dst.is_contiguous():
+            raise ValueError("dst must be contiguous int8")
         if width < page_size or (n and dst.numel() < (n - 1) * width + page_size):
             raise ValueError(f"dst holds fewer than {n} rows of {page_size} bytes {width} apart")
-        if key.dtype != torch.int8 or tuple(key.shape) != (SKETCH_ROW, SKETCH_COLS) or not key.is_contiguous():
-            raise ValueError("the key must be the contiguous int8 kv-sketch-1 key")
-        if out.dtype != torch.int32 or out.shape[0] < n * r or out.shape[1:] != (SKETCH_COLS,) \
-                or not out.is_contiguous():
-            raise ValueError(f"out must be contiguous int32 with at least {n * r} rows of {SKETCH_COLS}")
         m = n * r
         if m:
             with _on(src):
@@ -233,24 +246,14 @@ class InstallSketchKernel(SketchKernel):
                  stride: int, page_size: int, pieces: InstallPieces, key: torch.Tensor,
                  out: torch.Tensor) -> torch.Tensor:
         n = pages.numel()
-        if page_size <= 0 or page_size % SKETCH_ROW or stride < page_size:
-            raise ValueError(f"pages of {page_size} bytes {stride} apart are not whole sketch rows of {SKETCH_ROW}")
+        r = _check_page_args(src, pages, stride, page_size, key, out)
         if pieces.piece != self.bk or pieces.off.numel() * self.bk != page_size:
             raise ValueError(f"pieces of {pieces.piece} bytes covering {pieces.off.numel() * pieces.piece}: this "
                              f"kernel steps {self.bk} bytes over pages of {page_size}")
-        if src.dtype != torch.int8 or src.dim() != 1:
-            raise ValueError("src must be one-dimensional int8")
-        for name, v in (("pages", pages), ("blocks", blocks)):
-            if v.dtype != torch.int64 or v.dim() != 1 or not v.is_contiguous() or v.data_ptr() % 16:
-                raise ValueError(f"{name} must be a contiguous int64 vector at a 16-byte boundary (one compiled kernel)")
+        if blocks.dtype != torch.int64 or blocks.dim() != 1 or not blocks.is_contiguous() or blocks.data_ptr() % 16:
+            raise ValueError("blocks must be a contiguous int64 vector at a 16-byte boundary (one compiled kernel)")
         if blocks.numel() != n:
             raise ValueError(f"{n} pages for {blocks.numel()} blocks")
-        if key.dtype != torch.int8 or tuple(key.shape) != (SKETCH_ROW, SKETCH_COLS) or not key.is_contiguous():
-            raise ValueError("the key must be the contiguous int8 kv-sketch-1 key")
-        r = page_size // SKETCH_ROW
-        if out.dtype != torch.int32 or out.shape[0] < n * r or out.shape[1:] != (SKETCH_COLS,) \
-                or not out.is_contiguous():
-            raise ValueError(f"out must be contiguous int32 with at least {n * r} rows of {SKETCH_COLS}")
         m = n * r
         if m:
             with _on(src):

@@ -360,3 +360,24 @@ def test_exchange_exact_reads_the_pool_it_is_given_and_sees_a_page_that_differs_
     moved[next(iter(pages))] = b"\x09" * 64
     bad = exchange_exact(cluster, ("A", "a"), ("B", "b"), None, pool=Store(moved))
     assert bad.valid is False and bad.evidence["differs_from_pool"] == 1, bad
+
+
+def test_read_history_leaves_out_a_record_still_being_written_and_reads_the_files_asked_for(tmp_path):
+    """A writer's long line may reach its file in more than one write: a reader during the run
+    must not read half of it (a JSONDecodeError, or a record cut short), and reads it once it is
+    whole; a pattern names the files (one replica's worker)."""
+    from kvpool.connector.history import HistoryWriter, read_history
+
+    w = HistoryWriter(tmp_path, "A", "worker")
+    w.write("publish", tag="t", blocks=1)
+    w.close()
+    HistoryWriter(tmp_path, "B", "worker").write("publish", tag="u", blocks=2)
+    (path,) = tmp_path.glob("A.worker.*.jsonl")
+    with open(path, "a") as f:
+        f.write('{"ev": "store_queued", "t": 9e9, "tag": "t", "blo')  # the first write of a line
+    assert [r["tag"] for r in read_history(tmp_path)] == ["t", "u"]
+    assert [r["tag"] for r in read_history(tmp_path, "A.worker.*.jsonl")] == ["t"]
+    with open(path, "a") as f:
+        f.write('cks": 3}\n')  # its second
+    assert [(r["ev"], r["tag"]) for r in read_history(tmp_path, "A.worker.*.jsonl")] == [("publish", "t"),
+                                                                                         ("store_queued", "t")]
