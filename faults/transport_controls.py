@@ -5,11 +5,20 @@ suites must catch, as kvgate.faults.controls holds the known-bad catalogs.
                    pages arrive with are installed and counted as loaded without being
                    compared with the digest taken at publish. Under the proxy's bitflip
                    it installs a corrupted page as good; a byte-exact check must see it.
+  digest_of_the_page()
+                   a context in which kvpool.client.transfer.publish takes its digests over
+                   the reserved page after the copy instead of over the producer's bytes (its
+                   defect before): a write into the page by another client of the tenant
+                   between the copy and the hash is then vouched for, the daemon's
+                   re-verification passes it, and a loader installs it as good.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
+
+from kvpool.client import transfer
 
 from kvpool.client.backend import Destination, LoadResult, PoolBackend
 from kvpool.pool.copy import as_segments, copy_digest, total_size
@@ -34,3 +43,13 @@ class TrustingLoader:
             if lease.lease_id:
                 backend.release(lease.lease_id)
         return LoadResult(len(hashes), loaded, lease.miss, 0.0)
+
+
+@contextlib.contextmanager
+def digest_of_the_page() -> Iterator[None]:
+    before = transfer.PUBLISH_DIGEST_OF
+    transfer.PUBLISH_DIGEST_OF = "dst"
+    try:
+        yield
+    finally:
+        transfer.PUBLISH_DIGEST_OF = before

@@ -27,13 +27,19 @@ from kvpool.pool.keys import Namespace
 from kvpool.pool.metrics import ClientMetrics
 from kvpool.client.backend import Destination, LoadResult, PoolBackend, PublishResult
 
+# The side of a publish's copy its digests are taken over (kvpool.pool.copy.copy_digest): the
+# producer's own bytes. The reserved page is in a segment every client of the tenant maps, so
+# another may write it between the copy and the hash; a digest of the page would vouch for that
+# client's bytes, and the daemon's re-verification at commit would then pass them.
+PUBLISH_DIGEST_OF = "src"
 
 # -- the two high-level operations, for any PoolBackend -------------------------------------
 def publish(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes],
             blocks: Sequence[Buffer | Sequence[Buffer]], boundary: int | None = None,
             metrics: ClientMetrics | None = None, kind: DigestKind = DigestKind.XXH3) -> PublishResult:
     """Two-phase publish of `blocks[i]` (one buffer or a list of segments) under
-    `hashes[i]`, with digests of `kind` (kvpool.pool.digest) taken over the bytes as copied.
+    `hashes[i]`, with digests of `kind` (kvpool.pool.digest) taken over the caller's bytes as
+    they are copied (PUBLISH_DIGEST_OF).
     Pages become visible only after the daemon's commit (which re-verifies xxh3-128
     digests unless it trusts its commits); on
     any error the reservation is aborted (and, if even that fails, the daemon reclaims it
@@ -59,7 +65,7 @@ def publish(backend: PoolBackend, ns: Namespace, hashes: Sequence[bytes],
                 if view is not None and view.size < sizes[i]:
                     raise ArenaError(f"slot {i}: a reserved page of {view.size} bytes for a block of {sizes[i]}")
                 if view is not None:
-                    digests.append(copy_digest_as(kind, segments[i], [view[: sizes[i]]]))
+                    digests.append(copy_digest_as(kind, segments[i], [view[: sizes[i]]], of=PUBLISH_DIGEST_OF))
                 else:
                     data = np.concatenate(segments[i]) if len(segments[i]) > 1 else segments[i][0]
                     backend.write_page(res, i, data)

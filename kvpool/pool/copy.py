@@ -1,12 +1,19 @@
 """Host-side copies of page bytes, fused with the page digest.
 
-  copy_digest(src, dst)   copy the concatenation of the `src` segments into the `dst`
+  copy_digest(src, dst, of=)
+                          copy the concatenation of the `src` segments into the `dst`
                           segments (same total size, any segment boundaries) and return
                           the XXH3-128 digest of the bytes copied, hashing each chunk while it
-                          is still in cache: one pass over memory instead of two.
-  copy_digest_as(kind, src, dst)
+                          is still in cache: one pass over memory instead of two. `of` says
+                          which side's bytes are hashed, and must be the side only this
+                          process writes: "dst" for a load (the bytes installed, in the
+                          replica's own memory), "src" for a publish (the producer's bytes:
+                          the destination is a page of a segment every client of the tenant
+                          maps, so another may write it between the copy and the hash, and a
+                          digest of the page would vouch for its bytes instead of ours).
+  copy_digest_as(kind, src, dst, of=)
                           the same, returning the digest of `kind` (kvpool.pool.digest): for
-                          kv-sketch-1 the sketch is taken over the bytes copied, after the copy.
+                          kv-sketch-1 the sketch is taken over that side, after the copy.
   as_segments(x)          a block given as one buffer or a list of buffers, as uint8 views.
   prefault(arr)           map every page of a host array writable now (madvise
                           MADV_POPULATE_WRITE, else a write of each page's first byte back to
@@ -52,7 +59,18 @@ def total_size(segments: Sequence[np.ndarray]) -> int:
     return sum(s.size for s in segments)
 
 
-def copy_digest(src: Sequence[np.ndarray], dst: Sequence[np.ndarray], chunk: int = CHUNK) -> bytes:
+DIGEST_SIDES = ("dst", "src")
+
+
+def _side(of: str) -> bool:
+    if of not in DIGEST_SIDES:
+        raise ValueError(f"a copy's digest is of 'dst' or 'src', not {of!r}")
+    return of == "src"
+
+
+def copy_digest(src: Sequence[np.ndarray], dst: Sequence[np.ndarray], chunk: int = CHUNK, *,
+                of: str = "dst") -> bytes:
+    of_src = _side(of)
     n = total_size(src)
     if total_size(dst) != n:
         raise ValueError(f"copy of {n} bytes into {total_size(dst)} bytes")
@@ -62,9 +80,9 @@ def copy_digest(src: Sequence[np.ndarray], dst: Sequence[np.ndarray], chunk: int
         s, d = src[si], dst[di]
         k = min(chunk, s.size - so, d.size - do)
         if k:
-            out = d[do : do + k]
-            np.copyto(out, s[so : so + k])
-            h.update(out)
+            out, piece = d[do : do + k], s[so : so + k]
+            np.copyto(out, piece)
+            h.update(piece if of_src else out)
             so += k
             do += k
         if so == s.size:
@@ -81,11 +99,13 @@ def digest_segments(segments: Sequence[np.ndarray]) -> bytes:
     return h.digest()
 
 
-def copy_digest_as(kind: DigestKind, src: Sequence[np.ndarray], dst: Sequence[np.ndarray]) -> bytes:
+def copy_digest_as(kind: DigestKind, src: Sequence[np.ndarray], dst: Sequence[np.ndarray], *,
+                   of: str = "dst") -> bytes:
     if kind is DigestKind.XXH3:
-        return copy_digest(src, dst)
+        return copy_digest(src, dst, of=of)
+    side = src if _side(of) else dst
     copy_digest(src, dst)
-    return page_digest(dst[0] if len(dst) == 1 else np.concatenate(dst), kind)
+    return page_digest(side[0] if len(side) == 1 else np.concatenate(side), kind)
 
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+

@@ -213,28 +213,32 @@ def test_keepalive_raises_a_typed_refusal_naming_the_grant():
 
 def test_the_gpu_event_wait_renews_until_the_event_completes_without_cuda():
     """kvpool.gpu.events.await_event, the wait of a store's commit and a load's release, with a
-    stand-in for a CUDA event (query() only): renewed while not done, none after."""
+    stand-in for a CUDA event (query() only): renewed while not done, none after. The stand-in
+    completes once its lane was asked to renew a given number of times, whatever the machine's
+    speed (a timer, on a loaded machine, could fire before the first renewal)."""
     pytest.importorskip("torch")
     from kvpool.gpu.events import await_event
 
     class Event:
-        def __init__(self):
-            self.flag = threading.Event()
+        def __init__(self, lane: FakeLane, after: int):
+            self.lane, self.after = lane, after
 
         def query(self):
-            return self.flag.is_set()
+            return len(self.lane.calls) >= self.after
 
     lane = FakeLane(0.03)
-    ev = Event()
-    threading.Timer(0.2, ev.flag.set).start()
+    ev = Event(lane, 3)
     assert await_event(ev, 1e-3, Keepalive.of(lane, reservations=(5,))) is None
-    assert ev.query() and len(lane.calls) >= 3 and set(lane.calls) == {((5,), ())}
-    n = len(lane.calls)
+    n = len(lane.calls)  # 3, or more where the poller was slow to see the third
+    assert ev.query() and n >= 3 and set(lane.calls) == {((5,), ())}
     assert await_event(ev, 1e-3, Keepalive.of(lane, reservations=(5,))) is None and len(lane.calls) == n
 
-    refusing, ev2 = FakeLane(0.03, refuse=RenewRefusal.EXPIRED), Event()
-    threading.Timer(0.2, ev2.flag.set).start()
+    refusing = FakeLane(0.03, refuse=RenewRefusal.EXPIRED)
+    ev2 = Event(refusing, 2)  # completes only after a renewal past the refused one: none comes
+    done = threading.Timer(0.3, lambda: setattr(ev2, "after", 1))
+    done.start()
     err = await_event(ev2, 1e-3, Keepalive.of(refusing, reservations=(5,)))
+    done.join()
     assert isinstance(err, RenewRefused) and ev2.query()  # returned only once the event completed
     assert len(refusing.calls) == 1
 
