@@ -26,6 +26,14 @@ Never the production daemon.
 
 (LeaselessCatalog, kvgate.faults.controls, is the lease's first control: it evicts leased pages.)
 
+  The daemon's write into a reservation (WritePages, run in its thread pool,
+  suites/pool/test_write_pages_race.py):
+  FreedUnderWriteCatalog
+                        a reservation that goes (its TTL passed while the write waited in the
+                        queue, its client gone) frees its pages at once, although the daemon's
+                        write into them is still to run: another client reserves and commits
+                        the page, and the late write overwrites it.
+
   Two publishes of one block (the same_key_race conformance scenario,
   kvgate.harness.conformance.race, on live replicas):
   VisibleAtReserveCatalog
@@ -175,8 +183,14 @@ class PendingLeakCatalog(Catalog):
         return status
 
 
+class FreedUnderWriteCatalog(Catalog):
+    def _retire(self, res) -> int:  # noqa: ANN001
+        return self._abort(res)  # the defect: the write still to run is not waited for
+
+
 RACE_CATALOG_CONTROLS: dict[str, type[Catalog]] = {
     "abort_visible": AbortVisibleCatalog, "lost_wakeup": LostWakeupCatalog, "late_visible": LateVisibleCatalog,
     "eager_drop": EagerDropCatalog, "kept_drop": KeptDropCatalog, "pinned_release": PinnedReleaseCatalog,
     "visible_at_reserve": VisibleAtReserveCatalog, "pending_leak": PendingLeakCatalog,
+    "freed_under_write": FreedUnderWriteCatalog,
 }

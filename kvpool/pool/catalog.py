@@ -198,6 +198,8 @@ class _Reservation:
     deadline: float
     born: float = 0.0  # when it was granted: renewals stop at born + reservation_max_s
     cancelled: bool = False  # its namespace was reset while it was open: its commit rejects every page
+    writing: int = 0  # the daemon's writes into its pages still running (WritePages, in the thread pool)
+    doomed: bool = False  # gone (expired, aborted, its client gone) while writing: freed when the writes end
 
 
 @dataclasses.dataclass(slots=True)
@@ -545,9 +547,12 @@ class Catalog:
                kind: DigestKind = DigestKind.XXH3, scrub_first: bool = False) -> CommitResult:
         """`scrub_first`: the digests were taken on trust (not re-hashed by the daemon): each
         committed page joins the scrub's fresh queue, ahead of the at-rest cycle."""
-        res = self._reservations.pop(reservation_id, None)
+        res = self._reservations.get(reservation_id)
         if res is None:
             raise InvalidRequest(f"reservation {reservation_id} is not open (committed, aborted or expired)")
+        if res.writing:
+            raise InvalidRequest(f"reservation {reservation_id}: the daemon is still writing into its pages")
+        del self._reservations[reservation_id]
         if len(digests) != len(res.pages):
             self._reservations[reservation_id] = res
             raise InvalidRequest(f"{len(digests)} digests for {len(res.pages)} reserved pages")
@@ -654,7 +659,33 @@ class Catalog:
         res = self._reservations.pop(reservation_id, None)
         if res is None:
             raise InvalidRequest(f"reservation {reservation_id} is not open (committed, aborted or expired)")
+        return self._retire(res)
+
+    def _retire(self, res: _Reservation) -> int:
+        """A reservation gone (aborted, expired, its client gone): its pages are freed, unless the
+        daemon is still writing into them (a WritePages in its thread pool), in which case they
+        stay reserved until the last write ends (end_write): a page freed under a running write
+        could be reserved and committed by another client and then overwritten by it."""
+        if res.writing:
+            res.doomed = True
+            return len(res.pages)
         return self._abort(res)
+
+    def begin_write(self, reservation_id: int, client: int) -> _Reservation:
+        """The daemon is about to write into the pages of `client`'s open reservation: they are
+        not freed until end_write (InvalidRequest if it is not that client's open reservation)."""
+        res = self._reservations.get(reservation_id)
+        if res is None or res.client != client:
+            raise InvalidRequest(f"reservation {reservation_id} is not open in this session")
+        res.writing += 1
+        return res
+
+    def end_write(self, res: _Reservation) -> None:
+        """A write begin_write announced has ended (done, failed, or never started)."""
+        res.writing -= 1
+        if not res.writing and res.doomed:
+            res.doomed = False
+            self._abort(res)
 
     def _abort(self, res: _Reservation) -> int:
         for key, page in zip(res.keys, res.pages):
@@ -852,7 +883,7 @@ class Catalog:
         """A client went away: abort its publishes, release its leases."""
         res_ids = [r for r, res in self._reservations.items() if res.client == client]
         for rid in res_ids:
-            self._abort(self._reservations.pop(rid))
+            self._retire(self._reservations.pop(rid))
         lease_ids = [lid for lid, lease in self._leases.items() if lease.client == client]
         for lid in lease_ids:
             self._unpin(self._leases.pop(lid))
@@ -864,7 +895,7 @@ class Catalog:
         for rid in res_ids:
             res = self._reservations.pop(rid)
             self._remember_expired(rid, res.client)
-            self._abort(res)
+            self._retire(res)
         lease_ids = [lid for lid, lease in self._leases.items() if lease.deadline <= now]
         for lid in lease_ids:
             lease = self._leases.pop(lid)

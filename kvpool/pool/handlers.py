@@ -289,12 +289,30 @@ class RequestHandlers:
             raise InvalidRequest(f"reservation {reservation_id} is not open in this session")
         return res.pages
 
-    async def _offload(self, fn, *args):  # noqa: ANN001, ANN202
+    async def _offload(self, fn, *args, ended=None):  # noqa: ANN001, ANN202
+        """fn(*args) in the thread pool. `ended` runs on the loop once fn has ended (returned,
+        raised, or was never started): not when the awaiting request is cancelled (a session
+        that ends while its job runs), which leaves the job running."""
         if self._queued >= self.config.max_queue:
+            if ended is not None:
+                ended()
             raise Busy(f"{self._queued} requests already queued (limit {self.config.max_queue})")
         self._queued += 1
         try:
-            return await self._loop.run_in_executor(self._executor, fn, *args)
+            try:
+                job = self._executor.submit(fn, *args)
+            except BaseException:
+                if ended is not None:
+                    ended()
+                raise
+            if ended is not None:
+                loop = self._loop
+
+                def after(_: object) -> None:
+                    if not loop.is_closed():  # else the daemon is gone, and its catalog with it
+                        loop.call_soon_threadsafe(ended)
+                job.add_done_callback(after)
+            return await asyncio.wrap_future(job, loop=self._loop)
         finally:
             self._queued -= 1
 
@@ -325,6 +343,9 @@ class RequestHandlers:
         return P.CommitOk(res.committed, list(res.rejected))
 
     async def _write_pages(self, session: Session, op: P.WritePages) -> P.WriteOk:
+        """The bytes into the reserved pages, in the thread pool. The pages stay reserved until
+        the write has ended (Catalog.begin_write / end_write), whatever happens meanwhile to the
+        reservation (its TTL passing while the write waits in the queue, the session ending)."""
         pages = self._own_reservation(session, op.reservation_id)
         if len(op.slots) != len(op.data):
             raise InvalidRequest(f"{len(op.slots)} slots but {len(op.data)} payloads")
@@ -344,7 +365,9 @@ class RequestHandlers:
                 arena.page(page, len(data))[:] = memoryview(data)
             return len(targets)
 
-        return P.WriteOk(await self._offload(write))
+        cat = tp.catalog
+        held = cat.begin_write(op.reservation_id, session.client)  # _offload ends it, whatever happens
+        return P.WriteOk(await self._offload(write, ended=lambda: cat.end_write(held)))
 
     async def _read_pages(self, session: Session, op: P.ReadPages) -> P.PagesOk:
         """The bytes of distinct pages of the session's lease: at most the lease's pages and
