@@ -44,7 +44,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from kvpool.pool.digest import DigestKind
 from kvpool.pool.keys import Namespace
-from kvpool.tier.record import TierAuth, TierCaps, TierError, TierPage, TierUnavailable, decode_record, encode_record, record_bound, record_too_long
+from kvpool.tier.record import TierAuth, TierCaps, TierCorrupt, TierError, TierPage, TierUnavailable, decode_record, encode_record, record_bound, record_too_long
 
 CAPS = TierCaps("mooncake", read_leases=True, atomic_put=True, evicts=True)
 
@@ -132,6 +132,12 @@ class MooncakeTier:
                 raise TierUnavailable(f"mooncake get at {self.master}: the master indexes the key, and the "
                                       "storage node holding it does not serve it")
             return None
+        if max_page_bytes is not None and len(blob) > record_bound(max_page_bytes):
+            # put again under the key, larger, between the size and the fetch (any client may):
+            # fetched, but not decoded, digested or copied further
+            raise TierCorrupt(f"a record of {len(blob)} bytes fetched under this key, {size} when its size was "
+                              f"read (replaced between the two); a record here is at most "
+                              f"{record_bound(max_page_bytes)}: not decoded")
         return bytes(blob)
 
     def exists(self, ns: Namespace, hashes: list[bytes]) -> int:

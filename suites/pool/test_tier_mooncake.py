@@ -172,6 +172,37 @@ def test_a_ballooned_record_is_corrupt_and_never_fetched(master, test_seed):
         t.close()
 
 
+def test_a_record_replaced_by_a_ballooned_one_after_its_size_was_read_is_corrupt(master, test_seed):
+    """The same attacker, between the reader's size check and its fetch: the record it fetches
+    is measured again, and one past the bound is corrupt (before any decoding or copy of it),
+    not handed on to the decoder."""
+    hashes, data = pages(test_seed, 1)
+    t = open_tier(master.url, AUTH)
+    try:
+        assert t.put(NS, hashes[0], data[0], page_digest(data[0]))
+        raw = t._s
+        key = tier_key(AUTH, NS, hashes[0])
+        ballooned = bytes(raw.get(key)) + bytes(8 * 2**20)
+
+        class Replaced:  # the size read before the attacker's upsert, the fetch after it
+            def __getattr__(self, name):  # noqa: ANN001, ANN204
+                return getattr(raw, name)
+
+            def get(self, k):  # noqa: ANN001, ANN201
+                return ballooned if k == key else raw.get(k)
+
+        t._s = Replaced()
+        try:
+            with pytest.raises(TierCorrupt, match="replaced between the two.*not decoded") as exc:
+                t.get(NS, hashes[0], max_page_bytes=PAGE)
+            assert exc.value.cause is MissCause.CORRUPT
+        finally:
+            t._s = raw
+        assert t.get(NS, hashes[0], max_page_bytes=PAGE).data == data[0]
+    finally:
+        t.close()
+
+
 def test_a_full_store_evicts_whole_pages_and_never_serves_other_bytes(master, test_seed):
     url = master.url.replace(f"segment_bytes={64 * 2**20}", f"segment_bytes={16 * 2**20}")
     hashes, data = pages(test_seed, 200)  # 25 MiB of pages into a 16 MiB segment
