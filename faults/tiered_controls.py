@@ -21,6 +21,15 @@ suites/pool/test_gpu_tiered.py runs each and asserts that the oracle it validate
                            good instead of joining once it answers: a keeper started after the
                            replica is never used. Caught by where a publish lands (the host
                            pool, not the tier) and by the blocks the tier serves (none).
+
+And of the GPU engine over them (kvpool.gpu.tiered_engine.TieredEngine), run by
+suites/unit/test_tiered_engine.py on member engines that model a stream each:
+  FirstTierOnlyEngine      loads ask the first member engine only. Caught by the loaded-block
+                           count and the miss cause.
+  UnorderedTieredEngine    a member load is not ordered after the earlier member loads of the
+                           same run: the next member's install of a block may land before the
+                           direct install's write of a failed page into it. Caught by the
+                           byte-exact oracle.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from collections.abc import Sequence
 
 from kvpool.gpu.tier import fall_through
 from kvpool.gpu.tiered import MemberLeftOut, Segment, TieredBackend
+from kvpool.gpu.tiered_engine import TieredEngine
 from kvpool.pool.records import ReleaseResult
 
 
@@ -63,3 +73,13 @@ class NeverJoinsBackend(TieredBackend):
         if k in self._late:
             raise MemberLeftOut(f"member {self.names[k]!r} was not reachable at start: never asked")
         return super()._member(k)
+
+
+class FirstTierOnlyEngine(TieredEngine):
+    def _fall_through(self, hashes, runs):  # noqa: ANN001, ANN202
+        return fall_through(hashes, runs[:1])
+
+
+class UnorderedTieredEngine(TieredEngine):
+    def _after(self, parts) -> None:  # noqa: ANN001
+        pass  # the defect: no stream wait on the earlier member loads

@@ -64,6 +64,8 @@ from kvpool.errors import (
 )
 from kvpool.gpu.config import KVLayoutError, TransferConfig, TransferError
 from kvpool.gpu.load import LoadHandle, LoadOutcome
+from kvpool.gpu.tiered import TieredBackend
+from kvpool.gpu.tiered_engine import TieredEngine
 from kvpool.gpu.store import StoreOutcome
 from kvpool.gpu.transfer import TransferEngine
 from kvpool.connector.history import HistoryWriter
@@ -109,10 +111,19 @@ class CudaCopier:
     def register(self, layers: Sequence[torch.Tensor], *, ns: Namespace, block_dim: int = 0) -> None:
         config = dataclasses.replace(self.config, block_dim=block_dim)
         self.engine = self._new_engine(ns, layers, config)
-        self.history.write("gpu_transfer", **{k: str(v) for k, v in dataclasses.asdict(self.engine.capabilities).items()})
+        members = getattr(self.engine, "member_capabilities", None)
+        for name, caps in (members or {"": self.engine.capabilities}).items():
+            self.history.write("gpu_transfer", **({"tier": name} if name else {}),
+                               **{k: str(v) for k, v in dataclasses.asdict(caps).items()})
+        for name, why in getattr(self.engine, "absent", {}).items():
+            self.history.write("gpu_transfer", tier=name, absent=why[:400])
 
     def _new_engine(self, ns: Namespace, layers: Sequence[torch.Tensor], config: TransferConfig) -> TransferEngine:
-        """The engine register() builds (a fault wrapper may build a known-bad one)."""
+        """The engine register() builds (a fault wrapper may build a known-bad one): on a
+        TieredBackend (a keeper's tier and the host pool), an engine per member in lookup order
+        (kvpool.gpu.tiered_engine.TieredEngine; each member is its engine's only lane)."""
+        if isinstance(self.backend, TieredBackend):
+            return TieredEngine(self.backend, ns, layers, config)
         return TransferEngine(self.backend, ns, layers, config, self.lanes)
 
     @property

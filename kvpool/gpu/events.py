@@ -11,6 +11,10 @@ sleeps on instead of spinning.
         that renews the pool grants the waiter holds (the blocking sync runs on a helper
         thread, the caller waits on it with a timeout): a renewal the pool refuses ends the
         renewals, never the wait, and is returned once the event completed.
+  resolve_when_all(futures, result, outcome)
+        set `result` (a Future) to outcome() once every one of `futures` is done (on the
+        thread that finished the last; at once if there are none), or to the exception
+        outcome() raised: how a transfer's handle resolves over its parts.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import ctypes
 import functools
 import threading
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -97,3 +102,26 @@ def _until_done(event: torch.cuda.Event, poll_s: float) -> None:
         return
     while not event.query():
         time.sleep(poll_s)
+
+
+def resolve_when_all(futures: Sequence[cf.Future], result: cf.Future, outcome: Callable[[], Any]) -> None:
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def settle() -> None:
+        try:
+            result.set_result(outcome())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever reads the result
+            result.set_exception(exc)
+
+    def part_done(_: cf.Future) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            settle()
+
+    if not futures:
+        settle()
+    for f in futures:
+        f.add_done_callback(part_done)

@@ -34,6 +34,7 @@ import torch
 from kvpool.client.keepalive import Keepalive
 from kvpool.client.transfer import report_corrupt
 from kvpool.errors import (
+    ArenaError,
     InvalidRequest,
     LeaseLost,
     MalformedFrame,
@@ -42,7 +43,7 @@ from kvpool.errors import (
     PoolTimeout,
     TransportError,
 )
-from kvpool.gpu.config import KVLayoutError, OrderingEdge, PageMemory, TransferError
+from kvpool.gpu.config import KVLayoutError, OrderingEdge, PageMemory
 from kvpool.gpu.events import host_event
 from kvpool.gpu.layout import as_width
 from kvpool.gpu.sketch import Sketcher, staged_width
@@ -305,11 +306,14 @@ class Loads:
                self._sketch_gpu.key, dev_out)
 
     def _check_pages(self, pages: Sequence[int]) -> None:
-        # the kernels read page * page_size unchecked: a page the pool names outside the mapped
-        # range is refused here, as the torch path's slice of the region refuses it
+        """Every page the pool named (a lease's, a reservation's) inside the mapped region: the
+        kernels and the driver path address page * page_size unchecked, and a torch slice
+        would take a negative page from the region's end. Checked once per lease and per
+        reservation (load() and store()) and again by the kernels' callers. ArenaError: the
+        pool's answer cannot be addressed here (a failed load or store, corrupt)."""
         if pages and (min(pages) < 0 or max(pages) * self._page_size + self.layout.page_bytes > self._region.numel()):
-            raise TransferError(f"pages {min(pages)}..{max(pages)} of {self._page_size} bytes lie outside the "
-                                f"{self._region.numel()}-byte mapping")
+            raise ArenaError(f"pages {min(pages)}..{max(pages)} of {self._page_size} bytes lie outside the "
+                             f"{self._region.numel()}-byte mapping")
 
     def _probe_copy_sketch(self):  # noqa: ANN202 - a CopySketchKernel, or False
         """The fused kernel, once it copied seeded pages (out of order, 3 and 16 of them: Triton
@@ -455,6 +459,7 @@ class Loads:
                 if any(n != self.layout.page_bytes for n in hits.lengths):
                     raise KVLayoutError(f"the pool holds pages of {sorted(set(hits.lengths))} bytes under this "
                                         f"namespace; a block here is {self.layout.page_bytes}")
+                self._check_pages(hits.pages)
                 if len(hits):
                     loaded, stop = self._copy_in(ids, hits, t0, deadline_s, read, done)
                 else:

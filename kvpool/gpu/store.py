@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvpool.errors import PoolError
+from kvpool.errors import Busy, PoolError, PoolTimeout, TransportError
 from kvpool.gpu.config import OrderingEdge
 from kvpool.gpu.events import host_event
 from kvpool.gpu.layout import as_width
@@ -34,6 +34,8 @@ from kvpool.pool.records import ReserveResult, SlotStatus
 from kvpool.pool.digest import SKETCH_COLS, DigestKind
 
 log = logging.getLogger("kvpool.gpu.transfer")  # the engine's logger
+
+_UNREACHED = (TransportError, PoolTimeout, Busy)  # a reserve that did not reach the pool (kvpool.gpu.tiered.UNREACHABLE)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -68,9 +70,13 @@ class _Unit:
 
 class StoreHandle:
     """A store in flight; `result` (a Future) resolves to the StoreOutcome after the last
-    commit."""
+    commit. Final at store()'s return: `spilled`, the positions (in block_ids) the pool answered
+    NO_CAPACITY, and `unreached_from`, the first position of the unit whose reserve could not
+    reach the pool (TransportError, PoolTimeout, Busy; None if every unit was answered): what a
+    tiered engine (kvpool.gpu.tiered_engine) offers the next tier."""
 
-    __slots__ = ("id", "block_ids", "requested", "counts", "errors", "result", "_units", "_t0", "_sketch")
+    __slots__ = ("id", "block_ids", "requested", "counts", "errors", "result", "spilled", "unreached_from",
+                 "_units", "_t0", "_sketch")
 
     def __init__(self, hid: int, block_ids: tuple[int, ...], t0: float):
         self.id = hid
@@ -78,6 +84,8 @@ class StoreHandle:
         self.requested = len(block_ids)
         self.counts = {s: 0 for s in SlotStatus}
         self.errors: list[str] = []
+        self.spilled: list[int] = []
+        self.unreached_from: int | None = None
         self._units: list[_Unit] = []
         self._t0 = t0
         self._sketch: torch.Tensor | None = None  # its pinned sketch buffer, until the last commit
@@ -229,6 +237,8 @@ class Stores:
                         except PoolError as exc:  # refused, or the connection failed: what is copying still commits
                             self._lane_done(lane)
                             handle.errors.append(f"reserve: {type(exc).__name__}: {exc}")
+                            if isinstance(exc, _UNREACHED):
+                                handle.unreached_from = start
                             break
                         if self._segment(self._lanes[lane]) not in (None, self._arena.instance):
                             # The lane reconnected to a restarted pool: its pages are in another segment.
@@ -244,10 +254,13 @@ class Stores:
                             if slot.status == SlotStatus.RESERVED:
                                 unit.pages.append(slot.page)
                                 pending.append((ids[start + k], slot.page, unit))
+                            elif slot.status == SlotStatus.NO_CAPACITY:
+                                handle.spilled.append(start + k)
                         if not unit.pages:
                             self._lane_done(lane)
                             continue
                         handle._units.append(unit)
+                        self._check_pages(unit.pages)  # the pages the pool named, inside the mapping
                         while len(pending) >= self._chunk_pages:
                             self._issue_store_chunk(pending[: self._chunk_pages])
                             pending = pending[self._chunk_pages :]

@@ -34,7 +34,11 @@ and driver calls, with the same staging, checks, installs, ordering edges and ho
         by default, taken on the GPU over the staged page (the bytes the copy sends; on
         the driver path over the blocks gathered in page order) and committed as trusted
         (the daemon scrubs at rest); or xxh3-128 on the host over the page as copied, which
-        the daemon re-verifies before commit.
+        the daemon re-verifies before commit. That digest is of the shared page, not of the
+        producer's bytes: a client of the tenant that writes the page between the copy and
+        the hash is vouched for (the host path digests the producer's bytes,
+        kvpool.client.transfer.PUBLISH_DIGEST_OF; here that would take a second copy to a
+        private buffer). kv-sketch-1 is taken over the staged bytes and is not exposed.
   load(block_ids, hashes, deadline_s=None) -> LoadHandle      [vLLM: start_load_kv]
         Leases the longest pooled run of `hashes`, copies the pages into GPU staging
         buffers, verifies every page's digest by its kind over the bytes that arrived
@@ -165,7 +169,7 @@ from kvpool.gpu.config import (
     TransferError,
 )
 from kvpool.gpu.driver import MIN_RUN_BYTES, Driver
-from kvpool.gpu.events import await_event
+from kvpool.gpu.events import await_event, resolve_when_all
 from kvpool.gpu.layout import KVLayout, as_width, require_cuda, widest_views
 from kvpool.gpu.load import LoadHandle, LoadOutcome, Loads
 from kvpool.gpu.region import PageRegion, check_store_digest, moved_to, off_session, page_region
@@ -547,29 +551,14 @@ class TransferEngine(Stores, Loads):
         that finished last)."""
         self._inflight[h.id] = h
         parts = [h._future] if isinstance(h, LoadHandle) else [u.future for u in h._units]
-        remaining = [len(parts)]
-        lock = threading.Lock()
 
-        def settle() -> None:
+        def outcome() -> StoreOutcome | LoadOutcome:
             if isinstance(h, StoreHandle) and h._sketch is not None:  # every commit reading it finished
                 self._store_sketches.give(h._sketch)
                 h._sketch = None
-            try:
-                h.result.set_result(self._outcome(h))
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever reads the result
-                h.result.set_exception(exc)
+            return self._outcome(h)
 
-        def part_done(_: cf.Future) -> None:
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
-                settle()
-
-        if not parts:
-            settle()
-        for f in parts:
-            f.add_done_callback(part_done)
+        resolve_when_all(parts, h.result, outcome)
 
     def poll(self) -> list[StoreOutcome | LoadOutcome]:
         """Outcomes of the transfers that finished since the last call (non-blocking); an

@@ -1,0 +1,302 @@
+"""The GPU transfer engine over tiers in lookup order (kvpool.gpu.tiered.TieredBackend: a keeper's
+tier, then the host pool). One TransferEngine copies through one mapped region, and the composite
+has two (the tier's device pages, the host pool's host pages): so each member gets an engine of
+its own, over that member alone, and this class gives the connector's CUDA copier the one
+engine's interface over them (kvpool.connector.gpu_copier.CudaCopier builds it for a TieredBackend).
+
+  TieredEngine(backend, ns, layers, config, build=TransferEngine)
+      An engine per member, built at the start with `build(member, ns, layers, config)`. A member
+      whose engine cannot be built (a keeper not up yet: no mapping to copy through, TransferError;
+      or not reachable, TransportError, PoolTimeout, Busy) is absent for the engine's life, logged
+      and named in `absent` (the composite backend's lookups still ask it: where it holds blocks
+      the scheduler counts them, and this engine's load takes them as that member's miss,
+      transport_error, and asks the next member). Where no member's engine can be built, the last
+      error is raised, the others as notes. A layout error (KVLayoutError) is raised at once: the
+      members' pages must take the replica's blocks, as one engine's must.
+  .load(block_ids, hashes, deadline_s)   kvpool.gpu.tier.fall_through over the member engines'
+      loads, as TieredBackend.acquire falls through over the members' acquires: each member engine
+      is asked for the blocks from the first one not installed yet, the first that installs a
+      run serves it, and where its run stops the first member is asked again. Each member's load
+      leases, checks and installs its own run (each page by its member's digest kind); the
+      loaded counts, the miss (the first block no member installed, its cause the first one other
+      than never_published in member order) and the failed blocks are final at the return, as for
+      one engine. Before a member is asked for blocks an earlier member's load was asked for (the
+      whole tail of the run each time), the engine's current stream waits for that earlier load's
+      copies: a direct install (kvpool.gpu.load) may have written a failed page into a block the
+      next member then fills, and the later install must follow it (a stream wait, no host sync;
+      only where a load falls through). A member's error (a pool error, or a TransferError of its
+      pages) is its miss for its run (kvpool.gpu.tiered.miss_cause_of; corrupt for pages its
+      engine's layout cannot take), and the next member is asked; where every member raised at
+      the first block, the last error is raised.
+      The handle (TieredLoadHandle, a LoadHandle) resolves to one LoadOutcome once every member's
+      lease was released: `loaded` the leading blocks installed and not stale, `stale` the block
+      indexes any member found reused under its lease (in the run's numbering).
+  .store(block_ids, hashes, boundary)   the first present member's store; the blocks it answered
+      NO_CAPACITY (a keeper's tier evicts nothing to make room) and, where its reserve could not
+      reach its pool (TransportError, PoolTimeout, Busy), the blocks from that unit on, are
+      stored by the next member's engine in the same call (the spilled first and admitted, the
+      unreached after them under what is left of the boundary), and so on. Each member's store
+      orders its copies after the engine's writes and the engine's later writes after its reads
+      before it returns, so the caller may reuse the blocks at once, as with one engine. The
+      handle resolves to one StoreOutcome after every member's last commit.
+  .wait_for_load(handle), .poll(), .drain(), .close(), .layout, .ns, .capabilities (the first
+      present member's; `member_capabilities` names each)   as TransferEngine's, over the members.
+
+What it is not: a path through a wrapper of the composite backend. The member engines speak to the
+members themselves (as one engine speaks to its backend), so a wrapper around the TieredBackend
+(the audit's, a fault injector's) sees the lookups the scheduler makes, not the member engines'
+leases and reservations.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvpool.errors import MissCause, PoolError
+from kvpool.gpu.config import KVLayoutError, TransferConfig, TransferError
+from kvpool.gpu.events import resolve_when_all
+from kvpool.gpu.load import LoadHandle, LoadOutcome
+from kvpool.gpu.store import StoreHandle, StoreOutcome
+from kvpool.gpu.tier import fall_through
+from kvpool.gpu.tiered import UNREACHABLE, TieredBackend, miss_cause_of
+from kvpool.gpu.transfer import TransferEngine
+from kvpool.pool.keys import Namespace
+from kvpool.pool.records import Miss
+
+log = logging.getLogger("kvpool.gpu.transfer")
+
+EngineBuilder = Callable[..., TransferEngine]
+
+
+def _cause(exc: PoolError) -> MissCause:
+    if isinstance(exc, KVLayoutError):
+        return MissCause.CORRUPT  # the member holds pages this engine's layout cannot take
+    return miss_cause_of(exc)
+
+
+def _raise_last(errors: Sequence[BaseException], what: str) -> None:
+    if not errors:
+        return
+    last = errors[-1]
+    for other in errors[:-1]:
+        last.add_note(f"{what}: also {type(other).__name__}: {other}")
+    raise last
+
+
+class TieredLoadHandle(LoadHandle):
+    """A load over the members: `parts` are (member, first block, the member engine's handle)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, hid: int, block_ids: tuple[int, ...], loaded: int, miss: Miss | None, t0: float,
+                 parts: list[tuple[int, int, LoadHandle]]):
+        super().__init__(hid, block_ids, loaded, miss, None, t0)  # type: ignore[arg-type] - its parts' events
+        self.parts = parts
+
+
+class TieredEngine:
+    def __init__(self, backend: TieredBackend, ns: Namespace, layers: Sequence[torch.Tensor],
+                 config: TransferConfig = TransferConfig(), build: EngineBuilder = TransferEngine):
+        self.backend = backend
+        self.ns = ns
+        self.config = config
+        self.names = tuple(backend.names)
+        self.engines: list[TransferEngine | None] = []
+        self.absent: dict[str, str] = {}
+        errors: list[BaseException] = []
+        try:
+            for name, member in zip(self.names, backend.members):
+                try:
+                    self.engines.append(build(member, ns, layers, config))
+                except KVLayoutError:
+                    raise
+                except (TransferError, *UNREACHABLE) as exc:
+                    exc.add_note(f"the engine of tier member {name!r}")
+                    errors.append(exc)
+                    self.engines.append(None)
+                    self.absent[name] = f"{type(exc).__name__}: {exc}"
+                    log.warning("kvpool GPU transfer: no engine for tier member %r (%s): its blocks are loaded "
+                                "from the next member", name, self.absent[name])
+            if not any(e is not None for e in self.engines):
+                _raise_last(errors, "no member's engine could be built")
+        except BaseException:
+            self._close_engines()
+            raise
+        first = next(e for e in self.engines if e is not None)
+        self.layout = first.layout
+        self.capabilities = first.capabilities
+        self.member_capabilities = {n: e.capabilities for n, e in zip(self.names, self.engines) if e is not None}
+        self._ids = itertools.count(1)
+        self._closed = False
+
+    @property
+    def present(self) -> list[tuple[int, TransferEngine]]:
+        return [(k, e) for k, e in enumerate(self.engines) if e is not None]
+
+    def _check_ids(self, block_ids: Sequence[int], hashes: Sequence[bytes]) -> tuple[int, ...]:
+        if self._closed:
+            raise TransferError("the transfer engine is closed")
+        return self.present[0][1]._check_ids(block_ids, hashes)
+
+    # -- loads ----------------------------------------------------------------------------------
+    def load(self, block_ids: Sequence[int], hashes: Sequence[bytes], deadline_s: float | None = None) -> LoadHandle:
+        ids = self._check_ids(block_ids, hashes)
+        t0 = time.monotonic()
+        parts: list[tuple[int, int, LoadHandle]] = []  # every member load made, installed or not
+        at_stop: list[tuple[MissCause, Miss | None]] = []  # the answers at the current block
+        errors: list[BaseException] = []
+        cursor = [0]
+
+        def run_of(k: int):  # noqa: ANN202
+            def run(tail: Sequence[bytes]) -> tuple[int, MissCause | None]:
+                engine = self.engines[k]
+                if engine is None:
+                    at_stop.append((MissCause.TRANSPORT_ERROR, None))
+                    return 0, MissCause.TRANSPORT_ERROR
+                start = cursor[0]
+                self._after(parts)
+                left = None if deadline_s is None else max(0.0, deadline_s - (time.monotonic() - t0))
+                try:
+                    h = engine.load(ids[start:], tail, deadline_s=left)
+                except (PoolError, TransferError) as exc:
+                    if start == 0:
+                        errors.append(exc)
+                    cause = _cause(exc)
+                    at_stop.append((cause, None))
+                    return 0, cause
+                parts.append((k, start, h))
+                if h.loaded:
+                    cursor[0] += h.loaded
+                    at_stop.clear()
+                    errors.clear()
+                    return h.loaded, None if h.miss is None else h.miss.cause
+                cause = MissCause.NEVER_PUBLISHED if h.miss is None else h.miss.cause
+                at_stop.append((cause, None if h.miss is None else Miss(start, cause, h.miss.fields)))
+                return 0, cause
+            return run
+
+        try:
+            out = self._fall_through(hashes, [(name, run_of(k)) for k, name in enumerate(self.names)])
+        except BaseException:
+            self._settle_parts(parts)
+            raise
+        if not parts and ids and len(errors) == len(self.engines) - len(self.absent):
+            _raise_last(errors, "every member's load failed")
+        miss = None
+        if out.miss is not None:
+            miss = next((m for c, m in at_stop if c == out.miss and m is not None), None) or Miss(out.served, out.miss)
+        handle = TieredLoadHandle(next(self._ids), ids, out.served, miss, t0, parts)
+        self._resolve_load(handle)
+        return handle
+
+    def _fall_through(self, hashes: Sequence[bytes], runs: list):  # noqa: ANN202 - a FallThrough
+        """The lookup order over the member engines' loads (kvpool.gpu.tier.fall_through)."""
+        return fall_through(hashes, runs)
+
+    def _after(self, parts: Sequence[tuple[int, int, LoadHandle]]) -> None:
+        """The next member load installs after the earlier ones of this run: each was asked for
+        every block from its start to the run's end, and a direct install may have written a
+        failed page into a block the next one fills."""
+        for k, _, h in parts:
+            self.engines[k].wait_for_load(h)
+
+    def _settle_parts(self, parts: Sequence[tuple[int, int, LoadHandle]]) -> None:
+        """Wait for the member loads already made (a load that raised midway): their leases are
+        released by their own engines; nothing of them is installed past what they counted."""
+        cf.wait([h.result for _, _, h in parts])
+
+    def _resolve_load(self, handle: TieredLoadHandle) -> None:
+        resolve_when_all([h.result for _, _, h in handle.parts], handle.result, lambda: self._load_outcome(handle))
+
+    def _load_outcome(self, handle: TieredLoadHandle) -> LoadOutcome:
+        loaded, stale, errors = handle.loaded, set(), []
+        for _, start, h in handle.parts:
+            o: LoadOutcome = h.result.result()  # a member engine's own error re-raises here
+            stale.update(start + i for i in o.stale)
+            errors.extend(o.errors)
+            if o.loaded < h.loaded:  # a page of this run reused under its lease: the run is cut there
+                loaded = min(loaded, start + o.loaded)
+        return LoadOutcome(handle.id, handle.requested, loaded, handle.miss, tuple(sorted(stale)), tuple(errors),
+                           time.monotonic() - handle._t0)
+
+    def wait_for_load(self, handle: LoadHandle) -> None:
+        """The engine's current stream waits for every member load's copies (no host sync)."""
+        for k, _, h in handle.parts:  # type: ignore[attr-defined]
+            self.engines[k].wait_for_load(h)
+
+    wait = wait_for_load
+
+    # -- stores ---------------------------------------------------------------------------------
+    def store(self, block_ids: Sequence[int], hashes: Sequence[bytes], boundary: int | None = None) -> StoreHandle:
+        ids = self._check_ids(block_ids, hashes)
+        handle = StoreHandle(next(self._ids), ids, time.monotonic())
+        parts: list[StoreHandle] = []
+        todo, bound = list(range(len(ids))), boundary  # positions in `ids` still to place
+        try:
+            for k, engine in self.present:
+                if not todo:
+                    break
+                h = engine.store([ids[i] for i in todo], [hashes[i] for i in todo], bound)
+                parts.append(h)
+                spilled = [todo[i] for i in h.spilled]
+                cut = h.unreached_from
+                unreached = [] if cut is None else todo[cut:]
+                # the spilled were admitted where they were offered; the unreached keep what is left of the boundary
+                bound = len(spilled) + max(0, bound - cut) if unreached and bound is not None else None
+                todo = spilled + unreached
+            # what the last member could not place stays as it answered (no_capacity, or unreached)
+        except BaseException:
+            cf.wait([h.result for h in parts])
+            raise
+        self._resolve_store(handle, parts)
+        return handle
+
+    def _resolve_store(self, handle: StoreHandle, parts: Sequence[StoreHandle]) -> None:
+        def outcome() -> StoreOutcome:
+            outs: list[StoreOutcome] = [h.result.result() for h in parts]
+            passed = sum(len(h.spilled) for h in parts[:-1])  # counted again by the member that took them
+            return StoreOutcome(
+                handle.id, handle.requested, sum(o.committed for o in outs), sum(o.exists for o in outs),
+                sum(o.pending for o in outs), sum(o.not_admitted for o in outs),
+                sum(o.no_capacity for o in outs) - passed, sum(o.rejected for o in outs),
+                tuple(e for o in outs for e in o.errors), sum(o.bytes_committed for o in outs),
+                time.monotonic() - handle._t0)
+
+        resolve_when_all([h.result for h in parts], handle.result, outcome)
+
+    # -- the rest of the engine's interface -----------------------------------------------------
+    def poll(self) -> list[StoreOutcome | LoadOutcome]:
+        return [o for _, e in self.present for o in e.poll()]
+
+    def drain(self, timeout_s: float | None = None) -> list[StoreOutcome | LoadOutcome]:
+        return [o for _, e in self.present for o in e.drain(timeout_s)]
+
+    def _close_engines(self) -> None:
+        errors: list[BaseException] = []
+        for name, engine in zip(self.names, self.engines):
+            if engine is None:
+                continue
+            try:
+                engine.close()
+            except BaseException as exc:  # noqa: BLE001 - raised below, once every engine was closed
+                exc.add_note(f"closing the engine of tier member {name!r}")
+                errors.append(exc)
+        _raise_last(errors[::-1], "closing")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._close_engines()
+
+    def __enter__(self) -> TieredEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
