@@ -38,8 +38,7 @@ class LeaselessCatalog(Catalog):
 
 class LeakyCatalog(Catalog):
     def _abort(self, res) -> int:  # noqa: ANN001
-        for key in res.keys:
-            del self._pending[(res.tenant, res.ns, key)]
+        self._unpend(res)
         return len(res.pages)
 
 

@@ -6,13 +6,16 @@ engine's interface over them (kvpool.connector.gpu_copier.CudaCopier builds it f
 
   TieredEngine(backend, ns, layers, config, build=TransferEngine)
       An engine per member, built at the start with `build(member, ns, layers, config)`. A member
-      whose engine cannot be built (a keeper not up yet: no mapping to copy through, TransferError;
-      or not reachable, TransportError, PoolTimeout, Busy) is absent for the engine's life, logged
-      and named in `absent` (the composite backend's lookups still ask it: where it holds blocks
-      the scheduler counts them, and this engine's load takes them as that member's miss,
-      transport_error, and asks the next member). Where no member's engine can be built, the last
-      error is raised, the others as notes. A layout error (KVLayoutError) is raised at once: the
-      members' pages must take the replica's blocks, as one engine's must.
+      that could not be reached (the composite's late member: a keeper not up yet, whose link has
+      no mapping to copy through; or TransportError, PoolTimeout, Busy while building) is absent:
+      it is not asked (its blocks' misses keep the causes the present members give), and it
+      joins once it answers: at a load or a store at least JOIN_EVERY_S after the last try, the
+      composite's own join (TieredBackend._member: a member of another page size is left out
+      for good) and then its engine's build, with CUDA graphs off (none is captured while the
+      replica's forward may run). A member that answers but whose engine cannot be built there
+      (a TransferError, a layout error) is left out for good, logged (`left_out`). At the start,
+      any error but an unreachable member's is raised (a layout error, a configuration the
+      member refuses); so is the last one where no member's engine could be built.
   .load(block_ids, hashes, deadline_s)   kvpool.gpu.tier.fall_through over the member engines'
       loads, as TieredBackend.acquire falls through over the members' acquires: each member engine
       is asked for the blocks from the first one not installed yet, the first that installs a
@@ -24,13 +27,15 @@ engine's interface over them (kvpool.connector.gpu_copier.CudaCopier builds it f
       whole tail of the run each time), the engine's current stream waits for that earlier load's
       copies: a direct install (kvpool.gpu.load) may have written a failed page into a block the
       next member then fills, and the later install must follow it (a stream wait, no host sync;
-      only where a load falls through). A member's error (a pool error, or a TransferError of its
-      pages) is its miss for its run (kvpool.gpu.tiered.miss_cause_of; corrupt for pages its
-      engine's layout cannot take), and the next member is asked; where every member raised at
-      the first block, the last error is raised.
+      only where a load falls through). A member's pool error is its miss for its run
+      (kvpool.gpu.tiered.miss_cause_of; corrupt for pages its engine cannot take or address:
+      KVLayoutError, ArenaError, CorruptPage), and the next member is asked; where every member
+      raised at the first block, the last error is raised. A TransferError of the device itself
+      raises, as from one engine.
       The handle (TieredLoadHandle, a LoadHandle) resolves to one LoadOutcome once every member's
       lease was released: `loaded` the leading blocks installed and not stale, `stale` the block
-      indexes any member found reused under its lease (in the run's numbering).
+      indexes any member found reused under its lease (in the run's numbering), and where a
+      member's outcome cut the run short, the miss there (corrupt, or that member's cause).
   .store(block_ids, hashes, boundary)   the first present member's store; the blocks it answered
       NO_CAPACITY (a keeper's tier evicts nothing to make room) and, where its reserve could not
       reach its pool (TransportError, PoolTimeout, Busy), the blocks from that unit on, are
@@ -38,7 +43,10 @@ engine's interface over them (kvpool.connector.gpu_copier.CudaCopier builds it f
       unreached after them under what is left of the boundary), and so on. Each member's store
       orders its copies after the engine's writes and the engine's later writes after its reads
       before it returns, so the caller may reuse the blocks at once, as with one engine. The
-      handle resolves to one StoreOutcome after every member's last commit.
+      handle resolves to one StoreOutcome after every member's last commit, each block counted
+      once: a block one member answered NO_CAPACITY and the next placed counts as the next
+      answered it, and a block no member could be asked about counts NO_CAPACITY (as
+      TieredBackend.reserve answers it).
   .wait_for_load(handle), .poll(), .drain(), .close(), .layout, .ns, .capabilities (the first
       present member's; `member_capabilities` names each)   as TransferEngine's, over the members.
 
@@ -51,6 +59,7 @@ leases and reservations.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import itertools
 import logging
 import time
@@ -58,7 +67,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvpool.errors import MissCause, PoolError
+from kvpool.errors import ArenaError, CorruptPage, MissCause, PoolError
 from kvpool.gpu.config import KVLayoutError, TransferConfig, TransferError
 from kvpool.gpu.events import resolve_when_all
 from kvpool.gpu.load import LoadHandle, LoadOutcome
@@ -71,12 +80,14 @@ from kvpool.pool.records import Miss
 
 log = logging.getLogger("kvpool.gpu.transfer")
 
+JOIN_EVERY_S = 5.0  # an absent member is tried again at most this often
+
 EngineBuilder = Callable[..., TransferEngine]
 
 
 def _cause(exc: PoolError) -> MissCause:
-    if isinstance(exc, KVLayoutError):
-        return MissCause.CORRUPT  # the member holds pages this engine's layout cannot take
+    if isinstance(exc, (KVLayoutError, ArenaError, CorruptPage)):
+        return MissCause.CORRUPT  # pages the member's engine cannot take or address
     return miss_cause_of(exc)
 
 
@@ -107,22 +118,22 @@ class TieredEngine:
         self.ns = ns
         self.config = config
         self.names = tuple(backend.names)
+        self._build, self._layers = build, list(layers)
         self.engines: list[TransferEngine | None] = []
-        self.absent: dict[str, str] = {}
+        self.absent: dict[str, str] = {}  # member name -> why it has no engine yet (it joins when it answers)
+        self.left_out: dict[str, str] = {}  # member name -> why it never will
+        self._next_join: dict[int, float] = {}
         errors: list[BaseException] = []
         try:
-            for name, member in zip(self.names, backend.members):
+            for k, (name, member) in enumerate(zip(self.names, backend.members)):
                 try:
                     self.engines.append(build(member, ns, layers, config))
-                except KVLayoutError:
-                    raise
-                except (TransferError, *UNREACHABLE) as exc:
-                    exc.add_note(f"the engine of tier member {name!r}")
-                    errors.append(exc)
-                    self.engines.append(None)
-                    self.absent[name] = f"{type(exc).__name__}: {exc}"
-                    log.warning("kvpool GPU transfer: no engine for tier member %r (%s): its blocks are loaded "
-                                "from the next member", name, self.absent[name])
+                except UNREACHABLE as exc:
+                    errors.append(self._absent(k, exc))
+                except TransferError as exc:
+                    if isinstance(exc, KVLayoutError) or getattr(member, "arena", None) is not None:
+                        raise  # it answered: its pages or the configuration do not fit
+                    errors.append(self._absent(k, exc))  # no mapping yet: a keeper not up
             if not any(e is not None for e in self.engines):
                 _raise_last(errors, "no member's engine could be built")
         except BaseException:
@@ -131,9 +142,52 @@ class TieredEngine:
         first = next(e for e in self.engines if e is not None)
         self.layout = first.layout
         self.capabilities = first.capabilities
-        self.member_capabilities = {n: e.capabilities for n, e in zip(self.names, self.engines) if e is not None}
         self._ids = itertools.count(1)
         self._closed = False
+
+    @property
+    def member_capabilities(self) -> dict[str, object]:
+        return {n: e.capabilities for n, e in zip(self.names, self.engines) if e is not None}
+
+    def _absent(self, k: int, exc: BaseException) -> BaseException:
+        name = self.names[k]
+        exc.add_note(f"the engine of tier member {name!r}")
+        self.engines.append(None)
+        self.absent[name] = f"{type(exc).__name__}: {exc}"
+        self._next_join[k] = time.monotonic() + JOIN_EVERY_S
+        log.warning("kvpool GPU transfer: tier member %r has no engine yet (%s): the other members serve until "
+                    "it answers", name, self.absent[name])
+        return exc
+
+    def _engine(self, k: int) -> TransferEngine | None:
+        """Member k's engine; an absent member tried again (at most every JOIN_EVERY_S)."""
+        engine = self.engines[k]
+        name = self.names[k]
+        if engine is not None or name in self.left_out or time.monotonic() < self._next_join.get(k, 0.0):
+            return engine
+        self._next_join[k] = time.monotonic() + JOIN_EVERY_S
+        try:
+            member = self.backend._member(k)  # noqa: SLF001 - the composite's own join (page size, left out)
+            engine = self._build(member, self.ns, self._layers, dataclasses.replace(self.config, graphs=False))
+        except UNREACHABLE as exc:  # still not up (or left out by the composite: asked again, cheaply)
+            self.absent[name] = f"{type(exc).__name__}: {exc}"
+            return None
+        except TransferError as exc:  # it answered, and its pages do not fit this engine
+            self.left_out[name] = f"{type(exc).__name__}: {exc}"
+            self.absent.pop(name, None)
+            log.error("kvpool GPU transfer: tier member %r answered, and no engine can be built on it (%s): left "
+                      "out", name, self.left_out[name])
+            return None
+        if engine.layout != self.layout:
+            engine.close()
+            self.left_out[name] = "its engine's layout differs from the others'"
+            self.absent.pop(name, None)
+            log.error("kvpool GPU transfer: tier member %r: %s; left out", name, self.left_out[name])
+            return None
+        self.engines[k] = engine
+        self.absent.pop(name, None)
+        log.info("kvpool GPU transfer: tier member %r answered: its engine serves from now on", name)
+        return engine
 
     @property
     def present(self) -> list[tuple[int, TransferEngine]]:
@@ -155,21 +209,18 @@ class TieredEngine:
 
         def run_of(k: int):  # noqa: ANN202
             def run(tail: Sequence[bytes]) -> tuple[int, MissCause | None]:
-                engine = self.engines[k]
-                if engine is None:
-                    at_stop.append((MissCause.TRANSPORT_ERROR, None))
-                    return 0, MissCause.TRANSPORT_ERROR
+                engine = self._engine(k)
                 start = cursor[0]
                 self._after(parts)
                 left = None if deadline_s is None else max(0.0, deadline_s - (time.monotonic() - t0))
                 try:
                     h = engine.load(ids[start:], tail, deadline_s=left)
-                except (PoolError, TransferError) as exc:
-                    if start == 0:
-                        errors.append(exc)
-                    cause = _cause(exc)
-                    at_stop.append((cause, None))
-                    return 0, cause
+                except TransferError as exc:
+                    if not isinstance(exc, (KVLayoutError, ArenaError)):
+                        raise  # the device's own failure, as from one engine
+                    return failed(exc, start)
+                except PoolError as exc:
+                    return failed(exc, start)
                 parts.append((k, start, h))
                 if h.loaded:
                     cursor[0] += h.loaded
@@ -181,12 +232,20 @@ class TieredEngine:
                 return 0, cause
             return run
 
+        def failed(exc: PoolError, start: int) -> tuple[int, MissCause]:
+            if start == 0:
+                errors.append(exc)
+            cause = _cause(exc)
+            at_stop.append((cause, None))
+            return 0, cause
+
+        asked = [k for k in range(len(self.engines)) if self._engine(k) is not None]
         try:
-            out = self._fall_through(hashes, [(name, run_of(k)) for k, name in enumerate(self.names)])
+            out = self._fall_through(hashes, [(self.names[k], run_of(k)) for k in asked])
         except BaseException:
             self._settle_parts(parts)
             raise
-        if not parts and ids and len(errors) == len(self.engines) - len(self.absent):
+        if not parts and ids and len(errors) == len(asked):
             _raise_last(errors, "every member's load failed")
         miss = None
         if out.miss is not None:
@@ -215,14 +274,16 @@ class TieredEngine:
         resolve_when_all([h.result for _, _, h in handle.parts], handle.result, lambda: self._load_outcome(handle))
 
     def _load_outcome(self, handle: TieredLoadHandle) -> LoadOutcome:
-        loaded, stale, errors = handle.loaded, set(), []
+        loaded, miss, stale, errors = handle.loaded, handle.miss, set(), []
         for _, start, h in handle.parts:
             o: LoadOutcome = h.result.result()  # a member engine's own error re-raises here
             stale.update(start + i for i in o.stale)
             errors.extend(o.errors)
-            if o.loaded < h.loaded:  # a page of this run reused under its lease: the run is cut there
-                loaded = min(loaded, start + o.loaded)
-        return LoadOutcome(handle.id, handle.requested, loaded, handle.miss, tuple(sorted(stale)), tuple(errors),
+            if o.loaded < h.loaded and start + o.loaded < loaded:  # cut there: reused under the lease, unverified
+                loaded = start + o.loaded
+                cause = o.miss.cause if o.miss is not None else MissCause.CORRUPT
+                miss = Miss(loaded, cause)
+        return LoadOutcome(handle.id, handle.requested, loaded, miss, tuple(sorted(stale)), tuple(errors),
                            time.monotonic() - handle._t0)
 
     def wait_for_load(self, handle: LoadHandle) -> None:
@@ -238,33 +299,38 @@ class TieredEngine:
         handle = StoreHandle(next(self._ids), ids, time.monotonic())
         parts: list[StoreHandle] = []
         todo, bound = list(range(len(ids))), boundary  # positions in `ids` still to place
+        counted: set[int] = set()  # positions an earlier member counted NO_CAPACITY
+        twice = 0  # of those, the ones a later member answered (counted again there)
         try:
-            for k, engine in self.present:
-                if not todo:
-                    break
+            for k in range(len(self.engines)):
+                engine = self._engine(k)
+                if engine is None or not todo:
+                    continue
                 h = engine.store([ids[i] for i in todo], [hashes[i] for i in todo], bound)
                 parts.append(h)
-                spilled = [todo[i] for i in h.spilled]
                 cut = h.unreached_from
+                answered = set(todo if cut is None else todo[:cut])
+                twice += len(counted & answered)
+                spilled = [todo[i] for i in h.spilled]
+                counted = (counted - answered) | set(spilled)
                 unreached = [] if cut is None else todo[cut:]
                 # the spilled were admitted where they were offered; the unreached keep what is left of the boundary
                 bound = len(spilled) + max(0, bound - cut) if unreached and bound is not None else None
                 todo = spilled + unreached
-            # what the last member could not place stays as it answered (no_capacity, or unreached)
         except BaseException:
             cf.wait([h.result for h in parts])
             raise
-        self._resolve_store(handle, parts)
+        nowhere = len(set(todo) - counted)  # no member answered them: NO_CAPACITY, as the composite's reserve says
+        self._resolve_store(handle, parts, nowhere - twice)
         return handle
 
-    def _resolve_store(self, handle: StoreHandle, parts: Sequence[StoreHandle]) -> None:
+    def _resolve_store(self, handle: StoreHandle, parts: Sequence[StoreHandle], no_capacity_delta: int) -> None:
         def outcome() -> StoreOutcome:
             outs: list[StoreOutcome] = [h.result.result() for h in parts]
-            passed = sum(len(h.spilled) for h in parts[:-1])  # counted again by the member that took them
             return StoreOutcome(
                 handle.id, handle.requested, sum(o.committed for o in outs), sum(o.exists for o in outs),
                 sum(o.pending for o in outs), sum(o.not_admitted for o in outs),
-                sum(o.no_capacity for o in outs) - passed, sum(o.rejected for o in outs),
+                sum(o.no_capacity for o in outs) + no_capacity_delta, sum(o.rejected for o in outs),
                 tuple(e for o in outs for e in o.errors), sum(o.bytes_committed for o in outs),
                 time.monotonic() - handle._t0)
 

@@ -200,6 +200,7 @@ class _Reservation:
     cancelled: bool = False  # its namespace was reset while it was open: its commit rejects every page
     writing: int = 0  # the daemon's writes into its pages still running (WritePages, in the thread pool)
     doomed: bool = False  # gone (expired, aborted, its client gone) while writing: freed when the writes end
+    unpended: bool = False  # its blocks no longer pending (a doomed one's, before its pages are freed)
 
 
 @dataclasses.dataclass(slots=True)
@@ -559,8 +560,8 @@ class Catalog:
         committed = 0
         rejected: list[int] = []
         index = self._index[res.tenant]
+        self._unpend(res)
         for i, (key, page, digest) in enumerate(zip(res.keys, res.pages, digests)):
-            del self._pending[(res.tenant, res.ns, key)]
             if res.cancelled:  # computed before its namespace's reset: never visible after it
                 rejected.append(i)
                 self._free_page(page)
@@ -668,8 +669,16 @@ class Catalog:
         could be reserved and committed by another client and then overwritten by it."""
         if res.writing:
             res.doomed = True
+            self._unpend(res)  # its blocks are free to publish again now; only its pages wait
             return len(res.pages)
         return self._abort(res)
+
+    def _unpend(self, res: _Reservation) -> None:
+        if res.unpended:
+            return
+        res.unpended = True
+        for key in res.keys:
+            del self._pending[(res.tenant, res.ns, key)]
 
     def begin_write(self, reservation_id: int, client: int) -> _Reservation:
         """The daemon is about to write into the pages of `client`'s open reservation: they are
@@ -688,8 +697,8 @@ class Catalog:
             self._abort(res)
 
     def _abort(self, res: _Reservation) -> int:
-        for key, page in zip(res.keys, res.pages):
-            del self._pending[(res.tenant, res.ns, key)]
+        self._unpend(res)
+        for page in res.pages:
             self._free_page(page)
         self.counters["aborted_pages"] += len(res.pages)
         return len(res.pages)

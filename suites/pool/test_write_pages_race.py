@@ -78,6 +78,10 @@ def run(catalog: type[Catalog]) -> dict:
             assert held.held.wait(30), "A's write never reached the daemon's thread pool"
             clock.advance(TTL_S + 1)  # A's reservation expires while its write waits
             clock.settle(d)
+            again = b.reserve(NS, [ha], [PAGE])  # A's block itself: free to publish again, not pending
+            out["a_block_while_writing"] = again.slots[0].status.value
+            if again.reservation_id:
+                b.abort(again.reservation_id)
             out["b_while_writing"] = publish(b, NS, [hb], [mine]).committed
             held.go.set()
             writer.result(30)  # A's write has run (into its own page, or into B's)
@@ -97,6 +101,7 @@ def run(catalog: type[Catalog]) -> dict:
 def test_a_reservation_gone_while_the_daemon_writes_into_it_keeps_its_page_until_the_write_ends():
     out = run(Catalog)
     assert out["b_while_writing"] == 0  # the only page is still A's: its write is to run
+    assert out["a_block_while_writing"] == "no_capacity", out  # not pending: A's reservation is gone
     assert out["b_after"] == 1  # freed once the write ended
     assert out["exact"] is True and out["used"] == 1, out  # the oracle: B's block is B's bytes
 

@@ -17,7 +17,9 @@ pytest.importorskip("torch")
 
 from kvgate.faults.tiered_controls import FirstTierOnlyEngine, UnorderedTieredEngine  # noqa: E402
 from kvpool.errors import MissCause, TransportError  # noqa: E402
-from kvpool.gpu.config import KVLayoutError, TransferError  # noqa: E402
+from kvpool.errors import ArenaError  # noqa: E402
+from kvpool.gpu import tiered_engine  # noqa: E402
+from kvpool.gpu.config import KVLayoutError, TransferConfig, TransferError  # noqa: E402
 from kvpool.gpu.load import LoadHandle, LoadOutcome  # noqa: E402
 from kvpool.gpu.store import StoreHandle, StoreOutcome  # noqa: E402
 from kvpool.gpu.tiered_engine import TieredEngine, TieredLoadHandle  # noqa: E402
@@ -119,16 +121,30 @@ def keys(n: int) -> list[bytes]:
     return [f"h{i}".encode() for i in range(n)]
 
 
+class Late:
+    """A member not up at the start: building its engine raises until `up` holds its engine."""
+
+    def __init__(self, exc: BaseException):
+        self.exc, self.up, self.builds, self.graphs = exc, None, 0, []
+
+
 def engine(cls=TieredEngine, **members):  # noqa: ANN001, ANN003, ANN201
-    """A tiered engine over FakeEngines built from `members` (name -> FakeEngine or exception)."""
+    """A tiered engine over FakeEngines built from `members` (name -> FakeEngine, exception, or Late)."""
     backend = types.SimpleNamespace(names=tuple(members), members=tuple(members.values()))
+    backend._member = lambda k: backend.members[k]
 
     def build(member, ns, layers, config):  # noqa: ANN001, ANN202
+        if isinstance(member, Late):
+            member.builds += 1
+            member.graphs.append(config.graphs)
+            if member.up is None:
+                raise member.exc
+            return member.up
         if isinstance(member, BaseException):
             raise member
         return member
 
-    return cls(backend, None, [], build=build)
+    return cls(backend, None, [], TransferConfig(), build=build)
 
 
 def installed(dev: Device, ids: list[int], hs: list[bytes], n: int) -> list[int]:
@@ -199,13 +215,63 @@ def test_a_member_that_raises_is_its_miss_and_the_next_serves_every_member_raisi
     assert any("the keeper is gone" in n for n in got.value.__notes__)
 
 
-def test_a_member_without_an_engine_is_absent_and_the_next_serves():
+def test_a_member_not_up_is_absent_not_asked_and_joins_once_it_answers(monkeypatch):
+    monkeypatch.setattr(tiered_engine, "JOIN_EVERY_S", 0.0)
     dev, hs = Device(), keys(4)
-    e = engine(gpu=TransferError("the GPU transfer engine needs the pool's arena mapped"),
-               host=FakeEngine("host", dev, set(hs)))
+    late = Late(TransferError("the GPU transfer engine needs the pool's arena mapped"))
+    e = engine(gpu=late, host=FakeEngine("host", dev, set(hs[:2])))
     assert list(e.absent) == ["gpu"] and e.capabilities.path == "host"
+    late.exc = TransportError("still down")  # what the composite's join raises while the keeper is down
     h = e.load(list(range(4)), hs)
-    assert h.loaded == 4 and [e.names[k] for k, _, _ in h.parts] == ["host"]
+    # served by the host pool; the miss is the host pool's (never_published), not the absent tier's
+    assert h.loaded == 2 and {e.names[k] for k, _, _ in h.parts} == {"host"}
+    assert h.miss.cause == MissCause.NEVER_PUBLISHED and list(e.absent) == ["gpu"]
+    late.up = FakeEngine("gpu", dev, set(hs))  # the keeper answers
+    h = e.load(list(range(4)), hs)
+    assert h.loaded == 4 and {e.names[k] for k, _, _ in h.parts} == {"gpu"} and not e.absent
+    assert late.graphs[-1] is False  # built with no graph captured beside the replica's forward
+
+
+def test_a_late_member_is_tried_at_most_every_join_interval_and_one_that_cannot_fit_is_left_out(monkeypatch):
+    dev, hs = Device(), keys(2)
+    late = Late(TransportError("not up"))
+    e = engine(gpu=late, host=FakeEngine("host", dev, set(hs)))
+    for _ in range(3):
+        e.load(list(range(2)), hs)
+    assert late.builds == 1  # the start's try only: the next is JOIN_EVERY_S later
+    monkeypatch.setattr(tiered_engine, "JOIN_EVERY_S", 0.0)
+    e._next_join[0] = 0.0
+    late.exc = KVLayoutError("a block is 9 bytes, the pool's pages 8")
+    e.load(list(range(2)), hs)
+    assert "gpu" in e.left_out and not e.absent
+    n = late.builds
+    e.load(list(range(2)), hs)
+    assert late.builds == n  # left out for good
+
+
+def test_a_member_that_answers_with_a_configuration_it_refuses_fails_the_start():
+    dev = Device()
+    refusing = FakeEngine("gpu", dev, set())
+    refusing.arena = object()  # it answered: a mapping exists
+
+    def build(member, ns, layers, config):  # noqa: ANN001, ANN202
+        if member is refusing:
+            raise TransferError("kv-sketch-1 stores only: the pages are device memory")
+        return member
+
+    backend = types.SimpleNamespace(names=("gpu", "host"), members=(refusing, FakeEngine("host", dev, set())))
+    with pytest.raises(TransferError, match="device memory"):
+        TieredEngine(backend, None, [], TransferConfig(), build=build)
+
+
+def test_a_device_error_raises_and_pages_a_member_cannot_address_are_its_corrupt_miss():
+    dev, hs = Device(), keys(3)
+    broken = FakeEngine("gpu", dev, set(hs), raises=TransferError("cudaMemcpyAsync failed: error 700"))
+    with pytest.raises(TransferError, match="error 700"):
+        engine(gpu=broken, host=FakeEngine("host", dev, set(hs))).load(list(range(3)), hs)
+    lying = FakeEngine("gpu", dev, set(hs), raises=ArenaError("pages -1..-1 lie outside the mapping"))
+    h = engine(gpu=lying, host=FakeEngine("host", dev, set(hs[:1]))).load(list(range(3)), hs)
+    assert h.loaded == 1 and h.miss.cause == MissCause.CORRUPT and h.miss.index == 1
     with pytest.raises(KVLayoutError):
         engine(gpu=KVLayoutError("a block is 9 bytes, the pool's pages 8"), host=FakeEngine("host", dev, set()))
     closed = FakeEngine("host", dev, set())
@@ -221,8 +287,10 @@ def test_a_stale_page_cuts_the_outcome_in_the_run_numbering():
     dev, hs = Device(), keys(6)
     tier = FakeEngine("gpu", dev, set(hs[:2]))
     host = FakeEngine("host", dev, set(hs), stale=(1,))  # its block 1 is the run's block 3
-    o = engine(gpu=tier, host=host).load(list(range(6)), hs).result.result()
-    assert o.loaded == 3 and o.stale == (3,)
+    h = engine(gpu=tier, host=host).load(list(range(6)), hs)
+    o = h.result.result()
+    assert h.miss is None and o.loaded == 3 and o.stale == (3,)
+    assert o.miss is not None and (o.miss.index, o.miss.cause) == (3, MissCause.CORRUPT)
 
 
 def test_a_store_spills_what_the_tier_cannot_place_to_the_host_pool():
@@ -232,6 +300,9 @@ def test_a_store_spills_what_the_tier_cannot_place_to_the_host_pool():
     o = e.store(list(range(10, 16)), keys(6)).result.result()
     assert tier.stored == [(list(range(10, 16)), None)] and host.stored == [([13, 14, 15], None)]
     assert (o.committed, o.no_capacity) == (6, 0)
+    gone = FakeEngine("host", dev, set(), unreached_at=0)  # the host pool cannot be reached either
+    o = engine(gpu=FakeEngine("gpu", dev, set(), capacity=3), host=gone).store(list(range(6)), keys(6)).result.result()
+    assert (o.committed, o.no_capacity) == (3, 3)  # each block counted once: the 3 spilled nowhere placed
     full = FakeEngine("host", dev, set(), capacity=1)
     o = engine(gpu=FakeEngine("gpu", dev, set(), capacity=3), host=full).store(list(range(6)), keys(6)).result.result()
     assert (o.committed, o.no_capacity) == (4, 2)  # what the last member could not place stays no_capacity
