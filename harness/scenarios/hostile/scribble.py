@@ -48,6 +48,12 @@ the descriptor reopened through /proc).
         layout 4; it needs a daemon started with it, so the control runs on a small pool
         of its own); caught by the scenario's own check that B's probe never claims what
         the pool does not hold.
+
+What the scribbler is not: a client that computes what it writes. Its bytes are random, and
+random bytes are caught by the digests. A client of the tenant can also publish any bytes
+under any key, and it can compute a kv-sketch-1 collision (the sketch is linear and its key
+is public: kvpool.pool.digest, "no MAC"). Within a tenant the clients are trusted to publish;
+tenants are the boundary between them (suites/pool/test_tenants.py).
 """
 
 from __future__ import annotations
