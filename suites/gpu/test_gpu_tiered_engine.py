@@ -62,25 +62,21 @@ K = 8
 def _keeper(tmp_path_factory, pages: int):  # noqa: ANN001, ANN202
     run_dir = tmp_path_factory.mktemp("tiered-engine") / "k"
     run_dir.mkdir(mode=0o700)
-    return VmmKeeper(run_dir, _device().index, pages)
+    k = VmmKeeper(run_dir, _device().index, pages)
+    try:
+        yield k
+    finally:
+        k.stop()
 
 
 @pytest.fixture(scope="module")
 def keeper(tmp_path_factory):
-    k = _keeper(tmp_path_factory, 1024)
-    try:
-        yield k
-    finally:
-        k.stop()
+    yield from _keeper(tmp_path_factory, 1024)
 
 
 @pytest.fixture(scope="module")
-def small_keeper(tmp_path_factory):
-    k = _keeper(tmp_path_factory, 4)
-    try:
-        yield k
-    finally:
-        k.stop()
+def small_keeper(tmp_path_factory):  # 4 pages, nothing demoted: a store of 8 blocks spills 4
+    yield from _keeper(tmp_path_factory, 4)
 
 
 @pytest.fixture
