@@ -35,7 +35,8 @@ NS = Namespace("m", "r1", "tok", "bfloat16", "cpu", 16, 2, 2, 64)
 
 
 class HeldPool(cf.Executor):
-    """The daemon's thread pool, whose next job after `hold()` waits for `go`."""
+    """The daemon's thread pool, whose next page write (its job `write`, kvpool.pool.handlers)
+    after `hold()` waits for `go`; every other job runs as it comes."""
 
     def __init__(self, inner: cf.Executor):
         self.inner, self.armed = inner, False
@@ -45,7 +46,7 @@ class HeldPool(cf.Executor):
         self.armed = True
 
     def submit(self, fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN201
-        if not self.armed:
+        if not self.armed or getattr(fn, "__name__", "") != "write":
             return self.inner.submit(fn, *args, **kwargs)
         self.armed = False
 
