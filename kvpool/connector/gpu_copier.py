@@ -62,7 +62,7 @@ from kvpool.errors import (
     Unauthenticated,
     WrongVersion,
 )
-from kvpool.gpu.config import KVLayoutError, TransferConfig, TransferError
+from kvpool.gpu.config import KVLayoutError, RegionRefused, TransferConfig, TransferError
 from kvpool.gpu.load import LoadHandle, LoadOutcome
 from kvpool.gpu.tiered import TieredBackend
 from kvpool.gpu.tiered_engine import TieredEngine
@@ -79,8 +79,8 @@ from kvpool.pool.metrics import ClientMetrics
 # call, so what is left is the daemon's reply), a page outside the segment (ArenaError) and
 # pages the engine cannot take (KVLayoutError: pooled pages of another length, a restarted
 # pool's smaller pages). TransferError itself is the device's, and raises.
-_POOL_CAUSED = (KVLayoutError, ArenaError, Busy, CorruptPage, InternalError, InvalidRequest, LeaseLost,
-                MalformedFrame, NoCapacity, OversizedFrame, PoolTimeout, TransportError, Unauthenticated,
+_POOL_CAUSED = (KVLayoutError, RegionRefused, ArenaError, Busy, CorruptPage, InternalError, InvalidRequest,
+                LeaseLost, MalformedFrame, NoCapacity, OversizedFrame, PoolTimeout, TransportError, Unauthenticated,
                 WrongVersion)
 
 

@@ -33,6 +33,12 @@ class KVLayoutError(TransferError):
     """The KV tensors do not fit the declared layout (block dim, device, namespace)."""
 
 
+class RegionRefused(TransferError):
+    """The pool's pages cannot be copied through here: they are not one run of bytes, live on
+    another GPU, or take a digest kind the engine's stores do not give (kvpool.gpu.region). A
+    configuration's, or a restarted pool's new segment's, never a failure of the device."""
+
+
 class HostRegistrationError(TransferError):
     """cudaHostRegister refused the arena; the engine falls back to pageable copies."""
 

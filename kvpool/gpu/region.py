@@ -21,7 +21,7 @@ batched copies take either); what differs is said here. Pure: no CUDA, no torch.
   page_region(arena) -> PageRegion
         from what a backend exposes as `arena`: `pages_region` (host) or `device_pages`
         (device), `instance`, `page_size`; for device pages `same_gpu` (the buffer lives on
-        the engine's GPU) and optionally `session`. TransferError for an arena that names
+        the engine's GPU) and optionally `session`. RegionRefused (a TransferError) for an arena that names
         neither range or both, a range that is not whole pages, device pages on another GPU
         (peer copies through the tier are not built: to do).
   moved_to(current, arena) -> PageRegion | None
@@ -32,7 +32,7 @@ batched copies take either); what differs is said here. Pure: no CUDA, no torch.
         the lanes (by index) whose segment is not the region's, where the region is one
         session's mapping (none otherwise: a pool's lanes are its other connections).
   check_store_digest(region, digest, backend_kind)
-        TransferError unless the engine's stores can commit to this pool: a backend that
+        RegionRefused unless the engine's stores can commit to this pool: a backend that
         takes one kind only (`digest_kind`: a keeper's tier, kv-sketch-1) gets that kind,
         and device pages are digested on the GPU (kv-sketch-1: the host cannot read them to
         take XXH3-128 over the pages as copied).
@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.gpu.config import PageMemory, TransferError
+from kvpool.gpu.config import PageMemory, RegionRefused
 from kvpool.pool.digest import DigestKind
 
 
@@ -86,9 +86,9 @@ def _device_range(device: Any) -> tuple[int, int]:  # noqa: ANN401
         ptr, _read_only = iface["data"]
         shape, typestr = tuple(iface["shape"]), iface["typestr"]
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
-        raise TransferError(f"the device pages are not a CUDA array ({type(device).__name__}): {exc}") from exc
+        raise RegionRefused(f"the device pages are not a CUDA array ({type(device).__name__}): {exc}") from exc
     if typestr != "|u1" or len(shape) != 1 or iface.get("strides") not in (None, (1,)):
-        raise TransferError(f"the device pages must be one run of bytes, got shape {shape} {typestr}")
+        raise RegionRefused(f"the device pages must be one run of bytes, got shape {shape} {typestr}")
     return int(ptr), int(shape[0])
 
 
@@ -97,39 +97,39 @@ def page_region(arena: Any) -> PageRegion:  # noqa: ANN401 - a pool's Arena or a
     host = getattr(arena, "pages_region", None)
     device = getattr(arena, "device_pages", None)
     if (host is None) == (device is None):
-        raise TransferError("a pool's arena names its pages in host memory (pages_region) or in device memory "
+        raise RegionRefused("a pool's arena names its pages in host memory (pages_region) or in device memory "
                             f"(device_pages): this one names {'both' if host is not None else 'neither'}")
     page_size = int(arena.page_size)
     instance = bytes(arena.instance)
     session = getattr(arena, "session", None)
     if page_size <= 0:
-        raise TransferError(f"a page size of {page_size} bytes")
+        raise RegionRefused(f"a page size of {page_size} bytes")
     if host is not None:
         if not isinstance(host, np.ndarray) or host.dtype != np.uint8 or host.ndim != 1 \
                 or not host.flags.c_contiguous:
-            raise TransferError("the host pages must be one contiguous numpy uint8 array")
+            raise RegionRefused("the host pages must be one contiguous numpy uint8 array")
         ptr, nbytes = int(host.ctypes.data), int(host.nbytes)
         memory = PageMemory.HOST
     else:
         if not getattr(arena, "same_gpu", False):
-            raise TransferError("the tier's buffer lives on another GPU than this replica's: the engine copies "
+            raise RegionRefused("the tier's buffer lives on another GPU than this replica's: the engine copies "
                                 "device pages on its own GPU only (peer copies through the tier are not built)")
         ptr, nbytes = _device_range(device)
         memory = PageMemory.DEVICE
     if nbytes <= 0 or nbytes % page_size:
-        raise TransferError(f"a page range of {nbytes} bytes is not whole pages of {page_size}")
+        raise RegionRefused(f"a page range of {nbytes} bytes is not whole pages of {page_size}")
     return PageRegion(memory, instance, page_size, ptr, nbytes, host, device,
                       None if session is None else int(session))
 
 
 def check_store_digest(region: PageRegion, digest: DigestKind, backend_kind: DigestKind | None) -> None:
-    """TransferError unless stores digested with `digest` can commit to this pool."""
+    """RegionRefused unless stores digested with `digest` can commit to this pool."""
     digest = DigestKind(digest)
     if backend_kind is not None and digest is not DigestKind(backend_kind):
-        raise TransferError(f"this pool commits {DigestKind(backend_kind).value} digests only; the engine's "
+        raise RegionRefused(f"this pool commits {DigestKind(backend_kind).value} digests only; the engine's "
                             f"stores take {digest.value} (TransferConfig.digest)")
     if region.memory is PageMemory.DEVICE and digest is not DigestKind.SKETCH:
-        raise TransferError(f"pages in device memory are digested on the GPU (kv-sketch-1): the host cannot "
+        raise RegionRefused(f"pages in device memory are digested on the GPU (kv-sketch-1): the host cannot "
                             f"read them to take {digest.value}")
 
 

@@ -71,12 +71,15 @@ class _Unit:
 class StoreHandle:
     """A store in flight; `result` (a Future) resolves to the StoreOutcome after the last
     commit. Final at store()'s return: `spilled`, the positions (in block_ids) the pool answered
-    NO_CAPACITY, and `unreached_from`, the first position of the unit whose reserve could not
-    reach the pool (TransportError, PoolTimeout, Busy; None if every unit was answered): what a
-    tiered engine (kvpool.gpu.tiered_engine) offers the next tier."""
+    NO_CAPACITY; `answered`, how many leading positions the pool answered at all (the first
+    position of the unit the store stopped at: its reserve refused or failed, or the pool
+    restarted under it; else all of them); and `unreached_from`, that position where the
+    store stopped because the pool could not be reached (TransportError, PoolTimeout, Busy)
+    or had restarted (None otherwise): what a tiered engine (kvpool.gpu.tiered_engine)
+    offers the next tier."""
 
-    __slots__ = ("id", "block_ids", "requested", "counts", "errors", "result", "spilled", "unreached_from",
-                 "_units", "_t0", "_sketch")
+    __slots__ = ("id", "block_ids", "requested", "counts", "errors", "result", "spilled", "answered",
+                 "unreached_from", "_units", "_t0", "_sketch")
 
     def __init__(self, hid: int, block_ids: tuple[int, ...], t0: float):
         self.id = hid
@@ -85,6 +88,7 @@ class StoreHandle:
         self.counts = {s: 0 for s in SlotStatus}
         self.errors: list[str] = []
         self.spilled: list[int] = []
+        self.answered = len(block_ids)
         self.unreached_from: int | None = None
         self._units: list[_Unit] = []
         self._t0 = t0
@@ -237,6 +241,7 @@ class Stores:
                         except PoolError as exc:  # refused, or the connection failed: what is copying still commits
                             self._lane_done(lane)
                             handle.errors.append(f"reserve: {type(exc).__name__}: {exc}")
+                            handle.answered = start
                             if isinstance(exc, _UNREACHED):
                                 handle.unreached_from = start
                             break
@@ -245,6 +250,7 @@ class Stores:
                             self._abort(_Unit(lane, res, []))
                             handle.errors.append("reserve: the pool restarted (a new segment); the next store "
                                                  "re-registers it")
+                            handle.answered = handle.unreached_from = start  # not answered: the new pool is asked next time
                             break
                         unit = _Unit(lane, res, [])
                         if res.reservation_id:

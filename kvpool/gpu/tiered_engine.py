@@ -13,7 +13,8 @@ engine's interface over them (kvpool.connector.gpu_copier.CudaCopier builds it f
       composite's own join (TieredBackend._member: a member of another page size is left out
       for good) and then its engine's build, with CUDA graphs off (none is captured while the
       replica's forward may run). A member that answers but whose engine cannot be built there
-      (a TransferError, a layout error) is left out for good, logged (`left_out`). At the start,
+      (a TransferError, a layout error) is left out for good, logged (`left_out`); one whose
+      build fails in torch (CUDA out of memory) stays absent and is tried again. At the start,
       any error but an unreachable member's is raised (a layout error, a configuration the
       member refuses); so is the last one where no member's engine could be built.
   .load(block_ids, hashes, deadline_s)   kvpool.gpu.tier.fall_through over the member engines'
@@ -30,15 +31,18 @@ engine's interface over them (kvpool.connector.gpu_copier.CudaCopier builds it f
       only where a load falls through). A member's pool error is its miss for its run
       (kvpool.gpu.tiered.miss_cause_of; corrupt for pages its engine cannot take or address:
       KVLayoutError, ArenaError, CorruptPage), and the next member is asked; where every member
-      raised at the first block, the last error is raised. A TransferError of the device itself
-      raises, as from one engine.
+      raised at the first block, the last error is raised; so is a member's segment this engine
+      cannot copy through (RegionRefused: a keeper restarted on another GPU, say), a miss of
+      that member (transport_error). A TransferError of the device itself raises, as from one
+      engine.
       The handle (TieredLoadHandle, a LoadHandle) resolves to one LoadOutcome once every member's
       lease was released: `loaded` the leading blocks installed and not stale, `stale` the block
       indexes any member found reused under its lease (in the run's numbering), and where a
       member's outcome cut the run short, the miss there (corrupt, or that member's cause).
   .store(block_ids, hashes, boundary)   the first present member's store; the blocks it answered
       NO_CAPACITY (a keeper's tier evicts nothing to make room) and, where its reserve could not
-      reach its pool (TransportError, PoolTimeout, Busy), the blocks from that unit on, are
+      reach its pool (TransportError, PoolTimeout, Busy) or the pool restarted under it, the
+      blocks from that unit on, are
       stored by the next member's engine in the same call (the spilled first and admitted, the
       unreached after them under what is left of the boundary), and so on. Each member's store
       orders its copies after the engine's writes and the engine's later writes after its reads
@@ -68,12 +72,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kvpool.errors import ArenaError, CorruptPage, MissCause, PoolError
-from kvpool.gpu.config import KVLayoutError, TransferConfig, TransferError
+from kvpool.gpu.config import KVLayoutError, RegionRefused, TransferConfig, TransferError
 from kvpool.gpu.events import resolve_when_all
 from kvpool.gpu.load import LoadHandle, LoadOutcome
 from kvpool.gpu.store import StoreHandle, StoreOutcome
 from kvpool.gpu.tier import fall_through
-from kvpool.gpu.tiered import UNREACHABLE, TieredBackend, miss_cause_of
+from kvpool.gpu.tiered import UNREACHABLE, MemberLeftOut, TieredBackend, miss_cause_of
 from kvpool.gpu.transfer import TransferEngine
 from kvpool.pool.keys import Namespace
 from kvpool.pool.records import Miss
@@ -160,7 +164,9 @@ class TieredEngine:
         return exc
 
     def _engine(self, k: int) -> TransferEngine | None:
-        """Member k's engine; an absent member tried again (at most every JOIN_EVERY_S)."""
+        """Member k's engine; an absent member tried again (at most every JOIN_EVERY_S). A join
+        never fails the load or store that tries it: what it meets is logged and kept in
+        `absent` (tried again) or `left_out` (never again)."""
         engine = self.engines[k]
         name = self.names[k]
         if engine is not None or name in self.left_out or time.monotonic() < self._next_join.get(k, 0.0):
@@ -168,26 +174,39 @@ class TieredEngine:
         self._next_join[k] = time.monotonic() + JOIN_EVERY_S
         try:
             member = self.backend._member(k)  # noqa: SLF001 - the composite's own join (page size, left out)
-            engine = self._build(member, self.ns, self._layers, dataclasses.replace(self.config, graphs=False))
-        except UNREACHABLE as exc:  # still not up (or left out by the composite: asked again, cheaply)
+        except MemberLeftOut as exc:  # the composite left it out (another page size): so does the engine
+            return self._leave_out(name, exc)
+        except PoolError as exc:  # not up yet, or its answer refused: asked again later
             self.absent[name] = f"{type(exc).__name__}: {exc}"
             return None
-        except TransferError as exc:  # it answered, and its pages do not fit this engine
-            self.left_out[name] = f"{type(exc).__name__}: {exc}"
-            self.absent.pop(name, None)
-            log.error("kvpool GPU transfer: tier member %r answered, and no engine can be built on it (%s): left "
-                      "out", name, self.left_out[name])
+        try:
+            engine = self._build(member, self.ns, self._layers, dataclasses.replace(self.config, graphs=False))
+        except UNREACHABLE as exc:
+            self.absent[name] = f"{type(exc).__name__}: {exc}"
+            return None
+        except TransferError as exc:
+            if not isinstance(exc, KVLayoutError) and getattr(member, "arena", None) is None:
+                self.absent[name] = f"{type(exc).__name__}: {exc}"  # no mapping yet
+                return None
+            return self._leave_out(name, exc)  # it answered, and its pages do not fit this engine
+        except (RuntimeError, MemoryError) as exc:  # torch's (CUDA out of memory, a stream): asked again later
+            self.absent[name] = f"{type(exc).__name__}: {exc}"
+            log.warning("kvpool GPU transfer: tier member %r answered, and building its engine failed (%s): tried "
+                        "again in %.0f s", name, self.absent[name], JOIN_EVERY_S)
             return None
         if engine.layout != self.layout:
             engine.close()
-            self.left_out[name] = "its engine's layout differs from the others'"
-            self.absent.pop(name, None)
-            log.error("kvpool GPU transfer: tier member %r: %s; left out", name, self.left_out[name])
-            return None
+            return self._leave_out(name, KVLayoutError("its engine's layout differs from the other members'"))
         self.engines[k] = engine
         self.absent.pop(name, None)
         log.info("kvpool GPU transfer: tier member %r answered: its engine serves from now on", name)
         return engine
+
+    def _leave_out(self, name: str, exc: BaseException) -> None:
+        self.left_out[name] = f"{type(exc).__name__}: {exc}"
+        self.absent.pop(name, None)
+        log.error("kvpool GPU transfer: tier member %r cannot have an engine here (%s): left out", name,
+                  self.left_out[name])
 
     @property
     def present(self) -> list[tuple[int, TransferEngine]]:
@@ -216,9 +235,9 @@ class TieredEngine:
                 try:
                     h = engine.load(ids[start:], tail, deadline_s=left)
                 except TransferError as exc:
-                    if not isinstance(exc, (KVLayoutError, ArenaError)):
+                    if not isinstance(exc, (KVLayoutError, RegionRefused)):
                         raise  # the device's own failure, as from one engine
-                    return failed(exc, start)
+                    return failed(exc, start)  # its pages (a restarted member's new segment) refused here
                 except PoolError as exc:
                     return failed(exc, start)
                 parts.append((k, start, h))
@@ -309,7 +328,7 @@ class TieredEngine:
                 h = engine.store([ids[i] for i in todo], [hashes[i] for i in todo], bound)
                 parts.append(h)
                 cut = h.unreached_from
-                answered = set(todo if cut is None else todo[:cut])
+                answered = set(todo[: h.answered])
                 twice += len(counted & answered)
                 spilled = [todo[i] for i in h.spilled]
                 counted = (counted - answered) | set(spilled)

@@ -164,6 +164,7 @@ from kvpool.gpu.config import (
     KVLayoutError,
     OrderingEdge,
     PageMemory,
+    RegionRefused,
     TransferCapabilities,
     TransferConfig,
     TransferError,
@@ -265,10 +266,10 @@ class TransferEngine(Stores, Loads):
             self._region_np = None
             t = torch.as_tensor(region.device)
             if t.data_ptr() != region.ptr or t.dtype != torch.uint8 or t.numel() != region.nbytes:
-                raise TransferError("torch did not alias the device pages (a copy, or another range): a write "
+                raise RegionRefused("torch did not alias the device pages (a copy, or another range): a write "
                                     "would miss the pool")
             if t.device != self.device:
-                raise TransferError(f"the device pages are on {t.device}, the KV cache on {self.device}")
+                raise RegionRefused(f"the device pages are on {t.device}, the KV cache on {self.device}")
             self._region = t
             return
         self._region_np = region.host

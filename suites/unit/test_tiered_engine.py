@@ -17,7 +17,9 @@ pytest.importorskip("torch")
 
 from kvgate.faults.tiered_controls import FirstTierOnlyEngine, UnorderedTieredEngine  # noqa: E402
 from kvpool.errors import MissCause, TransportError  # noqa: E402
-from kvpool.errors import ArenaError  # noqa: E402
+from kvpool.errors import ArenaError, InvalidRequest  # noqa: E402
+from kvpool.gpu.config import RegionRefused  # noqa: E402
+from kvpool.gpu.tiered import MemberLeftOut  # noqa: E402
 from kvpool.gpu import tiered_engine  # noqa: E402
 from kvpool.gpu.config import KVLayoutError, TransferConfig, TransferError  # noqa: E402
 from kvpool.gpu.load import LoadHandle, LoadOutcome  # noqa: E402
@@ -60,9 +62,10 @@ class FakeEngine:
 
     def __init__(self, name: str, device: Device, holds: set[bytes], corrupt: set[bytes] = frozenset(),
                  raises: BaseException | None = None, capacity: int = 10**6, unreached_at: int | None = None,
-                 stale: tuple[int, ...] = ()):
+                 stale: tuple[int, ...] = (), refused_at: int | None = None):
         self.name, self.device, self.holds, self.corrupt = name, device, holds, corrupt
         self.raises, self.capacity, self.unreached_at, self.stale = raises, capacity, unreached_at, stale
+        self.refused_at = refused_at
         self.layout = types.SimpleNamespace(num_blocks=64)
         self.capabilities = types.SimpleNamespace(path=name)
         self.stored: list[tuple[list[int], int | None]] = []
@@ -100,12 +103,15 @@ class FakeEngine:
     def store(self, block_ids, hashes, boundary=None) -> StoreHandle:  # noqa: ANN001
         self.stored.append((list(block_ids), boundary))
         h = StoreHandle(next(self.ids), tuple(block_ids), 0.0)
-        reach = len(block_ids) if self.unreached_at is None else self.unreached_at
+        reach = len(block_ids)
+        if self.unreached_at is not None:
+            reach = h.answered = h.unreached_from = self.unreached_at
+            h.errors.append("reserve: TransportError: the keeper is gone")
+        elif self.refused_at is not None:
+            reach = h.answered = self.refused_at
+            h.errors.append("reserve: InvalidRequest: refused")
         committed = min(self.capacity, reach)
         h.spilled = list(range(committed, reach))
-        if self.unreached_at is not None:
-            h.unreached_from = self.unreached_at
-            h.errors.append("reserve: TransportError: the keeper is gone")
         h.result.set_result(StoreOutcome(h.id, len(block_ids), committed, 0, 0, 0, len(h.spilled), 0,
                                          tuple(h.errors), committed * 8, 0.0))
         return h
@@ -303,6 +309,9 @@ def test_a_store_spills_what_the_tier_cannot_place_to_the_host_pool():
     gone = FakeEngine("host", dev, set(), unreached_at=0)  # the host pool cannot be reached either
     o = engine(gpu=FakeEngine("gpu", dev, set(), capacity=3), host=gone).store(list(range(6)), keys(6)).result.result()
     assert (o.committed, o.no_capacity) == (3, 3)  # each block counted once: the 3 spilled nowhere placed
+    refusing = FakeEngine("host", dev, set(), refused_at=0)  # it answered nothing: its reserve was refused
+    o = engine(gpu=FakeEngine("gpu", dev, set(), capacity=3), host=refusing).store(list(range(6)), keys(6)).result.result()
+    assert (o.committed, o.no_capacity) == (3, 3)  # the tier's no_capacity stands for what the host never answered
     full = FakeEngine("host", dev, set(), capacity=1)
     o = engine(gpu=FakeEngine("gpu", dev, set(), capacity=3), host=full).store(list(range(6)), keys(6)).result.result()
     assert (o.committed, o.no_capacity) == (4, 2)  # what the last member could not place stays no_capacity
@@ -337,3 +346,33 @@ def test_wait_for_load_waits_on_every_member_load():
     dev.log.clear()
     e.wait_for_load(h)
     assert dev.log == [("wait", e.names[k], p.id) for k, _, p in h.parts]
+
+
+def test_a_member_segment_refused_here_is_its_miss_not_a_failed_load():
+    """A keeper restarted on another GPU: the tier engine's load refuses its new segment
+    (RegionRefused); the host pool serves, and the tier's cause stays where it stopped."""
+    dev, hs = Device(), keys(3)
+    moved = FakeEngine("gpu", dev, set(hs), raises=RegionRefused("the tier's buffer lives on another GPU"))
+    h = engine(gpu=moved, host=FakeEngine("host", dev, set(hs))).load(list(range(3)), hs)
+    assert h.loaded == 3 and h.miss is None
+    h = engine(gpu=moved, host=FakeEngine("host", dev, set())).load(list(range(3)), hs)
+    assert h.loaded == 0 and h.miss.cause == MissCause.TRANSPORT_ERROR
+
+
+def test_a_join_never_fails_the_load_that_tries_it(monkeypatch):
+    monkeypatch.setattr(tiered_engine, "JOIN_EVERY_S", 0.0)
+    dev, hs = Device(), keys(2)
+    late = Late(TransportError("not up"))
+    e = engine(gpu=late, host=FakeEngine("host", dev, set(hs)))
+    late.exc = RuntimeError("CUDA out of memory")  # torch's, while the KV cache fills the GPU
+    assert e.load(list(range(2)), hs).loaded == 2 and "gpu" in e.absent and "out of memory" in e.absent["gpu"]
+    assert e.store(list(range(2)), hs).result.result().committed == 2
+    late.exc = TransferError("the GPU transfer engine needs the pool's arena mapped")  # no mapping yet: absent
+    e.load(list(range(2)), hs)
+    assert "gpu" in e.absent and not e.left_out
+    e.backend._member = lambda k: (_ for _ in ()).throw(InvalidRequest("refused"))
+    e.load(list(range(2)), hs)
+    assert "gpu" in e.absent and not e.left_out
+    e.backend._member = lambda k: (_ for _ in ()).throw(MemberLeftOut("joined with pages of 9 bytes"))
+    e.load(list(range(2)), hs)
+    assert "gpu" in e.left_out and not e.absent  # the composite left it out: so does the engine
