@@ -23,10 +23,11 @@ from collections.abc import Sequence
 
 import torch
 
-from kvpool.errors import Busy, PoolError, PoolTimeout, TransportError
+from kvpool.errors import PoolError
 from kvpool.gpu.config import OrderingEdge
 from kvpool.gpu.events import host_event
 from kvpool.gpu.layout import as_width
+from kvpool.gpu.tier import UNREACHABLE
 from kvpool.gpu.sketch import digests as sketch_digests
 from kvpool.gpu.sketch import staged_width
 from kvpool.gpu.staging import IndexRing, PinnedSketches
@@ -34,8 +35,6 @@ from kvpool.pool.records import ReserveResult, SlotStatus
 from kvpool.pool.digest import SKETCH_COLS, DigestKind
 
 log = logging.getLogger("kvpool.gpu.transfer")  # the engine's logger
-
-_UNREACHED = (TransportError, PoolTimeout, Busy)  # a reserve that did not reach the pool (kvpool.gpu.tiered.UNREACHABLE)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -242,7 +241,7 @@ class Stores:
                             self._lane_done(lane)
                             handle.errors.append(f"reserve: {type(exc).__name__}: {exc}")
                             handle.answered = start
-                            if isinstance(exc, _UNREACHED):
+                            if isinstance(exc, UNREACHABLE):
                                 handle.unreached_from = start
                             break
                         if self._segment(self._lanes[lane]) not in (None, self._arena.instance):

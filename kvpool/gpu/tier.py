@@ -50,6 +50,19 @@ limits and miss causes. What differs:
         block no tier holds, whose miss cause is the first cause other than never_published in
         tier order (a block demoted from the GPU tier and then evicted from the host pool is
         `evicted`), else never_published.
+  ask_in_order(hashes, members, cause_of, served, through=fall_through, errored=None)
+        -> (served blocks, Miss | None)   fall_through over members' answers, with what a
+        composite of tiers keeps from them (kvpool.gpu.tiered.TieredBackend's lookups and
+        acquires, kvpool.gpu.tiered_engine.TieredEngine's loads): each member is
+        (name, call), call(tail, start) -> (held, miss, answer) for the blocks from `start`;
+        a PoolError it raises is that member's miss for its run (cause_of(exc); None: not a
+        miss, raised on). Runs that held blocks go to `served` as (member index, start,
+        answer) as they come. The miss carries the fields of the member whose cause it is.
+        Where every member raised at the first block, the last one's error is raised, the
+        others as notes.
+  UNREACHABLE    the errors of a member that cannot answer now (TransportError, PoolTimeout,
+        Busy): a composite asks the next one.
+  raise_first(errors, what)   raise errors[0] with the others as notes (none: nothing).
 """
 
 from __future__ import annotations
@@ -59,12 +72,13 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvpool.errors import InvalidRequest, LeaseLost, MissCause, TransportError
+from kvpool.errors import Busy, InvalidRequest, LeaseLost, MissCause, PoolError, PoolTimeout, TransportError
 from kvpool.pool.catalog import AdmissionPolicy, Catalog, CatalogConfig, LoadLimits, LruPage
 from kvpool.pool.digest import DigestKind
 from kvpool.pool.keys import Namespace
 from kvpool.pool.records import (
     AcquireResult,
+    Miss,
     CommitResult,
     EvictOutcome,
     LookupResult,
@@ -366,3 +380,61 @@ def fall_through(hashes: Sequence[bytes], tiers: Sequence[tuple[str, TierRun]]) 
             miss = next((c for c in causes if c != MissCause.NEVER_PUBLISHED), MissCause.NEVER_PUBLISHED)
             return FallThrough(tuple(segments), pos, miss)
     return FallThrough(tuple(segments), pos, None)
+
+
+UNREACHABLE = (TransportError, PoolTimeout, Busy)  # a member that cannot answer now: the next one is asked
+
+
+def raise_first(errors: Sequence[BaseException], what: str) -> None:
+    if not errors:
+        return
+    first = errors[0]
+    for other in errors[1:]:
+        first.add_note(f"{what}, also: {type(other).__name__}: {other}")
+    raise first
+
+
+MemberCall = Callable[[Sequence[bytes], int], tuple[int, "Miss | None", object]]
+
+
+def ask_in_order(hashes: Sequence[bytes], members: Sequence[tuple[str, MemberCall]],
+                 cause_of: Callable[[PoolError], MissCause | None], served: list[tuple[int, int, object]],
+                 through: Callable[..., FallThrough] = fall_through,
+                 errored: Callable[[int], None] | None = None) -> tuple[int, Miss | None]:
+    at_stop: list[tuple[MissCause, Miss | None]] = []  # the answers at the current block
+    errors: list[PoolError] = []
+    cursor = [0]
+
+    def run_of(k: int, call: MemberCall) -> TierRun:
+        def run(tail: Sequence[bytes]) -> tuple[int, MissCause | None]:
+            start = cursor[0]
+            try:
+                held, miss, answer = call(tail, start)
+            except PoolError as exc:
+                cause = cause_of(exc)
+                if cause is None:
+                    raise
+                if errored is not None:
+                    errored(k)
+                if start == 0:
+                    errors.append(exc)
+                at_stop.append((cause, None))
+                return 0, cause
+            if held:
+                served.append((k, start, answer))
+                cursor[0] += held
+                at_stop.clear()
+                errors.clear()
+                return held, None if miss is None else miss.cause
+            cause = MissCause.NEVER_PUBLISHED if miss is None else miss.cause
+            at_stop.append((cause, None if miss is None else Miss(start, cause, miss.fields)))
+            return 0, cause
+        return run
+
+    out = through(hashes, [(name, run_of(k, call)) for k, (name, call) in enumerate(members)])
+    if not served and hashes and len(errors) == len(members):
+        raise_first(errors[::-1], "members that could not be reached")
+    if out.miss is None:
+        return out.served, None
+    return out.served, next((m for c, m in at_stop if c == out.miss and m is not None), None) or Miss(out.served,
+                                                                                                       out.miss)

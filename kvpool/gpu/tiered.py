@@ -108,7 +108,7 @@ from kvpool.errors import (
     PoolTimeout,
     TransportError,
 )
-from kvpool.gpu.tier import KeeperRefused, fall_through
+from kvpool.gpu.tier import UNREACHABLE, KeeperRefused, ask_in_order, fall_through, raise_first
 from kvpool.pool.digest import DigestKind
 from kvpool.pool.keys import NAMESPACE_RESET, Namespace
 from kvpool.pool.records import (
@@ -129,7 +129,6 @@ from kvpool.pool.records import (
 
 log = logging.getLogger(__name__)
 
-UNREACHABLE = (TransportError, PoolTimeout, Busy)  # a member that cannot answer now: the next one is asked
 
 
 class MemberLeftOut(TransportError):
@@ -180,15 +179,6 @@ def _concat_hits(parts: Sequence[Hits]) -> Hits:
                 digests=b"".join(h.digests for h in parts), kinds=kinds)
 
 
-def _raise_first(errors: list[BaseException], what: str) -> None:
-    if not errors:
-        return
-    first = errors[0]
-    for other in errors[1:]:
-        first.add_note(f"{what}, also: {type(other).__name__}: {other}")
-    raise first
-
-
 class TieredBackend:
     def __init__(self, members: Sequence[tuple[str, PoolBackend]]):
         if not members:
@@ -208,7 +198,7 @@ class TieredBackend:
             except UNREACHABLE as exc:
                 late[k] = exc
         if not sizes:
-            _raise_first(list(late.values())[::-1], "members that could not be reached")
+            raise_first(list(late.values())[::-1], "members that could not be reached")
         if len(set(sizes.values())) != 1:
             raise TierMismatch(f"the members' page sizes differ: {sizes}")
         self.page_size = next(iter(sizes.values()))
@@ -308,43 +298,13 @@ class TieredBackend:
         return fall_through(hashes, runs)
 
     def _ask(self, hashes: Sequence[bytes], call, served: list[tuple[int, int, object]]) -> Miss | None:  # noqa: ANN001
-        """fall_through over call(member, tail) -> (held, miss, answer). Appends to `served`, as
-        they come, (member, start, answer) of each run that held blocks (the caller's, so that
-        an acquire that fails midway releases what it leased); returns the miss, with its
-        member's fields. Raises the last member's error where every member raised at the
-        first block."""
-        at_stop: list[tuple[MissCause, Miss | None]] = []  # the answers at the current block
-        errors: list[PoolError] = []
-        cursor = [0]
-
-        def run_of(k: int):  # noqa: ANN202
-            def run(tail: Sequence[bytes]) -> tuple[int, MissCause | None]:
-                try:
-                    held, miss, answer = call(k, tail)
-                except PoolError as exc:
-                    self._count(k, "errors")
-                    if cursor[0] == 0:
-                        errors.append(exc)
-                    cause = miss_cause_of(exc)
-                    at_stop.append((cause, None))
-                    return 0, cause
-                if held:
-                    served.append((k, cursor[0], answer))
-                    cursor[0] += held
-                    at_stop.clear()
-                    errors.clear()
-                    return held, None if miss is None else miss.cause
-                cause = MissCause.NEVER_PUBLISHED if miss is None else miss.cause
-                at_stop.append((cause, None if miss is None else Miss(cursor[0], cause, miss.fields)))
-                return 0, cause
-            return run
-
-        out = self._fall_through(hashes, [(name, run_of(k)) for k, name in enumerate(self.names)])
-        if not served and hashes and len(errors) == len(self.members):
-            _raise_first(errors[::-1], "members that could not be reached")
-        if out.miss is None:
-            return None
-        return next((m for c, m in at_stop if c == out.miss and m is not None), None) or Miss(out.served, out.miss)
+        """kvpool.gpu.tier.ask_in_order over call(member, tail) -> (held, miss, answer), every
+        member's error counted (tiered_<name>_errors). Appends to `served`, as they come,
+        (member, start, answer) of each run that held blocks (the caller's, so that an acquire
+        that fails midway releases what it leased); returns the miss, with its member's fields."""
+        members = [(name, lambda tail, start, k=k: call(k, tail)) for k, name in enumerate(self.names)]
+        return ask_in_order(hashes, members, miss_cause_of, served, self._fall_through,
+                            lambda k: self._count(k, "errors"))[1]
 
     def lookup(self, ns: Namespace, hashes: Sequence[bytes], wait_pending_s: float = 0.0) -> LookupResult:
         def call(k: int, tail: Sequence[bytes]):  # noqa: ANN202
@@ -425,7 +385,7 @@ class TieredBackend:
                 errors.append(exc)
         if errors and stale:
             errors[0].add_note(f"the other members' releases found stale pages {sorted(set(stale))}")
-        _raise_first(errors, what)
+        raise_first(errors, what)
         return ReleaseResult(tuple(sorted(set(stale))))
 
     def release(self, lease_id: int) -> ReleaseResult:
@@ -472,7 +432,7 @@ class TieredBackend:
             for kind, replies in ((0, got.reservations), (1, got.leases)):
                 for r in replies:
                     answers[(k, kind, r.id)] = r
-        _raise_first(errors, "renewals")
+        raise_first(errors, "renewals")
 
         def answer(own: int, kind: int, grants: dict[int, list[tuple[int, int]]]) -> Renewal:
             if own not in grants:
@@ -509,7 +469,7 @@ class TieredBackend:
                     if k + 1 < len(self.members):
                         continue  # the next member is offered the same blocks
                     if not answered:
-                        _raise_first(unreachable[::-1], "members that could not be reached")
+                        raise_first(unreachable[::-1], "members that could not be reached")
                     for i in todo:  # the last member is unreachable: what it was offered is not placed
                         slots[i] = Slot(SlotStatus.NO_CAPACITY)
                     break
@@ -590,7 +550,7 @@ class TieredBackend:
             p.committed = True
             committed += out.committed
             rejected += [p.reserved_at[j] for j in out.rejected]
-        _raise_first(errors, "commits")
+        raise_first(errors, "commits")
         with self._lock:
             self._reservations.pop(int(reservation_id), None)
         return CommitResult(committed, tuple(sorted(rejected)))
@@ -606,7 +566,7 @@ class TieredBackend:
             except BaseException as exc:  # noqa: BLE001 - raised below, once every part was tried
                 exc.add_note(f"aborting member {self.names[p.member]!r}'s part ({what})")
                 errors.append(exc)
-        _raise_first(errors, what)
+        raise_first(errors, what)
         return freed
 
     def abort(self, reservation_id: int) -> int:
@@ -629,7 +589,7 @@ class TieredBackend:
             except PoolError as exc:
                 exc.add_note(f"evicting from member {self.names[k]!r}")
                 errors.append(exc)
-        _raise_first(errors, "evictions")
+        raise_first(errors, "evictions")
         if reset:
             return [o for a in answers for o in a]
         for k, a in zip(asked, answers):
@@ -667,4 +627,4 @@ class TieredBackend:
             except BaseException as exc:  # noqa: BLE001 - raised below, once every member was closed
                 exc.add_note(f"closing member {name!r}")
                 errors.append(exc)
-        _raise_first(errors, "closing")
+        raise_first(errors, "closing")

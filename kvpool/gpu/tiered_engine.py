@@ -76,8 +76,8 @@ from kvpool.gpu.config import KVLayoutError, RegionRefused, TransferConfig, Tran
 from kvpool.gpu.events import resolve_when_all
 from kvpool.gpu.load import LoadHandle, LoadOutcome
 from kvpool.gpu.store import StoreHandle, StoreOutcome
-from kvpool.gpu.tier import fall_through
-from kvpool.gpu.tiered import UNREACHABLE, MemberLeftOut, TieredBackend, miss_cause_of
+from kvpool.gpu.tier import UNREACHABLE, MemberCall, ask_in_order, fall_through, raise_first
+from kvpool.gpu.tiered import MemberLeftOut, TieredBackend, miss_cause_of
 from kvpool.gpu.transfer import TransferEngine
 from kvpool.pool.keys import Namespace
 from kvpool.pool.records import Miss
@@ -89,19 +89,14 @@ JOIN_EVERY_S = 5.0  # an absent member is tried again at most this often
 EngineBuilder = Callable[..., TransferEngine]
 
 
-def _cause(exc: PoolError) -> MissCause:
+def _cause(exc: PoolError) -> MissCause | None:
+    """A member engine's error as its miss (kvpool.gpu.tier.ask_in_order), or None for the
+    device's own failure, raised as from one engine."""
+    if isinstance(exc, TransferError) and not isinstance(exc, (KVLayoutError, RegionRefused)):
+        return None
     if isinstance(exc, (KVLayoutError, ArenaError, CorruptPage)):
         return MissCause.CORRUPT  # pages the member's engine cannot take or address
-    return miss_cause_of(exc)
-
-
-def _raise_last(errors: Sequence[BaseException], what: str) -> None:
-    if not errors:
-        return
-    last = errors[-1]
-    for other in errors[:-1]:
-        last.add_note(f"{what}: also {type(other).__name__}: {other}")
-    raise last
+    return miss_cause_of(exc)  # RegionRefused (a restarted member's segment refused here): transport_error
 
 
 class TieredLoadHandle(LoadHandle):
@@ -139,7 +134,7 @@ class TieredEngine:
                         raise  # it answered: its pages or the configuration do not fit
                     errors.append(self._absent(k, exc))  # no mapping yet: a keeper not up
             if not any(e is not None for e in self.engines):
-                _raise_last(errors, "no member's engine could be built")
+                raise_first(errors[::-1], "no member's engine could be built")
         except BaseException:
             self._close_engines()
             raise
@@ -222,54 +217,24 @@ class TieredEngine:
         ids = self._check_ids(block_ids, hashes)
         t0 = time.monotonic()
         parts: list[tuple[int, int, LoadHandle]] = []  # every member load made, installed or not
-        at_stop: list[tuple[MissCause, Miss | None]] = []  # the answers at the current block
-        errors: list[BaseException] = []
-        cursor = [0]
 
-        def run_of(k: int):  # noqa: ANN202
-            def run(tail: Sequence[bytes]) -> tuple[int, MissCause | None]:
-                engine = self._engine(k)
-                start = cursor[0]
+        def call_of(k: int) -> MemberCall:
+            def call(tail: Sequence[bytes], start: int) -> tuple[int, Miss | None, LoadHandle]:
                 self._after(parts)
                 left = None if deadline_s is None else max(0.0, deadline_s - (time.monotonic() - t0))
-                try:
-                    h = engine.load(ids[start:], tail, deadline_s=left)
-                except TransferError as exc:
-                    if not isinstance(exc, (KVLayoutError, RegionRefused)):
-                        raise  # the device's own failure, as from one engine
-                    return failed(exc, start)  # its pages (a restarted member's new segment) refused here
-                except PoolError as exc:
-                    return failed(exc, start)
+                h = self.engines[k].load(ids[start:], tail, deadline_s=left)
                 parts.append((k, start, h))
-                if h.loaded:
-                    cursor[0] += h.loaded
-                    at_stop.clear()
-                    errors.clear()
-                    return h.loaded, None if h.miss is None else h.miss.cause
-                cause = MissCause.NEVER_PUBLISHED if h.miss is None else h.miss.cause
-                at_stop.append((cause, None if h.miss is None else Miss(start, cause, h.miss.fields)))
-                return 0, cause
-            return run
-
-        def failed(exc: PoolError, start: int) -> tuple[int, MissCause]:
-            if start == 0:
-                errors.append(exc)
-            cause = _cause(exc)
-            at_stop.append((cause, None))
-            return 0, cause
+                return h.loaded, h.miss, h
+            return call
 
         asked = [k for k in range(len(self.engines)) if self._engine(k) is not None]
         try:
-            out = self._fall_through(hashes, [(self.names[k], run_of(k)) for k in asked])
+            served, miss = ask_in_order(hashes, [(self.names[k], call_of(k)) for k in asked], _cause, [],
+                                        self._fall_through)
         except BaseException:
             self._settle_parts(parts)
             raise
-        if not parts and ids and len(errors) == len(asked):
-            _raise_last(errors, "every member's load failed")
-        miss = None
-        if out.miss is not None:
-            miss = next((m for c, m in at_stop if c == out.miss and m is not None), None) or Miss(out.served, out.miss)
-        handle = TieredLoadHandle(next(self._ids), ids, out.served, miss, t0, parts)
+        handle = TieredLoadHandle(next(self._ids), ids, served, miss, t0, parts)
         self._resolve_load(handle)
         return handle
 
@@ -372,7 +337,7 @@ class TieredEngine:
             except BaseException as exc:  # noqa: BLE001 - raised below, once every engine was closed
                 exc.add_note(f"closing the engine of tier member {name!r}")
                 errors.append(exc)
-        _raise_last(errors[::-1], "closing")
+        raise_first(errors, "closing")
 
     def close(self) -> None:
         if self._closed:
