@@ -297,8 +297,8 @@ class Loads:
 
     def _install_and_sketch(self, pages: Sequence[int], block_ids: Sequence[int], dev_out: torch.Tensor) -> None:
         """Pages -> their blocks and their sketches -> `dev_out`, one kernel on the current
-        stream (the load's copy stream, ordered after the engine's reads of the blocks)."""
-        self._check_pages(pages)
+        stream (the load's copy stream, ordered after the engine's reads of the blocks). The
+        pages are the lease's, bounded by load() (_check_pages)."""
         kernel, pieces = self._direct
         idx = self._page_ring.upload(pages, align=2)
         blocks = self._page_ring.upload(block_ids, align=2)
@@ -309,8 +309,8 @@ class Loads:
         """Every page the pool named (a lease's, a reservation's) inside the mapped region: the
         kernels and the driver path address page * page_size unchecked, and a torch slice
         would take a negative page from the region's end. Checked once per lease and per
-        reservation (load() and store()) and again by the kernels' callers. ArenaError: the
-        pool's answer cannot be addressed here (a failed load or store, corrupt)."""
+        reservation (load() and store()), before any copy. ArenaError: the pool's answer cannot
+        be addressed here (a failed load or store, corrupt)."""
         if pages and (min(pages) < 0 or max(pages) * self._page_size + self.layout.page_bytes > self._region.numel()):
             raise ArenaError(f"pages {min(pages)}..{max(pages)} of {self._page_size} bytes lie outside the "
                              f"{self._region.numel()}-byte mapping")
@@ -354,8 +354,8 @@ class Loads:
 
     def _copy_and_sketch(self, pages: Sequence[int], stage: torch.Tensor, dev_out: torch.Tensor) -> None:
         """Pages -> rows of `stage` and their sketches -> `dev_out`, one kernel on the current
-        stream (the load's copy stream)."""
-        self._check_pages(pages)
+        stream (the load's copy stream). The pages are the lease's, bounded by load()
+        (_check_pages)."""
         idx = self._page_ring.upload(pages, align=2)  # a 16-byte boundary: one compiled kernel
         self._copy_sketch(self._region.view(torch.int8), idx, self._page_size, self.layout.page_bytes,
                           stage.view(torch.int8).view(-1), stage.stride(0), self._sketch_gpu.key, dev_out)
