@@ -15,6 +15,12 @@ a client of the store who lacks the tenant's tier secret can do to records.
                      under another block's key, or a page rewritten with its plain digest
                      recomputed, is installed as good; a byte-exact check must see it.
   UNAUTHENTICATED_TIER  the name of that control where a fault-control file arms it
+  SizeThenFetchTier(inner)
+                     a MooncakeTier's reader before its fetches were bounded: the record's
+                     size is read and checked against the bound, then the record is fetched
+                     whole. A record replaced by a larger one between the two calls (any
+                     client of the store may) is brought whole into the reader's memory; an
+                     oracle on the bytes each fetch may move must see it.
 
 A store client without the secret (the store's operator, another tenant with write access
 to the key, anyone on an open Redis or Mooncake):
@@ -37,7 +43,8 @@ import msgspec
 
 from kvpool.pool.digest import DigestKind, kind_of, page_digest
 from kvpool.pool.keys import Namespace
-from kvpool.tier.record import HEADER_ENCODER, LENGTH_PREFIX, TierCorrupt, TierIncompatible, TierPage, split_record
+from kvpool.tier.record import (HEADER_ENCODER, LENGTH_PREFIX, TierCorrupt, TierIncompatible, TierPage, decode_record,
+                                record_bound, record_too_long, split_record)
 
 UNAUTHENTICATED_TIER = "unauthenticated_tier"
 
@@ -84,6 +91,23 @@ class UnauthenticatedTier(_Reader):
         if len(data) != header.length or page_digest(data, kind) != header.digest:
             raise TierCorrupt("the record's page does not match the digest taken at publish")
         return TierPage(data, header.digest, kind)
+
+
+class SizeThenFetchTier(_Reader):
+    """Negative controls only."""
+
+    def get_record(self, ns: Namespace, block_hash: bytes, max_page_bytes: int | None = None) -> bytes | None:
+        store, key = self.inner._s, self.inner.auth.key(ns, block_hash)
+        size = store.get_size(key)
+        if size < 0:
+            return None
+        if max_page_bytes is not None and size > record_bound(max_page_bytes):
+            raise record_too_long(size, max_page_bytes)
+        return bytes(store.get(key)) or None  # the defect: measured, then fetched without a bound
+
+    def get(self, ns: Namespace, block_hash: bytes, max_page_bytes: int | None = None) -> TierPage | None:
+        blob = self.get_record(ns, block_hash, max_page_bytes)
+        return None if blob is None else decode_record(self.inner.auth, ns, block_hash, blob)
 
 
 def forge_record(blob: bytes, page: bytes | None = None, **fields: object) -> bytes:

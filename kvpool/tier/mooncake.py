@@ -21,11 +21,14 @@ mooncake-transfer-engine), over TCP or RDMA.
         the query); a URL without `metadata` is a ValueError.
   .put  `upsert` of the whole record (a plain `put` on an existing key keeps the old bytes);
         the store answers complete-or-invisible; "no space" is False
-  .get  `get_size` first: a missing key (-704) is None; then `get`. An empty `get` of a
-        key the master still indexes is a storage node that cannot serve it (dead or cut
-        off): TierUnavailable; a key gone between the two calls is None. Then
-        kvpool.tier.record.decode_record. Reads hold a lease on the master's side (default 10 s),
-        so a page being read is not evicted or removed under the reader.
+  .get  with `max_page_bytes` (the connector's reads): one `get_into` a registered buffer of
+        a record's bound, which the store refuses (-600, nothing moved) for a larger record:
+        corrupt, not read, whenever the larger record was put. Without it: `get_size`, then
+        `get`. A missing key (-704) is None. An empty fetch of a key the master still indexes
+        is a storage node that cannot serve it (dead or cut off): TierUnavailable; a key gone
+        since is None. Then kvpool.tier.record.decode_record. Reads hold a lease on the
+        master's side (default 10 s), so a page being read is not evicted or removed under
+        the reader.
   .get_record  the same reads, the raw record unchecked
   .exists  one `batch_is_exist`, counted from the first
   .remove  `remove(force=True)` (a lease held by a reader would otherwise refuse it)
@@ -38,13 +41,16 @@ high watermark).
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from urllib.parse import parse_qs, urlsplit
 
+import numpy as np
+
 from kvpool.pool.digest import DigestKind
 from kvpool.pool.keys import Namespace
-from kvpool.tier.record import TierAuth, TierCaps, TierCorrupt, TierError, TierPage, TierUnavailable, decode_record, encode_record, record_bound, record_too_long
+from kvpool.tier.record import TierAuth, TierCaps, TierError, TierPage, TierUnavailable, decode_record, encode_record, record_bound, record_too_long
 
 CAPS = TierCaps("mooncake", read_leases=True, atomic_put=True, evicts=True)
 
@@ -54,6 +60,7 @@ OBJECT_NOT_FOUND = -704
 OBJECT_HAS_LEASE = -706
 TRANSFER_FAIL = -800  # the bytes could not be moved to or from the node holding them
 RPC_FAIL = -900
+BUFFER_TOO_SMALL = -600  # INVALID_PARAMS: get_into's answer for a record larger than the buffer
 _HEALTHY = 0
 
 
@@ -72,6 +79,8 @@ class MooncakeTier:
         # one hung call does not hold the next back (each is still bounded by timeout_s).
         self._calls = ThreadPoolExecutor(4, thread_name_prefix="kvpool-mooncake")
         self._s = MooncakeDistributedStore()
+        self._buffers: list = []  # registered fetch buffers not in use (_buffer)
+        self._buffers_lock = threading.Lock()
         rc = self._s.setup(local_hostname, metadata, int(segment_bytes), int(buffer_bytes), protocol, devices, master)
         if rc != 0:
             raise TierUnavailable(f"mooncake setup against master {master} (metadata {metadata}) failed: {rc}")
@@ -86,8 +95,12 @@ class MooncakeTier:
         return cls(parts.netloc, q["metadata"], auth, q.get("local_hostname", "127.0.0.1"),
                    protocol=q.get("protocol", "tcp"), devices=q.get("devices", ""), timeout_s=timeout_s, **sizes)
 
-    def _call(self, what: str, fn, *args):  # noqa: ANN001, ANN202
+    def _call(self, what: str, fn, *args, then=None):  # noqa: ANN001, ANN202
+        """fn(*args) on a helper thread, waited for timeout_s at most; `then()` runs once the
+        call itself has ended (on the helper, whether or not it was waited for)."""
         future = self._calls.submit(fn, *args)
+        if then is not None:
+            future.add_done_callback(lambda _f: then())
         try:
             return future.result(timeout=self.timeout_s)
         except FutureTimeout:
@@ -120,25 +133,69 @@ class MooncakeTier:
     def get_record(self, ns: Namespace, block_hash: bytes, max_page_bytes: int | None = None) -> bytes | None:
         self._alive("get")
         key = self.auth.key(ns, block_hash)
+        if max_page_bytes is not None:
+            return self._get_bounded(key, max_page_bytes)
         size = self._check("get_size", self._call("get_size", self._s.get_size, key))
         if size == OBJECT_NOT_FOUND:
             return None
-        if max_page_bytes is not None and size > record_bound(max_page_bytes):  # any client may put any size
-            raise record_too_long(size, max_page_bytes)
         blob = self._call("get", self._s.get, key)
-        if not blob:  # removed or evicted since get_size, the master gone, or the node holding it
-            self._alive("get")
-            if self._call("get_size", self._s.get_size, key) > 0:
-                raise TierUnavailable(f"mooncake get at {self.master}: the master indexes the key, and the "
-                                      "storage node holding it does not serve it")
+        if not blob:
+            self._empty_get(key)
             return None
-        if max_page_bytes is not None and len(blob) > record_bound(max_page_bytes):
-            # put again under the key, larger, between the size and the fetch (any client may):
-            # fetched, but not decoded, digested or copied further
-            raise TierCorrupt(f"a record of {len(blob)} bytes fetched under this key, {size} when its size was "
-                              f"read (replaced between the two); a record here is at most "
-                              f"{record_bound(max_page_bytes)}: not decoded")
         return bytes(blob)
+
+    def _get_bounded(self, key: str, max_page_bytes: int) -> bytes | None:
+        """One `get_into` a buffer of the record's bound: the store measures the record before
+        it moves a byte, so a larger one (any client may put any size under any key, and
+        between any two of the reader's calls) is refused by the store, never fetched."""
+        bound = record_bound(max_page_bytes)
+        buf = self._buffer(bound)
+
+        def fetch() -> tuple[int, bytes]:
+            n = self._s.get_into(key, buf.ctypes.data, bound)
+            return n, bytes(buf[:n]) if n > 0 else b""
+
+        # The buffer goes back when the helper's call ends, not when the wait for it does: a call
+        # past its timeout may still write into it.
+        n, blob = self._call("get_into", fetch, then=lambda: self._give_back(buf))
+        if n == BUFFER_TOO_SMALL:
+            size = self._call("get_size", self._s.get_size, key)
+            if size > bound:
+                raise record_too_long(size, max_page_bytes)
+            raise TierError(f"mooncake get_into at {self.master}: error {n} for a record of {size} bytes "
+                            f"(at most {bound} here)")
+        n = self._check("get_into", n)
+        if n == OBJECT_NOT_FOUND:
+            return None
+        if n == 0:
+            self._empty_get(key)
+            return None
+        return blob
+
+    def _buffer(self, nbytes: int):  # noqa: ANN202 - a numpy uint8 array
+        """A fetch buffer of at least `nbytes`, registered with the client (an RDMA transfer
+        lands only in registered memory): one per concurrent reader, kept for the next."""
+        with self._buffers_lock:
+            for i, b in enumerate(self._buffers):
+                if b.nbytes >= nbytes:
+                    return self._buffers.pop(i)
+        b = np.empty(nbytes, dtype=np.uint8)
+        rc = self._s.register_buffer(b.ctypes.data, b.nbytes)
+        if rc != 0:
+            raise TierError(f"mooncake register_buffer of {b.nbytes} bytes at {self.master}: error {rc}")
+        return b
+
+    def _give_back(self, buf) -> None:  # noqa: ANN001
+        with self._buffers_lock:
+            self._buffers.append(buf)
+
+    def _empty_get(self, key: str) -> None:
+        """An empty fetch of a key: removed or evicted since the reader looked (a miss), or the
+        master indexes it and the storage node holding it does not serve it (dead or cut off)."""
+        self._alive("get")
+        if self._call("get_size", self._s.get_size, key) > 0:
+            raise TierUnavailable(f"mooncake get at {self.master}: the master indexes the key, and the "
+                                  "storage node holding it does not serve it")
 
     def exists(self, ns: Namespace, hashes: list[bytes]) -> int:
         self._alive("exists")

@@ -21,12 +21,12 @@ import time
 import numpy as np
 import pytest
 
-from kvgate.faults.tier_controls import BlindTier, UnauthenticatedTier, forge_record
+from kvgate.faults.tier_controls import BlindTier, SizeThenFetchTier, UnauthenticatedTier, forge_record
 from kvgate.harness.system.stores import MooncakeMaster, MooncakeNode, mooncake_binary, mooncake_env
 from kvpool.pool.digest import page_digest
 from kvpool.errors import MissCause
 from kvpool.pool.keys import Namespace, block_hashes
-from kvpool.tier.record import TierAuth, TierCorrupt, TierUnavailable, tier_key
+from kvpool.tier.record import TierAuth, TierCorrupt, TierUnavailable, record_bound, tier_key
 from kvpool.tier.registry import open_tier
 
 PAGE = 128 * 1024
@@ -143,10 +143,34 @@ def test_a_moved_or_forged_record_is_corrupt_and_the_unauthenticated_reader_is_c
         t.close()
 
 
+class Fetches:
+    """The tier's store client with every call that moves a record's bytes to the reader
+    recorded (name, key, the most bytes it may move: None for no bound); `before_fetch` runs
+    first (an attacker's write at exactly that moment)."""
+
+    MOVES = ("get", "get_into", "get_buffer", "get_batch", "batch_get_buffer", "batch_get_into", "get_tensor")
+
+    def __init__(self, raw, before_fetch=None):  # noqa: ANN001
+        self.raw, self.before_fetch, self.calls = raw, before_fetch, []
+
+    def __getattr__(self, name):  # noqa: ANN001, ANN204
+        fn = getattr(self.raw, name)
+        if name not in self.MOVES:
+            return fn
+
+        def moving(key, *args):  # noqa: ANN001, ANN202
+            if self.before_fetch is not None:
+                self.before_fetch(key)
+            self.calls.append((name, key, args[1] if name == "get_into" else None))
+            return fn(key, *args)
+        return moving
+
+
 def test_a_ballooned_record_is_corrupt_and_never_fetched(master, test_seed):
     """Any client of a Mooncake store (it has no access control) puts 8 MiB under one of the
-    tenant's keys: a reader that knows a page here is PAGE bytes sees its size first and
-    calls it corrupt without fetching it (the client's get is never called for it)."""
+    tenant's keys: a reader that knows a page here is PAGE bytes fetches into a buffer of a
+    record's bound, so the store refuses the larger record without moving it, and the reader
+    calls it corrupt. Every fetch is bounded (none unbounded, none past the bound)."""
     hashes, data = pages(test_seed, 2)
     t = open_tier(master.url, AUTH, TIMEOUT_S)
     try:
@@ -155,32 +179,28 @@ def test_a_ballooned_record_is_corrupt_and_never_fetched(master, test_seed):
         raw, key = t._s, tier_key(AUTH, NS, hashes[1])
         time.sleep(2.2)  # no lease held: the upsert goes through
         assert raw.upsert(key, bytes(t._s.get(tier_key(AUTH, NS, hashes[0]))) + bytes(8 * 2**20)) == 0
-        fetched: list[str] = []
-
-        class Counting:  # the tier's store client, every fetch counted
-            def __getattr__(self, name):  # noqa: ANN001, ANN204
-                return getattr(raw, name)
-
-            def get(self, k):  # noqa: ANN001, ANN201
-                fetched.append(k)
-                return raw.get(k)
-
-        t._s = Counting()
+        t._s = fetches = Fetches(raw)
         try:
             assert t.get(NS, hashes[0], max_page_bytes=PAGE).data == data[0]
             with pytest.raises(TierCorrupt, match="not read") as exc:
                 t.get(NS, hashes[1], max_page_bytes=PAGE)
-            assert exc.value.cause is MissCause.CORRUPT and fetched == [tier_key(AUTH, NS, hashes[0])]
+            assert exc.value.cause is MissCause.CORRUPT
         finally:
             t._s = raw
+        bound = record_bound(PAGE)
+        assert fetches.calls == [("get_into", tier_key(AUTH, NS, hashes[0]), bound), ("get_into", key, bound)]
     finally:
         t.close()
 
 
-def test_a_record_replaced_by_a_ballooned_one_after_its_size_was_read_is_corrupt(master, test_seed):
-    """The same attacker, between the reader's size check and its fetch: the record it fetches
-    is measured again, and one past the bound is corrupt (before any decoding or copy of it),
-    not handed on to the decoder."""
+@pytest.mark.parametrize("reader_kind", ["tier", "control-size-then-fetch"])
+def test_a_record_replaced_by_a_ballooned_one_just_before_the_fetch_is_never_fetched(master, test_seed,
+                                                                                   reader_kind):
+    """The same attacker, at the last moment: the record is replaced by a ballooned one just
+    before the reader's fetch. The tier's one bounded fetch is measured by the store, so there
+    is no window between a size check and a fetch: corrupt, not read. Oracle: no fetch may move
+    more than a record's bound. The control (SizeThenFetchTier: the size read, then the record
+    fetched whole) brings the attacker's 8 MiB in, and the oracle sees its unbounded fetch."""
     hashes, data = pages(test_seed, 1)
     t = open_tier(master.url, AUTH, TIMEOUT_S)
     try:
@@ -188,22 +208,23 @@ def test_a_record_replaced_by_a_ballooned_one_after_its_size_was_read_is_corrupt
         raw = t._s
         key = tier_key(AUTH, NS, hashes[0])
         ballooned = bytes(raw.get(key)) + bytes(8 * 2**20)
-
-        class Replaced:  # the size read before the attacker's upsert, the fetch after it
-            def __getattr__(self, name):  # noqa: ANN001, ANN204
-                return getattr(raw, name)
-
-            def get(self, k):  # noqa: ANN001, ANN201
-                return ballooned if k == key else raw.get(k)
-
-        t._s = Replaced()
+        time.sleep(2.2)  # the read above holds a lease (2 s here): the store's upsert waits it out
+        t._s = fetches = Fetches(raw, before_fetch=lambda k: raw.upsert(k, ballooned))
+        reader = t if reader_kind == "tier" else SizeThenFetchTier(t)
         try:
-            with pytest.raises(TierCorrupt, match="replaced between the two.*not decoded") as exc:
-                t.get(NS, hashes[0], max_page_bytes=PAGE)
+            with pytest.raises(TierCorrupt) as exc:
+                reader.get(NS, hashes[0], max_page_bytes=PAGE)
             assert exc.value.cause is MissCause.CORRUPT
         finally:
             t._s = raw
-        assert t.get(NS, hashes[0], max_page_bytes=PAGE).data == data[0]
+        assert raw.get_size(key) == len(ballooned)  # the attacker's record was there at the fetch
+        bound = record_bound(PAGE)
+        past = [c for c in fetches.calls if c[2] is None or c[2] > bound]
+        if reader_kind == "tier":
+            assert not past and fetches.calls == [("get_into", key, bound)]
+            assert "not read" in str(exc.value)
+        else:
+            assert past == [("get", key, None)], "negative control not caught by the bounded-fetch oracle"
     finally:
         t.close()
 
