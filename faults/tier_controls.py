@@ -21,6 +21,11 @@ a client of the store who lacks the tenant's tier secret can do to records.
                      whole. A record replaced by a larger one between the two calls (any
                      client of the store may) is brought whole into the reader's memory; an
                      oracle on the bytes each fetch may move must see it.
+  EagerBufferTier(inner)
+                     a MooncakeTier's bounded reader that takes its fetch buffer back when
+                     the wait for the fetch ends (its timeout included) rather than when the
+                     fetch does: a fetch past its timeout lands later in a buffer another
+                     read is using, and that read hands out the late record's bytes.
 
 A store client without the secret (the store's operator, another tenant with write access
 to the key, anyone on an open Redis or Mooncake):
@@ -104,6 +109,23 @@ class SizeThenFetchTier(_Reader):
         if max_page_bytes is not None and size > record_bound(max_page_bytes):
             raise record_too_long(size, max_page_bytes)
         return bytes(store.get(key)) or None  # the defect: measured, then fetched without a bound
+
+    def get(self, ns: Namespace, block_hash: bytes, max_page_bytes: int | None = None) -> TierPage | None:
+        blob = self.get_record(ns, block_hash, max_page_bytes)
+        return None if blob is None else decode_record(self.inner.auth, ns, block_hash, blob)
+
+
+class EagerBufferTier(_Reader):
+    """Negative controls only."""
+
+    def get_record(self, ns: Namespace, block_hash: bytes, max_page_bytes: int | None = None) -> bytes | None:
+        tier, key, bound = self.inner, self.inner.auth.key(ns, block_hash), record_bound(max_page_bytes)
+        buf = tier._buffer(bound)
+        try:
+            n = tier._call("get_into", tier._s.get_into, key, buf.ctypes.data, bound)
+            return bytes(buf[:n]) if n > 0 else None
+        finally:
+            tier._give_back(buf)  # the defect: back when the wait ends; the fetch may still run
 
     def get(self, ns: Namespace, block_hash: bytes, max_page_bytes: int | None = None) -> TierPage | None:
         blob = self.get_record(ns, block_hash, max_page_bytes)

@@ -16,12 +16,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
 import pytest
 
-from kvgate.faults.tier_controls import BlindTier, SizeThenFetchTier, UnauthenticatedTier, forge_record
+from kvgate.faults.tier_controls import BlindTier, EagerBufferTier, SizeThenFetchTier, UnauthenticatedTier, forge_record
 from kvgate.harness.system.stores import MooncakeMaster, MooncakeNode, mooncake_binary, mooncake_env
 from kvpool.pool.digest import page_digest
 from kvpool.errors import MissCause
@@ -225,6 +226,56 @@ def test_a_record_replaced_by_a_ballooned_one_just_before_the_fetch_is_never_fet
             assert "not read" in str(exc.value)
         else:
             assert past == [("get", key, None)], "negative control not caught by the bounded-fetch oracle"
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("reader_kind", ["tier", "control-eager-buffer"])
+def test_a_fetch_past_its_timeout_lands_in_a_buffer_no_other_read_uses(master, test_seed, reader_kind):
+    """A fetch that outlives its wait (a slow storage node) still writes into its buffer when it
+    lands. Forced order: reader 1's fetch of block 0 is held past its timeout (TierUnavailable);
+    reader 2 fetches block 1, and block 0's fetch lands just before reader 2 copies its bytes out.
+    Oracle: reader 2's page is block 1's, byte-exact. The control (EagerBufferTier: the buffer
+    back when the wait ends) gives reader 2 the same buffer, and it reads block 0's record:
+    refused by the record's tag, so reader 2 loses its page."""
+    hashes, data = pages(test_seed, 2)
+    t = open_tier(master.url, AUTH, 0.5)
+    try:
+        for h, p in zip(hashes, data):
+            assert t.put(NS, h, p, page_digest(p))
+        raw, keys = t._s, [tier_key(AUTH, NS, h) for h in hashes]
+        release, landed = threading.Event(), threading.Event()
+
+        class Held:  # block 0's fetch held until reader 2's fetch has run, then landing at once
+            def __getattr__(self, name):  # noqa: ANN001, ANN204
+                return getattr(raw, name)
+
+            def get_into(self, key, ptr, size):  # noqa: ANN001, ANN201
+                if key == keys[0]:
+                    assert release.wait(30)
+                    n = raw.get_into(key, ptr, size)
+                    landed.set()
+                    return n
+                n = raw.get_into(key, ptr, size)
+                release.set()
+                assert landed.wait(30)
+                return n
+
+        time.sleep(2.2)  # the puts' leases gone
+        t._s = Held()
+        reader = t if reader_kind == "tier" else EagerBufferTier(t)
+        try:
+            with pytest.raises(TierUnavailable, match="no answer"):
+                reader.get(NS, hashes[0], max_page_bytes=PAGE)
+            try:
+                got = reader.get(NS, hashes[1], max_page_bytes=PAGE)
+            except TierCorrupt:
+                assert reader_kind != "tier", "reader 2 was handed the late fetch's buffer"
+                return
+            assert reader_kind == "tier", "negative control not caught by the byte-exact oracle"
+            assert got.data == data[1]
+        finally:
+            t._s = raw
     finally:
         t.close()
 
