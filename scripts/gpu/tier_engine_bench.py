@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         result["copy_GBps"] = round(n * pb / result["copy_s"] / 1e9, 1)
         rows = tier.view(-1, SKETCH_ROW)
         result["sketch_s"] = {}
-        for impl in sorted({w for w, _, _ in ways if w != "auto"} | {Sketcher(dev).impl}):
+        for impl in sorted({cfg.sketch_impl for _, cfg in ways if cfg.sketch_impl != "auto"} | {Sketcher(dev).impl}):
             sk = Sketcher(dev, impl)
             result["sketch_s"][impl] = round(gpu_seconds(lambda: sk.sketch(rows), 3), 5)
         _say(f"plain copy {result['copy_s'] * 1e3:.1f} ms, sketch alone {result['sketch_s']}")
