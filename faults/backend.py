@@ -265,7 +265,13 @@ class FaultyBackend:
             time.sleep(delay)
         return self._call(self.inner.lookup, ns, hashes, wait_pending_s)
 
-    def probe(self, ns, hashes: Sequence[bytes], fresh_s=None):  # noqa: ANN001, ANN201 - the same faults as a lookup
+    @property
+    def probe(self):  # noqa: ANN201
+        """The inner backend's same-host probe with a lookup's faults; None where the inner
+        backend has none (a GPU tier's), as the connector finds on the backend unwrapped."""
+        return None if getattr(self.inner, "probe", None) is None else self._probe
+
+    def _probe(self, ns, hashes: Sequence[bytes], fresh_s=None):  # noqa: ANN001, ANN201 - the same faults as a lookup
         ns = self._ns(ns)
         client = self._spec.get("client") or {}
         if client.get("control") == "unguarded_probe":

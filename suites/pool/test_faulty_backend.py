@@ -63,3 +63,20 @@ def test_blocks_leased_by_another_load_are_not_evicted_nor_counted(pool, tmp_pat
     res, fired, skipped = run(pool, tmp_path, block=0, hold=True)
     assert res.loaded == 3 and res.miss is None and fired == []
     assert [s["reason"] for s in skipped] == ["nothing evicted"]
+
+
+def test_the_wrapper_has_a_probe_only_where_the_backend_it_wraps_has_one(pool, tmp_path):
+    """The connector asks the backend for a same-host probe with getattr(backend, "probe",
+    None): a GPU tier's backend has none, and the wrapper around it must not answer with one
+    that raises AttributeError out of the scheduler (a live replica's engine died of it)."""
+    control = tmp_path / "faults.json"
+    control.write_text("{}")
+    history = HistoryWriter(tmp_path / "h", "r", "worker")
+
+    class NoProbe:  # the GPU tier's backend (kvpool.gpu.tier_backend.TierBackend) has no probe
+        page_size = PAGE
+
+    assert getattr(FaultyBackend(NoProbe(), control, history), "probe", None) is None
+    with PoolClient(f"unix:{pool.unix_path}", "default", "tok") as c:
+        probe = FaultyBackend(c, control, history).probe
+        assert probe is not None and probe(NS, block_hashes(range(48), 16), 5.0) in (None, 0)
