@@ -115,7 +115,8 @@ def main(report_dir: Path, seed: int = 20261129, bench: bool = False, bench_reps
             _say(f"kvgate gpu-live: live part {'PASS' if result['passed'] else 'FAIL'} after "
                  f"{time.monotonic() - t0:.0f} s")
         else:
-            result.update(seed=seed, env=live.environment(), exchanges_skipped=True)
+            # not run is neither a pass nor a fail: the run's verdict is "ok"
+            result.update(passed=None, seed=seed, env=live.environment(), exchanges_skipped=True)
         if tier_f is not None:
             _run_part(result, "tier", tier_f, lambda c: live.run_live(c, c.model_dir, seed, pool=c.tier_oracle))
             (report_dir / "tier.json").write_text(json.dumps(result.get("tier"), indent=1, default=str))
