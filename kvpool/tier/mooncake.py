@@ -81,6 +81,9 @@ class MooncakeTier:
         self._s = MooncakeDistributedStore()
         self._buffers: list = []  # registered fetch buffers not in use (_buffer)
         self._buffers_lock = threading.Lock()
+        self._state = threading.Condition()  # _closed, and the count of calls the client is running
+        self._closed = False
+        self._running = 0
         rc = self._s.setup(local_hostname, metadata, int(segment_bytes), int(buffer_bytes), protocol, devices, master)
         if rc != 0:
             raise TierUnavailable(f"mooncake setup against master {master} (metadata {metadata}) failed: {rc}")
@@ -97,8 +100,29 @@ class MooncakeTier:
 
     def _call(self, what: str, fn, *args, then=None):  # noqa: ANN001, ANN202
         """fn(*args) on a helper thread, waited for timeout_s at most; `then()` runs once the
-        call itself has ended (on the helper, whether or not it was waited for)."""
-        future = self._calls.submit(fn, *args)
+        call itself has ended (on the helper, whether or not it was waited for). Every call to
+        the store's client goes through here: a closed tier refuses it (the client must not be
+        called once closed: it crashes the process)."""
+        closed = TierUnavailable(f"mooncake {what} at {self.master}: the tier is closed")
+
+        def run():  # noqa: ANN202
+            with self._state:  # a call starts only while the tier is open, and is counted until it ends
+                if self._closed:
+                    raise closed
+                self._running += 1
+            try:
+                return fn(*args)
+            finally:
+                with self._state:
+                    self._running -= 1
+                    self._state.notify_all()
+
+        if self._closed:
+            raise closed
+        try:
+            future = self._calls.submit(run)
+        except RuntimeError:  # the executor shut down by close()
+            raise closed from None
         if then is not None:
             future.add_done_callback(lambda _f: then())
         try:
@@ -159,7 +183,9 @@ class MooncakeTier:
         # past its timeout may still write into it.
         n, blob = self._call("get_into", fetch, then=lambda: self._give_back(buf))
         if n == BUFFER_TOO_SMALL:
-            size = self._call("get_size", self._s.get_size, key)
+            size = self._check("get_size", self._call("get_size", self._s.get_size, key))
+            if size == OBJECT_NOT_FOUND:
+                return None  # removed since
             if size > bound:
                 raise record_too_long(size, max_page_bytes)
             raise TierError(f"mooncake get_into at {self.master}: error {n} for a record of {size} bytes "
@@ -167,22 +193,28 @@ class MooncakeTier:
         n = self._check("get_into", n)
         if n == OBJECT_NOT_FOUND:
             return None
+        if n < 0:  # NO_SPACE: the client found no staging buffer for the transfer
+            raise TierUnavailable(f"mooncake get_into at {self.master}: no transfer buffer ({n})")
         if n == 0:
             self._empty_get(key)
             return None
+        if n > bound:  # the client never answers more than the size it was given
+            raise TierError(f"mooncake get_into at {self.master}: {n} bytes into a buffer of {bound}")
         return blob
 
     def _buffer(self, nbytes: int):  # noqa: ANN202 - a numpy uint8 array
         """A fetch buffer of at least `nbytes`, registered with the client (an RDMA transfer
         lands only in registered memory): one per concurrent reader, kept for the next."""
         with self._buffers_lock:
-            for i, b in enumerate(self._buffers):
-                if b.nbytes >= nbytes:
-                    return self._buffers.pop(i)
+            fits = [i for i, b in enumerate(self._buffers) if b.nbytes >= nbytes]
+            if fits:
+                return self._buffers.pop(min(fits, key=lambda i: self._buffers[i].nbytes))
         b = np.empty(nbytes, dtype=np.uint8)
-        rc = self._s.register_buffer(b.ctypes.data, b.nbytes)
+        # registering tells the metadata server about the buffer: bounded like any call
+        rc = self._call("register_buffer", self._s.register_buffer, b.ctypes.data, b.nbytes)
         if rc != 0:
-            raise TierError(f"mooncake register_buffer of {b.nbytes} bytes at {self.master}: error {rc}")
+            # the client registers with the metadata server: refused when it cannot reach it
+            raise TierUnavailable(f"mooncake register_buffer of {b.nbytes} bytes at {self.master}: error {rc}")
         return b
 
     def _give_back(self, buf) -> None:  # noqa: ANN001
@@ -210,6 +242,16 @@ class MooncakeTier:
         self._alive("remove")
         self._check("remove", self._call("remove", self._s.remove, self.auth.key(ns, block_hash), True))
 
-    def close(self) -> None:
-        self._s.close()
-        self._calls.shutdown(wait=False)
+    def close(self, wait_s: float | None = None) -> bool:
+        """Refuse new calls, drop those queued, wait for those the client is running (at most
+        `wait_s`, default the tier's timeout), then close the client. A call still running
+        then (a hung store) keeps the client open, never closed under it: False."""
+        with self._state:
+            self._closed = True
+        self._calls.shutdown(wait=False, cancel_futures=True)
+        with self._state:
+            idle = self._state.wait_for(lambda: self._running == 0,
+                                        timeout=self.timeout_s if wait_s is None else wait_s)
+        if idle:
+            self._s.close()
+        return idle

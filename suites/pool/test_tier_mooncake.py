@@ -239,7 +239,7 @@ def test_a_fetch_past_its_timeout_lands_in_a_buffer_no_other_read_uses(master, t
     back when the wait ends) gives reader 2 the same buffer, and it reads block 0's record:
     refused by the record's tag, so reader 2 loses its page."""
     hashes, data = pages(test_seed, 2)
-    t = open_tier(master.url, AUTH, 0.5)
+    t = open_tier(master.url, AUTH, TIMEOUT_S)
     try:
         for h, p in zip(hashes, data):
             assert t.put(NS, h, p, page_digest(p))
@@ -265,8 +265,10 @@ def test_a_fetch_past_its_timeout_lands_in_a_buffer_no_other_read_uses(master, t
         t._s = Held()
         reader = t if reader_kind == "tier" else EagerBufferTier(t)
         try:
+            t.timeout_s = 0.5  # reader 1's fetch alone outlives its wait
             with pytest.raises(TierUnavailable, match="no answer"):
                 reader.get(NS, hashes[0], max_page_bytes=PAGE)
+            t.timeout_s = TIMEOUT_S
             try:
                 got = reader.get(NS, hashes[1], max_page_bytes=PAGE)
             except TierCorrupt:
@@ -278,6 +280,73 @@ def test_a_fetch_past_its_timeout_lands_in_a_buffer_no_other_read_uses(master, t
             t._s = raw
     finally:
         t.close()
+
+
+def test_a_store_without_a_transfer_buffer_is_unavailable_not_corrupt(master, test_seed):
+    """Mooncake answers a fetch it has no staging buffer for with NO_AVAILABLE_HANDLE (-200;
+    stores with disk offload, say): a transport error, never a record called corrupt (which
+    reads as tampering) nor a miss. The store's answer is the fault, at the store's client."""
+    hashes, data = pages(test_seed, 1)
+    t = open_tier(master.url, AUTH, TIMEOUT_S)
+    try:
+        assert t.put(NS, hashes[0], data[0], page_digest(data[0]))
+        raw = t._s
+
+        class NoHandle:  # the client's answer when it finds no buffer to stage the transfer in
+            def __getattr__(self, name):  # noqa: ANN001, ANN204
+                return getattr(raw, name)
+
+            def get_into(self, key, ptr, size):  # noqa: ANN001, ANN201
+                return -200
+
+        t._s = NoHandle()
+        try:
+            with pytest.raises(TierUnavailable, match="no transfer buffer") as exc:
+                t.get(NS, hashes[0], max_page_bytes=PAGE)
+            assert exc.value.cause is MissCause.TRANSPORT_ERROR
+        finally:
+            t._s = raw
+        assert t.get(NS, hashes[0], max_page_bytes=PAGE).data == data[0]
+    finally:
+        t.close()
+
+
+def test_close_never_closes_the_client_under_a_call_it_runs(master, test_seed):
+    """A fetch that outlives its wait is still running in the store's client when the tier is
+    closed: the client is not closed under it (Mooncake's client crashes the process when called
+    once closed). close() says so (False) and every later call is refused; the late fetch ends
+    normally; a second close, with nothing running, closes the client."""
+    hashes, data = pages(test_seed, 1)
+    t = open_tier(master.url, AUTH, TIMEOUT_S)
+    raw = t._s
+    release, ended = threading.Event(), threading.Event()
+    try:
+        assert t.put(NS, hashes[0], data[0], page_digest(data[0]))
+
+        class Held:
+            def __getattr__(self, name):  # noqa: ANN001, ANN204
+                return getattr(raw, name)
+
+            def get_into(self, key, ptr, size):  # noqa: ANN001, ANN201
+                assert release.wait(30)
+                try:
+                    return raw.get_into(key, ptr, size)
+                finally:
+                    ended.set()
+
+        t._s = Held()
+        t.timeout_s = 0.3
+        with pytest.raises(TierUnavailable, match="no answer"):
+            t.get(NS, hashes[0], max_page_bytes=PAGE)
+        assert t.close(wait_s=0.2) is False  # the fetch still runs: the client stays open
+        with pytest.raises(TierUnavailable, match="closed"):
+            t.get(NS, hashes[0], max_page_bytes=PAGE)
+        release.set()
+        assert ended.wait(30)
+    finally:
+        release.set()
+        t._s = raw
+        assert t.close(wait_s=TIMEOUT_S) is True
 
 
 def test_a_full_store_evicts_whole_pages_and_never_serves_other_bytes(master, test_seed):
@@ -303,7 +372,7 @@ def test_a_killed_master_is_unavailable_at_once_and_comes_back_empty(master, tes
         time.sleep(0.5)
         t0 = time.monotonic()
         with pytest.raises(TierUnavailable) as exc:
-            t.get(NS, hashes[0])
+            t.get(NS, hashes[0], max_page_bytes=PAGE)  # the connector's read
         assert exc.value.cause is MissCause.TRANSPORT_ERROR
         with pytest.raises(TierUnavailable):
             t.put(NS, hashes[1], data[1], page_digest(data[1]))
@@ -331,6 +400,8 @@ def test_a_killed_storage_node_is_unavailable_not_a_miss_and_a_restarted_one_ser
         node.kill()
         with pytest.raises(TierUnavailable, match="storage node") as exc:
             reader.get(NS, hashes[0])  # indexed by the master, served by nobody
+        with pytest.raises(TierUnavailable, match="storage node") as exc:
+            reader.get(NS, hashes[0], max_page_bytes=PAGE)  # the connector's read, the same
         assert exc.value.cause is MissCause.TRANSPORT_ERROR
         node.start()
         deadline = time.monotonic() + 20
