@@ -197,7 +197,7 @@ def cmd_gpu_live(args: argparse.Namespace) -> int:
                     session_contexts=contexts, session_count=args.session_count, turns=args.turns,
                     exchanges=not args.no_exchanges, session_audit=args.session_audit, bench_tier=args.bench_tier,
                     bench_tier_only=args.bench_tier_only, bench_tier_extra=_connector_extra(args.bench_tier_config),
-                    tier_exchanges=args.tier_exchanges)
+                    tier_exchanges=args.tier_exchanges, tier_extra=_connector_extra(args.tier_config))
 
 
 def _connector_extra(text: str | None) -> dict | None:
@@ -588,6 +588,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "asynchronously and V with load_mode sync (fewer replicas: fits an 80 GiB GPU)")
     gl.add_argument("--bench-tier-config", default=None,
                     help='JSON: more connector settings of the tier\'s replicas, e.g. {"gpu_chunk_mib": 512}')
+    gl.add_argument("--tier-config", default=None,
+                    help='JSON: more connector settings of the tier exchanges\' replicas, e.g. '
+                         '{"gpu_install_direct": true}')
     gl.add_argument("--bench-lengths", default="8192,32768,65536")
     gl.add_argument("--deadline", type=float, default=540.0, help="seconds for the whole run (bench stops early)")
     gl.add_argument("--gpus", type=int, default=1,

@@ -75,7 +75,8 @@ def main(report_dir: Path, seed: int = 20261129, bench: bool = False, bench_reps
          bench_lengths: tuple[int, ...] = (8192, 32768, 65536), deadline_s: float = 540.0, gpus: int = 1,
          sessions: bool = False, session_contexts: tuple[int, ...] = (32768,), session_count: int = 2,
          turns: int = 6, exchanges: bool = True, session_audit: bool = False, bench_tier: bool = False,
-         bench_tier_only: bool = False, bench_tier_extra: dict | None = None, tier_exchanges: bool = False) -> int:
+         bench_tier_only: bool = False, bench_tier_extra: dict | None = None, tier_exchanges: bool = False,
+         tier_extra: dict | None = None) -> int:
     """Start the tiny replicas (and, with `sessions`, the session replicas; with `bench`, the
     bench replicas, and with `bench_tier` the GPU tier's keeper and its pair too) at the same
     time, run the live exchanges, then the sessions, then the bench rows while time is left; write live.json (and the rest) under report_dir as each part
@@ -94,7 +95,8 @@ def main(report_dir: Path, seed: int = 20261129, bench: bool = False, bench_reps
     with ThreadPoolExecutor(4) as ex:
         live_f = ex.submit(cluster.start, specs, 400.0) if exchanges else None
         if tier_exchanges:
-            tier_f = ex.submit(live.start_tier_cluster, report_dir / "tier", gpus)
+            tier_f = ex.submit(live.start_tier_cluster, report_dir / "tier", gpus, tier_extra)
+            result["tier_settings"] = tier_extra or {}
         if sessions:
             sess_f = ex.submit(live.start_sessions, report_dir / "sessions", gpus, max(session_contexts), turns,
                                session_audit)

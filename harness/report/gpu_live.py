@@ -39,6 +39,8 @@ def render_markdown(result: dict, date: str) -> str:
                   "The same exchanges on two more replicas of the tiny model whose pool is a keeper's tier in device "
                   "memory (`kvpool keeper --backing vmm` on GPU 0; the replicas' GPU engines copy device to device); "
                   "the pool oracle reads each committed page out of the tier under a lease of its own.", ""]
+        if result.get("tier_settings"):
+            lines += [f"Tier replicas' settings besides: `{result['tier_settings']}`", ""]
         for ex in tier.get("exchanges", []):
             lines += _exchange_lines(ex)
         if result.get("tier_error"):

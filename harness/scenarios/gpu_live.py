@@ -45,7 +45,7 @@ of the cross-replica turns per block, and the generated tokens compared across b
   directions(names)     -> [(producer, consumer)]
   run_live(cluster, model, seed, pool=None)  -> dict    the exchanges and their verdicts (`pool`:
                         what the oracle reads as the shared store; default the cluster's daemon).
-  tiny_tier_cluster(report_dir, gpus) / start_tier_cluster(report_dir, gpus)
+  tiny_tier_cluster(report_dir, gpus, extra=None) / start_tier_cluster(report_dir, gpus, extra=None)
                         the tiny replicas on a keeper's tier, and its oracle (TierOracle).
   environment() -> dict  the GPUs, vLLM, torch and CUDA versions and the tree's provenance.
   run_session_blocks(cluster, corpus, seed, ...) -> dict   OFF-ON-ON-OFF at one context.
@@ -297,11 +297,13 @@ def tiny_cluster(report_dir: Path, gpus: int = 1) -> tuple[GpuCluster, list[Repl
 TIER_TOKEN = "tier-live"  # the tier exchanges' tenant token at their keeper
 
 
-def tiny_tier_cluster(report_dir: Path, gpus: int = 1):  # noqa: ANN201 - (GpuCluster, specs, model, TierOracle)
+def tiny_tier_cluster(report_dir: Path, gpus: int = 1, extra: dict | None = None):  # noqa: ANN201
     """The tiny replicas on a GPU keeper's tier instead of the host pool: a keeper with its pages
     in device memory (`kvpool keeper --backing vmm`, on GPU 0, a companion of the cluster) and
     each replica's pool `keeper:RUN_DIR` (its GPU engine copies device to device, or GPU to GPU
-    where the replica is on another one). The oracle reads the tier through a session of its own."""
+    where the replica is on another one), with the connector settings in `extra` besides (for
+    example {"gpu_install_direct": true}). The oracle reads the tier through a session of its
+    own. Returns (GpuCluster, specs, model, TierOracle)."""
     import torch
 
     from kvgate.harness.scenarios.gpu_tier_engine import TierOracle
@@ -313,14 +315,14 @@ def tiny_tier_cluster(report_dir: Path, gpus: int = 1):  # noqa: ANN201 - (GpuCl
     cluster.companions.append(KeeperProcess(
         run_dir, "--gpu", "0", "--page-size", str(cluster.page_size), "--pages", str(cluster.pool_pages),
         "--tenant", f"default={TIER_TOKEN}", "--maintenance-s", "0.5", backing="vmm"))
-    tier = (("pool", f"keeper:{run_dir}"), ("token", TIER_TOKEN))
+    tier = (("pool", f"keeper:{run_dir}"), ("token", TIER_TOKEN), *sorted((extra or {}).items()))
     specs = [dataclasses.replace(s, connector_extra=(*s.connector_extra, *tier)) for s in specs]
     return cluster, specs, model, TierOracle(run_dir, "default", TIER_TOKEN, torch.device("cuda", 0))
 
 
-def start_tier_cluster(report_dir: Path, gpus: int = 1) -> GpuCluster:
+def start_tier_cluster(report_dir: Path, gpus: int = 1, extra: dict | None = None) -> GpuCluster:
     """tiny_tier_cluster, started; its oracle as `.tier_oracle` (run_live's `pool`)."""
-    cluster, specs, _, oracle = tiny_tier_cluster(report_dir, gpus)
+    cluster, specs, _, oracle = tiny_tier_cluster(report_dir, gpus, extra)
     try:
         cluster.start(specs, 400.0)
     except BaseException:

@@ -211,9 +211,10 @@ def parts(monkeypatch):
             raise state["tier_live"]
         return dict(state["tier_live"])
 
-    def start_tier_cluster(report_dir, gpus):  # noqa: ANN001, ANN202
+    def start_tier_cluster(report_dir, gpus, extra=None):  # noqa: ANN001, ANN202
         if isinstance(state["tier_live"], KeyError):
             raise RuntimeError("the keeper exited 1")
+        state["tier_extra"] = extra
         return _Cluster()
 
     monkeypatch.setattr(live_main, "run_live", run_live)
@@ -308,3 +309,9 @@ def test_gpu_live_runs_the_exchanges_on_a_keepers_tier_with_its_oracle_and_fails
     assert command.main(tmp_path / "alone", exchanges=False, tier_exchanges=True) == 1  # the tier's start still fails
     parts["tier_live"] = {"passed": True, "seed": 1, "env": {}, "exchanges": [_exchange("cross_replica_hit", True)]}
     assert command.main(tmp_path / "alone2", exchanges=False, tier_exchanges=True) == 0
+    # the tier replicas' settings reach their cluster and are said in the checklist
+    assert command.main(tmp_path / "direct", exchanges=False, tier_exchanges=True,
+                        tier_extra={"gpu_install_direct": True}) == 0
+    assert parts["tier_extra"] == {"gpu_install_direct": True}
+    assert "Tier replicas' settings besides: `{'gpu_install_direct': True}`" in (
+        tmp_path / "direct" / "checklist.md").read_text()
