@@ -67,7 +67,8 @@ def _step(rid: str, block_ids: list[int], computed: int, scheduled: int):  # noq
 def _run(tmp_path, pool, redis, seed: int, corrupt: int | None = None, control: bool = False):  # noqa: ANN001, ANN202
     """(what the consumer's KV blocks hold afterwards, the producer's pages, failed block ids, history)."""
     settings = ConnectorSettings(pool=f"unix:{pool.unix_path}", token="tok", replica="W", tier=redis.url,
-                                 tier_secret=SECRET, history_dir=str(tmp_path / "h"))
+                                 tier_secret=SECRET, history_dir=str(tmp_path / "h"),
+                                 tier_timeout_s=10.0, tier_deadline_s=10.0)  # not the verdict's subject
     sched = KVPoolScheduler(_config(tmp_path), settings)
     worker = KVPoolWorker(_config(tmp_path), settings)
     if control:

@@ -55,7 +55,8 @@ def test_records_moved_or_forged_in_the_store_are_never_installed(system, tmp_pa
     pool, redis = system
     url = redis.tenant_url(DEFAULT_TENANT)
     settings = ConnectorSettings(pool=f"unix:{pool.unix_path}", token="tok", replica="H", tier=url,
-                                 tier_secret=SECRET, history_dir=str(tmp_path / "h"))
+                                 tier_secret=SECRET, history_dir=str(tmp_path / "h"),
+                                 tier_timeout_s=10.0, tier_deadline_s=10.0)  # not the verdict's subject
     sched, worker = KVPoolScheduler(_config(tmp_path), settings), KVPoolWorker(_config(tmp_path), settings)
     if control:
         faults = tmp_path / "faults.json"

@@ -13,6 +13,7 @@ import pytest
 import requests
 
 from kvgate.harness.client.http import complete, http_status
+from kvgate.harness.scenarios.live import wait_stored
 from kvgate.harness.workload.prompts import Corpus
 
 pytestmark = pytest.mark.live
@@ -46,7 +47,7 @@ def test_responses_say_how_they_were_served_and_metrics_count_it(live, tiny_mode
     before_blocks = _metric(b, "vllm:kvpool_loaded_blocks_total", source="pool")
     cold = _attribution(a, prompt, f"obs-{test_seed}-a")
     assert cold["hit_kind"] == "cold" and cold["loaded_blocks"] == 0 and cold["miss_cause"] == "never_published"
-    time.sleep(0.5)  # A's publish commits after its response
+    wait_stored(live, f"obs-{test_seed}-a", "A")  # A's publish ends after its response, on its own time
     hit = _attribution(b, prompt, f"obs-{test_seed}-b")
     assert hit["hit_kind"] == "remote" and hit["loaded_blocks"] == 8, hit
     again = _attribution(b, prompt, f"obs-{test_seed}-b2")

@@ -97,7 +97,7 @@ def test_a_load_record_names_its_failed_blocks_and_the_miss_at_its_index_in_the_
     producer.close()
     copier = copier_for(daemon, tmp_path, metrics)
     copier.register(engine(4))
-    copier.wait([copier.load(NS, CopyRun("req-4", "tag-4", 6, [4, 5, 6], hs), deadline_s=0.9)], 30)
+    copier.wait([copier.load(NS, CopyRun("req-4", "tag-4", 6, [4, 5, 6], hs), deadline_s=30)], 30)
     copier.close()
     (rec,) = records(tmp_path, "load")
     fixed = {k: v for k, v in rec.items() if k not in ("t", "replica", "role", "queued_s", "seconds")}

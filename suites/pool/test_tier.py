@@ -89,7 +89,7 @@ def redis_server(tmp_path):
     server.stop()
 
 
-def tier(server: RedisServer, timeout_s: float = 1.0):  # noqa: ANN201
+def tier(server: RedisServer, timeout_s: float = 10.0):  # noqa: ANN201 - a loaded machine: not 1 s
     from kvpool.tier.redis import RedisTier
 
     return RedisTier(server.url, AUTH, timeout_s=timeout_s)
