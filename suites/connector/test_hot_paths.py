@@ -15,7 +15,7 @@ import pytest
 from kvgate.harness.bench.stall import run_stall
 
 SETTINGS = {"timeout_s": 1.0, "load_deadline_s": 0.5, "lookup_timeout_s": 0.3, "lookup_sync_s": 0.1,
-            "lookup_poll_s": 0.005, "lookup_wait_pending_s": 0.2, "pool_backoff_s": 0.5}
+            "lookup_poll_s": 0.005, "lookup_wait_pending_s": 0.2, "pool_backoff_s": 5.0}
 MARGIN_S = 0.5
 
 
