@@ -151,7 +151,7 @@ def test_a_wait_that_runs_out_answers_in_flight_at_the_pending_block_and_is_coun
         res, _ = reserve_written(prod, NS, hs[1:])
         t0 = time.monotonic()
         found = cons.lookup(NS, hs, wait_pending_s=0.3)
-        assert time.monotonic() - t0 >= 0.3  # it did wait
+        assert time.monotonic() - t0 >= 0.27  # it did wait (the daemon's timer may fire a little early: asyncio runs a handle due within its clock resolution)
         assert len(found.hits) == 1 and (found.miss.index, found.miss.cause) == (1, MissCause.IN_FLIGHT)
         stats = cons.stats()
         assert stats["miss_in_flight"] == 1 and stats["lookup_waits"] == 1
