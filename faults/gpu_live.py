@@ -7,6 +7,9 @@ the replica's fault-control file (kvgate.faults.control), section "gpu":
              "times": 1,               # how many steps are delayed (then it heals)
              "control": "unordered",   # optional: the negative control
              "drop": "store_after_write"}}   # the ordering edge the control drops
+    {"gpu": {"load_delay_ms": 300,     # torch.cuda._sleep on the stream that writes a load's blocks
+             "times": 1, "control": "unordered",
+             "drop": ["read_after_load", "release_after_copy"]}}   # one edge or several
 
   StreamDelay            at start_load_kv of a step that will publish blocks (vLLM calls
                          it before the forward), a `torch.cuda._sleep` is enqueued on the
@@ -14,11 +17,19 @@ the replica's fault-control file (kvgate.faults.control), section "gpu":
                          runs behind it. The store issued in wait_for_save must wait for
                          those writes; a copy that lost its dependency on the engine's
                          stream reads the blocks before they are written (stale KV).
+  load delay             (`load_delay_ms`) the consumer's side: at each of the first `times`
+                         loads after an arming, a `torch.cuda._sleep` is enqueued on the
+                         stream whose work writes the load's blocks into the KV cache
+                         (TransferEngine.load_write_stream) before the load is enqueued,
+                         so its installs run late. The engine's reads must still wait for
+                         them: a stream wait (read_after_load) where loads are
+                         synchronous, the host's wait before the load is reported done
+                         (release_after_copy) where they are asynchronous.
   ControlledCudaCopier   kvpool.connector.gpu_copier.CudaCopier whose transfer engine
-                         (SwitchableTransferEngine) drops one stream dependency
-                         (kvpool.gpu.config.OrderingEdge) while the control is armed:
-                         the seed-003 bug, switched on and off at run time without a
-                         restart.
+                         (SwitchableTransferEngine) drops one ordering edge
+                         (kvpool.gpu.config.OrderingEdge: a stream wait, or a wait of the
+                         host for a copy) while the control is armed: the seed-003 bug,
+                         switched on and off at run time without a restart.
 Every delay and every dropped edge is written to the history (`fault` events, sites
 "gpu_stream" and "gpu_transfer"). Heal: disarm the section; the delayed work runs and
 nothing is left behind once the stream drained.
@@ -51,7 +62,21 @@ def _spec(control: ControlFile) -> tuple[dict | None, int]:
     spec, generation = control.section(SECTION)
     if spec and spec.get("control") not in (None, *CONTROLS):
         raise ControlFileError(f"unknown gpu control {spec.get('control')!r}; known {CONTROLS}")
+    if spec and spec.get("control"):
+        dropped_edges(spec)  # an unknown edge is an error of the file, not a control that drops nothing
     return spec, generation
+
+
+def dropped_edges(spec: dict) -> frozenset[OrderingEdge]:
+    """The edges an armed control drops: `drop` names one edge or a list of them (default
+    store_after_write)."""
+    drop = spec.get("drop", OrderingEdge.STORE_AFTER_WRITE.value)
+    names = [drop] if isinstance(drop, str) else drop
+    try:
+        return frozenset(OrderingEdge(n) for n in names)
+    except (TypeError, ValueError) as exc:
+        raise ControlFileError(f"gpu control: drop {drop!r} is not an ordering edge or a list of them; known "
+                               f"{[e.value for e in OrderingEdge]}") from exc
 
 
 class StreamDelay:
@@ -89,22 +114,51 @@ class StreamDelay:
 
 class SwitchableTransferEngine(TransferEngine):
     """A TransferEngine that drops the ordering edge the control file names while
-    `"control": "unordered"` is armed, and keeps every edge otherwise."""
+    `"control": "unordered"` is armed, and keeps every edge otherwise; with `load_delay_ms`
+    armed, the writes of its next `times` loads run behind a delay (the module's docstring)."""
 
     def __init__(self, *args, control: ControlFile, history: HistoryWriter, **kwargs):  # noqa: ANN002, ANN003
         self.control = control
         self.history = history
         self.dropped = 0
+        self._load_generation = -1
+        self._loads_delayed = 0
+        self._cycles_per_ms: float | None = None
         super().__init__(*args, **kwargs)
 
-    def _order(self, edge: OrderingEdge, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+    def _drops(self, edge: OrderingEdge) -> bool:
         spec, _ = _spec(self.control)
-        if spec and spec.get("control") == "unordered" and edge == OrderingEdge(spec.get("drop", "store_after_write")):
+        if spec and spec.get("control") == "unordered" and edge in dropped_edges(spec):
             self.dropped += 1
             self.history.write("fault", site="gpu_transfer", kind="gpu_control", control="unordered",
                                edge=edge.value, dropped=self.dropped)
-            return
-        super()._order(edge, stream, event)
+            return True
+        return False
+
+    def _order(self, edge: OrderingEdge, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+        if not self._drops(edge):
+            super()._order(edge, stream, event)
+
+    def _await_copy(self, edge: OrderingEdge, event: torch.cuda.Event, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if self._drops(edge):
+            return None  # the host goes on as if the copies were over
+        return super()._await_copy(edge, event, *args, **kwargs)
+
+    def load(self, block_ids: Sequence[int], hashes: Sequence[bytes], deadline_s: float | None = None):  # noqa: ANN201
+        spec, generation = _spec(self.control)
+        if generation != self._load_generation:
+            self._load_generation, self._loads_delayed = generation, 0
+        ms = float(spec.get("load_delay_ms", 0)) if spec else 0.0
+        if ms > 0 and block_ids and self._loads_delayed < int(spec.get("times", 1)):
+            self._loads_delayed += 1
+            if self._cycles_per_ms is None:
+                self._cycles_per_ms = cycles_per_ms(self.device)
+            stream = self.load_write_stream()
+            delay_stream(stream, int(ms * self._cycles_per_ms))
+            self.history.write("fault", site="gpu_stream", kind="load_delay", delay_ms=ms,
+                               cycles_per_ms=round(self._cycles_per_ms), stream=int(stream.cuda_stream),
+                               blocks=len(block_ids), control=spec.get("control"))
+        return super().load(block_ids, hashes, deadline_s)
 
 
 class ControlledCudaCopier(CudaCopier):

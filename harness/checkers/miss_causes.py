@@ -37,7 +37,7 @@ CAUSES = {c.value for c in MissCause}
 # the cause each injected fault must produce in the load it strikes (None: no miss at all)
 EXPECTED_CAUSE: dict[str, str | None] = {
     "corrupt": "corrupt", "transport_error": "transport_error", "timeout": "timeout", "evict": "evicted",
-    "stream_delay": None, "copier_control": None, "lease_hold": None,
+    "stream_delay": None, "load_delay": None, "copier_control": None, "lease_hold": None,
     # the transport proxy (kvgate.faults.proxy)
     "reset": "transport_error", "truncate": "transport_error", "drop_reply": "timeout", "stall": "timeout",
     "bitflip": "corrupt", "slow": None,

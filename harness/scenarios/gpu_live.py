@@ -9,7 +9,7 @@ whose stream-delay site and unordered-transfer control act on CUDA), with a faul
 file each.
 
 Directions: every replica publishes once to the next one (A -> B, B -> A with two
-replicas; A -> B -> C -> A with three). Three exchanges per direction, each on a fresh
+replicas; A -> B -> C -> A with three). Five exchanges per direction, each on a fresh
 seeded prompt of several blocks; in each, the producer computes and publishes, the
 consumer loads, then the consumer recomputes the same prompt cold (its prefix cache
 reset, pool bypassed):
@@ -26,13 +26,25 @@ reset, pool bypassed):
                       drops the store's dependency on the engine's stream,
                       kvgate.faults.gpu_live.SwitchableTransferEngine): the byte-exact check must
                       catch it (a FAIL verdict there is the expected outcome).
+  load_delay          the consumer's side: the writes of its load into its KV cache run
+                      behind a torch.cuda._sleep (kvgate.faults.gpu_live, `load_delay_ms`);
+                      its forward must still read them only once written (same checks, and
+                      its TTFT holds the delay).
+  load_delay_control  the same delay with the edges that order the consumer's reads after
+                      the load dropped (read_after_load for synchronous loads; with it
+                      release_after_copy, the host's wait, for asynchronous ones: either
+                      alone orders them). The installed bytes end up exact, so the oracle
+                      this control validates is the output one: the consumer's tokens on
+                      its hit must differ from its own prefix hit of the prompt, on a hit
+                      that ran to the end and loaded every block.
 
 The tier's exchanges (`--tier-exchanges`): the same three exchanges on two more tiny replicas
 whose pool is a GPU keeper's tier in device memory (tiny_tier_cluster: `kvpool keeper --backing
 vmm` on GPU 0, each replica's pool `keeper:RUN_DIR`); the oracle's "pool" is the tier, each
-committed page copied out under a lease of the oracle's own session (TierOracle). The store's
-edge the control drops is the same: the producer's copy into the tier must follow the forward's
-KV write, and the committed page is checked against the producer's bytes.
+committed page copied out under a lease of the oracle's own session (TierOracle). The edges the
+controls drop are the same: the producer's copy into the tier must follow the forward's KV
+write, and the committed page is checked against the producer's bytes; the consumer's reads
+must follow its copy out of the tier, in another process than the producer's.
 
 Sessions (`--sessions`): the OFF-ON-ON-OFF comparison of the seed (003_...) on a second
 set of replicas of the bench model (kvgate.fixtures.gpu_model, 64 KiB of KV per token), placed
@@ -150,16 +162,39 @@ def published_exact(cluster: Cluster, producer: str, tag: str, pool=None) -> Ver
 class Exchange:
     name: str
     prompt_tokens: int
-    fault: dict | None  # A's "gpu" fault section during its publishing request
-    expect_caught: bool  # a negative control: the byte-exact check must fail
+    fault: dict | None  # the "gpu" fault section of the replica on `side` during its request
+    expect_caught: bool  # a negative control: its oracle must catch it
+    side: str = "producer"  # whose request the fault is armed for: the producer's publish, the consumer's hit
 
+
+CONSUMER_EDGES = "the consumer's reads"  # `drop` of a consumer-side control: the edges by load mode (reads_edges)
 
 EXCHANGES = (
     Exchange("cross_replica_hit", 1200, None, False),
     Exchange("stream_delay", 1200, {"stream_delay_ms": STREAM_DELAY_MS, "times": 1}, False),
     Exchange("stream_delay_control", 1200, {"stream_delay_ms": STREAM_DELAY_MS, "times": 1, "control": "unordered",
                                             "drop": "store_after_write"}, True),
+    Exchange("load_delay", 1200, {"load_delay_ms": STREAM_DELAY_MS, "times": 1}, False, "consumer"),
+    Exchange("load_delay_control", 1200, {"load_delay_ms": STREAM_DELAY_MS, "times": 1, "control": "unordered",
+                                          "drop": CONSUMER_EDGES}, True, "consumer"),
 )
+
+
+def reads_edges(load_mode: str | None) -> list[str]:
+    """The edges that keep an engine's reads of loaded blocks behind the load's writes:
+    synchronous loads, the stream wait before the forward (read_after_load); asynchronous
+    ones, that wait (made when the load is reported finished) and the host's wait for the
+    copies before it is reported finished (release_after_copy). Either of those two alone
+    orders the reads, so the control drops both."""
+    if load_mode == "async":
+        return ["read_after_load", "release_after_copy"]
+    return ["read_after_load"]
+
+
+def load_mode(history_dir: Path, replica: str) -> str | None:
+    """"sync" or "async": the replica's connector's load mode, from its namespace record."""
+    modes = [r.get("load_mode") for r in records(history_dir, "namespace", replica=replica) if r.get("load_mode")]
+    return modes[-1] if modes else None
 
 
 def _tokens(c: Completion) -> dict:
@@ -197,15 +232,30 @@ def run_exchange(cluster: GpuCluster, corpus: Corpus, ex: Exchange, rng: random.
     n = ex.prompt_tokens + 1
     label = ex.name if (producer, consumer) == ("A", "B") else f"{ex.name}-{producer}{consumer}"
     pub, hit, cold = f"{label}-pub", f"{label}-hit", f"{label}-cold"
-    t_arm = time.time()
-    cluster.arm(producer, ex.fault)
-    try:
+    faulted = producer if ex.side == "producer" else consumer
+    fault = ex.fault
+    if fault and fault.get("drop") == CONSUMER_EDGES:
+        fault = {**fault, "drop": reads_edges(load_mode(h, consumer))}
+    if ex.side == "producer":
+        t_arm = time.time()
+        cluster.arm(producer, fault)
+        try:
+            a = complete(P, prompt, tag=pub, replica=producer, max_tokens=max_tokens)
+            pubs = wait_published(h, producer, pub, n // BLOCK_SIZE)
+        finally:
+            cluster.arm(producer, None)
+        t_heal = time.time()
+        b = complete(C, prompt, tag=hit, replica=consumer, max_tokens=max_tokens)
+    else:
         a = complete(P, prompt, tag=pub, replica=producer, max_tokens=max_tokens)
         pubs = wait_published(h, producer, pub, n // BLOCK_SIZE)
-    finally:
-        cluster.arm(producer, None)
-    t_heal = time.time()
-    b = complete(C, prompt, tag=hit, replica=consumer, max_tokens=max_tokens)
+        t_arm = time.time()
+        cluster.arm(consumer, fault)
+        try:
+            b = complete(C, prompt, tag=hit, replica=consumer, max_tokens=max_tokens)
+        finally:
+            cluster.arm(consumer, None)
+        t_heal = time.time()
     reset_prefix_cache(C)
     bc = complete(C, prompt, tag=cold, replica=consumer, max_tokens=max_tokens, load=False, publish=False)
     # the same prompt once more on the consumer, now a hit in its own prefix cache (the cold run's blocks): the
@@ -215,8 +265,11 @@ def run_exchange(cluster: GpuCluster, corpus: Corpus, ex: Exchange, rng: random.
     reset_prefix_cache(C)
     lookups = records(h, "lookup", replica=consumer, tag=hit)
     loads = records(h, "load", replica=consumer, tag=hit)
-    faults = [r for r in records(h, "fault", replica=producer) if pub in (r.get("tags") or [])]
-    dropped = [r for r in records(h, "fault", replica=producer, site="gpu_transfer") if t_arm <= r["t"] <= t_heal]
+    if ex.side == "producer":
+        faults = [r for r in records(h, "fault", replica=producer) if pub in (r.get("tags") or [])]
+    else:  # a load carries no tag into the engine: the delays of the consumer's armed window
+        faults = [r for r in records(h, "fault", replica=consumer, site="gpu_stream") if t_arm <= r["t"] <= t_heal]
+    dropped = [r for r in records(h, "fault", replica=faulted, site="gpu_transfer") if t_arm <= r["t"] <= t_heal]
     exact = exchange_exact(cluster, (producer, pub), (consumer, hit), (consumer, cold), pool=pool)
     pooled = published_exact(cluster, producer, pub, pool=pool)
     # The fallback oracle's baseline is a run with the same prefill partition: the consumer's
@@ -228,7 +281,7 @@ def run_exchange(cluster: GpuCluster, corpus: Corpus, ex: Exchange, rng: random.
     # "A", "B_hit", "B_cold" name the roles (producer, consumer), whichever replicas play them
     out = {
         "name": ex.name, "producer": producer, "consumer": consumer, "tag": label, "prompt_tokens": n,
-        "block_size": BLOCK_SIZE, "fault": ex.fault, "expect_caught": ex.expect_caught,
+        "block_size": BLOCK_SIZE, "fault": fault, "side": ex.side, "expect_caught": ex.expect_caught,
         "A": _tokens(a), "B_hit": _tokens(b), "B_cold": _tokens(bc), "B_local_hit": _tokens(bl),
         "tokens_equal_B_hit_vs_cold": b.token_ids == bc.token_ids, "tokens_equal_A_vs_B_cold": a.token_ids == bc.token_ids,
         "tokens_equal_B_hit_vs_local_hit": b.token_ids == bl.token_ids,
@@ -240,7 +293,23 @@ def run_exchange(cluster: GpuCluster, corpus: Corpus, ex: Exchange, rng: random.
         "fault_records": faults, "edges_dropped": len(dropped),
         "byte_exact": dataclasses.asdict(exact), "pool_equals_producer": dataclasses.asdict(pooled),
     }
-    if ex.expect_caught:
+    if ex.expect_caught and ex.side == "consumer":
+        # the reads ran before the delayed installs: the blocks end up exact (the byte-exact
+        # oracle is not the one this control validates), what the forward read was not
+        ran = b.error is None and len(b.token_ids) == max_tokens and hit_blocks == want_blocks  # a crash proves nothing
+        caught = ran and b.token_ids != bl.token_ids
+        fired = bool(faults) and bool(dropped)
+        out["verdict"] = dataclasses.asdict(Verdict(
+            caught and fired,
+            ("negative control caught by the output oracle: " if caught else
+             "negative control NOT caught by the output oracle: ")
+            + f"{consumer}'s tokens on its hit {'differ from' if caught else 'equal'} its own prefix hit of the same "
+              f"prompt; dropped {fault.get('drop')} ({load_mode(h, consumer)} loads); delay fired {len(faults)}x, "
+              f"edge dropped {len(dropped)}x; installed bytes afterwards: {exact.reason}",
+            {"caught": caught, "hit_ran": ran, "delay_fired": len(faults), "edges_dropped": len(dropped),
+             "exact_after": exact.valid},
+            not_checked="the KV the forward read, byte by byte (only what it computed from it)"))
+    elif ex.expect_caught:
         caught = exact.valid is False or pooled.valid is False
         fired = bool(faults) and bool(dropped)
         out["verdict"] = dataclasses.asdict(Verdict(
@@ -250,7 +319,8 @@ def run_exchange(cluster: GpuCluster, corpus: Corpus, ex: Exchange, rng: random.
             {"caught": caught, "delay_fired": len(faults), "edges_dropped": len(dropped)},
             not_checked=f"whether {consumer}'s tokens differ (a stale block need not change greedy tokens)"))
     else:
-        fault_ok = ex.fault is None or (bool(faults) and a.ttft_s * 1e3 >= 0.9 * STREAM_DELAY_MS)
+        delayed = a if ex.side == "producer" else b
+        fault_ok = ex.fault is None or (bool(faults) and delayed.ttft_s * 1e3 >= 0.9 * STREAM_DELAY_MS)
         ok = (exact.valid is True and pooled.valid is True and tokens_equal and hit_blocks == want_blocks
               and fault_ok)
         out["verdict"] = dataclasses.asdict(Verdict(
@@ -258,7 +328,7 @@ def run_exchange(cluster: GpuCluster, corpus: Corpus, ex: Exchange, rng: random.
                 f"its own prefix hit of the same prompt (same partition): {tokens_equal} (== {consumer} cold: "
                 f"{b.token_ids == bc.token_ids}; prefix hit == cold: {bl.token_ids == bc.token_ids}); {exact.reason}; "
                 f"{pooled.reason}"
-                + (f"; delay fired {len(faults)}x, {producer}'s TTFT {a.ttft_s * 1e3:.0f} ms" if ex.fault else ""),
+                + (f"; delay fired {len(faults)}x, {faulted}'s TTFT {delayed.ttft_s * 1e3:.0f} ms" if ex.fault else ""),
             {"exact": exact.valid, "pool": pooled.valid, "tokens_equal": tokens_equal},
             not_checked="tokens beyond the first max_tokens; blocks outside this prompt"))
     return out

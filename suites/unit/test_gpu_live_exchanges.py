@@ -1,0 +1,54 @@
+"""The live GPU exchanges' definitions and the control file of their faults, checked without a
+GPU: which edges a consumer-side control drops by load mode, and a control file that names an
+edge no engine has is an error, not a control that drops nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+
+from kvgate.faults.control import ControlFile, ControlFileError  # noqa: E402
+from kvgate.faults.gpu_live import _spec, dropped_edges  # noqa: E402
+from kvgate.harness.scenarios.gpu_live import CONSUMER_EDGES, EXCHANGES, load_mode, reads_edges  # noqa: E402
+from kvpool.connector.history import HistoryWriter  # noqa: E402
+from kvpool.gpu.config import OrderingEdge  # noqa: E402
+
+
+def test_every_fault_has_its_control_on_the_same_side():
+    by = {ex.name: ex for ex in EXCHANGES}
+    for name in ("stream_delay", "load_delay"):
+        fault, control = by[name], by[f"{name}_control"]
+        assert not fault.expect_caught and control.expect_caught and fault.side == control.side
+        assert {k: v for k, v in control.fault.items() if k not in ("control", "drop")} == fault.fault
+    assert by["load_delay"].side == "consumer" and by["stream_delay"].side == "producer"
+    assert by["load_delay_control"].fault["drop"] == CONSUMER_EDGES
+
+
+def test_the_consumer_control_drops_every_edge_that_alone_orders_the_reads():
+    assert reads_edges("sync") == ["read_after_load"]
+    assert reads_edges("async") == ["read_after_load", "release_after_copy"]
+    assert reads_edges(None) == ["read_after_load"]  # no namespace record: the synchronous default
+
+
+def test_the_load_mode_is_the_replicas_latest_namespace_record(tmp_path):
+    for replica, mode in (("A", "sync"), ("B", "sync"), ("B", "async")):
+        w = HistoryWriter(tmp_path, replica, "scheduler")
+        w.write("namespace", ns={}, load_mode=mode)
+        w.close()
+    assert load_mode(tmp_path, "B") == "async" and load_mode(tmp_path, "A") == "sync"
+    assert load_mode(tmp_path, "C") is None
+
+
+def test_drop_names_one_edge_or_several_and_an_unknown_one_is_an_error(tmp_path):
+    assert dropped_edges({}) == {OrderingEdge.STORE_AFTER_WRITE}
+    assert dropped_edges({"drop": "read_after_load"}) == {OrderingEdge.READ_AFTER_LOAD}
+    assert dropped_edges({"drop": ["read_after_load", "release_after_copy"]}) == {
+        OrderingEdge.READ_AFTER_LOAD, OrderingEdge.RELEASE_AFTER_COPY}
+    for bad in ("read_after_lod", ["read_after_load", 3], 7):
+        path = tmp_path / "faults.json"
+        path.write_text(json.dumps({"gpu": {"load_delay_ms": 1, "control": "unordered", "drop": bad}}))
+        with pytest.raises(ControlFileError):
+            _spec(ControlFile(path))
