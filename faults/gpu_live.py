@@ -9,7 +9,8 @@ the replica's fault-control file (kvgate.faults.control), section "gpu":
              "drop": "store_after_write"}}   # the ordering edge the control drops
     {"gpu": {"load_delay_ms": 300,     # torch.cuda._sleep on the stream that writes a load's blocks
              "times": 1, "control": "unordered",
-             "drop": ["read_after_load", "release_after_copy"]}}   # one edge or several
+             "drop": ["read_after_load", "release_after_copy"],   # one edge or several
+             "install": "staged"}}     # the loads take the staged install even where direct is set
 
   StreamDelay            at start_load_kv of a step that will publish blocks (vLLM calls
                          it before the forward), a `torch.cuda._sleep` is enqueued on the
@@ -24,7 +25,14 @@ the replica's fault-control file (kvgate.faults.control), section "gpu":
                          so its installs run late. The engine's reads must still wait for
                          them: a stream wait (read_after_load) where loads are
                          synchronous, the host's wait before the load is reported done
-                         (release_after_copy) where they are asynchronous.
+                         (release_after_copy) where they are asynchronous. With the direct
+                         install (pages in device memory, install_direct) the kernel that
+                         writes the blocks also sketches them and load() returns only after
+                         the host has read those sketches (verify_after_check): the writes
+                         are over before any read can be enqueued, whatever edge is dropped
+                         (measured live: the reads' edges dropped, nothing read early).
+                         `"install": "staged"` puts a load on the staged install, whose
+                         writes follow the check, for the control that drops those edges.
   ControlledCudaCopier   kvpool.connector.gpu_copier.CudaCopier whose transfer engine
                          (SwitchableTransferEngine) drops one ordering edge
                          (kvpool.gpu.config.OrderingEdge: a stream wait, or a wait of the
@@ -144,6 +152,12 @@ class SwitchableTransferEngine(TransferEngine):
             return None  # the host goes on as if the copies were over
         return super()._await_copy(edge, event, *args, **kwargs)
 
+    def _direct_install(self) -> bool:
+        spec, _ = _spec(self.control)
+        if spec and spec.get("install") == "staged":  # the consumer's control: its loads take the staged install
+            return False
+        return super()._direct_install()
+
     def load(self, block_ids: Sequence[int], hashes: Sequence[bytes], deadline_s: float | None = None):  # noqa: ANN201
         spec, generation = _spec(self.control)
         if generation != self._load_generation:
@@ -157,7 +171,7 @@ class SwitchableTransferEngine(TransferEngine):
             delay_stream(stream, int(ms * self._cycles_per_ms))
             self.history.write("fault", site="gpu_stream", kind="load_delay", delay_ms=ms,
                                cycles_per_ms=round(self._cycles_per_ms), stream=int(stream.cuda_stream),
-                               blocks=len(block_ids), control=spec.get("control"))
+                               blocks=len(block_ids), control=spec.get("control"), direct=self._direct_install())
         return super().load(block_ids, hashes, deadline_s)
 
 

@@ -33,12 +33,16 @@ reset, pool bypassed):
   load_delay_control  the same delay with the edges that order the consumer's reads after
                       the load dropped (read_after_load for synchronous loads; with it
                       release_after_copy, the host's wait, for asynchronous ones: either
-                      alone orders them). The installed bytes end up exact, so the oracle
-                      this control validates is the output one: the consumer's tokens on
-                      its hit must differ from its own prefix hit of the prompt, on a hit
-                      that ran to the end and loaded every block.
+                      alone orders them), its load on the staged install (with the direct
+                      install the writes are over when load() returns: the host read the
+                      sketches the same kernel took of them, kvgate.faults.gpu_live; a
+                      run of this control on it read nothing early). The installed bytes
+                      end up exact, so the oracle this control validates is the output
+                      one: the consumer's tokens on its hit must differ from its own
+                      prefix hit of the prompt, on a hit that ran to the end and loaded
+                      every block.
 
-The tier's exchanges (`--tier-exchanges`): the same three exchanges on two more tiny replicas
+The tier's exchanges (`--tier-exchanges`): the same five exchanges on two more tiny replicas
 whose pool is a GPU keeper's tier in device memory (tiny_tier_cluster: `kvpool keeper --backing
 vmm` on GPU 0, each replica's pool `keeper:RUN_DIR`); the oracle's "pool" is the tier, each
 committed page copied out under a lease of the oracle's own session (TierOracle). The edges the
@@ -176,7 +180,7 @@ EXCHANGES = (
                                             "drop": "store_after_write"}, True),
     Exchange("load_delay", 1200, {"load_delay_ms": STREAM_DELAY_MS, "times": 1}, False, "consumer"),
     Exchange("load_delay_control", 1200, {"load_delay_ms": STREAM_DELAY_MS, "times": 1, "control": "unordered",
-                                          "drop": CONSUMER_EDGES}, True, "consumer"),
+                                          "drop": CONSUMER_EDGES, "install": "staged"}, True, "consumer"),
 )
 
 
@@ -304,7 +308,8 @@ def run_exchange(cluster: GpuCluster, corpus: Corpus, ex: Exchange, rng: random.
             ("negative control caught by the output oracle: " if caught else
              "negative control NOT caught by the output oracle: ")
             + f"{consumer}'s tokens on its hit {'differ from' if caught else 'equal'} its own prefix hit of the same "
-              f"prompt; dropped {fault.get('drop')} ({load_mode(h, consumer)} loads); delay fired {len(faults)}x, "
+              f"prompt; dropped {fault.get('drop')} ({load_mode(h, consumer)} loads, "
+              f"{'direct' if any(r.get('direct') for r in faults) else 'staged'} install); delay fired {len(faults)}x, "
               f"edge dropped {len(dropped)}x; installed bytes afterwards: {exact.reason}",
             {"caught": caught, "hit_ran": ran, "delay_fired": len(faults), "edges_dropped": len(dropped),
              "exact_after": exact.valid},

@@ -22,7 +22,7 @@ def test_every_fault_has_its_control_on_the_same_side():
     for name in ("stream_delay", "load_delay"):
         fault, control = by[name], by[f"{name}_control"]
         assert not fault.expect_caught and control.expect_caught and fault.side == control.side
-        assert {k: v for k, v in control.fault.items() if k not in ("control", "drop")} == fault.fault
+        assert {k: v for k, v in control.fault.items() if k not in ("control", "drop", "install")} == fault.fault
     assert by["load_delay"].side == "consumer" and by["stream_delay"].side == "producer"
     assert by["load_delay_control"].fault["drop"] == CONSUMER_EDGES
 
@@ -52,3 +52,11 @@ def test_drop_names_one_edge_or_several_and_an_unknown_one_is_an_error(tmp_path)
         path.write_text(json.dumps({"gpu": {"load_delay_ms": 1, "control": "unordered", "drop": bad}}))
         with pytest.raises(ControlFileError):
             _spec(ControlFile(path))
+
+
+def test_the_consumer_control_takes_the_staged_install():
+    """With the direct install the writes are over when load() returns (the host read the
+    sketches of the blocks the same kernel wrote), so the control that drops the reads' edges
+    runs its load staged, where the writes follow the check."""
+    control = {ex.name: ex for ex in EXCHANGES}["load_delay_control"].fault
+    assert control["install"] == "staged"
