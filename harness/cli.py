@@ -590,7 +590,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help='JSON: more connector settings of the tier\'s replicas, e.g. {"gpu_chunk_mib": 512}')
     gl.add_argument("--tier-config", default=None,
                     help='JSON: more connector settings of the tier exchanges\' replicas, e.g. '
-                         '{"gpu_install_direct": true}')
+                         '{"gpu_install_direct": false}')
     gl.add_argument("--bench-lengths", default="8192,32768,65536")
     gl.add_argument("--deadline", type=float, default=540.0, help="seconds for the whole run (bench stops early)")
     gl.add_argument("--gpus", type=int, default=1,

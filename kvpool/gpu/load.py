@@ -117,6 +117,8 @@ def arrived_digests(kinds: Sequence[DigestKind], sketches: np.ndarray | None, re
     SKETCH_COLS), the GPU's sketches of the staged rows; needed if any page is kv-sketch-1)
     and `readback` (uint8 (pages, >= page_bytes), the staged rows read back; needed if any
     is xxh3-128), row i for page i. `mapper` runs the XXH3-128s (a thread pool's map)."""
+    if sketches is not None and sketches.shape[0] >= len(kinds) and kinds.count(DigestKind.SKETCH) == len(kinds):
+        return sketch_digests(sketches[: len(kinds)], page_bytes)  # every page sketched (the common case): a view
     out: list[bytes | None] = [None] * len(kinds)
     sk = [i for i, k in enumerate(kinds) if k is DigestKind.SKETCH]
     xx = [i for i, k in enumerate(kinds) if k is DigestKind.XXH3]
@@ -456,7 +458,7 @@ class Loads:
             hits = lease.hits
             miss = lease.miss
             try:
-                if any(n != self.layout.page_bytes for n in hits.lengths):
+                if hits.lengths.count(self.layout.page_bytes) != len(hits.lengths):
                     raise KVLayoutError(f"the pool holds pages of {sorted(set(hits.lengths))} bytes under this "
                                         f"namespace; a block here is {self.layout.page_bytes}")
                 self._check_pages(hits.pages)
@@ -500,7 +502,7 @@ class Loads:
         touching the staged rows and the blocks is enqueued."""
         n = len(hits)
         pages = list(hits.pages)
-        kinds = [hits.kind(i) for i in range(n)]
+        kinds = hits.kind_list()
         expected = [hits.digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES] for i in range(n)]
         chunks = [range(a, min(a + self._chunk_pages, n)) for a in range(0, n, self._chunk_pages)]
         nbuf = len(self._sk_load_stage)
@@ -630,7 +632,7 @@ class Loads:
             report_corrupt(self.backend, lease, miss.index, None)
         stale_pages, error, unverified = self._release(lease)
         moved = set(stale_pages)
-        stale = tuple(i for i in range(handle.loaded) if lease.hits.pages[i] in moved)
+        stale = tuple(i for i in range(handle.loaded) if lease.hits.pages[i] in moved) if moved else ()
         return stale, ((error,) if error else ()), unverified
 
     def wait_for_load(self, handle: LoadHandle) -> None:

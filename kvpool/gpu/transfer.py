@@ -463,7 +463,7 @@ class TransferEngine(Stores, Loads):
     def _check_ids(self, block_ids: Sequence[int], hashes: Sequence[bytes]) -> tuple[int, ...]:
         if self._closed:
             raise TransferError("the transfer engine is closed")
-        ids = tuple(int(b) for b in block_ids)
+        ids = tuple(map(int, block_ids))
         if len(ids) != len(hashes):
             raise InvalidRequest(f"{len(ids)} block ids but {len(hashes)} hashes")
         if len(set(ids)) != len(ids):

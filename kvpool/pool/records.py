@@ -106,6 +106,15 @@ class Hits(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=T
     def kind(self, i: int) -> DigestKind:
         return KINDS[self.kinds[i]] if self.kinds else DigestKind.XXH3
 
+    def kind_list(self) -> list[DigestKind]:
+        """Every page's kind, in order (one lookup where all pages share a kind)."""
+        n = len(self.pages)
+        if not self.kinds:
+            return [DigestKind.XXH3] * n
+        if self.kinds.count(self.kinds[0]) == n:
+            return [KINDS[self.kinds[0]]] * n
+        return [KINDS[k] for k in self.kinds]
+
     def __len__(self) -> int:
         return len(self.pages)
 

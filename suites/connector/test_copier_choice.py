@@ -109,12 +109,12 @@ def test_on_cuda_the_fault_connector_builds_the_controlled_twin(tmp_path, pool):
 def test_the_cuda_copier_takes_the_engines_chunk_sketch_and_install_from_the_settings():
     pytest.importorskip("torch")
     settings = ConnectorSettings.from_extra({"pool": "unix:/x", "gpu_chunk_mib": 512, "gpu_sketch": "int8-mm",
-                                             "gpu_install_direct": True})
+                                             "gpu_install_direct": False})
     copier = default_copier(settings, _NoBackend(), HistoryWriter(None, "r", "worker"), ClientMetrics(), "cuda")
     assert (copier.config.chunk_bytes, copier.config.sketch_impl, copier.config.install_direct) == \
-        (512 << 20, "int8-mm", True)
+        (512 << 20, "int8-mm", False)
     default = _default("cuda").config
-    assert (default.chunk_bytes, default.sketch_impl, default.install_direct) == (128 << 20, "auto", False)
+    assert (default.chunk_bytes, default.sketch_impl, default.install_direct) == (128 << 20, "auto", True)
     for bad, match in (({"gpu_sketch": "fast"}, "gpu_sketch must be one of"),
                        ({"gpu_install_direct": "yes"}, "gpu_install_direct must be"),
                        ({"gpu_install_direct": 1}, "gpu_install_direct must be"),

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 pytest.importorskip("torch")
-from kvpool.pool.digest import DigestKind, page_digest, page_sketch  # noqa: E402
+from kvpool.pool.digest import DigestKind, page_digest, page_sketch, sketch_digest, sketch_rows  # noqa: E402
+from kvpool.gpu.sketch import SKETCH_COLS  # noqa: E402
 from kvpool.errors import InvalidRequest  # noqa: E402
 from kvpool.gpu.load import arrived_digests, check_plan  # noqa: E402
 
@@ -64,3 +65,26 @@ def test_a_kind_without_its_arrived_input_is_refused(test_seed):
     with pytest.raises(InvalidRequest):
         arrived_digests([X], None, readback[:, : PB - 1], PB)
     assert arrived_digests([S], sketches[1:], None, PB) == [page_digest(readback[1, :PB], S)]
+
+
+def test_every_page_sketched_takes_the_rows_in_place_and_agrees_with_the_general_way():
+    """All pages kv-sketch-1 (the tier's case): the digests come from rows 0..n-1 of the
+    sketches (a view), equal to those of the mixed path's per-kind selection."""
+    from kvpool.pool.records import Hits
+
+    rng = np.random.default_rng(7)
+    n, page_bytes = 9, 4096
+    rows = sketch_rows(page_bytes)
+    sketches = rng.integers(-(2**31), 2**31 - 1, (n + 3, rows, SKETCH_COLS), dtype=np.int64).astype(np.int32)
+    readback = rng.integers(0, 256, (n + 3, page_bytes), dtype=np.uint8)
+    want = [sketch_digest(sketches[i].astype("<i4").tobytes(), page_bytes) for i in range(n)]
+    assert arrived_digests([DigestKind.SKETCH] * n, sketches, None, page_bytes) == want
+    mixed = [DigestKind.SKETCH] * (n - 1) + [DigestKind.XXH3]
+    got = arrived_digests(mixed, sketches, readback, page_bytes)
+    assert got[:-1] == want[:-1] and got[-1] == page_digest(readback[n - 1], DigestKind.XXH3)
+    hits = Hits(list(range(3)), [1] * 3, [page_bytes] * 3, b"\0" * 48, bytes([DigestKind.SKETCH.code] * 3))
+    assert hits.kind_list() == [DigestKind.SKETCH] * 3 == [hits.kind(i) for i in range(3)]
+    mixed_hits = Hits(list(range(3)), [1] * 3, [page_bytes] * 3, b"\0" * 48,
+                      bytes([DigestKind.SKETCH.code, DigestKind.XXH3.code, DigestKind.SKETCH.code]))
+    assert mixed_hits.kind_list() == [mixed_hits.kind(i) for i in range(3)]
+    assert Hits(list(range(2)), [1] * 2, [page_bytes] * 2, b"\0" * 32).kind_list() == [DigestKind.XXH3] * 2
