@@ -1,15 +1,18 @@
-"""Which top-level packages a module needs at import time that this Python lacks, all in one run.
+"""Which top-level packages a module needs at import time that this Python lacks, in one call.
 
     python3 scripts/gpu/import_probe.py OUT.json MODULE [MODULE ...]
 
 Used on the GPU host, where nothing can be fetched, to learn what wheels a peer connector (LMCache,
-say) needs carried before it can run there: each MODULE is imported with a finder placed last
-on sys.meta_path that, for a top-level package nothing else finds, records its name and hands
-out a stand-in module (every attribute a further stand-in), so the import goes on to the next
-missing package instead of stopping at the first. The stand-ins make no verdict about the
-module working: a probe's result is the list of names to carry, and each MODULE's outcome
-(imported with stand-ins, or the exception that still stopped it). OUT.json:
-{"python", "modules": {MODULE: "ok" | "ExcType: message"}, "missing": [names, in first-seen order]}.
+say) needs carried before it can run there. Each MODULE is imported in a fresh interpreter; where
+the import stops at a ModuleNotFoundError for a package that is not there, that package's name
+is recorded and the import is tried again in a new interpreter in which it (and every one
+recorded before) is a stand-in module (every attribute a further stand-in), until it imports or
+stops for another reason. Only the packages an import could not go on without are stood in for:
+an optional import the module guards itself (`try: import dill`) stays missing, as it is in
+use. The stand-ins make no verdict about the module working: a probe's result is the list of
+names to carry, and each MODULE's outcome (imported with those stand-ins, or the exception that
+still stopped it). OUT.json: {"python", "modules": {MODULE: {"outcome": "ok" | "ExcType: message",
+"needs": [names]}}, "missing": [every name, first seen first]}.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import json
+import os
+import subprocess
 import sys
 import traceback
 import types
@@ -43,16 +48,15 @@ class _Stand(types.ModuleType):
         return (object,)
 
 
-class MissingFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self) -> None:
-        self.missing: list[str] = []
+class StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Last on sys.meta_path: the named top-level packages (and anything under them) are stand-ins."""
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
 
     def find_spec(self, fullname, path=None, target=None):  # noqa: ANN001, ANN201
-        top = fullname.partition(".")[0]
-        if top not in self.missing:
-            if fullname != top:  # a submodule of a present package that does not exist: a real error
-                return None
-            self.missing.append(top)
+        if fullname.partition(".")[0] not in self.names:
+            return None
         return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
 
     def create_module(self, spec):  # noqa: ANN001, ANN201
@@ -62,23 +66,55 @@ class MissingFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
 
+def child(module: str, stand_ins: list[str]) -> int:
+    """One import in this interpreter; prints one JSON line: ok, a missing top-level package, or
+    the exception that stopped it."""
+    sys.meta_path.append(StandInFinder(set(stand_ins)))
+    try:
+        importlib.import_module(module)
+        answer = {"outcome": "ok"}
+    except ModuleNotFoundError as exc:
+        top = (exc.name or "").partition(".")[0]
+        answer = {"outcome": f"ModuleNotFoundError: {exc}", "missing": top if exc.name == top else None,
+                  "traceback": traceback.format_exc()[-3000:]}
+    except Exception as exc:  # noqa: BLE001 - the probe's finding, printed for the parent: nothing is hidden
+        answer = {"outcome": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+    print("PROBE " + json.dumps(answer), flush=True)
+    os._exit(0)  # no interpreter teardown: stand-ins and native libraries can fault there
+
+
+def probe(module: str, known: list[str], limit: int = 60) -> dict:
+    needs: list[str] = []
+    for _ in range(limit):
+        proc = subprocess.run([sys.executable, __file__, "--child", module, *known, *needs],
+                              capture_output=True, text=True, timeout=300)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("PROBE ")), None)
+        if line is None:
+            return {"outcome": f"the child exited {proc.returncode} without an answer", "needs": needs,
+                    "stderr": proc.stderr[-3000:]}
+        answer = json.loads(line[len("PROBE "):])
+        name = answer.get("missing")
+        if not name or name in needs or name in known:
+            return {**answer, "needs": needs}
+        needs.append(name)
+    return {"outcome": f"still missing packages after {limit} rounds", "needs": needs}
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--child"]:
+        return child(argv[1], argv[2:])
     if len(argv) < 2:
         print(__doc__, file=sys.stderr)
         return 2
     out, modules = Path(argv[0]), argv[1:]
-    finder = MissingFinder()
-    sys.meta_path.append(finder)
-    result: dict = {"python": sys.version, "modules": {}, "missing": finder.missing}
+    result: dict = {"python": sys.version, "modules": {}, "missing": []}
     for name in modules:
-        try:
-            importlib.import_module(name)
-            result["modules"][name] = "ok"
-        except Exception as exc:  # noqa: BLE001 - the probe's finding, written out: nothing is hidden
-            result["modules"][name] = f"{type(exc).__name__}: {exc}"
-            result.setdefault("tracebacks", {})[name] = traceback.format_exc()[-4000:]
+        got = probe(name, result["missing"])
+        result["modules"][name] = got
+        result["missing"] += [n for n in got["needs"] if n not in result["missing"]]
+        print(f"import_probe: {name}: {got['outcome']} (stood in for: {got['needs']})", flush=True)
     out.write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k != "tracebacks"}, indent=1))
+    print(json.dumps({"missing": result["missing"]}))
     return 0
 
 
