@@ -40,7 +40,8 @@ the replica's fault-control file (kvgate.faults.control), section "gpu":
                          switched on and off at run time without a restart.
 Every delay and every dropped edge is written to the history (`fault` events, sites
 "gpu_stream" and "gpu_transfer"). Heal: disarm the section; the delayed work runs and
-nothing is left behind once the stream drained.
+nothing is left behind once the stream drained, except what a control let run early (the
+consumer's reads before its load's writes: the blocks the engine computed from them).
 """
 
 from __future__ import annotations
@@ -66,12 +67,23 @@ SECTION = "gpu"
 CONTROLS = ("unordered",)
 
 
+INSTALLS = ("staged",)
+
+
+def check_section(spec: dict) -> None:
+    """ControlFileError where the section names an unknown control, edge or install."""
+    if spec.get("control") not in (None, *CONTROLS):
+        raise ControlFileError(f"unknown gpu control {spec.get('control')!r}; known {CONTROLS}")
+    if spec.get("control"):
+        dropped_edges(spec)  # an unknown edge is an error of the file, not a control that drops nothing
+    if spec.get("install") not in (None, *INSTALLS):
+        raise ControlFileError(f"gpu section: install {spec.get('install')!r}; known {INSTALLS}")
+
+
 def _spec(control: ControlFile) -> tuple[dict | None, int]:
     spec, generation = control.section(SECTION)
-    if spec and spec.get("control") not in (None, *CONTROLS):
-        raise ControlFileError(f"unknown gpu control {spec.get('control')!r}; known {CONTROLS}")
-    if spec and spec.get("control"):
-        dropped_edges(spec)  # an unknown edge is an error of the file, not a control that drops nothing
+    if spec:
+        check_section(spec)
     return spec, generation
 
 
@@ -134,8 +146,19 @@ class SwitchableTransferEngine(TransferEngine):
         self._cycles_per_ms: float | None = None
         super().__init__(*args, **kwargs)
 
+    def _armed(self) -> dict | None:
+        """The "gpu" section; a file that cannot be read as one (half written by a writer that
+        does not rename, or wrong) arms nothing here: the engine keeps every edge, and the
+        error is in the history. These hooks run on the engine's own threads (a commit's, a
+        release's), where a raise would leave a copy running under pages given back."""
+        try:
+            return _spec(self.control)[0]
+        except ControlFileError as exc:
+            self.history.write("fault_control_error", site="gpu_transfer", error=str(exc)[:300])
+            return None
+
     def _drops(self, edge: OrderingEdge) -> bool:
-        spec, _ = _spec(self.control)
+        spec = self._armed()
         if spec and spec.get("control") == "unordered" and edge in dropped_edges(spec):
             self.dropped += 1
             self.history.write("fault", site="gpu_transfer", kind="gpu_control", control="unordered",
@@ -153,26 +176,36 @@ class SwitchableTransferEngine(TransferEngine):
         return super()._await_copy(edge, event, *args, **kwargs)
 
     def _direct_install(self) -> bool:
-        spec, _ = _spec(self.control)
+        spec = self._armed()
         if spec and spec.get("install") == "staged":  # the consumer's control: its loads take the staged install
             return False
         return super()._direct_install()
 
     def load(self, block_ids: Sequence[int], hashes: Sequence[bytes], deadline_s: float | None = None):  # noqa: ANN201
+        # on the caller's thread (start_load_kv): a file that cannot be read raises to it, as
+        # the connector's other fault sites do
         spec, generation = _spec(self.control)
         if generation != self._load_generation:
             self._load_generation, self._loads_delayed = generation, 0
         ms = float(spec.get("load_delay_ms", 0)) if spec else 0.0
-        if ms > 0 and block_ids and self._loads_delayed < int(spec.get("times", 1)):
-            self._loads_delayed += 1
-            if self._cycles_per_ms is None:
-                self._cycles_per_ms = cycles_per_ms(self.device)
-            stream = self.load_write_stream()
-            delay_stream(stream, int(ms * self._cycles_per_ms))
-            self.history.write("fault", site="gpu_stream", kind="load_delay", delay_ms=ms,
-                               cycles_per_ms=round(self._cycles_per_ms), stream=int(stream.cuda_stream),
-                               blocks=len(block_ids), control=spec.get("control"), direct=self._direct_install())
-        return super().load(block_ids, hashes, deadline_s)
+        if not (ms > 0 and block_ids and self._loads_delayed < int(spec.get("times", 1))):
+            return super().load(block_ids, hashes, deadline_s)
+        self._loads_delayed += 1
+        if self._cycles_per_ms is None:
+            self._cycles_per_ms = cycles_per_ms(self.device)
+        stream = self.load_write_stream()
+        delay_stream(stream, int(ms * self._cycles_per_ms))
+        direct_before = self.direct_loads
+        handle = super().load(block_ids, hashes, deadline_s)
+        # which install the load took: the direct one only where the engine's earlier work was
+        # over (TransferEngine._copy_in). The delay is on the stream load_write_stream() names for
+        # the configured install; a load that staged instead has its copy held there, and its
+        # installs, which follow the host's check of that copy, with it
+        self.history.write("fault", site="gpu_stream", kind="load_delay", delay_ms=ms,
+                           cycles_per_ms=round(self._cycles_per_ms), stream=int(stream.cuda_stream),
+                           blocks=len(block_ids), control=spec.get("control"),
+                           direct=self.direct_loads > direct_before)
+        return handle
 
 
 class ControlledCudaCopier(CudaCopier):

@@ -9,7 +9,7 @@ whose stream-delay site and unordered-transfer control act on CUDA), with a faul
 file each.
 
 Directions: every replica publishes once to the next one (A -> B, B -> A with two
-replicas; A -> B -> C -> A with three). Five exchanges per direction, each on a fresh
+replicas; A -> B -> C -> A with three). Six exchanges per direction, each on a fresh
 seeded prompt of several blocks; in each, the producer computes and publishes, the
 consumer loads, then the consumer recomputes the same prompt cold (its prefix cache
 reset, pool bypassed):
@@ -30,6 +30,7 @@ reset, pool bypassed):
                       behind a torch.cuda._sleep (kvgate.faults.gpu_live, `load_delay_ms`);
                       its forward must still read them only once written (same checks, and
                       its TTFT holds the delay).
+  load_delay_staged   the same on the staged install (the control's way, with its edges).
   load_delay_control  the same delay with the edges that order the consumer's reads after
                       the load dropped (read_after_load for synchronous loads; with it
                       release_after_copy, the host's wait, for asynchronous ones: either
@@ -40,9 +41,10 @@ reset, pool bypassed):
                       end up exact, so the oracle this control validates is the output
                       one: the consumer's tokens on its hit must differ from its own
                       prefix hit of the prompt, on a hit that ran to the end and loaded
-                      every block.
+                      every block, with its blocks exact afterwards and its two baselines
+                      (cold, prefix hit) agreeing, taken once the delayed writes ran out.
 
-The tier's exchanges (`--tier-exchanges`): the same five exchanges on two more tiny replicas
+The tier's exchanges (`--tier-exchanges`): the same six exchanges on two more tiny replicas
 whose pool is a GPU keeper's tier in device memory (tiny_tier_cluster: `kvpool keeper --backing
 vmm` on GPU 0, each replica's pool `keeper:RUN_DIR`); the oracle's "pool" is the tier, each
 committed page copied out under a lease of the oracle's own session (TierOracle). The edges the
@@ -171,6 +173,7 @@ class Exchange:
     side: str = "producer"  # whose request the fault is armed for: the producer's publish, the consumer's hit
 
 
+CONSUMER_SETTLE_S = 3 * STREAM_DELAY_MS / 1e3  # after a consumer-side hit: its delayed writes are over on the GPU
 CONSUMER_EDGES = "the consumer's reads"  # `drop` of a consumer-side control: the edges by load mode (reads_edges)
 
 EXCHANGES = (
@@ -179,6 +182,8 @@ EXCHANGES = (
     Exchange("stream_delay_control", 1200, {"stream_delay_ms": STREAM_DELAY_MS, "times": 1, "control": "unordered",
                                             "drop": "store_after_write"}, True),
     Exchange("load_delay", 1200, {"load_delay_ms": STREAM_DELAY_MS, "times": 1}, False, "consumer"),
+    Exchange("load_delay_staged", 1200, {"load_delay_ms": STREAM_DELAY_MS, "times": 1, "install": "staged"}, False,
+             "consumer"),
     Exchange("load_delay_control", 1200, {"load_delay_ms": STREAM_DELAY_MS, "times": 1, "control": "unordered",
                                           "drop": CONSUMER_EDGES, "install": "staged"}, True, "consumer"),
 )
@@ -257,6 +262,9 @@ def run_exchange(cluster: GpuCluster, corpus: Corpus, ex: Exchange, rng: random.
         cluster.arm(consumer, fault)
         try:
             b = complete(C, prompt, tag=hit, replica=consumer, max_tokens=max_tokens)
+            # a control lets the hit finish before its load's delayed writes: those run out on the
+            # GPU (the delay is GPU time) before the baselines below take blocks the hit freed
+            time.sleep(CONSUMER_SETTLE_S)
         finally:
             cluster.arm(consumer, None)
         t_heal = time.time()
@@ -300,7 +308,10 @@ def run_exchange(cluster: GpuCluster, corpus: Corpus, ex: Exchange, rng: random.
     if ex.expect_caught and ex.side == "consumer":
         # the reads ran before the delayed installs: the blocks end up exact (the byte-exact
         # oracle is not the one this control validates), what the forward read was not
-        ran = b.error is None and len(b.token_ids) == max_tokens and hit_blocks == want_blocks  # a crash proves nothing
+        # a crash proves nothing, nor a baseline the early reads' aftermath could have touched: the
+        # hit ran to the end with every block, the blocks are exact afterwards, the baselines agree
+        ran = (b.error is None and len(b.token_ids) == max_tokens and hit_blocks == want_blocks
+               and exact.valid is True and bl.token_ids == bc.token_ids)
         caught = ran and b.token_ids != bl.token_ids
         fired = bool(faults) and bool(dropped)
         out["verdict"] = dataclasses.asdict(Verdict(
@@ -377,7 +388,7 @@ def tiny_tier_cluster(report_dir: Path, gpus: int = 1, extra: dict | None = None
     in device memory (`kvpool keeper --backing vmm`, on GPU 0, a companion of the cluster) and
     each replica's pool `keeper:RUN_DIR` (its GPU engine copies device to device, or GPU to GPU
     where the replica is on another one), with the connector settings in `extra` besides (for
-    example {"gpu_install_direct": true}). The oracle reads the tier through a session of its
+    example {"gpu_install_direct": false}). The oracle reads the tier through a session of its
     own. Returns (GpuCluster, specs, model, TierOracle)."""
     import torch
 

@@ -9,7 +9,6 @@ one kvpool pool.
 
 from __future__ import annotations
 
-import json
 
 from kvgate.harness.system.cluster import Cluster
 
@@ -24,6 +23,12 @@ def gpu_args(memory_utilization: float, block_size: int = BLOCK_SIZE) -> tuple[s
 
 class GpuCluster(Cluster):
     def arm(self, replica: str, section: dict | None) -> None:
-        """Write the replica's "gpu" fault section (None: disarm)."""
-        self.faults[replica].write_text(json.dumps({"gpu": section} if section else {}))
+        """Write the replica's "gpu" fault section (None: disarm), whole at once (a rename: a
+        replica's thread reading it meanwhile sees the old file or the new one)."""
+        from kvgate.faults.control import write_control
+        from kvgate.faults.gpu_live import check_section
+
+        if section:
+            check_section(section)  # a mistake in the section fails here, not in the replica's engine
+        write_control(self.faults[replica], {"gpu": section} if section else {})
         self.nemesis("gpu_fault_arm" if section else "gpu_fault_heal", replica=replica, section=section)

@@ -117,7 +117,7 @@ def arrived_digests(kinds: Sequence[DigestKind], sketches: np.ndarray | None, re
     SKETCH_COLS), the GPU's sketches of the staged rows; needed if any page is kv-sketch-1)
     and `readback` (uint8 (pages, >= page_bytes), the staged rows read back; needed if any
     is xxh3-128), row i for page i. `mapper` runs the XXH3-128s (a thread pool's map)."""
-    if sketches is not None and sketches.shape[0] >= len(kinds) and kinds.count(DigestKind.SKETCH) == len(kinds):
+    if sketches is not None and sketches.shape[0] >= len(kinds) and all(k is DigestKind.SKETCH for k in kinds):
         return sketch_digests(sketches[: len(kinds)], page_bytes)  # every page sketched (the common case): a view
     out: list[bytes | None] = [None] * len(kinds)
     sk = [i for i, k in enumerate(kinds) if k is DigestKind.SKETCH]

@@ -83,18 +83,23 @@ def child(module: str, stand_ins: list[str]) -> int:
     os._exit(0)  # no interpreter teardown: stand-ins and native libraries can fault there
 
 
-def probe(module: str, known: list[str], limit: int = 60) -> dict:
+def probe(module: str, limit: int = 60, timeout_s: float = 300.0) -> dict:
+    """One module's probe from no stand-ins (another module's would make a guarded optional
+    import of this one look present)."""
     needs: list[str] = []
     for _ in range(limit):
-        proc = subprocess.run([sys.executable, __file__, "--child", module, *known, *needs],
-                              capture_output=True, text=True, timeout=300)
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--child", module, *needs],
+                                  capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"outcome": f"the import did not end within {timeout_s:.0f} s", "needs": needs}
         line = next((x for x in proc.stdout.splitlines() if x.startswith("PROBE ")), None)
         if line is None:
             return {"outcome": f"the child exited {proc.returncode} without an answer", "needs": needs,
                     "stderr": proc.stderr[-3000:]}
         answer = json.loads(line[len("PROBE "):])
         name = answer.get("missing")
-        if not name or name in needs or name in known:
+        if not name or name in needs:
             return {**answer, "needs": needs}
         needs.append(name)
     return {"outcome": f"still missing packages after {limit} rounds", "needs": needs}
@@ -108,12 +113,12 @@ def main(argv: list[str]) -> int:
         return 2
     out, modules = Path(argv[0]), argv[1:]
     result: dict = {"python": sys.version, "modules": {}, "missing": []}
-    for name in modules:
-        got = probe(name, result["missing"])
+    for name in dict.fromkeys(modules):
+        got = probe(name)
         result["modules"][name] = got
         result["missing"] += [n for n in got["needs"] if n not in result["missing"]]
         print(f"import_probe: {name}: {got['outcome']} (stood in for: {got['needs']})", flush=True)
-    out.write_text(json.dumps(result, indent=1))
+        out.write_text(json.dumps(result, indent=1))  # as each module ends: a later one may hang the call
     print(json.dumps({"missing": result["missing"]}))
     return 0
 

@@ -311,7 +311,7 @@ def test_gpu_live_runs_the_exchanges_on_a_keepers_tier_with_its_oracle_and_fails
     assert command.main(tmp_path / "alone2", exchanges=False, tier_exchanges=True) == 0
     # the tier replicas' settings reach their cluster and are said in the checklist
     assert command.main(tmp_path / "direct", exchanges=False, tier_exchanges=True,
-                        tier_extra={"gpu_install_direct": True}) == 0
-    assert parts["tier_extra"] == {"gpu_install_direct": True}
-    assert "Tier replicas' settings besides: `{'gpu_install_direct': True}`" in (
+                        tier_extra={"gpu_install_direct": False}) == 0
+    assert parts["tier_extra"] == {"gpu_install_direct": False}
+    assert "Tier replicas' settings besides: `{'gpu_install_direct': False}`" in (
         tmp_path / "direct" / "checklist.md").read_text()

@@ -60,3 +60,26 @@ def test_the_consumer_control_takes_the_staged_install():
     runs its load staged, where the writes follow the check."""
     control = {ex.name: ex for ex in EXCHANGES}["load_delay_control"].fault
     assert control["install"] == "staged"
+
+
+def test_a_control_file_the_engines_threads_cannot_read_keeps_every_edge_and_is_recorded(tmp_path):
+    """The edge hooks run on the engine's own threads (a commit's, a release's): a file that
+    cannot be read there arms nothing (every edge kept, no raise that would leave a copy
+    running under pages given back), and the error is in the history."""
+    from kvgate.faults.gpu_live import SwitchableTransferEngine, check_section
+    from kvpool.connector.history import read_history
+
+    path = tmp_path / "faults.json"
+    path.write_text('{"gpu": {"control": "unordered", "drop": "release_after_copy"')  # half written
+    engine = object.__new__(SwitchableTransferEngine)  # the hooks' state only: no CUDA here
+    engine.control, engine.dropped = ControlFile(path), 0
+    engine.history = HistoryWriter(tmp_path / "history", "A", "worker")
+    assert engine._drops(OrderingEdge.RELEASE_AFTER_COPY) is False and engine.dropped == 0
+    path.write_text(json.dumps({"gpu": {"control": "unordered", "drop": "release_after_copy"}}))
+    assert engine._drops(OrderingEdge.RELEASE_AFTER_COPY) is True and engine.dropped == 1
+    assert engine._drops(OrderingEdge.READ_AFTER_LOAD) is False
+    engine.history.close()
+    errors = [r for r in read_history(tmp_path / "history") if r["ev"] == "fault_control_error"]
+    assert len(errors) == 1 and "not JSON" in errors[0]["error"]
+    with pytest.raises(ControlFileError, match="install"):
+        check_section({"load_delay_ms": 1, "install": "stagd"})
