@@ -75,15 +75,15 @@ class CopyRun:
 
 
 def note_load(copier: Any, event: str, run: CopyRun, loaded: int, miss: Any, error: str = "",
-              **timing: float) -> list[int]:
+              fields: dict[str, Any] | None = None, **timing: float) -> list[int]:
     """A finished load's bookkeeping, the same for every copier: the blocks it did not
     install join `copier.failed` (under `copier._failed_lock`), and its record (`event`)
-    goes to the history, with `error` (what stopped it) where something failed. Returns
-    those blocks."""
+    goes to the history, with `error` (what stopped it) where something failed and the
+    copier's own `fields` (the GPU's: which install the load took). Returns those blocks."""
     failed = list(run.block_ids[loaded:])
     with copier._failed_lock:
         copier.failed.update(failed)
-    extra = {"error": error[:400]} if error else {}
+    extra = {**(fields or {}), **({"error": error[:400]} if error else {})}
     copier.history.write(event, req=run.req_id, tag=run.tag, first_block=run.first_block, blocks=len(run.block_ids),
                          loaded=loaded, failed_block_ids=failed, miss_cause=miss.cause.value if miss else None,
                          miss_index=(run.first_block + miss.index) if miss else None, **extra,

@@ -142,11 +142,14 @@ class CudaCopier:
         engine = self._engine(ns)
         engine._check_ids(run.block_ids, run.hashes)  # the caller's own mistakes raise, before the pool is asked
         t0 = time.monotonic()
+        direct_before = getattr(engine, "direct_loads", None)
         try:
             h = engine.load(run.block_ids, run.hashes, deadline_s=deadline_s)
         except _POOL_CAUSED as exc:  # the pool or its pages: a failed load of the whole run, never an exception
             return self._failed_load(run, exc, t0)
-        failed = note_load(self, "load", run, h.loaded, h.miss, seconds=time.monotonic() - h._t0)
+        # which install a load of device pages took (the direct one only on an engine whose earlier work was over)
+        fields = {} if direct_before is None else {"direct": engine.direct_loads > direct_before}
+        failed = note_load(self, "load", run, h.loaded, h.miss, fields=fields, seconds=time.monotonic() - h._t0)
         if self.metrics is not None:
             self.metrics.blocks_loaded.inc(h.loaded)
             self.metrics.bytes_loaded.inc(h.loaded * self.block_bytes)
