@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -258,15 +259,21 @@ class Service:
 LMCACHE_ENV = (("LMCACHE_TRACK_USAGE", "false"),)
 
 
-def _lmcache_server(report_dir: Path) -> Service:
-    """`lmcache server` in LMCache's environment, on free ports, L1 of 1 GiB, chunks of 256
-    tokens, LRU; ready when its ZMQ port accepts a connection."""
+# `lmcache server` run by this interpreter (LMCache installed beside it, as on the GPU host:
+# scripts/gpu/lmcache.sh), where no environment of its own is built
+_LMCACHE_HERE = ("-c", "import sys; from lmcache.cli.main import main; sys.argv[0] = 'lmcache'; sys.exit(main())")
+
+
+def _lmcache_server(report_dir: Path, here: bool = False) -> Service:
+    """`lmcache server` in LMCache's environment (`here`: by this interpreter), on free ports,
+    L1 of 1 GiB, chunks of 256 tokens, LRU; ready when its ZMQ port accepts a connection."""
     import socket
 
     prof = CONNECTORS["lmcache-mp"]
     port, http_port = free_port(), free_port()
     log = Path(report_dir) / "lmcache-server.log"
-    args = [str(REPO / prof.venv / "bin" / "lmcache"), "server", "--host", "127.0.0.1", "--port", str(port),
+    command = [sys.executable, *_LMCACHE_HERE] if here else [str(REPO / prof.venv / "bin" / "lmcache")]
+    args = [*command, "server", "--host", "127.0.0.1", "--port", str(port),
             "--http-host", "127.0.0.1", "--http-port", str(http_port), "--chunk-size", "256", "--l1-size-gb", "1",
             "--eviction-policy", "LRU", "--supported-transfer-mode", "auto", "--disable-observability"]
     proc = spawn(args, log, {**os.environ, **dict(LMCACHE_ENV)})
@@ -389,6 +396,12 @@ CONNECTORS: dict[str, Profile] = {
         packages=("vllm", "lmcache"), venv=".venv-lmcache", env=LMCACHE_ENV, service=_lmcache_server,
         chunk_tokens=256),
 }
+# The same on CUDA, with LMCache installed beside this interpreter's vLLM (the GPU host: its wheel and
+# the few it lacks there, scripts/gpu/lmcache.sh), the server run by this interpreter
+CONNECTORS["lmcache-mp-cuda"] = dataclasses.replace(
+    CONNECTORS["lmcache-mp"], name="lmcache-mp-cuda", venv="", device="cuda",
+    describe="LMCache's LMCacheMPConnector against an `lmcache server`, on CUDA (LMCache beside vLLM)",
+    service=lambda report_dir: _lmcache_server(report_dir, here=True))
 
 
 def profile(name: str, extra: dict[str, Any] | None = None) -> Profile:

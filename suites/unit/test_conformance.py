@@ -249,3 +249,33 @@ def test_kvpool_unsettled_spends_a_drop_on_the_latest_store_and_reads_complete_l
     with open(path, "a") as f:
         f.write('{"ev": "publish", "t": 1.0, "replica": "A", "tag": "t", "req": "r1", "first_bl')  # half a line
     assert [(r["first_block"], r["missing"]) for r in kvpool_unsettled(h, "A", "t")] == [(8, ["publish"])]
+
+
+def test_lmcache_on_cuda_runs_beside_vllm_and_needs_a_gpu(tmp_path, nothing_starts, monkeypatch):
+    """The CUDA twin of lmcache-mp: no environment of its own (LMCache installed beside the GPU
+    host's vLLM), its server run by this interpreter; on a machine without a GPU it is not run,
+    with that reason, and nothing starts."""
+    import sys
+
+    import kvgate.harness.conformance.connectors as connectors
+
+    prof = CONNECTORS["lmcache-mp-cuda"]
+    cpu = CONNECTORS["lmcache-mp"]
+    assert (prof.device, prof.venv, prof.inner, prof.chunk_tokens) == ("cuda", "", cpu.inner, cpu.chunk_tokens)
+    assert prof.capabilities == cpu.capabilities
+    started = []
+    monkeypatch.setattr(connectors, "spawn", lambda args, log, env: started.append(args) or (_ for _ in ()).throw(
+        RuntimeError("not started here")))
+    with pytest.raises(RuntimeError, match="not started here"):
+        prof.service(tmp_path)
+    assert started[0][0] == sys.executable and started[0][1] == "-c" and "lmcache.cli.main" in started[0][2]
+    assert started[0][3] == "server"
+    try:
+        import torch
+        gpu = torch.cuda.is_available()
+    except ImportError:
+        gpu = False
+    if not gpu:
+        row = run_connector("lmcache-mp-cuda", None, 3, tmp_path / "x")
+        assert {c["status"] for c in row["cells"].values()} == {"not run"}
+        assert all("CUDA GPUs only" in c["reason"] for c in row["cells"].values())
