@@ -6,8 +6,8 @@ The keeper beats two values that differ in every byte (0x00ffffffffffffff and
 The oracle: every value read is one the keeper wrote. Control: BytewiseBeatState and
 BytewiseBeatView (struct.pack_into and unpack_from, one byte at a time, as the heartbeat was
 moved before) caught by the same oracle: a torn value read. The reader reads for READ_S after the
-first beat it sees (the control stops at its first torn read); the writer beats until the reader
-is done. A run whose reader saw no beat, or whose writer was not beating through the reads,
+first beat it sees (the control until its first torn read, for at most CONTROL_READ_S: on a loaded
+machine the two processes may seldom run at once); the writer beats until the reader is done. A run whose reader saw no beat, or whose writer was not beating through the reads,
 proves nothing and fails as such (never a pass)."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from kvpool.gpu.handout import HandleKind, PrivateState, PrivateView, TierDescri
 A, B = 0x00FF_FFFF_FFFF_FFFF, 0x0100_0000_0000_0000  # every byte differs
 PAGES = 4
 READ_S = 3.0
+CONTROL_READ_S = 60.0  # the control reads until its first torn read, at most this (a loaded machine's slices)
 
 
 def _desc(size: int) -> TierDescriptor:
@@ -31,7 +32,7 @@ def _desc(size: int) -> TierDescriptor:
                           page_size=4096, num_pages=PAGES, granularity=4096, private_size=size)
 
 
-def _reader(path: str, size: int, bytewise: bool, first, done, reads, torn) -> None:  # noqa: ANN001 - mp values
+def _reader(path: str, size: int, bytewise: bool, first, done, reads, torn, read_s: float) -> None:  # noqa: ANN001
     """A replica's process: maps the keeper's private state read-only and reads its heartbeat."""
     view_cls = BytewiseBeatView if bytewise else PrivateView
     fd = os.open(path, os.O_RDONLY)
@@ -41,7 +42,7 @@ def _reader(path: str, size: int, bytewise: bool, first, done, reads, torn) -> N
             time.sleep(0.0005)
         first.set()
         t0, n, bad = time.monotonic(), 0, 0
-        while time.monotonic() - t0 < READ_S and not bad:
+        while time.monotonic() - t0 < read_s and not bad:
             for _ in range(2000):
                 if view.heartbeat_ns() not in (A, B):
                     bad += 1
@@ -60,7 +61,7 @@ def _race(state_cls: type[PrivateState], bytewise: bool) -> tuple[int, int, int]
     first, done = ctx.Event(), ctx.Event()
     reads, torn = ctx.Value("q", 0), ctx.Value("q", 0)
     proc = ctx.Process(target=_reader, args=(f"/proc/{os.getpid()}/fd/{state.fd}", state.size, bytewise, first, done,
-                                             reads, torn), daemon=True)
+                                             reads, torn, CONTROL_READ_S if bytewise else READ_S), daemon=True)
     beats = 0
     try:
         proc.start()
@@ -74,7 +75,7 @@ def _race(state_cls: type[PrivateState], bytewise: bool) -> tuple[int, int, int]
             for _ in range(1000):
                 state.beat(B if beats & 1 else A)
                 beats += 1
-        proc.join(30)
+        proc.join(30 + CONTROL_READ_S)
     finally:
         if proc.is_alive():
             proc.kill()

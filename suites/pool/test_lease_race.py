@@ -287,8 +287,9 @@ def test_the_lease_oracle_catches_a_known_bad_pool(world, test_seed):
 
 def test_free_running_loaders_copy_only_what_was_published(test_seed):
     """Loaders acquire, copy and release runs while a publisher evicts under pressure and
-    the scrub runs freely (3 s): every copied page is byte-exact and no release finds its
-    pages moved. Its verdict is the oracle's; the controls are caught above."""
+    the scrub runs freely (3 s, and on until it has done enough to prove anything): every
+    copied page is byte-exact and no release finds its pages moved. Its verdict is the
+    oracle's; the controls are caught above."""
     pool = Pool("correct", test_seed)
     pool.catalog.open = True
     published: list[tuple[list[bytes], list[bytes]]] = []
@@ -325,7 +326,13 @@ def test_free_running_loaders_copy_only_what_was_published(test_seed):
                for fn, args in ((publisher, ()), (loader, (False, test_seed)), (loader, (True, test_seed + 1)))]
     for t in threads:
         t.start()
-    time.sleep(3.0)
+    # 3 s at least, and until the run has done what it must to prove anything (more than 10 loads
+    # and 10 evictions: a loaded machine takes longer), at most 60 s
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 60.0 and not errors:
+        time.sleep(0.25)
+        if time.monotonic() - t0 >= 3.0 and found["loads"] > 10 and pool.pub.stats()["evictions"] > 10:
+            break
     stop.set()
     for t in threads:
         t.join(30)

@@ -35,7 +35,7 @@ run (the schedule forces one per control if the draw has none):
   abort_visible  an abandoned publish committed instead of freed (hits for aborted blocks);
   lost_wakeup    a publish closed without a commit never wakes its waiters: they answer at
                  their bound (the daemon looks once more then, so the hits and the miss are
-                 right; the time is not); run with a 1.5 s bound, which each exposed
+                 right; the time is not); run with a 3 s bound, which each exposed
                  iteration costs, and 10 iterations;
   late_visible   the lookup woken by a commit does not see the commit's blocks yet.
 """
@@ -384,7 +384,9 @@ def test_a_waiting_lookup_answers_the_committed_run_whatever_the_order_of_commit
 def test_the_lookup_wait_oracle_catches_a_known_bad_pool(world, test_seed):
     """The same oracle against a known-bad catalog flags exactly the iterations its defect
     changes (at least one every run)."""
-    long_s, count = (1.5, 10) if world == "lost_wakeup" else (LONG_S, 14)  # its exposed iterations wait the bound out
+    # lost_wakeup's exposed iterations wait the bound out: 3 s each, long enough that a woken
+    # answer, even after a loaded machine's slow events, is not read as one at the bound (0.8 of it)
+    long_s, count = (3.0, 10) if world == "lost_wakeup" else (LONG_S, 14)
     out = run_world(world, test_seed, count, long_s)
     rows = out["rows"]
     assert out["exposed"], "the schedule exposes this control nowhere: it would prove nothing"
