@@ -154,7 +154,9 @@ class SwitchableTransferEngine(TransferEngine):
         try:
             return _spec(self.control)[0]
         except ControlFileError as exc:
-            self.history.write("fault_control_error", site="gpu_transfer", error=str(exc)[:300])
+            if exc.generation != getattr(self, "_error_generation", None):  # once per content of the file
+                self._error_generation = exc.generation
+                self.history.write("fault_control_error", site="gpu_transfer", error=str(exc)[:300])
             return None
 
     def _drops(self, edge: OrderingEdge) -> bool:
@@ -196,16 +198,33 @@ class SwitchableTransferEngine(TransferEngine):
         stream = self.load_write_stream()
         delay_stream(stream, int(ms * self._cycles_per_ms))
         direct_before = self.direct_loads
-        handle = super().load(block_ids, hashes, deadline_s)
-        # which install the load took: the direct one only where the engine's earlier work was
-        # over (TransferEngine._copy_in). The delay is on the stream load_write_stream() names for
-        # the configured install; a load that staged instead has its copy held there, and its
-        # installs, which follow the host's check of that copy, with it
-        self.history.write("fault", site="gpu_stream", kind="load_delay", delay_ms=ms,
-                           cycles_per_ms=round(self._cycles_per_ms), stream=int(stream.cuda_stream),
-                           blocks=len(block_ids), control=spec.get("control"),
-                           direct=self.direct_loads > direct_before)
+        handle = None
+        try:
+            handle = super().load(block_ids, hashes, deadline_s)
+        finally:
+            # which install the load took: the direct one only where the engine's earlier work was
+            # over (TransferEngine._copy_in); None where it raised or installed nothing. The delay
+            # is on the stream load_write_stream() names for the configured install; a load that
+            # staged instead has its copy held there, and its installs, which follow the host's
+            # check of that copy, with it
+            loaded = handle.loaded if handle is not None else 0
+            self.history.write("fault", site="gpu_stream", kind="load_delay", delay_ms=ms,
+                               cycles_per_ms=round(self._cycles_per_ms), stream=int(stream.cuda_stream),
+                               blocks=len(block_ids), loaded=loaded, control=spec.get("control"),
+                               direct=(self.direct_loads > direct_before) if loaded else None)
+        threading.Thread(target=self._note_delayed_done, args=(handle,), name="kvgate-load-delay-done",
+                         daemon=True).start()
         return handle
+
+    def _note_delayed_done(self, handle) -> None:  # noqa: ANN001 - a LoadHandle
+        """`load_delay_done` once every write of the delayed load ran on the GPU (its `done`
+        event): what a scenario waits for before it reuses the consumer, since a control that
+        drops the reads' edges lets the engine go on before them."""
+        try:
+            handle._done.synchronize()
+        finally:
+            self.history.write("load_delay_done", site="gpu_stream", blocks=len(handle.block_ids),
+                               loaded=handle.loaded)
 
 
 class ControlledCudaCopier(CudaCopier):

@@ -366,8 +366,9 @@ def measure_tier(cluster: Cluster, lengths: tuple[int, ...], reps: int, deadline
                      if str(r.get("tag", "")).startswith(f"tier-{m.replace('_', '-')}{n}-")]
             key = f"gpu_tier_{m}"
             row[f"{key}blocks_loaded"] = sum(int(r["loaded"]) for r in loads)
-            row[f"{key}direct_loads"] = sum(1 for r in loads if r.get("direct"))  # the rest staged
             row[f"{key}loads"] = len(loads)
+            row[f"{key}direct_loads"] = sum(1 for r in loads if r.get("direct") is True)
+            row[f"{key}staged_loads"] = sum(1 for r in loads if r.get("direct") is False)  # the rest installed nothing
             row[f"{key}blocks_expected"] = len(peer) * ((n - 1) // BLOCK_SIZE)
             for what, label in (("hit", "hit"), ("local", "local_hit")):
                 values = ttft[f"{m}{what}"]

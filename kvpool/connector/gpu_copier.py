@@ -147,8 +147,9 @@ class CudaCopier:
             h = engine.load(run.block_ids, run.hashes, deadline_s=deadline_s)
         except _POOL_CAUSED as exc:  # the pool or its pages: a failed load of the whole run, never an exception
             return self._failed_load(run, exc, t0)
-        # which install a load of device pages took (the direct one only on an engine whose earlier work was over)
-        fields = {} if direct_before is None else {"direct": engine.direct_loads > direct_before}
+        # which install a load took (the direct one only for device pages, on an engine whose earlier
+        # work was over); none where it installed nothing
+        fields = {} if direct_before is None or not h.loaded else {"direct": engine.direct_loads > direct_before}
         failed = note_load(self, "load", run, h.loaded, h.miss, fields=fields, seconds=time.monotonic() - h._t0)
         if self.metrics is not None:
             self.metrics.blocks_loaded.inc(h.loaded)

@@ -145,6 +145,11 @@ class TieredEngine:
         self._closed = False
 
     @property
+    def direct_loads(self) -> int:
+        """The member loads that took the direct install (TransferEngine.direct_loads), all members."""
+        return sum(getattr(e, "direct_loads", 0) for e in self.engines if e is not None)
+
+    @property
     def member_capabilities(self) -> dict[str, object]:
         return {n: e.capabilities for n, e in zip(self.names, self.engines) if e is not None}
 

@@ -34,8 +34,10 @@ case "$cmd" in
     DIR=${1:?DIR}
     SITE=${2:-/tmp/lmc-site}
     mkdir -p "$SITE"
-    python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$DIR"/*.whl
-    echo "lmcache.sh: installed $(ls "$DIR"/*.whl | wc -l) wheels into $SITE"
+    # the pinned wheels only, found in DIR (another version left there by an earlier fetch is not taken)
+    # shellcheck disable=SC2086
+    python3 -m pip install -q --no-index --find-links "$DIR" --no-deps --no-compile --target "$SITE" $WHEELS
+    echo "lmcache.sh: installed $(echo $WHEELS | wc -w) wheels into $SITE"
     ;;
   *)
     echo "lmcache.sh: unknown command $cmd (fetch, install)" >&2

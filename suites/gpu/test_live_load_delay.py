@@ -84,6 +84,10 @@ def _consume(client, tmp_path, test_seed, tag, spec: dict, mode: str):
         after = read_pages(dst, geom.block_dim, ids).cpu().numpy()
     finally:
         consumer.close()
+    deadline = time.monotonic() + 10  # the engine's own thread records the delayed writes over
+    while not [r for r in read_history(tmp_path / "history") if r["ev"] == "load_delay_done"]:
+        assert time.monotonic() < deadline, "the delayed load's writes were never recorded over"
+        time.sleep(0.01)
     return seen, after, want, read_history(tmp_path / "history")
 
 
@@ -91,7 +95,8 @@ def _consume(client, tmp_path, test_seed, tag, spec: dict, mode: str):
 def test_a_delayed_load_is_read_only_once_written(mode, client, test_seed, tag, tmp_path):
     seen, after, want, history = _consume(client, tmp_path, test_seed, tag, {"load_delay_ms": DELAY_MS}, mode)
     delays = [r for r in history if r["ev"] == "fault" and r["kind"] == "load_delay"]
-    assert len(delays) == 1 and delays[0]["blocks"] == BLOCKS, delays
+    assert len(delays) == 1 and delays[0]["blocks"] == delays[0]["loaded"] == BLOCKS, delays
+    assert delays[0]["direct"] is False  # host pages: the staged install
     assert np.array_equal(seen, want), "the engine read loaded blocks before the delayed load wrote them"
     assert np.array_equal(after, want)
 
