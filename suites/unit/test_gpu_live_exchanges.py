@@ -83,3 +83,19 @@ def test_a_control_file_the_engines_threads_cannot_read_keeps_every_edge_and_is_
     assert len(errors) == 1 and "not JSON" in errors[0]["error"]
     with pytest.raises(ControlFileError, match="install"):
         check_section({"load_delay_ms": 1, "install": "stagd"})
+
+
+def test_the_consumer_is_reused_only_once_its_engine_recorded_the_delayed_writes_over(tmp_path):
+    import time
+
+    from kvgate.harness.scenarios.gpu_live import GpuLiveError, wait_delayed_writes
+
+    since = time.time()
+    w = HistoryWriter(tmp_path, "B", "worker")
+    w.write("load_delay_done", site="gpu_stream", blocks=75, loaded=75)
+    w.close()
+    wait_delayed_writes(tmp_path, "B", since)  # there: returns
+    with pytest.raises(GpuLiveError, match="never finished"):
+        wait_delayed_writes(tmp_path, "A", since, timeout_s=0.2)  # another replica's record is not this one's
+    with pytest.raises(GpuLiveError):
+        wait_delayed_writes(tmp_path, "B", time.time() + 1, timeout_s=0.2)  # an earlier delay's is not this one's
