@@ -151,6 +151,12 @@ def _tier_rows(bench: dict, heading: bool = True) -> list[str]:
                        f"{r['gpu_tier_blocks_loaded']}/{r['gpu_tier_blocks_expected']}"
                        + (f", {r['gpu_tier_sync_blocks_loaded']}/{r['gpu_tier_sync_blocks_expected']}"
                           if "gpu_tier_sync_blocks_loaded" in r else "")) for r in rows]), ""]
+    installs = [f"{r['prefix_tokens']}: " + ", ".join(
+        f"{label} {r[f'gpu_tier_{m}direct_loads']} direct / {r[f'gpu_tier_{m}staged_loads']} staged"
+        for m, label in (("", "tier"), ("sync_", "sync")) if f"gpu_tier_{m}direct_loads" in r)
+        for r in rows if "gpu_tier_direct_loads" in r]
+    if installs:  # a busy engine's load stages although the direct install is set
+        lines += ["Installs of the tier's loads (per prefix): " + "; ".join(installs) + ".", ""]
     for key, met in sorted(bench.get("targets", {}).items()):
         if key.startswith("gpu_tier"):
             lines.append(f"- [{'x' if met else ' '}] {key.replace('_', ' ')} ({'met' if met else 'NOT met'})")

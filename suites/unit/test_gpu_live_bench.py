@@ -71,8 +71,10 @@ def test_the_tier_rows_carry_both_load_modes_their_ratios_and_the_local_bound(st
 
     monkeypatch.setattr(bench, "complete", complete)
     monkeypatch.setattr(live, "complete", complete)
-    loads = {"U": [{"tag": "tier-8192-0", "loaded": 511}, {"tag": "tier-8192-1", "loaded": 511}],
-             "V": [{"tag": "tier-sync-8192-0", "loaded": 511}, {"tag": "tier-sync-8192-1", "loaded": 500}]}
+    loads = {"U": [{"tag": "tier-8192-0", "loaded": 511, "direct": True},
+                   {"tag": "tier-8192-1", "loaded": 511, "direct": False}],
+             "V": [{"tag": "tier-sync-8192-0", "loaded": 511, "direct": True},
+                   {"tag": "tier-sync-8192-1", "loaded": 500, "direct": True}]}
     monkeypatch.setattr(bench, "_records", lambda cluster, ev, replica: loads.get(replica, []) if ev == "load" else [])
     spec = types.SimpleNamespace(connector_extra=(("pool", "keeper:/k"), ("token", "secret"), ("gpu_chunk_mib", 512)))
     cluster.replicas = {n: types.SimpleNamespace(url=f"http://{n}", spec=spec) for n in "CTUV"}
@@ -85,6 +87,8 @@ def test_the_tier_rows_carry_both_load_modes_their_ratios_and_the_local_bound(st
     assert row["gpu_tier_vs_peer"] == 0.625 and row["gpu_tier_local_vs_peer"] == 0.5
     assert (row["gpu_tier_blocks_loaded"], row["gpu_tier_sync_blocks_loaded"], row["gpu_tier_blocks_expected"]) == (
         1022, 1011, 1022)
+    assert (row["gpu_tier_direct_loads"], row["gpu_tier_staged_loads"], row["gpu_tier_sync_direct_loads"],
+            row["gpu_tier_sync_staged_loads"]) == (1, 1, 2, 0)  # which install each load took, from its record
     assert out["targets"]["gpu_tier_at_most_1.05x_local_at_every_length"] is False
     assert out["targets"]["gpu_tier_sync_at_most_1.05x_local_at_every_length"] is False
     assert out["targets"]["gpu_tier_every_block_loaded"] is True
@@ -106,6 +110,7 @@ def test_the_tier_rows_carry_both_load_modes_their_ratios_and_the_local_bound(st
     assert result["failures"] == ["bench at 8192 tokens: the GPU tier loaded 1011 of 1022 blocks (load_mode sync)"]
     text = render_markdown(result, "2026-12-05")
     assert "## The GPU tier, live (TTFT)" in text and "| 8192 | 50.0 | 40.0 | 1.25 |" in text
+    assert "8192: tier 1 direct / 1 staged, sync 2 direct / 0 staged" in text
     # a hit whose records give no phases (a load that moved nothing): its row stands without them
     monkeypatch.setattr(bench, "remote_phases", lambda h, tag, t0, ttft: None if "sync" in tag else {"load": 1.0})
     (row,) = bench.measure_tier(cluster, (8192,), reps=1, deadline_s=600.0)["rows"]
