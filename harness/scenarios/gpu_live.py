@@ -252,9 +252,10 @@ def run_exchange(cluster: GpuCluster, corpus: Corpus, ex: Exchange, rng: random.
     label = ex.name if (producer, consumer) == ("A", "B") else f"{ex.name}-{producer}{consumer}"
     pub, hit, cold = f"{label}-pub", f"{label}-hit", f"{label}-cold"
     faulted = producer if ex.side == "producer" else consumer
+    mode = load_mode(h, consumer) if ex.side == "consumer" else None  # read once, where a control needs it
     fault = ex.fault
     if fault and fault.get("drop") == CONSUMER_EDGES:
-        fault = {**fault, "drop": reads_edges(load_mode(h, consumer))}
+        fault = {**fault, "drop": reads_edges(mode)}
     if ex.side == "producer":
         t_arm = time.time()
         cluster.arm(producer, fault)
@@ -317,9 +318,9 @@ def run_exchange(cluster: GpuCluster, corpus: Corpus, ex: Exchange, rng: random.
     }
     if ex.expect_caught and ex.side == "consumer":
         # the reads ran before the delayed installs: the blocks end up exact (the byte-exact
-        # oracle is not the one this control validates), what the forward read was not
-        # a crash proves nothing, nor a baseline the early reads' aftermath could have touched: the
-        # hit ran to the end with every block, the blocks are exact afterwards, the baselines agree
+        # oracle is not the one this control validates), what the forward read was not. A crash
+        # proves nothing, nor a baseline the early reads' aftermath could have touched: the hit
+        # ran to the end with every block, and its blocks and the cold run's are exact afterwards
         ran = (b.error is None and len(b.token_ids) == max_tokens and hit_blocks == want_blocks
                and exact.valid is True)  # exact: also the cold run's blocks, which the prefix hit reads
         caught = ran and b.token_ids != bl.token_ids
@@ -329,7 +330,7 @@ def run_exchange(cluster: GpuCluster, corpus: Corpus, ex: Exchange, rng: random.
             ("negative control caught by the output oracle: " if caught else
              "negative control NOT caught by the output oracle: ")
             + f"{consumer}'s tokens on its hit {'differ from' if caught else 'equal'} its own prefix hit of the same "
-              f"prompt; dropped {fault.get('drop')} ({load_mode(h, consumer)} loads, "
+              f"prompt; dropped {fault.get('drop')} ({mode} loads, "
               f"{'direct' if any(r.get('direct') for r in faults) else 'staged'} install); delay fired {len(faults)}x, "
               f"edge dropped {len(dropped)}x; installed bytes afterwards: {exact.reason}",
             {"caught": caught, "hit_ran": ran, "delay_fired": len(faults), "edges_dropped": len(dropped),
