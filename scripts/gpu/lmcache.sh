@@ -7,7 +7,8 @@
 #       numba, safetensors and the rest (the device's KINDS.md lists them), and the bundle brings
 #       msgspec, pyzmq, fastapi, uvicorn. What is missing was found with scripts/gpu/import_probe.py
 #       (reports/gpu/2026-12-06-h100-live-edges/run-0734763/): opentelemetry (api, sdk, semantic
-#       conventions, prometheus exporter) and nvtx at import, importlib-metadata under
+#       conventions, prometheus exporter) and nvtx at import, importlib-metadata (8.7: from 9 on it needs
+#       lazy_importer, which `lmcache server` then lacks) with zipp under
 #       opentelemetry, and cryptography (with cffi, pycparser) for `lmcache server`. About 26 MiB:
 #       one transfer beside the tree.
 #   scripts/gpu/lmcache.sh install DIR [SITE]     (on the GPU host; default SITE /tmp/lmc-site)
@@ -19,7 +20,7 @@ cmd=${1:?usage: scripts/gpu/lmcache.sh fetch [DIR] | install DIR [SITE]}
 shift
 WHEELS="lmcache==0.5.6 opentelemetry-api==1.40.0 opentelemetry-sdk==1.40.0
 opentelemetry-semantic-conventions==0.61b0 opentelemetry-exporter-prometheus==0.61b0 nvtx==0.2.17
-importlib-metadata==10.2.0 cryptography==51.0.1 cffi==2.1.1 pycparser==3.12"
+importlib-metadata==8.7.0 zipp==3.23.0 cryptography==51.0.1 cffi==2.1.1 pycparser==3.12"
 case "$cmd" in
   fetch)
     DIR=${1:-.gpu/lmc}
