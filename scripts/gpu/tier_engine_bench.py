@@ -19,7 +19,8 @@ Geometries (16-token blocks, vLLM's blocks-first layout (num_blocks, 2, 16, head
          text decoder, kvgate.fixtures.arch_model; seed 003's model class)
   bench  16 layers x 8 KV heads: 64 KiB a token, 1 MiB pages (the live bench's model)
 JSON keys name the tier: gpu_tier_engine_load_s_<geometry>_<k>k (the default way's median, load()
-to installed), and per way its median, spread, return and release times. Exit status 1 when a
+to installed; the default way is the engine's defaults, `auto:128:direct`; until 2026-12-06 it was
+`auto:128`, staged, in reports made before the direct install became the default), and per way its median, spread, return and release times. Exit status 1 when a
 block differs or a load installed less than all.
 """
 
@@ -52,6 +53,9 @@ GEOMETRIES = {"27b": 40, "bench": 16}  # layers; 8 KV heads of 128, bf16, 16-tok
 HEADS, HEAD_DIM, BLOCK = 8, 128, 16
 TOKEN = "tok"  # the tenant default's token KeeperProcess starts the keeper with
 TARGET_27B_128K_S = 0.05
+# the first is the engine's defaults (TransferConfig: auto sketch, 128 MiB chunks, the direct install)
+DEFAULT_WAYS = ("auto:128:direct,auto:128,int8-mm:128,triton-dot:128:nofuse,triton-dot:1024:nofuse,"
+                "triton-dot:512,triton-dot:1024,triton-dot:128:direct,triton-dot:1024:direct")
 
 
 def _way(spec: str) -> tuple[str, TransferConfig]:
@@ -78,10 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="27b")
     ap.add_argument("--tokens", type=int, default=128000)
-    ap.add_argument("--ways", default="auto:128,int8-mm:128,triton-dot:128:nofuse,triton-dot:1024:nofuse,"
-                                      "triton-dot:512,triton-dot:1024,triton-dot:128:direct,triton-dot:1024:direct",
+    ap.add_argument("--ways", default=DEFAULT_WAYS,
                     help="SKETCH_IMPL:CHUNK_MIB[:nofuse][:direct],... (the first is the default way, whose median "
-                         "the key gives; nofuse: the copy, then the sketch, as before the fused kernel; direct: the "
+                         "the key gives: by default the engine's own defaults, TransferConfig's 128 MiB chunk and "
+                         "direct install; without :direct a way installs staged; nofuse: the copy, then the "
+                         "sketch, as before the fused kernel; direct: the "
                          "fused kernel writes the blocks, no staging, TransferConfig.install_direct)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=20261205)
