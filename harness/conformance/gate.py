@@ -259,7 +259,7 @@ def _run_control(ctx: Ctx, sc: Scenario, seed: int, name: str, oracle: str) -> d
 def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir: Path,
                   scenarios: list[str] | None = None, device: str | None = None,
                   request_timeout_s: float = 600.0) -> dict[str, Any]:
-    from kvgate.harness.system.cluster import Cluster, install_sigterm_unwind
+    from kvgate.harness.system.cluster import Cluster, ClusterStartError, install_sigterm_unwind
     from kvgate.harness.workload.prompts import Corpus
 
     prof = profile(name, extra)
@@ -281,6 +281,23 @@ def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir
     replicas = {r for sc in runnable for r in sc.replicas}
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
+    model = None
+
+    def start_system(where: Path):  # noqa: ANN202
+        """The connector's server (where it has one), then the pool and the replicas."""
+        svc = clu = None
+        try:
+            if prof.service is not None:
+                _say(f"kvgate gate --connector {prof.name}: starting its server ...")
+                svc = prof.service(where)
+            clu = Cluster(model, where, page_size=128 * 1024, pool_pages=1024)
+            _say(f"kvgate gate --connector {prof.name}: starting a pool and replicas {sorted(replicas)} ...")
+            clu.start(_specs(prof, where, replicas, svc.settings if svc else {}, device))
+        except BaseException:
+            _stop_system(clu, svc)
+            raise
+        return svc, clu
+
     cluster = service = None
     try:
         if replicas:
@@ -288,18 +305,21 @@ def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir
 
             install_sigterm_unwind()
             model = build_tiny_model(report_dir / "model" / "tiny", seed=0, revision="r1")
-            if prof.service is not None:
-                _say(f"kvgate gate --connector {prof.name}: starting its server ...")
-                service = prof.service(report_dir)
-            cluster = Cluster(model, report_dir, page_size=128 * 1024, pool_pages=1024)
-            _say(f"kvgate gate --connector {prof.name}: starting a pool and replicas {sorted(replicas)} ...")
-            cluster.start(_specs(prof, report_dir, replicas, service.settings if service else {}, device))
+            service, cluster = start_system(report_dir)
         corpus = Corpus(cluster.model_dir) if cluster is not None else None
         ctx = Ctx(cluster, corpus, prof, seed, timeout_s=request_timeout_s)
         for i, sc in enumerate(chosen, 1):
             t0 = time.monotonic()
+            lost = None  # why the system must be started afresh before the next cell
             try:
                 cell = run_cell(ctx, sc, seed)
+            except ClusterStartError as exc:  # a replica that went down under the cell did not come back
+                lost = f"ClusterStartError: a replica that went down did not come back: {exc}"
+                cell = {"scenario": sc.name, "describe": sc.describe, "status": "fail", "reason": lost[:600],
+                        "evidence": {"start_error": str(exc)[-1500:],
+                                     **({"service_log": tail(service.log, 3000)} if service and service.log else {})},
+                        "replay": replay(prof.name, sc.name, seed, prof.given)}
+                cell["signature"] = signature_of(cell)
             except Exception as exc:  # noqa: BLE001 - a harness defect: this cell's failure, with its traceback
                 cell = {"scenario": sc.name, "describe": sc.describe, "status": "fail",
                         "reason": f"harness error {type(exc).__name__}: {exc}",
@@ -314,14 +334,47 @@ def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir
                  + "".join(f"; control {c['name']}: "
                            + {True: "caught", False: "NOT CAUGHT", None: "n/a"}[c["caught"]] for c in ctls)
                  + f" in {time.monotonic() - t0:.0f} s")
+            if lost is None or i == len(chosen):
+                continue
+            # The cells after it run on a fresh system (the connector's server too: one that
+            # stopped answering is what kept the replica from coming back), in a folder of its
+            # own, so the logs of the one that was lost stay where they are.
+            restart = {"after": sc.name, "why": lost[:600], "dir": f"restart-{len(row.get('restarts', [])) + 1}"}
+            row.setdefault("restarts", []).append(restart)
+            _say(f"kvgate gate --connector {prof.name}: starting the system afresh in {restart['dir']} "
+                 f"after {sc.name} ...")
+            try:
+                _stop_system(cluster, service)
+            except Exception as exc:  # noqa: BLE001 - recorded: the next start is tried all the same
+                restart["stop_error"] = f"{type(exc).__name__}: {exc}"[:600]
+            cluster = service = None
+            try:
+                service, cluster = start_system(report_dir / restart["dir"])
+            except Exception as exc:  # noqa: BLE001 - the cells left are not run, with this reason
+                restart["start_error"] = f"{type(exc).__name__}: {exc}"[:1500]
+                for later in chosen[i:]:
+                    row["cells"][later.name] = {
+                        "scenario": later.name, "describe": later.describe, "status": "not run",
+                        "reason": f"the system could not be started afresh after {sc.name}: "
+                                  f"{type(exc).__name__}: {str(exc)[:300]}",
+                        "replay": replay(prof.name, later.name, seed, prof.given)}
+                (report_dir / "row.json").write_text(json.dumps(row, indent=1, default=str))
+                _say(f"kvgate gate --connector {prof.name}: the system did not start afresh: {exc}")
+                break
+            ctx.cluster = cluster
     finally:
-        try:
-            if cluster is not None:
-                cluster.stop()
-        finally:
-            if service is not None:
-                service.stop()
+        _stop_system(cluster, service)
     return row
+
+
+def _stop_system(cluster, service) -> None:  # noqa: ANN001
+    """Stop the replicas and the pool, then the connector's server (whatever of them is there)."""
+    try:
+        if cluster is not None:
+            cluster.stop()
+    finally:
+        if service is not None:
+            service.stop()
 
 
 def row_verdict(row: dict[str, Any]) -> tuple[bool, str]:

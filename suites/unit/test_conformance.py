@@ -7,6 +7,7 @@ the matrix names every failing cell's finding and replay command."""
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,7 @@ from kvgate.harness import cli
 from kvgate.harness.conformance.connectors import CONNECTORS, profile
 from kvgate.harness.conformance.gate import STATUSES, row_verdict, run_cell, run_connector, write_matrix
 from kvgate.harness.conformance.scenarios import SCENARIOS, Ctx
+from kvgate.harness.system.cluster import ClusterStartError
 
 
 @pytest.fixture
@@ -279,3 +281,100 @@ def test_lmcache_on_cuda_runs_beside_vllm_and_needs_a_gpu(tmp_path, nothing_star
         row = run_connector("lmcache-mp-cuda", None, 3, tmp_path / "x")
         assert {c["status"] for c in row["cells"].values()} == {"not run"}
         assert all("CUDA GPUs only" in c["reason"] for c in row["cells"].values())
+
+
+class _System:
+    """Stand-ins for the pool's cluster and a connector's server: what started, where, and
+    what stopped, in order."""
+
+    def __init__(self, fail_starts: int = 0):
+        self.events: list[tuple[str, str]] = []
+        self.fail_starts = fail_starts  # starts of the cluster that fail, after the first
+
+    def cluster_class(self):  # noqa: ANN202
+        system = self
+
+        class Cluster:
+            def __init__(self, model, report_dir, **kw):  # noqa: ANN001, ANN003
+                self.report_dir, self.model_dir = Path(report_dir), Path(model)
+                self.replicas, self.faults = {}, {}
+
+            def start(self, specs):  # noqa: ANN001
+                if system.fail_starts and any(e[0] == "cluster start" for e in system.events):
+                    system.fail_starts -= 1
+                    raise ClusterStartError(f"replica A exited with 1 ({self.report_dir.name})")
+                system.events.append(("cluster start", self.report_dir.name))
+                return self
+
+            def stop(self) -> None:
+                system.events.append(("cluster stop", self.report_dir.name))
+
+        return Cluster
+
+    def service(self, report_dir):  # noqa: ANN001, ANN201
+        from kvgate.harness.conformance.connectors import Service
+
+        system = self
+        self.events.append(("service start", Path(report_dir).name))
+
+        class Stopping(Service):
+            def stop(self) -> None:
+                system.events.append(("service stop", Path(report_dir).name))
+
+        return Stopping({"server": Path(report_dir).name}, log=None)
+
+
+@pytest.mark.parametrize("fail_starts", [0, 1])
+def test_a_replica_that_does_not_come_back_fails_its_cell_and_the_rest_run_on_a_fresh_system(
+        tmp_path, monkeypatch, fail_starts):
+    """A connector that wedges its own server takes a replica down in one cell and keeps it
+    from restarting: that cell fails with the restart's error, and the cells after it run on a
+    system started afresh (its server too) in a folder of its own; where that start fails as
+    well, the cells left are not run, with the reason, never passed."""
+    import kvgate.fixtures.tiny_model
+    import kvgate.harness.system.cluster as cluster_mod
+    from kvgate.harness.conformance import gate
+
+    system = _System(fail_starts)
+    monkeypatch.setattr(cluster_mod, "Cluster", system.cluster_class())
+    monkeypatch.setattr(cluster_mod, "install_sigterm_unwind", lambda: None)
+    monkeypatch.setattr(kvgate.fixtures.tiny_model, "build_tiny_model", lambda path, **kw: path)
+    monkeypatch.setattr("kvgate.harness.workload.prompts.Corpus", lambda model: None)
+    monkeypatch.setattr(gate, "_specs", lambda prof, where, replicas, settings, device: [])
+    prof = dataclasses.replace(CONNECTORS["kvpool"], service=system.service)
+    monkeypatch.setattr(type(prof), "check_available", lambda self: None)
+    monkeypatch.setattr(gate, "profile", lambda name, extra: prof)
+    seen = []
+
+    def run_cell(ctx, sc, root):  # noqa: ANN001, ANN202
+        seen.append((sc.name, ctx.cluster.report_dir.name))
+        if sc.name == "long_prompt":
+            raise ClusterStartError("replica A exited with 1; log replica-A.log: cannot reach the server")
+        return {"scenario": sc.name, "status": "pass", "reason": ""}
+
+    monkeypatch.setattr(gate, "run_cell", run_cell)
+    names = ["cross_replica_hit", "long_prompt", "partial_hit", "salt_isolation"]
+    row = run_connector("kvpool", None, 3, tmp_path / "r", scenarios=names, device="cpu")
+    cells = row["cells"]
+    assert cells["cross_replica_hit"]["status"] == "pass"
+    lost = cells["long_prompt"]
+    assert lost["status"] == "fail" and "did not come back" in lost["reason"] and "cannot reach" in lost["reason"]
+    assert lost["signature"] == ["could not finish (ClusterStartError)"]
+    assert row["restarts"][0]["after"] == "long_prompt" and row["restarts"][0]["dir"] == "restart-1"
+    if not fail_starts:
+        assert [c["status"] for c in cells.values()] == ["pass", "fail", "pass", "pass"]
+        assert seen == [("cross_replica_hit", "r"), ("long_prompt", "r"), ("partial_hit", "restart-1"),
+                        ("salt_isolation", "restart-1")]
+        assert system.events == [("service start", "r"), ("cluster start", "r"), ("cluster stop", "r"),
+                                 ("service stop", "r"), ("service start", "restart-1"),
+                                 ("cluster start", "restart-1"), ("cluster stop", "restart-1"),
+                                 ("service stop", "restart-1")]
+    else:
+        assert [c["status"] for c in cells.values()] == ["pass", "fail", "not run", "not run"]
+        assert all("could not be started afresh after long_prompt" in cells[n]["reason"]
+                   for n in ("partial_hit", "salt_isolation"))
+        assert "ClusterStartError" in row["restarts"][0]["start_error"]
+        # what started of the fresh system was stopped when its cluster did not start
+        assert system.events[-3:] == [("service start", "restart-1"), ("cluster stop", "restart-1"),
+                                      ("service stop", "restart-1")]
+        assert not row_verdict(row)[0]
