@@ -139,6 +139,15 @@ def _casualties(cluster) -> dict[str, str]:  # noqa: ANN001
     return out
 
 
+class SystemLost(RuntimeError):
+    """Replicas that went down under a cell did not come back when restarted: `down` is
+    what their logs said when they died, `cause` the restart's error."""
+
+    def __init__(self, down: dict[str, str], cause: BaseException):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.down, self.cause = down, cause
+
+
 def _heal(cluster, names) -> list[str]:  # noqa: ANN001
     """Restart the given replicas (all killed first where the process is still there, in the
     order given, then started together)."""
@@ -177,7 +186,12 @@ def _run_body(ctx: Ctx, sc: Scenario, **kw: Any) -> tuple[Checks | None, str | N
     for name in ctx.armed | ctx.restart:  # they come back disarmed
         ctx.cluster.faults[name].write_text("{}")
     if heal:
-        _heal(ctx.cluster, heal)
+        from kvgate.harness.system.cluster import ClusterStartError
+
+        try:
+            _heal(ctx.cluster, heal)
+        except ClusterStartError as exc:
+            raise SystemLost(down, exc) from exc
     ctx.healed = {"restarted": heal, "disarmed": sorted(ctx.armed - set(heal))}
     return checks, broke, down
 
@@ -313,13 +327,21 @@ def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir
             lost = None  # why the system must be started afresh before the next cell
             try:
                 cell = run_cell(ctx, sc, seed)
-            except ClusterStartError as exc:  # a replica that went down under the cell did not come back
-                lost = f"ClusterStartError: a replica that went down did not come back: {exc}"
+            except (SystemLost, ClusterStartError) as exc:  # what went down under the cell did not come back
+                down = getattr(exc, "down", {})
+                exited = service.proc.poll() if service is not None and service.proc is not None else None
+                lost = (f"ClusterStartError: {'replica ' + ', '.join(down) + ' died and ' if down else 'a replica '}"
+                        f"did not come back"
+                        + (f" (the connector's server had exited with {exited})" if exited is not None else "")
+                        + f": {getattr(exc, 'cause', exc)}")
                 cell = {"scenario": sc.name, "describe": sc.describe, "status": "fail", "reason": lost[:600],
-                        "evidence": {"start_error": str(exc)[-1500:],
+                        "evidence": {"replica_logs": down, "start_error": str(getattr(exc, "cause", exc))[-1500:],
+                                     "service_exit": exited,
                                      **({"service_log": tail(service.log, 3000)} if service and service.log else {})},
                         "replay": replay(prof.name, sc.name, seed, prof.given)}
-                cell["signature"] = signature_of(cell)
+                cell["signature"] = sorted(set(signature_of(cell, down=down) if down else [])
+                                           | {"the system did not come back (ClusterStartError)"}
+                                           | ({"the connector's server had exited"} if exited is not None else set()))
             except Exception as exc:  # noqa: BLE001 - a harness defect: this cell's failure, with its traceback
                 cell = {"scenario": sc.name, "describe": sc.describe, "status": "fail",
                         "reason": f"harness error {type(exc).__name__}: {exc}",

@@ -321,12 +321,16 @@ class _System:
             def stop(self) -> None:
                 system.events.append(("service stop", Path(report_dir).name))
 
-        return Stopping({"server": Path(report_dir).name}, log=None)
+        from types import SimpleNamespace
+
+        # the first server segfaults under the cells (it has exited when the system is lost)
+        proc = SimpleNamespace(poll=lambda: -11 if Path(report_dir).name == "r" else None)
+        return Stopping({"server": Path(report_dir).name}, proc=proc, log=None)
 
 
-@pytest.mark.parametrize("fail_starts", [0, 1])
+@pytest.mark.parametrize(("fail_starts", "died"), [(0, True), (1, True), (0, False)])
 def test_a_replica_that_does_not_come_back_fails_its_cell_and_the_rest_run_on_a_fresh_system(
-        tmp_path, monkeypatch, fail_starts):
+        tmp_path, monkeypatch, fail_starts, died):
     """A connector that wedges its own server takes a replica down in one cell and keeps it
     from restarting: that cell fails with the restart's error, and the cells after it run on a
     system started afresh (its server too) in a folder of its own; where that start fails as
@@ -349,7 +353,10 @@ def test_a_replica_that_does_not_come_back_fails_its_cell_and_the_rest_run_on_a_
     def run_cell(ctx, sc, root):  # noqa: ANN001, ANN202
         seen.append((sc.name, ctx.cluster.report_dir.name))
         if sc.name == "long_prompt":
-            raise ClusterStartError("replica A exited with 1; log replica-A.log: cannot reach the server")
+            lost = ClusterStartError("replica A exited with 1; log replica-A.log: cannot reach the server")
+            if died:  # the cell's replica died, and its restart failed (gate._run_body)
+                raise gate.SystemLost({"A": "AssertionError: \n(EngineCore) ERROR ... AssertionError"}, lost)
+            raise lost  # a restart of the scenario's own
         return {"scenario": sc.name, "status": "pass", "reason": ""}
 
     monkeypatch.setattr(gate, "run_cell", run_cell)
@@ -359,7 +366,9 @@ def test_a_replica_that_does_not_come_back_fails_its_cell_and_the_rest_run_on_a_
     assert cells["cross_replica_hit"]["status"] == "pass"
     lost = cells["long_prompt"]
     assert lost["status"] == "fail" and "did not come back" in lost["reason"] and "cannot reach" in lost["reason"]
-    assert lost["signature"] == ["could not finish (ClusterStartError)"]
+    assert "the connector's server had exited with -11" in lost["reason"] and lost["evidence"]["service_exit"] == -11
+    assert lost["signature"] == (["replica A died (AssertionError)"] if died else []) + [
+        "the connector's server had exited", "the system did not come back (ClusterStartError)"]
     assert row["restarts"][0]["after"] == "long_prompt" and row["restarts"][0]["dir"] == "restart-1"
     if not fail_starts:
         assert [c["status"] for c in cells.values()] == ["pass", "fail", "pass", "pass"]
@@ -378,3 +387,25 @@ def test_a_replica_that_does_not_come_back_fails_its_cell_and_the_rest_run_on_a_
         assert system.events[-3:] == [("service start", "restart-1"), ("cluster stop", "restart-1"),
                                       ("service stop", "restart-1")]
         assert not row_verdict(row)[0]
+
+
+def test_a_restart_that_fails_after_a_death_raises_what_died_with_it(tmp_path, monkeypatch):
+    """_run_body restarts the replicas that died under the cell; where that restart fails, the
+    caller gets the dead replicas' log lines with the restart's error (SystemLost), so the
+    cell names what died, not only that the restart failed."""
+    from kvgate.harness.conformance import gate
+    from kvgate.harness.conformance.scenarios import Scenario
+
+    died = {"B": "AssertionError: \n(EngineCore) ERROR AssertionError"}
+    monkeypatch.setattr(gate, "_casualties", lambda cluster: died)
+    monkeypatch.setattr(gate.wrong_kv, "of_run", lambda ctx, t0, t1: None)
+    cluster = _StandIn(tmp_path, ["A", "B"])
+
+    def restart(names):  # noqa: ANN001, ANN202
+        raise ClusterStartError("replica B exited with 1: cannot reach the server")
+
+    cluster.restart_replicas = restart
+    ctx = Ctx(cluster=cluster, corpus=None, profile=dataclasses.replace(CONNECTORS["kvpool"], reset=None), seed=0)
+    with pytest.raises(gate.SystemLost) as lost:
+        gate._run_body(ctx, Scenario("s", lambda ctx, control=None: None, (), "a stand-in"))
+    assert lost.value.down == died and isinstance(lost.value.cause, ClusterStartError)
