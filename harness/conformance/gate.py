@@ -107,7 +107,7 @@ def _specs(prof: Profile, report_dir: Path, replicas: set[str], service_settings
     return specs
 
 
-_CAUSE = re.compile(r"\b\w+(Error|Exception): ")
+_CAUSE = re.compile(r"\b\w+(Error|Exception)(: |\s*$)")  # with its message, or alone (a bare assert)
 _NOT_ROOT = ("EngineDeadError", "Worker failed with error", "WARNING")
 
 

@@ -409,3 +409,21 @@ def test_a_restart_that_fails_after_a_death_raises_what_died_with_it(tmp_path, m
     with pytest.raises(gate.SystemLost) as lost:
         gate._run_body(ctx, Scenario("s", lambda ctx, control=None: None, (), "a stand-in"))
     assert lost.value.down == died and isinstance(lost.value.cause, ClusterStartError)
+
+
+def test_a_dead_engines_root_cause_is_found_when_it_has_no_message(tmp_path):
+    """A bare `assert` dies as a line that is only `AssertionError`: that is the root cause,
+    not the API server's EngineDeadError after it (vLLM 0.24's scheduler, on the H100)."""
+    from kvgate.harness.conformance import gate
+    from kvgate.harness.conformance.baseline import signature_of
+
+    log = tmp_path / "replica-A.log"
+    log.write_text(
+        "(EngineCore pid=1) ERROR 12-06 07:58:10 [scheduler.py:2604] Failing 1 request(s) due to KV load failure\n"
+        "(EngineCore pid=1) ERROR 12-06 07:58:10 [core.py:1233]     assert req_id in self.requests\n"
+        "(EngineCore pid=1) ERROR 12-06 07:58:10 [core.py:1233] AssertionError\n"
+        "(APIServer pid=2) ERROR 12-06 07:58:10 [async_llm.py:704] vllm.v1.engine.exceptions.EngineDeadError: "
+        "EngineCore encountered an issue. See stack trace (above) for the root cause.\n")
+    errors = gate._log_errors(log)
+    assert errors.splitlines()[0] == "AssertionError"
+    assert signature_of({"status": "fail", "reason": "x"}, down={"A": errors}) == ["replica A died (AssertionError)"]
