@@ -7,7 +7,9 @@ bytes are no computation of that block by a replica serving the same weights.
           * exempt      the engine was told its load failed (it is recomputed),
           * checked     a replica of its own identity computed the block (same token-chain
                         hash: the same tokens and adapter), and wrong if its bytes equal
-                        none of those computations,
+                        none of those computations; `misplaced` where they are another
+                        block's as computed in the run (stale or shifted KV, not garbage),
+                        with that block's tag and index in its prompt,
           * foreign     no replica of its identity computed it, and its bytes are those of
                         another computation: of this block by a replica with other weights
                         (another model revision, weights replaced in place), or of another
@@ -37,16 +39,18 @@ from kvgate.harness.checkers.history import read_history, within
 def count(recs: list[dict[str, Any]], identity: Callable[[str, float], str]) -> dict[str, Any]:
     produced: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
     computed_as: dict[str, set[tuple[str, str]]] = defaultdict(set)  # digest -> {(block, weights)}
+    position: dict[str, tuple[object, int]] = {}  # digest -> (tag, index in its prompt) of its first computation
     told_failed: dict[tuple[str, object, object], set[int]] = defaultdict(set)
     for r in recs:
         if r["ev"] == "audit" and r["kind"] == "produced":
             who = identity(r["replica"], r["t"])
-            for h, d in zip(r["hashes"], r["digests"], strict=True):
+            for i, (h, d) in enumerate(zip(r["hashes"], r["digests"], strict=True)):
                 produced[h][who].add(d)
                 computed_as[d].add((h, who))
+                position.setdefault(d, (r.get("tag"), int(r.get("first_block", 0)) + i))
         elif r["ev"] == "audit_load_errors":
             told_failed[(r["replica"], r.get("pid"), r.get("step"))].update(r["block_ids"])
-    out = {"wrong": 0, "differ": 0, "foreign": 0, "checked": 0, "unverified": 0, "exempt": 0}
+    out = {"wrong": 0, "differ": 0, "misplaced": 0, "foreign": 0, "checked": 0, "unverified": 0, "exempt": 0}
     first: list[dict[str, Any]] = []
     seen: set[tuple[str, object, object, int]] = set()
     for r in recs:
@@ -67,8 +71,14 @@ def count(recs: list[dict[str, Any]], identity: Callable[[str, float], str]) -> 
                 out["checked"] += 1
                 if d not in own:
                     out["differ"] += 1
-                    first.append({"replica": r["replica"], "tag": r.get("tag"), "block_id": bid, "hash": h,
-                                  "why": "differs from every computation of the block with its weights"})
+                    wrong = {"replica": r["replica"], "tag": r.get("tag"), "block_id": bid, "hash": h,
+                             "why": "differs from every computation of the block with its weights"}
+                    if computed_as.get(d, set()) - {(h, who)}:  # another block's KV, put in this one's place
+                        out["misplaced"] += 1
+                        tag, index = position[d]
+                        wrong.update(why=f"{wrong['why']}: its bytes are block {index} of {tag} as computed",
+                                     equals={"tag": tag, "index": index})
+                    first.append(wrong)
             elif computed_as.get(d, set()) - {(h, who)}:
                 out["checked"] += 1
                 out["foreign"] += 1

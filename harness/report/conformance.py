@@ -36,6 +36,8 @@ def wrong_kv_text(cell: dict[str, Any]) -> str:
     if not isinstance(w, dict):
         return "-"
     text = f"{w['wrong']} of {w['checked']}"
+    if w.get("misplaced"):
+        text += f" ({w['misplaced']} another block's KV)"
     if w.get("unverified"):
         text += f" (+{w['unverified']} unverified)"
     ctl = [f"{c['name']}: {c['wrong_kv']['wrong']}" for c in _controls(cell) if isinstance(c.get("wrong_kv"), dict)]

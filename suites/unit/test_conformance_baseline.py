@@ -273,6 +273,22 @@ def test_wrong_kv_counts_a_block_whose_bytes_no_producer_of_its_weights_computed
     assert count(recs[:1] + [_rec("installed", "B", ["h1"], ["d1"], t=2.0)], _same)["wrong"] == 0
 
 
+def test_wrong_kv_names_the_block_whose_bytes_a_wrong_block_holds():
+    """A block holding another block's KV as computed (LMCache's torch fallback on CUDA stored
+    each chunk's predecessor under its key) is `misplaced`, with that block's tag and index;
+    bytes nobody computed are wrong without it."""
+    recs = [_rec("produced", "A", ["h0", "h1", "h2", "h3"], ["d0", "d1", "d2", "d3"]),
+            _rec("installed", "B", ["h0", "h1", "h2", "h3"], ["d0", "d0", "d2", "GARBAGE"], t=2.0)]
+    out = count(recs, _same)
+    assert (out["wrong"], out["differ"], out["misplaced"]) == (2, 2, 1), out
+    shifted, garbage = out["first"]
+    assert shifted["equals"] == {"tag": "x", "index": 0} and "block 0 of x" in shifted["why"], shifted
+    assert "equals" not in garbage and garbage["hash"] == "h3"
+    from kvgate.harness.report.conformance import wrong_kv_text
+
+    assert wrong_kv_text({"wrong_kv": out}) == "2 of 4 (1 another block's KV)"
+
+
 def test_wrong_kv_counts_the_kv_of_other_weights_and_exempts_blocks_reported_failed():
     # C serves other weights: A's bytes are foreign to it, even though they are "a producer's"
     recs = [_rec("produced", "A", ["h1", "h2"], ["d1", "d2"]), _rec("installed", "C", ["h1", "h2"], ["d1", "d2"], t=2)]
