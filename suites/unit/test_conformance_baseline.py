@@ -154,7 +154,7 @@ def test_the_committed_baseline_loads_and_every_entry_has_its_report():
     assert base.entries, "the committed baseline lists no red cell"
     for e in base.entries:
         assert (REPO / e.report).is_file(), (e.id, e.report)
-        assert e.connector in ("example", "lmcache-mp", "offloading"), e.id  # peers only: kvpool has none
+        assert e.connector in ("example", "lmcache-mp", "lmcache-mp-cuda", "offloading"), e.id  # peers only: kvpool has none
 
 
 def test_a_cells_signature_names_what_failed_without_its_numbers():
