@@ -635,7 +635,8 @@ def build_parser() -> argparse.ArgumentParser:
     gate.add_argument("--scenario", action="append", default=[], help="only this scenario (repeatable)")
     gate.add_argument("--no-pool-checks", action="store_true", help="skip the pool criteria (no live system)")
     gate.add_argument("--connector", default="",
-                      help="gate this V1 connector instead (kvpool, example, offloading, lmcache-mp, lmcache-mp-cuda, or "
+                      help="gate this V1 connector instead (kvpool, example, offloading, lmcache-mp, lmcache-mp-cuda, "
+                           "lmcache-mp-cuda-engine, or "
                            "module:Class) "
                            "on the connector-agnostic scenarios; it fails (exit 1, the reason printed) when a cell "
                            "failed, when the connector cannot run here (it does not import, or needs a GPU this "

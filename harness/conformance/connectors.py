@@ -403,6 +403,13 @@ CONNECTORS["lmcache-mp-cuda"] = dataclasses.replace(
     describe="LMCache's LMCacheMPConnector against an `lmcache server`, on CUDA (LMCache beside vLLM)",
     service=lambda report_dir: _lmcache_server(report_dir, here=True))
 
+# The control of the lmcache-mp-cuda row's stale-chunk finding (reports/conformance/2026-12-06-h100-lmcache):
+# the worker copies (LMCache's engine-driven transfer) instead of the server through CUDA IPC
+CONNECTORS["lmcache-mp-cuda-engine"] = dataclasses.replace(
+    CONNECTORS["lmcache-mp-cuda"], name="lmcache-mp-cuda-engine",
+    describe="LMCache's LMCacheMPConnector against an `lmcache server`, on CUDA, the worker copying "
+             "(lmcache.mp.mp_transfer_mode engine_driven)",
+    settings=lambda report_dir: {"lmcache.mp.mp_transfer_mode": "engine_driven"})
 
 def profile(name: str, extra: dict[str, Any] | None = None) -> Profile:
     """A named profile (its extra config over the profile's own settings), or a class path."""

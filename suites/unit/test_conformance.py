@@ -277,6 +277,10 @@ def test_lmcache_on_cuda_runs_beside_vllm_and_needs_a_gpu(tmp_path, nothing_star
         gpu = torch.cuda.is_available()
     except ImportError:
         gpu = False
+    engine = CONNECTORS["lmcache-mp-cuda-engine"]  # the control of the stale-chunk finding: the worker copies
+    assert engine.settings(tmp_path) == {"lmcache.mp.mp_transfer_mode": "engine_driven"}
+    assert (engine.device, engine.venv, engine.inner, engine.capabilities) == (
+        prof.device, prof.venv, prof.inner, prof.capabilities)
     if not gpu:
         row = run_connector("lmcache-mp-cuda", None, 3, tmp_path / "x")
         assert {c["status"] for c in row["cells"].values()} == {"not run"}
