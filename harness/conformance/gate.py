@@ -139,6 +139,12 @@ def _casualties(cluster) -> dict[str, str]:  # noqa: ANN001
     return out
 
 
+# how many times a connector's row starts the whole system afresh after losing it (each loss
+# can cost a connector's own connect timeout, 300 s for LMCache's): the cells after the last
+# loss past these are not run
+FRESH_STARTS = 3
+
+
 class SystemLost(RuntimeError):
     """Replicas that went down under a cell did not come back when restarted: `down` is
     what their logs said when they died, `cause` the restart's error."""
@@ -358,6 +364,17 @@ def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir
                  + f" in {time.monotonic() - t0:.0f} s")
             if lost is None or i == len(chosen):
                 continue
+            if len(row.get("restarts", [])) >= FRESH_STARTS:  # a connector that loses every system
+                for later in chosen[i:]:
+                    row["cells"][later.name] = {
+                        "scenario": later.name, "describe": later.describe, "status": "not run",
+                        "reason": f"the system was lost {FRESH_STARTS + 1} times, the last in {sc.name}: no "
+                                  f"fresh start after {FRESH_STARTS}",
+                        "replay": replay(prof.name, later.name, seed, prof.given)}
+                (report_dir / "row.json").write_text(json.dumps(row, indent=1, default=str))
+                _say(f"kvgate gate --connector {prof.name}: the system was lost {FRESH_STARTS + 1} times; the "
+                     f"cells left are not run")
+                break
             # The cells after it run on a fresh system (the connector's server too: one that
             # stopped answering is what kept the replica from coming back), in a folder of its
             # own, so the logs of the one that was lost stay where they are.

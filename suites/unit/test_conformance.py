@@ -431,3 +431,34 @@ def test_a_dead_engines_root_cause_is_found_when_it_has_no_message(tmp_path):
     errors = gate._log_errors(log)
     assert errors.splitlines()[0] == "AssertionError"
     assert signature_of({"status": "fail", "reason": "x"}, down={"A": errors}) == ["replica A died (AssertionError)"]
+
+
+def test_a_connector_that_loses_every_system_gets_a_bounded_number_of_fresh_starts(tmp_path, monkeypatch):
+    """Each loss can cost the connector's own connect timeout: after FRESH_STARTS fresh starts
+    the next loss leaves the cells after it not run, with why."""
+    import kvgate.fixtures.tiny_model
+    import kvgate.harness.system.cluster as cluster_mod
+    from kvgate.harness.conformance import gate
+
+    system = _System()
+    monkeypatch.setattr(cluster_mod, "Cluster", system.cluster_class())
+    monkeypatch.setattr(cluster_mod, "install_sigterm_unwind", lambda: None)
+    monkeypatch.setattr(kvgate.fixtures.tiny_model, "build_tiny_model", lambda path, **kw: path)
+    monkeypatch.setattr("kvgate.harness.workload.prompts.Corpus", lambda model: None)
+    monkeypatch.setattr(gate, "_specs", lambda prof, where, replicas, settings, device: [])
+    prof = dataclasses.replace(CONNECTORS["kvpool"], service=system.service)
+    monkeypatch.setattr(type(prof), "check_available", lambda self: None)
+    monkeypatch.setattr(gate, "profile", lambda name, extra: prof)
+
+    def run_cell(ctx, sc, root):  # noqa: ANN001, ANN202
+        raise ClusterStartError("replica A exited with 1")
+
+    monkeypatch.setattr(gate, "run_cell", run_cell)
+    names = list(SCENARIOS)[:gate.FRESH_STARTS + 3]
+    row = run_connector("kvpool", None, 3, tmp_path / "r", scenarios=names, device="cpu")
+    statuses = [row["cells"][n]["status"] for n in names]
+    assert statuses == ["fail"] * (gate.FRESH_STARTS + 1) + ["not run"] * 2, statuses
+    assert len(row["restarts"]) == gate.FRESH_STARTS
+    assert f"lost {gate.FRESH_STARTS + 1} times" in row["cells"][names[-1]]["reason"]
+    assert sum(e[0] == "cluster start" for e in system.events) == gate.FRESH_STARTS + 1
+    assert sum(e[0] == "cluster stop" for e in system.events) == gate.FRESH_STARTS + 1
