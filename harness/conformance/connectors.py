@@ -252,7 +252,9 @@ class Service:
         self.log = log
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        # the whole process group, also where the server itself has exited (a crash leaves its
+        # workers behind)
+        if self.proc is not None:
             stop_group(self.proc)
 
 

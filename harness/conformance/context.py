@@ -45,6 +45,7 @@ class Ctx:
     # computed with the same weights
     reloaded: dict = dataclasses.field(default_factory=dict)
     wrong_kv: dict | None = None  # the last run's wrong-KV count (the runner sets it)
+    service: Any = None  # the connector's server (kvgate.harness.conformance.connectors.Service), where it has one
 
     @property
     def h(self):  # noqa: ANN201

@@ -107,7 +107,8 @@ def _specs(prof: Profile, report_dir: Path, replicas: set[str], service_settings
     return specs
 
 
-_CAUSE = re.compile(r"\b\w+(Error|Exception)(: |\s*$)")  # with its message, or alone (a bare assert)
+# an exception with its message, or one alone as the log line's whole message (a bare assert)
+_CAUSE = re.compile(r"\b\w+(Error|Exception): |\]\s+(?:[\w.]+\.)?\w+(?:Error|Exception)\s*$")
 _NOT_ROOT = ("EngineDeadError", "Worker failed with error", "WARNING")
 
 
@@ -147,11 +148,19 @@ FRESH_STARTS = 3
 
 class SystemLost(RuntimeError):
     """Replicas that went down under a cell did not come back when restarted: `down` is
-    what their logs said when they died, `cause` the restart's error."""
+    what their logs said when they died, `cause` the restart's error (or why none was
+    tried: the connector's server had exited); the run's wrong-KV count, what it could not
+    finish and its checks' verdict, and the control it ran under, if any, come with it."""
 
-    def __init__(self, down: dict[str, str], cause: BaseException):
+    def __init__(self, down: dict[str, str], cause: BaseException, *, wrong_kv: dict | None = None,
+                 during: str | None = None, checks: str | None = None, control: str | None = None):
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.down, self.cause = down, cause
+        self.wrong_kv, self.during, self.checks, self.control = wrong_kv, during, checks, control
+
+
+class ServerExited(RuntimeError):
+    """The connector's server had exited: replicas restarted against it cannot start."""
 
 
 def _heal(cluster, names) -> list[str]:  # noqa: ANN001
@@ -194,10 +203,17 @@ def _run_body(ctx: Ctx, sc: Scenario, **kw: Any) -> tuple[Checks | None, str | N
     if heal:
         from kvgate.harness.system.cluster import ClusterStartError
 
+        lost = {"wrong_kv": ctx.wrong_kv, "during": broke, "control": kw.get("control"),
+                "checks": checks.verdict(sc.describe).reason[:600] if checks is not None else None}
+        service = ctx.service
+        if down and service is not None and service.proc is not None and service.proc.poll() is not None:
+            # no restart against a server that is gone: it would wait out the connector's own timeout
+            raise SystemLost(down, ServerExited(f"the connector's server had exited with {service.proc.returncode}"),
+                             **lost)
         try:
             _heal(ctx.cluster, heal)
         except ClusterStartError as exc:
-            raise SystemLost(down, exc) from exc
+            raise SystemLost(down, exc, **lost) from exc
     ctx.healed = {"restarted": heal, "disarmed": sorted(ctx.armed - set(heal))}
     return checks, broke, down
 
@@ -327,27 +343,25 @@ def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir
             model = build_tiny_model(report_dir / "model" / "tiny", seed=0, revision="r1")
             service, cluster = start_system(report_dir)
         corpus = Corpus(cluster.model_dir) if cluster is not None else None
-        ctx = Ctx(cluster, corpus, prof, seed, timeout_s=request_timeout_s)
+        ctx = Ctx(cluster, corpus, prof, seed, timeout_s=request_timeout_s, service=service)
+
+        def leave_rest(after: int, why: str) -> None:
+            """The cells after `after` without a system: n/a where the connector lacks what they
+            need (that needs none), else not run, with why."""
+            for later in chosen[after:]:
+                na = next((w for w in (prof.needs(n) for n in later.needs) if w), None)
+                row["cells"][later.name] = {
+                    "scenario": later.name, "describe": later.describe, "status": "n/a" if na else "not run",
+                    "reason": na or why, "replay": replay(prof.name, later.name, seed, prof.given)}
+            (report_dir / "row.json").write_text(json.dumps(row, indent=1, default=str))
+
         for i, sc in enumerate(chosen, 1):
             t0 = time.monotonic()
             lost = None  # why the system must be started afresh before the next cell
             try:
                 cell = run_cell(ctx, sc, seed)
             except (SystemLost, ClusterStartError) as exc:  # what went down under the cell did not come back
-                down = getattr(exc, "down", {})
-                exited = service.proc.poll() if service is not None and service.proc is not None else None
-                lost = (f"ClusterStartError: {'replica ' + ', '.join(down) + ' died and ' if down else 'a replica '}"
-                        f"did not come back"
-                        + (f" (the connector's server had exited with {exited})" if exited is not None else "")
-                        + f": {getattr(exc, 'cause', exc)}")
-                cell = {"scenario": sc.name, "describe": sc.describe, "status": "fail", "reason": lost[:600],
-                        "evidence": {"replica_logs": down, "start_error": str(getattr(exc, "cause", exc))[-1500:],
-                                     "service_exit": exited,
-                                     **({"service_log": tail(service.log, 3000)} if service and service.log else {})},
-                        "replay": replay(prof.name, sc.name, seed, prof.given)}
-                cell["signature"] = sorted(set(signature_of(cell, down=down) if down else [])
-                                           | {"the system did not come back (ClusterStartError)"}
-                                           | ({"the connector's server had exited"} if exited is not None else set()))
+                cell, lost = _lost_cell(exc, sc, service, replay(prof.name, sc.name, seed, prof.given))
             except Exception as exc:  # noqa: BLE001 - a harness defect: this cell's failure, with its traceback
                 cell = {"scenario": sc.name, "describe": sc.describe, "status": "fail",
                         "reason": f"harness error {type(exc).__name__}: {exc}",
@@ -362,16 +376,15 @@ def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir
                  + "".join(f"; control {c['name']}: "
                            + {True: "caught", False: "NOT CAUGHT", None: "n/a"}[c["caught"]] for c in ctls)
                  + f" in {time.monotonic() - t0:.0f} s")
-            if lost is None or i == len(chosen):
+            if lost is None:
                 continue
+            runnable_left = [c for c in chosen[i:] if c.body is not None and not any(prof.needs(n) for n in c.needs)]
+            if not runnable_left:
+                leave_rest(i, f"the system was lost in {sc.name}")
+                break
             if len(row.get("restarts", [])) >= FRESH_STARTS:  # a connector that loses every system
-                for later in chosen[i:]:
-                    row["cells"][later.name] = {
-                        "scenario": later.name, "describe": later.describe, "status": "not run",
-                        "reason": f"the system was lost {FRESH_STARTS + 1} times, the last in {sc.name}: no "
-                                  f"fresh start after {FRESH_STARTS}",
-                        "replay": replay(prof.name, later.name, seed, prof.given)}
-                (report_dir / "row.json").write_text(json.dumps(row, indent=1, default=str))
+                leave_rest(i, f"the system was lost {FRESH_STARTS + 1} times, the last in {sc.name}: no fresh start "
+                              f"after {FRESH_STARTS}")
                 _say(f"kvgate gate --connector {prof.name}: the system was lost {FRESH_STARTS + 1} times; the "
                      f"cells left are not run")
                 break
@@ -384,26 +397,52 @@ def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir
                  f"after {sc.name} ...")
             try:
                 _stop_system(cluster, service)
-            except Exception as exc:  # noqa: BLE001 - recorded: the next start is tried all the same
+            except Exception as exc:  # noqa: BLE001 - no fresh system beside what the lost one left running
                 restart["stop_error"] = f"{type(exc).__name__}: {exc}"[:600]
+                cluster = service = None
+                leave_rest(i, f"the system lost in {sc.name} did not stop cleanly ({restart['stop_error'][:300]}): "
+                              f"a fresh one beside what it left would be judged on it")
+                _say(f"kvgate gate --connector {prof.name}: the lost system did not stop cleanly: {exc}")
+                break
             cluster = service = None
             try:
                 service, cluster = start_system(report_dir / restart["dir"])
             except Exception as exc:  # noqa: BLE001 - the cells left are not run, with this reason
                 restart["start_error"] = f"{type(exc).__name__}: {exc}"[:1500]
-                for later in chosen[i:]:
-                    row["cells"][later.name] = {
-                        "scenario": later.name, "describe": later.describe, "status": "not run",
-                        "reason": f"the system could not be started afresh after {sc.name}: "
-                                  f"{type(exc).__name__}: {str(exc)[:300]}",
-                        "replay": replay(prof.name, later.name, seed, prof.given)}
-                (report_dir / "row.json").write_text(json.dumps(row, indent=1, default=str))
+                leave_rest(i, f"the system could not be started afresh after {sc.name}: "
+                              f"{type(exc).__name__}: {str(exc)[:300]}")
                 _say(f"kvgate gate --connector {prof.name}: the system did not start afresh: {exc}")
                 break
-            ctx.cluster = cluster
+            ctx.cluster, ctx.service = cluster, service
     finally:
         _stop_system(cluster, service)
     return row
+
+
+def _lost_cell(exc: BaseException, sc: Scenario, service, replay_cmd: str) -> tuple[dict[str, Any], str]:  # noqa: ANN001
+    """The cell whose system was lost (SystemLost: its dead replicas did not come back; a bare
+    ClusterStartError: a restart of the scenario's own failed), with what the run judged before
+    the loss, and why the system must be started afresh."""
+    down = getattr(exc, "down", {})
+    cause = getattr(exc, "cause", exc)
+    exited = service.proc.poll() if service is not None and service.proc is not None else None
+    control = getattr(exc, "control", None)
+    lost = (f"ClusterStartError: {'replica ' + ', '.join(down) + ' died and ' if down else 'a replica '}"
+            "did not come back" + (f" under the control {control}" if control else "")
+            + (f" (the connector's server had exited with {exited})" if exited is not None else "")
+            + f": {cause}")
+    cell = {"scenario": sc.name, "describe": sc.describe, "status": "fail", "reason": lost[:600],
+            "evidence": {"replica_logs": down, "start_error": str(cause)[-1500:], "service_exit": exited,
+                         **({"during": exc.during} if getattr(exc, "during", None) else {}),
+                         **({"checks": exc.checks} if getattr(exc, "checks", None) else {}),
+                         **({"service_log": tail(service.log, 3000)} if service is not None and service.log else {})},
+            "replay": replay_cmd}
+    if control is None:  # the scenario's own run: its wrong-KV count stands (a control's is its own)
+        cell["wrong_kv"] = getattr(exc, "wrong_kv", None)
+    cell["signature"] = sorted(set(signature_of(cell, down=down) if down else [])
+                               | {"the system did not come back (ClusterStartError)"}
+                               | ({"the connector's server had exited"} if exited is not None else set()))
+    return cell, lost
 
 
 def _stop_system(cluster, service) -> None:  # noqa: ANN001

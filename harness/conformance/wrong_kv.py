@@ -40,6 +40,7 @@ def count(recs: list[dict[str, Any]], identity: Callable[[str, float], str]) -> 
     produced: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
     computed_as: dict[str, set[tuple[str, str]]] = defaultdict(set)  # digest -> {(block, weights)}
     position: dict[str, tuple[object, int]] = {}  # digest -> (tag, index in its prompt) of its first computation
+    # (where several blocks computed the same bytes, the first one is named)
     told_failed: dict[tuple[str, object, object], set[int]] = defaultdict(set)
     for r in recs:
         if r["ev"] == "audit" and r["kind"] == "produced":
@@ -73,11 +74,15 @@ def count(recs: list[dict[str, Any]], identity: Callable[[str, float], str]) -> 
                     out["differ"] += 1
                     wrong = {"replica": r["replica"], "tag": r.get("tag"), "block_id": bid, "hash": h,
                              "why": "differs from every computation of the block with its weights"}
-                    if computed_as.get(d, set()) - {(h, who)}:  # another block's KV, put in this one's place
+                    others = computed_as.get(d, set())
+                    if any(block != h for block, _ in others):  # another block's KV, put in this one's place
                         out["misplaced"] += 1
                         tag, index = position[d]
                         wrong.update(why=f"{wrong['why']}: its bytes are block {index} of {tag} as computed",
                                      equals={"tag": tag, "index": index})
+                    elif others:  # this very block, as a replica with other weights computed it
+                        wrong.update(why=f"{wrong['why']}: its bytes are this block's under other weights "
+                                         f"({', '.join(sorted(w for _, w in others))})")
                     first.append(wrong)
             elif computed_as.get(d, set()) - {(h, who)}:
                 out["checked"] += 1

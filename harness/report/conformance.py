@@ -44,6 +44,20 @@ def wrong_kv_text(cell: dict[str, Any]) -> str:
     return text + (f"; controls {', '.join(ctl)}" if ctl else "")
 
 
+def restarts_text(row: dict[str, Any]) -> list[str]:
+    """Each time the row's system was lost and started afresh (kvgate.harness.conformance.gate):
+    after which cell, where, and what went wrong stopping the lost one or starting the next."""
+    out = []
+    for r in row.get("restarts") or []:
+        text = f"The system was lost in {r['after']} and started afresh in {r['dir']}/"
+        if r.get("stop_error"):
+            text = f"The system lost in {r['after']} did not stop cleanly ({r['stop_error']}); nothing was started"
+        elif r.get("start_error"):
+            text += f", which failed: {r['start_error'][:300]}"
+        out.append(text + ".")
+    return out
+
+
 def _outcome(doc: dict[str, Any], connector: str, scenario: str) -> dict[str, Any] | None:
     return ((doc.get("judgement") or {}).get("cells") or {}).get(connector, {}).get(scenario)
 
@@ -122,6 +136,7 @@ def markdown(doc: dict[str, Any]) -> str:
         lines += table(("scenario", "verdict", "wrong KV", "seconds", "replay"),
                        [(n, verdict_text(doc, r["connector"], n), wrong_kv_text(c), c.get("seconds", ""),
                          f"`{c['replay']}`") for n, c in r["cells"].items()])
+        lines += [f"- {t}" for t in restarts_text(r)]
     j = doc.get("judgement")
     if j is not None:
         lines += ["", "## Known red cells and the baseline", ""]
@@ -187,6 +202,7 @@ def html_page(doc: dict[str, Any]) -> str:
     for r in rows:
         body.append(f"<h2>{html.escape(r['connector'])}: every cell</h2>"
                     f"<p class='meta'>{html.escape(r.get('describe', ''))}; {html.escape(_versions(r))}</p>")
+        body += [f"<p class='meta'>{html.escape(t)}</p>" for t in restarts_text(r)]
         body.append(_table(["scenario", "verdict", "wrong KV", "reason", "replay"],
                            [[n, _Raw(f"<span class='{_cls(v)}'>{html.escape(v)}</span>"), wrong_kv_text(c),
                              "" if c["status"] == "pass" else str(c.get("reason", ""))[:400],

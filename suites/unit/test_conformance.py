@@ -374,6 +374,9 @@ def test_a_replica_that_does_not_come_back_fails_its_cell_and_the_rest_run_on_a_
     assert lost["signature"] == (["replica A died (AssertionError)"] if died else []) + [
         "the connector's server had exited", "the system did not come back (ClusterStartError)"]
     assert row["restarts"][0]["after"] == "long_prompt" and row["restarts"][0]["dir"] == "restart-1"
+    from kvgate.harness.report.conformance import restarts_text
+
+    assert restarts_text(row)[0].startswith("The system was lost in long_prompt and started afresh in restart-1/")
     if not fail_starts:
         assert [c["status"] for c in cells.values()] == ["pass", "fail", "pass", "pass"]
         assert seen == [("cross_replica_hit", "r"), ("long_prompt", "r"), ("partial_hit", "restart-1"),
@@ -462,3 +465,131 @@ def test_a_connector_that_loses_every_system_gets_a_bounded_number_of_fresh_star
     assert f"lost {gate.FRESH_STARTS + 1} times" in row["cells"][names[-1]]["reason"]
     assert sum(e[0] == "cluster start" for e in system.events) == gate.FRESH_STARTS + 1
     assert sum(e[0] == "cluster stop" for e in system.events) == gate.FRESH_STARTS + 1
+
+
+def _lost_row(tmp_path, monkeypatch, run_cell, names, stop_raises=False):  # noqa: ANN001, ANN202
+    """run_connector over stand-ins (tests of the lost-system path): the row and the events."""
+    import kvgate.fixtures.tiny_model
+    import kvgate.harness.system.cluster as cluster_mod
+    from kvgate.harness.conformance import gate
+
+    system = _System()
+    cls = system.cluster_class()
+    if stop_raises:
+        def stop(self) -> None:  # noqa: ANN001
+            system.events.append(("cluster stop", self.report_dir.name))
+            raise cluster_mod.OrphanError("a replica survived stop()")
+        cls.stop = stop
+    monkeypatch.setattr(cluster_mod, "Cluster", cls)
+    monkeypatch.setattr(cluster_mod, "install_sigterm_unwind", lambda: None)
+    monkeypatch.setattr(kvgate.fixtures.tiny_model, "build_tiny_model", lambda path, **kw: path)
+    monkeypatch.setattr("kvgate.harness.workload.prompts.Corpus", lambda model: None)
+    monkeypatch.setattr(gate, "_specs", lambda prof, where, replicas, settings, device: [])
+    prof = dataclasses.replace(CONNECTORS["example"], service=system.service)
+    monkeypatch.setattr(type(prof), "check_available", lambda self: None)
+    monkeypatch.setattr(gate, "profile", lambda name, extra: prof)
+    monkeypatch.setattr(gate, "run_cell", run_cell)
+    return run_connector("example", None, 3, tmp_path / "r", scenarios=names, device="cpu"), system
+
+
+def test_a_lost_cell_keeps_what_its_run_judged_and_its_wrong_kv(tmp_path, monkeypatch):
+    """The cell in which the system was lost keeps its run's wrong-KV count and what the run
+    judged before the loss; a loss under a control keeps no count (the control's is its own)."""
+    from kvgate.harness.conformance import gate
+
+    wrong = {"wrong": 5, "differ": 5, "misplaced": 5, "checked": 11, "unverified": 0}
+
+    def run_cell(ctx, sc, root):  # noqa: ANN001, ANN202
+        control = "claim_past_loaded" if sc.name == "partial_hit" else None
+        raise gate.SystemLost({"A": "AssertionError"}, ClusterStartError("replica A exited with 1"), wrong_kv=wrong,
+                              during="RequestFailed: A's request failed", checks="B installed 11 blocks",
+                              control=control)
+
+    row, _ = _lost_row(tmp_path, monkeypatch, run_cell, ["long_prompt", "partial_hit", "salt_isolation"])
+    own, under_control = row["cells"]["long_prompt"], row["cells"]["partial_hit"]
+    assert own["wrong_kv"] == wrong and own["evidence"]["checks"] == "B installed 11 blocks"
+    assert own["evidence"]["during"].startswith("RequestFailed")
+    assert "wrong_kv" not in under_control and "under the control claim_past_loaded" in under_control["reason"]
+
+
+def test_a_lost_system_that_does_not_stop_cleanly_is_not_replaced_and_na_cells_stay_na(tmp_path, monkeypatch):
+    """No fresh system beside what the lost one left running: the cells after it are not run
+    (why: the stop's error), except those the connector declares n/a, which stay n/a; and a
+    loss with only n/a cells left starts nothing afresh."""
+    from kvgate.harness.conformance import gate
+
+    def run_cell(ctx, sc, root):  # noqa: ANN001, ANN202
+        raise gate.SystemLost({"A": "AssertionError"}, ClusterStartError("replica A exited with 1"))
+
+    # example keys whole prompts: partial_hit is n/a for it, salt_isolation runs
+    names = ["long_prompt", "partial_hit", "salt_isolation"]
+    row, system = _lost_row(tmp_path, monkeypatch, run_cell, names, stop_raises=True)
+    assert [row["cells"][n]["status"] for n in names] == ["fail", "n/a", "not run"]
+    assert "whole prompt" in row["cells"]["partial_hit"]["reason"]
+    assert "did not stop cleanly" in row["cells"]["salt_isolation"]["reason"]
+    assert "OrphanError" in row["cells"]["salt_isolation"]["reason"]
+    assert "OrphanError" in row["restarts"][0]["stop_error"]
+    # the lost system's server was stopped all the same; nothing was started afresh
+    assert ("service stop", "r") in system.events
+    assert not any(e[1] == "restart-1" for e in system.events)
+    from kvgate.harness.report.conformance import restarts_text
+
+    assert restarts_text(row) == ["The system lost in long_prompt did not stop cleanly (OrphanError: a replica "
+                                  "survived stop()); nothing was started."]
+
+
+def test_a_loss_with_only_na_cells_left_starts_nothing_afresh(tmp_path, monkeypatch):
+    from kvgate.harness.conformance import gate
+
+    def run_cell(ctx, sc, root):  # noqa: ANN001, ANN202
+        raise gate.SystemLost({"A": "AssertionError"}, ClusterStartError("replica A exited with 1"))
+
+    prof = CONNECTORS["example"]
+    na_names = [n for n, sc in SCENARIOS.items() if sc.body is not None and any(prof.needs(x) for x in sc.needs)]
+    assert na_names, "example declares no scenario n/a"
+    row, system = _lost_row(tmp_path, monkeypatch, run_cell, ["long_prompt", na_names[0]])
+    assert row["cells"][na_names[0]]["status"] == "n/a" and "restarts" not in row
+    assert not any(e[1] == "restart-1" for e in system.events)
+
+
+def test_no_restart_is_waited_for_against_a_server_that_has_exited(tmp_path, monkeypatch):
+    """A replica that died while the connector's server is gone is not restarted (it would
+    wait out the connector's connect timeout): SystemLost at once, naming the server's exit."""
+    from types import SimpleNamespace
+
+    from kvgate.harness.conformance import gate
+    from kvgate.harness.conformance.connectors import Service
+    from kvgate.harness.conformance.scenarios import Scenario
+
+    cluster = _StandIn(tmp_path, ["A", "B"])
+    service = Service({}, proc=SimpleNamespace(poll=lambda: -11, returncode=-11))
+    ctx = Ctx(cluster=cluster, corpus=None, profile=dataclasses.replace(CONNECTORS["kvpool"], reset=None), seed=0,
+              service=service)
+    monkeypatch.setattr(gate, "_casualties", lambda c: {"A": "AssertionError"})
+    monkeypatch.setattr(gate.wrong_kv, "of_run", lambda ctx, t0, t1: {"wrong": 0})
+    with pytest.raises(gate.SystemLost) as lost:
+        gate._run_body(ctx, Scenario("s", lambda ctx, control=None: None, (), "a stand-in"))
+    assert isinstance(lost.value.cause, gate.ServerExited) and "-11" in str(lost.value.cause)
+    assert cluster.restarted == [] and lost.value.wrong_kv == {"wrong": 0}
+
+
+def test_a_source_line_that_names_an_error_is_not_a_root_cause(tmp_path):
+    from kvgate.harness.conformance import gate
+
+    log = tmp_path / "replica-B.log"
+    log.write_text(
+        "(EngineCore pid=1) ERROR 12-06 07:58:10 [core.py:1233] RuntimeError: shape mismatch\n"
+        "(EngineCore pid=1) ERROR 12-06 07:58:10 [core.py:1233]     raise NotImplementedError\n")
+    assert gate._log_errors(log).splitlines()[0] == "RuntimeError: shape mismatch"
+
+
+def test_a_service_whose_server_exited_still_has_its_group_killed(monkeypatch):
+    from types import SimpleNamespace
+
+    import kvgate.harness.conformance.connectors as connectors
+
+    stopped = []
+    monkeypatch.setattr(connectors, "stop_group", lambda proc: stopped.append(proc))
+    proc = SimpleNamespace(poll=lambda: -11, pid=4242)
+    connectors.Service({}, proc=proc).stop()
+    assert stopped == [proc]

@@ -287,6 +287,14 @@ def test_wrong_kv_names_the_block_whose_bytes_a_wrong_block_holds():
     from kvgate.harness.report.conformance import wrong_kv_text
 
     assert wrong_kv_text({"wrong_kv": out}) == "2 of 4 (1 another block's KV)"
+    # the same block as computed with other weights (a cross-revision leak) is not another block's
+    def weights(replica: str, t: float) -> str:
+        return "r2" if replica == "C" else "r1"
+
+    out = count([_rec("produced", "A", ["h0"], ["d0_r1"]), _rec("produced", "C", ["h0"], ["d0_r2"]),
+                 _rec("installed", "C", ["h0"], ["d0_r1"], t=2.0)], weights)
+    assert (out["wrong"], out["differ"], out["misplaced"]) == (1, 1, 0), out
+    assert "this block's under other weights (r1)" in out["first"][0]["why"] and "equals" not in out["first"][0]
 
 
 def test_wrong_kv_counts_the_kv_of_other_weights_and_exempts_blocks_reported_failed():
