@@ -112,10 +112,16 @@ _CAUSE = re.compile(r"\b\w+(Error|Exception): |\]\s+(?:[\w.]+\.)?\w+(?:Error|Exc
 _NOT_ROOT = ("EngineDeadError", "Worker failed with error", "WARNING")
 
 
-def _log_errors(path: Path) -> str:
+def _log_errors(path: Path, since: int = 0) -> str:
     """The root cause of the log's last crash (its last `SomeError: ...` line that is not
-    the engine reporting its own death) first, then its last error lines."""
-    text = tail(path, 4_000_000)
+    the engine reporting its own death) first, then its last error lines; `since`: the byte
+    where the process's own part of the log begins (an earlier run's crash is not its cause)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(since, f.seek(0, 2) - 4_000_000))
+            text = f.read().decode(errors="replace")
+    except OSError as exc:
+        text = f"(no log: {exc})"
     errors = [ln for ln in text.splitlines() if " ERROR " in ln]
     causes = [ln for ln in errors if _CAUSE.search(ln) and not any(w in ln for w in _NOT_ROOT)]
     head = [causes[-1][causes[-1].find("]") + 1:].strip()] if causes else []
@@ -136,7 +142,7 @@ def _casualties(cluster) -> dict[str, str]:  # noqa: ANN001
             time.sleep(0.5)
         if r.proc.poll() is None and healthy(r.url):
             continue
-        out[name] = _log_errors(r.log_path)
+        out[name] = _log_errors(r.log_path, getattr(r, "log_from", 0))
     return out
 
 
@@ -241,7 +247,8 @@ def run_cell(ctx: Ctx, sc: Scenario, root: int) -> dict[str, Any]:
                 "seconds": round(time.monotonic() - t0, 1)}
         return {**cell, "signature": signature_of(cell, down=down)}
     if checks is None:  # it could not finish (a request failed or hung): what the replicas logged
-        errors = {r.spec.name: _log_errors(r.log_path) for r in ctx.cluster.replicas.values()}
+        errors = {r.spec.name: _log_errors(r.log_path, getattr(r, "log_from", 0))
+                  for r in ctx.cluster.replicas.values()}
         cell = {**cell, "status": "fail", "reason": broke, "seconds": round(time.monotonic() - t0, 1),
                 "evidence": {"replica_errors": {k: v for k, v in errors.items() if " ERROR " in v}}}
         return {**cell, "signature": signature_of(cell)}
@@ -419,7 +426,8 @@ def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir
     return row
 
 
-def _lost_cell(exc: BaseException, sc: Scenario, service, replay_cmd: str) -> tuple[dict[str, Any], str]:  # noqa: ANN001
+def _lost_cell(exc: BaseException, sc: Scenario, service,  # noqa: ANN001
+               replay_cmd: str) -> tuple[dict[str, Any], str]:
     """The cell whose system was lost (SystemLost: its dead replicas did not come back; a bare
     ClusterStartError: a restart of the scenario's own failed), with what the run judged before
     the loss, and why the system must be started afresh."""

@@ -94,6 +94,7 @@ class Replica:
     port: int
     proc: subprocess.Popen
     log_path: Path
+    log_from: int = 0  # where this process's part of the log begins (a restart appends to the same file)
 
     @property
     def url(self) -> str:
@@ -203,7 +204,8 @@ class Cluster:
                     "VLLM_LOGGING_LEVEL": "INFO", "PYTHONUNBUFFERED": "1"})
         env.update(dict(spec.extra_env))
         log_path = self.report_dir / f"replica-{spec.name}.log"
-        return Replica(spec, port, spawn(args, log_path, env), log_path)
+        log_from = log_path.stat().st_size if log_path.exists() else 0
+        return Replica(spec, port, spawn(args, log_path, env), log_path, log_from)
 
     def _wait_healthy(self, replica: Replica, timeout: float) -> None:
         t0 = time.monotonic()

@@ -593,3 +593,22 @@ def test_a_service_whose_server_exited_still_has_its_group_killed(monkeypatch):
     proc = SimpleNamespace(poll=lambda: -11, pid=4242)
     connectors.Service({}, proc=proc).stop()
     assert stopped == [proc]
+
+
+def test_a_restarted_replicas_death_is_read_from_its_own_part_of_the_log(tmp_path):
+    """A restart appends to the replica's log: the cause of its death is read from where the
+    restarted process began, never an earlier run's crash."""
+    from kvgate.harness.conformance import gate
+
+    log = tmp_path / "replica-A.log"
+    log.write_text("(EngineCore pid=1) ERROR 12-06 07:58:10 [core.py:1233] AssertionError\n")
+    since = log.stat().st_size
+    with open(log, "a") as f:
+        f.write("(EngineCore pid=2) ERROR 12-06 08:03:38 [core.py:1233] ConnectionError: Cannot reach the server\n")
+    assert gate._log_errors(log, since).splitlines()[0] == "ConnectionError: Cannot reach the server"
+    assert "AssertionError" not in gate._log_errors(log, since)
+    assert gate._log_errors(log).splitlines()[0] == "ConnectionError: Cannot reach the server"
+    with open(log, "a") as f:
+        f.write("(APIServer pid=3) ERROR 12-06 08:05:00 [async_llm.py:704] EngineDeadError: died\n")
+    assert "AssertionError" not in gate._log_errors(log, log.stat().st_size - 80)
+    assert gate._log_errors(tmp_path / "none.log").startswith("(no log:")
