@@ -339,19 +339,8 @@ def test_a_replica_that_does_not_come_back_fails_its_cell_and_the_rest_run_on_a_
     from restarting: that cell fails with the restart's error, and the cells after it run on a
     system started afresh (its server too) in a folder of its own; where that start fails as
     well, the cells left are not run, with the reason, never passed."""
-    import kvgate.fixtures.tiny_model
-    import kvgate.harness.system.cluster as cluster_mod
     from kvgate.harness.conformance import gate
 
-    system = _System(fail_starts)
-    monkeypatch.setattr(cluster_mod, "Cluster", system.cluster_class())
-    monkeypatch.setattr(cluster_mod, "install_sigterm_unwind", lambda: None)
-    monkeypatch.setattr(kvgate.fixtures.tiny_model, "build_tiny_model", lambda path, **kw: path)
-    monkeypatch.setattr("kvgate.harness.workload.prompts.Corpus", lambda model: None)
-    monkeypatch.setattr(gate, "_specs", lambda prof, where, replicas, settings, device: [])
-    prof = dataclasses.replace(CONNECTORS["kvpool"], service=system.service)
-    monkeypatch.setattr(type(prof), "check_available", lambda self: None)
-    monkeypatch.setattr(gate, "profile", lambda name, extra: prof)
     seen = []
 
     def run_cell(ctx, sc, root):  # noqa: ANN001, ANN202
@@ -363,9 +352,8 @@ def test_a_replica_that_does_not_come_back_fails_its_cell_and_the_rest_run_on_a_
             raise lost  # a restart of the scenario's own
         return {"scenario": sc.name, "status": "pass", "reason": ""}
 
-    monkeypatch.setattr(gate, "run_cell", run_cell)
     names = ["cross_replica_hit", "long_prompt", "partial_hit", "salt_isolation"]
-    row = run_connector("kvpool", None, 3, tmp_path / "r", scenarios=names, device="cpu")
+    row, system = _lost_row(tmp_path, monkeypatch, run_cell, names, connector="kvpool", fail_starts=fail_starts)
     cells = row["cells"]
     assert cells["cross_replica_hit"]["status"] == "pass"
     lost = cells["long_prompt"]
@@ -439,26 +427,13 @@ def test_a_dead_engines_root_cause_is_found_when_it_has_no_message(tmp_path):
 def test_a_connector_that_loses_every_system_gets_a_bounded_number_of_fresh_starts(tmp_path, monkeypatch):
     """Each loss can cost the connector's own connect timeout: after FRESH_STARTS fresh starts
     the next loss leaves the cells after it not run, with why."""
-    import kvgate.fixtures.tiny_model
-    import kvgate.harness.system.cluster as cluster_mod
     from kvgate.harness.conformance import gate
-
-    system = _System()
-    monkeypatch.setattr(cluster_mod, "Cluster", system.cluster_class())
-    monkeypatch.setattr(cluster_mod, "install_sigterm_unwind", lambda: None)
-    monkeypatch.setattr(kvgate.fixtures.tiny_model, "build_tiny_model", lambda path, **kw: path)
-    monkeypatch.setattr("kvgate.harness.workload.prompts.Corpus", lambda model: None)
-    monkeypatch.setattr(gate, "_specs", lambda prof, where, replicas, settings, device: [])
-    prof = dataclasses.replace(CONNECTORS["kvpool"], service=system.service)
-    monkeypatch.setattr(type(prof), "check_available", lambda self: None)
-    monkeypatch.setattr(gate, "profile", lambda name, extra: prof)
 
     def run_cell(ctx, sc, root):  # noqa: ANN001, ANN202
         raise ClusterStartError("replica A exited with 1")
 
-    monkeypatch.setattr(gate, "run_cell", run_cell)
     names = list(SCENARIOS)[:gate.FRESH_STARTS + 3]
-    row = run_connector("kvpool", None, 3, tmp_path / "r", scenarios=names, device="cpu")
+    row, system = _lost_row(tmp_path, monkeypatch, run_cell, names, connector="kvpool")
     statuses = [row["cells"][n]["status"] for n in names]
     assert statuses == ["fail"] * (gate.FRESH_STARTS + 1) + ["not run"] * 2, statuses
     assert len(row["restarts"]) == gate.FRESH_STARTS
@@ -467,13 +442,14 @@ def test_a_connector_that_loses_every_system_gets_a_bounded_number_of_fresh_star
     assert sum(e[0] == "cluster stop" for e in system.events) == gate.FRESH_STARTS + 1
 
 
-def _lost_row(tmp_path, monkeypatch, run_cell, names, stop_raises=False):  # noqa: ANN001, ANN202
+def _lost_row(tmp_path, monkeypatch, run_cell, names, stop_raises=False, connector="example",  # noqa: ANN001, ANN202
+              fail_starts=0):
     """run_connector over stand-ins (tests of the lost-system path): the row and the events."""
     import kvgate.fixtures.tiny_model
     import kvgate.harness.system.cluster as cluster_mod
     from kvgate.harness.conformance import gate
 
-    system = _System()
+    system = _System(fail_starts)
     cls = system.cluster_class()
     if stop_raises:
         def stop(self) -> None:  # noqa: ANN001
@@ -485,11 +461,11 @@ def _lost_row(tmp_path, monkeypatch, run_cell, names, stop_raises=False):  # noq
     monkeypatch.setattr(kvgate.fixtures.tiny_model, "build_tiny_model", lambda path, **kw: path)
     monkeypatch.setattr("kvgate.harness.workload.prompts.Corpus", lambda model: None)
     monkeypatch.setattr(gate, "_specs", lambda prof, where, replicas, settings, device: [])
-    prof = dataclasses.replace(CONNECTORS["example"], service=system.service)
+    prof = dataclasses.replace(CONNECTORS[connector], service=system.service)
     monkeypatch.setattr(type(prof), "check_available", lambda self: None)
     monkeypatch.setattr(gate, "profile", lambda name, extra: prof)
     monkeypatch.setattr(gate, "run_cell", run_cell)
-    return run_connector("example", None, 3, tmp_path / "r", scenarios=names, device="cpu"), system
+    return run_connector(connector, None, 3, tmp_path / "r", scenarios=names, device="cpu"), system
 
 
 def test_a_lost_cell_keeps_what_its_run_judged_and_its_wrong_kv(tmp_path, monkeypatch):
