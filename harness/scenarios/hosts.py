@@ -18,8 +18,9 @@ daemons, the network tier on a third host (kvgate.harness.system.hosts), faults 
                           the tier's timeout, so reading is slower than recomputing; the
                           first load gives up, the second request is held off; recomputed
         "store_slow"      the store host's link at `rate`, slower but still worth reading
-                          (100 mbit/s: the prompt's 11 pages in about a quarter of the load's
-                          deadline): both loads complete from the tier, byte-exact, and the
+                          (100 mbit/s: the prompt's 11 pages in about a tenth of a second,
+                          well within the load's deadline, HOSTS_SETTINGS' 2 s): both loads
+                          complete from the tier, byte-exact, and the
                           outputs equal G's prefix hits
       Heal (the store restarted empty, the link restored), the hold expires, and the tier
       serves again: G publishes a third prompt and H loads at least a probe of it from the
