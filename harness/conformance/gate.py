@@ -118,7 +118,8 @@ def _log_errors(path: Path, since: int = 0) -> str:
     where the process's own part of the log begins (an earlier run's crash is not its cause)."""
     try:
         with open(path, "rb") as f:
-            f.seek(max(since, f.seek(0, 2) - 4_000_000))
+            size = f.seek(0, 2)
+            f.seek(max(since if since <= size else 0, size - 4_000_000))  # a log shorter than since: replaced
             text = f.read().decode(errors="replace")
     except OSError as exc:
         text = f"(no log: {exc})"
@@ -163,6 +164,7 @@ class SystemLost(RuntimeError):
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.down, self.cause = down, cause
         self.wrong_kv, self.during, self.checks, self.control = wrong_kv, during, checks, control
+        self.own: dict[str, Any] | None = None  # under a control: the scenario's own run (run_cell sets it)
 
 
 class ServerExited(RuntimeError):
@@ -212,7 +214,7 @@ def _run_body(ctx: Ctx, sc: Scenario, **kw: Any) -> tuple[Checks | None, str | N
         lost = {"wrong_kv": ctx.wrong_kv, "during": broke, "control": kw.get("control"),
                 "checks": checks.verdict(sc.describe).reason[:600] if checks is not None else None}
         service = ctx.service
-        if down and service is not None and service.proc is not None and service.proc.poll() is not None:
+        if service is not None and service.proc is not None and service.proc.poll() is not None:
             # no restart against a server that is gone: it would wait out the connector's own timeout
             raise SystemLost(down, ServerExited(f"the connector's server had exited with {service.proc.returncode}"),
                              **lost)
@@ -254,22 +256,27 @@ def run_cell(ctx: Ctx, sc: Scenario, root: int) -> dict[str, Any]:
         return {**cell, "signature": signature_of(cell)}
     v = checks.verdict(sc.describe)
     cell.update(status="pass" if v.valid else "fail", reason=v.reason[:600], evidence=v.evidence)
-    if v.valid and sc.control:
-        cell["control"] = control = _run_control(ctx, sc, seed, sc.control, sc.control_oracle)
-        if not control["caught"]:
-            cell.update(status="fail", reason=f"negative control {sc.control} not caught: {control['why']}")
-    # More controls, each where the connector has what it needs (its reason kept where not)
-    more = [(name, oracle, ctx.profile.needs(need) if need else None) for name, oracle, need in sc.more_controls]
-    if v.valid and more:
-        cell["controls"] = [cell["control"]] if "control" in cell else []
-        for name, oracle, na in more:
-            if na:
-                cell["controls"].append({"name": name, "oracle": oracle, "caught": None, "why": f"n/a: {na}"})
-                continue
-            control = _run_control(ctx, sc, seed, name, oracle)
-            cell["controls"].append(control)
-            if not control["caught"] and cell["status"] == "pass":
-                cell.update(status="fail", reason=f"negative control {name} not caught: {control['why']}")
+    try:
+        if v.valid and sc.control:
+            cell["control"] = control = _run_control(ctx, sc, seed, sc.control, sc.control_oracle)
+            if not control["caught"]:
+                cell.update(status="fail", reason=f"negative control {sc.control} not caught: {control['why']}")
+        # More controls, each where the connector has what it needs (its reason kept where not)
+        more = [(name, oracle, ctx.profile.needs(need) if need else None) for name, oracle, need in sc.more_controls]
+        if v.valid and more:
+            cell["controls"] = [cell["control"]] if "control" in cell else []
+            for name, oracle, na in more:
+                if na:
+                    cell["controls"].append({"name": name, "oracle": oracle, "caught": None, "why": f"n/a: {na}"})
+                    continue
+                control = _run_control(ctx, sc, seed, name, oracle)
+                cell["controls"].append(control)
+                if not control["caught"] and cell["status"] == "pass":
+                    cell.update(status="fail", reason=f"negative control {name} not caught: {control['why']}")
+    except SystemLost as lost:  # under a control: what the scenario's own run judged goes with it
+        lost.own = {"wrong_kv": cell.get("wrong_kv"), "reason": cell.get("reason"),
+                    "controls": cell.get("controls") or ([cell["control"]] if cell.get("control") else [])}
+        raise
     cell["seconds"] = round(time.monotonic() - t0, 1)
     cell["signature"] = signature_of(cell, checks=checks)
     return cell
@@ -422,7 +429,11 @@ def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir
                 break
             ctx.cluster, ctx.service = cluster, service
     finally:
-        _stop_system(cluster, service)
+        try:
+            _stop_system(cluster, service)
+        except Exception as exc:  # noqa: BLE001 - this row records it and fails; the other rows run
+            row["stop_error"] = f"{type(exc).__name__}: {exc}"[:600]
+            _say(f"kvgate gate --connector {prof.name}: the system did not stop cleanly: {exc}")
     return row
 
 
@@ -435,20 +446,29 @@ def _lost_cell(exc: BaseException, sc: Scenario, service,  # noqa: ANN001
     cause = getattr(exc, "cause", exc)
     exited = service.proc.poll() if service is not None and service.proc is not None else None
     control = getattr(exc, "control", None)
-    lost = (f"ClusterStartError: {'replica ' + ', '.join(down) + ' died and ' if down else 'a replica '}"
-            "did not come back" + (f" under the control {control}" if control else "")
-            + (f" (the connector's server had exited with {exited})" if exited is not None else "")
-            + f": {cause}")
+    who = f"replica {', '.join(down)} died" if down else "a replica to restart"
+    under = f" under the control {control}" if control else ""
+    if isinstance(cause, ServerExited):
+        lost = f"ServerExited: {who}{under}, not restarted: {cause}"
+    else:
+        lost = (f"ClusterStartError: {who}{under} and did not come back"
+                + (f" (the connector's server had exited with {exited})" if exited is not None else "") + f": {cause}")
     cell = {"scenario": sc.name, "describe": sc.describe, "status": "fail", "reason": lost[:600],
             "evidence": {"replica_logs": down, "start_error": str(cause)[-1500:], "service_exit": exited,
                          **({"during": exc.during} if getattr(exc, "during", None) else {}),
                          **({"checks": exc.checks} if getattr(exc, "checks", None) else {}),
                          **({"service_log": tail(service.log, 3000)} if service is not None and service.log else {})},
             "replay": replay_cmd}
+    own = getattr(exc, "own", None)  # a loss under a control: the scenario's own run, judged before it
     if control is None:  # the scenario's own run: its wrong-KV count stands (a control's is its own)
         cell["wrong_kv"] = getattr(exc, "wrong_kv", None)
+    elif own is not None:
+        cell["wrong_kv"] = own.get("wrong_kv")
+        cell["evidence"]["control_checks"] = cell["evidence"].pop("checks", None)
+        cell["evidence"].update(own_run=own.get("reason"), controls_before=own.get("controls"))
+    kind = "ServerExited" if isinstance(cause, ServerExited) else "ClusterStartError"
     cell["signature"] = sorted(set(signature_of(cell, down=down) if down else [])
-                               | {"the system did not come back (ClusterStartError)"}
+                               | {f"the system did not come back ({kind})"}
                                | ({"the connector's server had exited"} if exited is not None else set()))
     return cell, lost
 
@@ -472,6 +492,8 @@ def row_verdict(row: dict[str, Any]) -> tuple[bool, str]:
     unknown = [c for c in cells if c["status"] not in STATUSES]
     if row.get("unavailable"):
         return False, f"not run: {row['unavailable']}"
+    if row.get("stop_error"):
+        return False, f"the system did not stop cleanly: {row['stop_error']}"
     if by["fail"] or by["not run"] or unknown:
         parts = [f"{len(by['fail'])} failing cells"] if by["fail"] else []
         parts += [f"{len(by['not run'])} cells not run ({by['not run'][0]['reason']})"] if by["not run"] else []

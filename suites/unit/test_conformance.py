@@ -345,6 +345,7 @@ def test_a_replica_that_does_not_come_back_fails_its_cell_and_the_rest_run_on_a_
 
     def run_cell(ctx, sc, root):  # noqa: ANN001, ANN202
         seen.append((sc.name, ctx.cluster.report_dir.name))
+        assert ctx.service.settings == {"server": ctx.cluster.report_dir.name}  # the server of the system in use
         if sc.name == "long_prompt":
             lost = ClusterStartError("replica A exited with 1; log replica-A.log: cannot reach the server")
             if died:  # the cell's replica died, and its restart failed (gate._run_body)
@@ -588,3 +589,76 @@ def test_a_restarted_replicas_death_is_read_from_its_own_part_of_the_log(tmp_pat
         f.write("(APIServer pid=3) ERROR 12-06 08:05:00 [async_llm.py:704] EngineDeadError: died\n")
     assert "AssertionError" not in gate._log_errors(log, log.stat().st_size - 80)
     assert gate._log_errors(tmp_path / "none.log").startswith("(no log:")
+
+
+def test_a_stateful_controls_restart_is_not_waited_for_against_a_server_that_has_exited(tmp_path, monkeypatch):
+    """Nothing died, but a control's replica must be restarted while the connector's server is
+    gone: no restart against it either (ServerExited, its own signature)."""
+    from types import SimpleNamespace
+
+    from kvgate.harness.conformance import gate
+    from kvgate.harness.conformance.connectors import Service
+    from kvgate.harness.conformance.scenarios import Scenario
+
+    cluster = _StandIn(tmp_path, ["A", "B"])
+    service = Service({}, proc=SimpleNamespace(poll=lambda: -11, returncode=-11))
+    ctx = Ctx(cluster=cluster, corpus=None, profile=dataclasses.replace(CONNECTORS["kvpool"], reset=None), seed=0,
+              service=service)
+    monkeypatch.setattr(gate, "_casualties", lambda c: {})
+    monkeypatch.setattr(gate.wrong_kv, "of_run", lambda ctx, t0, t1: None)
+    with pytest.raises(gate.SystemLost) as lost:
+        gate._run_body(ctx, Scenario("s", lambda ctx, control=None: ctx.restart.add("B"), (), "a stand-in"))
+    assert isinstance(lost.value.cause, gate.ServerExited) and cluster.restarted == []
+    cell, why = gate._lost_cell(lost.value, SCENARIOS["long_prompt"], service, "replay")
+    assert why.startswith("ServerExited: a replica to restart, not restarted")
+    assert cell["signature"] == ["the connector's server had exited", "the system did not come back (ServerExited)"]
+
+
+def test_a_loss_under_a_control_keeps_the_scenarios_own_run(tmp_path, monkeypatch):
+    """The scenario's own run passed and was counted; its control then lost the system: the
+    cell keeps the own run's wrong-KV count and verdict, and the control run's checks apart."""
+    from kvgate.harness.checkers.verdict import Checks
+    from kvgate.harness.conformance import gate
+
+    own = Checks()
+    own.check("B installed at least 1 blocks", True, 9)
+    runs = []
+
+    def run_body(ctx, sc, **kw):  # noqa: ANN001, ANN003, ANN202
+        runs.append(kw.get("control"))
+        if kw.get("control"):
+            raise gate.SystemLost({"B": "AssertionError"}, ClusterStartError("replica B exited with 1"),
+                                  wrong_kv={"wrong": 3, "checked": 9}, checks="the control's run",
+                                  control=kw["control"])
+        ctx.wrong_kv = {"wrong": 0, "checked": 9}
+        return own, None, {}
+
+    monkeypatch.setattr(gate, "_run_body", run_body)
+    sc = SCENARIOS["cross_replica_hit"]
+    ctx = Ctx(cluster=_StandIn(tmp_path, ["A", "B"]), corpus=None, profile=CONNECTORS["kvpool"], seed=0)
+    with pytest.raises(gate.SystemLost) as lost:
+        run_cell(ctx, sc, root=7)
+    assert runs == [None, sc.control] and lost.value.own["wrong_kv"] == {"wrong": 0, "checked": 9}
+    cell, _ = gate._lost_cell(lost.value, sc, None, "replay")
+    assert cell["wrong_kv"] == {"wrong": 0, "checked": 9}
+    assert cell["evidence"]["control_checks"] == "the control's run" and "checks" not in cell["evidence"]
+    assert cell["evidence"]["own_run"] == own.verdict(sc.describe).reason[:600]
+    assert f"under the control {sc.control}" in cell["reason"]
+
+
+def test_a_system_that_does_not_stop_at_the_end_fails_its_row_and_no_other(tmp_path, monkeypatch):
+    def run_cell(ctx, sc, root):  # noqa: ANN001, ANN202
+        return {"scenario": sc.name, "status": "pass", "reason": ""}
+
+    row, _ = _lost_row(tmp_path, monkeypatch, run_cell, ["long_prompt"], stop_raises=True)
+    assert row["cells"]["long_prompt"]["status"] == "pass" and "OrphanError" in row["stop_error"]
+    passed, why = row_verdict(row)
+    assert not passed and "did not stop cleanly" in why
+
+
+def test_a_log_shorter_than_where_the_process_began_is_read_whole(tmp_path):
+    from kvgate.harness.conformance import gate
+
+    log = tmp_path / "replica-A.log"
+    log.write_text("(EngineCore pid=2) ERROR 12-06 08:03:38 [core.py:1233] ValueError: bad\n")
+    assert gate._log_errors(log, since=10_000).splitlines()[0] == "ValueError: bad"
