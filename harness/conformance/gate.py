@@ -143,7 +143,7 @@ def _casualties(cluster) -> dict[str, str]:  # noqa: ANN001
             time.sleep(0.5)
         if r.proc.poll() is None and healthy(r.url):
             continue
-        out[name] = _log_errors(r.log_path, getattr(r, "log_from", 0))
+        out[name] = _log_errors(r.log_path, r.log_from)
     return out
 
 
@@ -169,6 +169,16 @@ class SystemLost(RuntimeError):
 
 class ServerExited(RuntimeError):
     """The connector's server had exited: replicas restarted against it cannot start."""
+
+
+def _lacks(prof: Profile, sc: Scenario) -> str | None:
+    """The connector's reason a scenario does not apply to it (its first need it lacks), or None."""
+    return next((why for why in (prof.needs(n) for n in sc.needs) if why), None)
+
+
+def _runs(prof: Profile, sc: Scenario) -> bool:
+    """The scenario is in the catalog and applies to the connector: it needs a live system."""
+    return sc.body is not None and _lacks(prof, sc) is None
 
 
 def _heal(cluster, names) -> list[str]:  # noqa: ANN001
@@ -231,7 +241,7 @@ def run_cell(ctx: Ctx, sc: Scenario, root: int) -> dict[str, Any]:
     seed = derive_seed(root, f"conformance:{sc.name}")
     cell: dict[str, Any] = {"scenario": sc.name, "describe": sc.describe, "seed": seed,
                             "replay": replay(name, sc.name, root, ctx.profile.given)}
-    na = next((why for why in (ctx.profile.needs(n) for n in sc.needs) if why), None)
+    na = _lacks(ctx.profile, sc)
     if na:
         return {**cell, "status": "n/a", "reason": na}
     if sc.body is None:
@@ -249,8 +259,7 @@ def run_cell(ctx: Ctx, sc: Scenario, root: int) -> dict[str, Any]:
                 "seconds": round(time.monotonic() - t0, 1)}
         return {**cell, "signature": signature_of(cell, down=down)}
     if checks is None:  # it could not finish (a request failed or hung): what the replicas logged
-        errors = {r.spec.name: _log_errors(r.log_path, getattr(r, "log_from", 0))
-                  for r in ctx.cluster.replicas.values()}
+        errors = {r.spec.name: _log_errors(r.log_path, r.log_from) for r in ctx.cluster.replicas.values()}
         cell = {**cell, "status": "fail", "reason": broke, "seconds": round(time.monotonic() - t0, 1),
                 "evidence": {"replica_errors": {k: v for k, v in errors.items() if " ERROR " in v}}}
         return {**cell, "signature": signature_of(cell)}
@@ -327,7 +336,7 @@ def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir
                                      "replay": replay(prof.name, sc.name, seed, prof.given)}
         _say(f"kvgate gate --connector {prof.name}: not run: {exc}")
         return row
-    runnable = [sc for sc in chosen if sc.body is not None and not any(prof.needs(n) for n in sc.needs)]
+    runnable = [sc for sc in chosen if _runs(prof, sc)]
     replicas = {r for sc in runnable for r in sc.replicas}
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
@@ -363,7 +372,7 @@ def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir
             """The cells after `after` without a system: n/a where the connector lacks what they
             need (that needs none), else not run, with why."""
             for later in chosen[after:]:
-                na = next((w for w in (prof.needs(n) for n in later.needs) if w), None)
+                na = _lacks(prof, later)
                 row["cells"][later.name] = {
                     "scenario": later.name, "describe": later.describe, "status": "n/a" if na else "not run",
                     "reason": na or why, "replay": replay(prof.name, later.name, seed, prof.given)}
@@ -392,8 +401,7 @@ def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir
                  + f" in {time.monotonic() - t0:.0f} s")
             if lost is None:
                 continue
-            runnable_left = [c for c in chosen[i:] if c.body is not None and not any(prof.needs(n) for n in c.needs)]
-            if not runnable_left:
+            if not any(_runs(prof, c) for c in chosen[i:]):
                 leave_rest(i, f"the system was lost in {sc.name}")
                 break
             if len(row.get("restarts", [])) >= FRESH_STARTS:  # a connector that loses every system

@@ -20,8 +20,9 @@ Geometries (16-token blocks, vLLM's blocks-first layout (num_blocks, 2, 16, head
   bench  16 layers x 8 KV heads: 64 KiB a token, 1 MiB pages (the live bench's model)
 JSON keys name the tier: gpu_tier_engine_load_s_<geometry>_<k>k (the default way's median, load()
 to installed; the default way is the engine's defaults, `auto:128:direct`; until 2026-12-06 it was
-`auto:128`, staged, in reports made before the direct install became the default), and per way its median, spread, return and release times. Exit status 1 when a
-block differs or a load installed less than all.
+`auto:128`, staged, in reports made before the direct install became the default), and per way
+its median, spread, return and release times. Exit status 1 when a block differs or a load
+installed less than all.
 """
 
 from __future__ import annotations
