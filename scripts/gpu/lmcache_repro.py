@@ -1,0 +1,206 @@
+"""The LMCache findings of reports/conformance/2026-12-06-h100-lmcache/ reproduced on a stock install:
+one `lmcache server` and two `vllm serve` replicas with LMCacheMPConnector, driven over HTTP. It
+imports nothing of kvgate (the standard library only), so a maintainer can run it as it is.
+
+  python3 scripts/gpu/lmcache_repro.py --model DIR --out DIR [--mode auto|engine_driven]
+      [--prompts 10] [--tokens 4992] [--partial] [--vllm-arg=--flag ...]
+
+Step 1, the stale chunks (lmcache-cuda-fallback-stale-chunks.md): for each of --prompts seeded
+prompts of --tokens token ids, replica A computes it cold, then B sends it (B loads what A
+stored), then A sends it again (A's own prefix hit: the same computation B's load should give).
+A prompt is wrong when B's output differs from A's prefix hit.
+
+Step 2, with --partial (lmcache-cuda-server-exit-and-assert.md): A sends a prompt of exactly
+12 x 128 tokens twice; the second request hits 11 blocks locally and loads a part chunk from the
+server. What the server and A did (exit status, the lines that matter in their logs) is recorded.
+
+Everything goes into OUT: the processes' logs and result.json. Exit status 0 when the steps ran
+(whatever they found), 2 when the system did not start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+BOS = 1
+BLOCK = 128
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    print("lmcache_repro: $ " + " ".join(args), flush=True)
+    with open(log, "ab") as f:
+        return subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(20)
+        except ProcessLookupError:
+            pass
+
+
+def wait_for(what: str, ready, proc: subprocess.Popen, timeout: float) -> None:  # noqa: ANN001
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise SystemExit(f"lmcache_repro: {what} exited with status {proc.returncode} before it was ready")
+        if ready():
+            print(f"lmcache_repro: {what} ready after {time.monotonic() - t0:.0f} s", flush=True)
+            return
+        time.sleep(0.5)
+    raise SystemExit(f"lmcache_repro: {what} not ready after {timeout:.0f} s")
+
+
+def accepting(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            return r.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def complete(port: int, ids: list[int], timeout: float) -> dict:
+    """One greedy completion of the token ids: its text, or the error that ended it."""
+    body = json.dumps({"model": "m", "prompt": ids, "max_tokens": 16, "temperature": 0}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            out = json.load(r)
+        return {"text": out["choices"][0]["text"], "s": round(time.monotonic() - t0, 3)}
+    except urllib.error.HTTPError as exc:
+        return {"error": f"HTTP {exc.code}: {exc.read()[:300].decode(errors='replace')}",
+                "s": round(time.monotonic() - t0, 3)}
+    except (OSError, urllib.error.URLError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "s": round(time.monotonic() - t0, 3)}
+
+
+def lines(path: Path, *words: str, last: int = 8) -> list[str]:
+    text = ANSI.sub("", path.read_text(errors="replace")) if path.exists() else ""
+    return [ln[:400] for ln in text.splitlines() if any(w in ln for w in words or ("",))][-last:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, type=Path)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--python", default=sys.executable, help="the interpreter with vLLM and LMCache")
+    ap.add_argument("--mode", choices=("auto", "engine_driven"), default="auto",
+                    help="auto: the server's default transfer (on CUDA, the server copies through CUDA IPC); "
+                         "engine_driven: lmcache.mp.mp_transfer_mode engine_driven (the worker copies)")
+    ap.add_argument("--prompts", type=int, default=10)
+    ap.add_argument("--tokens", type=int, default=4992)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--partial", action="store_true", help="then the partial-chunk load (step 2)")
+    ap.add_argument("--vllm-arg", action="append", default=[], help="one more `vllm serve` flag (repeatable)")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds one request may take")
+    a = ap.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    vocab = json.loads((a.model / "config.json").read_text())["vocab_size"]
+    env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "PYTHONUNBUFFERED": "1"}
+
+    port, http_port = free_port(), free_port()
+    server_log = a.out / "lmcache-server.log"
+    server = spawn([a.python, "-c", "import sys; from lmcache.cli.main import main; sys.argv[0] = 'lmcache'; "
+                    "sys.exit(main())", "server", "--host", "127.0.0.1", "--port", str(port),
+                    "--http-host", "127.0.0.1", "--http-port", str(http_port), "--chunk-size", "256",
+                    "--l1-size-gb", "1", "--eviction-policy", "LRU", "--supported-transfer-mode", "auto"],
+                   server_log, env)
+    procs = [server]
+    result: dict = {"mode": a.mode, "model": str(a.model), "seed": a.seed, "tokens": a.tokens}
+    try:
+        wait_for("lmcache server", lambda: accepting(port), server, 180)
+        extra = {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}
+        if a.mode == "engine_driven":
+            extra["lmcache.mp.mp_transfer_mode"] = "engine_driven"
+        kv = json.dumps({"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                         "kv_connector_extra_config": extra})
+        ports = {}
+        for name in ("A", "B"):
+            ports[name] = free_port()
+            procs.append(spawn([a.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(a.model),
+                                "--served-model-name", "m", "--port", str(ports[name]), "--host", "127.0.0.1",
+                                "--enforce-eager", "--block-size", str(BLOCK), "--max-num-batched-tokens", "2048",
+                                "--enable-prefix-caching", "--seed", "0", "--kv-transfer-config", kv, *a.vllm_arg],
+                               a.out / f"replica-{name}.log", env))
+        for name, proc in zip(("A", "B"), procs[1:]):
+            wait_for(f"replica {name}", lambda p=ports[name]: healthy(p), proc, 600)
+
+        rng = random.Random(a.seed)
+        rows = []
+        for i in range(a.prompts):
+            ids = [BOS] + [rng.randrange(4, vocab) for _ in range(a.tokens - 1)]
+            row = {"prompt": i, "a_cold": complete(ports["A"], ids, a.timeout)}
+            time.sleep(1.0)  # A's stores reach the server before B asks
+            row["b_load"] = complete(ports["B"], ids, a.timeout)
+            row["a_hit"] = complete(ports["A"], ids, a.timeout)
+            ran = all("text" in row[k] for k in ("a_cold", "b_load", "a_hit"))
+            row["wrong"] = ran and row["b_load"]["text"] != row["a_hit"]["text"]
+            rows.append(row)
+            print(f"lmcache_repro: prompt {i}: " + ("WRONG: B's output differs from A's prefix hit" if row["wrong"]
+                  else "B equals A's prefix hit" if ran else "a request failed"), flush=True)
+        result["stale_chunks"] = {
+            "prompts": rows, "wrong": sum(r["wrong"] for r in rows),
+            "failed": sum(not all("text" in r[k] for k in ("a_cold", "b_load", "a_hit")) for r in rows),
+            "server_retrieved": lines(server_log, "Retrieved", last=40)}
+
+        if a.partial:
+            ids = [BOS] + [rng.randrange(4, vocab) for _ in range(12 * BLOCK - 1)]
+            first = complete(ports["A"], ids, a.timeout)
+            time.sleep(1.0)
+            second = complete(ports["A"], ids, a.timeout)
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 60 and procs[1].poll() is None:  # a dying engine takes the replica
+                time.sleep(1)
+            result["partial_chunk"] = {
+                "first": first, "second": second, "server_exit": server.poll(), "replica_a_exit": procs[1].poll(),
+                "replica_a_lines": lines(a.out / "replica-A.log", "AssertionError", "degraded", "Failing",
+                                         "EngineDeadError", "unhealthy"),
+                "server_last_lines": lines(server_log, last=6)}
+            print(f"lmcache_repro: partial chunk: server exit {server.poll()}, replica A exit {procs[1].poll()}, "
+                  f"second request {'ok' if 'text' in second else second['error'][:120]}", flush=True)
+    finally:
+        for proc in reversed(procs):
+            stop(proc)
+        (a.out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    sc = result.get("stale_chunks", {})
+    print(f"lmcache_repro: {a.mode}: {sc.get('wrong')} of {a.prompts} prompts wrong, {sc.get('failed')} failed; "
+          f"{a.out / 'result.json'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
