@@ -345,6 +345,7 @@ def run_connector(name: str, extra: dict[str, Any] | None, seed: int, report_dir
     def start_system(where: Path):  # noqa: ANN202
         """The connector's server (where it has one), then the pool and the replicas."""
         svc = clu = None
+        where.mkdir(parents=True, exist_ok=True)  # a fresh start's folder is new: the server's log goes in it
         try:
             if prof.service is not None:
                 _say(f"kvgate gate --connector {prof.name}: starting its server ...")

@@ -319,6 +319,7 @@ class _System:
         from kvgate.harness.conformance.connectors import Service
 
         system = self
+        (Path(report_dir) / "server.log").write_text("")  # as a real server opens its log in the system's folder
         self.events.append(("service start", Path(report_dir).name))
 
         class Stopping(Service):
