@@ -14,6 +14,11 @@ Step 2, with --partial (lmcache-cuda-server-exit-and-assert.md): A sends a promp
 12 x 128 tokens twice; the second request hits 11 blocks locally and loads a part chunk from the
 server. What the server and A did (exit status, the lines that matter in their logs) is recorded.
 
+Step 3, with --abort (the scheduler assert alone, without a server crash): for each of five
+seeded prompts, A computes it cold, then B's request for it is abandoned by its client after
+20-100 ms, while B's asynchronous load may be in flight (vLLM aborts a request whose client went
+away). Whether B's engine survived (its /health and process, its log's AssertionError) is recorded.
+
 Everything goes into OUT: the processes' logs and result.json. Exit status 0 when the steps ran
 (whatever they found), 2 when the system did not start.
 """
@@ -125,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=4992)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--partial", action="store_true", help="then the partial-chunk load (step 2)")
+    ap.add_argument("--abort", action="store_true", help="then the aborted loads (step 3)")
     ap.add_argument("--vllm-arg", action="append", default=[], help="one more `vllm serve` flag (repeatable)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds one request may take")
     a = ap.parse_args(argv)
@@ -192,6 +198,26 @@ def main(argv: list[str] | None = None) -> int:
                 "server_last_lines": lines(server_log, last=6)}
             print(f"lmcache_repro: partial chunk: server exit {server.poll()}, replica A exit {procs[1].poll()}, "
                   f"second request {'ok' if 'text' in second else second['error'][:120]}", flush=True)
+        if a.abort:
+            aborts = []
+            for i, wait_ms in enumerate((20, 35, 50, 75, 100)):
+                ids = [BOS] + [rng.randrange(4, vocab) for _ in range(a.tokens - 1)]
+                cold = complete(ports["A"], ids, a.timeout)
+                time.sleep(1.0)
+                cut = complete(ports["B"], ids, wait_ms / 1000)  # the client goes away: vLLM aborts it
+                time.sleep(3.0)
+                aborts.append({"prompt": i, "client_ms": wait_ms, "a_cold": cold, "b_cut": cut,
+                               "b_alive": procs[2].poll() is None and healthy(ports["B"])})
+                if not aborts[-1]["b_alive"]:
+                    break
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 30 and procs[2].poll() is None and not aborts[-1]["b_alive"]:
+                time.sleep(1)
+            result["abort"] = {"requests": aborts, "replica_b_exit": procs[2].poll(),
+                               "replica_b_lines": lines(a.out / "replica-B.log", "AssertionError", "assert ",
+                                                        "EngineDeadError", "scheduler.py")}
+            print(f"lmcache_repro: aborts: B {'alive' if aborts[-1]['b_alive'] else 'DEAD'} after "
+                  f"{len(aborts)} aborted request(s), exit {procs[2].poll()}", flush=True)
     finally:
         for proc in reversed(procs):
             stop(proc)
