@@ -17,7 +17,11 @@ Outcomes of a cell (connector, scenario) whose row ran with some versions:
   fixed upstream  it passed, and the baseline lists it red (on these versions or others):
                   reported, the entry is to be retired (not blocking)
   known red       it failed with the signature of the baseline's entry for these versions
-                  (not blocking: tracked, with its finding and upstream reference)
+                  (not blocking: tracked, with its finding and upstream reference); an entry's
+                  `racy` checks (a race in the peer that a run may or may not hit) may each
+                  fail or not, its `signature` checks must all fail
+  not reproduced  it passed, and its entry for these versions is wholly racy (no signature
+                  check): the run missed the peer's race (not blocking, the entry stays)
   changed         it failed, the baseline lists it red on these versions, but with another
                   signature: it fails differently (blocking)
   new red         it failed, and the baseline lists nothing on it for these versions
@@ -43,13 +47,13 @@ from typing import Any
 
 DEFAULT = Path(__file__).resolve().parent / "known_red.toml"
 NOT_REPORTED = "not yet reported"
-OUTCOMES = ("pass", "fixed upstream", "known red", "changed", "new red", "n/a", "not judged", "not run")
+OUTCOMES = ("pass", "fixed upstream", "not reproduced", "known red", "changed", "new red", "n/a", "not judged", "not run")
 BLOCKING = frozenset({"changed", "new red", "not judged", "not run"})
 
 _TYPE = re.compile(r"\b([A-Z]\w*(?:Error|Exception|Exit|Interrupt))\b")
 _FIELDS = {"id": str, "connector": str, "scenario": str, "versions": dict, "signature": list, "finding": str,
            "upstream": str, "report": str}
-_OPTIONAL = {"device": str, "notes": str}
+_OPTIONAL = {"device": str, "notes": str, "racy": list}
 
 
 class BaselineError(ValueError):
@@ -98,6 +102,13 @@ class Entry:
     report: str  # the finding's report, relative to the repository
     device: str = ""  # "" for any
     notes: str = ""
+    racy: tuple[str, ...] = ()  # checks a race in the peer fails in some runs, not in others
+
+    def matches(self, sig: Iterable[str]) -> bool:
+        """A failure with this entry's signature: every signature check failed, and nothing
+        else than them and the racy ones."""
+        got, must = set(sig), set(self.signature)
+        return bool(got) and must <= got <= must | set(self.racy)
 
     def applies(self, row: dict[str, Any]) -> bool:
         return self.versions == dict(row.get("versions") or {}) and self.device in ("", row.get("device", ""))
@@ -144,8 +155,13 @@ def parse(text: str, path: str = "<baseline>", scenarios: Iterable[str] | None =
         if not item["versions"] or not all(isinstance(k, str) and isinstance(v, str)
                                            for k, v in item["versions"].items()):
             raise BaselineError(f"{where}: versions must name each package's version as a string")
-        if not item["signature"] or not all(isinstance(s, str) and s for s in item["signature"]):
-            raise BaselineError(f"{where}: signature must be a non-empty list of strings")
+        racy = item.get("racy", [])
+        if not all(isinstance(s, str) and s for s in [*item["signature"], *racy]):
+            raise BaselineError(f"{where}: signature and racy must be lists of non-empty strings")
+        if not item["signature"] and not racy:
+            raise BaselineError(f"{where}: signature must be a non-empty list of strings (or racy, for a race)")
+        if set(item["signature"]) & set(racy):
+            raise BaselineError(f"{where}: {sorted(set(item['signature']) & set(racy))} in both signature and racy")
         up = item["upstream"]
         if up != NOT_REPORTED and not re.fullmatch(r"https://\S+", up):
             raise BaselineError(f"{where}: upstream must be a URL or {NOT_REPORTED!r}, not {up!r}")
@@ -157,7 +173,8 @@ def parse(text: str, path: str = "<baseline>", scenarios: Iterable[str] | None =
         if item["id"] in seen.values():
             raise BaselineError(f"{where}: the id {item['id']!r} is taken")
         seen[key] = item["id"]
-        entries.append(Entry(**{**item, "signature": tuple(sorted(set(item["signature"])))}))
+        entries.append(Entry(**{**item, "signature": tuple(sorted(set(item["signature"]))),
+                                "racy": tuple(sorted(set(racy)))}))
     return Baseline(path, hashlib.sha256(text.encode()).hexdigest(), tuple(entries))
 
 
@@ -182,7 +199,11 @@ def _outcome(row: dict[str, Any], name: str, cell: dict[str, Any], baseline: Bas
     sig = sorted(cell.get("signature") or [])
     out: dict[str, Any] = {"status": status, "entry": entry.id if entry else None}
     if status == "pass":
-        if entries:
+        if entry is not None and not entry.signature:  # wholly racy: a pass is a run that missed the race
+            out.update(outcome="not reproduced", upstream=entry.upstream,
+                       why=f"passed this run; baseline {entry.id} is a race in the peer that a run may miss "
+                           f"({entry.finding})")
+        elif entries:
             e = entry or entries[0]
             same = " on the versions it was red on: it did not reproduce" if entry else ""
             out.update(outcome="fixed upstream", entry=e.id, upstream=e.upstream,
@@ -195,11 +216,14 @@ def _outcome(row: dict[str, Any], name: str, cell: dict[str, Any], baseline: Bas
             out.update(outcome="new red", signature=sig,
                        why="a failure the baseline does not list" + (f" on these versions (it lists {', '.join(other)})"
                                                                      if other else ""))
-        elif tuple(sig) == entry.signature:
-            out.update(outcome="known red", upstream=entry.upstream, why=entry.finding)
+        elif entry.matches(sig):
+            hit = f" (this run hit {len(set(sig) & set(entry.racy))} of its {len(entry.racy)} racy checks)" \
+                if entry.racy else ""
+            out.update(outcome="known red", upstream=entry.upstream, why=entry.finding + hit)
         else:
-            out.update(outcome="changed", signature=sig, expected=list(entry.signature),
-                       why=f"fails differently from baseline {entry.id}: now {sig}, known {list(entry.signature)}")
+            known = list(entry.signature) + ([f"racy: {list(entry.racy)}"] if entry.racy else [])
+            out.update(outcome="changed", signature=sig, expected=list(entry.signature), racy=list(entry.racy),
+                       why=f"fails differently from baseline {entry.id}: now {sig}, known {known}")
     elif status == "n/a":
         if entry is not None:
             out.update(outcome="not judged", why=f"n/a ({cell.get('reason')}), but baseline {entry.id} lists it red: "
@@ -223,7 +247,7 @@ def judge(rows: list[dict[str, Any]], baseline: Baseline) -> dict[str, Any]:
         cells[row["connector"]] = {name: _outcome(row, name, cell, baseline) for name, cell in row["cells"].items()}
     flat = [(c, s, o) for c, by in cells.items() for s, o in by.items()]
     blocking = [f"{c} / {s}: {o['outcome']}: {o['why']}" for c, s, o in flat if o["blocking"]]
-    judged = [o for _, _, o in flat if o["outcome"] in ("pass", "known red", "fixed upstream")]
+    judged = [o for _, _, o in flat if o["outcome"] in ("pass", "known red", "fixed upstream", "not reproduced")]
     ran = {row["connector"]: row for row in rows}
     not_asked = [e.id for e in baseline.entries
                  if e.connector in ran and e.applies(ran[e.connector]) and e.scenario not in ran[e.connector]["cells"]]

@@ -1,6 +1,7 @@
 """Known failures tracked, new ones block: the conformance matrix judged against the
 known-red baseline (kvgate.harness.conformance.baseline) over synthetic matrices, one test
-per outcome (known red, new red, changed, fixed upstream, not run, n/a, not judged); the
+per outcome (known red, new red, changed, fixed upstream, not reproduced, not run, n/a, not
+judged); the
 baseline file's checks; a cell's signature; `kvgate conformance` failing or passing on
 them; the wrong-KV count (kvgate.harness.conformance.wrong_kv) over synthetic audit
 records; and the correctness table rendered from one matrix."""
@@ -107,6 +108,65 @@ def test_a_known_red_cell_that_passes_is_reported_fixed_upstream_and_does_not_bl
     assert o["outcome"] == "fixed upstream" and "did not reproduce" not in o["why"] and newer["passed"], o
 
 
+RACY = """
+[[red]]
+id = "peer-race"
+connector = "lmcache-mp-cuda"
+scenario = "long_prompt"
+versions = { vllm = "vllm 0.24.0" }
+signature = []
+racy = ["every block B installed equals A's bytes", "B's output equals A's prefix hit of the same prompt"]
+finding = "a race in the peer's store"
+upstream = "not yet reported"
+report = "findings/race.md"
+
+[[red]]
+id = "peer-logprobs"
+connector = "lmcache-mp-cuda"
+scenario = "prompt_logprobs_warm"
+versions = { vllm = "vllm 0.24.0" }
+signature = ["the warm request's prompt_logprobs are full-length"]
+racy = ["the warm request's output equals the cold run's"]
+finding = "the engine takes the hit; the race as well"
+upstream = "https://github.com/vllm-project/vllm/issues/50792"
+report = "findings/logprobs.md"
+"""
+
+
+def test_a_racy_entry_is_known_red_on_any_part_of_its_race_and_a_pass_is_not_reproduced():
+    """A race in the peer (the scenario cannot control it) fails some of its checks in one run,
+    others in the next, or none: none of that may change the verdict; a check outside the
+    entry, or a signature check that passed, still blocks."""
+    base = B.parse(RACY, "racy.toml", SCENARIOS)
+    v = {"vllm": "vllm 0.24.0"}
+    bytes_, output = "every block B installed equals A's bytes", "B's output equals A's prefix hit of the same prompt"
+    full, warm_out = "the warm request's prompt_logprobs are full-length", "the warm request's output equals the cold run's"
+
+    def judge(cells):  # noqa: ANN001, ANN202
+        return B.judge([_row("lmcache-mp-cuda", cells, versions=v)], base)
+
+    for sig in ([bytes_], [output], [bytes_, output]):
+        j = judge({"long_prompt": _cell("fail", sig)})
+        o = j["cells"]["lmcache-mp-cuda"]["long_prompt"]
+        assert o["outcome"] == "known red" and not o["blocking"] and j["passed"], o
+        assert f"this run hit {len(sig)} of its 2 racy checks" in o["why"]
+    j = judge({"long_prompt": _cell("pass")})
+    o = j["cells"]["lmcache-mp-cuda"]["long_prompt"]
+    assert o["outcome"] == "not reproduced" and not o["blocking"] and j["passed"] and not j["fixed_upstream"], o
+    o = judge({"long_prompt": _cell("fail", [bytes_, "replica B died (RuntimeError)"])})["cells"]["lmcache-mp-cuda"]
+    assert o["long_prompt"]["outcome"] == "changed" and o["long_prompt"]["blocking"]
+    assert o["long_prompt"]["racy"] == sorted([bytes_, output])
+    # the deterministic part must fail; the racy part may
+    for sig, outcome in (([full], "known red"), ([full, warm_out], "known red"), ([warm_out], "changed")):
+        o = judge({"prompt_logprobs_warm": _cell("fail", sig)})["cells"]["lmcache-mp-cuda"]["prompt_logprobs_warm"]
+        assert o["outcome"] == outcome, (sig, o)
+    o = judge({"prompt_logprobs_warm": _cell("pass")})["cells"]["lmcache-mp-cuda"]["prompt_logprobs_warm"]
+    assert o["outcome"] == "fixed upstream", o  # its signature check passed: not a race's miss
+    # a racy entry of other versions: a pass there is not this entry's miss
+    o = B.judge([_row("lmcache-mp-cuda", {"long_prompt": _cell("pass")}, versions={"vllm": "vllm 0.34.0"})], base)
+    assert o["cells"]["lmcache-mp-cuda"]["long_prompt"]["outcome"] == "fixed upstream"
+
+
 def test_not_run_is_never_a_pass():
     j = _judge(_row("example", {"salt_isolation": _cell("fail", SALT_SIG), "cross_replica_hit": _cell("pass"),
                                 "aligned_full_hit": _cell("not run", reason="no body yet")}))
@@ -138,6 +198,12 @@ def test_a_matrix_that_judged_nothing_fails_and_entries_not_asked_are_listed():
     (lambda t: t.replace('finding = "a long prompt kills the consumer"\n', ""), "missing ['finding']"),
     (lambda t: t.replace('report = "findings/ex-long.md"', 'report = "x"\nseverity = 1'), "unknown keys ['severity']"),
     (lambda t: t.replace('signature = ["replica B died (RuntimeError)"]', "signature = []"), "non-empty list"),
+    (lambda t: t.replace('signature = ["replica B died (RuntimeError)"]', 'signature = ["x"]\nracy = ["x", "y"]'),
+     "['x'] in both signature and racy"),
+    (lambda t: t.replace('signature = ["replica B died (RuntimeError)"]', 'signature = ["x"]\nracy = [""]'),
+     "lists of non-empty strings"),
+    (lambda t: t.replace('signature = ["replica B died (RuntimeError)"]', 'signature = ["x"]\nracy = "y"'),
+     "racy must be a list"),
     (lambda t: t.replace('scenario = "long_prompt"', 'scenario = "salt_isolation"'), "the same cell and versions"),
     (lambda t: t.replace('id = "ex-long"', 'id = "ex-salt"'), "is taken"),
     (lambda t: t + "\n[oops]\n", "unknown top-level keys"),
@@ -154,7 +220,7 @@ def test_the_committed_baseline_loads_and_every_entry_has_its_report():
     assert base.entries, "the committed baseline lists no red cell"
     for e in base.entries:
         assert (REPO / e.report).is_file(), (e.id, e.report)
-        assert e.connector in ("example", "lmcache-mp", "lmcache-mp-cuda", "offloading"), e.id  # peers only: kvpool has none
+        assert e.connector in ("example", "lmcache-mp", "lmcache-mp-cuda", "lmcache-mp-cuda-engine", "offloading"), e.id  # peers only: kvpool has none
 
 
 def test_a_cells_signature_names_what_failed_without_its_numbers():
