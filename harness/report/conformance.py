@@ -108,7 +108,7 @@ def _header(doc: dict[str, Any]) -> tuple[str, list[str]]:
 
 _LEGEND = ("Each cell: pass, FAIL, n/a (the connector declares it lacks what the scenario needs: the reason is "
            "given) or not run (kvgate could not run it here: the reason is given; never a pass); in brackets the "
-           "baseline's outcome where it is not the status itself (known red, new red, changed, fixed upstream, "
+           "baseline's outcome where it is not the status itself (known red, new red, changed, fixed upstream, not reproduced, "
            "not judged). Wrong KV: the complete blocks installed whose bytes are no computation of that block "
            "with the consumer's weights (corrupted or stale bytes, KV of another model or adapter), of "
            "those checked, in the scenario's run with its seeded faults; \"unverified\": installed blocks "
