@@ -652,7 +652,8 @@ def build_parser() -> argparse.ArgumentParser:
     cf.add_argument("--baseline", type=Path, default=None,
                     help="the known red cells (default: the committed kvgate/harness/conformance/known_red.toml); "
                          "the command fails on a new red cell, a known one failing differently, a known one not "
-                         "judged, or a cell not run, and reports a known one that passes as fixed upstream")
+                         "judged, or a cell not run, and reports a known one that passes as fixed upstream "
+                         "(or, for an entry that is wholly a race in the peer, as not reproduced)")
     cf.add_argument("--no-baseline", action="store_true", help="judge nothing: write the matrix, exit 0")
     cf.add_argument("--from", dest="sources", type=Path, action="append", default=[],
                     help="run nothing: the rows of this earlier run's matrix.json (repeatable), judged and written "

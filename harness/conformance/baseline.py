@@ -19,7 +19,10 @@ Outcomes of a cell (connector, scenario) whose row ran with some versions:
   known red       it failed with the signature of the baseline's entry for these versions
                   (not blocking: tracked, with its finding and upstream reference); an entry's
                   `racy` checks (a race in the peer that a run may or may not hit) may each
-                  fail or not, its `signature` checks must all fail
+                  fail or not, its `signature` checks must all fail, and where it names
+                  `witness` checks (of its racy ones) one of them must fail: the race's own
+                  mark (wrong bytes), without which the other racy checks (an output that
+                  differs) would be another bug
   not reproduced  it passed, and its entry for these versions is wholly racy (no signature
                   check): the run missed the peer's race (not blocking, the entry stays)
   changed         it failed, the baseline lists it red on these versions, but with another
@@ -53,7 +56,9 @@ BLOCKING = frozenset({"changed", "new red", "not judged", "not run"})
 _TYPE = re.compile(r"\b([A-Z]\w*(?:Error|Exception|Exit|Interrupt))\b")
 _FIELDS = {"id": str, "connector": str, "scenario": str, "versions": dict, "signature": list, "finding": str,
            "upstream": str, "report": str}
-_OPTIONAL = {"device": str, "notes": str, "racy": list}
+_OPTIONAL = {"device": str, "notes": str, "racy": list, "witness": list}
+# what a race in the peer can never explain: a defect of kvgate's own, or a control that went blind
+_NOT_RACY = ("harness error", "negative control", "could not finish")
 
 
 class BaselineError(ValueError):
@@ -103,12 +108,14 @@ class Entry:
     device: str = ""  # "" for any
     notes: str = ""
     racy: tuple[str, ...] = ()  # checks a race in the peer fails in some runs, not in others
+    witness: tuple[str, ...] = ()  # of the racy ones: one of them fails whenever the race shows
 
     def matches(self, sig: Iterable[str]) -> bool:
         """A failure with this entry's signature: every signature check failed, and nothing
         else than them and the racy ones."""
         got, must = set(sig), set(self.signature)
-        return bool(got) and must <= got <= must | set(self.racy)
+        return (bool(got) and must <= got <= must | set(self.racy)
+                and (not self.witness or bool(got & set(self.witness))))
 
     def applies(self, row: dict[str, Any]) -> bool:
         return self.versions == dict(row.get("versions") or {}) and self.device in ("", row.get("device", ""))
@@ -162,6 +169,13 @@ def parse(text: str, path: str = "<baseline>", scenarios: Iterable[str] | None =
             raise BaselineError(f"{where}: signature must be a non-empty list of strings (or racy, for a race)")
         if set(item["signature"]) & set(racy):
             raise BaselineError(f"{where}: {sorted(set(item['signature']) & set(racy))} in both signature and racy")
+        blind = [r for r in racy if r.startswith(_NOT_RACY)]
+        if blind:
+            raise BaselineError(f"{where}: {blind} cannot be racy: a race in the peer never explains a harness "
+                                "error, a negative control not caught or a cell that could not finish")
+        witness = item.get("witness", [])
+        if not all(isinstance(w, str) and w in racy for w in witness):
+            raise BaselineError(f"{where}: witness must name some of the racy checks")
         up = item["upstream"]
         if up != NOT_REPORTED and not re.fullmatch(r"https://\S+", up):
             raise BaselineError(f"{where}: upstream must be a URL or {NOT_REPORTED!r}, not {up!r}")
@@ -174,7 +188,7 @@ def parse(text: str, path: str = "<baseline>", scenarios: Iterable[str] | None =
             raise BaselineError(f"{where}: the id {item['id']!r} is taken")
         seen[key] = item["id"]
         entries.append(Entry(**{**item, "signature": tuple(sorted(set(item["signature"]))),
-                                "racy": tuple(sorted(set(racy)))}))
+                                "racy": tuple(sorted(set(racy))), "witness": tuple(sorted(set(witness)))}))
     return Baseline(path, hashlib.sha256(text.encode()).hexdigest(), tuple(entries))
 
 
@@ -192,8 +206,9 @@ def load(path: Path | str = DEFAULT) -> Baseline:
 
 
 def _outcome(row: dict[str, Any], name: str, cell: dict[str, Any], baseline: Baseline) -> dict[str, Any]:
-    entries = baseline.for_cell(row["connector"], name)
-    here = [e for e in entries if e.applies(row)]
+    # an entry of another device says nothing of this row (a cell red on CUDA passing on CPU is not a fix)
+    entries = [e for e in baseline.for_cell(row["connector"], name) if e.device in ("", row.get("device", ""))]
+    here = sorted((e for e in entries if e.applies(row)), key=lambda e: not e.device)  # the device's own first
     entry = here[0] if here else None
     status = cell.get("status")
     sig = sorted(cell.get("signature") or [])

@@ -19,8 +19,11 @@ seeded prompts, A computes it cold, then B's request for it is abandoned by its 
 20-100 ms, while B's asynchronous load may be in flight (vLLM aborts a request whose client went
 away). Whether B's engine survived (its /health and process, its log's AssertionError) is recorded.
 
-Everything goes into OUT: the processes' logs and result.json. Exit status 0 when the steps ran
-(whatever they found), 2 when the system did not start.
+Everything goes into OUT (which must be empty or new): the processes' logs and result.json. A
+prompt's comparison counts only where both of B's and A's requests answered; step 3 runs only
+while the server and A live (step 2 may kill them) and counts only requests the client really cut
+off. Exit status 0 when the steps ran (whatever they found), 2 when the system did not start or
+OUT is not empty. SIGTERM stops the processes it started, as the end of the script does.
 """
 
 from __future__ import annotations
@@ -44,40 +47,59 @@ BLOCK = 128
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
+_PORTS: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, and not one handed out before in this run."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _PORTS:
+            _PORTS.add(port)
+            return port
 
 
 def spawn(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
     print("lmcache_repro: $ " + " ".join(args), flush=True)
-    with open(log, "ab") as f:
+    with open(log, "wb") as f:
         return subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        try:
+    """The process's whole group (its own session): SIGTERM, then SIGKILL for whatever is left
+    (an engine process outliving its API server too)."""
+    try:
+        if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(20)
-        except ProcessLookupError:
-            pass
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                pass
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        print(f"lmcache_repro: process {proc.pid} did not exit after SIGKILL", file=sys.stderr, flush=True)
+
+
+class NotStarted(Exception):
+    """The system did not start (exit status 2)."""
 
 
 def wait_for(what: str, ready, proc: subprocess.Popen, timeout: float) -> None:  # noqa: ANN001
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
-            raise SystemExit(f"lmcache_repro: {what} exited with status {proc.returncode} before it was ready")
+            raise NotStarted(f"{what} exited with status {proc.returncode} before it was ready")
         if ready():
             print(f"lmcache_repro: {what} ready after {time.monotonic() - t0:.0f} s", flush=True)
             return
         time.sleep(0.5)
-    raise SystemExit(f"lmcache_repro: {what} not ready after {timeout:.0f} s")
+    raise NotStarted(f"{what} not ready after {timeout:.0f} s")
 
 
 def accepting(port: int) -> bool:
@@ -134,7 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-arg", action="append", default=[], help="one more `vllm serve` flag (repeatable)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds one request may take")
     a = ap.parse_args(argv)
+    # A's prefix hit (whole 128-token blocks of all but the last token) and B's load (whole 256-token
+    # chunks of them) must cover the same tokens, or the two compute different partitions of the rest
+    if ((a.tokens - 1) // BLOCK) % 2:
+        ap.error(f"--tokens {a.tokens}: A's prefix hit would cover {(a.tokens - 1) // BLOCK * BLOCK} tokens and B's "
+                 f"load {(a.tokens - 1) // (2 * BLOCK) * 2 * BLOCK}: choose a length whose full blocks (all but the "
+                 "last token) are an even number")
+    if a.out.exists() and any(a.out.iterdir()):
+        print(f"lmcache_repro: {a.out} is not empty: another run's logs would be read as this one's", file=sys.stderr)
+        return 2
     a.out.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally below stops what was started
     vocab = json.loads((a.model / "config.json").read_text())["vocab_size"]
     env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "PYTHONUNBUFFERED": "1"}
 
@@ -171,17 +203,22 @@ def main(argv: list[str] | None = None) -> int:
             ids = [BOS] + [rng.randrange(4, vocab) for _ in range(a.tokens - 1)]
             row = {"prompt": i, "a_cold": complete(ports["A"], ids, a.timeout)}
             time.sleep(1.0)  # A's stores reach the server before B asks
+            before = len(lines(server_log, "Retrieved", last=10**6))
             row["b_load"] = complete(ports["B"], ids, a.timeout)
             row["a_hit"] = complete(ports["A"], ids, a.timeout)
-            ran = all("text" in row[k] for k in ("a_cold", "b_load", "a_hit"))
-            row["wrong"] = ran and row["b_load"]["text"] != row["a_hit"]["text"]
+            row["b_retrieved"] = lines(server_log, "Retrieved", last=10**6)[before:]  # what B's request loaded
+            ran = all("text" in row[k] for k in ("a_cold", "b_load", "a_hit"))  # a failed request is not compared
+            row["loaded"] = bool(row["b_retrieved"])  # B computing it cold would compare equal and prove nothing
+            row["wrong"] = ran and row["loaded"] and row["b_load"]["text"] != row["a_hit"]["text"]
             rows.append(row)
-            print(f"lmcache_repro: prompt {i}: " + ("WRONG: B's output differs from A's prefix hit" if row["wrong"]
-                  else "B equals A's prefix hit" if ran else "a request failed"), flush=True)
+            print(f"lmcache_repro: prompt {i}: " + (
+                "a request failed" if not ran else "B loaded nothing: not compared" if not row["loaded"]
+                else "WRONG: B's output differs from A's prefix hit" if row["wrong"] else "B equals A's prefix hit"),
+                flush=True)
         result["stale_chunks"] = {
             "prompts": rows, "wrong": sum(r["wrong"] for r in rows),
-            "failed": sum(not all("text" in r[k] for k in ("a_cold", "b_load", "a_hit")) for r in rows),
-            "server_retrieved": lines(server_log, "Retrieved", last=40)}
+            "compared": sum(r["loaded"] and all("text" in r[k] for k in ("a_cold", "b_load", "a_hit")) for r in rows),
+            "failed": sum(not all("text" in r[k] for k in ("a_cold", "b_load", "a_hit")) for r in rows)}
 
         if a.partial:
             ids = [BOS] + [rng.randrange(4, vocab) for _ in range(12 * BLOCK - 1)]
@@ -198,33 +235,48 @@ def main(argv: list[str] | None = None) -> int:
                 "server_last_lines": lines(server_log, last=6)}
             print(f"lmcache_repro: partial chunk: server exit {server.poll()}, replica A exit {procs[1].poll()}, "
                   f"second request {'ok' if 'text' in second else second['error'][:120]}", flush=True)
-        if a.abort:
+        if a.abort and (server.poll() is not None or procs[1].poll() is not None):
+            result["abort"] = {"skipped": f"the server (exit {server.poll()}) or replica A (exit {procs[1].poll()}) "
+                                          "is gone after step 2"}
+            print("lmcache_repro: aborts skipped: " + result["abort"]["skipped"], flush=True)
+        elif a.abort:
             aborts = []
             for i, wait_ms in enumerate((20, 35, 50, 75, 100)):
                 ids = [BOS] + [rng.randrange(4, vocab) for _ in range(a.tokens - 1)]
                 cold = complete(ports["A"], ids, a.timeout)
+                if "text" not in cold:  # nothing stored for B to load: no abort during a load
+                    aborts.append({"prompt": i, "client_ms": wait_ms, "a_cold": cold, "skipped": "A failed"})
+                    continue
                 time.sleep(1.0)
                 cut = complete(ports["B"], ids, wait_ms / 1000)  # the client goes away: vLLM aborts it
                 time.sleep(3.0)
                 aborts.append({"prompt": i, "client_ms": wait_ms, "a_cold": cold, "b_cut": cut,
+                               "cut_off": "timed out" in cut.get("error", ""),  # else it answered first
                                "b_alive": procs[2].poll() is None and healthy(ports["B"])})
                 if not aborts[-1]["b_alive"]:
                     break
+            aborts = aborts or [{"b_alive": None}]
             t0 = time.monotonic()
             while time.monotonic() - t0 < 30 and procs[2].poll() is None and not aborts[-1]["b_alive"]:
                 time.sleep(1)
-            result["abort"] = {"requests": aborts, "replica_b_exit": procs[2].poll(),
+            result["abort"] = {"requests": aborts, "cut_off": sum(bool(x.get("cut_off")) for x in aborts),
+                               "replica_b_exit": procs[2].poll(),
                                "replica_b_lines": lines(a.out / "replica-B.log", "AssertionError", "assert ",
                                                         "EngineDeadError", "scheduler.py")}
             print(f"lmcache_repro: aborts: B {'alive' if aborts[-1]['b_alive'] else 'DEAD'} after "
-                  f"{len(aborts)} aborted request(s), exit {procs[2].poll()}", flush=True)
+                  f"{result['abort']['cut_off']} request(s) cut off by the client, exit {procs[2].poll()}", flush=True)
+    except NotStarted as exc:
+        result["not_started"] = str(exc)
+        print(f"lmcache_repro: {exc}", file=sys.stderr, flush=True)
     finally:
+        (a.out / "result.json").write_text(json.dumps(result, indent=1) + "\n")  # before the stops, which may hang
         for proc in reversed(procs):
             stop(proc)
-        (a.out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    if "not_started" in result:
+        return 2
     sc = result.get("stale_chunks", {})
-    print(f"lmcache_repro: {a.mode}: {sc.get('wrong')} of {a.prompts} prompts wrong, {sc.get('failed')} failed; "
-          f"{a.out / 'result.json'}", flush=True)
+    print(f"lmcache_repro: {a.mode}: {sc.get('wrong')} of {sc.get('compared')} prompts B loaded were wrong "
+          f"({a.prompts} sent, {sc.get('failed')} failed); {a.out / 'result.json'}", flush=True)
     return 0
 
 

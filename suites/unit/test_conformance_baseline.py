@@ -167,6 +167,63 @@ def test_a_racy_entry_is_known_red_on_any_part_of_its_race_and_a_pass_is_not_rep
     assert o["cells"]["lmcache-mp-cuda"]["long_prompt"]["outcome"] == "fixed upstream"
 
 
+WITNESS = RACY.replace('report = "findings/race.md"', 'report = "findings/race.md"\nwitness = ["every block B installed equals A\'s bytes"]', 1)
+
+
+def test_a_racy_entry_with_a_witness_needs_the_races_own_mark():
+    """The stale-chunk race shows as wrong bytes; an output that differs with every byte right
+    is another bug, not this race: with the bytes check as witness it reads "changed"."""
+    base = B.parse(WITNESS, "w.toml", SCENARIOS)
+    v = {"vllm": "vllm 0.24.0"}
+    bytes_, output = "every block B installed equals A's bytes", "B's output equals A's prefix hit of the same prompt"
+
+    def outcome(sig):  # noqa: ANN001, ANN202
+        j = B.judge([_row("lmcache-mp-cuda", {"long_prompt": _cell("fail", sig)}, versions=v)], base)
+        return j["cells"]["lmcache-mp-cuda"]["long_prompt"]["outcome"]
+
+    assert outcome([bytes_]) == "known red" and outcome([bytes_, output]) == "known red"
+    assert outcome([output]) == "changed"
+    with pytest.raises(B.BaselineError, match="witness must name some of the racy checks"):
+        B.parse(WITNESS.replace('witness = ["every block B installed equals A\'s bytes"]', 'witness = ["x"]'),
+                "w", SCENARIOS)
+
+
+@pytest.mark.parametrize("blind", ["harness error (TypeError)", "negative control late_store not caught",
+                                   "could not finish (RequestFailed)"])
+def test_a_harness_error_a_blind_control_or_a_hang_is_never_racy(blind):
+    """A race in the peer explains none of these: listed as racy, they would stop blocking."""
+    with pytest.raises(B.BaselineError, match="cannot be racy"):
+        B.parse(RACY.replace('racy = ["every block', f'racy = ["{blind}", "every block', 1), "r", SCENARIOS)
+
+
+def test_an_entry_of_another_device_says_nothing_of_the_row_and_the_devices_own_entry_comes_first():
+    """A cell red on CUDA that passes on CPU is not "fixed upstream" (nor "not reproduced"); where
+    an entry for any device and one for this device both apply, this device's decides."""
+    cuda = RACY.replace('versions = { vllm = "vllm 0.24.0" }\nsignature = []',
+                        'versions = { vllm = "vllm 0.24.0" }\ndevice = "cuda"\nsignature = []', 1)
+    base = B.parse(cuda, "c.toml", SCENARIOS)
+    v = {"vllm": "vllm 0.24.0"}
+    cpu = B.judge([_row("lmcache-mp-cuda", {"long_prompt": _cell("pass")}, versions=v)], base)
+    assert cpu["cells"]["lmcache-mp-cuda"]["long_prompt"]["outcome"] == "pass"
+    gpu_row = {**_row("lmcache-mp-cuda", {"long_prompt": _cell("pass")}, versions=v), "device": "cuda"}
+    assert B.judge([gpu_row], base)["cells"]["lmcache-mp-cuda"]["long_prompt"]["outcome"] == "not reproduced"
+    # an entry for any device listed first, the CUDA one after: the CUDA row is judged by its own
+    anydev = """
+[[red]]
+id = "any-device"
+connector = "lmcache-mp-cuda"
+scenario = "long_prompt"
+versions = { vllm = "vllm 0.24.0" }
+signature = ["replica B died (RuntimeError)"]
+finding = "f"
+upstream = "not yet reported"
+report = "r.md"
+"""
+    both = B.parse(anydev + cuda, "both.toml", SCENARIOS)
+    o = B.judge([gpu_row], both)["cells"]["lmcache-mp-cuda"]["long_prompt"]
+    assert o["outcome"] == "not reproduced" and o["entry"] == "peer-race", o
+
+
 def test_not_run_is_never_a_pass():
     j = _judge(_row("example", {"salt_isolation": _cell("fail", SALT_SIG), "cross_replica_hit": _cell("pass"),
                                 "aligned_full_hit": _cell("not run", reason="no body yet")}))
