@@ -473,3 +473,30 @@ def test_the_table_shows_verdicts_outcomes_wrong_kv_versions_and_replay(tmp_path
     assert "Commit bbbbbbbbbbbb (clean tree)" in md and "https://github.com/vllm-project/vllm/issues/53495" in md
     page = html_page(doc)
     assert "<span class='fail'>FAIL (known red ex-salt)</span>" in page and "0 of 11; controls claim_past_loaded: 3" in page
+
+
+def test_the_committed_findings_index_is_the_baselines():
+    """reports/conformance/FINDINGS.md is made from the baseline: an entry added or changed
+    without making it again fails here (python3 scripts/findings_index.py)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "findings_index.py"), "--check"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_findings_index_check_fails_on_a_stale_file(tmp_path, monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("findings_index", REPO / "scripts" / "findings_index.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    stale = tmp_path / "FINDINGS.md"
+    stale.write_text(mod.render().replace("**new**", "known", 1))
+    monkeypatch.setattr(mod, "OUT", stale)
+    monkeypatch.setattr(mod, "REPO", tmp_path)
+    assert mod.main(["--check"]) == 1
+    stale.unlink()
+    assert mod.main(["--check"]) == 1  # none at all
+    assert mod.main([]) == 0 and mod.main(["--check"]) == 0

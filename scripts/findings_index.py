@@ -1,0 +1,71 @@
+"""The index of the conformance matrix's findings, made from the known-red baseline
+(harness/conformance/known_red.toml): one row per finding report, with the cells it explains (connector,
+device, versions, scenario, baseline id) and its upstream reference, or "not yet reported" (new).
+
+  python3 scripts/findings_index.py [--check]     writes reports/conformance/FINDINGS.md
+                                                   (--check: exit 1 if the file is not what it would write)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "reports" / "conformance" / "FINDINGS.md"
+
+
+def render() -> str:
+    sys.path.insert(0, str(REPO))
+    from kvgate.harness.conformance.baseline import NOT_REPORTED, load
+
+    base = load()
+    by_report: dict[str, list] = collections.defaultdict(list)
+    for e in base.entries:
+        by_report[e.report].append(e)
+
+    def new(entries: list) -> bool:
+        return all(e.upstream == NOT_REPORTED for e in entries)
+
+    lines = ["# The conformance matrix's findings", "",
+             f"Made by `scripts/findings_index.py` from `{base.path}` (sha256 {base.sha256[:12]}, "
+             f"{len(base.entries)} known red cells), which `kvgate conformance` judges every matrix against. "
+             "One row per finding's report: the cells it explains and where upstream stands. "
+             "\"not yet reported\": new, nothing found upstream when it was written; each report says what "
+             "was searched and gives a reproduction.", "",
+             f"{sum(new(v) for v in by_report.values())} of {len(by_report)} reports are new to upstream.", "",
+             "| report | new | upstream | cells (connector / scenario, device, versions: baseline id) |",
+             "|---|---|---|---|"]
+    for report in sorted(by_report, key=lambda r: (not new(by_report[r]), r)):
+        entries = sorted(by_report[report], key=lambda e: (e.connector, e.scenario))
+        ups = sorted({e.upstream for e in entries})
+        cells = "<br>".join(
+            f"{e.connector} / {e.scenario}, {e.device or 'any device'}, "
+            f"{', '.join(v for v in e.versions.values())}: `{e.id}`" + (" (racy)" if e.racy else "")
+            for e in entries)
+        lines.append(f"| [{Path(report).name}]({Path(report).relative_to('reports/conformance')}) | "
+                     f"{'**new**' if new(entries) else 'known'} | "
+                     f"{'<br>'.join(u if u == NOT_REPORTED else f'<{u}>' for u in ups)} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true")
+    a = ap.parse_args(argv)
+    text = render()
+    if a.check:
+        if not OUT.exists() or OUT.read_text() != text:
+            print(f"{OUT.relative_to(REPO)} is not what the baseline gives: run python3 scripts/findings_index.py",
+                  file=sys.stderr)
+            return 1
+        return 0
+    OUT.write_text(text)
+    print(f"findings_index: {OUT.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
