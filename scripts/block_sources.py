@@ -4,10 +4,11 @@ included), from the audit histories in the row's logs (a folder, or the logs.tgz
 
   python3 scripts/block_sources.py ROW_LOGS [--skip TAG_PREFIX ...] [--examples N]
 
-Each installed block is one of: right (its own bytes), the same prompt's block at another index
-("earlier/later by N chunks" of 256 tokens, two 128-token blocks), another prompt's block, the
-same block as another computation made it (other weights), or bytes no computation in the row
-made. A block is the same prompt's when its block hash is among the installed request's hashes.
+Each installed block is one of: right (the one computation of that block in the row), one of
+several computations of it (other weights, a reload: not judged here), the same prompt's block at
+another index ("earlier/later by N blocks"), another prompt's block, or bytes no computation in the
+row made. A block is the same prompt's when the request that computed the bytes also computed the
+installed block. Every installed request counts, the negative controls' runs included.
 """
 
 from __future__ import annotations
@@ -43,30 +44,34 @@ def histories(src: Path) -> dict[str, list[dict]]:
 
 
 def classify(recs: list[dict], skip: tuple[str, ...]) -> tuple[collections.Counter, dict[str, list[str]]]:
-    computed: dict[str, tuple[str, int, str]] = {}  # digest -> (tag, index, block hash)
+    computed: dict[str, tuple[str, int]] = {}  # digest -> (tag, index)
     by_hash: dict[str, set[str]] = collections.defaultdict(set)
+    by_tag: dict[str, set[str]] = collections.defaultdict(set)  # a request's blocks, over all its steps
     for r in recs:
         if r.get("ev") == "audit" and r.get("kind") == "produced":
+            by_tag[r["tag"]].update(r["hashes"])
             for i, (h, d) in enumerate(zip(r["hashes"], r["digests"])):
-                computed.setdefault(d, (r["tag"], r.get("first_block", 0) + i, h))
+                computed.setdefault(d, (r["tag"], r.get("first_block", 0) + i))
                 by_hash[h].add(d)
     counts: collections.Counter = collections.Counter()
     examples: dict[str, list[str]] = collections.defaultdict(list)
     for r in recs:
         if r.get("ev") != "audit" or r.get("kind") != "installed" or str(r.get("tag", "")).startswith(skip):
             continue
-        first, hashes = r.get("first_block", 0), r["hashes"]
-        for i, (h, d) in enumerate(zip(hashes, r["digests"])):
+        first = r.get("first_block", 0)
+        for i, (h, d) in enumerate(zip(r["hashes"], r["digests"])):
             idx = first + i
             if d in by_hash.get(h, ()):
-                kind = "right"
+                # one computation of this block: right; several (other weights, a reload): which is
+                # right depends on the installing replica's weights, which this tool does not follow
+                kind = "right" if len(by_hash[h]) == 1 else \
+                    "one of several computations of this block (other weights: not judged here)"
             elif d in computed:
-                tag, j, src_hash = computed[d]
-                if src_hash == h:
-                    kind = "the same block as another computation made it"
-                elif src_hash in hashes:
-                    shift = (first + hashes.index(src_hash) - idx) // BLOCKS_PER_CHUNK
-                    kind = f"the same prompt, {'earlier' if shift < 0 else 'later'} by {abs(shift)} chunk(s)"
+                tag, j = computed[d]
+                if h in by_tag[tag]:  # the producing request computed this very block too: the same prompt
+                    off = j - idx
+                    kind = (f"the same prompt, {'earlier' if off < 0 else 'later'} by {abs(off)} block(s)"
+                            + ("" if off % BLOCKS_PER_CHUNK == 0 else " (not a whole chunk)"))
                 else:
                     kind = "another prompt's block"
                 examples[kind].append(f"{r['replica']} {r['tag']} block {idx} = {tag} block {j}")

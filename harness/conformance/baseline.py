@@ -14,15 +14,16 @@ against them: a known failure is tracked, a new one blocks.
 Outcomes of a cell (connector, scenario) whose row ran with some versions:
 
   pass            it passed, and the baseline has nothing on it
-  fixed upstream  it passed, and the baseline lists it red (on these versions or others):
-                  reported, the entry is to be retired (not blocking)
+  fixed upstream  it passed, and the baseline lists it red (on these versions or others, on
+                  this device or for any): reported, the entry is to be retired (not blocking);
+                  an entry for another device says nothing of the row
   known red       it failed with the signature of the baseline's entry for these versions
                   (not blocking: tracked, with its finding and upstream reference); an entry's
                   `racy` checks (a race in the peer that a run may or may not hit) may each
                   fail or not, its `signature` checks must all fail, and where it names
-                  `witness` checks (of its racy ones) one of them must fail: the race's own
-                  mark (wrong bytes), without which the other racy checks (an output that
-                  differs) would be another bug
+                  `witness` checks (of its racy ones) and any racy check failed, one of them
+                  must be a witness: the race's own mark (wrong bytes), without which the
+                  other racy checks (an output that differs) would be another bug
   not reproduced  it passed, and its entry for these versions is wholly racy (no signature
                   check): the run missed the peer's race (not blocking, the entry stays)
   changed         it failed, the baseline lists it red on these versions, but with another
@@ -58,7 +59,8 @@ _FIELDS = {"id": str, "connector": str, "scenario": str, "versions": dict, "sign
            "upstream": str, "report": str}
 _OPTIONAL = {"device": str, "notes": str, "racy": list, "witness": list}
 # what a race in the peer can never explain: a defect of kvgate's own, or a control that went blind
-_NOT_RACY = ("harness error", "negative control", "could not finish")
+_NOT_RACY = ("harness error", "negative control", "positive control", "could not finish")
+DEVICES = ("", "cpu", "cuda")
 
 
 class BaselineError(ValueError):
@@ -114,8 +116,9 @@ class Entry:
         """A failure with this entry's signature: every signature check failed, and nothing
         else than them and the racy ones."""
         got, must = set(sig), set(self.signature)
+        racy = got & set(self.racy)
         return (bool(got) and must <= got <= must | set(self.racy)
-                and (not self.witness or bool(got & set(self.witness))))
+                and (not self.witness or not racy or bool(racy & set(self.witness))))
 
     def applies(self, row: dict[str, Any]) -> bool:
         return self.versions == dict(row.get("versions") or {}) and self.device in ("", row.get("device", ""))
@@ -172,7 +175,10 @@ def parse(text: str, path: str = "<baseline>", scenarios: Iterable[str] | None =
         blind = [r for r in racy if r.startswith(_NOT_RACY)]
         if blind:
             raise BaselineError(f"{where}: {blind} cannot be racy: a race in the peer never explains a harness "
-                                "error, a negative control not caught or a cell that could not finish")
+                                "error, a control that failed or a cell that could not finish")
+        if item.get("device", "") not in DEVICES:
+            raise BaselineError(f"{where}: device must be one of {list(DEVICES[1:])} (or absent: any device), "
+                                f"not {item['device']!r}")
         witness = item.get("witness", [])
         if not all(isinstance(w, str) and w in racy for w in witness):
             raise BaselineError(f"{where}: witness must name some of the racy checks")
@@ -227,7 +233,9 @@ def _outcome(row: dict[str, Any], name: str, cell: dict[str, Any], baseline: Bas
             out.update(outcome="pass", why="passed")
     elif status == "fail":
         if entry is None:
-            other = [f"{e.id} ({', '.join(f'{k} {v}' for k, v in e.versions.items())})" for e in entries]
+            other = [f"{e.id} ({', '.join(f'{k} {v}' for k, v in e.versions.items())}"
+                     + (f", {e.device}" if e.device else "") + ")"
+                     for e in baseline.for_cell(row["connector"], name)]
             out.update(outcome="new red", signature=sig,
                        why="a failure the baseline does not list" + (f" on these versions (it lists {', '.join(other)})"
                                                                      if other else ""))

@@ -120,12 +120,20 @@ def same_key_race(ctx: Ctx, control: str | None = None, prompt_tokens: int = 150
         for r in ("A", "B"):
             ctx.run(r, ctx.corpus.text(300, rng), f"{tag}-reconnect-{r.lower()}")
     try:
-        return _race(ctx, store, prompt, tag, control)
+        checks = _race(ctx, store, prompt, tag, control)
     finally:
         for r in ("A", "B"):
             store.disarm(ctx.cluster, r)
         if control:
             store.restart(ctx.cluster, None)
+    if control:
+        # Back on the default catalog, every replica reconnects now, on a request of its own. Else
+        # each one's next store would meet the new segment in a later cell, where a GPU replica
+        # drops it (its copy engine follows a restarted pool at the store after) and that cell's
+        # hit is gone.
+        for r in sorted(ctx.cluster.replicas):
+            ctx.run(r, ctx.corpus.text(300, rng), f"{tag}-reattach-{r.lower()}")
+    return checks
 
 
 def _race(ctx: Ctx, store: KvpoolStore, prompt: str, tag: str, control: str | None) -> Checks:

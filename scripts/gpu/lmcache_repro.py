@@ -29,6 +29,7 @@ OUT is not empty. SIGTERM stops the processes it started, as the end of the scri
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import random
@@ -45,6 +46,7 @@ from pathlib import Path
 BOS = 1
 BLOCK = 128
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+RETRIEVED = re.compile(r"Retrieved (\d+) tokens")
 
 
 _PORTS: set[int] = set()
@@ -131,7 +133,8 @@ def complete(port: int, ids: list[int], timeout: float) -> dict:
     except urllib.error.HTTPError as exc:
         return {"error": f"HTTP {exc.code}: {exc.read()[:300].decode(errors='replace')}",
                 "s": round(time.monotonic() - t0, 3)}
-    except (OSError, urllib.error.URLError) as exc:
+    except (OSError, urllib.error.URLError, http.client.HTTPException, ValueError, KeyError, IndexError) as exc:
+        # a refused or cut connection, a reply cut short or not a completion: the request failed
         return {"error": f"{type(exc).__name__}: {exc}", "s": round(time.monotonic() - t0, 3)}
 
 
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lmcache_repro: {a.out} is not empty: another run's logs would be read as this one's", file=sys.stderr)
         return 2
     a.out.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally below stops what was started
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally below stops what was started
     vocab = json.loads((a.model / "config.json").read_text())["vocab_size"]
     env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "PYTHONUNBUFFERED": "1"}
 
@@ -205,14 +208,18 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1.0)  # A's stores reach the server before B asks
             before = len(lines(server_log, "Retrieved", last=10**6))
             row["b_load"] = complete(ports["B"], ids, a.timeout)
-            row["a_hit"] = complete(ports["A"], ids, a.timeout)
+            time.sleep(0.2)  # the server's log line of B's retrieve
             row["b_retrieved"] = lines(server_log, "Retrieved", last=10**6)[before:]  # what B's request loaded
+            row["a_hit"] = complete(ports["A"], ids, a.timeout)
             ran = all("text" in row[k] for k in ("a_cold", "b_load", "a_hit"))  # a failed request is not compared
-            row["loaded"] = bool(row["b_retrieved"])  # B computing it cold would compare equal and prove nothing
+            # B must have loaded exactly the tokens A's prefix hit covers (a cold B would compare equal and
+            # prove nothing; a part load would compute another partition than A's hit)
+            got = sum(int(m.group(1)) for ln in row["b_retrieved"] for m in [RETRIEVED.search(ln)] if m)
+            row["loaded"] = got == (a.tokens - 1) // BLOCK * BLOCK
             row["wrong"] = ran and row["loaded"] and row["b_load"]["text"] != row["a_hit"]["text"]
             rows.append(row)
             print(f"lmcache_repro: prompt {i}: " + (
-                "a request failed" if not ran else "B loaded nothing: not compared" if not row["loaded"]
+                "a request failed" if not ran else "B did not load A's whole hit: not compared" if not row["loaded"]
                 else "WRONG: B's output differs from A's prefix hit" if row["wrong"] else "B equals A's prefix hit"),
                 flush=True)
         result["stale_chunks"] = {
@@ -226,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1.0)
             second = complete(ports["A"], ids, a.timeout)
             t0 = time.monotonic()
-            while time.monotonic() - t0 < 60 and procs[1].poll() is None:  # a dying engine takes the replica
+            while time.monotonic() - t0 < 60 and procs[1].poll() is None and "text" not in second:
+                # the failed load's engine may be dying: it takes the replica down
                 time.sleep(1)
             result["partial_chunk"] = {
                 "first": first, "second": second, "server_exit": server.poll(), "replica_a_exit": procs[1].poll(),
@@ -235,12 +243,15 @@ def main(argv: list[str] | None = None) -> int:
                 "server_last_lines": lines(server_log, last=6)}
             print(f"lmcache_repro: partial chunk: server exit {server.poll()}, replica A exit {procs[1].poll()}, "
                   f"second request {'ok' if 'text' in second else second['error'][:120]}", flush=True)
-        if a.abort and (server.poll() is not None or procs[1].poll() is not None):
-            result["abort"] = {"skipped": f"the server (exit {server.poll()}) or replica A (exit {procs[1].poll()}) "
-                                          "is gone after step 2"}
+        b_up = procs[2].poll() is None and healthy(ports["B"])
+        if a.abort and (server.poll() is not None or procs[1].poll() is not None or not b_up):
+            result["abort"] = {"skipped": f"the server (exit {server.poll()}), replica A (exit {procs[1].poll()}) "
+                                          f"or replica B (exit {procs[2].poll()}, healthy {b_up}) is gone before step 3"}
             print("lmcache_repro: aborts skipped: " + result["abort"]["skipped"], flush=True)
         elif a.abort:
-            aborts = []
+            b_log = a.out / "replica-B.log"
+            since = len(lines(b_log, last=10**9))  # what B logs from here on is step 3's
+            aborts, alive = [], True
             for i, wait_ms in enumerate((20, 35, 50, 75, 100)):
                 ids = [BOS] + [rng.randrange(4, vocab) for _ in range(a.tokens - 1)]
                 cold = complete(ports["A"], ids, a.timeout)
@@ -250,28 +261,31 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(1.0)
                 cut = complete(ports["B"], ids, wait_ms / 1000)  # the client goes away: vLLM aborts it
                 time.sleep(3.0)
+                alive = procs[2].poll() is None and healthy(ports["B"])
                 aborts.append({"prompt": i, "client_ms": wait_ms, "a_cold": cold, "b_cut": cut,
                                "cut_off": "timed out" in cut.get("error", ""),  # else it answered first
-                               "b_alive": procs[2].poll() is None and healthy(ports["B"])})
-                if not aborts[-1]["b_alive"]:
+                               "b_alive": alive})
+                if not alive:
                     break
-            aborts = aborts or [{"b_alive": None}]
             t0 = time.monotonic()
-            while time.monotonic() - t0 < 30 and procs[2].poll() is None and not aborts[-1]["b_alive"]:
+            while time.monotonic() - t0 < 30 and procs[2].poll() is None and not alive:  # the engine takes B down
                 time.sleep(1)
             result["abort"] = {"requests": aborts, "cut_off": sum(bool(x.get("cut_off")) for x in aborts),
-                               "replica_b_exit": procs[2].poll(),
-                               "replica_b_lines": lines(a.out / "replica-B.log", "AssertionError", "assert ",
-                                                        "EngineDeadError", "scheduler.py")}
-            print(f"lmcache_repro: aborts: B {'alive' if aborts[-1]['b_alive'] else 'DEAD'} after "
+                               "b_alive": alive, "replica_b_exit": procs[2].poll(),
+                               "replica_b_lines": [ln for ln in lines(b_log, last=10**9)[since:]
+                                                   if any(w in ln for w in ("AssertionError", "assert ",
+                                                                            "EngineDeadError", "scheduler.py"))][-8:]}
+            print(f"lmcache_repro: aborts: B {'alive' if alive else 'DEAD'} after "
                   f"{result['abort']['cut_off']} request(s) cut off by the client, exit {procs[2].poll()}", flush=True)
     except NotStarted as exc:
         result["not_started"] = str(exc)
         print(f"lmcache_repro: {exc}", file=sys.stderr, flush=True)
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM does not cut the stops short
         (a.out / "result.json").write_text(json.dumps(result, indent=1) + "\n")  # before the stops, which may hang
         for proc in reversed(procs):
             stop(proc)
+        signal.signal(signal.SIGTERM, previous)
     if "not_started" in result:
         return 2
     sc = result.get("stale_chunks", {})

@@ -663,3 +663,29 @@ def test_a_log_shorter_than_where_the_process_began_is_read_whole(tmp_path):
     log = tmp_path / "replica-A.log"
     log.write_text("(EngineCore pid=2) ERROR 12-06 08:03:38 [core.py:1233] ValueError: bad\n")
     assert gate._log_errors(log, since=10_000).splitlines()[0] == "ValueError: bad"
+
+
+def test_same_key_race_makes_every_replica_reconnect_after_its_control_restarted_the_pool(monkeypatch):
+    """A control of same_key_race restarts the pool on a known-bad catalog and back. Each
+    replica's next store after a restart meets a new segment, which a GPU replica drops: every
+    replica reconnects on a request of its own before the next cell, which would otherwise lose
+    its hit (the CUDA row's accounting and adapter cells did)."""
+    from types import SimpleNamespace
+
+    from kvgate.harness.checkers.verdict import Checks
+    from kvgate.harness.conformance import race
+
+    events = []
+    store = SimpleNamespace(restart=lambda cluster, catalog: events.append(("restart", catalog)),
+                            disarm=lambda cluster, r: events.append(("disarm", r)))
+    ctx = SimpleNamespace(profile=SimpleNamespace(store=store), seed=7,
+                          corpus=SimpleNamespace(text=lambda n, rng: f"{n} words"),
+                          cluster=SimpleNamespace(replicas={"A": 0, "B": 0, "E": 0, "F": 0}),
+                          run=lambda r, prompt, tag: events.append(("run", r, tag.rsplit("-", 2)[-2])))
+    monkeypatch.setattr(race, "_race", lambda *a: events.append(("race",)) or Checks())
+    race.same_key_race(ctx, control="visible_at_reserve")
+    assert events[0] == ("restart", "visible_at_reserve") and events[-5] == ("restart", None), events
+    assert [e for e in events[-4:]] == [("run", r, "reattach") for r in "ABEF"], events
+    events.clear()
+    race.same_key_race(ctx)  # the scenario itself restarts nothing: no reconnect either
+    assert not any(e[0] in ("restart", "run") for e in events), events

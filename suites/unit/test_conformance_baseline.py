@@ -183,12 +183,20 @@ def test_a_racy_entry_with_a_witness_needs_the_races_own_mark():
 
     assert outcome([bytes_]) == "known red" and outcome([bytes_, output]) == "known red"
     assert outcome([output]) == "changed"
+    # with a signature beside: a run the race missed fails the signature alone, and is known red
+    mixed = WITNESS.replace('signature = []\nracy = ["every block', 'signature = ["replica B died (RuntimeError)"]\n'
+                            'racy = ["every block', 1)
+    base = B.parse(mixed, "m.toml", SCENARIOS)
+    died = "replica B died (RuntimeError)"
+    assert outcome([died]) == "known red" and outcome([died, bytes_, output]) == "known red"
+    assert outcome([died, output]) == "changed"
     with pytest.raises(B.BaselineError, match="witness must name some of the racy checks"):
         B.parse(WITNESS.replace('witness = ["every block B installed equals A\'s bytes"]', 'witness = ["x"]'),
                 "w", SCENARIOS)
 
 
 @pytest.mark.parametrize("blind", ["harness error (TypeError)", "negative control late_store not caught",
+                                   "positive control: E, reloaded, installed F's blocks of the same adapter",
                                    "could not finish (RequestFailed)"])
 def test_a_harness_error_a_blind_control_or_a_hang_is_never_racy(blind):
     """A race in the peer explains none of these: listed as racy, they would stop blocking."""
@@ -205,6 +213,9 @@ def test_an_entry_of_another_device_says_nothing_of_the_row_and_the_devices_own_
     v = {"vllm": "vllm 0.24.0"}
     cpu = B.judge([_row("lmcache-mp-cuda", {"long_prompt": _cell("pass")}, versions=v)], base)
     assert cpu["cells"]["lmcache-mp-cuda"]["long_prompt"]["outcome"] == "pass"
+    red = B.judge([_row("lmcache-mp-cuda", {"long_prompt": _cell("fail", ["x"])}, versions=v)], base)
+    o = red["cells"]["lmcache-mp-cuda"]["long_prompt"]
+    assert o["outcome"] == "new red" and "peer-race (vllm vllm 0.24.0, cuda)" in o["why"], o  # named, for triage
     gpu_row = {**_row("lmcache-mp-cuda", {"long_prompt": _cell("pass")}, versions=v), "device": "cuda"}
     assert B.judge([gpu_row], base)["cells"]["lmcache-mp-cuda"]["long_prompt"]["outcome"] == "not reproduced"
     # an entry for any device listed first, the CUDA one after: the CUDA row is judged by its own
@@ -261,6 +272,8 @@ def test_a_matrix_that_judged_nothing_fails_and_entries_not_asked_are_listed():
      "lists of non-empty strings"),
     (lambda t: t.replace('signature = ["replica B died (RuntimeError)"]', 'signature = ["x"]\nracy = "y"'),
      "racy must be a list"),
+    (lambda t: t.replace('report = "findings/ex-long.md"', 'report = "findings/ex-long.md"\ndevice = "gpu"'),
+     "device must be one of ['cpu', 'cuda']"),
     (lambda t: t.replace('scenario = "long_prompt"', 'scenario = "salt_isolation"'), "the same cell and versions"),
     (lambda t: t.replace('id = "ex-long"', 'id = "ex-salt"'), "is taken"),
     (lambda t: t + "\n[oops]\n", "unknown top-level keys"),
