@@ -235,10 +235,12 @@ def _conformance(names: list[str], extra: dict | None, seed: int | None, report_
                           request_timeout_s=request_timeout_s) for n in names]
     judgement = judge(rows, baseline) if baseline is not None else None
     paths = write_matrix(rows, report_dir, root, judgement)
+    from kvgate.harness.report.conformance import label
+
     for row in rows:
         cells = row["cells"].values()
         passed, why = row_verdict(row)
-        print(f"  {row['connector']:<12} {'PASS' if passed else 'FAIL'} ({why}): "
+        print(f"  {label(row):<12} {'PASS' if passed else 'FAIL'} ({why}): "
               + "  ".join(f"{c['scenario']}={c['status']}" for c in cells))
     print(f"kvgate conformance: matrix {paths['markdown']} (and .json, .html)")
     return rows, judgement
@@ -318,18 +320,20 @@ def _conformance_from(sources: list[Path], report_dir: Path, baseline: object) -
             doc = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise SystemExit(f"kvgate conformance --from {path}: {exc}") from exc
-        by_name = {r["connector"]: r for r in rows}
+        # one row per connector and device: the rows of one connector on two devices stay apart
+        by_name = {(r["connector"], r.get("device")): r for r in rows}
         replaced: list[str] = []
         for row in doc["rows"]:
-            have = by_name.get(row["connector"])
+            have = by_name.get((row["connector"], row.get("device")))
             if have is None:
                 row = {**row, "cells": dict(row["cells"])}
+                row.pop("label", None)
                 rows.append(row)
-                by_name[row["connector"]] = row
+                by_name[(row["connector"], row.get("device"))] = row
                 continue
             # a later run of the same connector, versions and device: its cells join the row,
             # replacing the earlier run's cell of the same scenario (the source says which)
-            if (have.get("versions"), have.get("device")) != (row.get("versions"), row.get("device")):
+            if have.get("versions") != row.get("versions"):
                 raise SystemExit(f"kvgate conformance --from {path}: {row['connector']} ran {row.get('versions')} on "
                                  f"{row.get('device')} there, {have.get('versions')} on {have.get('device')} in an "
                                  f"earlier source: one row is one set of versions")
@@ -341,6 +345,12 @@ def _conformance_from(sources: list[Path], report_dir: Path, baseline: object) -
                          "connectors": [r["connector"] for r in doc["rows"]],
                          "cells": sorted(f"{r['connector']}/{c}" for r in doc["rows"] for c in r["cells"]),
                          **({"replaced": replaced} if replaced else {})})
+    devices: dict[str, set] = {}
+    for row in rows:
+        devices.setdefault(row["connector"], set()).add(row.get("device"))
+    for row in rows:  # a connector run on two devices: each row named with its device
+        if len(devices[row["connector"]]) > 1:
+            row["label"] = f"{row['connector']} ({row.get('device')})"
     provs = [s["provenance"] for s in recorded]
     one = len({p["commit"] for p in provs}) == 1 and all(p.get("clean") for p in provs)
     prov = dict(provs[0]) if one else {**provs[0], "clean": False, "mixed": True}

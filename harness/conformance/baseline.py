@@ -49,6 +49,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from kvgate.harness.report.conformance import label  # a row's name, as the table shows it
+
 DEFAULT = Path(__file__).resolve().parent / "known_red.toml"
 NOT_REPORTED = "not yet reported"
 OUTCOMES = ("pass", "fixed upstream", "not reproduced", "known red", "changed", "new red", "n/a", "not judged", "not run")
@@ -267,13 +269,13 @@ def judge(rows: list[dict[str, Any]], baseline: Baseline) -> dict[str, Any]:
     at least one cell passed or is known red (a matrix that judged nothing does not pass)."""
     cells: dict[str, dict[str, Any]] = {}
     for row in rows:
-        cells[row["connector"]] = {name: _outcome(row, name, cell, baseline) for name, cell in row["cells"].items()}
+        cells[label(row)] = {name: _outcome(row, name, cell, baseline) for name, cell in row["cells"].items()}
     flat = [(c, s, o) for c, by in cells.items() for s, o in by.items()]
     blocking = [f"{c} / {s}: {o['outcome']}: {o['why']}" for c, s, o in flat if o["blocking"]]
     judged = [o for _, _, o in flat if o["outcome"] in ("pass", "known red", "fixed upstream", "not reproduced")]
-    ran = {row["connector"]: row for row in rows}
     not_asked = [e.id for e in baseline.entries
-                 if e.connector in ran and e.applies(ran[e.connector]) and e.scenario not in ran[e.connector]["cells"]]
+                 if any(e.connector == row["connector"] and e.applies(row) and e.scenario not in row["cells"]
+                        for row in rows)]
     counts = {k: sum(o["outcome"] == k for _, _, o in flat) for k in OUTCOMES}
     passed = not blocking and bool(judged)
     why = ("; ".join(blocking) if blocking else

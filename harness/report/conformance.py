@@ -58,12 +58,18 @@ def restarts_text(row: dict[str, Any]) -> list[str]:
     return out
 
 
+def label(row: dict[str, Any]) -> str:
+    """A row's name: its connector, or the connector with its device where one matrix holds the
+    connector's rows of two devices (the row's `label`, as the baseline's judgement keys it)."""
+    return row.get("label") or row["connector"]
+
+
 def _outcome(doc: dict[str, Any], connector: str, scenario: str) -> dict[str, Any] | None:
     return ((doc.get("judgement") or {}).get("cells") or {}).get(connector, {}).get(scenario)
 
 
 def verdict_text(doc: dict[str, Any], connector: str, scenario: str) -> str:
-    cell = next((r["cells"].get(scenario) for r in doc["rows"] if r["connector"] == connector), None)
+    cell = next((r["cells"].get(scenario) for r in doc["rows"] if label(r) == connector), None)
     if cell is None:
         return "-"
     status = cell["status"]
@@ -121,20 +127,20 @@ def markdown(doc: dict[str, Any]) -> str:
     flag, head = _header(doc)
     lines = [f"# {TITLE}{flag}", "", *head, "", _LEGEND, "", "## Connectors", ""]
     lines += table(("connector", "class", "versions", "device", "seed"),
-                   [(r["connector"], f"`{r.get('class', '')}`", _versions(r), r.get("device", ""), r.get("seed", ""))
+                   [(label(r), f"`{r.get('class', '')}`", _versions(r), r.get("device", ""), r.get("seed", ""))
                     for r in rows])
     lines += ["", "## Verdicts", ""]
-    lines += table(["scenario", *(r["connector"] for r in rows)],
-                   [[n, *(_bold(verdict_text(doc, r["connector"], n)) for r in rows)] for n in names
+    lines += table(["scenario", *(label(r) for r in rows)],
+                   [[n, *(_bold(verdict_text(doc, label(r), n)) for r in rows)] for n in names
                     if any(n in r["cells"] for r in rows)])
     lines += ["", "## Wrong KV", ""]
-    lines += table(["scenario", *(r["connector"] for r in rows)],
+    lines += table(["scenario", *(label(r) for r in rows)],
                    [[n, *(wrong_kv_text(r["cells"][n]) if n in r["cells"] else "-" for r in rows)] for n in names
                     if any(n in r["cells"] for r in rows)])
     for r in rows:
-        lines += ["", f"## {r['connector']}: every cell", "", f"{r.get('describe', '')}; {_versions(r)}.", ""]
+        lines += ["", f"## {label(r)}: every cell", "", f"{r.get('describe', '')}; {_versions(r)}.", ""]
         lines += table(("scenario", "verdict", "wrong KV", "seconds", "replay"),
-                       [(n, verdict_text(doc, r["connector"], n), wrong_kv_text(c), c.get("seconds", ""),
+                       [(n, verdict_text(doc, label(r), n), wrong_kv_text(c), c.get("seconds", ""),
                          f"`{c['replay']}`") for n, c in r["cells"].items()])
         lines += [f"- {t}" for t in restarts_text(r)]
     j = doc.get("judgement")
@@ -154,7 +160,7 @@ def markdown(doc: dict[str, Any]) -> str:
             cell = r["cells"].get(n)
             if cell is None or cell["status"] == "pass":
                 continue
-            lines.append(f"- **{r['connector']} / {n}: {cell['status']}**: {cell['reason']}")
+            lines.append(f"- **{label(r)} / {n}: {cell['status']}**: {cell['reason']}")
             ev = cell.get("evidence") or {}
             if cell["status"] == "fail":
                 for rep, text in (ev.get("replica_logs") or {}).items():  # the root cause; the tail is in the JSON
@@ -182,7 +188,7 @@ def html_page(doc: dict[str, Any]) -> str:
     body = [f"<p>{html.escape(h).replace('**', '')}</p>" for h in head]
     body.append(f"<p class='meta'>{html.escape(_LEGEND)}</p><h2>Connectors</h2>")
     body.append(_table(["connector", "class", "versions", "device", "seed"],
-                       [[r["connector"], r.get("class", ""), _versions(r), r.get("device", ""), r.get("seed", "")]
+                       [[label(r), r.get("class", ""), _versions(r), r.get("device", ""), r.get("seed", "")]
                         for r in rows]))
 
     def grid(render) -> str:  # noqa: ANN001 - (row, scenario) -> text
@@ -195,19 +201,19 @@ def html_page(doc: dict[str, Any]) -> str:
                 text = render(r, n)
                 cells.append(_Raw(f"<span class='{_cls(text)}'>{html.escape(text)}</span>"))
             out.append([_Raw(f"<span title='{html.escape(doc['scenarios'][n])}'>{html.escape(n)}</span>"), *cells])
-        return _table(["scenario", *(r["connector"] for r in rows)], out)
+        return _table(["scenario", *(label(r) for r in rows)], out)
 
-    body.append("<h2>Verdicts</h2>" + grid(lambda r, n: verdict_text(doc, r["connector"], n)))
+    body.append("<h2>Verdicts</h2>" + grid(lambda r, n: verdict_text(doc, label(r), n)))
     body.append("<h2>Wrong KV</h2>" + grid(lambda r, n: wrong_kv_text(r["cells"][n]) if n in r["cells"] else "-"))
     for r in rows:
-        body.append(f"<h2>{html.escape(r['connector'])}: every cell</h2>"
+        body.append(f"<h2>{html.escape(label(r))}: every cell</h2>"
                     f"<p class='meta'>{html.escape(r.get('describe', ''))}; {html.escape(_versions(r))}</p>")
         body += [f"<p class='meta'>{html.escape(t)}</p>" for t in restarts_text(r)]
         body.append(_table(["scenario", "verdict", "wrong KV", "reason", "replay"],
                            [[n, _Raw(f"<span class='{_cls(v)}'>{html.escape(v)}</span>"), wrong_kv_text(c),
                              "" if c["status"] == "pass" else str(c.get("reason", ""))[:400],
                              _Raw(f"<code>{html.escape(c['replay'])}</code>")]
-                            for n, c in r["cells"].items() for v in (verdict_text(doc, r["connector"], n),)]))
+                            for n, c in r["cells"].items() for v in (verdict_text(doc, label(r), n),)]))
     j = doc.get("judgement")
     if j is not None:
         items = [f"<li><b>{html.escape(c)} / {html.escape(s)}: {html.escape(o['outcome'])}</b>"

@@ -363,6 +363,33 @@ def test_a_later_run_of_a_connector_adds_and_replaces_its_cells_and_says_so(tmp_
                   "--report-dir", str(tmp_path / "out2")])
 
 
+def test_one_table_holds_a_connectors_rows_of_two_devices_apart(tmp_path, capsys):
+    """The CPU table and the GPU table of one connector in one matrix: two rows, each named with
+    its device, each judged by its own device's entries, neither merged into the other."""
+    (tmp_path / "b.toml").write_text(TOML)
+    cpu = _matrix(tmp_path, [_row("example", {"salt_isolation": _cell("fail", SALT_SIG),
+                                              "long_prompt": _cell("fail", ["replica B died (RuntimeError)"])})],
+                  "cpu.json")
+    gpu = _matrix(tmp_path, [{**_row("example", {"salt_isolation": _cell("pass")},
+                                     versions={"vllm": "vllm 0.24.0"}), "device": "cuda"}], "gpu.json")
+    rc = cli.main(["conformance", "--from", str(cpu), "--from", str(gpu), "--baseline", str(tmp_path / "b.toml"),
+                   "--report-dir", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    doc = json.loads((tmp_path / "out" / "matrix.json").read_text())
+    assert [(r["label"], r["device"], len(r["cells"])) for r in doc["rows"]] == [
+        ("example (cpu)", "cpu", 2), ("example (cuda)", "cuda", 1)]
+    cells = doc["judgement"]["cells"]
+    assert cells["example (cpu)"]["salt_isolation"]["outcome"] == "known red"
+    assert cells["example (cuda)"]["salt_isolation"]["outcome"] == "fixed upstream"  # TOML's entries: any device
+    md = (tmp_path / "out" / "matrix.md").read_text()
+    assert "| scenario | example (cpu) | example (cuda) |" in md, md
+    # one connector on one device alone keeps its plain name
+    rc = cli.main(["conformance", "--from", str(cpu), "--baseline", str(tmp_path / "b.toml"),
+                   "--report-dir", str(tmp_path / "out2")])
+    assert "label" not in json.loads((tmp_path / "out2" / "matrix.json").read_text())["rows"][0]
+
+
 def test_kvgate_conformance_fails_where_a_connector_is_not_run(tmp_path, capsys, monkeypatch):
     import kvgate.fixtures.tiny_model
     import kvgate.harness.system.cluster
