@@ -353,7 +353,9 @@ def _conformance_from(sources: list[Path], report_dir: Path, baseline: object) -
             row["label"] = f"{row['connector']} ({row.get('device')})"
     provs = [s["provenance"] for s in recorded]
     one = len({p["commit"] for p in provs}) == 1 and all(p.get("clean") for p in provs)
-    prov = dict(provs[0]) if one else {**provs[0], "clean": False, "mixed": True}
+    # rows of several commits: no one commit to name; "clean" then says each source ran a clean tree
+    prov = dict(provs[0]) if one else {**provs[0], "clean": all(p.get("clean") for p in provs), "mixed": True,
+                                       "commits": sorted({p.get("short") or str(p.get("commit"))[:12] for p in provs})}
     from kvgate.harness.provenance import provenance
 
     seeds = {s["seed"] for s in recorded}

@@ -91,11 +91,14 @@ def _versions(row: dict[str, Any]) -> str:
 def _header(doc: dict[str, Any]) -> tuple[str, list[str]]:
     prov = doc["provenance"]
     flag = title_flag(prov)
+    if prov.get("mixed"):  # the rows of several earlier runs, each from its own commit (listed below)
+        flag = " (ROWS OF SEVERAL COMMITS)" if prov.get("clean") else " (ROWS OF SEVERAL COMMITS, SOME DIRTY)"
     j = doc.get("judgement")
     seeds = sorted({r.get("seed") for r in doc["rows"] if r.get("seed") is not None} | {doc.get("seed")} - {None})
     tree = " (clean tree)" if prov.get("clean") else flag or " (uncommitted changes)"
-    lines = [(f"Commit {prov.get('short', prov.get('commit', 'unknown'))}{tree}; "
-              f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}.")]
+    what = (f"Commits {', '.join(prov.get('commits') or [])} ({'each tree clean' if prov.get('clean') else 'not every tree clean'})"
+            if prov.get("mixed") else f"Commit {prov.get('short', prov.get('commit', 'unknown'))}{tree}")
+    lines = [f"{what}; seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}."]
     for src in doc.get("sources") or []:
         sp = src["provenance"]
         lines.append(f"Rows {', '.join(src['connectors'])} from `{src['path']}`: commit {sp.get('short')}, "

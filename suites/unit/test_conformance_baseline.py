@@ -384,6 +384,16 @@ def test_one_table_holds_a_connectors_rows_of_two_devices_apart(tmp_path, capsys
     assert cells["example (cuda)"]["salt_isolation"]["outcome"] == "fixed upstream"  # TOML's entries: any device
     md = (tmp_path / "out" / "matrix.md").read_text()
     assert "| scenario | example (cpu) | example (cuda) |" in md, md
+    assert "(DIRTY TREE)" not in md  # one commit, both clean: the tree is theirs
+    # rows of two commits, each clean: said so, not called a dirty tree
+    doc2 = json.loads(gpu.read_text())
+    doc2["provenance"] = {**doc2["provenance"], "commit": "b" * 40, "short": "b" * 12}
+    gpu.write_text(json.dumps(doc2))
+    assert cli.main(["conformance", "--from", str(cpu), "--from", str(gpu), "--baseline", str(tmp_path / "b.toml"),
+                     "--report-dir", str(tmp_path / "out3")]) == 0
+    md = (tmp_path / "out3" / "matrix.md").read_text()
+    assert md.startswith("# kvgate conformance matrix (ROWS OF SEVERAL COMMITS)"), md[:200]
+    assert f"Commits {'a' * 12}, {'b' * 12} (each tree clean)" in md, md[:400]
     # one connector on one device alone keeps its plain name
     rc = cli.main(["conformance", "--from", str(cpu), "--baseline", str(tmp_path / "b.toml"),
                    "--report-dir", str(tmp_path / "out2")])
