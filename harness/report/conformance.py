@@ -94,7 +94,8 @@ def _header(doc: dict[str, Any]) -> tuple[str, list[str]]:
     if prov.get("mixed"):  # the rows of several earlier runs, each from its own commit (listed below)
         flag = " (ROWS OF SEVERAL COMMITS)" if prov.get("clean") else " (ROWS OF SEVERAL COMMITS, SOME DIRTY)"
     j = doc.get("judgement")
-    seeds = sorted({r.get("seed") for r in doc["rows"] if r.get("seed") is not None} | {doc.get("seed")} - {None})
+    # the rows' seeds (a matrix of several runs records -1 as its own: it has none)
+    seeds = sorted(({r.get("seed") for r in doc["rows"] if r.get("seed") is not None} | {doc.get("seed")}) - {None, -1})
     tree = " (clean tree)" if prov.get("clean") else flag or " (uncommitted changes)"
     what = (f"Commits {', '.join(prov.get('commits') or [])} ({'each tree clean' if prov.get('clean') else 'not every tree clean'})"
             if prov.get("mixed") else f"Commit {prov.get('short', prov.get('commit', 'unknown'))}{tree}")
