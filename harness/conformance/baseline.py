@@ -115,8 +115,9 @@ class Entry:
     witness: tuple[str, ...] = ()  # of the racy ones: one of them fails whenever the race shows
 
     def matches(self, sig: Iterable[str]) -> bool:
-        """A failure with this entry's signature: every signature check failed, and nothing
-        else than them and the racy ones."""
+        """A failure with this entry's signature: every signature check failed, nothing else
+        than them and the racy ones, and, where a racy check failed and the entry names
+        witnesses, one of those."""
         got, must = set(sig), set(self.signature)
         racy = got & set(self.racy)
         return (bool(got) and must <= got <= must | set(self.racy)
@@ -214,8 +215,9 @@ def load(path: Path | str = DEFAULT) -> Baseline:
 
 
 def _outcome(row: dict[str, Any], name: str, cell: dict[str, Any], baseline: Baseline) -> dict[str, Any]:
+    listed = baseline.for_cell(row["connector"], name)  # on any versions and device: named in a new red's why
     # an entry of another device says nothing of this row (a cell red on CUDA passing on CPU is not a fix)
-    entries = [e for e in baseline.for_cell(row["connector"], name) if e.device in ("", row.get("device", ""))]
+    entries = [e for e in listed if e.device in ("", row.get("device", ""))]
     here = sorted((e for e in entries if e.applies(row)), key=lambda e: not e.device)  # the device's own first
     entry = here[0] if here else None
     status = cell.get("status")
@@ -237,7 +239,7 @@ def _outcome(row: dict[str, Any], name: str, cell: dict[str, Any], baseline: Bas
         if entry is None:
             other = [f"{e.id} ({', '.join(f'{k} {v}' for k, v in e.versions.items())}"
                      + (f", {e.device}" if e.device else "") + ")"
-                     for e in baseline.for_cell(row["connector"], name)]
+                     for e in listed]
             out.update(outcome="new red", signature=sig,
                        why="a failure the baseline does not list" + (f" on these versions (it lists {', '.join(other)})"
                                                                      if other else ""))
