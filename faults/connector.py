@@ -64,11 +64,27 @@ for any inner connector, section "connector":
         the name: the same on every replica), so two adapters loaded in turn under one name
         are one adapter to it, however it keys them (by name, id, path or the content at the
         path). Armed on every replica of the scenario.
+    {"connector": {"control": "stale_completion"}}
+        a negative control: every request the engine reports finished to the worker while the
+        control is armed (get_finished's finished_req_ids: an aborted one too) is reported back
+        once as a finished store (finished_sending) in the same call, whatever the inner
+        connector did: a completion for a request the scheduler has already freed, or will free
+        on the load's own completion in the same report (as LMCache's kv_both worker does
+        after an aborted load, LMCache#4939). vLLM's scheduler asserts on it (vllm#43226).
     {"connector": {"finished_delay_ms": 500, "times": 1}}
         a delayed completion: get_finished holds the finished requests' ids back (they
         are reported at a later call, after the delay), `times` requests' worth.
 
 Section "schedule" is not a fault: it takes a race out of a scenario's hands.
+
+    {"schedule": {"hold_recv": true}}
+        the worker holds each completed load it reports (finished_recving) until the engine has
+        finished the request (its id among get_finished's finished_req_ids: the abort of a
+        request whose client went away lands there), or until the section is lifted. A load
+        then stays in flight, as a slow one would, for as long as the scenario needs to abort
+        its request during it. Each hold and release is written to the history
+        ("schedule", kind "hold_recv", job "hold" / "release" with why: "finished" or "lifted"), and
+        so is each request the engine finished while the section is armed (job "finished").
 
     {"schedule": {"gather": "TAG-PREFIX", "count": 3}}
         the scheduler keeps the requests whose tag starts with the prefix waiting (asked
@@ -131,6 +147,7 @@ class FaultConnector(WrappingConnector):
         self._arrived: list[str] = []
         self._admitted: set[str] = set()
         self._admitted_this_step = False
+        self._recv_held: set[str] = set()  # schedule "hold_recv": completed loads not yet reported
         super().__init__(vllm_config, role, kv_cache_config, extra=extra)
         self.history = HistoryWriter(self.history_dir, self.replica, f"faults-{self.role_name}")
 
@@ -355,8 +372,37 @@ class FaultConnector(WrappingConnector):
             return set()
         return failed
 
+    def _hold_recv(self, receiving, finished_req_ids):  # noqa: ANN001, ANN202
+        """The schedule section's hold_recv: the completed loads reported now (the rest held)."""
+        spec = self.control.section("schedule")[0] if self.control is not None else None
+        holding = bool(spec and spec.get("hold_recv"))
+        if not holding and not self._recv_held:
+            return receiving
+        finished = set(finished_req_ids or ())
+        now = set(receiving or ())
+        if holding:
+            for rid in sorted(finished):
+                self.history.write("schedule", site="connector", kind="hold_recv", job="finished", req=rid)
+            for rid in sorted(now - self._recv_held):
+                self.history.write("schedule", site="connector", kind="hold_recv", job="hold", req=rid)
+            self._recv_held |= now
+            now = set()
+        out = {rid for rid in self._recv_held if rid in finished or not holding}
+        for rid in sorted(out):
+            self.history.write("schedule", site="connector", kind="hold_recv", job="release", req=rid,
+                               why="finished" if rid in finished else "lifted")
+        self._recv_held -= out
+        return (now | out) or None
+
     def finished_filter(self, sending, receiving, finished_req_ids):  # noqa: ANN001, ANN201
-        spec = self._section()
+        spec = self._section()  # read first: a scenario may disarm as soon as it reads the hold's records
+        receiving = self._hold_recv(receiving, finished_req_ids)
+        if spec and spec.get("control") == "stale_completion" and finished_req_ids:
+            stale = set(finished_req_ids) - set(sending or ())
+            if stale:
+                self.history.write("fault", site="connector", kind="copier_control", job="stale_completion",
+                                   control="stale_completion", reqs=sorted(stale))
+                sending = set(sending or ()) | stale
         if spec and spec.get("control") == "late_store":  # freed at once by the scheduler: never report them
             self._freed_early |= set(finished_req_ids or ())  # (the ids come a step after the finish)
         if sending and self._freed_early:

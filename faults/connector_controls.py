@@ -22,7 +22,7 @@ next step and the ids of the requests it freed early are kept) must be restarted
 from __future__ import annotations
 
 CONTROLS = ("hide_failures", "claim_past_loaded", "claim_one_more", "double_count_stats", "late_store",
-            "deaf_tier_rule", "deaf_reset", "load_despite_skip", "adapter_by_name")
+            "deaf_tier_rule", "deaf_reset", "load_despite_skip", "adapter_by_name", "stale_completion")
 
 HEALED_BY_DISARM: dict[str, str] = {
     "hide_failures": "it drops one step's failure report; the KV computed over the failed blocks is in the "
@@ -37,6 +37,8 @@ HEALED_BY_DISARM: dict[str, str] = {
     "load_despite_skip": "it clears a flag on the request it is asked about, nothing of its own",
     "adapter_by_name": "it shows the inner connector one request's adapter by a path derived from the name; "
                        "nothing is kept (the scenario unloads its adapters)",
+    "stale_completion": "it reports, in the call that tells it of their finish, the requests that finished while it "
+                        "was armed; nothing is kept (the engine it acts on dies of it)",
 }
 
 assert set(HEALED_BY_DISARM) <= set(CONTROLS)

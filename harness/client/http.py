@@ -8,6 +8,9 @@ health and cache-reset endpoints.
                                 publish, publish_tokens) and an optional cache_salt. Every
                                 request is written to the run's history (RECORDER) as
                                 invoke, then ok or fail (Jepsen's client side).
+  abandon(url, prompt, until=...) the same request, sent and then left without reading its
+                                answer as soon as `until` says (vLLM aborts it): a client that
+                                goes away at a moment the caller controls.
   healthy(url)                  GET /health answered 200.
   reset_prefix_cache(url)       POST /reset_prefix_cache (VLLM_SERVER_DEV_MODE=1), retried
                                 while the engine is busy, within a bound.
@@ -19,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
+from typing import Any
 
 import requests
 
@@ -58,12 +63,9 @@ def _record(phase: str, **fields: object) -> None:
         RECORDER.write("request", phase=phase, **fields)
 
 
-def complete(url: str, prompt: str, *, tag: str, replica: str = "", max_tokens: int = 16,
-             load: bool = True, publish: bool = True, cache_salt: str | None = None,
-             publish_tokens: int | None = None, timeout_s: float = 600.0,
-             raw_params: dict | None = None, model: str = "tiny") -> Completion:
-    """`raw_params`: more kv_transfer_params.kvpool fields, sent as they are (a scenario's
-    malformed input). `model`: the served model or one of its LoRA adapters."""
+def _body(prompt: str, *, tag: str, max_tokens: int = 16, load: bool = True, publish: bool = True,
+          cache_salt: str | None = None, publish_tokens: int | None = None, raw_params: dict | None = None,
+          model: str = "tiny") -> dict:
     body = {
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
         "stream": True, "return_token_ids": True, "logprobs": 1,
@@ -74,6 +76,17 @@ def complete(url: str, prompt: str, *, tag: str, replica: str = "", max_tokens: 
     if publish_tokens is not None:
         body["kv_transfer_params"]["kvpool"]["publish_tokens"] = publish_tokens
     body["kv_transfer_params"]["kvpool"].update(raw_params or {})
+    return body
+
+
+def complete(url: str, prompt: str, *, tag: str, replica: str = "", max_tokens: int = 16,
+             load: bool = True, publish: bool = True, cache_salt: str | None = None,
+             publish_tokens: int | None = None, timeout_s: float = 600.0,
+             raw_params: dict | None = None, model: str = "tiny") -> Completion:
+    """`raw_params`: more kv_transfer_params.kvpool fields, sent as they are (a scenario's
+    malformed input). `model`: the served model or one of its LoRA adapters."""
+    body = _body(prompt, tag=tag, max_tokens=max_tokens, load=load, publish=publish, cache_salt=cache_salt,
+                 publish_tokens=publish_tokens, raw_params=raw_params, model=model)
     _record("invoke", tag=tag, replica=replica, max_tokens=max_tokens, load=load, publish=publish,
             cache_salt=cache_salt, publish_tokens=publish_tokens)
     t0 = time.monotonic()
@@ -125,6 +138,45 @@ def complete(url: str, prompt: str, *, tag: str, replica: str = "", max_tokens: 
             ttft_s=round(ttft if ttft is not None else total, 4), total_s=round(total, 3))
     return Completion(tag, replica, token_ids, "".join(text), finish, ttft if ttft is not None else total, total,
                       prompt_tokens, error, logprobs)
+
+
+def abandon(url: str, prompt: str, *, tag: str, replica: str = "", until: Callable[[float], str | None],
+            limit_s: float, poll_s: float = 0.02, **params: Any) -> tuple[str, float]:
+    """Send one completion request and go away without reading its answer: the connection is
+    closed as soon as `until(seconds since the send)` names a reason, or after `limit_s`
+    ("limit"). vLLM aborts a request whose client went away. Returns (the reason, the seconds
+    at which the client left). The request's bytes are all sent before `until` is first asked;
+    a server that refuses the connection raises RequestFailed."""
+    import http.client
+    import socket
+    from urllib.parse import urlsplit
+
+    body = json.dumps(_body(prompt, tag=tag, **params)).encode()
+    _record("invoke", tag=tag, replica=replica, abandon=True)
+    where = urlsplit(url)
+    conn = http.client.HTTPConnection(where.hostname, where.port or 80, timeout=30)
+    t0 = time.monotonic()
+    try:
+        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    except OSError as exc:
+        conn.close()
+        _record("fail", tag=tag, replica=replica, error=f"{type(exc).__name__}: {exc}"[:300])
+        raise RequestFailed(f"{replica or url}: {type(exc).__name__}: {exc}") from exc
+    why = None
+    while why is None:
+        elapsed = time.monotonic() - t0
+        why = until(elapsed) or ("limit" if elapsed >= limit_s else None)
+        if why is None:
+            time.sleep(poll_s)
+    left = time.monotonic() - t0
+    if conn.sock is not None:
+        try:
+            conn.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # the server closed it first (it answered and hung up): nothing left to abort
+            pass
+    conn.close()
+    _record("abandon", tag=tag, replica=replica, why=why, left_after_s=round(left, 3))
+    return why, left
 
 
 def http_status(url: str, body: object, timeout_s: float = 120.0) -> tuple[int, str]:

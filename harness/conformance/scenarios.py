@@ -221,37 +221,103 @@ def load_failure_fail(ctx: Ctx, prompt_tokens: int = 1500) -> Checks:
     return c
 
 
-def abort_during_load(ctx: Ctx, prompt_tokens: int = 1800) -> Checks:
+def _schedule_records(ctx: Ctx, replica: str, since: float) -> list[dict]:
+    """The replica's fault connector's schedule records (its worker's history files only:
+    read often while a request is in flight) since the wall clock `since`."""
+    from kvgate.harness.checkers.history import read_history
+
+    return [r for r in read_history(ctx.h, f"{replica}.faults-worker.*.jsonl")
+            if r["ev"] == "schedule" and r.get("kind") == "hold_recv" and r["t"] >= since]
+
+
+def abort_during_load(ctx: Ctx, prompt_tokens: int = 1800, control: str | None = None) -> Checks:
     """A computes a prompt (one prefill chunk: a longer one is long_prompt's case); B is
-    asked for it and the client goes away after a seeded delay (10-300 ms: during the
-    lookup, the load or the prefill after it; the report says how much B installed). Whatever the moment, B keeps serving, and the same prompt asked again
-    is loaded byte-exact with A's prefix hit's output."""
+    asked for it and its client goes away while B's load is in flight. Where B's connector
+    loads asynchronously, B's fault connector holds the load's completion (schedule section
+    `hold_recv`) until the engine has finished the request, and the client leaves as soon as
+    the load is held: the abort lands during the load, every run. Where it loads inside the
+    engine's step (synchronously) or claims nothing, no load is ever in flight between steps:
+    the client leaves after a seeded delay (10-300 ms). Either way B keeps serving, every
+    block it installed before the abort equals A's bytes, and the same prompt asked again is
+    loaded byte-exact with A's prefix hit's output. Negative control `stale_completion`: the
+    aborted request is reported finished once more (vllm#43226's double completion), and B
+    must be seen to stop serving."""
+    import json
+
+    from kvgate.faults.control import write_control
+    from kvgate.harness.client.http import abandon
+
     rng = random.Random(ctx.seed)
     prompt = ctx.corpus.text(prompt_tokens, rng)
     delay = round(rng.uniform(0.01, 0.3), 3)
     tag = _tag("q", ctx.seed)
     ctx.run("A", prompt, f"{tag}-a")
-    aborted = True
-    try:
-        complete(ctx.url("B"), prompt, tag=f"{tag}-abort", replica="B", timeout_s=delay)
-        aborted = False
-    except RequestFailed:
-        pass
-    c = Checks()
+    path = ctx.cluster.faults["B"]
+    doc = json.loads(path.read_text() or "{}")
+    doc["schedule"] = {"hold_recv": True}
+    write_control(path, doc)
+    if control:
+        arm_control(ctx, "B", control)
+    t_send = time.time()
+
+    def moment(elapsed: float) -> str | None:
+        if any(r.get("job") == "hold" for r in _schedule_records(ctx, "B", t_send)):
+            return "load held"
+        m = ctx.match("B", f"{tag}-abort")
+        if m is not None and not (m["load_async"] and m["external_tokens"] > 0) and elapsed >= delay:
+            return "synchronous load" if m["external_tokens"] > 0 else "no claim"
+        return None
+
+    why, left = abandon(ctx.url("B"), prompt, tag=f"{tag}-abort", replica="B", until=moment,
+                        limit_s=min(ctx.timeout_s, 120.0))
+    # The engine's finish of the request reaches B's worker (job "finished"); a held load is then
+    # released in the same call ("release", why "finished")
+    deadline = time.monotonic() + 30
+    finished = released = None
+    while time.monotonic() < deadline:
+        recs = _schedule_records(ctx, "B", t_send)
+        finished = next((r for r in recs if r.get("job") == "finished"), None)
+        released = next((r["why"] for r in recs if r.get("job") == "release"), None)
+        if finished is not None and (why != "load held" or released is not None):
+            break
+        time.sleep(0.05)
+    doc = json.loads(path.read_text() or "{}")
+    doc.pop("schedule", None)
+    doc.pop("connector", None)
+    write_control(path, doc)  # the hold lifted, the control disarmed: what is held is reported now
     time.sleep(1.0)  # the engine's abort of the request, and anything it set off, lands
-    if ctx.cluster.crashed():
-        raise ScenarioDown(f"B died after a request aborted at {delay} s; gone: {ctx.cluster.crashed()}")
+    c = Checks()
+    c.evidence.update(abort_after_s=round(left, 3), abort_moment=why, seeded_delay_s=delay, control=control)
+    c.check("B's client went away before its answer", why != "limit",
+            f"no load held and no claim after {left:.0f} s")
+    c.check("B's engine finished the request", finished is not None, "its finish did not reach the worker in 30 s")
+    if why == "load held":
+        c.check("the abort landed while the load was in flight (the held completion was released by the "
+                "request's finish)", released == "finished", released or "not released within 30 s")
     before = ctx.installed("B", f"{tag}-abort")
     produced = ctx.produced("A", f"{tag}-a")
     c.check("every block B installed before the abort equals A's bytes",
             all(produced.get(k) == d for k, d in before.items()), len(before))
-    loaded_before_abort = len(before)
-    b = ctx.run("B", prompt, f"{tag}-b")
+    c.evidence.update(installed_before_abort=len(before))
+    # B serves the same prompt again: an engine that died of the abort answers 500 before its
+    # process is gone, or is gone
+    b, refused = None, None
+    if not ctx.cluster.crashed():
+        try:
+            b = complete(ctx.url("B"), prompt, tag=f"{tag}-b", replica="B", timeout_s=ctx.timeout_s)
+        except RequestFailed as exc:
+            refused = str(exc)[:300]
+    gone = ctx.cluster.crashed()
+    c.check("B keeps serving after a request aborted during its load",
+            b is not None and b.error is None and len(b.token_ids) == 16 and not gone,
+            {"gone": gone, "refused": refused} if b is None or gone else b.error)
+    if b is None or gone:  # nothing more to ask of B; the runner reports a death and restarts it
+        return c
+    if ctx.profile.settle is not None:
+        ctx.profile.settle(ctx.cluster.report_dir, "B", f"{tag}-b")
     a_hit = ctx.run("A", prompt, f"{tag}-ahit")
-    c.check("B completed the prompt asked again", b.error is None and len(b.token_ids) == 16, b.error)
     _exact(c, ctx, ("B", f"{tag}-b"), ("A", f"{tag}-a"), 0)
     same_output(c, ctx, "B's output equals A's prefix hit", b, a_hit)
-    c.evidence.update(abort_after_s=delay, aborted=aborted, installed_before_abort=loaded_before_abort)
     return c
 
 
@@ -435,7 +501,10 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              "preemption while a store is in flight (small KV cache, concurrent requests)",
              control="late_store", control_oracle="every block B installed is byte for byte one D computed",
              replicas=("B", "D")),
-    Scenario("abort_during_load", abort_during_load, ("shared_store",), "a request aborted during its load"),
+    Scenario("abort_during_load", abort_during_load, ("shared_store",),
+             "a request aborted while its load is in flight (held there where the load is asynchronous)",
+             control="stale_completion", control_oracle="B keeps serving after a request aborted",
+             control_down_judged=True),
     Scenario("shared_blocks_one_fails", shared_blocks_one_fails, ("shared_store", "prefix_hits", "data_fault"),
              "two concurrent requests sharing blocks when one's load fails"),
     Scenario("exact_boundaries", exact_boundaries, ("shared_store",),

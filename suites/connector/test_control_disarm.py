@@ -125,8 +125,8 @@ def _traffic(sched: FaultConnector, worker: FaultConnector, rid: str) -> list:
     worker.wait_for_save()
     worker.clear_connector_metadata()
     worker.inner.sending = {rid}
-    sending, _ = worker.get_finished({rid})
-    answers.append(sorted("this request" if r == rid else r for r in sending or ()))
+    sending, _ = worker.get_finished({rid, f"{rid}-aborted"})  # and one the engine finished with no transfer
+    answers.append(sorted("this request" if r == rid else r.replace(rid, "that") for r in sending or ()))
     answers.append(sorted(worker.get_block_ids_with_load_errors()))
     stats = worker.get_kv_connector_stats()
     answers.append(stats.n if stats is not None else None)
