@@ -39,7 +39,12 @@ for any inner connector, section "connector":
         are dropped at the worker); on the worker side the inner connector's save calls
         (save_kv_layer, wait_for_save, with the step's metadata) are held, and replayed
         in order at the first step after the section says `"release": true` or is
-        disarmed: the inner connector then reads the blocks as they are by then.
+        disarmed: the inner connector then reads the blocks as they are by then. A connector
+        whose worker takes its stores as jobs in the step's metadata (OffloadingConnector:
+        `store_jobs`, prepared at get_finished and submitted at the next step's start; its
+        scheduler fences the reuse of a block by naming the jobs to flush, `jobs_to_flush`)
+        has its store jobs kept back the same way, and the flush of a held job dropped: the
+        blocks are reused unfenced, and the held jobs reach it with the release step's own.
     {"connector": {"control": "deaf_tier_rule"}}
         a negative control: kvpool's tier rule never holds a failing tier off. The scheduler
         never hears of the worker's tier loads (the connector stats are dropped on their way
@@ -105,6 +110,7 @@ blocks (section "gpu", `stream_delay_ms`). Every firing is written to the histor
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Any
@@ -141,6 +147,10 @@ class FaultConnector(WrappingConnector):
         self._saves: list[tuple[Any, ...]] = []
         self._late: list[tuple[Any, list[tuple[Any, ...]]]] = []
         self._freed_early: set[str] = set()
+        # late_store on store jobs carried by the metadata: those held back; this step's metadata
+        # with the inner connector's view of it
+        self._held_jobs: dict[Any, Any] = {}
+        self._bound: tuple[Any, Any] | None = None
         # schedule "gather": the spec it counts for, the arrivals in order, those admitted,
         # and whether this step has admitted one
         self._gather: tuple[str, int] | None = None
@@ -289,13 +299,46 @@ class FaultConnector(WrappingConnector):
                 self._stream_delay.maybe_fire(stores)
         return super().start_load_kv(forward_context, **kwargs)
 
+    def inner_metadata(self, connector_metadata):  # noqa: ANN001, ANN201
+        """The step's metadata as the inner connector is given it, made once per step at its
+        first sight (vLLM 0.24 hands it to handle_preemptions before it binds it)."""
+        if self._bound is None or connector_metadata is not self._bound[0]:
+            self._bound = (connector_metadata, self._job_fence(super().inner_metadata(connector_metadata)))
+        return self._bound[1]
+
+    def _job_fence(self, meta):  # noqa: ANN001, ANN202
+        """late_store for store jobs carried by the step's metadata (the module's docstring):
+        the metadata the inner connector is given for this step."""
+        jobs = getattr(meta, "store_jobs", None)
+        if not isinstance(jobs, dict) or not dataclasses.is_dataclass(meta):
+            return meta
+        flush = set(getattr(meta, "jobs_to_flush", None) or ())
+        mode = self._late_store()
+        if mode == "hold":
+            if jobs:
+                self._held_jobs.update(jobs)
+                self.history.write("fault", site="connector", kind="copier_control", job="hold_jobs",
+                                   control="late_store", jobs=len(jobs))
+            unfenced = flush & set(self._held_jobs)
+            if unfenced:
+                self.history.write("fault", site="connector", kind="copier_control", job="unfence",
+                                   control="late_store", jobs=len(unfenced))
+            return dataclasses.replace(meta, store_jobs={}, jobs_to_flush=(flush - unfenced) or None)
+        if self._held_jobs:  # released, or disarmed with jobs held: handed over with this step's own
+            held, self._held_jobs = self._held_jobs, {}
+            self.history.write("fault", site="connector", kind="copier_control", job="replay_jobs",
+                               control="late_store", jobs=len(held))
+            # submitted at the next step's start: not yet in flight for this step's flush
+            return dataclasses.replace(meta, store_jobs={**held, **jobs}, jobs_to_flush=(flush - set(held)) or None)
+        return meta
+
     def _late_store(self) -> str | None:
         """"hold" while late_store is armed, "release" when it says so (or is disarmed
         with steps still held), else None."""
         spec = self._section()
         if spec and spec.get("control") == "late_store":
             return "release" if spec.get("release") else "hold"
-        return "release" if self._late else None
+        return "release" if self._late or self._held_jobs else None
 
     def request_finished(self, request, block_ids):  # noqa: ANN001, ANN201
         delay, params = super().request_finished(self._by_name(request, self._section()), block_ids)

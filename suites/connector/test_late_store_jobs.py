@@ -1,0 +1,104 @@
+"""kvgate.faults.connector's `late_store` control on a connector whose worker takes its stores
+as jobs in the step's metadata (OffloadingConnector's `store_jobs`, fenced by the scheduler's
+`jobs_to_flush`): while held, each step's store jobs are kept back from the inner connector and
+the flush of a held job is dropped (the blocks are reused unfenced); at the release (or the
+disarm) the held jobs reach it with that step's own, unflushed in that step; metadata without
+store jobs, and any metadata while the control is not armed, reach it unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from types import SimpleNamespace
+
+from kvgate.faults.connector import FaultConnector
+from kvpool.connector import vllm_compat as compat
+from kvpool.connector.history import read_history
+from suites.connector.test_late_store import Recorder
+
+
+@dataclasses.dataclass
+class JobsMeta:
+    load_jobs: dict
+    store_jobs: dict
+    jobs_to_flush: set | None = None
+
+
+class Jobs(Recorder):
+    """Records the store jobs and the flush of each step it is given."""
+
+    def __init__(self, *args, **kwargs):  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        self.given: list[tuple[dict, set | None]] = []
+
+    def bind_connector_metadata(self, connector_metadata):  # noqa: ANN001, ANN201
+        super().bind_connector_metadata(connector_metadata)
+        if hasattr(connector_metadata, "store_jobs"):
+            self.given.append((dict(connector_metadata.store_jobs), connector_metadata.jobs_to_flush))
+
+    def wait_for_save(self):  # noqa: ANN201
+        return None  # its stores are jobs, prepared and submitted elsewhere
+
+
+def _worker(tmp_path) -> FaultConnector:  # noqa: ANN001
+    extra = {"fault_inner": f"{__name__}:Jobs", "faults_file": str(tmp_path / "faults.json"),
+             "history_dir": str(tmp_path / "h"), "replica": "D"}
+    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
+    return FaultConnector(config, compat.KVConnectorRole.WORKER)
+
+
+def _arm(tmp_path, **section) -> None:  # noqa: ANN001
+    (tmp_path / "faults.json").write_text(json.dumps({"connector": section} if section else {}))
+
+
+def _step(w: FaultConnector, stores: dict, flush: set | None = None) -> tuple[dict, set | None]:
+    w.bind_connector_metadata(JobsMeta({}, stores, flush))
+    w.wait_for_save()
+    w.clear_connector_metadata()
+    return w.inner.given[-1]
+
+
+def test_held_store_jobs_reach_the_inner_connector_at_the_release_unfenced(tmp_path):
+    w = _worker(tmp_path)
+    assert _step(w, {1: "a"}, {9}) == ({1: "a"}, {9})  # unarmed: as the scheduler built it
+    _arm(tmp_path, control="late_store")
+    assert _step(w, {2: "b"}) == ({}, None)
+    assert _step(w, {3: "c"}, {2, 9}) == ({}, {9})  # the reuse of job 2's blocks is not fenced
+    _arm(tmp_path, control="late_store", release=True)
+    assert _step(w, {4: "d"}, {3}) == ({2: "b", 3: "c", 4: "d"}, None)  # submitted at the next step's start
+    assert _step(w, {}, {3}) == ({}, {3})
+    jobs = [(r["job"], r["jobs"]) for r in read_history(tmp_path / "h") if r["ev"] == "fault" and "jobs" in r]
+    assert jobs == [("hold_jobs", 1), ("hold_jobs", 1), ("unfence", 1), ("replay_jobs", 2)]
+
+
+def test_disarming_hands_over_the_held_jobs(tmp_path):
+    w = _worker(tmp_path)
+    _arm(tmp_path, control="late_store")
+    _step(w, {2: "b"})
+    _arm(tmp_path)
+    assert _step(w, {}) == ({2: "b"}, None)
+    assert _step(w, {5: "e"}) == ({5: "e"}, None)
+
+
+def test_metadata_without_store_jobs_is_passed_as_it_is(tmp_path):
+    w = _worker(tmp_path)
+    _arm(tmp_path, control="late_store")
+    meta = SimpleNamespace(step=1)
+    w.bind_connector_metadata(meta)
+    assert w.inner._get_connector_metadata() is meta
+
+
+def test_the_step_is_seen_once_whichever_hook_sees_it_first(tmp_path):
+    """vLLM 0.24 hands the step's metadata to handle_preemptions before it binds it: both get
+    the same view, and the jobs are held once."""
+    w = _worker(tmp_path)
+    seen = []
+    w.inner.handle_preemptions = lambda meta: seen.append((dict(meta.store_jobs), meta.jobs_to_flush))
+    _arm(tmp_path, control="late_store")
+    _step(w, {2: "b"})
+    meta = JobsMeta({}, {3: "c"}, {2})
+    w.handle_preemptions(meta)
+    w.bind_connector_metadata(meta)
+    assert seen == [({}, None)] and w.inner.given[-1] == ({}, None)
+    _arm(tmp_path)
+    assert _step(w, {}) == ({2: "b", 3: "c"}, None)
