@@ -2,7 +2,8 @@
 # A conformance run brought back from the GPU host, kept as a report folder (here):
 #
 #   scripts/gpu/keep.sh RUN DEST
-#       RUN: what `detached.sh wait` wrote (conformance.log, provenance.json) with the run's
+#       RUN: what `detached.sh wait` wrote (conformance.log, provenance.json: a run made here, with no
+#       copy to stamp, has none; its matrix records the commit and whether the tree was clean) with the run's
 #       conformance/ folder unpacked in it (the per-connector folders are too deep to come back
 #       one by one: `tar czf $OUT/x.tgz conformance` in the run's out folder, then `tar xzf` into RUN).
 #       DEST gets the run's matrix.{json,md,html}, conformance.log and provenance.json, and per
@@ -13,10 +14,10 @@ set -euo pipefail
 RUN=${1:?usage: scripts/gpu/keep.sh RUN DEST}
 DEST=${2:?usage: scripts/gpu/keep.sh RUN DEST}
 [ -f "$RUN/conformance/matrix.json" ] || { echo "keep.sh: $RUN/conformance/matrix.json missing" >&2; exit 1; }
-[ -f "$RUN/provenance.json" ] || { echo "keep.sh: $RUN/provenance.json missing" >&2; exit 1; }
 mkdir -p "$DEST"
 cp "$RUN"/conformance/matrix.json "$RUN"/conformance/matrix.md "$RUN"/conformance/matrix.html "$DEST/"
-cp "$RUN/conformance.log" "$RUN/provenance.json" "$DEST/"
+cp "$RUN/conformance.log" "$DEST/"
+[ ! -f "$RUN/provenance.json" ] || cp "$RUN/provenance.json" "$DEST/"
 for row in "$RUN"/conformance/*/row.json; do
   dir=$(dirname "$row")
   name=$(basename "$dir")
