@@ -158,6 +158,8 @@ class FaultConnector(WrappingConnector):
         self._admitted: set[str] = set()
         self._admitted_this_step = False
         self._recv_held: set[str] = set()  # schedule "hold_recv": completed loads not yet reported
+        self._recv_finished: set[str] = set()  # and the requests the engine finished while it is armed
+        self._stale_next: set[str] = set()  # stale_completion: ids the inner reported itself in that call
         super().__init__(vllm_config, role, kv_cache_config, extra=extra)
         self.history = HistoryWriter(self.history_dir, self.replica, f"faults-{self.role_name}")
 
@@ -419,33 +421,42 @@ class FaultConnector(WrappingConnector):
         """The schedule section's hold_recv: the completed loads reported now (the rest held)."""
         spec = self.control.section("schedule")[0] if self.control is not None else None
         holding = bool(spec and spec.get("hold_recv"))
-        if not holding and not self._recv_held:
-            return receiving
+        if not holding:
+            self._recv_finished = set()
+            if not self._recv_held:
+                return receiving
         finished = set(finished_req_ids or ())
         now = set(receiving or ())
         if holding:
             for rid in sorted(finished):
                 self.history.write("schedule", site="connector", kind="hold_recv", job="finished", req=rid)
-            for rid in sorted(now - self._recv_held):
+            self._recv_finished |= finished  # a finish that comes before its load's completion counts too
+            for rid in sorted(now - self._recv_held - self._recv_finished):
                 self.history.write("schedule", site="connector", kind="hold_recv", job="hold", req=rid)
             self._recv_held |= now
             now = set()
-        out = {rid for rid in self._recv_held if rid in finished or not holding}
+        out = {rid for rid in self._recv_held if rid in self._recv_finished or not holding}
         for rid in sorted(out):
             self.history.write("schedule", site="connector", kind="hold_recv", job="release", req=rid,
-                               why="finished" if rid in finished else "lifted")
+                               why="finished" if rid in self._recv_finished else "lifted")
         self._recv_held -= out
         return (now | out) or None
 
     def finished_filter(self, sending, receiving, finished_req_ids):  # noqa: ANN001, ANN201
         spec = self._section()  # read first: a scenario may disarm as soon as it reads the hold's records
         receiving = self._hold_recv(receiving, finished_req_ids)
-        if spec and spec.get("control") == "stale_completion" and finished_req_ids:
-            stale = set(finished_req_ids) - set(sending or ())
+        if spec and spec.get("control") == "stale_completion" and (finished_req_ids or self._stale_next):
+            # each finished request reported once more as a finished store; one the inner connector
+            # reports itself in this call comes again in the next (a second completion all the same)
+            finished = set(finished_req_ids or ())
+            stale = (finished | self._stale_next) - set(sending or ())
+            self._stale_next = finished & set(sending or ())
             if stale:
                 self.history.write("fault", site="connector", kind="copier_control", job="stale_completion",
                                    control="stale_completion", reqs=sorted(stale))
                 sending = set(sending or ()) | stale
+        elif self._stale_next:
+            self._stale_next = set()
         if spec and spec.get("control") == "late_store":  # freed at once by the scheduler: never report them
             self._freed_early |= set(finished_req_ids or ())  # (the ids come a step after the finish)
         if sending and self._freed_early:

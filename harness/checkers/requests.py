@@ -13,7 +13,8 @@ from kvgate.harness.checkers.verdict import Verdict
 def requests(recs: list[dict], policies: dict[str, str], bound_s: float = 300.0) -> Verdict:
     """`policies`: replica -> kv_load_failure_policy."""
     invoked = {r["tag"]: r for r in recs if r["ev"] == "request" and r["phase"] == "invoke"}
-    ended = {r["tag"]: r for r in recs if r["ev"] == "request" and r["phase"] in ("ok", "fail")}
+    # a request its client left on purpose (harness.client.http.abandon) ended there
+    ended = {r["tag"]: r for r in recs if r["ev"] == "request" and r["phase"] in ("ok", "fail", "abandon")}
     failed_loads = {(r["replica"], r["tag"]) for r in recs if r["ev"] == "load" and r["failed_block_ids"]}
     lost = sorted(set(invoked) - set(ended))
     slow = sorted(t for t, r in ended.items() if r.get("total_s", 0) > bound_s)

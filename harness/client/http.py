@@ -144,8 +144,9 @@ def abandon(url: str, prompt: str, *, tag: str, replica: str = "", until: Callab
             limit_s: float, poll_s: float = 0.02, **params: Any) -> tuple[str, float]:
     """Send one completion request and go away without reading its answer: the connection is
     closed as soon as `until(seconds since the send)` names a reason, or after `limit_s`
-    ("limit"). vLLM aborts a request whose client went away. Returns (the reason, the seconds
-    at which the client left). The request's bytes are all sent before `until` is first asked;
+    ("limit"), or when the whole answer is already there ("answered": nothing is aborted then).
+    vLLM aborts a request whose client went away. Returns (the reason, the seconds at which the
+    client left). The request's bytes are all sent before `until` is first asked;
     a server that refuses the connection raises RequestFailed."""
     import http.client
     import socket
@@ -163,20 +164,39 @@ def abandon(url: str, prompt: str, *, tag: str, replica: str = "", until: Callab
         _record("fail", tag=tag, replica=replica, error=f"{type(exc).__name__}: {exc}"[:300])
         raise RequestFailed(f"{replica or url}: {type(exc).__name__}: {exc}") from exc
     why = None
-    while why is None:
-        elapsed = time.monotonic() - t0
-        why = until(elapsed) or ("limit" if elapsed >= limit_s else None)
-        if why is None:
-            time.sleep(poll_s)
-    left = time.monotonic() - t0
-    if conn.sock is not None:
-        try:
-            conn.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:  # the server closed it first (it answered and hung up): nothing left to abort
-            pass
-    conn.close()
+    try:
+        while why is None:
+            elapsed = time.monotonic() - t0
+            why = until(elapsed) or ("limit" if elapsed >= limit_s else None)
+            if why is None and _answered(conn.sock):
+                why = "answered"  # the whole answer is there: nothing left to abort
+            if why is None:
+                time.sleep(poll_s)
+    finally:  # the client goes away however `until` ended
+        left = time.monotonic() - t0
+        if conn.sock is not None:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # the server closed it first (it answered and hung up): nothing left to abort
+                pass
+        conn.close()
     _record("abandon", tag=tag, replica=replica, why=why, left_after_s=round(left, 3))
     return why, left
+
+
+def _answered(sock) -> bool:  # noqa: ANN001
+    """Whether the server's whole answer is waiting on the socket (peeked, not read): the
+    stream's end, or an error status."""
+    import select
+    import socket
+
+    if sock is None or not select.select([sock], [], [], 0)[0]:
+        return False
+    try:
+        data = sock.recv(1 << 20, socket.MSG_PEEK)
+    except OSError:
+        return True  # reset by the server: it is done with the request
+    return not data or b"data: [DONE]" in data or (data.startswith(b"HTTP/1.1 ") and not data.startswith(b"HTTP/1.1 200"))
 
 
 def http_status(url: str, body: object, timeout_s: float = 120.0) -> tuple[int, str]:

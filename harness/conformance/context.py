@@ -144,10 +144,12 @@ def arm_control(ctx: Ctx, replica: str, control: str) -> None:
     """Add a connector control (kvgate.faults.connector) to what the replica's fault file arms."""
     import json
 
+    from kvgate.faults.control import write_control
+
     path = ctx.cluster.faults[replica]
     doc = json.loads(path.read_text() or "{}")
     doc["connector"] = {"control": control}
-    path.write_text(json.dumps(doc))
+    write_control(path, doc)  # whole, never half-written: a connector reads it in the middle of a step
     ctx.armed.add(replica)
     if restart_after(control):
         ctx.restart.add(replica)

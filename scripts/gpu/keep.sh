@@ -18,7 +18,10 @@ mkdir -p "$DEST"
 cp "$RUN"/conformance/matrix.json "$RUN"/conformance/matrix.md "$RUN"/conformance/matrix.html "$DEST/"
 cp "$RUN/conformance.log" "$DEST/"
 [ ! -f "$RUN/provenance.json" ] || cp "$RUN/provenance.json" "$DEST/"
-for row in "$RUN"/conformance/*/row.json; do
+shopt -s nullglob
+rows=("$RUN"/conformance/*/row.json)
+[ ${#rows[@]} -gt 0 ] || { echo "keep.sh: no $RUN/conformance/*/row.json (a run that started no connector)" >&2; exit 1; }
+for row in "${rows[@]}"; do
   dir=$(dirname "$row")
   name=$(basename "$dir")
   mkdir -p "$DEST/$name"

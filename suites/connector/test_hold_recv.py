@@ -92,3 +92,24 @@ def test_stale_completion_reports_each_finished_request_as_a_finished_store(tmp_
     assert [(r["control"], r["reqs"]) for r in fired] == [("stale_completion", ["r1"])]
     _write(tmp_path, {})
     assert c.get_finished({"r2"}) == (None, None)  # disarmed: nothing more
+
+
+def test_a_finish_that_comes_before_the_load_completes_releases_it_at_once(tmp_path):
+    _write(tmp_path, {"schedule": {"hold_recv": True}})
+    c = _worker(tmp_path)
+    assert c.get_finished({"r1"}) == (None, None)  # aborted while its load is still running
+    c.inner.receiving = {"r1"}
+    assert c.get_finished(set()) == (None, {"r1"})  # the load completes: reported, never held
+    assert ("hold", "r1", None) not in _jobs(tmp_path)
+    assert _jobs(tmp_path)[-1] == ("release", "r1", "finished")
+
+
+def test_stale_completion_repeats_a_store_the_inner_connector_reported_itself(tmp_path):
+    """Where the inner connector reports the finished request's store in the same call, the
+    control reports it once more in the next: a second completion all the same."""
+    _write(tmp_path, {"connector": {"control": "stale_completion"}})
+    c = _worker(tmp_path)
+    c.inner.get_finished = lambda finished: ({"r1"} if "r1" in finished else None, None)
+    assert c.get_finished({"r1"}) == ({"r1"}, None)
+    assert c.get_finished(set()) == ({"r1"}, None)
+    assert c.get_finished(set()) == (None, None)

@@ -71,3 +71,21 @@ def test_a_refused_connection_is_a_request_failure():
     s.close()
     with pytest.raises(RequestFailed):
         abandon(f"http://127.0.0.1:{port}", "p", tag="t3", until=lambda e: "x", limit_s=1)
+
+
+def test_an_answer_already_there_ends_the_wait():
+    """A server that answered (the stream's end) before `until` said anything: the client
+    stops waiting at once and says so."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+
+    def serve() -> None:
+        conn, _ = sock.accept()
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\ndata: {}\n\ndata: [DONE]\n\n")
+        conn.recv(1)
+        conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    why, left = abandon(f"http://127.0.0.1:{port}", "p", tag="t4", until=lambda e: None, limit_s=30, poll_s=0.01)
+    assert why == "answered" and left < 10
