@@ -34,9 +34,10 @@ for any inner connector, section "connector":
         its load counters on /metrics say twice what was installed.
     {"connector": {"control": "late_store"}}
         a negative control: the stores land after the engine reused the blocks. On the
-        scheduler side every request that finishes is freed at once (request_finished
-        asks no delay, whatever the inner connector asked; its later completion reports
-        are dropped at the worker); on the worker side the inner connector's save calls
+        scheduler side every request that finishes while it holds is freed at once
+        (request_finished asks no delay, whatever the inner connector asked; its later
+        completion report is taken out of the output before the engine's scheduler reads
+        it); on the worker side the inner connector's save calls
         (save_kv_layer, wait_for_save, with the step's metadata) are held, and replayed
         in order at the first step after the section says `"release": true` or is
         disarmed: the inner connector then reads the blocks as they are by then. A connector
@@ -146,7 +147,7 @@ class FaultConnector(WrappingConnector):
         # their calls); requests freed at once whose completion reports are dropped
         self._saves: list[tuple[Any, ...]] = []
         self._late: list[tuple[Any, list[tuple[Any, ...]]]] = []
-        self._freed_early: set[str] = set()
+        self._freed_early: set[str] = set()  # (scheduler side) requests freed at once, their reports still to come
         # late_store on store jobs carried by the metadata: those held back; this step's metadata
         # with the inner connector's view of it
         self._held_jobs: dict[Any, Any] = {}
@@ -347,6 +348,7 @@ class FaultConnector(WrappingConnector):
         if delay and self._late_store() == "hold":
             self.history.write("fault", site="connector", kind="copier_control", job="free",
                                control="late_store", req=request.request_id, blocks=len(block_ids))
+            self._freed_early.add(request.request_id)
             return False, params
         return delay, params
 
@@ -387,15 +389,33 @@ class FaultConnector(WrappingConnector):
                                control="deaf_tier_rule", req=request.request_id, held_why=why)
 
     def update_connector_output(self, connector_output):  # noqa: ANN001, ANN201
+        engines = connector_output  # the engine's own object: what its scheduler reads after this call
         spec = self._section()
         stats = getattr(connector_output, "kv_connector_stats", None)
         if stats is not None and spec and spec.get("control") == "deaf_tier_rule":
-            import dataclasses
-
             self.history.write("fault", site="connector", kind="copier_control", job="stats",
                                control="deaf_tier_rule", dropped=stats.reduce() if hasattr(stats, "reduce") else None)
             connector_output = dataclasses.replace(connector_output, kv_connector_stats=None)
-        return super().update_connector_output(connector_output)
+        out = super().update_connector_output(connector_output)  # the inner connector sees its own reports
+        self._drop_freed_early(engines)
+        return out
+
+    def _drop_freed_early(self, connector_output) -> None:  # noqa: ANN001
+        """late_store: the completion reports of the requests freed at once never reach the
+        engine's scheduler (it asserts on a report for a request it no longer has). vLLM's
+        scheduler hands the output to the connector before it reads the reports, so they are
+        taken out of it here, in place, only those: a request that finished after the release
+        keeps its delayed free and its report."""
+        sending = getattr(connector_output, "finished_sending", None)
+        if not self._freed_early or not sending:
+            return
+        dropped = set(sending) & self._freed_early
+        if dropped:
+            self._freed_early -= dropped
+            for rid in dropped:
+                sending.discard(rid)
+            self.history.write("fault", site="connector", kind="copier_control", job="drop_report",
+                               control="late_store", reqs=sorted(dropped))
 
     def get_kv_connector_stats(self):  # noqa: ANN201
         stats = super().get_kv_connector_stats()
@@ -457,10 +477,6 @@ class FaultConnector(WrappingConnector):
                 sending = set(sending or ()) | stale
         elif self._stale_next:
             self._stale_next = set()
-        if spec and spec.get("control") == "late_store":  # freed at once by the scheduler: never report them
-            self._freed_early |= set(finished_req_ids or ())  # (the ids come a step after the finish)
-        if sending and self._freed_early:
-            sending = set(sending) - self._freed_early
         now = time.monotonic()
         ms = float(spec.get("finished_delay_ms", 0)) if spec else 0.0
         with self._lock:

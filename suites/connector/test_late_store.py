@@ -105,7 +105,16 @@ def test_disarming_releases_what_is_held(tmp_path):
     assert [s for s, _ in worker.inner.saves] == [2, 2, 1, 1, 1, 2]
 
 
-def test_a_request_freed_at_once_never_reports_its_completion(tmp_path):
+def _output(sending):  # noqa: ANN001, ANN202
+    """The engine's KVConnectorOutput of one step, as its scheduler hands it to the connector."""
+    return SimpleNamespace(finished_sending=set(sending) if sending is not None else None, finished_recving=None,
+                           kv_connector_stats=None)
+
+
+def test_a_request_freed_at_once_never_reports_its_completion_to_the_engine(tmp_path):
+    """The report of a request freed at once is taken out of the engine's output (its scheduler
+    asserts on a report for a request it no longer has), once; a request that finished after the
+    release keeps its delayed free and its report; the worker's reports pass unchanged."""
     sched, _ = _connector(tmp_path, compat.KVConnectorRole.SCHEDULER)
     worker, _ = _connector(tmp_path, compat.KVConnectorRole.WORKER)
     request = SimpleNamespace(request_id="r1")
@@ -113,11 +122,16 @@ def test_a_request_freed_at_once_never_reports_its_completion(tmp_path):
     _arm(tmp_path, control="late_store")
     assert sched.request_finished(request, [1, 2]) == (False, None)
     worker.inner.sending = {"r1", "r0"}
-    assert worker.get_finished({"r1"}) == ({"r0"}, None)
-    _arm(tmp_path)
-    assert worker.get_finished(set()) == ({"r0"}, None)  # r1's report stays dropped
-    if hasattr(compat.KVConnectorBase_V1, "get_transfer_results"):  # vLLM 0.32's poll goes the same way
-        assert worker.get_transfer_results(set()).finished_sending == {"r0"}
+    assert worker.get_finished({"r1"}) == ({"r0", "r1"}, None)  # the worker passes them on
+    out = _output({"r1", "r0"})
+    sched.update_connector_output(out)
+    assert out.finished_sending == {"r0"}
+    _arm(tmp_path, control="late_store", release=True)
+    assert sched.request_finished(SimpleNamespace(request_id="r2"), [3]) == (True, None)  # after the release
+    out = _output({"r1", "r2"})
+    sched.update_connector_output(out)
+    assert out.finished_sending == {"r1", "r2"}  # r1's one report was dropped; r2 keeps its own
+    sched.update_connector_output(_output(None))  # no reports: nothing to do
 
 
 def test_hooks_the_wrapper_does_not_change_reach_the_inner_connector(tmp_path):
