@@ -10,6 +10,8 @@ injector and the harness's own client wrote; kvpool.connector.history) for the c
   audit_digests(dir, kind, tag, replica) {token-chain hash: digest} from audit records.
   failed_blocks(dir, tag, replica)       the block ids a replica's loads of a request failed.
   namespace_of(dir, replica)             a replica's latest namespace.
+  unsettled_publishes(dir, replica, tag) the stores kvpool's worker queued for a request and has not
+                                         recorded yet (its publishes still to land).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from kvpool.connector.history import read_history
 from kvpool.pool.keys import Namespace
 
 __all__ = ["read_history", "window", "within", "namespaces", "records", "audit_digests", "failed_blocks",
-           "namespace_of"]
+           "namespace_of", "unsettled_publishes"]
 
 
 def window(history_dir: str | Path, t0: float, t1: float) -> list[dict]:
@@ -62,3 +64,37 @@ def namespace_of(history_dir: Path, replica: str) -> Namespace:
     if not ns:
         raise LookupError(f"no namespace record for replica {replica}")
     return Namespace.from_dict(ns[-1]["ns"])
+
+
+def unsettled_publishes(history_dir: Path, replica: str, tag: str) -> list[dict]:
+    """The publishes of the request `tag` on `replica` still to land: each store its worker
+    queued (`store_queued`, written in the step, before the response) without its record
+    (`publish`, and `tier_publish` where it also went to the network tier). A preempted
+    request's stores that had not started are dropped (`publish_dropped`, counting futures:
+    a store and its tier store are two), the latest first: a drop stands for a record missing
+    from the latest stores."""
+    from collections import Counter
+
+    queued, done, dropped = [], Counter(), Counter()
+    # the replica's worker records only (its connector's and copier's: REPLICA.worker.PID.jsonl)
+    for r in read_history(history_dir, f"{replica}.worker.*.jsonl"):
+        if r["ev"] == "store_queued" and r.get("tag") == tag:
+            queued.append(r)
+        elif r["ev"] in ("publish", "tier_publish") and r.get("tag") == tag:
+            done[(r["ev"], r["req"], r["first_block"])] += 1
+        elif r["ev"] == "publish_dropped":
+            dropped[r["req"]] += int(r.get("stores") or 0)
+    left = []
+    for q in reversed(queued):  # the latest first: those are the ones a drop can have cancelled
+        missing = []
+        for ev in ("publish", *(("tier_publish",) if q.get("tier") else ())):
+            key = (ev, q["req"], q["first_block"])
+            if done[key] > 0:
+                done[key] -= 1
+            elif dropped[q["req"]] > 0:
+                dropped[q["req"]] -= 1
+            else:
+                missing.append(ev)
+        if missing:
+            left.append({**q, "missing": missing})
+    return left[::-1]

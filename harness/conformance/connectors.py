@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvgate.harness.checkers.history import unsettled_publishes
 from kvgate.harness.conformance.accounting import kvpool_block_bytes, kvpool_loads
 from kvgate.harness.conformance.race import KVPOOL_STORE
 from kvgate.harness.system.cluster import CONNECTOR, free_port
@@ -153,40 +154,9 @@ class Profile:
 
 
 # -- kvpool ------------------------------------------------------------------------------------
-def kvpool_unsettled(history_dir: Path, replica: str, tag: str) -> list[dict]:
-    """The publishes of the request `tag` on `replica` still to land: each store its worker
-    queued (`store_queued`, written in the step, before the response) without its record
-    (`publish`, and `tier_publish` where it also went to the network tier). A preempted
-    request's stores that had not started are dropped (`publish_dropped`, counting futures:
-    a store and its tier store are two), the latest first: a drop stands for a record missing
-    from the latest stores."""
-    from collections import Counter
-
-    from kvgate.harness.checkers.history import read_history
-
-    queued, done, dropped = [], Counter(), Counter()
-    # the replica's worker records only (its connector's and copier's: REPLICA.worker.PID.jsonl)
-    for r in read_history(history_dir, f"{replica}.worker.*.jsonl"):
-        if r["ev"] == "store_queued" and r.get("tag") == tag:
-            queued.append(r)
-        elif r["ev"] in ("publish", "tier_publish") and r.get("tag") == tag:
-            done[(r["ev"], r["req"], r["first_block"])] += 1
-        elif r["ev"] == "publish_dropped":
-            dropped[r["req"]] += int(r.get("stores") or 0)
-    left = []
-    for q in reversed(queued):  # the latest first: those are the ones a drop can have cancelled
-        missing = []
-        for ev in ("publish", *(("tier_publish",) if q.get("tier") else ())):
-            key = (ev, q["req"], q["first_block"])
-            if done[key] > 0:
-                done[key] -= 1
-            elif dropped[q["req"]] > 0:
-                dropped[q["req"]] -= 1
-            else:
-                missing.append(ev)
-        if missing:
-            left.append({**q, "missing": missing})
-    return left[::-1]
+# kvpool_unsettled (the publishes of a request still to land) lives with the history's readers, where
+# the live scenarios reach it too
+kvpool_unsettled = unsettled_publishes
 
 
 def _kvpool_settle(report_dir: Path, replica: str, tag: str, timeout_s: float = 20.0) -> None:

@@ -43,7 +43,7 @@ from collections.abc import Callable
 
 from kvgate.faults.schedule import draw_schedule
 from kvgate.harness.checkers.byte_exact import exchange_exact, pool_digests
-from kvgate.harness.checkers.history import audit_digests, namespace_of, records
+from kvgate.harness.checkers.history import audit_digests, namespace_of, records, unsettled_publishes
 from kvgate.harness.checkers.verdict import Checks, Verdict
 from kvgate.harness.client.http import Completion, complete, http_status
 from kvgate.harness.system.cluster import Cluster
@@ -187,6 +187,15 @@ def wait_stored(cluster: Cluster, tag: str, replica: str, timeout_s: float = 60.
         return sum(int(r.get("blocks", 0)) for r in records(h, "publish", tag=tag, replica=replica)) >= max(1, want)
 
     wait_for(done, timeout_s, f"{replica}'s stores of {tag}")
+
+
+def settle_publishes(cluster: Cluster, tag: str, replica: str, timeout_s: float = 20.0) -> None:
+    """Wait until every store the replica queued for the request `tag` has its record (a
+    session's next turn, on the other replica, looks them up: the response and the stores are
+    independent). One that does not land within `timeout_s` is left to the scenario's checks."""
+    deadline = time.monotonic() + timeout_s
+    while unsettled_publishes(cluster.history_dir, replica, tag) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def hit_kinds(cluster: Cluster, corpus: Corpus, seed: int) -> Verdict:
@@ -559,7 +568,7 @@ def load_failure_fail(cluster: Cluster, corpus: Corpus, seed: int, control: str 
 
 def sessions(cluster: Cluster, corpus: Corpus, seed: int, context_tokens: int = 1500) -> Verdict:
     out = off_on_on_off(cluster, corpus, seed % 10**6, sessions=1, turns=6, context_tokens=context_tokens,
-                        label=_tag("o", seed))
+                        label=_tag("o", seed), settle=lambda tag, replica: settle_publishes(cluster, tag, replica))
     h = cluster.history_dir
     c = Checks()
     previous: dict[str, int] = {}

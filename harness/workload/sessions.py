@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import statistics
+from collections.abc import Callable
 
 from kvgate.harness.system.cluster import Cluster
 from kvgate.harness.client.http import Completion, complete
@@ -32,7 +33,11 @@ class TurnResult:
 
 def run_sessions(cluster: Cluster, corpus: Corpus, seed: int, *, sessions: int, turns: int, context_tokens: int,
                  pool_on: bool, salt: str, block: str, user_tokens: int = 64, max_tokens: int = 16,
-                 router_kind: str = "alternating", replicas: tuple[str, ...] = ("A", "B")) -> list[TurnResult]:
+                 router_kind: str = "alternating", replicas: tuple[str, ...] = ("A", "B"),
+                 settle: Callable[[str, str], None] | None = None) -> list[TurnResult]:
+    """`settle(tag, replica)`, with the pool on: called after each turn, before the next is sent
+    (the stores of a turn end after its response: a next turn whose lookup expects them must
+    not depend on which came first)."""
     router = Router(router_kind, list(replicas), seed)
     out: list[TurnResult] = []
     for s in range(sessions):
@@ -45,17 +50,20 @@ def run_sessions(cluster: Cluster, corpus: Corpus, seed: int, *, sessions: int, 
             c = complete(cluster.replicas[name].url, conversation, tag=f"{block}-s{s}-t{t}", replica=name,
                          max_tokens=max_tokens, load=pool_on, publish=pool_on, cache_salt=salt)
             out.append(TurnResult(block, s, t, name, c))
+            if pool_on and settle is not None:
+                settle(c.tag, name)
             conversation += " " + c.text.strip()
     return out
 
 
 def off_on_on_off(cluster: Cluster, corpus: Corpus, seed: int, *, sessions: int = 2, turns: int = 6,
-                  context_tokens: int = 2000, label: str = "ooo") -> dict:
+                  context_tokens: int = 2000, label: str = "ooo",
+                  settle: Callable[[str, str], None] | None = None) -> dict:
     results: list[TurnResult] = []
     for i, on in enumerate((False, True, True, False)):
         block = f"{label}{i}-{'on' if on else 'off'}"
         results += run_sessions(cluster, corpus, seed, sessions=sessions, turns=turns, context_tokens=context_tokens,
-                                pool_on=on, salt=f"{label}-{seed}-{i}", block=block)
+                                pool_on=on, salt=f"{label}-{seed}-{i}", block=block, settle=settle)
     by_key: dict[tuple[int, int], list[list[int]]] = {}
     for r in results:
         by_key.setdefault((r.session, r.turn), []).append(r.completion.token_ids)
