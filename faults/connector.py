@@ -45,7 +45,9 @@ for any inner connector, section "connector":
         `store_jobs`, prepared at get_finished and submitted at the next step's start; its
         scheduler fences the reuse of a block by naming the jobs to flush, `jobs_to_flush`)
         has its store jobs kept back the same way, and the flush of a held job dropped: the
-        blocks are reused unfenced, and the held jobs reach it with the release step's own.
+        blocks are reused unfenced in that step, and the job reaches it with the next step's
+        own (it copies what the reuse wrote; vLLM resumes a preempted request only once its
+        store jobs complete); the jobs still held reach it with the release step's own.
     {"connector": {"control": "deaf_tier_rule"}}
         a negative control: kvpool's tier rule never holds a failing tier off. The scheduler
         never hears of the worker's tier loads (the connector stats are dropped on their way
@@ -151,6 +153,7 @@ class FaultConnector(WrappingConnector):
         # late_store on store jobs carried by the metadata: those held back; this step's metadata
         # with the inner connector's view of it
         self._held_jobs: dict[Any, Any] = {}
+        self._unfenced: dict[Any, Any] = {}  # late_store: held jobs whose flush this step dropped
         self._bound: tuple[Any, Any] | None = None
         # schedule "gather": the spec it counts for, the arrivals in order, those admitted,
         # and whether this step has admitted one
@@ -318,17 +321,28 @@ class FaultConnector(WrappingConnector):
         flush = set(getattr(meta, "jobs_to_flush", None) or ())
         mode = self._late_store()
         if mode == "hold":
+            # the jobs whose flush the last step dropped: their blocks were reused in that step's
+            # forward, so they reach the inner connector now and copy what the blocks hold by then
+            # (held on, they would deadlock a preempted request: vLLM resumes it only once its
+            # store jobs complete)
+            late, self._unfenced = self._unfenced, {}
             if jobs:
                 self._held_jobs.update(jobs)
                 self.history.write("fault", site="connector", kind="copier_control", job="hold_jobs",
                                    control="late_store", jobs=len(jobs))
             unfenced = flush & set(self._held_jobs)
             if unfenced:
+                self._unfenced = {j: self._held_jobs.pop(j) for j in sorted(unfenced)}
                 self.history.write("fault", site="connector", kind="copier_control", job="unfence",
                                    control="late_store", jobs=len(unfenced))
-            return dataclasses.replace(meta, store_jobs={}, jobs_to_flush=(flush - unfenced) or None)
-        if self._held_jobs:  # released, or disarmed with jobs held: handed over with this step's own
-            held, self._held_jobs = self._held_jobs, {}
+            if late:
+                self.history.write("fault", site="connector", kind="copier_control", job="replay_unfenced",
+                                   control="late_store", jobs=len(late))
+            # submitted at the next step's start: not yet in flight for this step's flush
+            return dataclasses.replace(meta, store_jobs=late, jobs_to_flush=(flush - unfenced - set(late)) or None)
+        if self._held_jobs or self._unfenced:  # released, or disarmed with jobs held: handed over with this step's own
+            held = {**self._held_jobs, **self._unfenced}
+            self._held_jobs, self._unfenced = {}, {}
             self.history.write("fault", site="connector", kind="copier_control", job="replay_jobs",
                                control="late_store", jobs=len(held))
             # submitted at the next step's start: not yet in flight for this step's flush
@@ -341,7 +355,7 @@ class FaultConnector(WrappingConnector):
         spec = self._section()
         if spec and spec.get("control") == "late_store":
             return "release" if spec.get("release") else "hold"
-        return "release" if self._late or self._held_jobs else None
+        return "release" if self._late or self._held_jobs or self._unfenced else None
 
     def request_finished(self, request, block_ids):  # noqa: ANN001, ANN201
         delay, params = super().request_finished(self._by_name(request, self._section()), block_ids)

@@ -1,8 +1,9 @@
 """kvgate.faults.connector's `late_store` control on a connector whose worker takes its stores
 as jobs in the step's metadata (OffloadingConnector's `store_jobs`, fenced by the scheduler's
 `jobs_to_flush`): while held, each step's store jobs are kept back from the inner connector and
-the flush of a held job is dropped (the blocks are reused unfenced); at the release (or the
-disarm) the held jobs reach it with that step's own, unflushed in that step; metadata without
+the flush of a held job is dropped (the blocks are reused unfenced) and the job reaches it with
+the next step's own; at the release (or the disarm) the jobs still held reach it with that
+step's own, unflushed in that step; metadata without
 store jobs, and any metadata while the control is not armed, reach it unchanged."""
 
 from __future__ import annotations
@@ -69,6 +70,22 @@ def test_held_store_jobs_reach_the_inner_connector_at_the_release_unfenced(tmp_p
     assert _step(w, {}, {3}) == ({}, {3})
     jobs = [(r["job"], r["jobs"]) for r in read_history(tmp_path / "h") if r["ev"] == "fault" and "jobs" in r]
     assert jobs == [("hold_jobs", 1), ("hold_jobs", 1), ("unfence", 1), ("replay_jobs", 2)]
+
+
+def test_an_unfenced_job_reaches_the_inner_connector_the_step_after_the_reuse(tmp_path):
+    """A preempted request's jobs are flushed at its preemption: the flush is dropped, the
+    blocks are reused in that step, and the job is handed over at the next (held on, the
+    request would wait for its store jobs forever); the other held jobs stay held."""
+    w = _worker(tmp_path)
+    _arm(tmp_path, control="late_store")
+    _step(w, {2: "b", 3: "c"})
+    assert _step(w, {4: "d"}, {2, 9}) == ({}, {9})  # job 2's blocks reused unfenced
+    assert _step(w, {}, {2, 8}) == ({2: "b"}, {8})  # job 2 now, not yet in flight for this flush
+    assert _step(w, {}) == ({}, None)
+    _arm(tmp_path, control="late_store", release=True)
+    assert _step(w, {}) == ({3: "c", 4: "d"}, None)
+    jobs = [(r["job"], r["jobs"]) for r in read_history(tmp_path / "h") if r["ev"] == "fault" and "jobs" in r]
+    assert jobs == [("hold_jobs", 2), ("hold_jobs", 1), ("unfence", 1), ("replay_unfenced", 1), ("replay_jobs", 2)]
 
 
 def test_disarming_hands_over_the_held_jobs(tmp_path):
