@@ -45,9 +45,11 @@ for any inner connector, section "connector":
         `store_jobs`, prepared at get_finished and submitted at the next step's start; its
         scheduler fences the reuse of a block by naming the jobs to flush, `jobs_to_flush`)
         has its store jobs kept back the same way, and the flush of a held job dropped: the
-        blocks are reused unfenced in that step, and the job reaches it with the next step's
-        own (it copies what the reuse wrote; vLLM resumes a preempted request only once its
-        store jobs complete); the jobs still held reach it with the release step's own.
+        blocks are reused unfenced, the job is reported done to the scheduler at once (as the
+        inner worker reports a job it copied: vLLM resumes a preempted request only once its
+        store jobs complete, and its tier then serves the job's keys), and the held jobs reach
+        the inner connector with the release step's own (the own completion of one reported
+        early is taken out of the worker's report).
     {"connector": {"control": "deaf_tier_rule"}}
         a negative control: kvpool's tier rule never holds a failing tier off. The scheduler
         never hears of the worker's tier loads (the connector stats are dropped on their way
@@ -153,7 +155,10 @@ class FaultConnector(WrappingConnector):
         # late_store on store jobs carried by the metadata: those held back; this step's metadata
         # with the inner connector's view of it
         self._held_jobs: dict[Any, Any] = {}
-        self._unfenced: dict[Any, Any] = {}  # late_store: held jobs whose flush this step dropped
+        # held jobs whose flush was dropped: reported done at once (those not yet reported in
+        # _report_early), their own completion still to come at the release
+        self._done_early: set[Any] = set()
+        self._report_early: list[Any] = []
         self._bound: tuple[Any, Any] | None = None
         # schedule "gather": the spec it counts for, the arrivals in order, those admitted,
         # and whether this step has admitted one
@@ -321,32 +326,51 @@ class FaultConnector(WrappingConnector):
         flush = set(getattr(meta, "jobs_to_flush", None) or ())
         mode = self._late_store()
         if mode == "hold":
-            # the jobs whose flush the last step dropped: their blocks were reused in that step's
-            # forward, so they reach the inner connector now and copy what the blocks hold by then
-            # (held on, they would deadlock a preempted request: vLLM resumes it only once its
-            # store jobs complete)
-            late, self._unfenced = self._unfenced, {}
             if jobs:
                 self._held_jobs.update(jobs)
                 self.history.write("fault", site="connector", kind="copier_control", job="hold_jobs",
                                    control="late_store", jobs=len(jobs))
             unfenced = flush & set(self._held_jobs)
             if unfenced:
-                self._unfenced = {j: self._held_jobs.pop(j) for j in sorted(unfenced)}
+                # reported done now (build_connector_worker_meta), copied at the release: vLLM
+                # resumes a preempted request only once its store jobs complete
+                fresh = sorted(unfenced - self._done_early)
+                self._done_early.update(fresh)
+                self._report_early.extend(fresh)
                 self.history.write("fault", site="connector", kind="copier_control", job="unfence",
                                    control="late_store", jobs=len(unfenced))
-            if late:
-                self.history.write("fault", site="connector", kind="copier_control", job="replay_unfenced",
-                                   control="late_store", jobs=len(late))
-            # submitted at the next step's start: not yet in flight for this step's flush
-            return dataclasses.replace(meta, store_jobs=late, jobs_to_flush=(flush - unfenced - set(late)) or None)
-        if self._held_jobs or self._unfenced:  # released, or disarmed with jobs held: handed over with this step's own
-            held = {**self._held_jobs, **self._unfenced}
-            self._held_jobs, self._unfenced = {}, {}
+            return dataclasses.replace(meta, store_jobs={}, jobs_to_flush=(flush - unfenced) or None)
+        if self._held_jobs:  # released, or disarmed with jobs held: handed over with this step's own
+            held, self._held_jobs = self._held_jobs, {}
             self.history.write("fault", site="connector", kind="copier_control", job="replay_jobs",
                                control="late_store", jobs=len(held))
             # submitted at the next step's start: not yet in flight for this step's flush
             return dataclasses.replace(meta, store_jobs={**held, **jobs}, jobs_to_flush=(flush - set(held)) or None)
+        return meta
+
+    def build_connector_worker_meta(self):  # noqa: ANN201
+        """late_store on store jobs: the completion of each held job whose flush was dropped
+        goes to the scheduler in the next report, as the inner worker reports a job it copied
+        (`completed_jobs`, one per worker); its own completion, when it copies at the release,
+        is taken out of the report it comes in."""
+        meta = self._inner.build_connector_worker_meta()
+        done = getattr(meta, "completed_jobs", None)
+        if done and self._done_early:
+            late = sorted(set(done) & self._done_early)
+            for job in late:
+                del done[job]
+            self._done_early.difference_update(late)
+            if late:
+                self.history.write("fault", site="connector", kind="copier_control", job="drop_completion",
+                                   control="late_store", jobs=len(late))
+        if self._report_early:
+            early, self._report_early = self._report_early, []
+            if meta is None:
+                meta = _worker_meta_class(self._bound[0] if self._bound else None)()
+            for job in early:
+                meta.completed_jobs[job] = meta.completed_jobs.get(job, 0) + 1
+            self.history.write("fault", site="connector", kind="copier_control", job="complete_early",
+                               control="late_store", jobs=len(early))
         return meta
 
     def _late_store(self) -> str | None:
@@ -355,7 +379,7 @@ class FaultConnector(WrappingConnector):
         spec = self._section()
         if spec and spec.get("control") == "late_store":
             return "release" if spec.get("release") else "hold"
-        return "release" if self._late or self._held_jobs or self._unfenced else None
+        return "release" if self._late or self._held_jobs else None
 
     def request_finished(self, request, block_ids):  # noqa: ANN001, ANN201
         delay, params = super().request_finished(self._by_name(request, self._section()), block_ids)
@@ -520,3 +544,21 @@ class _Shown:
 
     def __setattr__(self, name: str, value) -> None:  # noqa: ANN001
         setattr(self._request, name, value)
+
+
+class JobFenceError(TypeError):
+    """late_store on store jobs cannot report a job done the way the inner connector does."""
+
+
+def _worker_meta_class(step_meta) -> type:  # noqa: ANN001
+    """The class of the report a store-job worker sends its scheduler (vLLM's
+    OffloadingWorkerMetadata, `completed_jobs`), found beside the class of the step's
+    metadata it came with (the two are defined together)."""
+    import sys
+
+    module = sys.modules.get(type(step_meta).__module__) if step_meta is not None else None
+    cls = getattr(module, "OffloadingWorkerMetadata", None)
+    if cls is None:
+        raise JobFenceError(f"late_store: no OffloadingWorkerMetadata beside {type(step_meta).__qualname__} "
+                            "to report a held store job done")
+    return cls

@@ -1,9 +1,9 @@
 """kvgate.faults.connector's `late_store` control on a connector whose worker takes its stores
 as jobs in the step's metadata (OffloadingConnector's `store_jobs`, fenced by the scheduler's
 `jobs_to_flush`): while held, each step's store jobs are kept back from the inner connector and
-the flush of a held job is dropped (the blocks are reused unfenced) and the job reaches it with
-the next step's own; at the release (or the disarm) the jobs still held reach it with that
-step's own, unflushed in that step; metadata without
+the flush of a held job is dropped (the blocks are reused unfenced) and the job reported done
+at once; at the release (or the disarm) the held jobs reach it with that step's own, unflushed
+in that step; metadata without
 store jobs, and any metadata while the control is not armed, reach it unchanged."""
 
 from __future__ import annotations
@@ -12,10 +12,17 @@ import dataclasses
 import json
 from types import SimpleNamespace
 
-from kvgate.faults.connector import FaultConnector
+import pytest
+
+from kvgate.faults.connector import FaultConnector, JobFenceError
 from kvpool.connector import vllm_compat as compat
 from kvpool.connector.history import read_history
 from suites.connector.test_late_store import Recorder
+
+
+@dataclasses.dataclass
+class OffloadingWorkerMetadata:  # the shape of vLLM's worker report, beside the metadata as there
+    completed_jobs: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -31,6 +38,11 @@ class Jobs(Recorder):
     def __init__(self, *args, **kwargs):  # noqa: ANN002, ANN003
         super().__init__(*args, **kwargs)
         self.given: list[tuple[dict, set | None]] = []
+        self.completed: dict = {}  # the jobs its next report says it copied
+
+    def build_connector_worker_meta(self):  # noqa: ANN201
+        done, self.completed = self.completed, {}
+        return OffloadingWorkerMetadata(dict(done)) if done else None
 
     def bind_connector_metadata(self, connector_metadata):  # noqa: ANN001, ANN201
         super().bind_connector_metadata(connector_metadata)
@@ -72,20 +84,38 @@ def test_held_store_jobs_reach_the_inner_connector_at_the_release_unfenced(tmp_p
     assert jobs == [("hold_jobs", 1), ("hold_jobs", 1), ("unfence", 1), ("replay_jobs", 2)]
 
 
-def test_an_unfenced_job_reaches_the_inner_connector_the_step_after_the_reuse(tmp_path):
-    """A preempted request's jobs are flushed at its preemption: the flush is dropped, the
-    blocks are reused in that step, and the job is handed over at the next (held on, the
-    request would wait for its store jobs forever); the other held jobs stay held."""
+def test_an_unfenced_job_is_reported_done_at_once_and_copied_at_the_release(tmp_path):
+    """A preempted request's jobs are flushed at its preemption: the flush is dropped (the
+    blocks are reused in that step) and the job is reported done in the next worker report,
+    as the inner worker reports a job it copied (vLLM resumes a preempted request only once
+    its store jobs complete); the copy itself waits for the release, and its own completion
+    is taken out of the report it comes in."""
     w = _worker(tmp_path)
     _arm(tmp_path, control="late_store")
     _step(w, {2: "b", 3: "c"})
+    assert w.build_connector_worker_meta() is None
     assert _step(w, {4: "d"}, {2, 9}) == ({}, {9})  # job 2's blocks reused unfenced
-    assert _step(w, {}, {2, 8}) == ({2: "b"}, {8})  # job 2 now, not yet in flight for this flush
-    assert _step(w, {}) == ({}, None)
+    assert w.build_connector_worker_meta().completed_jobs == {2: 1}
+    assert _step(w, {}, {2, 8}) == ({}, {8})  # its flush dropped again, reported once
+    assert w.build_connector_worker_meta() is None
     _arm(tmp_path, control="late_store", release=True)
-    assert _step(w, {}) == ({3: "c", 4: "d"}, None)
+    assert _step(w, {}) == ({2: "b", 3: "c", 4: "d"}, None)
+    w.inner.completed = {2: 1, 3: 1, 4: 1}  # the inner worker copied them all
+    assert w.build_connector_worker_meta().completed_jobs == {3: 1, 4: 1}
+    w.inner.completed = {2: 1}  # a job reported done early is never reported twice
+    assert w.build_connector_worker_meta().completed_jobs == {2: 1}
     jobs = [(r["job"], r["jobs"]) for r in read_history(tmp_path / "h") if r["ev"] == "fault" and "jobs" in r]
-    assert jobs == [("hold_jobs", 2), ("hold_jobs", 1), ("unfence", 1), ("replay_unfenced", 1), ("replay_jobs", 2)]
+    assert jobs == [("hold_jobs", 2), ("hold_jobs", 1), ("unfence", 1), ("complete_early", 1), ("unfence", 1),
+                    ("replay_jobs", 3), ("drop_completion", 1)]
+
+
+def test_a_job_reported_done_early_needs_the_report_class_beside_the_metadata(tmp_path):
+    w = _worker(tmp_path)
+    _arm(tmp_path, control="late_store")
+    w.bind_connector_metadata(SimpleNamespace(store_jobs={2: "b"}, jobs_to_flush=None))
+    with pytest.raises(JobFenceError, match="OffloadingWorkerMetadata"):
+        w._report_early.append(2)
+        w.build_connector_worker_meta()
 
 
 def test_disarming_hands_over_the_held_jobs(tmp_path):
