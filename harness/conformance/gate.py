@@ -533,7 +533,11 @@ def write_matrix(rows: list[dict[str, Any]], out_dir: Path, root: int, judgement
         doc = {"provenance": start, "seed": root}
         if (now["commit"], now["clean"]) != (start["commit"], start["clean"]):
             doc["provenance_at_end"] = now
-            doc["provenance"] = {**start, "clean": False}
+            # not clean, and why: the paths dirty at either end, and a commit made during the run
+            why = sorted(set(start["dirty"]) | set(now["dirty"]))[:20]
+            if now["commit"] != start["commit"]:
+                why.append(f"(commit {start['commit'][:12]} became {now['commit'][:12]} during the run)")
+            doc["provenance"] = {**start, "clean": False, "dirty": why}
     doc.update(scenarios={s.name: s.describe for s in SCENARIOS.values()}, rows=rows)
     if judgement is not None:
         doc["judgement"] = judgement

@@ -115,3 +115,25 @@ def test_the_reports_titles_carry_the_flag(carried, tmp_path):
     row = {"connector": "x", "versions": {}, "cells": {}}
     matrix = write_matrix([row], tmp_path / "m", 1)["markdown"].read_text()
     assert matrix.splitlines()[0] == "# kvgate conformance matrix (UNVERIFIED TREE)"
+
+
+@pytest.mark.parametrize("change", ["edit", "commit"])
+def test_a_tree_that_changes_under_a_run_is_not_clean_and_says_why(carried, tmp_path, monkeypatch, change):
+    """The matrix's provenance is the tree when the run started; a tree edited or committed to
+    before the matrix is written makes it not clean, with what changed."""
+    from kvgate.harness.conformance.gate import write_matrix
+
+    monkeypatch.delenv("KVGATE_PROVENANCE")  # this host's own git tree
+    P.provenance.cache_clear()
+    assert P.provenance()["clean"] is True  # the run starts
+    (carried / "kvpool" / "arena.py").write_text("PAGE = 8192\n")
+    if change == "commit":
+        _git(carried, "commit", "-qam", "during the run")
+    doc = json.loads(write_matrix([{"connector": "x", "versions": {}, "cells": {}}], tmp_path / "m", 1)["json"]
+                     .read_text())
+    assert doc["provenance"]["clean"] is False
+    if change == "edit":
+        assert doc["provenance"]["dirty"] == ["kvpool/arena.py"]
+    else:
+        assert len(doc["provenance"]["dirty"]) == 1 and "during the run" in doc["provenance"]["dirty"][0]
+    assert doc["provenance_at_end"]["commit"] == P.provenance.__wrapped__()["commit"]
