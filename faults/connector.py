@@ -49,7 +49,10 @@ for any inner connector, section "connector":
         inner worker reports a job it copied: vLLM resumes a preempted request only once its
         store jobs complete, and its tier then serves the job's keys), and the held jobs reach
         the inner connector with the release step's own (the own completion of one reported
-        early is taken out of the worker's report).
+        early is taken out of the worker's report). A held job never flushed is not reported:
+        a request whose prefix it stores waits (vLLM's lookup answers "not yet") until the
+        release, so a scenario releases before it waits on such a request; a held job copied
+        after a reset_cache writes into tier blocks the reset gave back.
     {"connector": {"control": "deaf_tier_rule"}}
         a negative control: kvpool's tier rule never holds a failing tier off. The scheduler
         never hears of the worker's tier loads (the connector stats are dropped on their way
@@ -338,7 +341,7 @@ class FaultConnector(WrappingConnector):
                 self._done_early.update(fresh)
                 self._report_early.extend(fresh)
                 self.history.write("fault", site="connector", kind="copier_control", job="unfence",
-                                   control="late_store", jobs=len(unfenced))
+                                   control="late_store", jobs=len(unfenced), early=len(fresh))
             return dataclasses.replace(meta, store_jobs={}, jobs_to_flush=(flush - unfenced) or None)
         if self._held_jobs:  # released, or disarmed with jobs held: handed over with this step's own
             held, self._held_jobs = self._held_jobs, {}
@@ -364,9 +367,9 @@ class FaultConnector(WrappingConnector):
                 self.history.write("fault", site="connector", kind="copier_control", job="drop_completion",
                                    control="late_store", jobs=len(late))
         if self._report_early:
+            if meta is None:  # the class of the store-job metadata _job_fence took the jobs from
+                meta = _worker_meta_class(self._bound[1] if self._bound else None)()
             early, self._report_early = self._report_early, []
-            if meta is None:
-                meta = _worker_meta_class(self._bound[0] if self._bound else None)()
             for job in early:
                 meta.completed_jobs[job] = meta.completed_jobs.get(job, 0) + 1
             self.history.write("fault", site="connector", kind="copier_control", job="complete_early",

@@ -102,11 +102,58 @@ def test_an_unfenced_job_is_reported_done_at_once_and_copied_at_the_release(tmp_
     assert _step(w, {}) == ({2: "b", 3: "c", 4: "d"}, None)
     w.inner.completed = {2: 1, 3: 1, 4: 1}  # the inner worker copied them all
     assert w.build_connector_worker_meta().completed_jobs == {3: 1, 4: 1}
-    w.inner.completed = {2: 1}  # a job reported done early is never reported twice
+    w.inner.completed = {2: 1}  # dropped once only: a report of job 2 after that is the inner worker's own
     assert w.build_connector_worker_meta().completed_jobs == {2: 1}
     jobs = [(r["job"], r["jobs"]) for r in read_history(tmp_path / "h") if r["ev"] == "fault" and "jobs" in r]
     assert jobs == [("hold_jobs", 2), ("hold_jobs", 1), ("unfence", 1), ("complete_early", 1), ("unfence", 1),
                     ("replay_jobs", 3), ("drop_completion", 1)]
+
+
+def test_an_early_report_joins_the_inner_workers_own_in_one_report(tmp_path):
+    """The step that reports a job early may carry the inner worker's completions of other jobs
+    (a load, a store copied before the control was armed): both reach the scheduler."""
+    w = _worker(tmp_path)
+    _step(w, {1: "a"})
+    _arm(tmp_path, control="late_store")
+    _step(w, {2: "b"})
+    _step(w, {}, {2})
+    w.inner.completed = {1: 1, 7: 1}
+    assert w.build_connector_worker_meta().completed_jobs == {1: 1, 7: 1, 2: 1}
+
+
+def test_disarming_after_an_early_report_copies_the_job_and_drops_its_own_completion(tmp_path):
+    w = _worker(tmp_path)
+    _arm(tmp_path, control="late_store")
+    _step(w, {2: "b"})
+    _step(w, {}, {2})
+    assert w.build_connector_worker_meta().completed_jobs == {2: 1}
+    _arm(tmp_path)
+    assert _step(w, {3: "c"}) == ({2: "b", 3: "c"}, None)
+    w.inner.completed = {2: 1, 3: 1}
+    assert w.build_connector_worker_meta().completed_jobs == {3: 1}
+    assert w.build_connector_worker_meta() is None
+
+
+def test_two_workers_reports_aggregate_to_one_completion_per_job(tmp_path):
+    """With two workers (tensor parallel) each reports a job early once, as each reports a job it
+    copied: the scheduler counts the job done at two, once, and never hears of it again."""
+    for rank in range(2):
+        (tmp_path / str(rank)).mkdir()
+        _arm(tmp_path / str(rank), control="late_store")
+    workers = [_worker(tmp_path / str(rank)) for rank in range(2)]
+    for w in workers:
+        _step(w, {2: "b"})
+        _step(w, {}, {2})
+    counts: dict = {}
+    for w in workers:
+        for job, n in w.build_connector_worker_meta().completed_jobs.items():
+            counts[job] = counts.get(job, 0) + n
+    assert counts == {2: 2}
+    for rank, w in enumerate(workers):
+        _arm(tmp_path / str(rank), control="late_store", release=True)
+        _step(w, {})
+        w.inner.completed = {2: 1}
+        assert w.build_connector_worker_meta().completed_jobs == {}  # its own copy's report, dropped
 
 
 def test_a_job_reported_done_early_needs_the_report_class_beside_the_metadata(tmp_path):
@@ -149,3 +196,19 @@ def test_the_step_is_seen_once_whichever_hook_sees_it_first(tmp_path):
     assert seen == [({}, None)] and w.inner.given[-1] == ({}, None)
     _arm(tmp_path)
     assert _step(w, {}) == ({2: "b", 3: "c"}, None)
+
+
+def test_the_early_report_is_vllms_own_worker_report(tmp_path):
+    """With vLLM's own metadata class (the installed vLLM's OffloadingConnectorMetadata), the
+    report made for an early job is its OffloadingWorkerMetadata, which aggregates as vLLM does."""
+    common = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading.common")
+    w = _worker(tmp_path)
+    _arm(tmp_path, control="late_store")
+    for flush in (None, {2}):
+        w.bind_connector_metadata(common.OffloadingConnectorMetadata(load_jobs={}, store_jobs={2: "b"} if not flush
+                                                                     else {}, jobs_to_flush=flush))
+        w.wait_for_save()
+        w.clear_connector_metadata()
+    meta = w.build_connector_worker_meta()
+    assert type(meta) is common.OffloadingWorkerMetadata
+    assert meta.aggregate(common.OffloadingWorkerMetadata(completed_jobs={2: 1})).completed_jobs == {2: 2}
