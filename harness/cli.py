@@ -358,6 +358,10 @@ def _conformance_from(sources: list[Path], report_dir: Path, baseline: object) -
                                        "commits": sorted({p.get("short") or str(p.get("commit"))[:12] for p in provs})}
     from kvgate.harness.provenance import provenance
 
+    from kvgate.harness.conformance.baseline import byte_oracle
+
+    for row in rows:  # the cells of earlier runs answer to this tree's byte oracle too
+        row["cells"] = {name: byte_oracle(cell) for name, cell in row["cells"].items()}
     seeds = {s["seed"] for s in recorded}
     prov = {**prov, "judged_on": provenance()}  # the tree (and so the baseline) this judgement was made on
     judgement = judge(rows, baseline) if baseline is not None else None

@@ -56,6 +56,9 @@ NOT_REPORTED = "not yet reported"
 OUTCOMES = ("pass", "fixed upstream", "not reproduced", "known red", "changed", "new red", "n/a", "not judged", "not run")
 BLOCKING = frozenset({"changed", "new red", "not judged", "not run"})
 
+# the byte oracle's name in a signature: a cell whose own checks passed while it installed blocks whose
+# bytes no replica with the consumer's weights computed (kvgate.harness.conformance.wrong_kv) fails of it
+WRONG_KV = "every block installed is byte for byte one a replica with the consumer's weights computed"
 _TYPE = re.compile(r"\b([A-Z]\w*(?:Error|Exception|Exit|Interrupt))\b")
 _FIELDS = {"id": str, "connector": str, "scenario": str, "versions": dict, "signature": list, "finding": str,
            "upstream": str, "report": str}
@@ -96,7 +99,24 @@ def signature_of(cell: dict[str, Any], checks: Any = None, down: dict[str, str] 
         if control.get("caught") is False:
             inconclusive = str(control.get("why", "")).startswith("INCONCLUSIVE")
             sig.add(f"negative control {control['name']} not caught" + (" (inconclusive)" if inconclusive else ""))
+    if not sig and (cell.get("wrong_kv") or {}).get("wrong"):
+        sig.add(WRONG_KV)
     return sorted(sig)
+
+
+def byte_oracle(cell: dict[str, Any]) -> dict[str, Any]:
+    """The oracle every cell answers to beside its scenario's own: a cell that passed while it
+    installed wrong KV (its wrong-KV count, `wrong`) fails, the count and the first block in its
+    reason; any other cell as it is. A cell read from an earlier run is judged by it too."""
+    wrong = cell.get("wrong_kv") or {}
+    if cell.get("status") != "pass" or not wrong.get("wrong"):
+        return cell
+    first = (wrong.get("first") or [{}])[0]
+    where = f"; first: {first.get('replica')} {first.get('tag')} block {first.get('block_id')}: {first.get('why')}" \
+        if first else ""
+    out = {**cell, "status": "fail",
+           "reason": f"{wrong['wrong']} of {wrong.get('checked')} blocks installed are wrong KV ({WRONG_KV}){where}"[:600]}
+    return {**out, "signature": [WRONG_KV]}
 
 
 @dataclasses.dataclass(frozen=True)

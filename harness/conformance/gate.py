@@ -45,7 +45,7 @@ from typing import Any
 from kvgate.harness.checkers.verdict import Checks
 from kvgate.harness.client.http import RequestFailed
 from kvgate.harness.conformance import wrong_kv
-from kvgate.harness.conformance.baseline import signature_of
+from kvgate.harness.conformance.baseline import byte_oracle, signature_of
 from kvgate.harness.conformance.connectors import ConnectorUnavailable, Profile, profile
 from kvgate.harness.conformance.scenarios import SCENARIOS, Ctx, Scenario, ScenarioDown
 from kvgate.harness.plugin import derive_seed
@@ -287,6 +287,7 @@ def run_cell(ctx: Ctx, sc: Scenario, root: int) -> dict[str, Any]:
                     "controls": cell.get("controls") or ([cell["control"]] if cell.get("control") else [])}
         raise
     cell["seconds"] = round(time.monotonic() - t0, 1)
+    cell = byte_oracle(cell)
     cell["signature"] = signature_of(cell, checks=checks)
     return cell
 

