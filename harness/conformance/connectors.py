@@ -31,7 +31,7 @@ from kvgate.harness.checkers.history import unsettled_publishes
 from kvgate.harness.conformance.accounting import kvpool_block_bytes, kvpool_loads
 from kvgate.harness.conformance.race import KVPOOL_STORE
 from kvgate.harness.system.cluster import CONNECTOR, free_port
-from kvgate.harness.system.procs import spawn, stop_group, wait_ready
+from kvgate.harness.system.procs import accepting, spawn, stop_group, wait_ready
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -247,8 +247,6 @@ _LMCACHE_HERE = ("-c", "import sys; from lmcache.cli.main import main; sys.argv[
 def _lmcache_server(report_dir: Path, here: bool = False) -> Service:
     """`lmcache server` in LMCache's environment (`here`: by this interpreter), on free ports,
     L1 of 1 GiB, chunks of 256 tokens, LRU; ready when its ZMQ port accepts a connection."""
-    import socket
-
     prof = CONNECTORS["lmcache-mp"]
     port, http_port = free_port(), free_port()
     log = Path(report_dir) / "lmcache-server.log"
@@ -257,15 +255,7 @@ def _lmcache_server(report_dir: Path, here: bool = False) -> Service:
             "--http-host", "127.0.0.1", "--http-port", str(http_port), "--chunk-size", "256", "--l1-size-gb", "1",
             "--eviction-policy", "LRU", "--supported-transfer-mode", "auto", "--disable-observability"]
     proc = spawn(args, log, {**os.environ, **dict(LMCACHE_ENV)})
-
-    def accepting() -> bool | None:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return True
-        except OSError:
-            return None
-
-    wait_ready(proc, accepting, 180.0, "lmcache server", log, poll_s=0.5, note_every=30)
+    wait_ready(proc, accepting(port), 180.0, "lmcache server", log, poll_s=0.5, note_every=30)
     return Service({"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}, proc, log)
 
 

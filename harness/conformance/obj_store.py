@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from kvgate.harness.system.cluster import free_port
-from kvgate.harness.system.procs import spawn, wait_ready
+from kvgate.harness.system.procs import accepting, spawn, wait_ready
 
 BUCKET = "kvgate-tier"
 KEYS = {"access_key": "kvgate", "secret_key": "kvgate-secret"}  # moto takes any; NIXL's client sends them
@@ -59,15 +58,7 @@ def start(report_dir: Path):  # noqa: ANN201
     port = free_port()
     log = report_dir / "obj-store.log"
     proc = spawn([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], log, dict(os.environ))
-
-    def accepting() -> bool | None:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return True
-        except OSError:
-            return None
-
-    wait_ready(proc, accepting, 60.0, "object store (moto)", log, poll_s=0.2, note_every=30)
+    wait_ready(proc, accepting(port), 60.0, "object store (moto)", log, poll_s=0.2, note_every=30)
     (report_dir / STATE).write_text(json.dumps({"endpoint": f"127.0.0.1:{port}", "bucket": BUCKET, **KEYS}))
     client(report_dir).create_bucket(Bucket=BUCKET)
     tier = {"type": "obj", "bucket": BUCKET, "endpoint_override": f"127.0.0.1:{port}", "scheme": "http", **KEYS}

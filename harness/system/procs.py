@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -63,6 +64,19 @@ def wait_ready(proc: subprocess.Popen, probe: Callable[[], T | None], timeout: f
             last_note = now
             print(f"kvgate: waiting for {what} ({now - t0:.0f} s)", file=sys.stderr, flush=True)
         time.sleep(poll_s)
+
+
+def accepting(port: int, host: str = "127.0.0.1") -> Callable[[], bool | None]:
+    """A wait_ready probe: True once something accepts a TCP connection on the port."""
+
+    def probe() -> bool | None:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return True
+        except OSError:
+            return None
+
+    return probe
 
 
 def stop_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
