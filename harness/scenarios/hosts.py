@@ -71,6 +71,29 @@ def _lookup(system, tag: str) -> dict:  # noqa: ANN001
     return found[0] if found else {}
 
 
+def served_from_tier(system, c: Checks, prompt: str, tag: str, what: str):  # noqa: ANN001, ANN201
+    """H asks for a prompt G published, and reads it from the tier: after a hold its first
+    request loads a probe (a block), and once the probe has measured the tier it asks again
+    for the whole prompt. Its output must equal G's prefix hit of the prompt, the same
+    partition (every complete block cached, the tail computed): a probe's partition is no
+    other run's, and a near tie between two partitions' last bits can turn a greedy token.
+    Returns H's last completion and its tag."""
+    got = complete(system.url("H"), prompt, tag=tag, replica="H", max_tokens=8, publish=False)
+    lk = _lookup(system, tag)
+    c.check(f"{what}: H reads from the tier", lk.get("tier_blocks", 0) >= 1, lk)
+    c.check(f"{what}: H's first request completed", got.error is None, got.error)
+    if lk.get("tier_blocks") != PROMPT_TOKENS // B:  # a probe: now the whole prompt
+        reset_prefix_cache(system.url("H"))
+        tag = f"{tag}-all"
+        got = complete(system.url("H"), prompt, tag=tag, replica="H", max_tokens=8, publish=False)
+        lk = _lookup(system, tag)
+    c.check(f"{what}: H loads the whole prompt from the tier, none of it from its own pool",
+            (lk.get("hit_blocks"), lk.get("tier_blocks")) == (0, PROMPT_TOKENS // B), lk)
+    g_hit = complete(system.url("G"), prompt, tag=f"{tag}-ghit", replica="G", max_tokens=8, publish=False)
+    c.output(f"{what}: H's tokens and log-probabilities equal G's prefix hit", got, g_hit)
+    return got, tag
+
+
 def cross_host(system, corpus: Corpus, seed: int, fault: str | None = None, rate: str = "256kbit",  # noqa: ANN001
                control: str | None = None, store: str = "redis") -> Verdict:
     if fault not in FAULTS:
@@ -144,21 +167,7 @@ def cross_host(system, corpus: Corpus, seed: int, fault: str | None = None, rate
     # Healed: once the hold expires the tier serves again (a probe of one block at least).
     time.sleep(system.settings.get("tier_backoff_max_s", 30.0) + 0.3)
     publish_on_g(system, prompts[2], f"{tag}-g2")
-    back = complete(system.url("H"), prompts[2], tag=f"{tag}-back", replica="H", max_tokens=8, publish=False)
-    lk = _lookup(system, f"{tag}-back")
-    c.check("healed, H reads from the tier again", lk.get("tier_blocks", 0) >= 1, lk)
-    c.check("healed, H's first request completed", back.error is None, back.error)
-    if lk.get("tier_blocks") != PROMPT_TOKENS // B:  # a probe after the hold: once it measured the tier, all
-        reset_prefix_cache(system.url("H"))
-        back = complete(system.url("H"), prompts[2], tag=f"{tag}-back2", replica="H", max_tokens=8, publish=False)
-        lk = _lookup(system, f"{tag}-back2")
-    c.check("healed, H loads the whole prompt from the tier, none of it from its own pool",
-            (lk.get("hit_blocks"), lk.get("tier_blocks")) == (0, PROMPT_TOKENS // B), lk)
-    # its reference: G's prefix hit, the same partition (every complete block cached, the tail computed);
-    # a probe's partition (a block from the tier, the rest computed) is no cold run's, and a near tie
-    # between two partitions' last bits can turn a greedy token
-    g_hit = complete(system.url("G"), prompts[2], tag=f"{tag}-ghit2", replica="G", max_tokens=8, publish=False)
-    c.output("healed, H's tokens and log-probabilities equal G's prefix hit of the third prompt", back, g_hit)
+    served_from_tier(system, c, prompts[2], f"{tag}-back", "healed")
     held = fault not in (None, "store_slow")
     return c.verdict(f"across hosts{' under ' + fault if fault else ''}: outputs unchanged"
                      + (", the failing tier held off" if held else "") + ", served again once healed")
