@@ -58,7 +58,8 @@ class Profile:
     # per replica: settings of the inner connector (report_dir -> extra config)
     settings: Callable[[Path], dict[str, Any]] = lambda report_dir: {}
     # break what the consumer would load of what this scenario stored: (cluster, consumer) ->
-    # a record of what was done
+    # a record of what was done (`broken`: how many stored things it broke, where it breaks them
+    # at once; kvpool's fault is armed and fires at the load)
     break_stored: Callable[..., dict[str, Any]] | None = None
     # empty its store before each scenario (report_dir -> None), where kvgate owns it
     reset: Callable[[Path], None] | None = None
@@ -217,7 +218,7 @@ def _example_break(cluster, consumer: str) -> dict[str, Any]:  # noqa: ANN001
             files[0].unlink()
             removed.append(f"{folder.name}/{files[0].name}")
     return {"where": f"{storage}", "how": "one layer's safetensors file removed from the stored prompt's folder",
-            "removed": removed}
+            "removed": removed, "broken": len(removed)}
 
 
 # -- LMCache: an `lmcache server` (multi-process mode), its connector in the replicas ------------
@@ -313,7 +314,7 @@ def _offloading_break(cluster, consumer: str) -> dict[str, Any]:  # noqa: ANN001
         os.truncate(f, size // 2)
         cut.append(f.name)
     return {"where": str(_offload_root(cluster.report_dir)), "how": "each block file truncated to half its length",
-            "files": len(cut)}
+            "files": len(cut), "broken": len(cut)}
 
 
 # -- the same connector with vLLM's object-store tier (NIXL's OBJ backend) on a local S3 server -------

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.harness.system.cluster import free_port
-from kvgate.harness.system.procs import accepting, spawn, wait_ready
+from kvgate.harness.system.procs import accepting, spawn, stop_group, wait_ready
 
 BUCKET = "kvgate-tier"
 KEYS = {"access_key": "kvgate", "secret_key": "kvgate-secret"}  # moto takes any; NIXL's client sends them
@@ -58,9 +58,13 @@ def start(report_dir: Path):  # noqa: ANN201
     port = free_port()
     log = report_dir / "obj-store.log"
     proc = spawn([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], log, dict(os.environ))
-    wait_ready(proc, accepting(port), 60.0, "object store (moto)", log, poll_s=0.2, note_every=30)
-    (report_dir / STATE).write_text(json.dumps({"endpoint": f"127.0.0.1:{port}", "bucket": BUCKET, **KEYS}))
-    client(report_dir).create_bucket(Bucket=BUCKET)
+    try:
+        wait_ready(proc, accepting(port), 60.0, "object store (moto)", log, poll_s=0.2, note_every=30)
+        (report_dir / STATE).write_text(json.dumps({"endpoint": f"127.0.0.1:{port}", "bucket": BUCKET, **KEYS}))
+        client(report_dir).create_bucket(Bucket=BUCKET)
+    except BaseException:  # no Service holds it yet: nothing else would stop it
+        stop_group(proc)
+        raise
     tier = {"type": "obj", "bucket": BUCKET, "endpoint_override": f"127.0.0.1:{port}", "scheme": "http", **KEYS}
     return {"secondary_tiers": [tier]}, proc, log
 
@@ -103,4 +107,4 @@ def halve(report_dir: Path) -> dict[str, Any]:
         s3.put_object(Bucket=BUCKET, Key=key, Body=body[: size // 2])
         cut += 1
     return {"where": f"s3://{BUCKET} at {_state(report_dir)['endpoint']}",
-            "how": "each object replaced by its first half", "objects": cut}
+            "how": "each object replaced by its first half", "objects": cut, "broken": cut}

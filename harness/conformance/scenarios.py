@@ -166,6 +166,12 @@ def revision_isolation(ctx: Ctx, prompt_tokens: int = 1200) -> Checks:
     return c
 
 
+def _broke(c: Checks, broken: dict) -> None:
+    """The data fault broke something where the connector keeps what the scenario stored (a
+    fault that found nothing to break would leave the scenario nothing to judge)."""
+    c.check("the data fault broke what the connector stored", broken.get("broken", 1) > 0, broken)
+
+
 def load_failure_recompute(ctx: Ctx, prompt_tokens: int = 1500, control: str | None = None) -> Checks:
     """A computes a prompt; its stored KV is broken where the connector keeps it (the
     whole run: its first block, or a file of every layer's record); B (policy
@@ -182,6 +188,7 @@ def load_failure_recompute(ctx: Ctx, prompt_tokens: int = 1500, control: str | N
         arm_control(ctx, "B", control)
     b = ctx.run("B", prompt, f"{tag}-b")
     c = Checks()
+    _broke(c, broken)
     m = ctx.match("B", f"{tag}-b")
     failed = ctx.failed_reported("B")
     claimed = 0 if m is None else m["external_tokens"] // BLOCK
@@ -202,6 +209,7 @@ def load_failure_fail(ctx: Ctx, prompt_tokens: int = 1500) -> Checks:
     ctx.run("B", prompt, f"{tag}-b")
     broken = ctx.profile.break_stored(ctx.cluster, "A")
     c = Checks()
+    _broke(c, broken)
     hung = False
     try:
         a = complete(ctx.url("A"), prompt, tag=f"{tag}-a", replica="A", timeout_s=ctx.timeout_s)
@@ -379,6 +387,7 @@ def shared_blocks_one_fails(ctx: Ctx, common: int = 1500) -> Checks:
     ref1 = ctx.run("A", t1.prompt, f"{tag}-ref1", cache_salt=salt)
     ref2 = ctx.run("A", t2.prompt, f"{tag}-ref2", cache_salt=salt)
     c = Checks()
+    _broke(c, broken)
     failed = ctx.failed_reported("B")
     for name, ref in (("b1", ref1), ("b2", ref2)):
         got = out.get(name)

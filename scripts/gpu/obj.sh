@@ -7,7 +7,7 @@
 #       the pinned wheels (cp312) without their requirements: what the image lacks of them (the
 #       device's KINDS.md lists what it holds: requests, werkzeug, jinja2, pyyaml, dateutil, urllib3;
 #       the bundle brings jmespath). About 89 MiB, more than one call carries beside the tree: packed
-#       into one tar cut in parts of 28 MiB, DIR/parts/N/part.N, and DIR/parts/SHA256SUMS of the tar.
+#       into one tar cut in parts of 28 MiB, DIR/parts/NN/part.NN, and DIR/parts/SHA256SUMS of the tar.
 #   scripts/gpu/obj.sh install DIR [SITE]     (on the GPU host; default SITE /tmp/site, the bundle's)
 #       DIR holds every part and SHA256SUMS (each part carried in a call of its own, copied there):
 #       joined, checked, unpacked and installed into SITE with no index and no requirements.
@@ -30,13 +30,13 @@ case "$cmd" in
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 $WHEELS
     tar cf "$DIR/wheels.tar" -C "$DIR" wheels
     (cd "$DIR" && sha256sum wheels.tar > parts/SHA256SUMS)
-    split -b "$PART" -d -a 1 "$DIR/wheels.tar" "$DIR/parts/part."
+    split -b "$PART" -d -a 2 "$DIR/wheels.tar" "$DIR/parts/part."
     for p in "$DIR"/parts/part.*; do
       n=${p##*.}
       mkdir -p "$DIR/parts/$n"
       mv "$p" "$DIR/parts/$n/"
     done
-    cp "$DIR/parts/SHA256SUMS" "$DIR/parts/0/"
+    cp "$DIR/parts/SHA256SUMS" "$DIR/parts/00/"
     rm -f "$DIR/wheels.tar"
     echo "obj.sh: $(ls "$DIR/wheels" | wc -l) wheels, $(ls -d "$DIR"/parts/[0-9]* | wc -l) parts under $DIR/parts"
     ;;
@@ -49,7 +49,7 @@ case "$cmd" in
     mkdir -p "$SITE"
     # the pinned wheels only (another version left in DIR is not taken)
     # shellcheck disable=SC2086
-    python3 -m pip install -q --no-index --find-links "$DIR/wheels" --no-deps --no-compile --target "$SITE" $WHEELS
+    python3 -m pip install -q --upgrade --no-index --find-links "$DIR/wheels" --no-deps --no-compile --target "$SITE" $WHEELS
     echo "obj.sh: installed $(echo $WHEELS | wc -w) wheels into $SITE"
     ;;
   *)

@@ -603,3 +603,19 @@ report = "findings/ex-stale.md"
                    "--report-dir", str(tmp_path / "o2")])
     out = capsys.readouterr().out
     assert rc == 0 and "tracked example / cross_replica_hit: known red" in out, out
+
+
+def test_the_stale_chunk_entries_know_a_run_whose_only_failure_is_the_byte_oracle():
+    """LMCache's stale chunks are a race: a run may pass every check of its scenario and still
+    install another chunk's KV, which the byte oracle alone fails; every entry of that finding
+    takes it as a part of its race, so the cell is known red, not changed."""
+    base = B.load()
+    row = {"connector": "lmcache-mp-cuda", "versions": {"vllm": "vllm 0.24.0", "lmcache": "lmcache 0.5.6"},
+           "device": "cuda", "cells": {}}
+    stale = [e for e in base.entries if e.report.endswith("lmcache-cuda-fallback-stale-chunks.md")]
+    assert len(stale) == 8
+    for e in stale:
+        row["cells"][e.scenario] = B.byte_oracle({**_cell("pass"), "wrong_kv": _wrong(2)})
+    j = B.judge([row], base)
+    assert {s: o["outcome"] for s, o in j["cells"]["lmcache-mp-cuda"].items()} == \
+        {e.scenario: "known red" for e in stale}
