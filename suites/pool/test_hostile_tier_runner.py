@@ -64,6 +64,7 @@ class StandIns:
         for w in self.writers.values():
             w.write("namespace", ns=NS.as_dict())
         self.tiers = {r: RedisTier(store.tenant_url(DEFAULT_TENANT), AUTH) for r in "GH"}
+        self.computed: set[str] = set()  # the prompts G has in its prefix cache
 
     def url(self, replica: str) -> str:
         return replica
@@ -82,7 +83,11 @@ class StandIns:
         hashes, pages = _blocks(prompt)
         w = self.writers[replica]
         used = list(pages)  # the KV attention reads: computed unless loaded
-        if replica == "G":
+        if replica == "G" and prompt in self.computed:  # its own prefix hit of every complete block
+            w.write("lookup", tag=tag, prompt_tokens=hosts.PROMPT_TOKENS, local_tokens=len(hashes) * hosts.B,
+                    external_tokens=0, hit_blocks=0, outcome="local_hit")
+        elif replica == "G":
+            self.computed.add(prompt)
             w.write("lookup", tag=tag, prompt_tokens=hosts.PROMPT_TOKENS, hit_blocks=0, outcome="miss",
                     miss_cause="never_published")
             res = tier_publish(self.tiers["G"], NS, hashes, pages)
