@@ -51,10 +51,23 @@ class OrphanError(RuntimeError):
     """A process or shared-memory segment of the cluster survived stop()."""
 
 
+_HANDED: set[int] = set()
+_HANDED_LOCK = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, and never one this process handed out before: the kernel
+    may give the same ephemeral port to two binds in a row, and two replicas told one port
+    leave the second without a server while its health check is answered by the first's."""
+    with _HANDED_LOCK:
+        for _ in range(1000):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _HANDED:
+                _HANDED.add(port)
+                return port
+    raise OSError("no port free that was not handed out before")
 
 
 @dataclasses.dataclass(frozen=True)
