@@ -21,6 +21,7 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
+import time
 
 from kvpool.errors import MissCause
 from kvpool.pool import protocol as P
@@ -40,8 +41,10 @@ class LookupWaits:
         """Park until the first missing block's publish closes, look up again; repeat
         while the answer stops at a pending block, until `wait_s` has passed."""
         loop = self._loop
-        t0 = loop.time()
-        deadline = t0 + wait_s
+        deadline = loop.time() + wait_s
+        # The time waited is measured with the monotonic clock: uvloop's loop.time() has a
+        # millisecond grain, and a wait woken within one tick measured 0.
+        started = time.monotonic()
         result = "abandoned"  # unless it returns: cancelled because its client went away
         tp.waits["lookup_waiting"] += 1
         try:
@@ -58,7 +61,7 @@ class LookupWaits:
             result = "settled"
             return P.LookupOk(res.hits, res.miss)
         finally:
-            waited = loop.time() - t0
+            waited = time.monotonic() - started
             session.waiting = False
             tp.waits["lookup_waiting"] -= 1
             tp.waits["lookup_waits"] += 1

@@ -16,6 +16,8 @@ from kvgate.faults.copier import FaultyCopier
 from kvgate.harness.system.pool import thread_pool
 from kvpool.client.pool_client import PoolClient
 from kvpool.connector.copier import LANES, LOAD_THREADS, CopyRun, HostCopier
+
+from .lanes import hold
 from kvpool.pool.digest import page_digest
 from kvpool.connector.history import HistoryWriter, read_history
 from kvpool.pool.keys import Namespace, block_hashes
@@ -73,9 +75,10 @@ def drain(copier):
             job.result(timeout=30)
 
 
-def store_then_reuse(d, tmp_path, seed, spec):
-    """Store blocks 0..3 with the copy delayed; as soon as the copier reports the store
-    done, the engine reuses the blocks. Returns (digests at save time, pool digests)."""
+def store_then_reuse(d, tmp_path, seed, spec, held=False):
+    """Store blocks 0..3 with the copy delayed (and, if `held`, queued behind a held lane);
+    as soon as the copier reports the store done, the engine reuses the blocks, then the
+    lane is released. Returns (digests at save time, pool digests)."""
     control = tmp_path / "faults.json"
     control.write_text(json.dumps({"copier": spec}))
     copier, _ = copier_for(d, tmp_path, control)
@@ -84,9 +87,12 @@ def store_then_reuse(d, tmp_path, seed, spec):
     hashes = keys(seed)
     run = CopyRun("req", "t", 0, [0, 1, 2, 3], hashes)
     produced = [page_of(layers, b) for b in run.block_ids]
+    release = hold(copier, "store") if held else None
     copier.wait([copier.store(NS, run, range(4))], timeout_s=30)
     for layer in layers:  # the blocks are freed and another request's prefill writes them
         layer[:4] = np.random.default_rng(seed + 1).integers(0, 256, layer[:4].shape, dtype=np.uint8)
+    if release is not None:
+        release.set()
     drain(copier)
     copier.close()
     return produced, pool_pages(d, hashes)
@@ -99,14 +105,15 @@ def test_a_delayed_store_publishes_the_bytes_of_save_time(daemon, tmp_path, test
 
 def test_control_early_completion_store_is_caught(daemon, tmp_path, test_seed):
     produced, pooled = store_then_reuse(daemon, tmp_path, test_seed,
-                                        {"store_delay_ms": 300, "control": "early_completion"})
+                                        {"store_delay_ms": 300, "control": "early_completion"}, held=True)
     assert len(pooled) == 4  # the pool accepted them: its digest covers what was copied
     assert pooled != produced, "the early-completion copier published the bytes of save time: control not caught"
 
 
-def load_then_read(d, tmp_path, seed, spec):
+def load_then_read(d, tmp_path, seed, spec, held=False):
     """Publish 4 blocks from one engine, then load them into another with the copy
-    delayed; read the blocks as soon as the copier says the load is done."""
+    delayed (and, if `held`, queued behind a held lane); read the blocks as soon as the
+    copier says the load is done, then release the lane."""
     producer, _ = copier_for(d, tmp_path)
     src = engine(seed)
     producer.register(src)
@@ -119,8 +126,11 @@ def load_then_read(d, tmp_path, seed, spec):
     dst = engine(seed + 7)
     consumer.register(dst)
     run = CopyRun("c", "c", 0, [4, 5, 6, 7], hashes)
+    release = hold(consumer, "load") if held else None
     consumer.wait([consumer.load(NS, run, deadline_s=10)], 30)
     seen = [page_of(dst, b) for b in run.block_ids]  # attention reads now
+    if release is not None:
+        release.set()
     drain(consumer)
     consumer.close()
     return seen, pool_pages(d, hashes), read_history(tmp_path / "history")
@@ -135,7 +145,7 @@ def test_a_delayed_load_is_complete_before_the_engine_reads(daemon, tmp_path, te
 
 def test_control_early_completion_load_is_caught(daemon, tmp_path, test_seed):
     seen, pooled, history = load_then_read(daemon, tmp_path, test_seed,
-                                           {"load_delay_ms": 300, "control": "early_completion"})
+                                           {"load_delay_ms": 300, "control": "early_completion"}, held=True)
     loads = [r for r in history if r["ev"] == "load"]
     assert loads and loads[-1]["loaded"] == 4  # the copy itself succeeded, later
     assert seen != pooled, "the engine read loaded blocks before the copy: control not caught"

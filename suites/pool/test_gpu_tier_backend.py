@@ -33,6 +33,7 @@ from kvpool.gpu.tier_backend import TierBackend
 from kvpool.gpu.tier_client import TierLink
 from kvpool.pool.digest import DigestKind
 
+from .lanes import hold
 from .test_gpu_keeper_restart import PAGE, Keeper
 
 BLOCKS = 6
@@ -181,10 +182,12 @@ def page_of(layers: list[np.ndarray], block: int) -> bytes:
     return np.concatenate([layer[block] for layer in layers]).tobytes()
 
 
-def store_then_reuse(run_dir, tmp_path, seed: int, spec: dict) -> tuple[list[bytes], list[bytes]]:  # noqa: ANN001
-    """Store blocks 0..3 through the keeper with the copy delayed; as soon as the copier says
-    the store is done the engine reuses the blocks; then another copier loads them. Returns
-    (the pages at save time, the pages loaded)."""
+def store_then_reuse(run_dir, tmp_path, seed: int, spec: dict,  # noqa: ANN001
+                     held: bool = False) -> tuple[list[bytes], list[bytes]]:
+    """Store blocks 0..3 through the keeper with the copy delayed (and, if `held`, queued
+    behind a held lane, released after the reuse); as soon as the copier says the store is
+    done the engine reuses the blocks; then another copier loads them. Returns (the pages at
+    save time, the pages loaded)."""
     from kvpool.connector.copier import CopyRun
 
     keys = W.KEYS(4, base=seed % 10_000 * 10)
@@ -192,9 +195,12 @@ def store_then_reuse(run_dir, tmp_path, seed: int, spec: dict) -> tuple[list[byt
     src = engine(seed)
     p.register(src)
     produced = [page_of(src, b) for b in range(4)]
+    release = hold(p, "store") if held else None
     p.wait([p.store(W.NS, CopyRun("p", "p", 0, [0, 1, 2, 3], keys), range(4))], timeout_s=30)
     for layer in src:  # the blocks are freed and another request's prefill writes them
         layer[:4] = np.random.default_rng(seed + 1).integers(0, 256, layer[:4].shape, dtype=np.uint8)
+    if release is not None:
+        release.set()
     p.close()  # its lanes drained: a late copy has landed by now
     c = copier(run_dir, tmp_path, "C")
     dst = engine(seed + 7)
@@ -214,7 +220,7 @@ def test_the_early_completion_control_through_the_keeper_is_caught(keeper, tmp_p
     from kvpool.connector.history import read_history
 
     produced, loaded = store_then_reuse(keeper, tmp_path, test_seed,
-                                        {"store_delay_ms": 300, "control": "early_completion"})
+                                        {"store_delay_ms": 300, "control": "early_completion"}, held=True)
     loads = [r for r in read_history(tmp_path / "history") if r["ev"] == "load" and r.get("replica") == "C"]
     assert loads and loads[-1]["loaded"] == 4, loads  # C loaded all four: what it got is what the tier holds
     assert loaded != produced, "the byte-exact oracle missed a store that completed before its copy"
