@@ -35,7 +35,7 @@ from pathlib import Path
 
 from kvgate.harness.client.http import healthy, reset_prefix_cache
 from kvgate.harness.system.pool import PoolProcess, unique_name
-from kvgate.harness.system.procs import StartError, group_alive, kill_group, spawn, stop_group, wait_ready
+from kvgate.harness.system.procs import StartError, group_alive, kill_group, listening, spawn, stop_group, wait_ready
 from kvpool.pool.arena import processes_mapping, segment_label
 
 CONNECTOR = "kvpool.connector:KVPoolConnector"
@@ -58,7 +58,9 @@ _HANDED_LOCK = threading.Lock()
 def free_port() -> int:
     """A port nothing listens on now, and never one this process handed out before: the kernel
     may give the same ephemeral port to two binds in a row, and two replicas told one port
-    leave the second without a server while its health check is answered by the first's."""
+    leave the second without a server while its health check is answered by the first's.
+    Another process (a second test worker) may still be handed the same port: a replica is
+    healthy only once its own process group listens on its port (Cluster._wait_healthy)."""
     with _HANDED_LOCK:
         for _ in range(1000):
             with socket.socket() as s:
@@ -68,6 +70,20 @@ def free_port() -> int:
                 _HANDED.add(port)
                 return port
     raise OSError("no port free that was not handed out before")
+
+
+PORT_RETRIES = 2  # starts again on another port, for a replica whose port another process took
+
+
+def _port_taken(replica: Replica) -> bool:
+    """Whether this start's part of the replica's log says its server could not bind (errno 98)."""
+    try:
+        with open(replica.log_path, "rb") as log:
+            log.seek(replica.log_from)
+            text = log.read().decode(errors="replace")
+    except OSError:
+        return False
+    return "address already in use" in text.lower()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +176,7 @@ class Cluster:
             self.replicas[spec.name] = self._spawn(spec)
         try:
             with ThreadPoolExecutor(len(specs)) as ex:
-                list(ex.map(lambda r: self._wait_healthy(r, timeout), self.replicas.values()))
+                list(ex.map(lambda r: self._wait_healthy(r, timeout), list(self.replicas.values())))
         except BaseException:
             self.stop()
             raise
@@ -220,15 +236,34 @@ class Cluster:
         log_from = log_path.stat().st_size if log_path.exists() else 0
         return Replica(spec, port, spawn(args, log_path, env), log_path, log_from)
 
-    def _wait_healthy(self, replica: Replica, timeout: float) -> None:
-        t0 = time.monotonic()
-        try:
-            wait_ready(replica.proc, lambda: True if healthy(replica.url) else None, timeout,
-                       f"replica {replica.spec.name}", replica.log_path, poll_s=0.5, note_every=30)
-        except StartError as exc:
-            raise ClusterStartError(str(exc)) from exc
-        print(f"kvgate: replica {replica.spec.name} healthy on :{replica.port} after {time.monotonic() - t0:.0f} s",
+    def _wait_healthy(self, replica: Replica, timeout: float) -> Replica:
+        """Wait until the replica answers /health from its own process group's socket (another
+        process that holds the port answers for nobody). A replica that exits because its port
+        was taken after free_port chose it (by another process: a second test worker) is
+        started again on another port, up to PORT_RETRIES times. Returns the replica healthy,
+        which is then self.replicas[name]."""
+        name = replica.spec.name
+        for attempt in range(PORT_RETRIES + 1):
+            t0 = time.monotonic()
+
+            def probe(r: Replica = replica) -> bool | None:
+                return True if healthy(r.url) and listening(r.proc.pid, r.port) else None
+
+            try:
+                wait_ready(replica.proc, probe, timeout, f"replica {name}", replica.log_path, poll_s=0.5,
+                           note_every=30)
+                break
+            except StartError as exc:
+                if attempt == PORT_RETRIES or not _port_taken(replica):
+                    raise ClusterStartError(str(exc)) from exc
+                print(f"kvgate: replica {name}'s port :{replica.port} was taken by another process; "
+                      "starting it on another", file=sys.stderr, flush=True)
+                self.nemesis("replica_port_taken", replica=name, port=replica.port, pid=replica.proc.pid)
+                stop_group(replica.proc)
+                replica = self.replicas[name] = self._spawn(replica.spec)
+        print(f"kvgate: replica {name} healthy on :{replica.port} after {time.monotonic() - t0:.0f} s",
               file=sys.stderr, flush=True)
+        return replica
 
     def add_replica(self, spec: ReplicaSpec, timeout: float = 600.0) -> Replica:
         """Start one more replica on the running pool (e.g. another model revision)."""
@@ -238,8 +273,7 @@ class Cluster:
             self.faults[spec.name] = Path(spec.faults_file)
             self.faults[spec.name].write_text("{}")
         replica = self.replicas[spec.name] = self._spawn(spec)
-        self._wait_healthy(replica, timeout)
-        return replica
+        return self._wait_healthy(replica, timeout)
 
     def remove_replica(self, name: str) -> None:
         replica = self.replicas.pop(name)
@@ -285,8 +319,8 @@ class Cluster:
         for name in names:
             self.replicas[name] = self._spawn(self.replicas[name].spec)
             started.append(self.replicas[name])
-        for name, replica in zip(names, started):
-            self._wait_healthy(replica, timeout)
+        for i, (name, replica) in enumerate(zip(names, started)):
+            replica = started[i] = self._wait_healthy(replica, timeout)
             self._killed.discard(name)
             self.nemesis("replica_restart", replica=name, pid=replica.proc.pid)
         return started

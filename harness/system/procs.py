@@ -12,6 +12,10 @@ test (pool daemons, fault proxies, vLLM replicas).
                                     process group; waits until the group is gone.
   terminate(proc, timeout)          SIGTERM one process and wait for its exit status; past
                                     the timeout it is killed and TimeoutExpired raised.
+  listening(pgid, port)             whether a process of the group holds a TCP socket
+                                    listening on the port (read from /proc), so that a probe
+                                    answered on a port is known to be answered by the process
+                                    started on it, not by another that holds the port.
   kill_group(pgid) / group_alive(pgid) / tail(path)
 """
 
@@ -66,17 +70,53 @@ def wait_ready(proc: subprocess.Popen, probe: Callable[[], T | None], timeout: f
         time.sleep(poll_s)
 
 
-def accepting(port: int, host: str = "127.0.0.1") -> Callable[[], bool | None]:
-    """A wait_ready probe: True once something accepts a TCP connection on the port."""
+def accepting(port: int, host: str = "127.0.0.1", owner: int | None = None) -> Callable[[], bool | None]:
+    """A wait_ready probe: True once something accepts a TCP connection on the port (with
+    `owner`, a process group id: once that group listens there and accepts)."""
 
     def probe() -> bool | None:
         try:
             with socket.create_connection((host, port), timeout=0.5):
-                return True
+                pass
         except OSError:
             return None
+        return True if owner is None or listening(owner, port) else None
 
     return probe
+
+
+TCP_LISTEN = "0A"  # the state column of /proc/net/tcp
+
+
+def listening(pgid: int, port: int) -> bool:
+    """Whether a process of group `pgid` holds a TCP socket that listens on `port`. The
+    sockets are read from the group leader's /proc/PID/net (its network namespace, where a
+    replica runs in one), their owners from each group member's /proc/PID/fd. False when the
+    leader is gone."""
+    inodes = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            rows = Path(f"/proc/{pgid}/net/{table}").read_text().splitlines()[1:]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == TCP_LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return False
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry.name)) != pgid:
+                continue
+            for fd in (entry / "fd").iterdir():
+                if os.readlink(fd) in inodes:
+                    return True
+        except (ProcessLookupError, FileNotFoundError, PermissionError):
+            continue  # gone meanwhile, or not ours to read
+    return False
 
 
 def stop_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
