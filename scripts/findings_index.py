@@ -1,6 +1,8 @@
 """The index of the conformance matrix's findings, made from the known-red baseline
 (harness/conformance/known_red.toml): one row per finding report, with the cells it explains (connector,
-device, versions, scenario, baseline id) and its upstream reference, or "not yet reported" (new).
+device, versions, scenario, baseline id) and its upstream reference, or "not yet reported" (new). Reports
+under reports/conformance/*/findings/ that no cell names yet (a finding reproduced outside the matrix) are
+listed after them, with what their own `- **Upstream**:` and `- **New**:` lines say.
 
   python3 scripts/findings_index.py [--check]     writes reports/conformance/FINDINGS.md
                                                    (--check: exit 1 if the file is not what it would write)
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import re
 import sys
 from pathlib import Path
 
@@ -29,13 +32,26 @@ def render() -> str:
     def new(entries: list) -> bool:
         return all(e.upstream == NOT_REPORTED for e in entries)
 
+    named = {str(Path(r)) for r in by_report}
+    loose = []  # (report, new, upstream) of the reports no cell names
+    for path in sorted((REPO / "reports" / "conformance").glob("*/findings/*.md")):
+        report = str(path.relative_to(REPO))
+        if path.name == "README.md" or report in named:
+            continue
+        text = path.read_text()
+        up, is_new = (re.search(rf"^- \*\*{k}\*\*: (.+)$", text, re.M) for k in ("Upstream", "New"))
+        if up is None or is_new is None:
+            raise SystemExit(f"{report}: a finding with no cell must say `- **Upstream**:` and `- **New**:`")
+        loose.append((report, is_new.group(1).lower().startswith("yes"), up.group(1).split(". ")[0].rstrip(".")))
+    n_new = sum(new(v) for v in by_report.values()) + sum(n for _, n, _ in loose)
     lines = ["# The conformance matrix's findings", "",
              f"Made by `scripts/findings_index.py` from `{base.path}` (sha256 {base.sha256[:12]}, "
              f"{len(base.entries)} known red cells), which `kvgate conformance` judges every matrix against. "
              "One row per finding's report: the cells it explains and where upstream stands. "
              "\"not yet reported\": new, nothing found upstream when it was written; each report says what "
              "was searched and gives a reproduction.", "",
-             f"{sum(new(v) for v in by_report.values())} of {len(by_report)} reports are new to upstream.", "",
+             f"{n_new} of {len(by_report) + len(loose)} reports are new to upstream"
+             + (f" ({len(loose)} with no cell in the table yet, listed last)." if loose else "."), "",
              "| report | new | upstream | cells (connector / scenario, device, versions: baseline id) |",
              "|---|---|---|---|"]
     for report in sorted(by_report, key=lambda r: (not new(by_report[r]), r)):
@@ -48,6 +64,12 @@ def render() -> str:
         lines.append(f"| [{Path(report).name}]({Path(report).relative_to('reports/conformance')}) | "
                      f"{'**new**' if new(entries) else 'known'} | "
                      f"{'<br>'.join(u if u == NOT_REPORTED else f'<{u}>' for u in ups)} | {cells} |")
+    if loose:
+        lines += ["", "## Findings with no cell in the table yet", "",
+                  "Reproduced outside the matrix (each report gives its reproduction); no known-red entry names them.",
+                  "", "| report | new | upstream |", "|---|---|---|"]
+        lines += [f"| [{Path(r).name}]({Path(r).relative_to('reports/conformance')}) | {'**new**' if n else 'known'} "
+                  f"| {up} |" for r, n, up in loose]
     return "\n".join(lines) + "\n"
 
 

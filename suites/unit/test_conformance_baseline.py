@@ -553,6 +553,27 @@ def test_the_findings_index_check_fails_on_a_stale_file(tmp_path, monkeypatch):
     assert mod.main([]) == 0 and mod.main(["--check"]) == 0
 
 
+def test_a_finding_no_cell_names_is_listed_with_what_it_says_of_upstream(tmp_path, monkeypatch):
+    """A report under reports/conformance/*/findings/ that no known-red entry names (reproduced
+    outside the matrix) is indexed from its own Upstream and New lines; one that lacks them is an error."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("findings_index", REPO / "scripts" / "findings_index.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    findings = tmp_path / "reports" / "conformance" / "2099-01-01" / "findings"
+    findings.mkdir(parents=True)
+    (findings / "README.md").write_text("# not a finding\n")
+    (findings / "peer-known.md").write_text("# A\n\n- **Upstream**: <https://example.org/1>. Searched.\n- **New**: no.\n")
+    monkeypatch.setattr(mod, "REPO", tmp_path)
+    text = mod.render()
+    assert "| [peer-known.md](2099-01-01/findings/peer-known.md) | known | <https://example.org/1> |" in text
+    assert "README.md](2099" not in text
+    (findings / "peer-silent.md").write_text("# B\n\nno lines\n")
+    with pytest.raises(SystemExit, match="peer-silent.md"):
+        mod.render()
+
+
 def _wrong(n: int, checked: int = 8) -> dict:
     first = [{"replica": "B", "tag": "t-b", "block_id": 3, "why": "its bytes are block 2 of t-a as computed"}] if n else []
     return {"wrong": n, "differ": n, "misplaced": n, "foreign": 0, "checked": checked, "unverified": 0, "exempt": 0,
