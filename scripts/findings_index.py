@@ -42,7 +42,11 @@ def render() -> str:
         up, is_new = (re.search(rf"^- \*\*{k}\*\*: (.+)$", text, re.M) for k in ("Upstream", "New"))
         if up is None or is_new is None:
             raise SystemExit(f"{report}: a finding with no cell must say `- **Upstream**:` and `- **New**:`")
-        loose.append((report, is_new.group(1).lower().startswith("yes"), up.group(1).split(". ")[0].rstrip(".")))
+        upstream = up.group(1).split(". ")[0].rstrip(".").replace("|", "\\|")
+        unreported = upstream.startswith(NOT_REPORTED)
+        if is_new.group(1).lower().startswith("yes") != unreported:
+            raise SystemExit(f"{report}: `- **New**: {is_new.group(1)}` and `- **Upstream**: {upstream}` disagree")
+        loose.append((report, unreported, upstream))
     n_new = sum(new(v) for v in by_report.values()) + sum(n for _, n, _ in loose)
     lines = ["# The conformance matrix's findings", "",
              f"Made by `scripts/findings_index.py` from `{base.path}` (sha256 {base.sha256[:12]}, "

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from kvgate.harness.client.http import healthy, reset_prefix_cache
 from kvgate.harness.system.pool import PoolProcess, unique_name
-from kvgate.harness.system.procs import StartError, group_alive, kill_group, listening, spawn, stop_group, wait_ready
+from kvgate.harness.system.procs import StartError, group_alive, kill_group, listeners, spawn, stop_group, wait_ready
 from kvpool.pool.arena import processes_mapping, segment_label
 
 CONNECTOR = "kvpool.connector:KVPoolConnector"
@@ -75,15 +75,20 @@ def free_port() -> int:
 PORT_RETRIES = 2  # starts again on another port, for a replica whose port another process took
 
 
+BIND_SITES = ("create_server_socket", "serve_http")  # where vLLM's API server binds its port and listens
+
+
 def _port_taken(replica: Replica) -> bool:
-    """Whether this start's part of the replica's log says its server could not bind (errno 98)."""
+    """Whether this start's part of the replica's log says its API server could not bind or
+    listen (errno 98 in a traceback through BIND_SITES), not another of its sockets (the
+    engine's own ports print the same errno)."""
     try:
         with open(replica.log_path, "rb") as log:
             log.seek(replica.log_from)
             text = log.read().decode(errors="replace")
     except OSError:
         return False
-    return "address already in use" in text.lower()
+    return "address already in use" in text.lower() and any(site in text for site in BIND_SITES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,30 +242,41 @@ class Cluster:
         return Replica(spec, port, spawn(args, log_path, env), log_path, log_from)
 
     def _wait_healthy(self, replica: Replica, timeout: float) -> Replica:
-        """Wait until the replica answers /health from its own process group's socket (another
-        process that holds the port answers for nobody). A replica that exits because its port
-        was taken after free_port chose it (by another process: a second test worker) is
-        started again on another port, up to PORT_RETRIES times. Returns the replica healthy,
-        which is then self.replicas[name]."""
+        """Wait until the replica answers /health from its own process group's socket, the only
+        one listening on its port (another process that holds the port answers for nobody). A
+        replica whose port another process took after free_port chose it (a second test worker)
+        is started again on another port, up to PORT_RETRIES times, within the one `timeout`:
+        one whose API server failed to bind or listen there, or one listening beside another
+        server on it (both with SO_REUSEPORT). Returns the replica healthy, which is then
+        self.replicas[name]."""
         name = replica.spec.name
+        t0 = time.monotonic()
+        deadline = t0 + timeout
         for attempt in range(PORT_RETRIES + 1):
-            t0 = time.monotonic()
 
-            def probe(r: Replica = replica) -> bool | None:
-                return True if healthy(r.url) and listening(r.proc.pid, r.port) else None
+            def probe(r: Replica = replica) -> str | None:
+                ours, others = listeners(r.proc.pid, r.port)
+                if ours and others:
+                    return "shared"
+                return "healthy" if ours and healthy(r.url) else None
 
             try:
-                wait_ready(replica.proc, probe, timeout, f"replica {name}", replica.log_path, poll_s=0.5,
-                           note_every=30)
-                break
+                found = wait_ready(replica.proc, probe, max(1.0, deadline - time.monotonic()), f"replica {name}",
+                                   replica.log_path, poll_s=0.5, note_every=30)
+                why = f"{found} with another server"
             except StartError as exc:
                 if attempt == PORT_RETRIES or not _port_taken(replica):
                     raise ClusterStartError(str(exc)) from exc
-                print(f"kvgate: replica {name}'s port :{replica.port} was taken by another process; "
-                      "starting it on another", file=sys.stderr, flush=True)
-                self.nemesis("replica_port_taken", replica=name, port=replica.port, pid=replica.proc.pid)
-                stop_group(replica.proc)
-                replica = self.replicas[name] = self._spawn(replica.spec)
+                found, why = "taken", "could not bind or listen there"
+            if found == "healthy":
+                break
+            if attempt == PORT_RETRIES:
+                raise ClusterStartError(f"replica {name}'s port :{replica.port} {why}, {attempt + 1} times")
+            print(f"kvgate: replica {name}'s port :{replica.port}: {why}; starting it on another",
+                  file=sys.stderr, flush=True)
+            self.nemesis("replica_port_taken", replica=name, port=replica.port, pid=replica.proc.pid, why=why)
+            stop_group(replica.proc)
+            replica = self.replicas[name] = self._spawn(replica.spec)
         print(f"kvgate: replica {name} healthy on :{replica.port} after {time.monotonic() - t0:.0f} s",
               file=sys.stderr, flush=True)
         return replica

@@ -12,10 +12,11 @@ test (pool daemons, fault proxies, vLLM replicas).
                                     process group; waits until the group is gone.
   terminate(proc, timeout)          SIGTERM one process and wait for its exit status; past
                                     the timeout it is killed and TimeoutExpired raised.
-  listening(pgid, port)             whether a process of the group holds a TCP socket
-                                    listening on the port (read from /proc), so that a probe
-                                    answered on a port is known to be answered by the process
-                                    started on it, not by another that holds the port.
+  listeners(pgid, port) / listening(pgid, port)
+                                    the TCP sockets listening on the port, the group's and
+                                    others' (read from /proc); whether the group alone listens:
+                                    a probe answered on a port is then known to be answered by
+                                    the process started on it, not by another that holds it.
   kill_group(pgid) / group_alive(pgid) / tail(path)
 """
 
@@ -88,11 +89,12 @@ def accepting(port: int, host: str = "127.0.0.1", owner: int | None = None) -> C
 TCP_LISTEN = "0A"  # the state column of /proc/net/tcp
 
 
-def listening(pgid: int, port: int) -> bool:
-    """Whether a process of group `pgid` holds a TCP socket that listens on `port`. The
-    sockets are read from the group leader's /proc/PID/net (its network namespace, where a
-    replica runs in one), their owners from each group member's /proc/PID/fd. False when the
-    leader is gone."""
+def listeners(pgid: int, port: int) -> tuple[int, int]:
+    """The TCP sockets listening on `port`, as (held by a process of group `pgid`, held by
+    none of them). They are read from the group leader's /proc/PID/net (its network namespace,
+    where a replica runs in one), their owners from each group member's /proc/PID/fd. Two
+    servers that both set SO_REUSEPORT listen on one port side by side (vLLM 0.24's API server
+    does), and the kernel splits the connections between them. (0, 0) when the leader is gone."""
     inodes = set()
     for table in ("tcp", "tcp6"):
         try:
@@ -104,7 +106,8 @@ def listening(pgid: int, port: int) -> bool:
             if fields[3] == TCP_LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
                 inodes.add(f"socket:[{fields[9]}]")
     if not inodes:
-        return False
+        return 0, 0
+    owned = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -112,11 +115,18 @@ def listening(pgid: int, port: int) -> bool:
             if os.getpgid(int(entry.name)) != pgid:
                 continue
             for fd in (entry / "fd").iterdir():
-                if os.readlink(fd) in inodes:
-                    return True
+                link = os.readlink(fd)
+                if link in inodes:
+                    owned.add(link)
         except (ProcessLookupError, FileNotFoundError, PermissionError):
             continue  # gone meanwhile, or not ours to read
-    return False
+    return len(owned), len(inodes - owned)
+
+
+def listening(pgid: int, port: int) -> bool:
+    """Whether group `pgid` listens on `port`, and nothing else does."""
+    ours, others = listeners(pgid, port)
+    return ours > 0 and others == 0
 
 
 def stop_group(proc: subprocess.Popen, grace: float = 30.0) -> None:

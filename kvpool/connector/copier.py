@@ -60,6 +60,7 @@ from kvpool.pool.metrics import ClientMetrics
 
 LANES = ("store", "load", "tier")  # tier: publishes to the network tier, never ahead of the pool's
 LOAD_THREADS = 4  # loads of one step run side by side: a slow one does not spend the others' deadlines
+LANE_THREADS = {"store": 1, "load": LOAD_THREADS, "tier": 1}  # each lane's threads (one: in submission order)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +114,8 @@ class HostCopier:
         self.failed: set[int] = set()
         self._failed_lock = threading.Lock()
         self._layers: list[np.ndarray] = []
-        self._threads = {lane: ThreadPoolExecutor(LOAD_THREADS if lane == "load" else 1,
-                                                  thread_name_prefix=f"kvpool-{lane}") for lane in LANES}
+        self._threads = {lane: ThreadPoolExecutor(LANE_THREADS[lane], thread_name_prefix=f"kvpool-{lane}")
+                         for lane in LANES}
 
     def register(self, layers: list[np.ndarray]) -> None:
         self._layers = layers

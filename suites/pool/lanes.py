@@ -2,7 +2,7 @@
 
 import threading
 
-from kvpool.connector.copier import LANES, LOAD_THREADS
+from kvpool.connector.copier import LANE_THREADS
 
 
 def hold(copier, lane):
@@ -10,7 +10,7 @@ def hold(copier, lane):
     reports its job done while the job waits behind these, so the engine's reuse (or read)
     comes before the copy by construction: the test decides the race the control exists to
     lose, not the stream delay's timer (a stalled test thread once let a 300 ms delay win it)."""
-    threads = dict(zip(LANES, (1, LOAD_THREADS, 1)))[lane]
+    threads = LANE_THREADS[lane]
     release, running = threading.Event(), threading.Barrier(threads + 1)
 
     def blocker():

@@ -15,7 +15,7 @@ import pytest
 from kvgate.faults.copier import FaultyCopier
 from kvgate.harness.system.pool import thread_pool
 from kvpool.client.pool_client import PoolClient
-from kvpool.connector.copier import LANES, LOAD_THREADS, CopyRun, HostCopier
+from kvpool.connector.copier import LANE_THREADS, CopyRun, HostCopier
 
 from .lanes import hold
 from kvpool.pool.digest import page_digest
@@ -68,7 +68,7 @@ def drain(copier):
     per thread of a lane can only all run once every thread has finished its earlier job."""
     if not hasattr(copier, "inner"):
         return
-    for lane, threads in zip(LANES, (1, LOAD_THREADS, 1)):
+    for lane, threads in LANE_THREADS.items():
         barrier = threading.Barrier(threads)
         jobs = [copier.inner.submit(lambda b=barrier: b.wait(timeout=30), lane) for _ in range(threads)]
         for job in jobs:

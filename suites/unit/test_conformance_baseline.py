@@ -572,6 +572,10 @@ def test_a_finding_no_cell_names_is_listed_with_what_it_says_of_upstream(tmp_pat
     (findings / "peer-silent.md").write_text("# B\n\nno lines\n")
     with pytest.raises(SystemExit, match="peer-silent.md"):
         mod.render()
+    (findings / "peer-silent.md").unlink()
+    (findings / "peer-both.md").write_text("# C\n\n- **Upstream**: <https://example.org/2>.\n- **New**: yes.\n")
+    with pytest.raises(SystemExit, match="peer-both.md.*disagree"):
+        mod.render()
 
 
 def _wrong(n: int, checked: int = 8) -> dict:
