@@ -35,7 +35,8 @@ from pathlib import Path
 
 from kvgate.harness.client.http import healthy, reset_prefix_cache
 from kvgate.harness.system.pool import PoolProcess, unique_name
-from kvgate.harness.system.procs import StartError, group_alive, kill_group, listeners, spawn, stop_group, wait_ready
+from kvgate.harness.system.procs import (StartError, group_alive, group_pids, kill_group, listeners, spawn, stop_group,
+                                         wait_ready)
 from kvpool.pool.arena import processes_mapping, segment_label
 
 CONNECTOR = "kvpool.connector:KVPoolConnector"
@@ -454,15 +455,8 @@ def _shm_of(pid: str) -> set[Path]:
 def _shm_mapped_by_group(pgid: int) -> set[Path]:
     """Every /dev/shm file mapped by a process of the group (read from /proc/PID/maps)."""
     out: set[Path] = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if os.getpgid(int(entry.name)) != pgid:
-                continue
-        except (ProcessLookupError, PermissionError):
-            continue
-        out |= _shm_of(entry.name)
+    for pid in group_pids(pgid):
+        out |= _shm_of(str(pid))
     return out
 
 

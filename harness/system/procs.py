@@ -17,7 +17,7 @@ test (pool daemons, fault proxies, vLLM replicas).
                                     others' (read from /proc); whether the group alone listens:
                                     a probe answered on a port is then known to be answered by
                                     the process started on it, not by another that holds it.
-  kill_group(pgid) / group_alive(pgid) / tail(path)
+  kill_group(pgid) / group_alive(pgid) / group_pids(pgid) / tail(path)
 """
 
 from __future__ import annotations
@@ -108,13 +108,9 @@ def listeners(pgid: int, port: int) -> tuple[int, int]:
     if not inodes:
         return 0, 0
     owned = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in group_pids(pgid):
         try:
-            if os.getpgid(int(entry.name)) != pgid:
-                continue
-            for fd in (entry / "fd").iterdir():
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
                 link = os.readlink(fd)
                 if link in inodes:
                     owned.add(link)
@@ -160,6 +156,19 @@ def _wait_gone(pgid: int, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while group_alive(pgid) and time.monotonic() < deadline:
         time.sleep(0.1)
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The live processes of group `pgid` (read from /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getpgid(int(entry.name)) == pgid:
+                    out.append(int(entry.name))
+            except (ProcessLookupError, PermissionError):
+                continue
+    return out
 
 
 def group_alive(pgid: int) -> bool:
