@@ -264,13 +264,13 @@ class Cluster:
             try:
                 found = wait_ready(replica.proc, probe, max(1.0, deadline - time.monotonic()), f"replica {name}",
                                    replica.log_path, poll_s=0.5, note_every=30)
-                why = f"{found} with another server"
             except StartError as exc:
                 if attempt == PORT_RETRIES or not _port_taken(replica):
                     raise ClusterStartError(str(exc)) from exc
-                found, why = "taken", "could not bind or listen there"
+                found = "taken"
             if found == "healthy":
                 break
+            why = {"shared": "shared with another server", "taken": "could not bind or listen there"}[found]
             if attempt == PORT_RETRIES:
                 raise ClusterStartError(f"replica {name}'s port :{replica.port} {why}, {attempt + 1} times")
             print(f"kvgate: replica {name}'s port :{replica.port}: {why}; starting it on another",

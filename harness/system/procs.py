@@ -71,17 +71,15 @@ def wait_ready(proc: subprocess.Popen, probe: Callable[[], T | None], timeout: f
         time.sleep(poll_s)
 
 
-def accepting(port: int, host: str = "127.0.0.1", owner: int | None = None) -> Callable[[], bool | None]:
-    """A wait_ready probe: True once something accepts a TCP connection on the port (with
-    `owner`, a process group id: once that group listens there and accepts)."""
+def accepting(port: int, host: str = "127.0.0.1") -> Callable[[], bool | None]:
+    """A wait_ready probe: True once something accepts a TCP connection on the port."""
 
     def probe() -> bool | None:
         try:
             with socket.create_connection((host, port), timeout=0.5):
-                pass
+                return True
         except OSError:
             return None
-        return True if owner is None or listening(owner, port) else None
 
     return probe
 
